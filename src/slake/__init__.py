@@ -1,0 +1,35 @@
+"""slake: KV-cache compression for Hugging Face transformers.
+
+Quick start::
+
+    import slake
+    model, tokenizer = slake.load_model()            # SmolLM2-135M-Instruct, packaged GGUF, offline
+    result = slake.generate(model, tokenizer, long_prompt, method="slake", budget=128)
+    print(result.text, result.kv_bytes)
+
+Public names: :func:`load_model`, :func:`generate`, :class:`SlakeCache`, :func:`prepare_model`,
+:func:`available_methods`, :func:`make_method`, :class:`Budget`.
+"""
+
+from . import methods  # noqa: F401  (registers every method)
+from .budget_spec import Budget
+from .hf.attention import prepare_model
+from .hf.cache import SlakeCache
+from .hf.generate import GenerationResult, generate
+from .methods import Method, available_methods, make_method
+from .models import DEFAULT_MODEL, load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "DEFAULT_MODEL",
+    "GenerationResult",
+    "Method",
+    "SlakeCache",
+    "available_methods",
+    "generate",
+    "load_model",
+    "make_method",
+    "prepare_model",
+]

@@ -1,0 +1,67 @@
+"""Budgets the way papers state them (ARCHITECTURE.md decision 5).
+
+A budget is the average number of cached tokens per layer and KV head, the observation window included (the papers'
+"cache size 128"), or a ratio of the prompt length. :class:`Budget` validates the user's input and resolves it to
+an absolute per-sequence number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A KV-cache budget.
+
+    Parameters
+    ----------
+    value : int | float
+        An integer ``>= 1``: average cached tokens per layer and KV head (window included). A float in ``(0, 1)``:
+        a ratio of each prompt's length (rounded up). Strings such as ``"128"`` or ``"0.25"`` are parsed.
+    """
+
+    value: int | float
+
+    def __post_init__(self) -> None:
+        v = self.value
+        if isinstance(v, str):
+            object.__setattr__(self, "value", _parse(v))
+            v = self.value
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"budget must be a positive integer (tokens) or a ratio in (0, 1), got {v!r}")
+        if isinstance(v, float) and v.is_integer() and v >= 1:
+            object.__setattr__(self, "value", int(v))
+            v = self.value
+        if isinstance(v, float):
+            if not (0.0 < v < 1.0) or math.isnan(v):
+                raise ValueError(f"a ratio budget must lie strictly between 0 and 1, got {v!r}")
+        elif v < 1:
+            raise ValueError(f"budget must be >= 1 token, got {v!r}")
+
+    @property
+    def is_ratio(self) -> bool:
+        """True when the budget is a fraction of the prompt length."""
+        return isinstance(self.value, float)
+
+    def tokens(self, prompt_len: int) -> int:
+        """Absolute average per-layer budget for a prompt of ``prompt_len`` real tokens."""
+        if self.is_ratio:
+            return max(1, math.ceil(self.value * prompt_len))
+        return int(self.value)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def _parse(text: str) -> int | float:
+    t = text.strip()
+    try:
+        return int(t)
+    except ValueError:
+        pass
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"budget must be a positive integer (tokens) or a ratio in (0, 1), got {text!r}") from None

@@ -1,0 +1,290 @@
+"""The compression engine: prefill compression with layer budgets (uniform, pyramid or cascading), and decode
+over the compressed cache with decode-time eviction and the optional PTAA linear term.
+
+This module is engine-agnostic (no transformers import). ``slake.hf`` feeds it each layer's post-RoPE queries,
+keys and values; it owns one :class:`~slake.cache.layer_store.LayerStore` per layer.
+
+Conventions (ARCHITECTURE.md section 3, spec ``slake-cake.md`` section 0):
+
+* Positions index the (left-padded) input sequence; the token decoded at step ``t`` has position ``S + t``.
+* Every layer keeps its ``protected`` tokens (sinks + observation window). The rest of the per-layer budget is the
+  *selectable* budget; the total selectable budget is ``L * (C - protected)``.
+* A sequence whose real prompt length is ``<= C`` is not compressed at all (no eviction at prefill or decode), so its
+  results equal the full cache.
+* Budgets and evictions are per sequence; padding is never kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import budgets as budget_rules
+from ..attention.ptaa import attend
+from ..budget_spec import Budget
+from ..methods.base import DecodeInputs, Method, PrefillInputs
+from .layer_store import LayerStore
+from .linear_state import LinearState
+
+
+@dataclass
+class PrefillInfo:
+    """Per-sequence facts fixed at prefill."""
+
+    prompt_len: int  # padded length S
+    real_len: torch.Tensor  # (B,) int64
+    first_real: torch.Tensor  # (B,) int64 position of the first real token
+    budget: torch.Tensor  # (B,) int64 average per-layer budget C (window included)
+    compress: torch.Tensor  # (B,) bool: real_len > budget
+    preferences: list[torch.Tensor | None] = field(default_factory=list)
+    layer_budgets: torch.Tensor | None = None  # (B, L) int64 selectable budgets (final)
+
+
+class CompressedKV:
+    """A compressed KV cache for one generation.
+
+    Parameters
+    ----------
+    method : Method
+        The compression method (see :mod:`slake.methods`).
+    budget : Budget | int | float
+        Average per-layer cached tokens per KV head (window included), or a ratio of the prompt length.
+    num_layers : int
+        Number of attention layers of the model.
+    charge_linear_state : bool
+        Charge the PTAA linear state against the budget (SLAKE "memory honesty" option): the selectable budget of
+        each layer shrinks by ``ceil((d*d + 2d) * 4 / (2 * d * itemsize))`` token slots.
+    """
+
+    def __init__(self, method: Method, budget: Budget | int | float | str, num_layers: int,
+                 charge_linear_state: bool = False) -> None:
+        self.method = method
+        self.budget = budget if isinstance(budget, Budget) else Budget(budget)
+        self.num_layers = num_layers
+        self.charge_linear_state = charge_linear_state
+        if not self.budget.is_ratio and not method.keeps_everything and method.protected > self.budget.value:
+            raise ValueError(
+                f"{method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) exceed the budget "
+                f"{self.budget.value}; use a larger budget or a smaller window")
+        self.layers: list[LayerStore | None] = [None] * num_layers
+        self.seen: list[int] = [0] * num_layers
+        self.info: PrefillInfo | None = None
+        self.targets: list[torch.Tensor | None] = [None] * num_layers  # (B, Hkv) decode sizes per layer
+
+    # ================================================================== prefill
+    def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int) -> PrefillInfo:
+        B, S = key_padding.shape
+        real = (~key_padding).sum(-1).to(torch.int64)
+        budget = torch.tensor([self.budget.tokens(int(r)) for r in real.tolist()], dtype=torch.int64)
+        if self.charge_linear_state and self.method.linear_cache:
+            budget = budget - linear_state_slots(head_dim, itemsize)
+        compress = real.cpu() > budget
+        if self.method.keeps_everything:
+            compress[:] = False
+        if bool(compress.any()) and int(budget[compress].min()) < self.method.protected:
+            raise ValueError(
+                f"{self.method.name}: a budget of {int(budget[compress].min())} tokens is smaller than the protected "
+                f"window + sinks ({self.method.protected}); use a larger budget or a smaller window")
+        return PrefillInfo(prompt_len=S, real_len=real.cpu(), first_real=(S - real).cpu(), budget=budget,
+                           compress=compress, preferences=[None] * self.num_layers)
+
+    def prefill_layer(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      key_padding: torch.Tensor | None, scaling: float) -> None:
+        """Store layer ``layer_idx``'s prompt keys/values and compress them (called after its exact attention)."""
+        B, H, S, d = keys.shape
+        dev = keys.device
+        if key_padding is None:
+            key_padding = torch.zeros(B, S, dtype=torch.bool, device=dev)
+        if self.info is None:
+            self.info = self._start(key_padding, d, keys.element_size())
+        elif self.info.prompt_len != S:
+            raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {self.info.prompt_len}")
+        info = self.info
+        self.seen[layer_idx] = S
+        positions = torch.arange(S, device=dev).view(1, 1, S).expand(B, H, S).contiguous()
+        valid = (~key_padding)[:, None, :].expand(B, H, S).contiguous()
+        scores = torch.zeros(B, H, S, dtype=torch.float32, device=dev)
+        linear = LinearState.empty(B, H, d, dev) if self.method.linear_cache else None
+        store = LayerStore(keys, values, positions, valid, scores, linear)
+        self.layers[layer_idx] = store
+        if not bool(info.compress.any()):
+            self.targets[layer_idx] = None
+            return
+        result = self.method.prefill_scores(PrefillInputs(
+            queries=queries, keys=keys, values=values, key_padding=key_padding, scaling=scaling,
+            window=self.method.window, layer_idx=layer_idx, num_layers=self.num_layers,
+            budget=info.budget.to(dev)))
+        store.scores = self._protect(result.scores.float(), positions, valid, newest=S - 1)
+        info.preferences[layer_idx] = result.preference
+        policy = self.method.layer_budgets
+        if policy == "preference":
+            last = layer_idx == self.num_layers - 1
+            stage = self._preference_stage(layer_idx, final=last)
+            for l in range(layer_idx + 1):
+                self._evict_to(l, stage[:, l])
+            if last:
+                info.layer_budgets = stage
+        else:
+            sel = self._static_budgets(policy)
+            self._evict_to(layer_idx, sel[:, layer_idx])
+            if info.layer_budgets is None:
+                info.layer_budgets = sel
+
+    def _selectable_total(self) -> torch.Tensor:
+        """(B,) average selectable budget C - protected."""
+        return (self.info.budget - self.method.protected).clamp_min(0)
+
+    def _static_budgets(self, policy: str) -> torch.Tensor:
+        info = self.info
+        rows = []
+        for b in range(len(info.real_len)):
+            sel = int(self._selectable_total()[b])
+            if policy == "pyramid":
+                rows.append(budget_rules.pyramid_budgets(self.num_layers, sel, int(info.real_len[b]),
+                                                         self.method.protected, self.method.pyramid_beta()))
+            else:
+                rows.append(budget_rules.uniform_budgets(self.num_layers, sel))
+        return torch.stack([r.to(torch.int64) for r in rows])
+
+    def _preference_stage(self, m: int, final: bool) -> torch.Tensor:
+        """(B, m+1) selectable budgets of layers 0..m at cascade stage m (spec section 7.3)."""
+        info = self.info
+        rows = []
+        for b in range(len(info.real_len)):
+            prefs = torch.stack([info.preferences[l][b].float().cpu() for l in range(m + 1)])
+            total = int(self._selectable_total()[b]) * self.num_layers
+            cap = max(int(info.real_len[b]) - self.method.protected, 0)
+            rows.append(budget_rules.preference_budgets(prefs, total, cap, final=final))
+        return torch.stack([r.to(torch.int64) for r in rows])
+
+    def _protect(self, scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, newest: int) -> torch.Tensor:
+        """+inf for the window (most recent tokens) and sinks, -inf for empty slots / padding."""
+        m = self.method
+        first = self.info.first_real.to(scores.device).view(-1, 1, 1)
+        keep = torch.zeros_like(valid)
+        if m.sinks:
+            keep |= (positions >= first) & (positions < first + m.sinks)
+        if m.window and not m.newest_evictable:
+            keep |= positions > newest - m.window
+        scores = scores.masked_fill(keep, float("inf"))
+        return scores.masked_fill(~valid, float("-inf"))
+
+    def _evict_to(self, layer_idx: int, selectable: torch.Tensor) -> None:
+        """Shrink a layer to ``selectable + protected`` tokens per head for compressing sequences (top scores)."""
+        store = self.layers[layer_idx]
+        info = self.info
+        counts = store.counts()  # (B, H)
+        want = (selectable.to(counts.device) + self.method.protected).view(-1, 1)
+        compress = info.compress.to(counts.device).view(-1, 1)
+        keep = torch.where(compress, torch.minimum(want, counts), counts)
+        self.targets[layer_idx] = torch.where(compress, keep, torch.full_like(keep, -1))
+        if bool((keep >= counts).all()):
+            return
+        order = torch.sort(store.scores, dim=-1, descending=True, stable=True).indices
+        store.keep(order, keep)
+
+    # ================================================================== decode
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:
+        """Write new tokens of layer ``layer_idx`` into its store; returns the store."""
+        store = self.layers[layer_idx]
+        if store is None:
+            raise RuntimeError(f"layer {layer_idx} received decode tokens before its prefill")
+        n_new = keys.shape[2]
+        start = self.seen[layer_idx]
+        pos = torch.arange(start, start + n_new, device=keys.device)
+        store.append(keys, values, pos)
+        self.seen[layer_idx] = start + n_new
+        return store
+
+    def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction.
+
+        Returns ``(B, Hq, n_q, d)`` float32. Order of operations per spec 7.5 / 8.5: logits once; if the layer is
+        over its budget, score with the exact softmax, pick the lowest-scored unprotected slot(s); evict before the
+        output (SLAKE, Algorithm 1) or after it (CAKE reference code, H2O, TOVA).
+        """
+        store = self.layers[layer_idx]
+        B, Hq, nq, d = queries.shape
+        H = store.keys.shape[1]
+        g = Hq // H
+        qf = queries.float().reshape(B, H, g, nq, d)
+        x = torch.matmul(qf, store.keys.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B,H,g,nq,n)
+        newest = self.seen[layer_idx] - 1
+        qpos = torch.arange(newest - nq + 1, newest + 1, device=x.device)
+        visible = store.valid[:, :, None, None, :] & (store.positions[:, :, None, None, :] <= qpos.view(1, 1, 1, nq, 1))
+        x = x.masked_fill(~visible, float("-inf"))
+        target = self.targets[layer_idx]
+        evict = None
+        if target is not None and self.method.decode_eviction and not self.method.keeps_everything:
+            evict = self._decode_evict(layer_idx, x, target, newest)
+        if evict is not None and self.method.evict_before_output:
+            store.free(evict)
+            x = x.masked_fill(evict[:, :, None, None, :], float("-inf"))
+            evict = None
+        out = attend(qf, x, store.values, store.linear, scaling)
+        if evict is not None:
+            store.free(evict)
+        return out.reshape(B, Hq, nq, d)
+
+    def _decode_evict(self, layer_idx: int, x: torch.Tensor, target: torch.Tensor, newest: int) -> torch.Tensor | None:
+        store = self.layers[layer_idx]
+        B, H, g, nq, n = x.shape
+        probs = torch.softmax(x, dim=-1).nan_to_num_(0.0).reshape(B, H * g, nq, n)
+        store.scores = self.method.decode_scores(DecodeInputs(
+            probs=probs, positions=store.positions, valid=store.valid, stored=store.scores)).float()
+        counts = store.counts()
+        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
+        if not bool(excess.any()):
+            return None
+        scores = self._protect(store.scores, store.positions, store.valid, newest)
+        scores = scores.masked_fill(~store.valid, float("inf"))  # empty slots are never "evicted"
+        emax = int(excess.max())
+        lowest = torch.sort(scores, dim=-1, stable=True).indices[..., :emax]
+        chosen = torch.arange(emax, device=x.device) < excess[..., None]
+        evict = torch.zeros_like(store.valid)
+        evict.scatter_(-1, lowest, chosen)
+        return evict & store.valid
+
+    # ================================================================== reporting
+    def kept_tokens_per_layer(self) -> list[float]:
+        """Mean kept tokens per KV head and sequence, per layer."""
+        return [float(s.counts().float().mean()) if s is not None else 0.0 for s in self.layers]
+
+    def byte_counts(self) -> dict[str, int]:
+        """Bytes of the whole cache: kept entries, padding slots, metadata, linear state."""
+        total = {"kept": 0, "padding": 0, "metadata": 0, "linear_state": 0}
+        for s in self.layers:
+            if s is not None:
+                for k, v in s.byte_counts().items():
+                    total[k] += v
+        return total
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder / select sequences (beam search)."""
+        for s in self.layers:
+            if s is not None:
+                s.select_batch(index)
+        self._map_batch(lambda t: t.index_select(0, index.to(t.device)))
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times."""
+        for s in self.layers:
+            if s is not None:
+                s.repeat_batch(repeats)
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _map_batch(self, fn) -> None:
+        self.targets = [fn(t) if t is not None else None for t in self.targets]
+        if self.info is not None:
+            i = self.info
+            i.real_len, i.first_real, i.budget, i.compress = (fn(i.real_len), fn(i.first_real), fn(i.budget),
+                                                              fn(i.compress))
+            if i.layer_budgets is not None:
+                i.layer_budgets = fn(i.layer_budgets)
+
+
+def linear_state_slots(head_dim: int, itemsize: int) -> int:
+    """Token slots (K+V at ``itemsize`` bytes) that one fp32 linear state ``(d^2 + 2d)`` occupies, rounded up."""
+    state_bytes = (head_dim * head_dim + 2 * head_dim) * 4
+    return -(-state_bytes // (2 * head_dim * itemsize))

@@ -1,0 +1,169 @@
+"""Storage of one compressed layer: kept keys/values at KV-head granularity with per-slot metadata.
+
+Layout (ARCHITECTURE.md decision 4): dense tensors ``(B, Hkv, capacity, d)`` padded to the longest head, with a
+validity mask. Each slot also records the absolute position of its token and a float32 score carried between
+eviction decisions. After a prefill compaction the kept tokens sit in position order at the front of each row;
+at decode, evicted slots are freed in place and the next token is written into a free slot, so no step reallocates
+the layer (the capacity only grows when a row has no free slot, e.g. with no decode eviction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear_state import LinearState
+
+_GROWTH = 256  # slots added at once when a row runs out of free slots (amortises reallocation)
+
+
+class LayerStore:
+    """Kept entries of one layer plus, optionally, the PTAA linear state of its evicted entries.
+
+    Parameters
+    ----------
+    keys, values : torch.Tensor
+        ``(B, Hkv, n, d)`` initial entries (model dtype).
+    positions : torch.Tensor
+        ``(B, Hkv, n)`` int64 absolute positions.
+    valid : torch.Tensor
+        ``(B, Hkv, n)`` bool.
+    scores : torch.Tensor
+        ``(B, Hkv, n)`` float32 per-slot scores.
+    linear : LinearState | None
+        Linear state of evicted entries (SLAKE's PTAA), or None for plain eviction.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                 scores: torch.Tensor, linear: LinearState | None = None) -> None:
+        self.keys = keys
+        self.values = values
+        self.positions = positions
+        self.valid = valid
+        self.scores = scores
+        self.linear = linear
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def capacity(self) -> int:
+        """Slots per row (the padded length of every head)."""
+        return self.keys.shape[2]
+
+    def counts(self) -> torch.Tensor:
+        """``(B, Hkv)`` number of kept tokens per sequence and KV head."""
+        return self.valid.sum(-1)
+
+    # ------------------------------------------------------------------ prefill compaction
+    def keep(self, order: torch.Tensor, keep_counts: torch.Tensor) -> torch.Tensor:
+        """Keep, per row, the first ``keep_counts[b, h]`` slots listed in ``order``; drop every other slot.
+
+        Parameters
+        ----------
+        order : torch.Tensor
+            ``(B, Hkv, k)`` slot indices in preference order (best first), ``k >= keep_counts.max()``.
+        keep_counts : torch.Tensor
+            ``(B, Hkv)`` int64 tokens to keep per row.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, Hkv, n_old)`` bool mask of the previously valid slots that were dropped (for the linear state,
+            which is folded here when present). Kept slots are re-packed in position order.
+        """
+        kmax = int(keep_counts.max().item()) if keep_counts.numel() else 0
+        kmax = max(kmax, 1)
+        sel = order[..., :kmax]
+        sel_valid = torch.arange(kmax, device=sel.device) < keep_counts[..., None]
+        sel_valid &= self.valid.gather(-1, sel)
+        # positional order for the kept slots, invalid ones last
+        pos = self.positions.gather(-1, sel)
+        sort_key = torch.where(sel_valid, pos, pos + (1 << 40))
+        perm = sort_key.argsort(-1)
+        sel = sel.gather(-1, perm)
+        sel_valid = sel_valid.gather(-1, perm)
+        kept_mask = torch.zeros_like(self.valid)
+        kept_mask.scatter_(-1, sel, sel_valid)
+        dropped = self.valid & ~kept_mask
+        if self.linear is not None and bool(dropped.any()):
+            self.linear.fold(self.keys, self.values, dropped)
+        gi = sel[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, gi)
+        self.values = self.values.gather(2, gi)
+        self.positions = self.positions.gather(-1, sel).masked_fill(~sel_valid, -1)
+        self.scores = self.scores.gather(-1, sel).masked_fill(~sel_valid, float("-inf"))
+        self.valid = sel_valid
+        return dropped
+
+    # ------------------------------------------------------------------ decode
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               score: float = 0.0) -> torch.Tensor:
+        """Write ``n_new`` new tokens into free slots of every row; grow the capacity only if a row is full.
+
+        ``keys, values``: ``(B, Hkv, n_new, d)``; ``positions``: ``(n_new,)`` int64 (same for the whole batch,
+        because positions index the padded sequence). Returns the ``(B, Hkv, n_new)`` slot indices written.
+        """
+        B, H, n_new, d = keys.shape
+        free = ~self.valid
+        if int(free.sum(-1).min().item()) < n_new:
+            self._grow(max(_GROWTH, n_new))
+            free = ~self.valid
+        # the first n_new free slots of each row (stable sort puts free slots first in slot order)
+        slots = torch.sort(free.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
+        gi = slots[..., None].expand(-1, -1, -1, d)
+        self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
+        self.values.scatter_(2, gi, values.to(self.values.dtype))
+        self.positions.scatter_(-1, slots, positions.view(1, 1, -1).expand(B, H, -1))
+        self.valid.scatter_(-1, slots, True)
+        self.scores.scatter_(-1, slots, score)
+        return slots
+
+    def free(self, evicted: torch.Tensor) -> None:
+        """Evict the slots where ``evicted`` (``(B, Hkv, capacity)`` bool) is True, folding them if linear."""
+        if self.linear is not None:
+            self.linear.fold(self.keys, self.values, evicted)
+        self.valid &= ~evicted
+        self.positions.masked_fill_(evicted, -1)
+        self.scores.masked_fill_(evicted, float("-inf"))
+
+    def _grow(self, extra: int) -> None:
+        B, H, n, d = self.keys.shape
+        pad = lambda t, v: torch.cat([t, t.new_full((*t.shape[:2], extra, *t.shape[3:]), v)], 2)  # noqa: E731
+        self.keys = pad(self.keys, 0)
+        self.values = pad(self.values, 0)
+        self.positions = pad(self.positions, -1)
+        self.valid = pad(self.valid, False)
+        self.scores = pad(self.scores, float("-inf"))
+
+    def reserve(self, extra_free: int) -> None:
+        """Make sure every row has at least ``extra_free`` free slots (preallocation before decoding)."""
+        free = int((~self.valid).sum(-1).min().item())
+        if free < extra_free:
+            self._grow(extra_free - free)
+
+    # ------------------------------------------------------------------ batch manipulation (generate helpers)
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep / reorder batch rows (beam search, batch selection)."""
+        for name in ("keys", "values", "positions", "valid", "scores"):
+            setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
+        if self.linear is not None:
+            self.linear.select_batch(index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (``num_return_sequences``)."""
+        for name in ("keys", "values", "positions", "valid", "scores"):
+            setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+        if self.linear is not None:
+            self.linear.repeat_interleave(repeats)
+
+    # ------------------------------------------------------------------ accounting
+    def byte_counts(self) -> dict[str, int]:
+        """Honest byte accounting: kept entries, padding slots, per-slot metadata and linear state."""
+        B, H, n, d = self.keys.shape
+        per_slot_kv = 2 * d * self.keys.element_size()
+        kept = int(self.valid.sum().item())
+        meta = (self.positions.element_size() + self.valid.element_size() + self.scores.element_size()) * B * H * n
+        return {
+            "kept": kept * per_slot_kv,
+            "padding": (B * H * n - kept) * per_slot_kv,
+            "metadata": meta,
+            "linear_state": self.linear.nbytes() if self.linear is not None else 0,
+        }

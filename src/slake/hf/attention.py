@@ -1,0 +1,83 @@
+"""The attention function slake registers with transformers (``AttentionInterface`` name ``"slake"``).
+
+During prefill it computes the layer's exact attention with transformers' own SDPA function (so prefill outputs are
+bit-identical to plain transformers) and then lets the engine compress the layer; during decoding it attends over
+the compressed layer (exact softmax over kept entries plus the PTAA linear term when the method has one). Calls that
+do not come from a :class:`~slake.hf.cache.SlakeCache` (no cache, another cache class) fall back to plain SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .cache import _set_current, current_layer
+
+ATTENTION_NAME = "slake"
+
+
+def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
+    """``(B, S)`` bool padding mask (True = padded key) read off the last query row of a 4D prefill mask."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4:
+        raise ValueError(f"expected a 4D attention mask, got shape {tuple(attention_mask.shape)}")
+    last = attention_mask[:, 0, -1, -kv_len:]
+    pad = ~last if last.dtype == torch.bool else last < -1.0
+    pad = pad.expand(batch, kv_len)
+    return pad if bool(pad.any()) else None
+
+
+def slake_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """Registered attention function; returns ``(B, n_q, Hq, d)`` like transformers' own functions."""
+    layer = current_layer()
+    if layer is None or key is not layer.keys or layer.layer_idx != getattr(module, "layer_idx", layer.layer_idx):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    _set_current(None)
+    if kwargs.get("softcap") is not None:
+        raise ValueError("slake does not support attention logit soft-capping (softcap)")
+    window = kwargs.get("sliding_window")
+    if window is not None and layer.get_seq_length() > window:
+        raise ValueError(f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
+                         f"is longer; slake supports full-attention layers only")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if layer.pending is not None:
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+        padding = key_padding_from_mask(attention_mask, key.shape[0], key.shape[2])
+        layer.finish_prefill(query, padding, scaling)
+        return out, None
+    out = layer.engine.decode_attention(layer.layer_idx, query, scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, slake_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def prepare_model(model) -> None:
+    """Route the model's attention through slake's registered function (``set_attn_implementation("slake")``).
+
+    Without a :class:`SlakeCache` the function behaves exactly like SDPA, so a prepared model still works with
+    transformers' default cache.
+
+    Raises
+    ------
+    ValueError
+        If the model cannot switch its attention implementation (its attention does not use
+        ``ALL_ATTENTION_FUNCTIONS``).
+    """
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+        return
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+                         f"slake cannot compress its cache")
+    model.set_attn_implementation(ATTENTION_NAME)
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        raise ValueError(f"{type(model).__name__} refused the '{ATTENTION_NAME}' attention implementation")

@@ -1,0 +1,178 @@
+"""``slake.generate``: compressed-cache generation through ``model.generate`` with timings and cache statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from ..budget_spec import Budget
+from ..methods.base import Method, make_method
+from .attention import prepare_model
+from .cache import SlakeCache
+
+
+class _StepClock(LogitsProcessor):
+    """Records the wall time of every sampling step (the first one marks the end of prefill)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.is_cuda:
+            torch.cuda.synchronize(scores.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`.
+
+    Attributes
+    ----------
+    texts : list[str]
+        Decoded continuations, one per prompt (without the prompt).
+    prompt_tokens : list[int]
+        Real (unpadded) prompt length of each prompt.
+    new_tokens : list[int]
+        Tokens generated for each prompt (up to and including EOS).
+    method, budget :
+        What compressed the cache.
+    kv_bytes : dict
+        ``full`` (what an uncompressed cache would hold for the same real tokens), ``kept``, ``padding``, ``metadata``,
+        ``linear_state``; bytes, at the end of generation.
+    kept_tokens_per_layer : list[float]
+        Mean kept tokens per KV head, per layer, at the end of generation.
+    compressed : bool
+        False when every prompt fit in the budget (no eviction happened; results equal the full cache).
+    prefill_s, decode_ms_per_token : float
+        Wall time of the prefill (prompt forward and compression) and mean time per decoded token.
+    """
+
+    texts: list[str]
+    prompt_tokens: list[int]
+    new_tokens: list[int]
+    method: str
+    budget: int | float
+    kv_bytes: dict
+    kept_tokens_per_layer: list[float]
+    compressed: bool
+    prefill_s: float
+    decode_ms_per_token: float
+    layer_budgets: list | None = None
+    sequences: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def text(self) -> str:
+        """The first (or only) continuation."""
+        return self.texts[0]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (``sequences`` dropped)."""
+        d = asdict(self)
+        d.pop("sequences")
+        d["text"] = self.text
+        return d
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> str:
+    """Wrap a user prompt in the tokenizer's chat template (a single user turn) when it has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method = "snapkv",
+             budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
+             do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None,
+             seed: int | None = None, charge_linear_state: bool = False, **hyperparameters) -> GenerationResult:
+    """Generate with a compressed KV cache.
+
+    Parameters
+    ----------
+    model, tokenizer
+        From :func:`slake.load_model` (or any transformers causal LM of a supported architecture).
+    prompt : str | list[str]
+        One prompt or a batch (left-padded).
+    method : str | Method
+        Compression method name (``slake methods``) or object.
+    budget : int | float | str
+        Average cached tokens per layer and KV head, window included; or a ratio in (0, 1).
+    max_new_tokens : int
+        Tokens to generate at most (stops at EOS).
+    chat_template : bool
+        Wrap each prompt in the model's chat template as one user turn.
+    do_sample, temperature, top_p, top_k, seed
+        Sampling options (greedy by default).
+    charge_linear_state : bool
+        Charge SLAKE's linear state against the budget.
+    **hyperparameters
+        Method hyperparameter overrides (e.g. ``window=16``).
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    m = make_method(method, **hyperparameters)
+    budget_obj = Budget(budget)
+    prepare_model(model)
+    texts = [format_prompt(tokenizer, p, chat_template) for p in prompts]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat_template)
+    enc = {k: v.to(model.device) for k, v in enc.items()}
+    prompt_lens = enc["attention_mask"].sum(-1).tolist()
+    if min(prompt_lens) == 0:
+        raise ValueError("the prompt is empty after tokenisation")
+    cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state)
+    clock = _StepClock()
+    gen_kwargs: dict = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
+                        "pad_token_id": tokenizer.pad_token_id}
+    if do_sample:
+        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        if seed is not None:
+            torch.manual_seed(seed)
+    else:
+        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, past_key_values=cache, logits_processor=LogitsProcessorList([clock]),
+                             **gen_kwargs)
+    end = time.perf_counter()
+    cache.check_routed()
+    new = out[:, enc["input_ids"].shape[1]:]
+    new_counts = _count_new_tokens(new, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    decoded = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new, new_counts)]
+    stats = cache.statistics()
+    prefill_s = (clock.times[0] - start) if clock.times else end - start
+    steps = len(clock.times) - 1
+    decode_ms = ((end - clock.times[0]) / steps * 1e3) if steps > 0 else 0.0
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    full_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
+                  * sum(p + n for p, n in zip(prompt_lens, new_counts)))
+    kv_bytes = {"full": int(full_bytes), **stats["kv_bytes"]}
+    return GenerationResult(texts=[t.strip() for t in decoded], prompt_tokens=[int(p) for p in prompt_lens],
+                            new_tokens=new_counts, method=m.name, budget=budget_obj.value, kv_bytes=kv_bytes,
+                            kept_tokens_per_layer=stats["kept_tokens_per_layer"], compressed=stats["compressed"],
+                            prefill_s=prefill_s, decode_ms_per_token=decode_ms, layer_budgets=stats["layer_budgets"],
+                            sequences=out)
+
+
+def _count_new_tokens(new: torch.Tensor, eos: int | list[int] | None, pad: int | None) -> list[int]:
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    counts = []
+    for row in new.tolist():
+        n = len(row)
+        for i, tok in enumerate(row):
+            if tok in eos_ids:
+                n = i + 1
+                break
+        counts.append(n)
+    return counts

@@ -1,0 +1,233 @@
+"""The engine-agnostic method interface.
+
+A method is a small object holding hyperparameters and pure tensor functions. The engine (``slake.cache`` and
+``slake.hf``) calls it at two moments:
+
+* **prefill**, once per layer right after the layer's exact attention: :meth:`Method.prefill_scores` receives the
+  layer's post-RoPE queries, keys and values and returns a per-token eviction score per KV head and, for methods with
+  adaptive layer budgets, a per-sequence layer preference;
+* **decode**, at every step past the budget: :meth:`Method.decode_scores` receives the current queries' attention
+  probabilities over the cached slots and returns the new per-slot score; the engine evicts the lowest-scored
+  unprotected slot(s).
+
+Protected tokens (the observation window of the ``window`` most recent tokens and ``sinks`` first tokens) are never
+scored by the method: the engine gives them ``+inf``. Padding gets ``-inf`` and is never kept.
+
+Shapes follow the Hugging Face convention: queries ``(B, Hq, n_q, d)``, keys/values ``(B, Hkv, n_k, d)``. All
+scores are float32. Methods never see a transformers object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+LAYER_BUDGET_POLICIES = ("uniform", "pyramid", "preference")
+
+
+@dataclass
+class PrefillInputs:
+    """What a method sees of one layer at the end of its prefill.
+
+    Attributes
+    ----------
+    queries : torch.Tensor
+        ``(B, Hq, S, d)`` post-RoPE queries of the whole prompt (model dtype).
+    keys, values : torch.Tensor
+        ``(B, Hkv, S, d)`` post-RoPE keys and values (model dtype).
+    key_padding : torch.Tensor
+        ``(B, S)`` bool, True where the position is left padding.
+    scaling : float
+        The softmax scale the model uses (usually ``d ** -0.5``).
+    window : int
+        Observation window ``w`` (number of trailing queries used for scoring).
+    layer_idx, num_layers : int
+        Position of the layer in the model.
+    budget : torch.Tensor | None
+        ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, as resolved by the engine.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_padding: torch.Tensor
+    scaling: float
+    window: int
+    layer_idx: int
+    num_layers: int
+    budget: torch.Tensor | None = None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.queries.shape[1] // self.keys.shape[1]
+
+
+@dataclass
+class PrefillScores:
+    """A method's verdict on one prefilled layer.
+
+    Attributes
+    ----------
+    scores : torch.Tensor
+        ``(B, Hkv, S)`` float32 eviction indicator; higher = keep. Values at protected and padded positions are
+        ignored (the engine overwrites them).
+    preference : torch.Tensor | None
+        ``(B,)`` float32 layer preference (CAKE's ``P_l``, SLAKE's VABS score), > 0, for methods whose
+        ``layer_budgets == "preference"``; None otherwise.
+    """
+
+    scores: torch.Tensor
+    preference: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeInputs:
+    """What a method sees of one layer at a decode step past its budget.
+
+    Attributes
+    ----------
+    probs : torch.Tensor
+        ``(B, Hq, n_q, n)`` float32 softmax of the current queries over the cached slots (invalid slots have 0).
+    positions : torch.Tensor
+        ``(B, Hkv, n)`` int64 absolute position of the token held in each slot (-1 for an empty slot).
+    valid : torch.Tensor
+        ``(B, Hkv, n)`` bool, True where the slot holds a token.
+    stored : torch.Tensor
+        ``(B, Hkv, n)`` float32 per-slot score carried from the previous step (prefill indicator, accumulated
+        attention, ...). Methods that accumulate (H2O) add to it; others ignore it.
+    """
+
+    probs: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    stored: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.probs.shape[1] // self.positions.shape[1]
+
+
+@dataclass
+class Method:
+    """Base class of every compression method.
+
+    Subclasses are dataclasses whose fields are the method's hyperparameters; class variables describe the method.
+
+    Parameters
+    ----------
+    window : int
+        Observation window ``w``: the most recent ``w`` tokens score the others and are always kept (spec section 0).
+    sinks : int
+        Number of initial tokens that are always kept (StreamingLLM's attention sinks); 0 for most methods.
+    linear_cache : bool
+        Fold every evicted token into a first-order Taylor linear state and let it contribute to attention (PTAA,
+        SLAKE section 3.2). Off for plain eviction methods.
+    decode_eviction : bool
+        Keep the cache at its budget during decoding by evicting one token per step and KV head once over budget.
+    """
+
+    window: int = 32
+    sinks: int = 0
+    linear_cache: bool = False
+    decode_eviction: bool = True
+
+    #: registry name, e.g. ``"snapkv"``
+    name: ClassVar[str] = ""
+    #: one-line description shown by ``slake methods``
+    summary: ClassVar[str] = ""
+    #: the paper the method comes from (title, venue, year)
+    paper: ClassVar[str] = ""
+    #: how a total budget is split across layers: "uniform", "pyramid" or "preference" (cascading, CAKE-style)
+    layer_budgets: ClassVar[str] = "uniform"
+    #: True when the method keeps every token (the full cache)
+    keeps_everything: ClassVar[bool] = False
+    #: True when the newest token may itself be evicted at decode (TOVA); the window is then not protected
+    newest_evictable: ClassVar[bool] = False
+    #: True when decode-time eviction happens before the step's attention output (SLAKE Algorithm 1);
+    #: False when the output uses the pre-eviction cache (CAKE reference code, H2O, TOVA)
+    evict_before_output: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or self.sinks < 0:
+            raise ValueError(f"{self.name}: window and sinks must be >= 0 (got window={self.window}, sinks={self.sinks})")
+        if self.layer_budgets not in LAYER_BUDGET_POLICIES:
+            raise ValueError(f"{self.name}: unknown layer budget policy {self.layer_budgets!r}")
+
+    # ------------------------------------------------------------------ description
+    @property
+    def protected(self) -> int:
+        """Tokens per KV head that every layer keeps no matter what (sinks + window)."""
+        return self.sinks + (0 if self.newest_evictable else self.window)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The method's hyperparameters as a plain dict (for results rows and ``slake methods --json``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # ------------------------------------------------------------------ scoring
+    def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
+        """Score every prompt token of one layer (higher = keep). Called once per layer after its exact prefill."""
+        raise TypeError(f"method {self.name!r} keeps every token and has no prefill score")
+
+    def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Return the ``(B, Hkv, n)`` float32 per-slot score used to pick the token evicted at this decode step."""
+        raise TypeError(f"method {self.name!r} does not evict at decode")
+
+    def pyramid_beta(self) -> float:
+        """PyramidKV's ``beta`` (only used when ``layer_budgets == "pyramid"``)."""
+        return 20.0
+
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator adding a method to the registry under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"method name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_methods() -> dict[str, type[Method]]:
+    """Name -> class of every registered method, in registration order."""
+    return dict(_REGISTRY)
+
+
+def make_method(name: str | Method, **overrides: Any) -> Method:
+    """Build a method by registry name with optional hyperparameter overrides.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name or an unknown hyperparameter, listing what exists.
+    """
+    if isinstance(name, Method):
+        if overrides:
+            raise ValueError("pass hyperparameters either on the Method object or as overrides, not both")
+        return name
+    key = str(name).strip().lower()
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    cls = _REGISTRY[key]
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"method {key!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}")
+    return cls(**overrides)
+
+
+__all__ = [
+    "DecodeInputs",
+    "Method",
+    "PrefillInputs",
+    "PrefillScores",
+    "available_methods",
+    "make_method",
+    "register",
+]

@@ -1,0 +1,83 @@
+"""Shared tensor building blocks of the scoring rules (spec ``slake-cake.md`` section 0.1).
+
+Everything here is plain torch, float32, and padding-aware: a padded key gets zero probability, so statistics summed
+over keys are unaffected by left padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def window_logits(queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float,
+                  key_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled logits of the last ``window`` queries against every key, causal inside the window block.
+
+    Spec section 0.1(a). Returns ``(B, Hq, w, S)`` float32 with ``-inf`` at masked entries (future keys inside the
+    window, padded keys). ``w = min(window, S)``.
+    """
+    B, Hq, S, d = queries.shape
+    Hkv = keys.shape[1]
+    g = Hq // Hkv
+    w = min(window, S)
+    q = queries[:, :, S - w:].float().reshape(B, Hkv, g * w, d)
+    x = torch.matmul(q, keys.float().transpose(-1, -2)).reshape(B, Hq, w, S) * scaling
+    causal = torch.ones(w, w, dtype=torch.bool, device=x.device).triu(1)
+    x[..., S - w:] = x[..., S - w:].masked_fill(causal, float("-inf"))
+    if key_padding is not None and bool(key_padding.any()):
+        x = x.masked_fill(key_padding[:, None, None, :], float("-inf"))
+    return x
+
+
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float,
+                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax of :func:`window_logits` over keys: ``(B, Hq, w, S)`` float32 whose rows sum to 1."""
+    return torch.softmax(window_logits(queries, keys, window, scaling, key_padding), dim=-1)
+
+
+def pool1d(x: torch.Tensor, kernel: int, kind: str = "avg") -> torch.Tensor:
+    """Pool along the last (token) axis with stride 1 and 'same' length (spec section 0.1(b)).
+
+    ``avg`` zero-pads and always divides by ``kernel`` (PyTorch ``count_include_pad=True``), as the reference code;
+    ``max`` pads with ``-inf``. ``kernel <= 1`` returns ``x`` unchanged. Works on any leading shape.
+    """
+    if kernel <= 1:
+        return x
+    if kernel % 2 == 0:
+        raise ValueError(f"pooling kernel must be odd, got {kernel}")
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])
+    if kind == "avg":
+        out = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    elif kind == "max":
+        out = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        raise ValueError(f"unknown pooling {kind!r} (use 'avg' or 'max')")
+    return out.reshape(shape)
+
+
+def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Mean over the query heads sharing a KV head (spec section 0.1(c)): ``(B, Hq, ...) -> (B, Hkv, ...)``."""
+    B, Hq = x.shape[:2]
+    g = Hq // num_kv_heads
+    if g == 1:
+        return x
+    return x.reshape(B, num_kv_heads, g, *x.shape[2:]).mean(2)
+
+
+def positional_pool(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int,
+                    kind: str = "avg") -> torch.Tensor:
+    """Pool per-slot scores over *positional* neighbours when slots are not stored in position order.
+
+    Decode-time storage overwrites evicted slots in place, so slot order is not token order. This sorts the slots by
+    position (empty slots last, with score 0), pools, and scatters back. ``scores, positions, valid``:
+    ``(B, Hkv, n)``. Spec section 10-C9 (positional order).
+    """
+    if kernel <= 1:
+        return scores
+    key = torch.where(valid, positions, torch.iinfo(positions.dtype).max)
+    order = key.argsort(dim=-1)
+    s_sorted = scores.masked_fill(~valid, 0.0).gather(-1, order)
+    pooled_sorted = pool1d(s_sorted, kernel, kind)
+    return torch.empty_like(pooled_sorted).scatter_(-1, order, pooled_sorted)

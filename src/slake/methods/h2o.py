@@ -1,0 +1,78 @@
+"""H2O: heavy hitters by accumulated attention plus a recent window (spec ``slake-cake.md`` section 3).
+
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models", NeurIPS 2023.
+
+Score of a key = total attention it has received from every query so far (prefill: column sums of the causal
+attention, computed in query chunks so memory stays O(chunk x S); decode: ``acc += A_t``). Group-mean over the query
+heads of a KV head; no pooling. The ``window`` most recent tokens are protected (spec default r = 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from .common import group_mean
+
+
+def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
+                          key_padding: torch.Tensor | None, chunk: int = 512) -> torch.Tensor:
+    """Column sums of the full causal attention ``sum_i A[i, j]`` per query head: ``(B, Hq, S)`` float32.
+
+    Queries are processed ``chunk`` at a time (spec section 11.8). Padded keys get no attention; padded queries
+    contribute nothing.
+    """
+    B, Hq, S, d = queries.shape
+    Hkv = keys.shape[1]
+    g = Hq // Hkv
+    kf = keys.float().unsqueeze(2)  # (B,Hkv,1,S,d)
+    acc = torch.zeros(B, Hq, S, dtype=torch.float32, device=queries.device)
+    cols = torch.arange(S, device=queries.device)
+    for start in range(0, S, chunk):
+        stop = min(S, start + chunk)
+        q = queries[:, :, start:stop].float().reshape(B, Hkv, g, stop - start, d)
+        x = torch.matmul(q, kf.transpose(-1, -2)).reshape(B, Hq, stop - start, S) * scaling
+        rows = torch.arange(start, stop, device=queries.device)
+        x = x.masked_fill(cols.view(1, -1) > rows.view(-1, 1), float("-inf"))
+        if key_padding is not None:
+            x = x.masked_fill(key_padding[:, None, None, :], float("-inf"))
+        a = torch.softmax(x, dim=-1).nan_to_num_(0.0)
+        if key_padding is not None:
+            a = a.masked_fill(key_padding[:, None, start:stop, None], 0.0)
+        acc += a.sum(2)
+    return acc
+
+
+@register
+@dataclass
+class H2O(Method):
+    """Heavy-hitter oracle.
+
+    Parameters
+    ----------
+    window : int
+        Recent tokens always kept (``r``; spec default 32; KVCache-Factory uses 8).
+    chunk : int
+        Query chunk size for the prefill column sums.
+    """
+
+    window: int = 32
+    chunk: int = 512
+
+    name: ClassVar[str] = "h2o"
+    summary: ClassVar[str] = "heavy hitters by accumulated attention + recent window, evicts during decoding"
+    paper: ClassVar[str] = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023"
+
+    def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
+        """Accumulated attention of every prompt query, group-mean per KV head."""
+        acc = accumulated_attention(inputs.queries, inputs.keys, inputs.scaling, inputs.key_padding, self.chunk)
+        return PrefillScores(scores=group_mean(acc, inputs.keys.shape[1]))
+
+    def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
+        """``acc += A_t`` (group-mean over the KV head's query heads, summed over the step's queries)."""
+        add = group_mean(inputs.probs.sum(2), inputs.positions.shape[1])
+        stored = inputs.stored.masked_fill(~torch.isfinite(inputs.stored), 0.0)
+        return stored + add

