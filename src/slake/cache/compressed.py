@@ -141,8 +141,7 @@ class CompressedKV:
         for b in range(len(info.real_len)):
             sel = int(self._selectable_total()[b])
             if policy == "pyramid":
-                rows.append(budget_rules.pyramid_budgets(self.num_layers, sel, int(info.real_len[b]),
-                                                         self.method.protected, self.method.pyramid_beta()))
+                rows.append(self.method.pyramid_schedule(self.num_layers, sel, int(info.real_len[b])))
             else:
                 rows.append(budget_rules.uniform_budgets(self.num_layers, sel))
         return torch.stack([r.to(torch.int64) for r in rows])

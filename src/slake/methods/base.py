@@ -176,9 +176,9 @@ class Method:
         """Return the ``(B, Hkv, n)`` float32 per-slot score used to pick the token evicted at this decode step."""
         raise TypeError(f"method {self.name!r} does not evict at decode")
 
-    def pyramid_beta(self) -> float:
-        """PyramidKV's ``beta`` (only used when ``layer_budgets == "pyramid"``)."""
-        return 20.0
+    def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
+        """Selectable budget of every layer when ``layer_budgets == "pyramid"`` (``(L,)`` int64)."""
+        raise TypeError(f"method {self.name!r} has no pyramid schedule")
 
 
 _REGISTRY: dict[str, type[Method]] = {}

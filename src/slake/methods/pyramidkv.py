@@ -2,7 +2,9 @@
 
 Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024.
 Budgets follow the KVCache-Factory (October 2024) formula with ``beta = 20``: layer 0 gets the most; see
-:func:`slake.budgets.pyramid_budgets`.
+:func:`slake.budgets.pyramid_budgets`. Deviation (switchable): by default the linear step is not floored and the
+budgets are rounded by largest remainder, so they sum exactly to ``L * C'`` (ARCHITECTURE.md decision 5); the
+reference formula floors the step and overshoots the total by up to ``L^2 / 2`` tokens (``exact=False``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
+from ..budgets import pyramid_budgets
 from .base import register
 from .snapkv import SnapKV
 
@@ -23,15 +28,18 @@ class PyramidKV(SnapKV):
     ----------
     beta : float
         Ratio between the largest and smallest layer budget (``min = C' / beta``).
+    exact : bool
+        Round so that the layer budgets sum exactly to the total (default); False reproduces the reference code.
     """
 
     beta: float = 20.0
+    exact: bool = True
 
     name: ClassVar[str] = "pyramidkv"
     summary: ClassVar[str] = "SnapKV scoring with budgets decreasing linearly with depth"
     paper: ClassVar[str] = "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, 2024"
     layer_budgets: ClassVar[str] = "pyramid"
 
-    def pyramid_beta(self) -> float:
-        """The pyramid's ``beta``."""
-        return self.beta
+    def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
+        """Pyramid budgets (spec section 6), layer 0 largest."""
+        return pyramid_budgets(num_layers, selectable, prompt_len, self.window, self.beta, exact=self.exact)

@@ -1,0 +1,85 @@
+"""Attention over a compressed layer: exact softmax over the kept slots plus SLAKE's PTAA linear term.
+
+Partially Taylor-Approximated Attention (SLAKE section 3.3, Algorithm 1 of App. C; spec ``slake-cake.md`` sections
+8.1, 8.5 and 11). For one query head with scaled logits ``x_j`` over the kept slots and a linear state summarising the
+``n_e`` evicted tokens, with ``mu = scaling * q . k_sum / n_e``, any shift ``m`` and ``lam = exp(mu - m)``::
+
+    out = [sum_kept e^(x_j - m) v_j + lam * ((1 - mu) v_sum + scaling * q^T L)]
+          / [sum_kept e^(x_j - m) + lam * n_e]                                           (spec (star))
+
+This is the softmax over *all* past tokens in which every evicted token's weight ``e^{x_j}`` is replaced by its
+first-order expansion ``e^{mu} (1 + x_j - mu)`` around the mean evicted logit. The printed Eqs. 12/13/21 of the paper
+contain typos (spec 10-S2); Algorithm 1 / (star) is used. ``m = max(max_kept x, mu)`` (spec 11.2), so neither
+exponential can overflow. Without a state, or where ``count == 0``, the result is exactly ``softmax(logits) @ values``.
+
+GQA is handled by a group axis: the ``g`` query heads of a KV head are laid out as ``(B, Hkv, g, n_q, d)`` and share
+the KV head's slots and linear state, which are never expanded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slake.cache.linear_state import LinearState
+
+__all__ = ["attend"]
+
+
+def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, state: LinearState | None = None,
+           scaling: float | None = None) -> torch.Tensor:
+    """PTAA output (spec (star)) or plain softmax attention when there is no linear term.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``(B, Hkv, g, n_q, d)`` raw post-RoPE queries in group layout (query head ``h`` -> ``(h // g, h % g)``, i.e.
+        ``q.view(B, Hkv, g, n_q, d)``), float32 (float64 accepted). Only used for the linear term.
+    logits : torch.Tensor
+        ``(B, Hkv, g, n_q, n)`` float32 ``scaling * q . k`` over the cached slots, ``-inf`` where a slot is empty or
+        not visible to the query (causal, padding, evicted this step).
+    values : torch.Tensor
+        ``(B, Hkv, n, d)`` cached values, any float dtype. Values of invisible slots must be finite (0 * NaN = NaN).
+    state : LinearState | None
+        The layer's linear state; batch elements / heads with ``count == 0`` get no linear term.
+    scaling : float | None
+        Softmax scale used in ``logits``; ``None`` means ``d ** -0.5``. Needed only for the linear term.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, Hkv, g, n_q, d)`` in float32 (float64 if ``query``/``logits`` are float64). A row with no visible slot
+        and no linear term returns zeros, never NaN.
+    """
+    if query.ndim != 5 or logits.ndim != 5 or values.ndim != 4:
+        raise ValueError(f"expected query (B,Hkv,g,nq,d), logits (B,Hkv,g,nq,n), values (B,Hkv,n,d); got "
+                         f"{tuple(query.shape)}, {tuple(logits.shape)}, {tuple(values.shape)}")
+    B, H, g, nq, d = query.shape
+    n = values.shape[2]
+    if logits.shape != (B, H, g, nq, n) or values.shape != (B, H, n, d):
+        raise ValueError(f"shape mismatch: query {tuple(query.shape)}, logits {tuple(logits.shape)}, "
+                         f"values {tuple(values.shape)}")
+    cdt = torch.promote_types(torch.promote_types(query.dtype, logits.dtype), torch.float32)
+    x = logits.to(cdt).reshape(B, H, g * nq, n)
+    v = values.to(cdt)
+    m = x.amax(-1) if n > 0 else x.new_full((B, H, g * nq), float("-inf"))  # (B, H, g*nq)
+    lin_on = state is not None  # no host sync on count: heads with count == 0 get lam = 0
+    if lin_on:
+        if state.k_sum.shape != (B, H, d):
+            raise ValueError(f"linear state shape {tuple(state.k_sum.shape)} does not match (B, Hkv, d)={(B, H, d)}")
+        s = d ** -0.5 if scaling is None else float(scaling)
+        q = query.to(cdt).reshape(B, H, g * nq, d)
+        cnt = state.count.to(cdt)[..., None]                                       # (B, H, 1)
+        has = cnt > 0
+        mu = torch.matmul(q, state.k_sum.to(cdt)[..., None])[..., 0] * s / cnt.clamp_min(1)
+        m = torch.where(has, torch.maximum(m, mu), m)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))                     # all -inf row: e = 0
+    e = torch.exp(x - m[..., None])
+    num = torch.matmul(e, v)                                                       # (B, H, g*nq, d)
+    den = e.sum(-1)
+    if lin_on:
+        lam = torch.where(has, torch.exp(mu - m), torch.zeros_like(mu))
+        lin = torch.matmul(q, state.kv.to(cdt)) * s + (1 - mu)[..., None] * state.v_sum.to(cdt)[:, :, None, :]
+        num = num + lam[..., None] * lin
+        den = den + lam * cnt
+    out = torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(cdt).tiny)[..., None], 0.0)
+    return out.reshape(B, H, g, nq, d)

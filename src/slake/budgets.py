@@ -1,0 +1,149 @@
+"""How a total KV budget is split across layers (spec ``slake-cake.md`` sections 6, 7.2 and 7.3).
+
+Every budget returned here is a **selectable** (non-window) token count per layer and KV head, ``B_l`` in the spec's
+notation; the engine adds the protected window ``w`` on top. Integer results are ``int64`` tensors, real-valued ones
+``float64``.
+
+* :func:`uniform_budgets` - every layer gets ``C'`` (SnapKV, H2O, ...).
+* :func:`pyramid_budgets` - PyramidKV's linearly decreasing schedule (KVCache-Factory, October 2024), section 6.
+* :func:`preference_budgets` - CAKE's preference-proportional allocation with the spec's recommended rounding
+  (section 7.2 **[spec]**): proportional water-filling under a per-layer cap, ``ceil`` at intermediate cascade stages
+  and largest-remainder rounding at the final stage. This guarantees integer stage budgets that never increase from
+  one cascade stage to the next (Proposition 1), which is what makes cascading equal one-shot eviction (Theorem 1).
+  Deviation: the reference CAKE code's ``adjust_budgets`` (truncate, even redistribution) is not reproduced, because
+  it breaks Theorem 1 (section 10-C5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["largest_remainder", "preference_budgets", "pyramid_budgets", "uniform_budgets", "waterfill"]
+
+
+def _as_prefs(prefs: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    p = torch.as_tensor(prefs, dtype=torch.float64).detach().cpu()
+    if p.ndim != 1 or p.numel() == 0:
+        raise ValueError(f"preferences must be a non-empty 1-D sequence, got shape {tuple(p.shape)}")
+    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()):
+        raise ValueError(f"preferences must be finite and >= 0, got {p.tolist()}")
+    return p
+
+
+def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -> torch.Tensor:
+    """Real-valued proportional allocation with a per-layer cap (spec section 7.2, ``waterfill``).
+
+    Returns ``B`` (float64, one entry per layer) with ``B_l = min(cap, c * P_l)`` and ``sum(B) = min(total, n*cap)``.
+
+    Zero preferences are treated as an infinitesimal positive preference (the limit ``P_l -> 0+``): such a layer gets
+    nothing unless every positive-preference layer is capped, in which case the remainder is shared equally among the
+    zero-preference layers; all-zero preferences therefore give a uniform split. This keeps the result continuous in
+    ``P`` and stage budgets monotone (Proposition 1). Negative or non-finite preferences raise ``ValueError``.
+    """
+    p = _as_prefs(prefs)
+    if not (math.isfinite(total) and total >= 0) or not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"total and cap must be finite and >= 0 (got total={total}, cap={cap})")
+    n = p.numel()
+    if n * cap <= total:
+        return torch.full((n,), float(cap), dtype=torch.float64)
+    capped = torch.zeros(n, dtype=torch.bool)
+    while True:
+        rest = total - cap * int(capped.sum())
+        free = ~capped
+        psum = float(p[free].sum())
+        weights = p if psum > 0 else free.to(torch.float64)  # zero prefs only: equal shares of the rest
+        c = rest / float(weights[free].sum())
+        b = torch.where(capped, torch.full_like(p, float(cap)), c * weights)
+        newly = free & (b > cap)
+        if not bool(newly.any()):
+            return b
+        capped |= newly
+
+
+def largest_remainder(real: torch.Tensor, total: int) -> torch.Tensor:
+    """Round non-negative reals to int64 summing to ``total``: floors, then +1 to the largest fractional parts.
+
+    Ties are broken deterministically, lowest index first. ``total`` must lie between ``sum(floor(real))`` and
+    ``sum(floor(real)) + len(real)``, otherwise ``ValueError``.
+    """
+    r = torch.as_tensor(real, dtype=torch.float64).detach().cpu()
+    if r.ndim != 1 or not bool(torch.isfinite(r).all()) or bool((r < 0).any()):
+        raise ValueError("largest_remainder expects a 1-D tensor of finite non-negative reals")
+    floors = torch.floor(r)
+    short = int(total) - int(floors.sum())
+    if not 0 <= short <= r.numel():
+        raise ValueError(f"cannot round {r.tolist()} to total {total}: {short} units missing")
+    out = floors.to(torch.int64)
+    order = torch.sort(r - floors, descending=True, stable=True).indices
+    out[order[:short]] += 1
+    return out
+
+
+def preference_budgets(prefs: Sequence[float] | torch.Tensor, total: int, cap: int, final: bool) -> torch.Tensor:
+    """CAKE cascade-stage budgets ``alloc(P, T, cap, final)`` of spec section 7.2 **[spec]**, as int64.
+
+    Parameters
+    ----------
+    prefs : sequence of float or torch.Tensor
+        Preferences ``P_0..P_m`` of the layers prefilled so far (see :func:`waterfill` for zeros).
+    total : int
+        Total selectable budget ``T = L * C'`` of the whole model (not of the layers seen so far).
+    cap : int
+        Per-layer cap, ``S - w``.
+    final : bool
+        True at the last stage: largest-remainder rounding so that ``sum == min(T, n*cap)`` exactly. False at
+        intermediate stages: ``min(ceil(B_real), cap)``, which can exceed the final budgets but never increases from
+        one stage to the next, so re-evicting a layer with its new budget equals evicting it once (Theorem 1).
+    """
+    if int(total) != total or int(cap) != cap or total < 0 or cap < 0:
+        raise ValueError(f"total and cap must be non-negative integers (got total={total}, cap={cap})")
+    real = waterfill(prefs, float(total), float(cap))
+    if final:
+        return largest_remainder(real, min(int(total), real.numel() * int(cap)))
+    tol = 1e-9 * torch.clamp(real, min=1.0)  # absorb float noise above an integer (3.0000000001 -> 3)
+    return torch.clamp(torch.ceil(real - tol), 0, int(cap)).to(torch.int64)
+
+
+def uniform_budgets(num_layers: int, per_layer: int) -> torch.Tensor:
+    """Every layer gets the same selectable budget ``C'``: ``(num_layers,)`` int64."""
+    if num_layers < 1 or per_layer < 0:
+        raise ValueError(f"need num_layers >= 1 and per_layer >= 0 (got {num_layers}, {per_layer})")
+    return torch.full((num_layers,), int(per_layer), dtype=torch.int64)
+
+
+def pyramid_budgets(num_layers: int, selectable: int, prompt_len: int, window: int, beta: float = 20,
+                    exact: bool = False) -> torch.Tensor:
+    """PyramidKV's per-layer selectable budgets, spec section 6 (KVCache-Factory ``PyramidKVCluster``, Oct. 2024).
+
+    With ``C' = selectable``, ``S = prompt_len``, ``w = window``::
+
+        min_n = C' // beta ; max_n = 2*C' - min_n
+        if max_n >= S - w: max_n = S - w ; min_n = 2*C' - max_n
+        step = (max_n - min_n) // (L - 1) ;  B_l = max_n - l*step        (layer 0 largest)
+
+    For ``S < 2*C'`` (and for ``S < C' + w``, where the engine does not compress at all) every layer gets ``C'``, the
+    reference code's SnapKV fallback. The floor on ``step`` makes ``sum B_l >= L*C'`` (slight over-budget, as the
+    reference). ``exact=True`` (an option, not the reference) instead uses the unfloored real step and
+    :func:`largest_remainder`, so that ``sum B_l == L*C'`` exactly (``max_n + min_n == 2*C'`` by construction).
+    Deviation: ``num_layers == 1`` (a division by zero in the reference) gives ``[C']``. Budgets are not
+    clamped to ``S - w`` in the fallback; the engine keeps ``min(B_l, S - w)``.
+    """
+    if num_layers < 1 or selectable < 0 or prompt_len < 0 or window < 0 or not beta > 0:
+        raise ValueError(f"invalid pyramid arguments: num_layers={num_layers}, selectable={selectable}, "
+                         f"prompt_len={prompt_len}, window={window}, beta={beta}")
+    c, s, w, n = int(selectable), int(prompt_len), int(window), int(num_layers)
+    if n == 1 or s < c + w or s < 2 * c:
+        return uniform_budgets(n, c)
+    min_n = int(c // beta)
+    max_n = 2 * c - min_n
+    if max_n >= s - w:
+        max_n = s - w
+        min_n = 2 * c - max_n
+    if exact:
+        real = max_n - (max_n - min_n) / (n - 1) * torch.arange(n, dtype=torch.float64)
+        return largest_remainder(real.clamp_min(0), n * c)
+    step = (max_n - min_n) // (n - 1)
+    return max_n - step * torch.arange(n, dtype=torch.int64)

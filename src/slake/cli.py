@@ -1,0 +1,157 @@
+"""The ``slake`` command.
+
+Sub-commands: ``methods`` (list the methods), ``generate`` (compressed-cache generation with cache statistics).
+Every sub-command accepts ``--json`` for machine-readable output; errors go to stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .budget_spec import Budget
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default, packaged), a hub id, a local directory or a .gguf file")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (hub repo or directory)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
+
+
+def _hyperparameters(pairs: list[str]) -> dict:
+    out = {}
+    for item in pairs or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``slake`` command."""
+    parser = argparse.ArgumentParser(prog="slake", description="KV-cache compression for transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("methods", help="list the compression methods")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("generate", help="generate with a compressed KV cache and print cache statistics")
+    p.add_argument("--method", default="snapkv", help="compression method (see 'slake methods')")
+    p.add_argument("--budget", default="128",
+                   help="average cached tokens per layer and KV head, window included, or a ratio in (0, 1)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding the prompt ('-' for standard input)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--linear-cache", action="store_true", default=None,
+                   help="fold evicted tokens into SLAKE's Taylor linear state (PTAA)")
+    p.add_argument("--no-linear-cache", dest="linear_cache", action="store_false",
+                   help="disable the linear state of a method that has one (ablation)")
+    p.add_argument("--charge-linear-state", action="store_true",
+                   help="count the linear state against the budget (equal-memory comparison)")
+    p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_model_args(p)
+    return parser
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from .methods import available_methods
+
+    rows = []
+    for name, cls in available_methods().items():
+        m = cls()
+        rows.append({"name": name, "summary": cls.summary, "paper": cls.paper, "layer_budgets": cls.layer_budgets,
+                     "linear_cache": m.linear_cache, "hyperparameters": m.hyperparameters()})
+    if args.json:
+        print(json.dumps({"methods": rows}, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['summary']}")
+        print(f"{'':<{width}}  paper: {r['paper']}")
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ValueError(f"prompt file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .hf.generate import generate
+    from .methods import make_method
+    from .models import load_model
+
+    hyper = _hyperparameters(args.set)
+    if args.linear_cache is not None:
+        hyper["linear_cache"] = args.linear_cache
+    method = make_method(args.method, **hyper)  # validates before the slow model load
+    budget = Budget(args.budget)
+    prompt = _read_prompt(args)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+    res = generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
+                   chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
+                   top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state)
+    out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
+           "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
+           "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
+           "prefill_s": round(res.prefill_s, 4), "decode_ms_per_token": round(res.decode_ms_per_token, 3),
+           "hyperparameters": method.hyperparameters()}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    kv = res.kv_bytes
+    print(res.text)
+    print()
+    note = "" if res.compressed else "  (prompt fits in the budget: no eviction, same as the full cache)"
+    print(f"method {res.method}  budget {res.budget}  prompt {out['prompt_tokens']} tokens  "
+          f"generated {out['new_tokens']} tokens{note}")
+    print(f"KV bytes: full {kv['full']:,}  kept {kv['kept']:,}  padding {kv['padding']:,}  "
+          f"linear state {kv['linear_state']:,}")
+    mean_kept = sum(res.kept_tokens_per_layer) / max(len(res.kept_tokens_per_layer), 1)
+    print(f"kept tokens per layer (mean over heads): mean {mean_kept:.1f}, "
+          f"min {min(res.kept_tokens_per_layer):.1f}, max {max(res.kept_tokens_per_layer):.1f}")
+    print(f"prefill {res.prefill_s:.2f} s  decode {res.decode_ms_per_token:.1f} ms/token")
+    return 0
+
+
+COMMANDS = {"methods": cmd_methods, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``slake`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"slake {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""CAKE: Cascading and Adaptive KV cache Eviction with layer preferences (Qin et al., ICLR 2025).
+
+Spec ``slake-cake.md`` section 7. Per layer, from the observation-window attention ``Abar`` (the last ``w`` queries
+against the ``S - w`` non-window keys, fp32, rows not renormalised, section 0.1(a)):
+
+* layer **preference** ``P = H^(1/tau1) * V^(1/tau2)`` with ``H`` the entropy of ``Abar`` and ``V`` the sum of the
+  unbiased variances over the window rows (section 7.1); the engine turns preferences into budgets with
+  :func:`slake.budgets.preference_budgets` (cascading, section 7.3);
+* eviction **indicator** ``I = G(pool(mean_i Abar + gamma * Var_i Abar))`` (section 7.4);
+* **decode** score: the pooled attention of the current query over the cached slots (section 7.5).
+
+Choices and deviations (documented per the spec):
+
+* Statistics are in fp32 (the reference code casts probabilities to fp16, section 10-C7).
+* Preferences are computed **per batch element** (sums over heads, rows and columns of that sample); the reference
+  code sums over the batch (10-C14). Padded keys have zero probability and contribute nothing; padded window rows
+  (samples shorter than the window) are zeroed. With ``w == 1`` the variance is 0 (not NaN).
+* Decode: probabilities are group-averaged, then pooled over *positional* neighbours (10-C9, ``sort=True``); window
+  slots are zeroed before pooling, which equals the reference's pooling of ``p[..., :n-w]`` with zero padding. With
+  ``pooling="max"`` the order pool/group-mean is swapped w.r.t. the reference (equal for ``avg``).
+* ``tau1 = tau2 = 1`` by default; :func:`cake_taus` gives the reference code's tuned values (section 7.7).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import group_mean, pool1d, positional_pool, window_logits
+
+__all__ = ["Cake", "cake_indicator", "cake_preference", "cake_taus"]
+
+EPS = 1e-12
+LOG_EPS = 1e-10
+
+# reference code's config/model2tau.json: {family pattern: {budget C: (tau1, tau2)}}
+_MODEL2TAU: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
+    ("llama27b",): {128: (0.9, 2.3), 1024: (1.9, 1.8)},
+    ("llama213b",): {128: (1.8, 2.0), 1024: (0.5, 0.4)},
+    ("llama318b",): {128: (1.6, 0.6), 1024: (1.6, 0.4)},
+    ("mistral7b", "v03"): {128: (1.0, 0.8), 1024: (0.8, 0.5)},
+    ("qwen257b",): {128: (0.4, 0.6), 1024: (1.5, 0.6)},
+}
+
+
+def match_family(model_family: str, patterns: list[tuple[str, ...]]) -> tuple[str, ...] | None:
+    """First pattern all of whose parts occur in the normalised model name (lower case, alphanumerics only, hub
+    organisation dropped: ``"meta-llama/Llama-3.1-8B-Instruct"`` -> ``"llama318binstruct"``), else None."""
+    key = re.sub(r"[^a-z0-9]", "", str(model_family).lower().rsplit("/", 1)[-1])
+    return next((p for p in patterns if all(part in key for part in p)), None)
+
+
+def cake_taus(model_family: str, budget: int) -> tuple[float, float]:
+    """Tuned ``(tau1, tau2)`` of the reference code (spec 7.7, ``model2tau.json``); ``(1.0, 1.0)`` otherwise.
+
+    Known families: Llama-2-7B/13B-chat, Llama-3.1-8B-Instruct, Mistral-7B-Instruct-v0.3, Qwen2.5-7B-Instruct, at
+    budgets ``C = 128`` and ``1024`` exactly (other budgets use the default, as the reference code).
+    """
+    fam = match_family(model_family, list(_MODEL2TAU))
+    return _MODEL2TAU[fam].get(int(budget), (1.0, 1.0)) if fam is not None else (1.0, 1.0)
+
+
+def _row_var(abar: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance over the window-row axis (-2); zeros when there are fewer than two rows."""
+    if abar.shape[-2] < 2 or abar.shape[-1] == 0:
+        return abar.new_zeros(abar.shape[:-2] + abar.shape[-1:])
+    return abar.var(dim=-2, correction=1)
+
+
+def cake_preference(abar: torch.Tensor, tau1: float, tau2: float) -> torch.Tensor:
+    """Layer preference ``P = H^(1/tau1) * V^(1/tau2)`` per batch element (spec 7.1), ``(B,)`` float32.
+
+    ``abar``: ``(B, Hq, w, S - w)`` window attention over the non-window keys. ``H = -sum a log(a + 1e-10)`` and
+    ``V = sum_j Var_i(a)`` are summed over heads, rows and columns of each sample, clamped at ``1e-12`` before the
+    powers.
+    """
+    a = abar.float()
+    ent = -(a * torch.log(a + LOG_EPS)).sum((1, 2, 3))
+    var = _row_var(a).sum((1, 2))
+    return ent.clamp_min(EPS) ** (1.0 / tau1) * var.clamp_min(EPS) ** (1.0 / tau2)
+
+
+def cake_indicator(abar: torch.Tensor, gamma: float, kernel: int, pooling: str, num_kv_heads: int) -> torch.Tensor:
+    """Attention-shift tolerant indicator ``G(pool(mean_i abar + gamma * Var_i abar))`` (spec 7.4).
+
+    ``abar``: ``(B, Hq, w, S - w)``; returns ``(B, Hkv, S - w)`` float32 (pool first, then group mean, as the
+    reference code).
+    """
+    a = abar.float()
+    if a.shape[-1] == 0:  # S <= w: nothing selectable
+        return a.new_zeros(a.shape[0], num_kv_heads, 0)
+    raw = a.mean(-2) + gamma * _row_var(a)
+    return group_mean(pool1d(raw, kernel, pooling), num_kv_heads)
+
+
+@register
+@dataclass
+class Cake(Method):
+    """CAKE (spec section 7): preference-proportional cascading layer budgets, mean+variance indicator.
+
+    Parameters
+    ----------
+    window : int
+        Observation window ``w`` (32).
+    gamma : float
+        Weight of the variance term of the indicator (200, paper App. C).
+    tau1, tau2 : float
+        Temperatures of the entropy / variance terms of the preference (see :func:`cake_taus`).
+    kernel : int
+        Pooling kernel (5); ``pooling`` is ``"avg"`` (reference) or ``"max"``.
+    """
+
+    window: int = 32
+    gamma: float = 200.0
+    tau1: float = 1.0
+    tau2: float = 1.0
+    kernel: int = 5
+    pooling: str = "avg"
+
+    name = "cake"
+    summary = "CAKE: cascading, preference-proportional layer budgets; mean+variance window indicator"
+    paper = "Qin et al., CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences, ICLR 2025"
+    layer_budgets: ClassVar[str] = "preference"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
+        if not (self.tau1 > 0 and self.tau2 > 0) or self.gamma < 0:
+            raise ValueError(f"{self.name}: need tau1, tau2 > 0 and gamma >= 0 (got {self.tau1}, {self.tau2}, "
+                             f"{self.gamma})")
+        if self.kernel < 1 or self.kernel % 2 == 0 or self.pooling not in ("avg", "max"):
+            raise ValueError(f"{self.name}: kernel must be odd >= 1 and pooling 'avg' or 'max' "
+                             f"(got {self.kernel}, {self.pooling!r})")
+
+    def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
+        """Indicator (window part 0, ignored by the engine) and per-sample preference of one prefilled layer."""
+        logits = window_logits(inputs.queries, inputs.keys, inputs.window, inputs.scaling, inputs.key_padding)
+        probs = torch.softmax(logits, dim=-1)
+        B, _, w, S = probs.shape
+        if inputs.key_padding is not None:  # padded window rows (sample shorter than w) have no visible key
+            probs = probs.masked_fill(inputs.key_padding[:, None, S - w:, None], 0.0)
+        abar = probs[..., : S - w]
+        ind = cake_indicator(abar, self.gamma, self.kernel, self.pooling, inputs.keys.shape[1])
+        scores = torch.cat([ind, ind.new_zeros(B, ind.shape[1], w)], dim=-1)
+        return PrefillScores(scores=scores, preference=self.layer_preference(inputs, logits, probs, ind))
+
+    def layer_preference(self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor,
+                         indicator: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` layer preference; CAKE's ``H^(1/tau1) V^(1/tau2)`` (overridden by SLAKE's VABS)."""
+        return cake_preference(probs[..., : probs.shape[-1] - probs.shape[-2]], self.tau1, self.tau2)
+
+    def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Spec 7.5: pooled (positionally) group mean of the current queries' probabilities; ``(B, Hkv, n)``."""
+        p = inputs.probs.float().mean(2)                                     # mean over query rows
+        s = group_mean(p, inputs.positions.shape[1])
+        newest = inputs.positions.masked_fill(~inputs.valid, -1).amax(-1, keepdim=True)
+        in_window = inputs.positions > newest - self.window                  # protected: excluded from pooling
+        s = s.masked_fill(in_window | ~inputs.valid, 0.0)
+        return positional_pool(s, inputs.positions, inputs.valid, self.kernel, self.pooling)

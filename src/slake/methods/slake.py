@@ -1,0 +1,173 @@
+"""SLAKE: Softmax-approximated training-free Linear Attention with KV-cache Eviction (ICLR 2026 submission).
+
+Spec ``slake-cake.md`` section 8. SLAKE is CAKE (window, mean+variance indicator, cascading preference budgets,
+one-token-per-step decode eviction; :class:`slake.methods.cake.Cake`) plus
+
+* **PTAA** (``linear_cache=True``): every evicted token, at prefill (all cascade stages, spec 10-S7) and at decode,
+  is folded into a per-KV-head linear state and still contributes through a first-order Taylor term
+  (:mod:`slake.cache.linear_state`, :func:`slake.attention.ptaa.attend`). Decode eviction happens before the step's
+  output (Algorithm 1 order, spec 10-S8), hence ``evict_before_output = True``;
+* **VABS** (``vabs=True``): the layer preference is the value-aware score of :func:`vabs_preference` (paper Eqs. 15-18,
+  spec 8.4) instead of CAKE's entropy/variance score.
+
+Ablations of paper Table 2: eviction only = ``linear_cache=False, vabs=False``; +PTAA = ``linear_cache=True,
+vabs=False``; +VABS = the defaults.
+
+Choices and deviations: the VABS circular dependency is resolved by a provisional split with the *uniform* budget
+``k0 = min(C - w, S - w)`` chosen by the CAKE indicator (spec 10-S3); ``C`` (the average per-layer budget, window
+included, spec 10-S14) comes from ``budget_hint`` or the engine's ``PrefillInputs.budget``. ``Att``/``Att~`` are attention maps (10-S4); the
+entropy uses the exact map's ``A[-w:, :-w]`` block (10-S5). Scores are per batch element and padding-aware.
+``alpha``/``beta`` default to ``(0.5, 0.4)`` (Llama-2-7B's values, identical at both budgets) for unknown models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from slake.methods.base import PrefillInputs, register
+from slake.methods.cake import EPS, LOG_EPS, Cake, match_family
+
+__all__ = ["Slake", "slake_alpha_beta", "vabs_preference"]
+
+# paper Table 3 read as one (alpha, beta) pair per (model, budget) column (spec 10-S6)
+_ALPHA_BETA: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
+    ("llama27b",): {128: (0.5, 0.4), 256: (0.5, 0.4)},
+    ("llama318b",): {128: (0.4, 0.2), 256: (0.6, 0.5)},
+    ("mistral7b", "v03"): {128: (0.6, 0.5), 256: (0.4, 0.2)},
+}
+DEFAULT_ALPHA_BETA = (0.5, 0.4)
+
+
+def slake_alpha_beta(model_family: str, budget: int) -> tuple[float, float]:
+    """VABS ``(alpha, beta)`` of paper Table 3 (spec 8.4) for Llama-2-7B-chat, Llama-3.1-8B, Mistral-7B-v0.3.
+
+    Other budgets of a known model use the nearest tabulated budget (128 or 256, on a log scale); unknown models get
+    :data:`DEFAULT_ALPHA_BETA` ``= (0.5, 0.4)``.
+    """
+    fam = match_family(model_family, list(_ALPHA_BETA))
+    if fam is None:
+        return DEFAULT_ALPHA_BETA
+    return _ALPHA_BETA[fam][128 if budget * budget <= 128 * 256 else 256]
+
+
+def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, indicator: torch.Tensor,
+                    selectable: int | torch.Tensor, window: int, alpha: float, beta: float, gamma_v: float = 0.1,
+                    key_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Value-aware budget score of one layer, per batch element (spec 8.4, sketch 8.6), ``(B,)`` float32.
+
+    Parameters
+    ----------
+    logits, probs : torch.Tensor
+        ``(B, Hq, w, S)`` window logits (``-inf`` where masked: causal block, padding) and their softmax.
+    values : torch.Tensor
+        ``(B, Hkv, S, d)`` the layer's values.
+    indicator : torch.Tensor
+        ``(B, Hkv, S - w)`` CAKE indicator used for the provisional split.
+    selectable : int | torch.Tensor
+        ``C' = C - w`` (an int, or ``(B,)`` per sample): provisional kept count ``k0 = min(C', S_b - w)`` per sample
+        (``S_b`` = unpadded length).
+    window : int
+        Configured window; ``w = min(window, S)`` must equal ``logits.shape[2]``.
+    alpha, beta, gamma_v : float
+        Exponents of Eq. 18 and of the value-aware term (Eq. 16).
+    key_padding : torch.Tensor | None
+        ``(B, S)`` bool; by default derived from the last window row (padded keys are its only ``-inf`` entries).
+
+    Returns ``1e-12`` for a sample with nothing provisionally evicted (``n0 == 0``). Padded keys are neither in the
+    provisional evicted set ``E0`` nor in the value-norm weights.
+    """
+    B, Hq, w, S = logits.shape
+    Hkv, g, sel = values.shape[1], Hq // values.shape[1], S - w
+    if w != min(window, S) or probs.shape != logits.shape or indicator.shape != (B, Hkv, sel):
+        raise ValueError(f"vabs_preference: inconsistent shapes logits {tuple(logits.shape)}, probs "
+                         f"{tuple(probs.shape)}, indicator {tuple(indicator.shape)} for window {window}")
+    pad = ~torch.isfinite(logits[:, 0, -1, :]) if key_padding is None else key_padding.bool()
+    real_sel = (~pad[:, :sel]).sum(-1)                                         # (B,) = S_b - w
+    k0 = torch.minimum(real_sel, torch.as_tensor(selectable, device=real_sel.device).clamp_min(0).to(real_sel))
+    n0 = real_sel - k0
+    eps = torch.full((B,), EPS, dtype=torch.float32, device=logits.device)
+    if sel == 0 or not bool((n0 > 0).any()):
+        return eps
+    # 1) provisional split: keep the top-k0 real non-window tokens by indicator, per (b, KV head)
+    ind = indicator.float().masked_fill(pad[:, None, :sel], float("-inf"))
+    order = torch.sort(ind, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sel, device=order.device).expand_as(order))
+    ev = (rank >= k0[:, None, None]) & ~pad[:, None, :sel]
+    ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]      # (B, Hkv, 1, 1, S)
+    # 2) PTAA weight map for each window query, group layout (B, Hkv, g, w, S)
+    x = logits.float().reshape(B, Hkv, g, w, S)
+    a = probs.float().reshape(B, Hkv, g, w, S)
+    kept = torch.isfinite(x) & ~ev
+    mu = torch.where(ev, x, 0.0).sum(-1) / n0.clamp_min(1).to(x.dtype)[:, None, None, None]
+    m = torch.maximum(x.masked_fill(~kept, float("-inf")).amax(-1), mu)
+    wk = torch.where(kept, torch.exp(x - m[..., None]), 0.0)
+    we = torch.where(ev, torch.exp(mu - m)[..., None] * (1 + x - mu[..., None]), 0.0)
+    wt = wk + we
+    err = (wt / wt.sum(-1, keepdim=True) - a).abs()
+    # 3) total variation, value-aware error, entropy of the exact window block
+    tv = 0.5 * err.sum(-1)                                                     # (B, Hkv, g, w)
+    vn = values.float().norm(dim=-1).masked_fill(pad[:, None, :], 0.0)        # (B, Hkv, S)
+    omega = vn / vn.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    va = (err * omega[:, :, None, None, :]).sum(-1).clamp_min(EPS) ** gamma_v
+    ab = a[..., :sel]
+    ent = -(ab * torch.log(ab + LOG_EPS)).sum(-1)
+    # 4) P = E[TV * VA]^alpha * E[Ent]^beta, means over heads and window rows of each sample
+    pref = (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha * ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
+    return torch.where(n0 > 0, pref, eps)
+
+
+@register
+@dataclass
+class Slake(Cake):
+    """SLAKE (spec section 8): CAKE + PTAA linear cache + VABS layer preference.
+
+    Parameters
+    ----------
+    linear_cache : bool
+        PTAA on (default) / off.
+    alpha, beta : float
+        VABS exponents (Eq. 18); see :func:`slake_alpha_beta`. Default ``(0.5, 0.4)``.
+    gamma_v : float
+        Exponent of the value-aware term (0.1, Eq. 16).
+    vabs : bool
+        True: VABS preference; False: CAKE's ``H^(1/tau1) V^(1/tau2)`` (ablation).
+    budget_hint : int | None
+        Average per-layer budget ``C`` (window included) for VABS's provisional split. When None (default), the
+        engine's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it.
+    """
+
+    linear_cache: bool = True
+    alpha: float = DEFAULT_ALPHA_BETA[0]
+    beta: float = DEFAULT_ALPHA_BETA[1]
+    gamma_v: float = 0.1
+    vabs: bool = True
+    budget_hint: int | None = None
+
+    name = "slake"
+    summary = "SLAKE: CAKE eviction + first-order Taylor linear cache (PTAA) + value-aware budgets (VABS)"
+    paper = ("SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction for Long-Sequence "
+             "LLMs, ICLR 2026 submission")
+    evict_before_output: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.alpha < 0 or self.beta < 0 or not self.gamma_v > 0:
+            raise ValueError(f"{self.name}: need alpha, beta >= 0 and gamma_v > 0 (got {self.alpha}, {self.beta}, "
+                             f"{self.gamma_v})")
+        if self.budget_hint is not None and self.budget_hint < 0:
+            raise ValueError(f"{self.name}: budget_hint must be >= 0, got {self.budget_hint}")
+
+    def layer_preference(self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor,
+                         indicator: torch.Tensor) -> torch.Tensor:
+        """VABS score (or CAKE's preference when ``vabs=False``), ``(B,)``."""
+        if not self.vabs:
+            return super().layer_preference(inputs, logits, probs, indicator)
+        budget = self.budget_hint if self.budget_hint is not None else getattr(inputs, "budget", None)
+        if budget is None:
+            raise ValueError("slake: VABS needs the average per-layer budget C: set budget_hint or "
+                             "PrefillInputs.budget")
+        return vabs_preference(logits, probs, inputs.values, indicator, budget - inputs.window,
+                               inputs.window, self.alpha, self.beta, self.gamma_v, inputs.key_padding)

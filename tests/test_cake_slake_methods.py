@@ -1,0 +1,231 @@
+"""CAKE and SLAKE scoring rules (spec slake-cake.md sections 7.1, 7.4, 7.5, 8.4; invariant 9 of section 12)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slake.methods.base import DecodeInputs, PrefillInputs, make_method
+from slake.methods.cake import Cake, cake_indicator, cake_preference, cake_taus
+from slake.methods.common import window_attention, window_logits
+from slake.methods.slake import Slake, slake_alpha_beta, vabs_preference
+
+GEN = torch.Generator().manual_seed(2)
+
+
+def _qkv(B=1, Hq=4, Hkv=2, S=60, d=16):
+    q = torch.randn(B, Hq, S, d, generator=GEN)
+    k = torch.randn(B, Hkv, S, d, generator=GEN)
+    v = torch.randn(B, Hkv, S, d, generator=GEN) * (1 + torch.rand(B, Hkv, S, 1, generator=GEN))
+    return q, k, v
+
+
+def _inputs(q, k, v, window, pad=None):
+    pad = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool) if pad is None else pad
+    return PrefillInputs(q, k, v, pad, q.shape[-1] ** -0.5, window, 0, 4)
+
+
+def _spec_cake_stats(A, w, Hkv, tau1, tau2, gamma=200.0, ksize=5):
+    """Spec section 7.6 ``cake_stats`` verbatim (B = 1)."""
+    B, Hq, _, S = A.shape
+    g = Hq // Hkv
+    Ab = A[..., : S - w]
+    H = -(Ab * torch.log(Ab + 1e-10)).sum()
+    Vv = Ab.var(dim=-2, unbiased=True).sum()
+    P = H.clamp_min(1e-12) ** (1 / tau1) * Vv.clamp_min(1e-12) ** (1 / tau2)
+    I = Ab.mean(-2) + gamma * Ab.var(-2, unbiased=True)
+    I = F.avg_pool1d(I, ksize, stride=1, padding=ksize // 2)
+    return P.item(), I.view(B, Hkv, g, -1).mean(2)
+
+
+def _padded_batch(seqs, S):
+    """Left-pad a list of (q, k, v) single sequences to length S with garbage; returns q, k, v, padding."""
+    qs, ks, vs, pads = [], [], [], []
+    for q, k, v in seqs:
+        p = S - q.shape[2]
+        qs.append(torch.cat([torch.randn(1, q.shape[1], p, q.shape[3], generator=GEN) * 9, q], 2))
+        ks.append(torch.cat([torch.randn(1, k.shape[1], p, k.shape[3], generator=GEN) * 9, k], 2))
+        vs.append(torch.cat([torch.randn(1, v.shape[1], p, v.shape[3], generator=GEN) * 9, v], 2))
+        pads.append(torch.arange(S) < p)
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.stack(pads)
+
+
+# ---------------------------------------------------------------------------------------------- CAKE prefill
+def test_cake_matches_spec_sketch():
+    q, k, v = _qkv()
+    w = 8
+    A = window_attention(q, k, w, q.shape[-1] ** -0.5)
+    P_ref, I_ref = _spec_cake_stats(A, w, 2, 0.9, 2.3)
+    abar = A[..., : A.shape[-1] - w]
+    assert math.isclose(float(cake_preference(abar, 0.9, 2.3)), P_ref, rel_tol=1e-5)
+    torch.testing.assert_close(cake_indicator(abar, 200.0, 5, "avg", 2), I_ref)
+    out = Cake(window=w, tau1=0.9, tau2=2.3).prefill_scores(_inputs(q, k, v, w))
+    assert out.scores.shape == (1, 2, 60) and out.preference.shape == (1,)
+    torch.testing.assert_close(out.scores[..., : 60 - w], I_ref)
+    assert torch.equal(out.scores[..., 60 - w:], torch.zeros(1, 2, w))
+
+
+def test_cake_padded_batch_equals_unpadded():
+    w, S = 8, 70
+    seqs = [_qkv(S=70), _qkv(S=45), _qkv(S=9)]
+    q, k, v, pad = _padded_batch(seqs, S)
+    out = Cake(window=w, kernel=5).prefill_scores(_inputs(q, k, v, w, pad))
+    assert torch.isfinite(out.scores).all() and torch.isfinite(out.preference).all()
+    for b, (qb, kb, vb) in enumerate(seqs):
+        ref = Cake(window=w).prefill_scores(_inputs(qb, kb, vb, w))
+        n = qb.shape[2]
+        torch.testing.assert_close(out.scores[b, :, S - n: S - w], ref.scores[0, :, : n - w])
+        torch.testing.assert_close(out.preference[b], ref.preference[0], rtol=1e-5, atol=0)
+    # a sample shorter than the window: finite, nothing selectable
+    q, k, v, pad = _padded_batch([_qkv(S=30), _qkv(S=5)], 30)
+    out = Cake(window=8).prefill_scores(_inputs(q, k, v, 8, pad))
+    assert torch.isfinite(out.scores).all() and torch.isfinite(out.preference).all()
+
+
+@pytest.mark.parametrize("S, window", [(5, 8), (8, 8), (20, 1)])
+def test_cake_short_prompts_and_tiny_windows(S, window):
+    q, k, v = _qkv(B=2, S=S)
+    out = Cake(window=window).prefill_scores(_inputs(q, k, v, window))
+    assert out.scores.shape == (2, 2, S)
+    assert torch.isfinite(out.scores).all() and torch.isfinite(out.preference).all()
+    assert bool((out.preference > 0).all())
+
+
+def test_cake_validation_and_taus():
+    for bad in (dict(kernel=4), dict(pooling="min"), dict(tau1=0.0), dict(gamma=-1.0), dict(window=0)):
+        with pytest.raises(ValueError):
+            Cake(**bad)
+    assert cake_taus("meta-llama/Llama-2-7b-chat-hf", 128) == (0.9, 2.3)
+    assert cake_taus("meta-llama/Llama-3.1-8B-Instruct", 1024) == (1.6, 0.4)
+    assert cake_taus("mistralai/Mistral-7B-Instruct-v0.3", 128) == (1.0, 0.8)
+    assert cake_taus("Qwen/Qwen2.5-7B-Instruct", 1024) == (1.5, 0.6)
+    assert cake_taus("llama2-13b-chat", 128) == (1.8, 2.0)
+    assert cake_taus("meta-llama/Llama-2-70b-chat-hf", 128) == (1.0, 1.0)
+    assert cake_taus("meta-llama/Llama-2-7b-chat-hf", 256) == (1.0, 1.0)
+    assert make_method("cake").layer_budgets == "preference"
+
+
+# ---------------------------------------------------------------------------------------------- decode rule
+def test_decode_scores_follow_spec_7_5():
+    B, Hq, Hkv, n, w = 2, 4, 2, 20, 6
+    method = Cake(window=w)
+    probs = torch.softmax(torch.randn(B, Hq, 3, n, generator=GEN), -1)
+    positions = torch.arange(n).expand(B, Hkv, n).clone()
+    valid = torch.ones(B, Hkv, n, dtype=torch.bool)
+    s = method.decode_scores(DecodeInputs(probs, positions, valid, torch.zeros(B, Hkv, n)))
+    p = probs.mean(2)[..., : n - w]
+    ref = F.avg_pool1d(p.reshape(-1, 1, n - w), 5, 1, 2).reshape(B, Hq, n - w).view(B, Hkv, 2, -1).mean(2)
+    torch.testing.assert_close(s[..., : n - w], ref)
+    # slots stored out of positional order: the same scores, permuted with the slots
+    perm = torch.randperm(n, generator=GEN)
+    s_perm = method.decode_scores(DecodeInputs(probs[..., perm], positions[..., perm], valid, torch.zeros(B, Hkv, n)))
+    torch.testing.assert_close(s_perm, s[..., perm])
+    assert torch.equal(Slake(window=w).decode_scores(DecodeInputs(probs, positions, valid, s)), s)
+
+
+# ---------------------------------------------------------------------------------------------- VABS
+def _vabs_reference(logits, probs, values, indicator, selectable, alpha, beta, gamma_v, pad):
+    """Loop-based VABS (spec 8.4) per sample; returns (P, list of TV values, list of (Ã >= 0) flags)."""
+    B, Hq, w, S = logits.shape
+    g = Hq // values.shape[1]
+    prefs, tvs, nonneg = [], [], []
+    for b in range(B):
+        real = [j for j in range(S - w) if not pad[b, j]]
+        k0 = min(selectable, len(real))
+        if len(real) - k0 == 0:
+            prefs.append(1e-12)
+            continue
+        prod, ents = [], []
+        for h in range(Hq):
+            kh = h // g
+            order = sorted(real, key=lambda j: (-float(indicator[b, kh, j]), j))
+            ev = torch.zeros(S, dtype=torch.bool)
+            ev[order[k0:]] = True
+            vn = values[b, kh].double().norm(dim=-1) * ~pad[b]
+            omega = vn / vn.sum()
+            for i in range(w):
+                x, a = logits[b, h, i].double(), probs[b, h, i].double()
+                kept = torch.isfinite(x) & ~ev
+                mu = x[ev].mean()
+                m = max(x[kept].max(), mu)
+                wt = torch.zeros(S, dtype=torch.float64)
+                wt[kept] = torch.exp(x[kept] - m)
+                wt[ev] = torch.exp(mu - m) * (1 + x[ev] - mu)
+                at = wt / wt.sum()
+                err = (at - a).abs()
+                tv = 0.5 * err.sum()
+                tvs.append(float(tv))
+                nonneg.append(bool((at >= 0).all()))
+                prod.append(tv * max(float((omega * err).sum()), 1e-12) ** gamma_v)
+                ab = a[: S - w]
+                ents.append(float(-(ab * torch.log(ab + 1e-10)).sum()))
+        prefs.append(max(sum(prod) / len(prod), 1e-12) ** alpha * max(sum(ents) / len(ents), 1e-12) ** beta)
+    return torch.tensor(prefs), tvs, nonneg
+
+
+def test_vabs_matches_loop_reference_and_invariant_9():
+    w, S = 6, 40
+    seqs = [_qkv(S=40), _qkv(S=31), _qkv(S=12)]
+    q, k, v, pad = _padded_batch(seqs, S)
+    logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
+    probs = torch.softmax(logits, -1)
+    ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
+    for selectable in (0, 4, 10):
+        out = vabs_preference(logits, probs, v, ind, selectable, w, 0.6, 0.5, 0.1)
+        ref, tvs, nonneg = _vabs_reference(logits, probs, v, ind, selectable, 0.6, 0.5, 0.1, pad)
+        torch.testing.assert_close(out, ref.float(), rtol=2e-4, atol=1e-12)
+        explicit = vabs_preference(logits, probs, v, ind, selectable, w, 0.6, 0.5, 0.1, key_padding=pad)
+        torch.testing.assert_close(explicit, out)
+        assert all(math.isfinite(t) for t in tvs)
+        assert all(0 <= t <= 1 + 1e-9 for t, ok in zip(tvs, nonneg) if ok)
+    # sample 2 has 12 - 6 = 6 selectable tokens: nothing evicted with C' = 10 -> epsilon
+    assert vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5)[2] == torch.tensor(1e-12)
+
+
+def test_vabs_epsilon_when_nothing_evicted_and_padding_invariance():
+    q, k, v = _qkv(B=2, S=50)
+    w = 8
+    method = Slake(window=w, budget_hint=50)
+    assert torch.equal(method.prefill_scores(_inputs(q, k, v, w)).preference, torch.full((2,), 1e-12))
+    method = Slake(window=w, budget_hint=20, alpha=0.4, beta=0.2)
+    seqs = [_qkv(S=50), _qkv(S=37)]
+    qp, kp, vp, pad = _padded_batch(seqs, 50)
+    batch = method.prefill_scores(_inputs(qp, kp, vp, w, pad)).preference
+    for b, (qb, kb, vb) in enumerate(seqs):
+        single = method.prefill_scores(_inputs(qb, kb, vb, w)).preference
+        torch.testing.assert_close(batch[b], single[0], rtol=1e-4, atol=0)
+    assert bool((batch > 1e-12).all())
+
+
+def test_slake_ablation_switches_and_helpers():
+    q, k, v = _qkv(B=2, S=50)
+    inp = _inputs(q, k, v, 8)
+    cake = Cake(window=8, tau1=0.5, tau2=0.4).prefill_scores(inp)
+    for lin in (False, True):
+        s = make_method("slake", window=8, tau1=0.5, tau2=0.4, linear_cache=lin, vabs=False)
+        out = s.prefill_scores(inp)
+        assert torch.equal(out.preference, cake.preference) and torch.equal(out.scores, cake.scores)
+        assert s.linear_cache is lin
+    full = Slake(window=8, budget_hint=24)
+    assert full.linear_cache and full.vabs and Slake.evict_before_output and not Cake.evict_before_output
+    assert Slake.layer_budgets == "preference" and Slake.name == "slake"
+    assert not torch.equal(full.prefill_scores(inp).preference, cake.preference)
+    with pytest.raises(ValueError, match="budget_hint"):
+        Slake(window=8).prefill_scores(inp)
+    inp.budget = torch.tensor([24, 24])  # the engine's per-sequence budget C stands in for budget_hint
+    torch.testing.assert_close(Slake(window=8).prefill_scores(inp).preference, full.prefill_scores(inp).preference)
+    inp.budget = torch.tensor([24, 50])  # per-sample C: the second sample has nothing provisionally evicted
+    per_sample = Slake(window=8).prefill_scores(inp).preference
+    assert per_sample[1] == torch.tensor(1e-12) and per_sample[0] == full.prefill_scores(inp).preference[0]
+    for bad in (dict(alpha=-1.0), dict(gamma_v=0.0), dict(budget_hint=-3)):
+        with pytest.raises(ValueError):
+            Slake(**bad)
+    assert slake_alpha_beta("meta-llama/Llama-2-7b-chat-hf", 128) == (0.5, 0.4)
+    assert slake_alpha_beta("meta-llama/Llama-3.1-8B-Instruct", 256) == (0.6, 0.5)
+    assert slake_alpha_beta("meta-llama/Llama-3.1-8B-Instruct", 100) == (0.4, 0.2)
+    assert slake_alpha_beta("mistralai/Mistral-7B-Instruct-v0.3", 1024) == (0.4, 0.2)
+    assert slake_alpha_beta("mistralai/Mistral-7B-Instruct-v0.3", 128) == (0.6, 0.5)
+    assert slake_alpha_beta("Qwen/Qwen2.5-7B-Instruct", 128) == (0.5, 0.4)

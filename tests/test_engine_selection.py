@@ -1,0 +1,94 @@
+"""Engine-level invariants on random tensors: kept entries are the top-scored ones, budgets are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slake.budget_spec import Budget
+from slake.cache.compressed import CompressedKV
+from slake.methods import make_method
+
+L, B, HQ, HKV, S, D = 4, 2, 4, 2, 96, 8
+
+
+def _prefill(method_name, budget, padding=None, seed=0, **hyper):
+    g = torch.Generator().manual_seed(seed)
+    method = make_method(method_name, **hyper)
+    eng = CompressedKV(method, budget, L)
+    captured = []
+    for layer in range(L):
+        q = torch.randn(B, HQ, S, D, generator=g) * 2
+        k = torch.randn(B, HKV, S, D, generator=g) * 2
+        v = torch.randn(B, HKV, S, D, generator=g)
+        captured.append((q, k, v))
+        eng.prefill_layer(layer, q, k, v, padding, D ** -0.5)
+    return eng, method, captured
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "streamingllm", "pyramidkv", "cake", "slake"])
+def test_kept_entries_are_the_top_scored_ones(name):
+    eng, method, captured = _prefill(name, 40)
+    final = eng.info.layer_budgets  # (B, L) selectable budgets
+    for layer, (q, k, v) in enumerate(captured):
+        inputs_budget = torch.full((B,), 40)
+        from slake.methods.base import PrefillInputs
+        res = method.prefill_scores(PrefillInputs(q, k, v, torch.zeros(B, S, dtype=torch.bool), D ** -0.5,
+                                                  method.window, layer, L, inputs_budget))
+        scores = res.scores.clone()
+        pos = torch.arange(S)
+        protected = torch.zeros(S, dtype=torch.bool)
+        if not method.newest_evictable:
+            protected |= pos >= S - method.window
+        protected |= pos < method.sinks
+        store = eng.layers[layer]
+        for b in range(B):
+            n_sel = int(final[b, layer])
+            for h in range(HKV):
+                s = scores[b, h].masked_fill(protected, float("-inf"))
+                expect = set(torch.sort(s, descending=True, stable=True).indices[:n_sel].tolist())
+                expect |= set(pos[protected].tolist())
+                got = set(store.positions[b, h][store.valid[b, h]].tolist())
+                assert got == expect, f"{name} layer {layer} b{b} h{h}"
+
+
+@pytest.mark.parametrize("name", ["snapkv", "cake", "slake", "pyramidkv"])
+def test_layer_budgets_sum_exactly_to_the_total(name):
+    eng, method, _ = _prefill(name, 40, seed=3)
+    sel = eng.info.layer_budgets
+    assert sel.shape == (B, L)
+    assert bool((sel >= 0).all())
+    assert sel.sum(-1).tolist() == [L * (40 - method.protected)] * B
+    kept = torch.stack([s.counts() for s in eng.layers], -1)  # (B, H, L)
+    assert kept.sum(-1).tolist() == [[L * 40] * HKV] * B
+
+
+def test_budget_errors():
+    with pytest.raises(ValueError, match="exceed the budget"):
+        CompressedKV(make_method("snapkv"), 16, L)
+    for bad in [0, -3, 1.5, "abc", True, float("nan")]:
+        with pytest.raises(ValueError):
+            Budget(bad)
+    assert Budget("0.25").tokens(400) == 100
+    assert Budget(128.0).value == 128
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("nope")
+    with pytest.raises(ValueError, match="no hyperparameter"):
+        make_method("snapkv", wndow=3)
+
+
+def test_ratio_budget_per_sequence_and_padding_never_kept():
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, :30] = True  # second sequence is 66 real tokens
+    eng, method, _ = _prefill("snapkv", "0.5", padding=pad)
+    assert eng.info.budget.tolist() == [48, 33]
+    for store in eng.layers:
+        assert store.counts()[0].tolist() == [48] * HKV
+        assert store.counts()[1].tolist() == [33] * HKV
+        assert bool((store.positions[1][store.valid[1]] >= 30).all())
+
+
+def test_a_layer_is_never_emptied_even_at_the_smallest_budget():
+    eng, method, _ = _prefill("cake", 32)  # budget == window: zero selectable tokens
+    for store in eng.layers:
+        assert bool((store.counts() == 32).all())
