@@ -205,14 +205,9 @@ class CompressedKV:
         """
         store = self.layers[layer_idx]
         B, Hq, nq, d = queries.shape
-        H = store.keys.shape[1]
-        g = Hq // H
-        qf = queries.float().reshape(B, H, g, nq, d)
-        x = torch.matmul(qf, store.keys.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B,H,g,nq,n)
         newest = self.seen[layer_idx] - 1
-        qpos = torch.arange(newest - nq + 1, newest + 1, device=x.device)
-        visible = store.valid[:, :, None, None, :] & (store.positions[:, :, None, None, :] <= qpos.view(1, 1, 1, nq, 1))
-        x = x.masked_fill(~visible, float("-inf"))
+        qpos = torch.arange(newest - nq + 1, newest + 1, device=queries.device)
+        qf, x = layer_logits(store, queries, qpos, scaling)
         target = self.targets[layer_idx]
         evict = None
         if target is not None and self.method.decode_eviction and not self.method.keeps_everything:
@@ -225,6 +220,17 @@ class CompressedKV:
         if evict is not None:
             store.free(evict)
         return out.reshape(B, Hq, nq, d)
+
+    def attention(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Read-only attention of queries at ``positions`` over the layer as it is now (no eviction).
+
+        Kept entries at or before each query's position are visible; the linear term (if any) is included. Used by
+        ``slake fidelity`` to compare against full attention. Returns ``(B, Hq, n_q, d)`` float32.
+        """
+        store = self.layers[layer_idx]
+        B, Hq, nq, d = queries.shape
+        qf, x = layer_logits(store, queries, positions, scaling)
+        return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
 
     def _decode_evict(self, layer_idx: int, x: torch.Tensor, target: torch.Tensor, newest: int) -> torch.Tensor | None:
         store = self.layers[layer_idx]
@@ -281,6 +287,21 @@ class CompressedKV:
                                                               fn(i.compress))
             if i.layer_budgets is not None:
                 i.layer_budgets = fn(i.layer_budgets)
+
+
+def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tensor,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's slots.
+
+    Logits are ``scaling * q . k`` in fp32, ``-inf`` for empty slots and for keys after the query's position.
+    """
+    B, Hq, nq, d = queries.shape
+    H = store.keys.shape[1]
+    qf = queries.float().reshape(B, H, Hq // H, nq, d)
+    x = torch.matmul(qf, store.keys.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B,H,g,nq,n)
+    visible = store.valid[:, :, None, None, :] & (
+        store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1))
+    return qf, x.masked_fill(~visible, float("-inf"))
 
 
 def linear_state_slots(head_dim: int, itemsize: int) -> int:
