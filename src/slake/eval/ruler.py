@@ -1,0 +1,209 @@
+"""RULER: the 13 synthetic tasks, generated to a target length in the model's tokens.
+
+Our own generators and wording, following the task definitions of the RULER paper
+(Hsieh et al., 2024): a task instruction first, the long input, the question last, and an answer
+prefix that the prompt builder places after the chat template's generation prompt.
+
+========================  =========================================================  ========  =====
+task                      what it is                                                 metric    max
+========================  =========================================================  ========  =====
+niah_single_1             one needle (word key, 7-digit value) in repeated noise     all       128
+niah_single_2             one needle in essays                                       all       128
+niah_single_3             one needle with a UUID value in essays                     all       128
+niah_multikey_1           the asked needle plus 3 distractor needles in essays       all       128
+niah_multikey_2           one needle in a haystack made of distractor needles        all       128
+niah_multikey_3           as multikey_2 with UUID keys and values                    all       128
+niah_multivalue           4 values for the asked key, in essays                      all       128
+niah_multiquery           4 keys asked, in essays                                    all       128
+vt                        variable tracking: a 4-hop assignment chain in noise       all       30
+cwe                       the 10 most common words of a numbered word list           all       120
+fwe                       the 3 most frequent coded words of Zipf-sampled text       all       50
+qa_1                      SQuAD: gold paragraph among distractor paragraphs          part      32
+qa_2                      HotpotQA: gold paragraphs among distractor paragraphs      part      32
+========================  =========================================================  ========  =====
+
+Deviations from the reference implementation: no few-shot example is prepended to vt/cwe/fwe;
+cwe words come from the essays' vocabulary (or a given list) and lower their repetition counts
+for short targets; lengths count the plain prompt (``context + question + answer_prefix``)
+without chat-template tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .data_sources import QARecord, hotpotqa_samples, squad_samples
+from .fitting import DEFAULT_TOLERANCE, Fit, LengthFitError, fit_to_length
+from .haystack import default_essays
+from .metrics import ruler_score, string_match_all, string_match_part
+from .ruler_niah import NIAH_TASKS, niah_renderer
+from .ruler_qa import qa_renderer
+from .ruler_vt import vt_renderer
+from .ruler_words import cwe_renderer, fwe_renderer, vocabulary_from_texts
+from .sample import Draft, Sample, TokenizerLike, count_tokens
+
+__all__ = [
+    "RULER_TASKS",
+    "RulerTaskSpec",
+    "TASK_SPECS",
+    "ruler_sample",
+    "ruler_samples",
+    "ruler_score",
+    "string_match_all",
+    "string_match_part",
+]
+
+
+@dataclass(frozen=True)
+class RulerTaskSpec:
+    """Scoring and generation settings of a RULER task."""
+
+    name: str
+    category: str
+    metric: str
+    max_new_tokens: int
+
+
+_CATEGORY = {"vt": "multi_hop_tracing", "cwe": "aggregation", "fwe": "aggregation", "qa_1": "qa", "qa_2": "qa"}
+
+RULER_TASKS: tuple[str, ...] = (*NIAH_TASKS, "vt", "cwe", "fwe", "qa_1", "qa_2")
+
+TASK_SPECS: dict[str, RulerTaskSpec] = {
+    **{t: RulerTaskSpec(t, "retrieval", "all", 128) for t in NIAH_TASKS},
+    "vt": RulerTaskSpec("vt", _CATEGORY["vt"], "all", 30),
+    "cwe": RulerTaskSpec("cwe", _CATEGORY["cwe"], "all", 120),
+    "fwe": RulerTaskSpec("fwe", _CATEGORY["fwe"], "all", 50),
+    "qa_1": RulerTaskSpec("qa_1", "qa", "part", 32),
+    "qa_2": RulerTaskSpec("qa_2", "qa", "part", 32),
+}
+
+#: (freq_common, freq_uncommon) tried in order for cwe; the first whose common-word block fits
+#: in half the target length is used.
+_CWE_FREQS: tuple[tuple[int, int], ...] = ((30, 3), (20, 3), (10, 2), (5, 1), (2, 1))
+
+
+def _default_max_size(length: int) -> int:
+    return 4 * length + 1000
+
+
+def _fit(
+    render: Callable[[int], Draft], tokenizer: TokenizerLike, length: int, max_size: int, tolerance: float
+) -> Fit[Draft]:
+    return fit_to_length(render, Draft.text, tokenizer, length, max_size, tolerance=tolerance)
+
+
+def _fit_cwe(seed: str, vocab: list[str], tokenizer: TokenizerLike, length: int, tolerance: float) -> Fit[Draft]:
+    """Use the highest repetition counts whose common-word block fits in half the target."""
+    for freq_c, freq_u in _CWE_FREQS:
+        render, max_words = cwe_renderer(seed, vocab, freq_common=freq_c, freq_uncommon=freq_u)
+        if count_tokens(tokenizer, render(0).text()) <= length // 2 or (freq_c, freq_u) == _CWE_FREQS[-1]:
+            break
+    return _fit(render, tokenizer, length, max_words, tolerance)
+
+
+def _fit_fwe(seed: str, tokenizer: TokenizerLike, length: int, max_size: int, tolerance: float) -> Fit[Draft]:
+    """Redraw (up to 20 times) until the top words are not tied with the next one."""
+    for attempt in range(20):
+        fit = _fit(fwe_renderer(f"{seed}:{attempt}"), tokenizer, length, max_size, tolerance)
+        if not fit.value.metadata["tie"]:
+            fit.value.metadata["attempt"] = attempt
+            return fit
+    raise LengthFitError(f"fwe: could not draw a text without ties at length {length}")
+
+
+def ruler_sample(
+    task: str,
+    tokenizer: TokenizerLike,
+    length: int,
+    *,
+    seed: int = 0,
+    essays: Sequence[str] | None = None,
+    qa_records: Sequence[QARecord] | None = None,
+    vocabulary: Sequence[str] | None = None,
+    depth: float | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Sample:
+    """Generate one RULER sample whose plain prompt has ``length`` tokens (within ``tolerance``).
+
+    Parameters
+    ----------
+    task : str
+        One of :data:`RULER_TASKS`.
+    tokenizer : TokenizerLike
+        The model's tokenizer (``encode(text, add_special_tokens=False)``).
+    length : int
+        Target length in tokens.
+    seed : int
+        Sample seed; the same seed gives the same sample.
+    essays : sequence of str, optional
+        Essay haystack source (essay NIAH tasks; cwe vocabulary); Paul Graham essays by default.
+    qa_records : sequence of QARecord, optional
+        Records for qa_1/qa_2; SQuAD / HotpotQA from the installed data by default.
+    vocabulary : sequence of str, optional
+        Word list for cwe; the essays' vocabulary by default.
+    depth : float, optional
+        NIAH tasks only: depth in percent of the (first) asked needle; random otherwise.
+    tolerance : float
+        Allowed relative shortfall of the achieved length.
+
+    Returns
+    -------
+    Sample
+    """
+    if task not in TASK_SPECS:
+        raise KeyError(f"unknown RULER task {task!r}; expected one of {RULER_TASKS}")
+    spec = TASK_SPECS[task]
+    task_seed = f"{task}:{seed}"
+    max_size = _default_max_size(length)
+    extra: dict[str, object] = {"seed": seed, "target_length": length}
+
+    if task in NIAH_TASKS:
+        cfg = NIAH_TASKS[task]
+        render = niah_renderer(cfg, task_seed, default_essays(essays) if cfg.haystack == "essay" else None, depth)
+        fit = _fit(render, tokenizer, length, max_size, tolerance)
+    elif task == "vt":
+        fit = _fit(vt_renderer(task_seed), tokenizer, length, max_size, tolerance)
+    elif task == "cwe":
+        vocab = list(vocabulary) if vocabulary is not None else vocabulary_from_texts(default_essays(essays))
+        fit = _fit_cwe(task_seed, vocab, tokenizer, length, tolerance)
+    elif task == "fwe":
+        fit = _fit_fwe(task_seed, tokenizer, length, max_size, tolerance)
+        extra["attempt"] = fit.value.metadata["attempt"]
+    else:
+        records = qa_records
+        if records is None:
+            records = squad_samples() if task == "qa_1" else hotpotqa_samples()
+        fit = _fit(qa_renderer(records, task_seed), tokenizer, length, max_size, tolerance)
+
+    draft = fit.value
+    depth_value = draft.metadata.get("depth") if task in NIAH_TASKS else None
+    return draft.to_sample(
+        task=task,
+        metric=spec.metric,
+        max_new_tokens=spec.max_new_tokens,
+        length=fit.length,
+        sample_id=f"{task}-{length}-{seed}",
+        depth=depth_value,
+        extra=extra,
+    )
+
+
+def ruler_samples(
+    task: str,
+    tokenizer: TokenizerLike,
+    length: int,
+    num_samples: int,
+    *,
+    seed: int = 0,
+    **kwargs: object,
+) -> list[Sample]:
+    """``num_samples`` samples with seeds ``seed, seed + 1, ...`` (keyword arguments as in
+    :func:`ruler_sample`).  Data files are loaded once and shared."""
+    if task in ("qa_1", "qa_2") and kwargs.get("qa_records") is None:
+        kwargs["qa_records"] = squad_samples() if task == "qa_1" else hotpotqa_samples()
+    if task == "cwe" and kwargs.get("vocabulary") is None:
+        kwargs["vocabulary"] = vocabulary_from_texts(default_essays(kwargs.get("essays")))  # type: ignore[arg-type]
+    if task in NIAH_TASKS and NIAH_TASKS[task].haystack == "essay" and kwargs.get("essays") is None:
+        kwargs["essays"] = default_essays(None)
+    return [ruler_sample(task, tokenizer, length, seed=seed + i, **kwargs) for i in range(num_samples)]  # type: ignore[arg-type]
