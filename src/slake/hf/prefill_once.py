@@ -1,0 +1,123 @@
+"""Prefill once, compress many (ARCHITECTURE.md section 4).
+
+Compression never changes prefill outputs (each layer's attention is exact and the layer is compressed afterwards),
+and the cascade only depends on the per-layer queries/keys/values in layer order. So one full prefill can be
+recorded — every layer's post-RoPE queries, keys and values plus the last-position logits — and replayed into any
+number of (method, budget) caches, each giving exactly the cache that live compression would have built. Decoding
+then continues from each replayed cache with a plain greedy loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..budget_spec import Budget
+from ..cache.compressed import CompressedKV
+from ..methods.base import Method, make_method
+from .attention import prepare_model
+from .cache import SlakeCache
+
+
+class _RecordingKV(CompressedKV):
+    """A full-cache engine that also records each layer's prefill inputs."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(make_method("full"), 1, num_layers)
+        self.records: list[tuple] = [None] * num_layers
+
+    def prefill_layer(self, layer_idx, queries, keys, values, key_padding, scaling) -> None:
+        self.records[layer_idx] = (queries, keys, values, key_padding, scaling)
+        super().prefill_layer(layer_idx, queries, keys, values, key_padding, scaling)
+
+
+@dataclass
+class PrefillCapture:
+    """A recorded prefill: per-layer prefill inputs, the prompt's attention mask and last logits."""
+
+    records: list[tuple]
+    attention_mask: torch.Tensor  # (B, S) 1 = real token
+    last_logits: torch.Tensor  # (B, vocab) float32 logits at the last prompt position
+    prefill_s: float
+    num_layers: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_layers = len(self.records)
+
+    @property
+    def prompt_len(self) -> int:
+        """Padded prompt length ``S``."""
+        return self.attention_mask.shape[1]
+
+    def replay(self, method: str | Method, budget: int | float | str | Budget, **hyperparameters) -> SlakeCache:
+        """A :class:`SlakeCache` holding the compressed prompt, as live compression would have left it."""
+        cache = SlakeCache(make_method(method, **hyperparameters), budget, self.num_layers)
+        for layer, (q, k, v, pad, scaling) in enumerate(self.records):
+            cache.engine.prefill_layer(layer, q, k, v, pad, scaling)
+            cache.layers[layer].lazy_initialization(k, v)
+        return cache
+
+
+def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillCapture:
+    """Run one exact prefill of ``input_ids`` (left-padded) and record what compression needs."""
+    prepare_model(model)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    cache = SlakeCache("full", 1, model.config.num_hidden_layers)
+    engine = _RecordingKV(model.config.num_hidden_layers)
+    cache.engine = engine
+    for layer in cache.layers:
+        layer.engine = engine
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                    position_ids=_positions(attention_mask), logits_to_keep=1)
+    cache.check_routed()
+    return PrefillCapture(records=engine.records, attention_mask=attention_mask,
+                          last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start)
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 0)
+
+
+def greedy_decode(model, capture: PrefillCapture, cache: SlakeCache, max_new_tokens: int,
+                  eos_token_ids: list[int] | None = None, extra_ids: torch.Tensor | None = None) -> list[list[int]]:
+    """Greedy continuation of a replayed cache; returns the new token ids of each sequence (EOS included).
+
+    ``extra_ids`` (``(B, n)``) are fed as one chunk before generating: the question of a question-agnostic run
+    (compress the context, then ask). Without it the first token comes from the recorded prefill logits.
+    """
+    eos = set(eos_token_ids or [])
+    mask = capture.attention_mask
+    B = mask.shape[0]
+    real = mask.sum(-1)
+    with torch.inference_mode():
+        if extra_ids is not None:
+            n = extra_ids.shape[1]
+            mask = torch.cat([mask, torch.ones_like(extra_ids)], 1)
+            pos = real[:, None] + torch.arange(n, device=mask.device)[None]
+            logits = model(input_ids=extra_ids, attention_mask=mask, past_key_values=cache, position_ids=pos,
+                           logits_to_keep=1).logits[:, -1]
+            real = real + n
+        else:
+            logits = capture.last_logits
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        for step in range(max_new_tokens):
+            nxt = logits.argmax(-1)
+            for b in range(B):
+                if not done[b]:
+                    tokens[b].append(int(nxt[b]))
+                    done[b] = int(nxt[b]) in eos
+            if all(done) or step == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1)
+            pos = (real + step)[:, None]
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=cache,
+                           position_ids=pos).logits[:, -1]
+    cache.check_routed()
+    return tokens
