@@ -65,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(p)
+    p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
+    p.add_argument("--methods", default="cake,slake", help="comma-separated methods")
+    p.add_argument("--budgets", default="64,128,256", help="comma-separated budgets")
+    p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (generated needle document)")
+    p.add_argument("--prompt-file", help="use this prompt instead of a generated document")
+    p.add_argument("--steps", type=int, default=16, help="decode steps whose queries are measured")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--linear-cache", choices=["default", "on", "off", "both"], default="default",
+                   help="force the PTAA linear cache on/off for every method, or measure both")
+    p.add_argument("--out", help="folder for fidelity.json, fidelity.md and fidelity_per_layer.png")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    _add_model_args(p)
     return parser
 
 
@@ -139,7 +151,65 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"methods": cmd_methods, "generate": cmd_generate}
+def _split(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from . import fidelity
+    from .hf.generate import format_prompt
+    from .methods import make_method
+    from .models import load_model
+
+    methods = _split(args.methods)
+    budgets = [Budget(b).value for b in _split(args.budgets)]
+    for m in methods:
+        make_method(m)
+    lin_modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.linear_cache]
+    if args.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+    if args.prompt_file:
+        text = _read_prompt(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
+    else:
+        from .eval.needle import needle_sample
+
+        sample = needle_sample(tokenizer, args.length, 50.0, kind="number", seed=args.seed)
+        text = sample.context + sample.question
+    ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).input_ids
+    ids = ids.to(model.device)
+    print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...",
+          file=sys.stderr)
+    rec = fidelity.record(model, ids, args.steps)
+    rows = []
+    for m in methods:
+        for lin in lin_modes:
+            for b in budgets:
+                rows += fidelity.measure(rec, m, b, linear_cache=lin)
+    for r in rows:
+        r["prompt_tokens"] = int(ids.shape[1])
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fidelity.json").write_text(json.dumps({"rows": rows}, indent=1))
+        (out / "fidelity.md").write_text(
+            f"# Attention fidelity ({ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
+            + fidelity.summary_table(rows) + "\n\n## Per layer (decode queries)\n\n"
+            + fidelity.per_layer_table(rows) + "\n")
+        fidelity.plot_per_layer(rows, str(out / "fidelity_per_layer.png"))
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    else:
+        print(fidelity.summary_table(rows))
+        print()
+        print(fidelity.per_layer_table(rows))
+    return 0
+
+
+COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity}
 
 
 def main(argv: list[str] | None = None) -> int:

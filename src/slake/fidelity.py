@@ -1,0 +1,192 @@
+"""``slake fidelity``: how well a compressed cache approximates full attention, layer by layer.
+
+One exact run of the model on a real prompt records, for every layer, the post-RoPE queries/keys/values of the
+prompt and of ``steps`` greedy decode steps (full cache). Each (method, budget) then rebuilds its compressed cache
+from the recorded prompt exactly as live compression would (cascade included), replays the decode steps
+(teacher-forced: the same tokens as the full run, so errors do not compound across layers) and compares, per layer,
+the attention output of
+
+* the decode-step queries (``rel_err``), and
+* the observation-window queries, the last ``window`` prompt queries (``rel_err_window``),
+
+with full attention: ``||o_method - o_full|| / ||o_full||`` (Frobenius norm over heads and head dims, mean over
+queries). This isolates the approximation of attention itself, the quantity PTAA is designed to improve (SLAKE
+section 3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .budget_spec import Budget
+from .cache.compressed import CompressedKV
+from .methods.base import make_method
+
+
+@dataclass
+class Recording:
+    """Per-layer prompt records ``(q, k, v, padding, scaling)`` and per-step decode records ``(q, k, v)``."""
+
+    prompt: list[tuple]
+    steps: list[list[tuple]]  # steps[t][layer] = (q, k, v)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.prompt)
+
+
+class _Recorder(CompressedKV):
+    """Full-cache engine that records prompt and decode inputs."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(make_method("full"), 1, num_layers)
+        self.prompt: list[tuple] = [None] * num_layers
+        self.steps: list[list[tuple]] = []
+        self._kv: dict[int, tuple] = {}
+
+    def prefill_layer(self, layer_idx, queries, keys, values, key_padding, scaling) -> None:
+        self.prompt[layer_idx] = (queries, keys, values, key_padding, scaling)
+        super().prefill_layer(layer_idx, queries, keys, values, key_padding, scaling)
+
+    def append(self, layer_idx, keys, values):
+        self._kv[layer_idx] = (keys.clone(), values.clone())
+        return super().append(layer_idx, keys, values)
+
+    def decode_attention(self, layer_idx, queries, scaling):
+        if layer_idx == 0:
+            self.steps.append([None] * self.num_layers)
+        k, v = self._kv.pop(layer_idx)
+        self.steps[-1][layer_idx] = (queries.clone(), k, v)
+        return super().decode_attention(layer_idx, queries, scaling)
+
+
+def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
+    """Run the prompt and ``steps`` greedy tokens with the full cache, recording every layer's inputs."""
+    from .hf.attention import prepare_model
+    from .hf.cache import SlakeCache
+
+    prepare_model(model)
+    L = model.config.num_hidden_layers
+    cache = SlakeCache("full", 1, L)
+    rec = _Recorder(L)
+    cache.engine = rec
+    for layer in cache.layers:
+        layer.engine = rec
+    with torch.inference_mode():
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+                       max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+                       pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    cache.check_routed()
+    return Recording(prompt=rec.prompt, steps=rec.steps[:steps])
+
+
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """Exact causal attention of queries at ``qpos`` over keys at positions ``0..n-1`` (fp32)."""
+    B, Hq, nq, d = q.shape
+    H = k.shape[1]
+    qf = q.float().reshape(B, H, Hq // H, nq, d)
+    x = torch.matmul(qf, k.float().unsqueeze(2).transpose(-1, -2)) * scaling
+    kpos = torch.arange(k.shape[2], device=q.device)
+    x = x.masked_fill(kpos.view(1, 1, 1, 1, -1) > qpos.view(1, 1, 1, -1, 1), float("-inf"))
+    return torch.matmul(torch.softmax(x, -1), v.float().unsqueeze(2)).reshape(B, Hq, nq, d)
+
+
+def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """Mean over queries of ``||approx - exact|| / ||exact||`` (norm over heads and head dims)."""
+    a = approx.float().transpose(1, 2).flatten(2)  # (B, nq, Hq*d)
+    e = exact.float().transpose(1, 2).flatten(2)
+    return float(((a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-12)).mean())
+
+
+def measure(recording: Recording, method: str, budget: int | float | str, window: int = 32,
+            linear_cache: bool | None = None, **hyperparameters) -> list[dict]:
+    """Per-layer relative errors of one (method, budget) against full attention.
+
+    Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache"}``.
+    """
+    if linear_cache is not None:
+        hyperparameters["linear_cache"] = linear_cache
+    m = make_method(method, **hyperparameters)
+    L = recording.num_layers
+    eng = CompressedKV(m, Budget(budget), L)
+    S = recording.prompt[0][1].shape[2]
+    win_pos = torch.arange(max(S - window, 0), S)
+    window_err = []
+    for layer, (q, k, v, pad, scaling) in enumerate(recording.prompt):
+        eng.prefill_layer(layer, q, k, v, pad, scaling)
+    full_k = [rec[1] for rec in recording.prompt]
+    full_v = [rec[2] for rec in recording.prompt]
+    for layer, (q, k, v, pad, scaling) in enumerate(recording.prompt):
+        qw = q[:, :, win_pos]
+        window_err.append(_rel_err(eng.attention(layer, qw, win_pos, scaling),
+                                   _full_attention(qw, k, v, win_pos, scaling)))
+    decode_err = [[] for _ in range(L)]
+    for t, step in enumerate(recording.steps):
+        pos = torch.tensor([S + t])
+        for layer, (q, k, v) in enumerate(step):
+            scaling = recording.prompt[layer][4]
+            eng.append(layer, k, v)
+            approx = eng.decode_attention(layer, q, scaling)
+            full_k[layer] = torch.cat([full_k[layer], k], 2)
+            full_v[layer] = torch.cat([full_v[layer], v], 2)
+            exact = _full_attention(q, full_k[layer], full_v[layer], pos, scaling)
+            decode_err[layer].append(_rel_err(approx, exact))
+    return [{"method": m.name, "budget": Budget(budget).value, "layer": layer, "linear_cache": m.linear_cache,
+             "rel_err": sum(decode_err[layer]) / max(len(decode_err[layer]), 1),
+             "rel_err_window": window_err[layer]} for layer in range(L)]
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown table: one line per (method, linear cache, budget) with the mean over layers and the worst layer."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["linear_cache"], r["budget"]), []).append(r)
+    lines = ["| method | linear cache | budget | decode rel. err (mean over layers) | worst layer | "
+             "window rel. err (mean) |", "|---|---|---|---|---|---|"]
+    for (method, lin, budget), rs in groups.items():
+        mean = sum(r["rel_err"] for r in rs) / len(rs)
+        worst = max(rs, key=lambda r: r["rel_err"])
+        win = sum(r["rel_err_window"] for r in rs) / len(rs)
+        lines.append(f"| {method} | {'yes' if lin else 'no'} | {budget} | {mean:.4f} | "
+                     f"{worst['layer']} ({worst['rel_err']:.4f}) | {win:.4f} |")
+    return "\n".join(lines)
+
+
+def per_layer_table(rows: list[dict]) -> str:
+    """Markdown table of decode relative error per layer (columns = (method, budget))."""
+    keys = sorted({(r["method"], r["linear_cache"], r["budget"]) for r in rows}, key=lambda k: (k[0], bool(k[1]), float(k[2])))
+    layers = sorted({r["layer"] for r in rows})
+    look = {(r["method"], r["linear_cache"], r["budget"], r["layer"]): r["rel_err"] for r in rows}
+    head = "| layer | " + " | ".join(f"{m}{'+lin' if lin else ''}@{b}" for m, lin, b in keys) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + 1)]
+    for layer in layers:
+        lines.append(f"| {layer} | " + " | ".join(f"{look[(*k, layer)]:.4f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def plot_per_layer(rows: list[dict], path: str) -> None:
+    """Line plot of decode relative error per layer, one line per (method, budget); saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    keys = sorted({(r["method"], r["linear_cache"], r["budget"]) for r in rows}, key=lambda k: (k[0], bool(k[1]), float(k[2])))
+    for m, lin, b in keys:
+        rs = sorted((r for r in rows if (r["method"], r["linear_cache"], r["budget"]) == (m, lin, b)),
+                    key=lambda r: r["layer"])
+        ax.plot([r["layer"] for r in rs], [r["rel_err"] for r in rs], marker="o", markersize=3,
+                label=f"{m}{' + linear cache' if lin and m != 'slake' else ''} @ {b}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative error of attention output")
+    ax.set_yscale("log")
+    ax.set_title("Attention fidelity vs full cache (decode-step queries)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
