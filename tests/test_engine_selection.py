@@ -92,3 +92,18 @@ def test_a_layer_is_never_emptied_even_at_the_smallest_budget():
     eng, method, _ = _prefill("cake", 32)  # budget == window: zero selectable tokens
     for store in eng.layers:
         assert bool((store.counts() == 32).all())
+
+
+def test_h2o_window_tokens_keep_their_accumulated_attention():
+    """Regression: window tokens used to get score 0 at decode (their +inf protection was dropped)."""
+    from slake.methods.common import group_mean
+    from slake.methods.h2o import accumulated_attention
+
+    eng, method, captured = _prefill("h2o", 48)
+    q, k, v = captured[0]
+    acc = group_mean(accumulated_attention(q, k, D ** -0.5, None), HKV)
+    store = eng.layers[0]
+    window = store.valid & (store.positions >= S - method.window)
+    assert bool(window.any())
+    expect = acc.gather(-1, store.positions.clamp_min(0))
+    torch.testing.assert_close(store.scores[window], expect[window])

@@ -12,6 +12,8 @@ notation; the engine adds the protected window ``w`` on top. Integer results are
   one cascade stage to the next (Proposition 1), which is what makes cascading equal one-shot eviction (Theorem 1).
   Deviation: the reference CAKE code's ``adjust_budgets`` (truncate, even redistribution) is not reproduced, because
   it breaks Theorem 1 (section 10-C5).
+* :func:`cross_head_counts` / :func:`safeguarded_head_counts` - AdaKV/LAVa per-head budgets: one top-k over all
+  KV heads of a layer (spec ``lava-ahakv-sagekv.md`` sections 1.3(8) and 4), optionally with AdaKV's safeguard floor.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["largest_remainder", "preference_budgets", "pyramid_budgets", "uniform_budgets", "waterfill"]
+__all__ = ["cross_head_counts", "largest_remainder", "preference_budgets", "pyramid_budgets",
+           "safeguarded_head_counts", "uniform_budgets", "waterfill"]
 
 
 def _as_prefs(prefs: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -147,3 +150,55 @@ def pyramid_budgets(num_layers: int, selectable: int, prompt_len: int, window: i
         return largest_remainder(real.clamp_min(0), n * c)
     step = (max_n - min_n) // (n - 1)
     return max_n - step * torch.arange(n, dtype=torch.int64)
+
+
+def _candidates(scores: torch.Tensor) -> torch.Tensor:
+    """Selectable slots: finite scores (``+inf`` = protected, ``-inf`` = empty)."""
+    return (scores > float("-inf")) & (scores < float("inf"))
+
+
+def cross_head_counts(scores: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Per-head counts of one top-``total`` over all KV heads of a layer (AdaKV / LAVa head budgets).
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``(B, H, n)`` float scores; only finite entries are candidates (``+inf`` protected, ``-inf`` empty).
+    total : torch.Tensor
+        ``(B,)`` int64 number of candidates to keep in the whole layer (clamped to the candidates available).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, H)`` int64, ``count[b, h]`` = entries of head ``h`` among the ``total[b]`` best candidates of sequence
+        ``b``; the counts sum to ``min(total, candidates)`` exactly and never exceed a head's candidates. Ties are
+        broken deterministically (lower head, then lower slot first), consistently with a stable per-head sort.
+    """
+    B, H, n = scores.shape
+    cand = _candidates(scores)
+    flat = scores.float().masked_fill(~cand, float("-inf")).reshape(B, H * n)
+    order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
+    k = torch.minimum(total.to(scores.device).view(-1, 1), cand.reshape(B, -1).sum(-1, keepdim=True))
+    chosen = torch.arange(H * n, device=scores.device).view(1, -1) < k
+    counts = torch.zeros(B, H, dtype=torch.int64, device=scores.device)
+    return counts.scatter_add_(-1, order // max(n, 1), chosen.to(torch.int64))
+
+
+def safeguarded_head_counts(scores: torch.Tensor, per_head: torch.Tensor, alpha: float) -> torch.Tensor:
+    """AdaKV's cross-head top-k with a safeguard floor, in kvpress ``AdaKVPress`` form (exact sums).
+
+    Every head first keeps its own ``F = int(alpha * per_head)`` best candidates; the remaining
+    ``H * (per_head - F)`` slots go to one top-k over all heads' other candidates. ``alpha = 0`` is the pure
+    cross-head top-k, ``alpha = 1`` the uniform split. Returns ``(B, H)`` int64 summing to
+    ``min(H * per_head, candidates)`` when every head has at least ``F`` candidates.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    B, H, n = scores.shape
+    cand = _candidates(scores)
+    per_head = per_head.to(scores.device).view(-1, 1)
+    floor = torch.minimum((per_head.double() * alpha).floor().to(torch.int64), cand.sum(-1))  # (B, H)
+    rank = torch.sort(torch.sort(scores.float().masked_fill(~cand, float("-inf")), dim=-1, descending=True,
+                                 stable=True).indices, dim=-1).indices  # rank of each slot in its head
+    rest = scores.float().masked_fill(rank < floor[..., None], float("inf"))  # floor slots leave the pool
+    return floor + cross_head_counts(rest, (H * per_head[:, 0] - floor.sum(-1)).clamp_min(0))

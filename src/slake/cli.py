@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .budget_spec import Budget
+from .eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for fidelity.json, fidelity.md and fidelity_per_layer.png")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
     _add_model_args(p)
+    add_eval_parser(sub)
+    add_make_prompt_parser(sub)
     return parser
 
 
@@ -209,7 +212,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity}
+COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity,
+            "eval": cmd_eval, "make-prompt": cmd_make_prompt}
 
 
 def main(argv: list[str] | None = None) -> int:

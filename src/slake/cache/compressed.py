@@ -71,6 +71,7 @@ class CompressedKV:
         self.seen: list[int] = [0] * num_layers
         self.info: PrefillInfo | None = None
         self.targets: list[torch.Tensor | None] = [None] * num_layers  # (B, Hkv) decode sizes per layer
+        self._raw_scores: dict[int, torch.Tensor] = {}  # prefill scores kept until final (carry_protected_scores)
 
     # ================================================================== prefill
     def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int) -> PrefillInfo:
@@ -116,18 +117,25 @@ class CompressedKV:
             window=self.method.window, layer_idx=layer_idx, num_layers=self.num_layers,
             budget=info.budget.to(dev)))
         store.scores = self._protect(result.scores.float(), positions, valid, newest=S - 1)
+        if result.head_visible is not None:  # uncompressed sequences keep everything visible to every head
+            store.head_visible = result.head_visible.bool() | ~info.compress.to(dev).view(B, 1, 1, 1)
+        if self.method.carry_protected_scores:
+            self._raw_scores[layer_idx] = result.scores.float()
         info.preferences[layer_idx] = result.preference
         policy = self.method.layer_budgets
         if policy == "preference":
             last = layer_idx == self.num_layers - 1
             stage = self._preference_stage(layer_idx, final=last)
             for l in range(layer_idx + 1):
-                self._evict_to(l, stage[:, l])
+                self._evict_to(l, stage[:, l], final=last)
             if last:
                 info.layer_budgets = stage
+                for l in range(self.num_layers):
+                    self._carry_protected(l)
         else:
             sel = self._static_budgets(policy)
             self._evict_to(layer_idx, sel[:, layer_idx])
+            self._carry_protected(layer_idx)
             if info.layer_budgets is None:
                 info.layer_budgets = sel
 
@@ -157,6 +165,15 @@ class CompressedKV:
             rows.append(budget_rules.preference_budgets(prefs, total, cap, final=final))
         return torch.stack([r.to(torch.int64) for r in rows])
 
+    def _carry_protected(self, layer_idx: int) -> None:
+        """Replace the ``+inf`` of kept protected prompt slots by the method's own score (carry_protected_scores)."""
+        raw = self._raw_scores.pop(layer_idx, None)
+        store = self.layers[layer_idx]
+        if raw is None or store is None:
+            return
+        carried = raw.to(store.scores.device).gather(-1, store.positions.clamp_min(0))  # prompt slot = position
+        store.scores = torch.where(store.valid & torch.isposinf(store.scores), carried, store.scores)
+
     def _protect(self, scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, newest: int) -> torch.Tensor:
         """+inf for the window (most recent tokens) and sinks, -inf for empty slots / padding."""
         m = self.method
@@ -169,12 +186,18 @@ class CompressedKV:
         scores = scores.masked_fill(keep, float("inf"))
         return scores.masked_fill(~valid, float("-inf"))
 
-    def _evict_to(self, layer_idx: int, selectable: torch.Tensor) -> None:
-        """Shrink a layer to ``selectable + protected`` tokens per head for compressing sequences (top scores)."""
+    def _evict_to(self, layer_idx: int, selectable: torch.Tensor, final: bool = True) -> None:
+        """Shrink a layer to its protected tokens plus the method's per-head split (:meth:`Method.head_budgets`,
+        uniform by default) of ``selectable * Hkv`` selectable tokens, for compressing sequences (top scores)."""
         store = self.layers[layer_idx]
         info = self.info
         counts = store.counts()  # (B, H)
-        want = (selectable.to(counts.device) + self.method.protected).view(-1, 1)
+        protected = (store.valid & torch.isposinf(store.scores)).sum(-1)
+        candidates = counts - protected
+        per_head = self.method.head_budgets(store.scores, selectable.to(counts.device),
+                                            budget=info.budget.to(counts.device), final=final)
+        per_head = torch.minimum(per_head.to(counts.device, torch.int64).clamp_min(0), candidates)
+        want = per_head + protected
         compress = info.compress.to(counts.device).view(-1, 1)
         keep = torch.where(compress, torch.minimum(want, counts), counts)
         self.targets[layer_idx] = torch.where(compress, keep, torch.full_like(keep, -1))
@@ -236,8 +259,10 @@ class CompressedKV:
         store = self.layers[layer_idx]
         B, H, g, nq, n = x.shape
         probs = torch.softmax(x, dim=-1).nan_to_num_(0.0).reshape(B, H * g, nq, n)
+        info = self.info
         store.scores = self.method.decode_scores(DecodeInputs(
-            probs=probs, positions=store.positions, valid=store.valid, stored=store.scores)).float()
+            probs=probs, positions=store.positions, valid=store.valid, stored=store.scores,
+            prompt_len=info.real_len.to(x.device), budget=info.budget.to(x.device))).float()
         counts = store.counts()
         excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
         if not bool(excess.any()):
@@ -301,6 +326,8 @@ def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tens
     x = torch.matmul(qf, store.keys.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B,H,g,nq,n)
     visible = store.valid[:, :, None, None, :] & (
         store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1))
+    if store.head_visible is not None:  # per-query-head visibility (SAGE-KV)
+        visible = visible & store.head_visible[:, :, :, None, :]
     return qf, x.masked_fill(~visible, float("-inf"))
 
 

@@ -5,6 +5,10 @@ validity mask. Each slot also records the absolute position of its token and a f
 eviction decisions. After a prefill compaction the kept tokens sit in position order at the front of each row;
 at decode, evicted slots are freed in place and the next token is written into a free slot, so no step reallocates
 the layer (the capacity only grows when a row has no free slot, e.g. with no decode eviction).
+
+Optionally a per-query-head visibility mask ``head_visible`` ``(B, Hkv, g, capacity)`` restricts which query heads of
+a GQA group see a slot (SAGE-KV's per-query-head selections stored once per KV head); slots written at decode are
+visible to every head. It is carried through keep / append / select_batch / repeat_batch and counted as metadata.
 """
 
 from __future__ import annotations
@@ -31,16 +35,20 @@ class LayerStore:
         ``(B, Hkv, n)`` float32 per-slot scores.
     linear : LinearState | None
         Linear state of evicted entries (SLAKE's PTAA), or None for plain eviction.
+    head_visible : torch.Tensor | None
+        ``(B, Hkv, g, n)`` bool per-query-head visibility of each slot, or None (every head sees every slot).
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                 scores: torch.Tensor, linear: LinearState | None = None) -> None:
+                 scores: torch.Tensor, linear: LinearState | None = None,
+                 head_visible: torch.Tensor | None = None) -> None:
         self.keys = keys
         self.values = values
         self.positions = positions
         self.valid = valid
         self.scores = scores
         self.linear = linear
+        self.head_visible = head_visible
 
     # ------------------------------------------------------------------ shape
     @property
@@ -90,6 +98,9 @@ class LayerStore:
         self.values = self.values.gather(2, gi)
         self.positions = self.positions.gather(-1, sel).masked_fill(~sel_valid, -1)
         self.scores = self.scores.gather(-1, sel).masked_fill(~sel_valid, float("-inf"))
+        if self.head_visible is not None:
+            hv = self.head_visible
+            self.head_visible = hv.gather(-1, sel[:, :, None, :].expand(-1, -1, hv.shape[2], -1))
         self.valid = sel_valid
         return dropped
 
@@ -114,6 +125,9 @@ class LayerStore:
         self.positions.scatter_(-1, slots, positions.view(1, 1, -1).expand(B, H, -1))
         self.valid.scatter_(-1, slots, True)
         self.scores.scatter_(-1, slots, score)
+        if self.head_visible is not None:
+            g = self.head_visible.shape[2]
+            self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
         return slots
 
     def free(self, evicted: torch.Tensor) -> None:
@@ -132,6 +146,9 @@ class LayerStore:
         self.positions = pad(self.positions, -1)
         self.valid = pad(self.valid, False)
         self.scores = pad(self.scores, float("-inf"))
+        if self.head_visible is not None:
+            hv = self.head_visible
+            self.head_visible = torch.cat([hv, hv.new_ones((*hv.shape[:3], extra))], -1)
 
     def reserve(self, extra_free: int) -> None:
         """Make sure every row has at least ``extra_free`` free slots (preallocation before decoding)."""
@@ -144,6 +161,8 @@ class LayerStore:
         """Keep / reorder batch rows (beam search, batch selection)."""
         for name in ("keys", "values", "positions", "valid", "scores"):
             setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
+        if self.head_visible is not None:
+            self.head_visible = self.head_visible.index_select(0, index.to(self.keys.device))
         if self.linear is not None:
             self.linear.select_batch(index)
 
@@ -151,6 +170,8 @@ class LayerStore:
         """Repeat every batch row ``repeats`` times (``num_return_sequences``)."""
         for name in ("keys", "values", "positions", "valid", "scores"):
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+        if self.head_visible is not None:
+            self.head_visible = self.head_visible.repeat_interleave(repeats, dim=0)
         if self.linear is not None:
             self.linear.repeat_interleave(repeats)
 
@@ -161,6 +182,8 @@ class LayerStore:
         per_slot_kv = 2 * d * self.keys.element_size()
         kept = int(self.valid.sum().item())
         meta = (self.positions.element_size() + self.valid.element_size() + self.scores.element_size()) * B * H * n
+        if self.head_visible is not None:
+            meta += self.head_visible.numel() * self.head_visible.element_size()
         return {
             "kept": kept * per_slot_kv,
             "padding": (B * H * n - kept) * per_slot_kv,

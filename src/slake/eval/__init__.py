@@ -1,4 +1,4 @@
-"""Evaluation data side: data files, synthetic generators (needle, RULER), LongBench, prompts, metrics.
+"""Evaluation: data files, synthetic generators (needle, RULER), LongBench, prompts, metrics, the runner.
 
 Submodules (imported lazily so that ``import slake.eval`` stays cheap):
 
@@ -9,6 +9,10 @@ Submodules (imported lazily so that ``import slake.eval`` stays cheap):
 * :mod:`~slake.eval.prompts` - chat-template prompts, query-aware or question-agnostic.
 * :mod:`~slake.eval.metrics` - LongBench, RULER and needle scoring.
 * :mod:`~slake.eval.sample` - the :class:`Sample` record.
+* :mod:`~slake.eval.runner` - prefill once, replay every (method, budget), score; rows to ``results.jsonl``.
+* :mod:`~slake.eval.results` - the resumable JSONL results store.
+* :mod:`~slake.eval.summary` / :mod:`~slake.eval.plots` - ``summary.md``/``.csv``, heatmaps, score vs budget.
+* :mod:`~slake.eval.suites` / :mod:`~slake.eval.command` - ``slake eval`` and ``slake make-prompt``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ _EXPORTS = {
     "score_prediction": "metrics",
     "longbench_score": "metrics",
     "ruler_score": "metrics",
+    "run_suite": "runner",
+    "read_results": "results",
+    "summary_rows": "summary",
+    "write_summary": "summary",
+    "write_plots": "plots",
+    "plan_suite": "suites",
+    "build_samples": "suites",
 }
 
 __all__ = sorted(_EXPORTS)

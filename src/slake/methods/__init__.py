@@ -1,6 +1,7 @@
 """Compression methods, one file each; importing this package registers them all."""
 
 from . import full, streamingllm, h2o, tova, snapkv, pyramidkv, cake, slake  # noqa: F401  (registration)
+from . import ada_snapkv, ada_pyramidkv, lava, ahakv, sagekv  # noqa: F401  (registration)
 from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, available_methods, make_method, register
 
 __all__ = ["DecodeInputs", "Method", "PrefillInputs", "PrefillScores", "available_methods", "make_method", "register"]

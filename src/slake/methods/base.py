@@ -77,10 +77,16 @@ class PrefillScores:
     preference : torch.Tensor | None
         ``(B,)`` float32 layer preference (CAKE's ``P_l``, SLAKE's VABS score), > 0, for methods whose
         ``layer_budgets == "preference"``; None otherwise.
+    head_visible : torch.Tensor | None
+        ``(B, Hkv, g, S)`` bool per-query-head visibility of each prompt token (query head ``h`` is ``(h // g,
+        h % g)``), for methods whose query heads of one group see different subsets of the shared KV head
+        (SAGE-KV's per-query-head selections). None (the default): every query head sees every kept token.
+        Tokens decoded later are visible to every head.
     """
 
     scores: torch.Tensor
     preference: torch.Tensor | None = None
+    head_visible: torch.Tensor | None = None
 
 
 @dataclass
@@ -98,12 +104,18 @@ class DecodeInputs:
     stored : torch.Tensor
         ``(B, Hkv, n)`` float32 per-slot score carried from the previous step (prefill indicator, accumulated
         attention, ...). Methods that accumulate (H2O) add to it; others ignore it.
+    prompt_len : torch.Tensor | None
+        ``(B,)`` int64 real (unpadded) prompt length of each sequence, when the engine knows it.
+    budget : torch.Tensor | None
+        ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, when known.
     """
 
     probs: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
     stored: torch.Tensor
+    prompt_len: torch.Tensor | None = None
+    budget: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -150,6 +162,9 @@ class Method:
     #: True when decode-time eviction happens before the step's attention output (SLAKE Algorithm 1);
     #: False when the output uses the pre-eviction cache (CAKE reference code, H2O, TOVA)
     evict_before_output: ClassVar[bool] = False
+    #: True when the per-slot score carried into decoding for the protected prompt tokens (window, sinks) is the
+    #: method's own prefill score (AhaKV seeds its running sums with it); False: they carry ``+inf`` (default)
+    carry_protected_scores: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:
@@ -175,6 +190,32 @@ class Method:
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Return the ``(B, Hkv, n)`` float32 per-slot score used to pick the token evicted at this decode step."""
         raise TypeError(f"method {self.name!r} does not evict at decode")
+
+    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
+                     final: bool = True) -> torch.Tensor:
+        """Split a layer's selectable budget across its KV heads (prefill eviction).
+
+        Parameters
+        ----------
+        scores : torch.Tensor
+            ``(B, Hkv, n)`` float32 per-slot scores; ``+inf`` marks protected slots, ``-inf`` empty ones.
+        selectable : torch.Tensor
+            ``(B,)`` int64 selectable budget of the layer per KV head on average (the layer keeps
+            ``selectable * Hkv`` selectable tokens in total).
+        budget : torch.Tensor | None
+            ``(B,)`` int64 configured average per-layer budget ``C`` (window included), for floors defined on it.
+        final : bool
+            False at intermediate cascade stages (``layer_budgets == "preference"``), where a method may keep a
+            superset of what the final stage keeps so that cascading equals one-shot eviction.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, Hkv)`` int64 selectable tokens kept per head; the engine clamps it to ``[0, candidates]`` and adds
+            the protected slots. Default: the uniform split ``min(selectable, candidates)`` for every head.
+        """
+        cand = (scores > float("-inf")) & (scores < float("inf"))
+        return torch.minimum(selectable.to(scores.device).view(-1, 1), cand.sum(-1))
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
         """Selectable budget of every layer when ``layer_budgets == "pyramid"`` (``(L,)`` int64)."""

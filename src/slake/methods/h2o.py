@@ -65,6 +65,8 @@ class H2O(Method):
     name: ClassVar[str] = "h2o"
     summary: ClassVar[str] = "heavy hitters by accumulated attention + recent window, evicts during decoding"
     paper: ClassVar[str] = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023"
+    #: window tokens keep their accumulated prefill attention when they leave the window
+    carry_protected_scores: ClassVar[bool] = True
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Accumulated attention of every prompt query, group-mean per KV head."""

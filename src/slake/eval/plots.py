@@ -1,0 +1,155 @@
+"""Plots derived from ``results.jsonl`` (matplotlib with the Agg backend, imported lazily).
+
+* ``needle_<method>_<budget>.png``: needle-in-a-haystack accuracy heatmap, needle depth (y) x context length (x),
+  one per (method, budget), the full reference included.
+* ``score_vs_budget_<suite>.png``: mean score vs budget, one line per method, the full cache as a dashed
+  horizontal line; the score is the mean over tasks of each task's mean over samples and lengths.
+
+A model suffix is added to the file names when the results hold several models.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from .results import FULL_METHOD, budget_label, read_results
+from .summary import method_budget_order, task_order
+
+__all__ = ["write_plots", "needle_heatmaps", "score_vs_budget"]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _by_model(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        out[str(r.get("model", ""))].append(r)
+    return out
+
+
+def needle_heatmaps(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str],
+                    model_suffix: str = "") -> list[Path]:
+    """One depth x length accuracy heatmap per (method, budget) of the needle rows (``suite == "needle"``)."""
+    rows = [r for r in rows if r.get("suite", r["task"]) == "needle" and r.get("depth") is not None]
+    if not rows:
+        return []
+    plt = _pyplot()
+    depths = sorted({float(r["depth"]) for r in rows})
+    lengths = sorted({int(r["length"]) for r in rows})
+    paths = []
+    for method, budget in method_budget_order(rows):
+        cells: dict[tuple[float, int], list[float]] = defaultdict(list)
+        for r in rows:
+            if r["method"] == method and r.get("budget") == budget:
+                cells[(float(r["depth"]), int(r["length"]))].append(float(r["score"]))
+        grid = [[100.0 * _mean(cells[(d, n)]) if cells.get((d, n)) else float("nan") for n in lengths]
+                for d in depths]
+        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.4 + 0.5 * len(depths)), dpi=120)
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8,
+                            color="black" if 20 <= v <= 80 else "white")
+        label = "full cache" if budget is None else f"{method}, budget {budget_label(budget)}"
+        mean = _mean([s for v in cells.values() for s in v]) * 100
+        ax.set_title(f"needle: {label} (mean {mean:.1f}%)", fontsize=10)
+        fig.colorbar(im, ax=ax, label="accuracy (%)", fraction=0.05, pad=0.03)
+        fig.tight_layout()
+        path = Path(out_dir) / f"needle_{_slug(method)}_{_slug(budget_label(budget))}{model_suffix}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _macro_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], float]:
+    """(method, budget) -> mean over tasks of the task's mean score (percent)."""
+    per_task: dict[tuple[str, Any, str], list[float]] = defaultdict(list)
+    for r in rows:
+        per_task[(r["method"], r.get("budget"), r["task"])].append(float(r["score"]))
+    out: dict[tuple[str, Any], list[float]] = defaultdict(list)
+    for (m, b, _), v in per_task.items():
+        out[(m, b)].append(100.0 * _mean(v))
+    return {k: _mean(v) for k, v in out.items()}
+
+
+def score_vs_budget(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str],
+                    model_suffix: str = "") -> list[Path]:
+    """One score-vs-budget plot per suite: a line per method, the full cache as a dashed horizontal line."""
+    by_suite: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_suite[str(r.get("suite", "results"))].append(r)
+    paths = []
+    for suite, srows in by_suite.items():
+        scores = _macro_scores(srows)
+        pairs = method_budget_order(srows)
+        budgets = sorted({b for _, b in pairs if b is not None}, key=lambda b: (isinstance(b, float), b))
+        if not budgets and (FULL_METHOD, None) not in scores:
+            continue
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+        numeric = bool(budgets) and all(isinstance(b, int) for b in budgets)
+        xpos = {b: (b if numeric else i) for i, b in enumerate(budgets)}
+        methods = [m for m, _ in pairs if m != FULL_METHOD]
+        for method in dict.fromkeys(methods):
+            pts = [(xpos[b], scores[(m, b)]) for m, b in pairs if m == method and b is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        if (FULL_METHOD, None) in scores:
+            ax.axhline(scores[(FULL_METHOD, None)], color="black", linestyle="--", linewidth=1.2, label="full cache")
+        if numeric:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks([xpos[b] for b in budgets], [budget_label(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("KV budget (tokens per layer and head)" if numeric else "KV budget")
+        ax.set_ylabel("mean score (%)")
+        tasks = task_order(srows)
+        lengths = sorted({int(r["length"]) for r in srows})
+        sub = ", ".join(tasks) if len(tasks) <= 4 else f"{len(tasks)} tasks"
+        ax.set_title(f"{suite}: score vs budget\n{sub}; lengths {', '.join(map(str, lengths))}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        path = Path(out_dir) / f"score_vs_budget_{_slug(suite)}{model_suffix}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_plots(out_dir: str | os.PathLike[str], rows: Iterable[dict[str, Any]] | None = None) -> list[Path]:
+    """Write every plot for ``rows`` (default: ``DIR/results.jsonl``) into ``DIR``; returns the PNG paths."""
+    directory = Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = read_results(directory) if rows is None else list(rows)
+    models = _by_model(rows)
+    paths: list[Path] = []
+    for model, mrows in models.items():
+        suffix = f"_{_slug(model)}" if len(models) > 1 else ""
+        paths += needle_heatmaps(mrows, directory, suffix)
+        paths += score_vs_budget(mrows, directory, suffix)
+    return paths

@@ -1,0 +1,159 @@
+"""Suites for ``slake eval``: which tasks a suite has, validation before the model loads, and sample building.
+
+* ``needle``: a needle-in-a-haystack grid, every (length, depth) cell ``samples`` times.
+* ``ruler``: the 13 RULER tasks (:data:`slake.eval.ruler.RULER_TASKS`), ``samples`` per (task, length).
+* ``longbench``: LongBench v1 datasets from official JSONL files; a length is the middle-truncation maximum.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .sample import Sample
+
+__all__ = ["SUITES", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "SuitePlan", "plan_suite", "build_samples",
+           "parse_ints", "parse_floats"]
+
+SUITES: tuple[str, ...] = ("needle", "ruler", "longbench")
+DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 25.0, 50.0, 75.0, 100.0)
+DEFAULT_LENGTHS: dict[str, tuple[int, ...]] = {"needle": (1024, 2048, 4096), "ruler": (2048,), "longbench": (4096,)}
+DEFAULT_SAMPLES: dict[str, int | None] = {"needle": 1, "ruler": 5, "longbench": None}
+
+
+def parse_ints(text: str | Sequence[int], what: str, minimum: int = 1) -> list[int]:
+    """``"1024,2048"`` -> ``[1024, 2048]``; raises ValueError naming ``what`` on bad input."""
+    items = [t.strip() for t in text.split(",") if t.strip()] if isinstance(text, str) else list(text)
+    try:
+        values = [int(t) for t in items]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise ValueError(f"{what} must be integers >= {minimum}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def parse_floats(text: str | Sequence[float], what: str, low: float, high: float) -> list[float]:
+    """``"0,50,100"`` -> ``[0.0, 50.0, 100.0]`` within ``[low, high]``."""
+    items = [t.strip() for t in text.split(",") if t.strip()] if isinstance(text, str) else list(text)
+    try:
+        values = [float(t) for t in items]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not low <= v <= high for v in values):
+        raise ValueError(f"{what} must lie in [{low:g}, {high:g}], got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+@dataclass
+class SuitePlan:
+    """A validated suite request (no model needed); LongBench records are already loaded."""
+
+    suite: str
+    tasks: list[str]
+    lengths: list[int]
+    samples: int | None
+    seed: int = 0
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    longbench_records: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def _longbench_available(directory: str | os.PathLike[str]) -> list[str]:
+    from .longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
+
+    base = Path(directory)
+    return [d for d in (*LONGBENCH_DATASETS, *LONGBENCH_E_DATASETS)
+            if (base / f"{d}.jsonl").is_file() or (base / "data" / f"{d}.jsonl").is_file()]
+
+
+def plan_suite(suite: str, tasks: Sequence[str] | None = None, lengths: Sequence[int] | None = None,
+               samples: int | None = None, seed: int = 0, depths: Sequence[float] | None = None,
+               longbench_dir: str | os.PathLike[str] | None = None) -> SuitePlan:
+    """Validate a suite request before any model is loaded.
+
+    Raises
+    ------
+    ValueError
+        Unknown suite or task, bad sample count, missing LongBench data.
+    """
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
+    if samples is not None and samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
+    n = samples if samples is not None else DEFAULT_SAMPLES[suite]
+    plan = SuitePlan(suite, [], list(lengths or DEFAULT_LENGTHS[suite]), n, seed,
+                     list(depths) if depths else list(DEFAULT_DEPTHS))
+    if suite == "needle":
+        if tasks and list(tasks) != ["needle"]:
+            raise ValueError(f"the needle suite has one task, 'needle'; got {', '.join(tasks)}")
+        plan.tasks = ["needle"]
+    elif suite == "ruler":
+        from .ruler import RULER_TASKS
+
+        unknown = [t for t in tasks or [] if t not in RULER_TASKS]
+        if unknown:
+            raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; expected some of {', '.join(RULER_TASKS)}")
+        plan.tasks = list(dict.fromkeys(tasks)) if tasks else list(RULER_TASKS)
+    else:
+        _plan_longbench(plan, tasks, longbench_dir)
+    return plan
+
+
+def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir: Any) -> None:
+    from .longbench import LONGBENCH_DIR_ENV, load_longbench
+    from .longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
+
+    known = (*LONGBENCH_DATASETS, *LONGBENCH_E_DATASETS)
+    unknown = [t for t in tasks or [] if t not in known]
+    if unknown:
+        raise ValueError(f"unknown LongBench dataset(s) {', '.join(unknown)}; expected some of {', '.join(known)}")
+    directory = longbench_dir or os.environ.get(LONGBENCH_DIR_ENV)
+    if directory is None:
+        raise ValueError(f"the longbench suite needs the official JSONL files: pass --longbench-dir DIR or set "
+                         f"{LONGBENCH_DIR_ENV}")
+    if not Path(directory).is_dir():
+        raise ValueError(f"LongBench directory not found: {directory}")
+    plan.tasks = list(dict.fromkeys(tasks)) if tasks else _longbench_available(directory)
+    if not plan.tasks:
+        raise ValueError(f"no LongBench <dataset>.jsonl file in {directory}")
+    for task in plan.tasks:
+        plan.longbench_records[task] = load_longbench(task, directory, limit=plan.samples)
+
+
+def build_samples(plan: SuitePlan, tokenizer: Any, *, essays: Sequence[str] | None = None) -> list[Sample]:
+    """Generate (needle, RULER) or format (LongBench) the samples of ``plan`` with the model's tokenizer.
+
+    Every sample has ``metadata["target_length"]`` (the row's ``length``).
+    """
+    out: list[Sample] = []
+    n = plan.samples or 1
+    if plan.suite == "needle":
+        from .needle import needle_grid
+
+        if essays is None:
+            from .data_sources import paul_graham_essays
+
+            essays = paul_graham_essays()
+        for k in range(n):
+            for length in sorted(plan.lengths):
+                out += needle_grid(tokenizer, [length], plan.depths, seed=plan.seed + k, essays=essays)
+    elif plan.suite == "ruler":
+        from .ruler import ruler_samples
+
+        extra: dict[str, Any] = {"essays": essays} if essays is not None else {}
+        for task in plan.tasks:
+            for length in sorted(plan.lengths):
+                out += ruler_samples(task, tokenizer, length, n, seed=plan.seed, **extra)
+    else:
+        from .longbench import longbench_sample
+
+        for task in plan.tasks:
+            for length in sorted(plan.lengths):
+                for i, record in enumerate(plan.longbench_records[task]):
+                    sample = longbench_sample(record, tokenizer, max_length=length, dataset=task)
+                    sample.metadata["target_length"] = length
+                    sample.sample_id = sample.sample_id or f"{task}-{i}"
+                    out.append(sample)
+    return out

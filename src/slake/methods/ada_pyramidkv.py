@@ -1,0 +1,61 @@
+"""Ada-PyramidKV: PyramidKV's layer budgets and SnapKV scoring with AdaKV's adaptive per-head budgets.
+
+Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference",
+2024, on PyramidKV (Cai et al., 2024): one of the LAVa paper's baselines (spec ``lava-ahakv-sagekv.md`` sections
+1.10 and 4). Each layer's selectable budget ``b_l`` follows PyramidKV's schedule
+(:class:`~slake.methods.pyramidkv.PyramidKV`, ``beta = 20``); inside the layer the ``Hkv * b_l`` tokens are split
+across KV heads by one top-k over all heads with AdaKV's safeguard floor ``int(alpha * b_l)`` per head (see
+:mod:`slake.methods.ada_snapkv` for the exact rule and its deviation from the AdaKV code's rounding).
+
+Defaults follow the LAVa paper's comparison: window 32, max-pool 7. Storage is dense and padded to the longest head
+(guide 0.4 layout B). Decode keeps every head at its post-prefill size (``decode_eviction=False``: append-only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .ada_snapkv import adakv_head_budgets
+from .base import register
+from .pyramidkv import PyramidKV
+
+__all__ = ["AdaPyramidKV"]
+
+
+@register
+@dataclass
+class AdaPyramidKV(PyramidKV):
+    """PyramidKV with AdaKV head budgets.
+
+    Parameters
+    ----------
+    window, kernel, pooling : int, int, str
+        Observation window and SnapKV pooling (32, 7, ``"max"``).
+    beta, exact : float, bool
+        PyramidKV's schedule (see :class:`~slake.methods.pyramidkv.PyramidKV`).
+    alpha_safeguard : float
+        AdaKV's per-head floor fraction (0.2; 0 = pure cross-head top-k, 1 = PyramidKV's uniform head split).
+    """
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    alpha_safeguard: float = 0.2
+
+    name: ClassVar[str] = "ada-pyramidkv"
+    summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"
+    paper: ClassVar[str] = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
+                            "Efficient LLM Inference, 2024 (on PyramidKV, Cai et al., 2024)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha_safeguard <= 1.0:
+            raise ValueError(f"{self.name}: alpha_safeguard must lie in [0, 1], got {self.alpha_safeguard}")
+
+    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
+                     final: bool = True) -> torch.Tensor:
+        """AdaKV split of the layer's ``Hkv * b_l`` tokens across its KV heads."""
+        return adakv_head_budgets(scores, selectable, self.alpha_safeguard)

@@ -1,0 +1,226 @@
+"""The evaluation runner, summaries, plots and the ``slake eval`` / ``slake make-prompt`` commands, end to end on a
+tiny random model (predictions are garbage; the wiring is what is tested)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import slake
+from slake.eval import runner as runner_mod
+from slake.eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
+from slake.eval.needle import needle_grid
+from slake.eval.results import ResultsWriter, read_results, row_key
+from slake.eval.runner import encode_sample, parse_budgets, resolve_methods, run_suite
+from slake.eval.summary import summary_rows, write_summary
+
+from test_eval_support import WordTokenizer, fake_essays
+
+ESSAYS = fake_essays(n_essays=4, sentences=60)
+JSON_KEYS = {"suite", "task", "length", "method", "budget", "n", "score"}
+
+
+class TinyTokenizer(WordTokenizer):
+    """WordTokenizer folded into a 256-id vocabulary (0 pad, 1 BOS, 2 EOS), with the ``__call__`` and padding
+    attributes that :func:`slake.generate` uses."""
+
+    pad_token, pad_token_id, eos_token, eos_token_id = "<pad>", 0, "</s>", 2
+    padding_side = "left"
+
+    def __init__(self) -> None:
+        super().__init__(chat=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1] * add_special_tokens + [3 + i % 250 for i in super().encode(text)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        return "".join(self._pieces[i - 3] if 3 <= i < 3 + len(self._pieces) else ("" if i < 3 else f"<{i}>")
+                       for i in ids if not (skip_special_tokens and i < 3))
+
+    def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=True):
+        rows = [self.encode(t, add_special_tokens) for t in texts]
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TinyTokenizer()
+
+
+@pytest.fixture(scope="module")
+def needle_samples(tok):
+    return needle_grid(tok, [200, 280], [0, 100], seed=1, essays=ESSAYS, max_new_tokens=4)
+
+
+def _eval_args(out, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_eval_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["eval", "--suite", "needle", "--methods", "snapkv,h2o", "--budgets", "40,4096",
+                              "--lengths", "200,280", "--depths", "0,100", "--samples", "1", "--seed", "1",
+                              "--max-new-tokens", "3", "--model", "tiny", "--no-progress", "--out", str(out),
+                              *extra])
+
+
+def _loader(model, tok):
+    def load(args):
+        return model, tok
+    return load
+
+
+def test_cmd_eval_end_to_end_writes_rows_summary_plots_and_json(llama_gqa, tok, tmp_path, capsys, monkeypatch):
+    from slake.eval import suites
+
+    real_build = suites.build_samples
+    monkeypatch.setattr(suites, "build_samples", lambda plan, tokenizer: real_build(plan, tokenizer, essays=ESSAYS))
+    out = tmp_path / "run"
+    assert cmd_eval(_eval_args(out, "--json"), loader=_loader(llama_gqa, tok)) == 0
+    printed = json.loads(capsys.readouterr().out)
+    rows = read_results(out)
+    assert len(rows) == 4 * (1 + 2 * 2)  # 2 lengths x 2 depths, full reference + 2 methods x 2 budgets
+    for r in rows:
+        assert {"task", "sample_id", "model", "method", "budget", "length",
+                "prompt_tokens", "prediction", "answers", "score", "prefill_s",
+                                             "decode_s", "seed", "query_aware", "compressed"} <= set(r)
+        assert 0.0 <= r["score"] <= 1.0 and r["new_tokens"] <= 3 and r["model"] == "tiny"
+        # a budget above the prompt length is run but marked: no eviction
+        assert r["compressed"] == (r["method"] != "full" and r["budget"] == 40)
+    # prefill is shared by a sample's rows
+    by_sample = {}
+    for r in rows:
+        by_sample.setdefault(r["sample_id"], set()).add(r["prefill_s"])
+    assert all(len(v) == 1 for v in by_sample.values())
+    assert printed["rows"] and all(JSON_KEYS <= set(r) for r in printed["rows"])
+    assert {(r["method"], r["budget"]) for r in printed["rows"]} == {("full", None), ("snapkv", 40), ("snapkv", 4096),
+                                                                     ("h2o", 40), ("h2o", 4096)}
+    md = (out / "summary.md").read_text()
+    assert md.index("| full | full |") < md.index("| snapkv | 40 |")
+    assert (out / "summary.csv").read_text().splitlines()[0].startswith("model,suite,length,method,budget,needle")
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert "needle_full_full.png" in pngs and "needle_snapkv_40.png" in pngs and "score_vs_budget_needle.png" in pngs
+    # a rerun resumes: nothing new, nothing duplicated
+    assert cmd_eval(_eval_args(out, "--json"), loader=_loader(llama_gqa, tok)) == 0
+    assert len(read_results(out)) == len(rows)
+
+
+def test_runner_resumes_without_duplicates_or_extra_prefills(llama_gqa, tok, needle_samples, tmp_path, monkeypatch):
+    prefills = []
+    real_capture = runner_mod.capture_prefill
+    monkeypatch.setattr(runner_mod, "capture_prefill", lambda *a, **k: prefills.append(1) or real_capture(*a, **k))
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=2, progress=False)
+    # "interrupted" run: a subset of the samples and of the budgets
+    first = run_suite(llama_gqa, tok, needle_samples[:2], ["snapkv"], [32], tmp_path, **kw)
+    assert len(first) == 2 * 2 and len(prefills) == 2
+    second = run_suite(llama_gqa, tok, needle_samples, ["snapkv"], [32, 64], tmp_path, **kw)
+    assert len(second) == 2 * 1 + 2 * 3  # the two done samples only need budget 64
+    rows = read_results(tmp_path)
+    keys = [row_key(r) for r in rows]
+    assert len(keys) == len(set(keys)) == 4 * 3
+    prefills.clear()
+    assert run_suite(llama_gqa, tok, needle_samples, ["snapkv"], [32, 64], tmp_path, **kw) == []
+    assert prefills == []  # samples whose pairs are all done are not prefilled
+
+
+def test_truncated_last_line_is_repaired(tmp_path):
+    good = {"task": "t", "sample_id": "a", "method": "full", "budget": None, "length": 8, "model": "m", "score": 1}
+    (tmp_path / "results.jsonl").write_text(json.dumps(good) + "\n" + '{"task": "t", "sample_')
+    with ResultsWriter(tmp_path) as store:
+        assert not store.write(good)
+        assert store.write({**good, "sample_id": "b"})
+    assert [r["sample_id"] for r in read_results(tmp_path)] == ["a", "b"]
+
+
+def test_runner_prediction_equals_live_generate(llama_gqa, tok, needle_samples, tmp_path):
+    sample = needle_samples[3]
+    rows = run_suite(llama_gqa, tok, [sample], ["snapkv", "tova"], [40], tmp_path, model_name="tiny",
+                     max_new_tokens=6, progress=False)
+    for row in rows:
+        live = slake.generate(llama_gqa, tok, sample.context + sample.question, method=row["method"],
+                              budget=row["budget"] or 100_000, max_new_tokens=row["max_new_tokens"])
+        assert row["prediction"] == live.text
+        assert row["prompt_tokens"] == live.prompt_tokens[0]
+        assert row["compressed"] == live.compressed
+
+
+def test_question_agnostic_rows(llama_gqa, tok, needle_samples, tmp_path):
+    sample = needle_samples[0]
+    ctx, q = encode_sample(sample, tok, query_aware=False)
+    full = encode_sample(sample, tok)[0]
+    assert q and len(ctx) + len(q) == len(full)
+    rows = run_suite(llama_gqa, tok, [sample], ["snapkv"], [40], tmp_path, query_aware=False, max_new_tokens=2,
+                     progress=False)
+    assert [r["query_aware"] for r in rows] == [False, False]
+    assert all(r["prompt_tokens"] == len(full) for r in rows)
+
+
+def test_summary_and_json_rows(tmp_path):
+    rows = [{"suite": "ruler", "task": t, "sample_id": f"{t}{i}", "model": "m", "method": m, "budget": b,
+             "length": 1024, "score": s}
+            for t in ("a", "b") for i in range(2) for m, b, s in [("snapkv", 64, 0.5), ("full", None, 1.0),
+                                                                   ("snapkv", 0.5, 0.0)]]
+    js = summary_rows(rows)
+    assert all(JSON_KEYS <= set(r) for r in js)
+    assert [(r["method"], r["budget"]) for r in js[:2]] == [("full", None), ("full", None)]
+    assert {r["score"] for r in js if r["method"] == "snapkv" and r["budget"] == 64} == {50.0}
+    assert all(r["n"] == 2 for r in js)
+    md, _ = write_summary(tmp_path, rows)
+    lines = [ln for ln in md.read_text().splitlines() if ln.startswith("| ")]
+    assert lines[0] == "| method | budget | a | b | average | n |"
+    assert lines[1:] == ["| full | full | 100.0 | 100.0 | 100.0 | 4 |", "| snapkv | 64 | 50.0 | 50.0 | 50.0 | 4 |",
+                         "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | 4 |"]
+
+
+def test_methods_and_budgets_are_validated():
+    registered = [m for m in slake.available_methods() if m != "full"]
+    assert resolve_methods("all") == registered  # any registered method, no list to maintain
+    assert resolve_methods("full,snapkv,snapkv") == ["snapkv"]
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        resolve_methods("snapkv,nope")
+    assert parse_budgets("128, 0.25,128") == [128, 0.25]
+    for bad in ("0", "1.5", "abc", ""):
+        with pytest.raises(ValueError):
+            parse_budgets(bad)
+
+
+def test_cmd_eval_rejects_bad_arguments_before_loading(tmp_path):
+    def loader(args):
+        raise AssertionError("the model must not load")
+
+    for extra, msg in [(("--methods", "nope"), "unknown method"), (("--budgets", "-3"), "budget"),
+                       (("--budgets", "8"), "exceed the budget"),
+                       (("--lengths", "x"), "--lengths")]:
+        args = _eval_args(tmp_path)
+        setattr(args, extra[0][2:], extra[1])
+        with pytest.raises(ValueError, match=msg):
+            cmd_eval(args, loader=loader)
+    args = _eval_args(tmp_path)
+    args.suite, args.tasks = "ruler", "niah_single_1,bogus"
+    with pytest.raises(ValueError, match="bogus"):
+        cmd_eval(args, loader=loader)
+    args.suite, args.tasks = "longbench", None
+    with pytest.raises(ValueError, match="longbench-dir"):
+        cmd_eval(args, loader=loader)
+
+
+def test_make_prompt_writes_plain_prompt_and_answers(tok, tmp_path, capsys, monkeypatch):
+    from slake.eval import needle
+
+    monkeypatch.setattr(needle, "default_essays", lambda essays=None: essays or ESSAYS)
+    parser = argparse.ArgumentParser()
+    add_make_prompt_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "doc.txt"
+    args = parser.parse_args(["make-prompt", "--task", "needle", "--length", "200", "--seed", "1", "--out", str(out)])
+    assert cmd_make_prompt(args, tokenizer=tok) == 0
+    text = out.read_text()
+    err = capsys.readouterr().err
+    answer = err.split("expected answer: ")[1].strip()
+    assert answer in text and "<|user|>" not in text and text.rstrip().endswith("?")
+    args.task = "nope"
+    with pytest.raises(ValueError, match="unknown task"):
+        cmd_make_prompt(args, tokenizer=tok)

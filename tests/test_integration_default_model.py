@@ -1,0 +1,94 @@
+"""Integration tests on the real default model, SmolLM2-135M-Instruct (packaged GGUF, CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import slake
+from slake.eval.needle import needle_sample
+from slake.hf.generate import format_prompt
+from slake.hf.prefill_once import capture_prefill, greedy_decode
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    try:
+        return slake.load_model()
+    except FileNotFoundError as e:  # the package is part of `make setup`; say what is missing if it is not
+        pytest.fail(str(e))
+
+
+def _needle_prompt(tokenizer, length, seed=0):
+    s = needle_sample(tokenizer, length, 50.0, kind="word", seed=seed)
+    return format_prompt(tokenizer, s.context + s.question), s.answers
+
+
+def test_needle_at_2k_with_full_cache_and_snapkv_1024(default_model):
+    model, tok = default_model
+    prompt, answers = _needle_prompt(tok, 2048)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    assert 1900 < ids.shape[1] < 2200
+    capture = capture_prefill(model, ids)
+    for method, budget in [("full", 1), ("snapkv", 1024)]:
+        cache = capture.replay(method, budget)
+        tokens = greedy_decode(model, capture, cache, 40, eos_token_ids=[tok.eos_token_id])
+        text = tok.decode(tokens[0], skip_special_tokens=True)
+        assert answers[0].lower() in text.lower(), f"{method}@{budget} answered {text!r}, expected {answers}"
+        if method == "snapkv":
+            assert cache.statistics()["compressed"] is True
+
+
+@pytest.mark.parametrize("method", ["slake", "cake", "h2o"])
+def test_methods_run_on_the_default_model(default_model, method):
+    model, tok = default_model
+    prompt, _ = _needle_prompt(tok, 1024, seed=1)
+    res = slake.generate(model, tok, prompt, method=method, budget=128, max_new_tokens=8, chat_template=False)
+    L = model.config.num_hidden_layers
+    assert res.compressed
+    assert len(res.kept_tokens_per_layer) == L
+    assert abs(sum(res.kept_tokens_per_layer) - 128 * L) < 1e-6  # budgets sum exactly, decode keeps the size
+    assert res.kv_bytes["kept"] < res.kv_bytes["full"]
+    assert (res.kv_bytes["linear_state"] > 0) == (method == "slake")
+    assert res.texts[0]
+
+
+def test_cli_generate_json_reports_honest_statistics(tmp_path, default_model):
+    model, tok = default_model
+    prompt, _ = _needle_prompt(tok, 1024, seed=2)
+    f = tmp_path / "doc.txt"
+    f.write_text(prompt.split("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0])
+    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--method", "snapkv", "--budget", "128",
+                          "--prompt-file", str(f), "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("text", "prompt_tokens", "new_tokens", "method", "budget", "kv_bytes", "kept_tokens_per_layer",
+                "prefill_s", "decode_ms_per_token"):
+        assert key in data
+    assert set(data["kv_bytes"]) >= {"full", "kept", "linear_state"}
+    L = model.config.num_hidden_layers
+    assert data["kept_tokens_per_layer"] == [128.0] * L
+    head_dim, kv_heads = 64, model.config.num_key_value_heads
+    assert data["kv_bytes"]["kept"] == 128 * L * kv_heads * head_dim * 2 * 4  # fp32 K and V
+    assert data["kv_bytes"]["full"] == (data["prompt_tokens"] + data["new_tokens"]) * L * kv_heads * head_dim * 2 * 4
+    assert data["kv_bytes"]["linear_state"] == 0
+    assert data["new_tokens"] >= 1 and data["prefill_s"] > 0
+
+
+def test_cli_errors_are_clear():
+    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--method", "nope", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown method" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--budget", "0", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "budget" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--budget", "16", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "window" in out.stderr
