@@ -71,6 +71,7 @@ def test_budget_errors():
             Budget(bad)
     assert Budget("0.25").tokens(400) == 100
     assert Budget(128.0).value == 128
+    assert Budget(Budget("0.5")).value == 0.5  # regression: the CLI passes an already-parsed budget
     with pytest.raises(ValueError, match="unknown method"):
         make_method("nope")
     with pytest.raises(ValueError, match="no hyperparameter"):

@@ -26,6 +26,9 @@ class Budget:
 
     def __post_init__(self) -> None:
         v = self.value
+        if isinstance(v, Budget):
+            object.__setattr__(self, "value", v.value)
+            v = self.value
         if isinstance(v, str):
             object.__setattr__(self, "value", _parse(v))
             v = self.value
