@@ -12,15 +12,8 @@ import sys
 from pathlib import Path
 
 from .budget_spec import Budget
+from .cli_args import add_model_args as _add_model_args
 from .eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default, packaged), a hub id, a local directory or a .gguf file")
-    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (hub repo or directory)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
 
 
 def _hyperparameters(pairs: list[str]) -> dict:

@@ -16,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from .ada_snapkv import adakv_head_budgets
+from .ada_snapkv import AdaKVHeads
 from .base import register
 from .pyramidkv import PyramidKV
 
@@ -27,7 +25,7 @@ __all__ = ["AdaPyramidKV"]
 
 @register
 @dataclass
-class AdaPyramidKV(PyramidKV):
+class AdaPyramidKV(AdaKVHeads, PyramidKV):
     """PyramidKV with AdaKV head budgets.
 
     Parameters
@@ -43,19 +41,8 @@ class AdaPyramidKV(PyramidKV):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
-    alpha_safeguard: float = 0.2
 
     name: ClassVar[str] = "ada-pyramidkv"
     summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"
     paper: ClassVar[str] = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
                             "Efficient LLM Inference, 2024 (on PyramidKV, Cai et al., 2024)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.alpha_safeguard <= 1.0:
-            raise ValueError(f"{self.name}: alpha_safeguard must lie in [0, 1], got {self.alpha_safeguard}")
-
-    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
-                     final: bool = True) -> torch.Tensor:
-        """AdaKV split of the layer's ``Hkv * b_l`` tokens across its KV heads."""
-        return adakv_head_budgets(scores, selectable, self.alpha_safeguard)

@@ -34,7 +34,7 @@ from ..budgets import safeguarded_head_counts
 from .base import register
 from .snapkv import SnapKV
 
-__all__ = ["AdaSnapKV", "adakv_head_budgets"]
+__all__ = ["AdaKVHeads", "AdaSnapKV", "adakv_head_budgets"]
 
 
 def adakv_head_budgets(scores: torch.Tensor, selectable: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -42,9 +42,33 @@ def adakv_head_budgets(scores: torch.Tensor, selectable: torch.Tensor, alpha: fl
     return safeguarded_head_counts(scores, selectable, alpha)
 
 
+@dataclass
+class AdaKVHeads:
+    """Mixin giving a window-score method AdaKV's head budgets (cross-head top-k with a safeguard floor).
+
+    Parameters
+    ----------
+    alpha_safeguard : float
+        Fraction of each head's uniform share it keeps whatever the other heads score (0.2; 0 = pure cross-head
+        top-k, 1 = the uniform split).
+    """
+
+    alpha_safeguard: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha_safeguard <= 1.0:
+            raise ValueError(f"{self.name}: alpha_safeguard must lie in [0, 1], got {self.alpha_safeguard}")
+
+    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
+                     final: bool = True) -> torch.Tensor:
+        """AdaKV split of the layer's ``Hkv * selectable`` tokens across its KV heads."""
+        return adakv_head_budgets(scores, selectable, self.alpha_safeguard)
+
+
 @register
 @dataclass
-class AdaSnapKV(SnapKV):
+class AdaSnapKV(AdaKVHeads, SnapKV):
     """SnapKV with AdaKV head budgets.
 
     Parameters
@@ -61,19 +85,8 @@ class AdaSnapKV(SnapKV):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
-    alpha_safeguard: float = 0.2
 
     name: ClassVar[str] = "ada-snapkv"
     summary: ClassVar[str] = "SnapKV scoring with AdaKV adaptive head budgets (cross-head top-k, safeguard 0.2)"
     paper: ClassVar[str] = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
                             "Efficient LLM Inference, 2024 (on SnapKV, NeurIPS 2024)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.alpha_safeguard <= 1.0:
-            raise ValueError(f"{self.name}: alpha_safeguard must lie in [0, 1], got {self.alpha_safeguard}")
-
-    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
-                     final: bool = True) -> torch.Tensor:
-        """AdaKV split of the layer's ``Hkv * selectable`` tokens across its KV heads."""
-        return adakv_head_budgets(scores, selectable, self.alpha_safeguard)
