@@ -1,6 +1,7 @@
 """The ``slake`` command.
 
-Sub-commands: ``methods`` (list the methods), ``generate`` (compressed-cache generation with cache statistics).
+Sub-commands: ``methods`` (list the methods), ``generate`` (compressed-cache generation with cache statistics),
+``fidelity``, ``eval``, ``make-prompt`` and ``bench`` (latency and memory vs context length, :mod:`slake.bench`).
 Every sub-command accepts ``--json`` for machine-readable output; errors go to stderr with exit code 2.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from .budget_spec import Budget
 from .cli_args import add_model_args as _add_model_args
+from .bench.command import add_bench_parser, cmd_bench
 from .eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
 
 
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="disable the linear state of a method that has one (ablation)")
     p.add_argument("--charge-linear-state", action="store_true",
                    help="count the linear state against the budget (equal-memory comparison)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)")
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(p)
@@ -73,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     add_eval_parser(sub)
     add_make_prompt_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -123,7 +128,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     res = generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
                    chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state)
+                   top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
+                   prefill_chunk=args.prefill_chunk)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
@@ -206,7 +212,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity,
-            "eval": cmd_eval, "make-prompt": cmd_make_prompt}
+            "eval": cmd_eval, "make-prompt": cmd_make_prompt, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

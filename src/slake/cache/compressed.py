@@ -19,13 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .. import budgets as budget_rules
 from ..attention.ptaa import attend
 from ..budget_spec import Budget
 from ..methods.base import DecodeInputs, Method, PrefillInputs
-from .layer_store import LayerStore
+from .layer_store import _GROWTH, LayerStore
 from .linear_state import LinearState
+
+_CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class CompressedKV:
         self.info: PrefillInfo | None = None
         self.targets: list[torch.Tensor | None] = [None] * num_layers  # (B, Hkv) decode sizes per layer
         self._raw_scores: dict[int, torch.Tensor] = {}  # prefill scores kept until final (carry_protected_scores)
+        self.chunked_prefill = False  # True between begin_chunked_prefill and end_chunked_prefill
+        self._chunk_padding: torch.Tensor | None = None  # (B, S) padding of the whole prompt (chunked prefill)
 
     # ================================================================== prefill
     def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int) -> PrefillInfo:
@@ -98,8 +103,9 @@ class CompressedKV:
         if key_padding is None:
             key_padding = torch.zeros(B, S, dtype=torch.bool, device=dev)
         if self.info is None:
-            self.info = self._start(key_padding, d, keys.element_size())
-        elif self.info.prompt_len != S:
+            full = self._chunk_padding if self.chunked_prefill else None
+            self.info = self._start(key_padding if full is None else full.to(dev), d, keys.element_size())
+        elif self.info.prompt_len != S and not self.chunked_prefill:
             raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {self.info.prompt_len}")
         info = self.info
         self.seen[layer_idx] = S
@@ -176,15 +182,20 @@ class CompressedKV:
 
     def _protect(self, scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, newest: int) -> torch.Tensor:
         """+inf for the window (most recent tokens) and sinks, -inf for empty slots / padding."""
-        m = self.method
-        first = self.info.first_real.to(scores.device).view(-1, 1, 1)
-        keep = torch.zeros_like(valid)
-        if m.sinks:
-            keep |= (positions >= first) & (positions < first + m.sinks)
-        if m.window and not m.newest_evictable:
-            keep |= positions > newest - m.window
-        scores = scores.masked_fill(keep, float("inf"))
+        scores = scores.masked_fill(self._protected_mask(positions, valid, newest), float("inf"))
         return scores.masked_fill(~valid, float("-inf"))
+
+    def _protected_mask(self, positions: torch.Tensor, valid: torch.Tensor, newest: int) -> torch.Tensor:
+        """``(B, H, n)`` bool: slots holding a sink or one of the ``window`` most recent tokens."""
+        m = self.method
+        keep = None
+        if m.window and not m.newest_evictable:
+            keep = positions > newest - m.window
+        if m.sinks:
+            first = self.info.first_real.to(positions.device).view(-1, 1, 1)
+            sinks = (positions >= first) & (positions < first + m.sinks)
+            keep = sinks if keep is None else keep | sinks
+        return torch.zeros_like(valid) if keep is None else keep
 
     def _evict_to(self, layer_idx: int, selectable: torch.Tensor, final: bool = True) -> None:
         """Shrink a layer to its protected tokens plus the method's per-head split (:meth:`Method.head_budgets`,
@@ -215,7 +226,10 @@ class CompressedKV:
         n_new = keys.shape[2]
         start = self.seen[layer_idx]
         pos = torch.arange(start, start + n_new, device=keys.device)
-        store.append(keys, values, pos)
+        info = self.info
+        evicting = (self.targets[layer_idx] is not None and self.method.decode_eviction and info is not None
+                    and not self.method.keeps_everything and bool(info.compress.all()))  # compress is on the CPU
+        store.append(keys, values, pos, growth=1 if evicting else _GROWTH)
         self.seen[layer_idx] = start + n_new
         return store
 
@@ -225,23 +239,57 @@ class CompressedKV:
         Returns ``(B, Hq, n_q, d)`` float32. Order of operations per spec 7.5 / 8.5: logits once; if the layer is
         over its budget, score with the exact softmax, pick the lowest-scored unprotected slot(s); evict before the
         output (SLAKE, Algorithm 1) or after it (CAKE reference code, H2O, TOVA).
+
+        During a chunked prefill (:meth:`begin_chunked_prefill`) the queries are a prompt chunk: the output is the
+        chunk's attention over the compressed past (plus the linear term) and the chunk itself, causal by position,
+        and the layer is then evicted back to its budget by :meth:`_chunk_evict`.
+
+        Fast paths (same results up to float rounding): a layer that needs no scores and has no linear state or
+        per-head visibility (the full cache, or a prompt that fit in the budget) is one SDPA call over the store;
+        for one query the causal test is skipped (every stored token precedes the newest one); with eviction after
+        the output and no linear state, the output reuses the softmax computed for scoring.
         """
         store = self.layers[layer_idx]
         B, Hq, nq, d = queries.shape
         newest = self.seen[layer_idx] - 1
-        qpos = torch.arange(newest - nq + 1, newest + 1, device=queries.device)
-        qf, x = layer_logits(store, queries, qpos, scaling)
         target = self.targets[layer_idx]
-        evict = None
-        if target is not None and self.method.decode_eviction and not self.method.keeps_everything:
-            evict = self._decode_evict(layer_idx, x, target, newest)
-        if evict is not None and self.method.evict_before_output:
-            store.free(evict)
-            x = x.masked_fill(evict[:, :, None, None, :], float("-inf"))
-            evict = None
-        out = attend(qf, x, store.values, store.linear, scaling)
-        if evict is not None:
-            store.free(evict)
+        chunk = self.chunked_prefill
+        scored = (target is not None and self.method.decode_eviction and not self.method.keeps_everything)
+        if nq == 1 and not chunk and not scored and store.linear is None and store.head_visible is None:
+            return _sdpa_decode(store, queries, scaling)
+        qpos = None if nq == 1 else torch.arange(newest - nq + 1, newest + 1, device=queries.device)
+        if chunk:
+            # query blocks bound the transient logits to _CHUNK_QUERY_BLOCK x n, whatever the chunk size
+            outs = []
+            for b0 in range(0, nq, _CHUNK_QUERY_BLOCK):
+                b1 = min(b0 + _CHUNK_QUERY_BLOCK, nq)
+                qf, x = layer_logits(store, queries[:, :, b0:b1], qpos[b0:b1] if qpos is not None else None, scaling)
+                outs.append(attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, b1 - b0, d))
+            if target is not None and not self.method.keeps_everything:
+                w = max(min(self.method.window, nq), 1)
+                _, x = layer_logits(store, queries[:, :, nq - w:], qpos[nq - w:] if qpos is not None else None,
+                                    scaling)
+                self._chunk_evict(layer_idx, x, newest)
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        qf, x = layer_logits(store, queries, qpos, scaling)
+        if not scored:
+            return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+        probs = _safe_softmax(x)                                               # (B, H, g, nq, n)
+        evict = self._decode_evict(layer_idx, probs, target, newest)
+        if evict is None:
+            if store.linear is None:
+                return _probs_values(probs, store.values).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+        slots, chosen, mask = evict
+        if self.method.evict_before_output:
+            store.free(mask, slots, chosen)
+            x = x.masked_fill(mask[:, :, None, None, :], float("-inf"))
+            return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+        if store.linear is None:
+            out = _probs_values(probs, store.values)
+        else:
+            out = attend(qf, x, store.values, store.linear, scaling)
+        store.free(mask, slots, chosen)
         return out.reshape(B, Hq, nq, d)
 
     def attention(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -255,26 +303,69 @@ class CompressedKV:
         qf, x = layer_logits(store, queries, positions, scaling)
         return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
 
-    def _decode_evict(self, layer_idx: int, x: torch.Tensor, target: torch.Tensor, newest: int) -> torch.Tensor | None:
+    def _decode_evict(self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor,
+                      newest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Score the slots with the method's decode rule and choose the slots to evict.
+
+        Returns None when no row is over its target, else ``(slots, chosen, mask)``: ``(B, Hkv, e)`` slot indices,
+        ``(B, Hkv, e)`` bool (which of them are really evicted) and the dense ``(B, Hkv, n)`` bool mask.
+        """
         store = self.layers[layer_idx]
-        B, H, g, nq, n = x.shape
-        probs = torch.softmax(x, dim=-1).nan_to_num_(0.0).reshape(B, H * g, nq, n)
+        B, H, g, nq, n = probs.shape
         info = self.info
         store.scores = self.method.decode_scores(DecodeInputs(
-            probs=probs, positions=store.positions, valid=store.valid, stored=store.scores,
-            prompt_len=info.real_len.to(x.device), budget=info.budget.to(x.device))).float()
+            probs=probs.reshape(B, H * g, nq, n), positions=store.positions, valid=store.valid, stored=store.scores,
+            prompt_len=info.real_len.to(probs.device), budget=info.budget.to(probs.device))).float()
         counts = store.counts()
         excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
-        if not bool(excess.any()):
+        emax = int(excess.max())  # one host sync per layer and step (free on CPU)
+        if emax == 0:
             return None
-        scores = self._protect(store.scores, store.positions, store.valid, newest)
-        scores = scores.masked_fill(~store.valid, float("inf"))  # empty slots are never "evicted"
-        emax = int(excess.max())
-        lowest = torch.sort(scores, dim=-1, stable=True).indices[..., :emax]
-        chosen = torch.arange(emax, device=x.device) < excess[..., None]
-        evict = torch.zeros_like(store.valid)
-        evict.scatter_(-1, lowest, chosen)
-        return evict & store.valid
+        # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
+        scores = store.scores.masked_fill(self._protected_mask(store.positions, store.valid, newest) | ~store.valid,
+                                          float("inf"))
+        if emax == 1:  # the usual decode step: argmin returns the first minimum, like a stable ascending sort
+            lowest = scores.argmin(-1, keepdim=True)
+        else:
+            lowest = torch.sort(scores, dim=-1, stable=True).indices[..., :emax]
+        chosen = (torch.arange(emax, device=probs.device) < excess[..., None]) & store.valid.gather(-1, lowest)
+        mask = torch.zeros_like(store.valid).scatter_(-1, lowest, chosen)
+        return lowest, chosen, mask
+
+    # ================================================================== chunked prefill
+    def begin_chunked_prefill(self, key_padding: torch.Tensor) -> None:
+        """Start a chunked prefill of a prompt whose full ``(B, S)`` padding mask (True = padded) is known.
+
+        The budget, the compress decision and the real lengths are those of the whole prompt. The first chunk goes
+        through :meth:`prefill_layer` (exact attention inside the chunk, method scores, layer budgets / cascade
+        from the chunk); every later chunk is appended, attends over the compressed past plus itself
+        (:meth:`decode_attention`) and each layer is evicted back to its budget (:meth:`_chunk_evict`).
+        """
+        if self.info is not None or any(s is not None for s in self.layers):
+            raise RuntimeError("begin_chunked_prefill must be called before the first prefill chunk")
+        self._chunk_padding = key_padding.bool()
+        self.chunked_prefill = True
+
+    def end_chunked_prefill(self) -> None:
+        """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction."""
+        self.chunked_prefill = False
+
+    def _chunk_evict(self, layer_idx: int, x: torch.Tensor, newest: int) -> None:
+        """Evict a layer back to its budget after a prompt chunk; ``x``: logits of the chunk's last queries.
+
+        The method's decode rule scores the slots from the softmax of the chunk's last ``window`` queries (its
+        observation window; all of them when the chunk is shorter); protected tokens are the last ``window``
+        positions and the sinks; the layer's per-head budgets come from :meth:`Method.head_budgets` as at prefill.
+        """
+        store = self.layers[layer_idx]
+        info = self.info
+        B, H, g, w, n = x.shape  # logits of the chunk's last ``w`` queries
+        probs = _safe_softmax(x)
+        store.scores = self.method.decode_scores(DecodeInputs(
+            probs=probs.reshape(B, H * g, w, n), positions=store.positions, valid=store.valid, stored=store.scores,
+            prompt_len=info.real_len.to(x.device), budget=info.budget.to(x.device))).float()
+        store.scores = self._protect(store.scores, store.positions, store.valid, newest)
+        self._evict_to(layer_idx, info.layer_budgets[:, layer_idx])
 
     # ================================================================== reporting
     def kept_tokens_per_layer(self) -> list[float]:
@@ -314,21 +405,79 @@ class CompressedKV:
                 i.layer_budgets = fn(i.layer_budgets)
 
 
-def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tensor,
+def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None,
                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's slots.
 
     Logits are ``scaling * q . k`` in fp32, ``-inf`` for empty slots and for keys after the query's position.
+    ``positions=None`` means one query at the newest position, which sees every stored token (no causal test).
+    The ``g * n_q`` query rows of a KV head share one matmul against its keys (no per-query-head expansion or
+    copy of the cache); an fp32 cache is used as is, a low-precision one through :func:`matmul_f32`.
     """
     B, Hq, nq, d = queries.shape
     H = store.keys.shape[1]
-    qf = queries.float().reshape(B, H, Hq // H, nq, d)
-    x = torch.matmul(qf, store.keys.float().unsqueeze(2).transpose(-1, -2)) * scaling  # (B,H,g,nq,n)
-    visible = store.valid[:, :, None, None, :] & (
-        store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1))
+    g = Hq // H
+    qf = queries.float().reshape(B, H, g, nq, d)
+    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.keys.transpose(-1, -2))   # (B, H, g*nq, n)
+    x = x.mul_(scaling).view(B, H, g, nq, -1)
+    if positions is None:
+        visible = store.valid[:, :, None, None, :]
+    else:
+        visible = store.valid[:, :, None, None, :] & (
+            store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1))
     if store.head_visible is not None:  # per-query-head visibility (SAGE-KV)
         visible = visible & store.head_visible[:, :, :, None, :]
-    return qf, x.masked_fill(~visible, float("-inf"))
+    return qf, x.masked_fill_(~visible, float("-inf"))
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32 without an fp32 copy of a low-precision ``b`` (the cache) where the backend allows.
+
+    ``a`` is float32. When ``b`` is float32 this is a plain matmul. For an fp16/bf16 ``b`` on CUDA, ``a`` is cast
+    to ``b``'s dtype and the product accumulates and is returned in float32 (``torch.bmm(..., out_dtype=)``);
+    elsewhere (CPU, older torch) ``b`` is upcast.
+    """
+    if b.dtype == torch.float32 or b.dtype == torch.float64:
+        return torch.matmul(a.to(b.dtype) if a.dtype != b.dtype else a, b).float()
+    if b.is_cuda and _BMM_OUT_DTYPE[0]:
+        try:
+            lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            aa = a.to(b.dtype).expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+            bb = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+            out = torch.bmm(aa, bb, out_dtype=torch.float32)
+            return out.reshape(*lead, a.shape[-2], b.shape[-1])
+        except (RuntimeError, TypeError):
+            _BMM_OUT_DTYPE[0] = False
+    return torch.matmul(a.float(), b.float())
+
+
+_BMM_OUT_DTYPE = [True]  # torch.bmm(..., out_dtype=float32) usable on this CUDA build (cleared on first failure)
+
+
+def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis; a row with no visible slot (all ``-inf``) gives zeros, not NaN."""
+    return torch.softmax(x, dim=-1).nan_to_num_(0.0)
+
+
+def _probs_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``(B, H, g, nq, n)`` probabilities times ``(B, H, n, d)`` values -> ``(B, H, g, nq, d)`` float32."""
+    B, H, g, nq, n = probs.shape
+    out = matmul_f32(probs.reshape(B, H, g * nq, n), values)
+    return out.view(B, H, g, nq, -1)
+
+
+def _sdpa_decode(store: LayerStore, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One new query per sequence over every valid slot: one SDPA call, no score, no copy of the cache.
+
+    The ``g`` query heads of a KV head are the ``g`` query rows of one SDPA head, so nothing is expanded per query
+    head. Returns ``(B, Hq, 1, d)`` float32.
+    """
+    B, Hq, _, d = queries.shape
+    H = store.keys.shape[1]
+    q = queries.reshape(B, H, Hq // H, d).to(store.keys.dtype)
+    out = F.scaled_dot_product_attention(q, store.keys, store.values, attn_mask=store.valid[:, :, None, :],
+                                         scale=scaling)
+    return out.reshape(B, Hq, 1, d).float()
 
 
 def linear_state_slots(head_dim: int, itemsize: int) -> int:

@@ -106,19 +106,29 @@ class LayerStore:
 
     # ------------------------------------------------------------------ decode
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               score: float = 0.0) -> torch.Tensor:
+               score: float = 0.0, growth: int = _GROWTH) -> torch.Tensor:
         """Write ``n_new`` new tokens into free slots of every row; grow the capacity only if a row is full.
 
         ``keys, values``: ``(B, Hkv, n_new, d)``; ``positions``: ``(n_new,)`` int64 (same for the whole batch,
-        because positions index the padded sequence). Returns the ``(B, Hkv, n_new)`` slot indices written.
+        because positions index the padded sequence). ``growth``: slots added when a row has no free slot for a
+        single new token (a layer that evicts one token per step needs one extra slot, once; an append-only layer
+        amortises reallocation with a larger step). Returns the ``(B, Hkv, n_new)`` slot indices written.
         """
         B, H, n_new, d = keys.shape
-        free = ~self.valid
-        if int(free.sum(-1).min().item()) < n_new:
-            self._grow(max(_GROWTH, n_new))
+        if n_new == 1:
+            full = self.valid.all(-1)
+            if bool(full.any()):  # one host sync per layer and step (free on CPU)
+                self._grow(max(int(growth), 1))
+            # the first free slot of each row (argmax returns the first maximum)
+            slots = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)
+        else:
             free = ~self.valid
-        # the first n_new free slots of each row (stable sort puts free slots first in slot order)
-        slots = torch.sort(free.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
+            short = n_new - int(free.sum(-1).min().item())
+            if short > 0:  # multi-token appends (prompt chunks) grow by what is missing only
+                self._grow(short)
+                free = ~self.valid
+            # the first n_new free slots of each row (stable sort puts free slots first in slot order)
+            slots = torch.sort(free.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
         gi = slots[..., None].expand(-1, -1, -1, d)
         self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
         self.values.scatter_(2, gi, values.to(self.values.dtype))
@@ -130,10 +140,19 @@ class LayerStore:
             self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
         return slots
 
-    def free(self, evicted: torch.Tensor) -> None:
-        """Evict the slots where ``evicted`` (``(B, Hkv, capacity)`` bool) is True, folding them if linear."""
+    def free(self, evicted: torch.Tensor, slots: torch.Tensor | None = None,
+             chosen: torch.Tensor | None = None) -> None:
+        """Evict the slots where ``evicted`` (``(B, Hkv, capacity)`` bool) is True, folding them if linear.
+
+        ``slots``/``chosen`` (``(B, Hkv, e)`` slot indices and which of them are evicted; they must describe the
+        same set as ``evicted``) let the linear state fold only those ``e`` rows instead of masking the whole layer.
+        """
         if self.linear is not None:
-            self.linear.fold(self.keys, self.values, evicted)
+            if slots is not None and chosen is not None:
+                gi = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+                self.linear.fold(self.keys.gather(2, gi), self.values.gather(2, gi), chosen)
+            else:
+                self.linear.fold(self.keys, self.values, evicted)
         self.valid &= ~evicted
         self.positions.masked_fill_(evicted, -1)
         self.scores.masked_fill_(evicted, float("-inf"))

@@ -119,15 +119,34 @@ class SlakeCache(Cache):
         Number of decoder layers (``model.config.num_hidden_layers``).
     charge_linear_state : bool
         Charge SLAKE's linear state against the budget (equal-memory comparisons).
+    prefill_chunk : int | None
+        Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
+        bounded independently of the prompt length (ARCHITECTURE.md decision 2: an explicit trade of exactness).
+        Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
     **hyperparameters
         Overrides of the method's hyperparameters (e.g. ``window=16``).
     """
 
     def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int,
-                 charge_linear_state: bool = False, **hyperparameters) -> None:
+                 charge_linear_state: bool = False, prefill_chunk: int | None = None, **hyperparameters) -> None:
+        if prefill_chunk is not None and int(prefill_chunk) < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m = make_method(method, **hyperparameters)
         self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state)
+        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         super().__init__(layers=[SlakeCacheLayer(self.engine, i) for i in range(num_layers)])
+
+    def begin_chunked_prefill(self, attention_mask: torch.Tensor) -> None:
+        """Enter chunked-prefill mode for a prompt with this ``(B, S)`` attention mask (1 = real token).
+
+        Feed the prompt chunk by chunk through the model, then call :meth:`end_chunked_prefill`
+        (:func:`slake.hf.generate.prefill` does both).
+        """
+        self.engine.begin_chunked_prefill(attention_mask == 0)
+
+    def end_chunked_prefill(self) -> None:
+        """Leave chunked-prefill mode (later tokens are decode steps)."""
+        self.engine.end_chunked_prefill()
 
     @property
     def method(self) -> Method:

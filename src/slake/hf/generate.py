@@ -86,10 +86,66 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> str:
     return prompt
 
 
+def prefill_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded prompt, as ``model.generate`` computes them (padding gets 1)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 1)
+
+
+def prefill(model, cache: SlakeCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+            prefill_chunk: int | None = None) -> torch.Tensor:
+    """Run a prompt through ``model`` into ``cache``, exactly or in chunks; return the last position's logits.
+
+    Parameters
+    ----------
+    model
+        A causal LM prepared with :func:`slake.prepare_model`.
+    cache : SlakeCache
+        An empty cache.
+    input_ids, attention_mask : torch.Tensor
+        ``(B, S)`` left-padded prompt (mask 1 = real token; all ones when None).
+    prefill_chunk : int | None
+        Chunk size; defaults to ``cache.prefill_chunk``. None, or a chunk of at least ``S`` tokens, is the exact
+        prefill. Otherwise the first chunk is prefilled exactly and compressed, and every later chunk attends over
+        the compressed past (plus the linear term) and itself, after which each layer is evicted back to its budget
+        with the method's scores from the chunk's last ``window`` queries
+        (:meth:`slake.cache.compressed.CompressedKV.begin_chunked_prefill`).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, vocab)`` float32 logits at the last prompt position (only that position's logits are computed).
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    chunk = prefill_chunk if prefill_chunk is not None else getattr(cache, "prefill_chunk", None)
+    S = input_ids.shape[1]
+    pos = prefill_position_ids(attention_mask)
+    if chunk is not None and int(chunk) < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
+    with torch.inference_mode():
+        if chunk is None or chunk >= S:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+        else:
+            cache.begin_chunked_prefill(attention_mask)
+            try:
+                for start in range(0, S, chunk):
+                    end = min(start + chunk, S)
+                    out = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+                                position_ids=pos[:, start:end], past_key_values=cache, use_cache=True,
+                                logits_to_keep=1)
+            finally:
+                cache.end_chunked_prefill()
+    cache.check_routed()
+    return out.logits[:, -1].float()
+
+
 def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method = "snapkv",
              budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None,
-             seed: int | None = None, charge_linear_state: bool = False, **hyperparameters) -> GenerationResult:
+             seed: int | None = None, charge_linear_state: bool = False, prefill_chunk: int | None = None,
+             **hyperparameters) -> GenerationResult:
     """Generate with a compressed KV cache.
 
     Parameters
@@ -110,6 +166,10 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
         Sampling options (greedy by default).
     charge_linear_state : bool
         Charge SLAKE's linear state against the budget.
+    prefill_chunk : int | None
+        Prefill all prompt tokens but the last in chunks of this many tokens, compressing after each chunk
+        (bounded prefill memory; see :func:`prefill`); the last prompt token is then the first step of
+        ``model.generate``. None (default): exact prefill.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``).
     """
@@ -130,7 +190,8 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     prompt_lens = enc["attention_mask"].sum(-1).tolist()
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
-    cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state)
+    cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state,
+                       prefill_chunk=prefill_chunk)
     clock = _StepClock()
     gen_kwargs: dict = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                         "pad_token_id": tokenizer.pad_token_id}
@@ -141,6 +202,8 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
     start = time.perf_counter()
+    if prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
+        prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], prefill_chunk=prefill_chunk)
     with torch.inference_mode():
         out = model.generate(**enc, past_key_values=cache, logits_processor=LogitsProcessorList([clock]),
                              **gen_kwargs)

@@ -1,0 +1,184 @@
+"""``slake bench``: prefill time, time to first token, decode latency, peak memory and KV bytes per method and
+context length.
+
+``slake bench --methods full,snapkv,cake,slake --budget 128 --lengths 1024,2048,4096,8192 --out runs/bench`` writes
+``runs/bench/bench.jsonl`` (one row per configuration, appended), ``bench.md`` (table of this run) and
+``decode_latency.png`` / ``peak_memory.png``. ``--random-model llama3-8b`` measures a randomly initialised model of
+that shape (:mod:`slake.bench.shapes`) instead of a checkpoint. ``--isolate`` runs every configuration in a fresh
+process (exact per-configuration peak memory, at the cost of reloading the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_bench_parser", "cmd_bench"]
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` sub-command to ``subparsers``."""
+    p = subparsers.add_parser("bench", help="latency and peak memory vs context length per method",
+                              description="Per method and context length: prefill time, time to first token, decode "
+                              "ms/token (median, min, max over --decode-steps steps after warm-up), peak memory "
+                              "(CPU: process RSS high-water mark, reset per configuration; CUDA: "
+                              "max_memory_allocated) and KV bytes. Prompts are random token ids.")
+    p.add_argument("--methods", default="full,snapkv,cake,slake", help="comma-separated methods")
+    p.add_argument("--budget", default="128", help="budget (or comma-separated budgets) in tokens per layer and KV "
+                   "head, or ratios in (0, 1)")
+    p.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated context lengths")
+    p.add_argument("--batch", type=int, default=1, help="batch size (identical-length random prompts)")
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (after --warmup steps)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before timing")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="chunked prefill with chunks of this many tokens (bounded prefill memory)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="'smollm2' (default), a hub id, a local directory or a .gguf file")
+    src.add_argument("--random-model", default=None, metavar="SHAPE",
+                     help="randomly initialised model of a named shape (llama3-8b, llama2-7b, mistral-7b, "
+                          "qwen2.5-7b, smollm2-135m, tiny), optionally with overrides: llama3-8b:num_hidden_layers=4")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights")
+    p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
+    p.add_argument("--out", required=True, help="output directory (bench.jsonl, bench.md, PNG plots)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...]} to stdout')
+    return p
+
+
+def _split(text: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from ..models import _parse_dtype, default_device, load_model
+
+    device = args.device or default_device()
+    if args.random_model:
+        from .shapes import random_model
+
+        return random_model(args.random_model, device=device, dtype=_parse_dtype(args.dtype, device), seed=args.seed)
+    model, _ = load_model(args.model or "smollm2", device=device, dtype=args.dtype, gguf_file=args.gguf_file)
+    del torch
+    return model
+
+
+def _configs(args: argparse.Namespace) -> list:
+    from ..budget_spec import Budget
+    from ..methods import make_method
+    from .runner import BenchConfig
+
+    methods = _split(args.methods)
+    for m in methods:
+        make_method(m)
+    budgets = [Budget(b).value for b in _split(args.budget)]
+    lengths = [int(x) for x in _split(args.lengths)]
+    if any(n < 2 for n in lengths):
+        raise ValueError("--lengths must be >= 2")
+    if args.batch < 1 or args.decode_steps < 1 or args.warmup < 0:
+        raise ValueError("--batch and --decode-steps must be >= 1 and --warmup >= 0")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError("--prefill-chunk must be >= 1")
+    out = []
+    for n in lengths:
+        for m in methods:
+            for b in (budgets[:1] if m == "full" else budgets):
+                out.append(BenchConfig(method=m, budget=b, length=n, batch=args.batch, decode_steps=args.decode_steps,
+                                       warmup=args.warmup, prefill_chunk=args.prefill_chunk, seed=args.seed))
+    return out
+
+
+def _isolated(args: argparse.Namespace, cfg) -> dict:
+    argv = [sys.executable, "-m", "slake.cli", "bench", "--methods", cfg.method, "--budget", str(cfg.budget),
+            "--lengths", str(cfg.length), "--batch", str(cfg.batch), "--decode-steps", str(cfg.decode_steps),
+            "--warmup", str(cfg.warmup), "--seed", str(args.seed), "--no-plots", "--no-progress", "--json",
+            "--out", str(Path(args.out) / "isolated")]
+    for flag, value in (("--prefill-chunk", args.prefill_chunk), ("--model", args.model),
+                        ("--random-model", args.random_model), ("--gguf-file", args.gguf_file),
+                        ("--device", args.device), ("--dtype", args.dtype), ("--threads", args.threads)):
+        if value is not None:
+            argv += [flag, str(value)]
+    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"isolated run of {cfg} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])["rows"][0]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark; write OUT/bench.jsonl, OUT/bench.md and the plots."""
+    import torch
+
+    from .report import markdown_table, plot_rows
+    from .runner import measure
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = _configs(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = None if args.isolate else _load(args)
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(configs), desc="slake bench", unit="config", file=sys.stderr)
+    model_name = args.random_model and f"random:{args.random_model}" or (args.model or "smollm2")
+    env = {"model": model_name, "device": str(model.device) if model is not None else (args.device or "auto"),
+           "dtype": str(model.dtype).replace("torch.", "") if model is not None else (args.dtype or "auto"),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+           "cpu_count": os.cpu_count(), "load_avg_1m": _load_avg()}
+    rows = []
+    with open(out / "bench.jsonl", "a", encoding="utf-8") as f:
+        for cfg in configs:
+            if bar is not None:
+                bar.set_postfix_str(f"{cfg.method} {cfg.length}")
+            row = _isolated(args, cfg) if args.isolate else measure(model, cfg)
+            row.update({k: v for k, v in env.items() if k not in row})
+            row["load_avg_1m_after"] = _load_avg()
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    notes = [f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
+             f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
+             f"batch {args.batch}, {args.decode_steps} timed decode steps after {args.warmup} warm-up steps; "
+             "prompts are random token ids",
+             "peak memory: " + ("CUDA max_memory_allocated (reset per configuration)" if rows and
+                                rows[0]["peak_mem_kind"].startswith("cuda") else
+                                "process RSS high-water mark (VmHWM, reset per configuration via "
+                                "/proc/self/clear_refs; includes the model weights)")]
+    (out / "bench.md").write_text(markdown_table(rows, "slake bench", notes), encoding="utf-8")
+    if not args.no_plots and rows:
+        plot_rows(rows, str(out))
+    keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
+    if args.json:
+        print(json.dumps({"rows": [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}}
+                                   for r in rows]}))
+    else:
+        print(markdown_table(rows))
+    return 0
+
+
+def _load_avg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None

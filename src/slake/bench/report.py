@@ -1,0 +1,73 @@
+"""Benchmark outputs: the markdown table and the PNG plots (latency and peak memory vs context length)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+__all__ = ["markdown_table", "plot_rows", "series_label"]
+
+_MIB = 1024 * 1024
+
+
+def series_label(row: dict, rows: list[dict]) -> str:
+    """Legend label of a row: the method, plus budget / batch / chunk where the run has several."""
+    label = row["method"]
+    if len({r["budget"] for r in rows}) > 1 and row["method"] != "full":
+        label += f"@{row['budget']}"
+    if len({r["batch"] for r in rows}) > 1:
+        label += f" b{row['batch']}"
+    if row.get("prefill_chunk"):
+        label += f" chunk{row['prefill_chunk']}"
+    return label
+
+
+def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] | None = None) -> str:
+    """A markdown table of the rows, one line per configuration."""
+    head = ("| method | budget | length | batch | chunk | prefill s | TTFT s | decode ms/token (min-max) | "
+            "peak MiB | KV MiB (kept / padding / linear) |")
+    lines = [f"# {title}", ""] if title else []
+    lines += [head, "|" + "---|" * 10]
+    for r in rows:
+        kv = r.get("kv_bytes_detail", {})
+        lines.append(
+            f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r.get('prefill_chunk') or '-'} | "
+            f"{r['prefill_s']:.2f} | {r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
+            f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {r['peak_mem_bytes'] / _MIB:.0f} | "
+            f"{r['kv_bytes'] / _MIB:.2f} ({kv.get('kept', 0) / _MIB:.2f} / {kv.get('padding', 0) / _MIB:.2f} / "
+            f"{kv.get('linear_state', 0) / _MIB:.2f}) |")
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot_rows(rows: list[dict], out_dir: str) -> list[str]:
+    """``decode_latency.png`` and ``peak_memory.png``: one line per method (and budget / batch / chunk) vs length.
+
+    Returns the written paths.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        series[series_label(r, rows)].append(r)
+    written = []
+    for key, ylabel, fname, scale in (("decode_ms_per_token", "decode ms / token (median)", "decode_latency.png", 1.0),
+                                      ("peak_mem_bytes", "peak memory (MiB)", "peak_memory.png", 1.0 / _MIB)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, rs in series.items():
+            rs = sorted(rs, key=lambda r: r["length"])
+            ax.plot([r["length"] for r in rs], [r[key] * scale for r in rs], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{out_dir}/{fname}"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,90 @@
+"""Latency and memory of compressed-cache generation, one configuration at a time.
+
+A configuration is (method, budget, context length, batch). For each one :func:`measure` builds a fresh
+:class:`~slake.hf.cache.SlakeCache`, prefills a prompt of random token ids (latency does not depend on content) with
+:func:`slake.hf.generate.prefill` (exact or chunked), then decodes greedily: ``warmup`` steps that are not timed,
+then ``decode_steps`` timed steps (each synchronised on CUDA). Reported: prefill time, time to first token (prefill +
+picking the first token), decode milliseconds per token (median, min, max over the timed steps), peak memory
+(:class:`~slake.bench.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding, metadata,
+linear state).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..hf.cache import SlakeCache
+from ..hf.generate import prefill
+from .memory import MemoryMeter
+
+__all__ = ["BenchConfig", "measure"]
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark configuration."""
+
+    method: str
+    budget: int | float
+    length: int
+    batch: int = 1
+    decode_steps: int = 32
+    warmup: int = 3
+    prefill_chunk: int | None = None
+    seed: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model, cfg: BenchConfig) -> dict:
+    """Run one configuration on ``model`` and return its result row (a JSON-ready dict)."""
+    device = model.device
+    L = model.config.num_hidden_layers
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(min(3, vocab - 1), vocab, (cfg.batch, cfg.length), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    meter = MemoryMeter(device)
+    meter.reset()
+    cache = SlakeCache(cfg.method, cfg.budget, L, prefill_chunk=cfg.prefill_chunk)
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, ids, mask)
+    _sync(device)
+    t1 = time.perf_counter()
+    tok = logits.argmax(-1, keepdim=True)
+    tok.cpu()
+    t2 = time.perf_counter()
+    times = []
+    with torch.inference_mode():
+        for step in range(cfg.warmup + cfg.decode_steps):
+            s = time.perf_counter()
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync(device)
+            if step >= cfg.warmup:
+                times.append((time.perf_counter() - s) * 1e3)
+    peak = meter.peak()
+    stats = cache.statistics()
+    kv = stats["kv_bytes"]
+    del cache, out, logits
+    return {
+        "method": cfg.method, "budget": cfg.budget, "length": cfg.length, "batch": cfg.batch,
+        "prefill_chunk": cfg.prefill_chunk,
+        "prefill_s": t1 - t0, "ttft_s": t2 - t0,
+        "decode_ms_per_token": statistics.median(times) if times else 0.0,
+        "decode_ms_min": min(times) if times else 0.0, "decode_ms_max": max(times) if times else 0.0,
+        "decode_steps": len(times),
+        "peak_mem_bytes": int(peak), "peak_mem_baseline_bytes": int(meter.baseline),
+        "peak_mem_kind": meter.kind, "peak_mem_reset": meter.reset_ok,
+        "kv_bytes": int(sum(kv.values())), "kv_bytes_detail": {k: int(v) for k, v in kv.items()},
+        "compressed": stats["compressed"],
+        "kept_tokens_mean": (sum(stats["kept_tokens_per_layer"]) / max(len(stats["kept_tokens_per_layer"]), 1)),
+    }

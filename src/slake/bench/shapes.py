@@ -1,0 +1,120 @@
+"""Randomly initialised models with the exact config shapes of well-known checkpoints (no download).
+
+``slake bench --random-model llama3-8b`` measures latency and memory at the papers' 8B scale on any GPU without
+fetching weights: latency and memory do not depend on the weight values. The configs below are copied from the
+checkpoints' ``config.json`` (layers, hidden size, heads, KV heads, head dim, MLP width, vocabulary, RoPE base).
+
+Initialisation: the model is built directly on the target device (``with torch.device(device)``) in the target dtype
+(no fp32 copy on the CPU first) and its weights are filled with the model's own ``_init_weights`` (normal, std
+``initializer_range``). A shape can be shrunk for tests with overrides: ``"llama3-8b:num_hidden_layers=2"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SHAPES", "parse_shape", "random_model"]
+
+_LLAMA = "llama"
+_MISTRAL = "mistral"
+_QWEN2 = "qwen2"
+
+#: name -> (architecture, config keyword arguments)
+SHAPES: dict[str, tuple[str, dict]] = {
+    "llama3-8b": (_LLAMA, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                               rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama2-7b": (_LLAMA, dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                               rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "mistral-7b": (_MISTRAL, dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                                  rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+                                  tie_word_embeddings=False)),
+    "qwen2.5-7b": (_QWEN2, dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+                                tie_word_embeddings=False)),
+    "smollm2-135m": (_LLAMA, dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                                  rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    # a tiny shape for tests and smoke runs
+    "tiny": (_LLAMA, dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+}
+
+
+def parse_shape(spec: str) -> tuple[str, dict]:
+    """``"name[:key=value,...]"`` -> ``(architecture, config kwargs)`` with the overrides applied.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (listing the known ones) or a malformed override.
+    """
+    name, _, rest = spec.partition(":")
+    key = name.strip().lower()
+    if key not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    arch, kwargs = SHAPES[key]
+    kwargs = dict(kwargs)
+    for item in filter(None, (t.strip() for t in rest.split(","))):
+        if "=" not in item:
+            raise ValueError(f"shape override must be key=value, got {item!r}")
+        k, v = (t.strip() for t in item.split("=", 1))
+        kwargs[k] = _parse_value(v)
+    # long benchmark prompts must fit the RoPE table of the shape; the shape is not limited by it
+    kwargs["max_position_embeddings"] = max(int(kwargs.get("max_position_embeddings", 0)), 131072)
+    return arch, kwargs
+
+
+def _parse_value(v: str) -> int | float | bool | None | str:
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A randomly initialised causal LM of a named shape, in eval mode, with slake's attention installed.
+
+    Parameters
+    ----------
+    spec : str
+        A key of :data:`SHAPES`, optionally with config overrides (``"llama3-8b:num_hidden_layers=4"``).
+    device : str
+        Where the weights are allocated and initialised (no CPU copy for a CUDA model).
+    dtype : torch.dtype
+        Parameter dtype.
+    seed : int
+        Seed of the weight initialisation.
+    """
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    from ..hf.attention import prepare_model
+
+    arch, kwargs = parse_shape(spec)
+    config_cls, model_cls = {_LLAMA: (LlamaConfig, LlamaForCausalLM), _MISTRAL: (MistralConfig, MistralForCausalLM),
+                             _QWEN2: (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config = config_cls(**kwargs, attn_implementation="sdpa")
+    config.name_or_path = f"random:{spec}"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to(dtype).eval()
+    prepare_model(model)
+    return model

@@ -1,0 +1,73 @@
+"""``slake bench`` end to end on a tiny random model, and the named random shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slake.bench.shapes import SHAPES, parse_shape
+from slake.cli import main
+
+
+def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--methods", "full,snapkv,slake", "--budget", "40", "--lengths", "48,96",
+               "--random-model", "tiny", "--device", "cpu", "--decode-steps", "3", "--warmup", "1",
+               "--out", str(out), "--json", "--no-progress"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert len(rows) == 6
+    for r in rows:
+        for key in ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes",
+                    "kv_bytes"):
+            assert key in r
+        assert r["decode_steps"] == 3 and r["decode_ms_min"] <= r["decode_ms_per_token"] <= r["decode_ms_max"]
+        assert r["peak_mem_bytes"] > 0 and r["kv_bytes"] > 0 and r["prefill_s"] > 0
+    by = {(r["method"], r["length"]): r for r in rows}
+    assert by[("slake", 96)]["compressed"] and by[("slake", 96)]["kv_bytes_detail"]["linear_state"] > 0
+    assert by[("snapkv", 96)]["kv_bytes"] < by[("full", 96)]["kv_bytes"]
+    lines = (out / "bench.jsonl").read_text().strip().splitlines()
+    assert len(lines) == 6 and json.loads(lines[0])["method"] == "full"
+    md = (out / "bench.md").read_text()
+    assert "| slake | 40 | 96 |" in md
+    for png in ("decode_latency.png", "peak_memory.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_bench_chunked_prefill_and_batch(tmp_path, capsys):
+    rc = main(["bench", "--methods", "cake", "--budget", "40", "--lengths", "96", "--batch", "2",
+               "--prefill-chunk", "32", "--random-model", "tiny:num_hidden_layers=3", "--decode-steps", "2",
+               "--warmup", "0", "--out", str(tmp_path), "--json", "--no-progress", "--no-plots"])
+    assert rc == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["batch"] == 2 and row["prefill_chunk"] == 32 and row["compressed"]
+    assert not (tmp_path / "decode_latency.png").exists()
+
+
+def test_bench_rejects_bad_arguments(tmp_path, capsys):
+    assert main(["bench", "--methods", "nope", "--random-model", "tiny", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--methods", "full", "--random-model", "gpt9", "--lengths", "8", "--out",
+                 str(tmp_path), "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_named_shapes_have_their_published_dimensions(name):
+    arch, cfg = parse_shape(name)
+    assert cfg["hidden_size"] % cfg["num_attention_heads"] == 0
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+    if name == "llama3-8b":
+        assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == \
+            (32, 4096, 8, 128256)
+    _, small = parse_shape(f"{name}:num_hidden_layers=1")
+    assert small["num_hidden_layers"] == 1
+
+
+def test_random_named_shape_builds_without_download():
+    import torch
+
+    from slake.bench.shapes import random_model
+
+    model = random_model("smollm2-135m:num_hidden_layers=1,vocab_size=512", dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 3
+    assert model.config._attn_implementation == "slake"

@@ -1,0 +1,132 @@
+"""Chunked prefill (bounded prefill memory) and the decode path's in-place storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slake.hf.cache import SlakeCache
+from slake.hf.generate import prefill
+from tiny_models import random_ids
+
+METHODS = ["snapkv", "cake", "slake", "h2o", "pyramidkv"]
+
+
+def _greedy(model, cache: SlakeCache, ids: torch.Tensor, steps: int, chunk: int | None) -> tuple[list, torch.Tensor]:
+    logits = prefill(model, cache, ids, prefill_chunk=chunk)
+    first = logits
+    tok = logits.argmax(-1, keepdim=True)
+    out = [tok]
+    with torch.inference_mode():
+        for _ in range(steps - 1):
+            logits = model(tok, past_key_values=cache, use_cache=True).logits[:, -1]
+            tok = logits.argmax(-1, keepdim=True)
+            out.append(tok)
+    return torch.cat(out, -1).tolist(), first
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_chunk_at_least_prompt_length_is_the_exact_prefill(llama_gqa, method):
+    ids = random_ids(96, seed=1)
+    L = llama_gqa.config.num_hidden_layers
+    exact = _greedy(llama_gqa, SlakeCache(method, 40, L, window=8), ids, 6, None)
+    chunked = _greedy(llama_gqa, SlakeCache(method, 40, L, window=8), ids, 6, 96)
+    assert exact[0] == chunked[0]
+    torch.testing.assert_close(exact[1], chunked[1])
+
+
+@pytest.mark.parametrize("method", ["snapkv", "slake"])
+def test_chunked_prefill_with_budget_above_prompt_equals_full_cache(llama_gqa, method):
+    ids = random_ids(80, seed=2)
+    L = llama_gqa.config.num_hidden_layers
+    full_tokens, full_logits = _greedy(llama_gqa, SlakeCache("full", 1, L), ids, 6, None)
+    cache = SlakeCache(method, 200, L, window=8)
+    tokens, logits = _greedy(llama_gqa, cache, ids, 6, 16)
+    assert tokens == full_tokens
+    torch.testing.assert_close(logits, full_logits, atol=1e-4, rtol=1e-4)
+    assert not cache.statistics()["compressed"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cache_stays_bounded_during_chunked_prefill(llama_gqa, method):
+    L = llama_gqa.config.num_hidden_layers
+    budget, chunk, n = 24, 16, 160
+    cache = SlakeCache(method, budget, L, window=8, prefill_chunk=chunk)
+    sizes = []
+    engine = cache.engine
+    orig = engine._chunk_evict
+
+    def spy(layer_idx, x, newest):
+        orig(layer_idx, x, newest)
+        sizes.append(max(engine.layers[l].capacity for l in range(L) if engine.layers[l] is not None))
+
+    engine._chunk_evict = spy
+    tokens, logits = _greedy(llama_gqa, cache, random_ids(n, seed=3), 4, None)
+    assert sizes, "later chunks must be evicted"
+    assert torch.isfinite(logits).all()
+    # per-layer budgets (cascade, pyramid) may exceed the average, but never L * budget (+ one chunk): the bound
+    # does not depend on the prompt length
+    assert max(sizes) <= L * budget + chunk
+    stats = cache.statistics()
+    assert stats["compressed"]
+    assert max(stats["kept_tokens_per_layer"]) <= L * budget
+    assert engine.seen == [n + 3] * L
+
+
+def test_chunked_prefill_batch_with_padding_is_finite(llama_gqa):
+    L = llama_gqa.config.num_hidden_layers
+    ids = random_ids(64, seed=4, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    cache = SlakeCache("snapkv", 24, L, window=8)
+    logits = prefill(llama_gqa, cache, ids, mask, prefill_chunk=16)
+    assert torch.isfinite(logits).all()
+    for store in cache.engine.layers:
+        assert not bool((store.valid & (store.positions < 10) & (store.positions >= 0))[1].any())
+
+
+def test_slake_generate_accepts_prefill_chunk():
+    from slake.hf.cache import SlakeCache as C
+
+    with pytest.raises(ValueError):
+        C("snapkv", 16, 2, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "cake", "slake", "h2o"])
+def test_decode_reuses_storage_in_place(llama_gqa, method):
+    """No decode step reallocates a layer: the storage tensors keep their data_ptr once the first step has
+    reserved a free slot per row (slot reuse after each eviction)."""
+    L = llama_gqa.config.num_hidden_layers
+    cache = SlakeCache(method, 32, L, window=8)
+    ids = random_ids(120, seed=5)
+    tok = prefill(llama_gqa, cache, ids).argmax(-1, keepdim=True)
+    ptrs = None
+    with torch.inference_mode():
+        for step in range(12):
+            tok = llama_gqa(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            now = [(s.keys.data_ptr(), s.values.data_ptr(), s.positions.data_ptr(), s.valid.data_ptr())
+                   + ((s.linear.kv.data_ptr(),) if s.linear is not None else ()) for s in cache.engine.layers]
+            if step >= 1:
+                assert now == ptrs, f"a layer was reallocated at decode step {step}"
+            ptrs = now
+
+
+def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
+    """The pattern of ``slake.generate(prefill_chunk=...)``: chunked prefill of all prompt tokens but the last, then
+    ``model.generate`` on the whole prompt feeds the last token as the first step."""
+    L = llama_gqa.config.num_hidden_layers
+    ids = random_ids(100, seed=6)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    cache = SlakeCache("slake", 32, L, window=8)
+    prefill(llama_gqa, cache, ids[:, :-1], prefill_chunk=24)
+    with torch.inference_mode():
+        out = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+    assert out.shape == (1, 105)
+    assert cache.engine.seen == [104] * L and not cache.engine.chunked_prefill
+    # budget above the prompt: chunked + generate equals plain generate with the full cache
+    ref_cache, big = SlakeCache("full", 1, L), SlakeCache("snapkv", 400, L, window=8)
+    prefill(llama_gqa, big, ids[:, :-1], prefill_chunk=24)
+    with torch.inference_mode():
+        ref = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=ref_cache, **kw)
+        got = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=big, **kw)
+    assert got.tolist() == ref.tolist()
