@@ -11,7 +11,7 @@ from slake.budgets import cross_head_counts, safeguarded_head_counts
 from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
 from slake.methods.base import PrefillInputs
-from slake.methods.common import pool1d, window_attention
+from slake.methods.common import window_attention
 from slake.methods.lava import lava_entropy, lava_scores
 
 L, B, HQ, HKV, S, D = 4, 2, 4, 2, 96, 8

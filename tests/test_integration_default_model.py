@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import slake
 from slake.eval.needle import needle_sample

@@ -105,26 +105,6 @@ def test_sagekv_with_k_zero_is_streamingllm(llama_gqa, prompt_and_reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", NEW)
-def test_padded_batch_equals_single_prompts_new_methods(llama_gqa, method):
-    model = llama_gqa
-    L = model.config.num_hidden_layers
-    lengths = [70, 100, 85]
-    prompts = [random_ids(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
-    S = max(lengths)
-    ids = torch.zeros(3, S, dtype=torch.long)
-    mask = torch.zeros(3, S, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, S - len(p):] = p
-        mask[i, S - len(p):] = 1
-    batch = _generate(model, ids, SlakeCache(method, 40, L), 12, attention_mask=mask)
-    for i, p in enumerate(prompts):
-        single = _generate(model, p[None], SlakeCache(method, 40, L), 12)
-        assert torch.equal(batch.sequences[i, S:], single.sequences[0, len(p):]), f"{method}: prompt {i} differs"
-        for a, b in zip(batch.logits, single.logits):
-            torch.testing.assert_close(a[i], b[0], rtol=1e-3, atol=1e-3)
-
-
 @pytest.mark.parametrize("method", ["sagekv", "lava"])
 def test_sampling_with_num_return_sequences_carries_per_head_state(llama_gqa, method):
     """repeat_batch / select_batch carry the per-query-head visibility and the per-head sizes."""
