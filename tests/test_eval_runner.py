@@ -224,3 +224,22 @@ def test_make_prompt_writes_plain_prompt_and_answers(tok, tmp_path, capsys, monk
     args.task = "nope"
     with pytest.raises(ValueError, match="unknown task"):
         cmd_make_prompt(args, tokenizer=tok)
+
+
+def test_chunked_prefill_rows(llama_gqa, tok, needle_samples, tmp_path):
+    """--prefill-chunk measures chunked prefill live; a chunk covering the prompt equals exact prefill."""
+    sample = needle_samples[3]
+    n = len(encode_sample(sample, tok)[0])
+    exact = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "exact", max_new_tokens=6,
+                      progress=False)
+    whole = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "whole", max_new_tokens=6,
+                      progress=False, prefill_chunk=n + 10)
+    assert [r["prediction"] for r in whole] == [r["prediction"] for r in exact]
+    chunked = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "exact", max_new_tokens=6,
+                        progress=False, prefill_chunk=max(8, n // 3))
+    # same directory: chunked rows are new keys (the full row is shared with the exact run and not repeated)
+    assert [(r["method"], r["prefill_chunk"]) for r in chunked] == [("snapkv", max(8, n // 3)),
+                                                                      ("slake", max(8, n // 3))]
+    assert all(r["compressed"] for r in chunked)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        run_suite(llama_gqa, tok, [sample], ["snapkv"], [40], tmp_path / "x", query_aware=False, prefill_chunk=16)

@@ -47,6 +47,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--depths", default=None, help="needle depths in percent (default 0,25,50,75,100)")
     p.add_argument("--seed", type=int, default=0, help="sample seed")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on every task's generation length")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="measure chunked prefill (chunks of this many tokens) instead of exact prefill; "
+                        "use a separate --out directory")
     p.add_argument("--question-agnostic", action="store_true",
                    help="compress the context without the question, then ask (default: question in the prefill)")
     p.add_argument("--no-chat-template", action="store_true", help="plain prompts, no chat template")
@@ -99,17 +102,21 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
     depths = parse_floats(args.depths, "--depths", 0.0, 100.0) if args.depths else None
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prefill_chunk is not None and (args.prefill_chunk < 1 or args.question_agnostic):
+        raise ValueError("--prefill-chunk must be >= 1 and cannot be combined with --question-agnostic")
     plan = plan_suite(args.suite, _split(args.tasks), lengths, args.samples, args.seed, depths, args.longbench_dir)
     model, tokenizer = (loader or _default_loader)(args)
     samples = build_samples(plan, tokenizer)
     out = Path(args.out)
     run_suite(model, tokenizer, samples, methods, budgets, out, suite=plan.suite, model_name=args.model,
               seed=args.seed, query_aware=not args.question_agnostic, max_new_tokens=args.max_new_tokens,
+              prefill_chunk=args.prefill_chunk,
               chat_template=not args.no_chat_template, progress=not args.no_progress)
     all_rows = read_results(out)
     md, csv_path = write_summary(out, all_rows)
     plots = _plots(out, all_rows, args.no_plots)
-    wanted = {(s.task, s.sample_id, m, b, int(s.metadata.get("target_length", s.length)), args.model)
+    wanted = {(s.task, s.sample_id, m, b, int(s.metadata.get("target_length", s.length)), args.model,
+               None if b is None else args.prefill_chunk)
               for s in samples for m, b in [("full", None)] + [(m, b) for m in methods for b in budgets]}
     mine = [r for r in all_rows if r.get("suite") == plan.suite and row_key(r) in wanted
             and r.get("query_aware", True) == (not args.question_agnostic)]

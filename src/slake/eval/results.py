@@ -25,19 +25,20 @@ ROW_FIELDS: tuple[str, ...] = (
     "answers", "score", "prefill_s", "decode_s", "seed", "query_aware",
 )
 
-RowKey = tuple[str, str, str, Any, int, str]
+RowKey = tuple[str, str, str, Any, int, str, Any]
 
 
 def row_key(row: dict[str, Any]) -> RowKey:
-    """``(task, sample_id, method, budget, length, model)``: what identifies a row for resuming.
+    """``(task, sample_id, method, budget, length, model, prefill_chunk)``: what identifies a row for resuming.
 
     ``budget`` is None for the full-cache reference row, else the integer token budget or the float ratio.
+    ``prefill_chunk`` is None for exact prefill (rows written before chunked prefill existed have no such field).
     """
     budget = row.get("budget")
     if isinstance(budget, float) and budget.is_integer() and budget >= 1:
         budget = int(budget)
     return (str(row["task"]), str(row["sample_id"]), str(row["method"]), budget, int(row["length"]),
-            str(row["model"]))
+            str(row["model"]), row.get("prefill_chunk"))
 
 
 def budget_label(budget: Any) -> str:

@@ -20,7 +20,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..budget_spec import Budget
-from ..hf.prefill_once import capture_prefill, greedy_decode
+from ..hf.cache import SlakeCache
+from ..hf.generate import prefill
+from ..hf.prefill_once import PrefillCapture, capture_prefill, greedy_decode
 from .metrics import score_prediction
 from .prompts import build_prompt, has_chat_template
 from .results import FULL_METHOD, ResultsWriter, row_key
@@ -168,6 +170,7 @@ def run_suite(
     chat_template: bool = True,
     include_full: bool = True,
     progress: bool = True,
+    prefill_chunk: int | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate ``samples`` with the full cache and every (method, budget) pair; append rows to ``DIR/results.jsonl``.
 
@@ -201,6 +204,10 @@ def run_suite(
         Run the full-cache reference row (method ``full``, budget None).
     progress : bool
         Show a tqdm progress bar over samples (with the time left).
+    prefill_chunk : int, optional
+        Measure chunked prefill instead of exact prefill: every compressed pair prefills the prompt live in chunks
+        of this many tokens (:func:`slake.hf.generate.prefill`), so prefill-once does not apply to them. The
+        full-cache row is unaffected (chunking changes nothing without eviction). Rows record ``prefill_chunk``.
 
     Returns
     -------
@@ -216,6 +223,8 @@ def run_suite(
     name = model_name or _model_name(model)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prefill_chunk is not None and (prefill_chunk < 1 or not query_aware):
+        raise ValueError("prefill_chunk must be >= 1 and is only supported with query-aware prompts")
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     written: list[dict[str, Any]] = []
@@ -223,7 +232,9 @@ def run_suite(
         def todo(sample: Sample) -> list[Pair]:
             return [(m, b) for m, b in pairs if row_key({"task": sample.task, "sample_id": sample.sample_id,
                                                           "method": m, "budget": b, "length": target_length(sample),
-                                                          "model": name}) not in store]
+                                                          "model": name,
+                                                          "prefill_chunk": None if b is None else prefill_chunk})
+                    not in store]
 
         pending = [(s, todo(s)) for s in samples]
         pending = [(s, p) for s, p in pending if p]
@@ -231,7 +242,7 @@ def run_suite(
         for sample, sample_pairs in bar:
             rows = _run_sample(model, tokenizer, sample, sample_pairs, device=device, eos=eos, suite=suite,
                                model_name=name, seed=seed, query_aware=query_aware, cap=max_new_tokens,
-                               chat_template=chat_template, bar=bar)
+                               chat_template=chat_template, bar=bar, prefill_chunk=prefill_chunk)
             for row in rows:
                 if store.write(row):
                     written.append(row)
@@ -240,7 +251,7 @@ def run_suite(
 
 def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair], *, device: torch.device,
                 eos: list[int], suite: str, model_name: str, seed: int, query_aware: bool, cap: int | None,
-                chat_template: bool, bar: Any) -> Iterator[dict[str, Any]]:
+                chat_template: bool, bar: Any, prefill_chunk: int | None = None) -> Iterator[dict[str, Any]]:
     """Prefill ``sample`` once, then yield one scored row per (method, budget) pair."""
     prefill_ids, question_ids = encode_sample(sample, tokenizer, query_aware=query_aware, chat_template=chat_template)
     if not prefill_ids:
@@ -253,12 +264,20 @@ def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair
     for method, budget in pairs:
         bar.set_postfix_str(f"{method} {'full' if budget is None else budget}", refresh=False)
         start = time.perf_counter()
-        cache = capture.replay(method, len(prefill_ids) if budget is None else budget)
+        chunk = None if budget is None else prefill_chunk
+        if chunk is None:
+            cache = capture.replay(method, len(prefill_ids) if budget is None else budget)
+            source = capture
+        else:  # chunked prefill is measured live: each chunk attends over the compressed past
+            cache = SlakeCache(method, budget, model.config.num_hidden_layers, prefill_chunk=chunk)
+            logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
+            source = PrefillCapture(records=[], attention_mask=torch.ones_like(ids), last_logits=logits.float(),
+                                    prefill_s=time.perf_counter() - start)
         _sync(device)
         compress_s = time.perf_counter() - start
         stats = cache.statistics()
         start = time.perf_counter()
-        tokens = greedy_decode(model, capture, cache, max_new, eos, extra_ids=extra)[0]
+        tokens = greedy_decode(model, source, cache, max_new, eos, extra_ids=extra)[0]
         _sync(device)
         decode_s = time.perf_counter() - start
         prediction = _decode_text(tokenizer, tokens, eos)
@@ -270,5 +289,5 @@ def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair
             "prefill_s": round(capture.prefill_s, 5), "decode_s": round(decode_s, 5), "seed": seed,
             "query_aware": query_aware, "compressed": bool(stats["compressed"]), "compress_s": round(compress_s, 5),
             "new_tokens": len(tokens), "max_new_tokens": max_new, "depth": sample.depth, "metric": sample.metric,
-            "kv_bytes": stats["kv_bytes"],
+            "kv_bytes": stats["kv_bytes"], "prefill_chunk": chunk,
         }
