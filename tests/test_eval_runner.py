@@ -243,3 +243,30 @@ def test_chunked_prefill_rows(llama_gqa, tok, needle_samples, tmp_path):
     assert all(r["compressed"] for r in chunked)
     with pytest.raises(ValueError, match="prefill_chunk"):
         run_suite(llama_gqa, tok, [sample], ["snapkv"], [40], tmp_path / "x", query_aware=False, prefill_chunk=16)
+
+
+def test_batched_rows_equal_single_rows_for_every_method(llama_gqa, tok, needle_samples, tmp_path):
+    """--batch-size: samples of different lengths are prefilled alone, left-padded into one batch and decoded
+    together; every row (prediction, score, per-sample KV bytes, compressed flag) equals the batch-1 row."""
+    methods = [m for m in slake.available_methods() if m != "full"]
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=4, progress=False)
+    single = run_suite(llama_gqa, tok, needle_samples, methods, [40, 4096], tmp_path / "one", **kw)
+    batched = run_suite(llama_gqa, tok, needle_samples, methods, [40, 4096], tmp_path / "four", batch_size=4, **kw)
+    assert len({r["prompt_tokens"] for r in batched}) > 1  # the batch really is padded
+    assert {r["batch_size"] for r in batched} == {4}
+    fields = ("prediction", "score", "kv_bytes", "compressed", "new_tokens", "prompt_tokens", "max_new_tokens")
+    by_key = {row_key(r): r for r in single}
+    assert len(by_key) == len(batched) == len(needle_samples) * (1 + 2 * len(methods))
+    for row in batched:
+        ref = by_key[row_key(row)]
+        assert {f: row[f] for f in fields} == {f: ref[f] for f in fields}, (row["method"], row["budget"])
+
+
+def test_batch_size_is_validated(llama_gqa, tok, needle_samples, tmp_path):
+    for bad, kw in [(0, {}), (2, {"query_aware": False}), (2, {"prefill_chunk": 64})]:
+        with pytest.raises(ValueError, match="batch_size"):
+            run_suite(llama_gqa, tok, needle_samples, ["snapkv"], [40], tmp_path, batch_size=bad, progress=False,
+                      **kw)
+    args = _eval_args(tmp_path, "--batch-size", "2", "--question-agnostic")
+    with pytest.raises(ValueError, match="--batch-size"):
+        cmd_eval(args, loader=_loader(llama_gqa, tok))

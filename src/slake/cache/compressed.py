@@ -372,12 +372,16 @@ class CompressedKV:
         """Mean kept tokens per KV head and sequence, per layer."""
         return [float(s.counts().float().mean()) if s is not None else 0.0 for s in self.layers]
 
-    def byte_counts(self) -> dict[str, int]:
-        """Bytes of the whole cache: kept entries, padding slots, metadata, linear state."""
+    def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
+        """Bytes of the whole cache: kept entries, padding slots, metadata, linear state.
+
+        ``sequence``: one batch row's bytes, as a batch-1 run of it would hold them (see
+        :meth:`LayerStore.byte_counts`).
+        """
         total = {"kept": 0, "padding": 0, "metadata": 0, "linear_state": 0}
         for s in self.layers:
             if s is not None:
-                for k, v in s.byte_counts().items():
+                for k, v in s.byte_counts(sequence).items():
                     total[k] += v
         return total
 

@@ -195,17 +195,30 @@ class LayerStore:
             self.linear.repeat_interleave(repeats)
 
     # ------------------------------------------------------------------ accounting
-    def byte_counts(self) -> dict[str, int]:
-        """Honest byte accounting: kept entries, padding slots, per-slot metadata and linear state."""
+    def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
+        """Honest byte accounting: kept entries, padding slots, per-slot metadata and linear state.
+
+        ``sequence``: count one batch row as if it were stored alone (its capacity being its own longest head),
+        which is what a batch-1 run of that sequence would hold after prefill compaction. Without it, the whole
+        batch's tensors are counted as allocated.
+        """
         B, H, n, d = self.keys.shape
         per_slot_kv = 2 * d * self.keys.element_size()
-        kept = int(self.valid.sum().item())
-        meta = (self.positions.element_size() + self.valid.element_size() + self.scores.element_size()) * B * H * n
+        meta_per_slot = self.positions.element_size() + self.valid.element_size() + self.scores.element_size()
         if self.head_visible is not None:
-            meta += self.head_visible.numel() * self.head_visible.element_size()
+            meta_per_slot += self.head_visible.shape[2] * self.head_visible.element_size()
+        linear = self.linear.nbytes() if self.linear is not None else 0
+        if sequence is None:
+            kept = int(self.valid.sum().item())
+            slots = B * H * n
+        else:
+            counts = self.valid[sequence].sum(-1)
+            kept = int(counts.sum().item())
+            slots = H * max(int(counts.max().item()), 1)
+            linear //= B
         return {
             "kept": kept * per_slot_kv,
-            "padding": (B * H * n - kept) * per_slot_kv,
-            "metadata": meta,
-            "linear_state": self.linear.nbytes() if self.linear is not None else 0,
+            "padding": (slots - kept) * per_slot_kv,
+            "metadata": meta_per_slot * slots,
+            "linear_state": linear,
         }

@@ -22,7 +22,7 @@ import torch
 from ..budget_spec import Budget
 from ..hf.cache import SlakeCache
 from ..hf.generate import prefill
-from ..hf.prefill_once import PrefillCapture, capture_prefill, greedy_decode
+from ..hf.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
 from .metrics import score_prediction
 from .prompts import build_prompt, has_chat_template
 from .results import FULL_METHOD, ResultsWriter, row_key
@@ -171,6 +171,7 @@ def run_suite(
     include_full: bool = True,
     progress: bool = True,
     prefill_chunk: int | None = None,
+    batch_size: int = 1,
 ) -> list[dict[str, Any]]:
     """Evaluate ``samples`` with the full cache and every (method, budget) pair; append rows to ``DIR/results.jsonl``.
 
@@ -208,6 +209,13 @@ def run_suite(
         Measure chunked prefill instead of exact prefill: every compressed pair prefills the prompt live in chunks
         of this many tokens (:func:`slake.hf.generate.prefill`), so prefill-once does not apply to them. The
         full-cache row is unaffected (chunking changes nothing without eviction). Rows record ``prefill_chunk``.
+    batch_size : int
+        Decode up to this many samples of the same task together. Each sample is still prefilled alone; the
+        captures are left-padded into one batch (:func:`slake.hf.prefill_once.stack_captures`) and every
+        (method, budget) pair is replayed and decoded for the whole batch, which amortises the weight reads of a
+        decode step over the batch (about 5x faster per sample at batch 8 on CPU). Greedy outputs equal those of
+        ``batch_size=1`` up to floating-point reassociation in the padded batch. Rows record ``batch_size``; their
+        ``decode_s`` and ``compress_s`` are the whole batch's. Query-aware, exact-prefill runs only.
 
     Returns
     -------
@@ -225,6 +233,11 @@ def run_suite(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if prefill_chunk is not None and (prefill_chunk < 1 or not query_aware):
         raise ValueError("prefill_chunk must be >= 1 and is only supported with query-aware prompts")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if batch_size > 1 and (prefill_chunk is not None or not query_aware):
+        raise ValueError("batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
+                         "question of a question-agnostic run and chunked prefill are fed per sample")
     device = next(model.parameters()).device
     eos = eos_token_ids(model, tokenizer)
     written: list[dict[str, Any]] = []
@@ -238,15 +251,88 @@ def run_suite(
 
         pending = [(s, todo(s)) for s in samples]
         pending = [(s, p) for s, p in pending if p]
-        bar = tqdm(pending, desc=f"eval {suite}", unit="sample", disable=not progress, dynamic_ncols=True)
-        for sample, sample_pairs in bar:
-            rows = _run_sample(model, tokenizer, sample, sample_pairs, device=device, eos=eos, suite=suite,
-                               model_name=name, seed=seed, query_aware=query_aware, cap=max_new_tokens,
-                               chat_template=chat_template, bar=bar, prefill_chunk=prefill_chunk)
+        batches = _batches(pending, batch_size)
+        bar = tqdm(total=len(pending), desc=f"eval {suite}", unit="sample", disable=not progress,
+                   dynamic_ncols=True)
+        for batch, batch_pairs in batches:
+            if len(batch) == 1:
+                rows = _run_sample(model, tokenizer, batch[0], batch_pairs, device=device, eos=eos, suite=suite,
+                                   model_name=name, seed=seed, query_aware=query_aware, cap=max_new_tokens,
+                                   chat_template=chat_template, bar=bar, prefill_chunk=prefill_chunk)
+            else:
+                rows = _run_batch(model, tokenizer, batch, batch_pairs, device=device, eos=eos, suite=suite,
+                                  model_name=name, seed=seed, cap=max_new_tokens, chat_template=chat_template,
+                                  bar=bar)
             for row in rows:
                 if store.write(row):
                     written.append(row)
+            bar.update(len(batch))
+        bar.close()
     return written
+
+
+def _batches(pending: list[tuple[Sample, list[Pair]]], size: int) -> list[tuple[list[Sample], list[Pair]]]:
+    """Group consecutive samples of the same task, generation length and pending pairs, ``size`` at most."""
+    out: list[tuple[list[Sample], list[Pair]]] = []
+    for sample, pairs in pending:
+        if out:
+            batch, batch_pairs = out[-1]
+            head = batch[0]
+            if (len(batch) < size and batch_pairs == pairs and head.task == sample.task
+                    and head.max_new_tokens == sample.max_new_tokens):
+                batch.append(sample)
+                continue
+        out.append(([sample], pairs))
+    return out
+
+
+def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Sequence[Pair], *,
+               device: torch.device, eos: list[int], suite: str, model_name: str, seed: int, cap: int | None,
+               chat_template: bool, bar: Any) -> Iterator[dict[str, Any]]:
+    """Prefill each sample once, stack the captures, then decode every (method, budget) pair for the batch."""
+    captures: list[PrefillCapture] = []
+    lengths: list[int] = []
+    for sample in samples:
+        prefill_ids, _ = encode_sample(sample, tokenizer, query_aware=True, chat_template=chat_template)
+        if not prefill_ids:
+            raise ValueError(f"sample {sample.sample_id!r} has an empty prompt")
+        bar.set_postfix_str(f"prefill {sample.sample_id}", refresh=True)
+        ids = torch.tensor([prefill_ids], dtype=torch.long, device=device)
+        captures.append(capture_prefill(model, ids, torch.ones_like(ids)))
+        lengths.append(len(prefill_ids))
+    prefill_s = [c.prefill_s for c in captures]
+    capture = stack_captures(captures, release=True)  # peak memory: one batch of records, not two
+    captures.clear()
+    caps = [s.max_new_tokens if cap is None else min(s.max_new_tokens, cap) for s in samples]
+    max_new = max(caps)
+    for method, budget in pairs:
+        bar.set_postfix_str(f"{method} {'full' if budget is None else budget} x{len(samples)}", refresh=True)
+        start = time.perf_counter()
+        cache = capture.replay(method, capture.prompt_len if budget is None else budget)
+        _sync(device)
+        compress_s = time.perf_counter() - start
+        cache.check_routed()
+        engine = cache.engine
+        compressed = engine.info.compress.tolist()
+        kv_bytes = [engine.byte_counts(i) for i in range(len(samples))]
+        start = time.perf_counter()
+        all_tokens = greedy_decode(model, capture, cache, max_new, eos)
+        _sync(device)
+        decode_s = time.perf_counter() - start
+        for i, sample in enumerate(samples):
+            tokens = all_tokens[i][:caps[i]]
+            prediction = _decode_text(tokenizer, tokens, eos)
+            yield {
+                "suite": suite, "task": sample.task, "sample_id": sample.sample_id, "model": model_name,
+                "method": method, "budget": budget, "length": target_length(sample), "prompt_tokens": lengths[i],
+                "prediction": prediction, "answers": list(sample.answers),
+                "score": float(score_prediction(sample, prediction)),
+                "prefill_s": round(prefill_s[i], 5), "decode_s": round(decode_s, 5),
+                "seed": seed, "query_aware": True, "compressed": bool(compressed[i]),
+                "compress_s": round(compress_s, 5), "new_tokens": len(tokens), "max_new_tokens": caps[i],
+                "depth": sample.depth, "metric": sample.metric, "kv_bytes": kv_bytes[i],
+                "prefill_chunk": None, "batch_size": len(samples),
+            }
 
 
 def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair], *, device: torch.device,

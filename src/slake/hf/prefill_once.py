@@ -79,6 +79,72 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                           last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start)
 
 
+def stack_captures(captures: "list[PrefillCapture]", *, release: bool = False) -> PrefillCapture:
+    """Left-pad single-sequence captures of different lengths into one batched capture.
+
+    Each sequence's recorded queries/keys/values already carry its own RoPE positions (``0 .. n-1``), so padding
+    them on the left gives exactly the records a left-padded batched prefill would have produced, without paying
+    for the padded batch's masked attention (on CPU, masked SDPA over a padded batch is much slower than one
+    unpadded prefill per sequence). The stacked capture replays into a batched cache whose rows decode together:
+    the evaluation runner uses this to decode many samples per (method, budget) pair at once.
+
+    Parameters
+    ----------
+    captures : list of PrefillCapture
+        Captures of batch size 1 (e.g. from :func:`capture_prefill` on one prompt each), same model.
+    release : bool
+        Drop each input's per-layer records once they are copied (the inputs can no longer be replayed), so the
+        peak memory is the stacked records plus one layer instead of twice the records.
+
+    Returns
+    -------
+    PrefillCapture
+        Batch ``len(captures)``, padded to the longest prompt; ``prefill_s`` is the sum of the captures'.
+
+    Raises
+    ------
+    ValueError
+        For an empty list, a capture with batch size > 1 or captures of different models (layer counts).
+    """
+    if not captures:
+        raise ValueError("stack_captures needs at least one capture")
+    if any(c.attention_mask.shape[0] != 1 for c in captures):
+        raise ValueError("stack_captures takes captures of batch size 1")
+    if len({c.num_layers for c in captures}) != 1:
+        raise ValueError("captures come from models with different numbers of layers")
+    if len(captures) == 1:
+        return captures[0]
+    S = max(c.prompt_len for c in captures)
+
+    def left_pad(t: torch.Tensor, n: int) -> torch.Tensor:  # pad dim -2 (sequence) of (1, H, n, d) on the left
+        return torch.cat([t.new_zeros((*t.shape[:-2], S - n, t.shape[-1])), t], -2) if n < S else t
+
+    records = []
+    for layer in range(captures[0].num_layers):
+        qs, ks, vs, pads = [], [], [], []
+        scaling = captures[0].records[layer][4]
+        for c in captures:
+            q, k, v, pad, _ = c.records[layer]
+            n = k.shape[-2]
+            qs.append(left_pad(q, n))
+            ks.append(left_pad(k, n))
+            vs.append(left_pad(v, n))
+            own = pad if pad is not None else torch.zeros(1, n, dtype=torch.bool, device=k.device)
+            pads.append(torch.cat([torch.ones(1, S - n, dtype=torch.bool, device=k.device), own], 1))
+        records.append((torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.cat(pads), scaling))
+        del qs, ks, vs
+        if release:
+            for c in captures:
+                c.records[layer] = None
+    if release:
+        for c in captures:
+            c.records = []
+    masks = [torch.cat([c.attention_mask.new_zeros(1, S - c.prompt_len), c.attention_mask], 1) for c in captures]
+    return PrefillCapture(records=records, attention_mask=torch.cat(masks),
+                          last_logits=torch.cat([c.last_logits for c in captures]),
+                          prefill_s=sum(c.prefill_s for c in captures))
+
+
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 0)
