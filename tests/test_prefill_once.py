@@ -84,3 +84,46 @@ def test_stack_captures_rejects_bad_input(llama_gqa):
     ids, mask = _padded_batch()
     with pytest.raises(ValueError, match="batch size 1"):
         stack_captures([capture_prefill(llama_gqa, ids, mask)])
+
+
+def test_accumulated_attention_blocks_match_brute_force_with_padding():
+    """H2O's column sums: any row-block size (bounded by max_elements for big batches), causal key truncation and
+    left padding give the brute-force full causal softmax's column sums."""
+    from slake.methods.h2o import accumulated_attention
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, S, d = 2, 4, 2, 37, 8
+    q, k = torch.randn(B, Hq, S, d), torch.randn(B, Hkv, S, d)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, :9] = True
+    kk = k.repeat_interleave(Hq // Hkv, 1)
+    x = (q @ kk.transpose(-1, -2)) * 0.3
+    x = x.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    x = x.masked_fill(pad[:, None, None, :], float("-inf"))
+    a = torch.softmax(x, -1).nan_to_num(0.0).masked_fill(pad[:, None, :, None], 0.0)
+    want = a.sum(2)
+    for chunk, max_elements in [(512, 1 << 26), (5, 1 << 26), (512, B * Hq * S * 3), (512, 1)]:
+        torch.testing.assert_close(accumulated_attention(q, k, 0.3, pad, chunk, max_elements), want)
+
+
+def test_budget_independent_scores_are_computed_once_per_capture(llama_gqa, monkeypatch):
+    """H2O's prefill scores ignore the budget: replays at several budgets share them, with the same caches."""
+    from slake.methods.h2o import H2O
+
+    model = llama_gqa
+    ids, mask = _padded_batch()
+    L = model.config.num_hidden_layers
+    calls = []
+    real = H2O.prefill_scores
+    monkeypatch.setattr(H2O, "prefill_scores", lambda self, inputs: calls.append(1) or real(self, inputs))
+    capture = capture_prefill(model, ids, mask)
+    caches = [capture.replay("h2o", b) for b in (40, 60, 40)]
+    assert len(calls) == L
+    for budget, cache in zip((40, 60, 40), caches):
+        fresh = capture_prefill(model, ids, mask).replay("h2o", budget)
+        for layer in range(L):
+            a, b = cache.engine.layers[layer], fresh.engine.layers[layer]
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.scores, b.scores)
+    assert len(calls) == L + 3 * L
+    capture.replay("h2o", 40, window=8)  # another configuration computes its own scores
+    assert len(calls) == 5 * L

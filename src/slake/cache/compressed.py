@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import budgets as budget_rules
 from ..attention.ptaa import attend
 from ..budget_spec import Budget
-from ..methods.base import DecodeInputs, Method, PrefillInputs
+from ..methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores
 from .layer_store import _GROWTH, LayerStore
 from .linear_state import LinearState
 
@@ -77,8 +77,25 @@ class CompressedKV:
         self._raw_scores: dict[int, torch.Tensor] = {}  # prefill scores kept until final (carry_protected_scores)
         self.chunked_prefill = False  # True between begin_chunked_prefill and end_chunked_prefill
         self._chunk_padding: torch.Tensor | None = None  # (B, S) padding of the whole prompt (chunked prefill)
+        #: optional layer -> PrefillScores memo shared by replays of one recorded prefill with the same method
+        #: configuration (see :meth:`slake.hf.prefill_once.PrefillCapture.replay`); used only when the method's
+        #: scores do not depend on the budget
+        self.score_memo: dict[int, PrefillScores] | None = None
 
     # ================================================================== prefill
+    def _prefill_scores(self, layer_idx: int, inputs: PrefillInputs) -> PrefillScores:
+        """The method's prefill scores, from :attr:`score_memo` when it may be reused (budget-independent scores,
+        whole-prompt prefill). Memo entries are cloned on the way out: the engine edits scores in place."""
+        memo = self.score_memo
+        if memo is None or self.method.prefill_scores_use_budget or self.chunked_prefill:
+            return self.method.prefill_scores(inputs)
+        if layer_idx not in memo:
+            memo[layer_idx] = self.method.prefill_scores(inputs)
+        hit = memo[layer_idx]
+        return PrefillScores(scores=hit.scores.clone(),
+                             preference=None if hit.preference is None else hit.preference.clone(),
+                             head_visible=None if hit.head_visible is None else hit.head_visible.clone())
+
     def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int) -> PrefillInfo:
         B, S = key_padding.shape
         real = (~key_padding).sum(-1).to(torch.int64)
@@ -118,7 +135,7 @@ class CompressedKV:
         if not bool(info.compress.any()):
             self.targets[layer_idx] = None
             return
-        result = self.method.prefill_scores(PrefillInputs(
+        result = self._prefill_scores(layer_idx, PrefillInputs(
             queries=queries, keys=keys, values=values, key_padding=key_padding, scaling=scaling,
             window=self.method.window, layer_idx=layer_idx, num_layers=self.num_layers,
             budget=info.budget.to(dev)))

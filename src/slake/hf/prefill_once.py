@@ -42,6 +42,7 @@ class PrefillCapture:
     last_logits: torch.Tensor  # (B, vocab) float32 logits at the last prompt position
     prefill_s: float
     num_layers: int = field(init=False)
+    _score_memos: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.num_layers = len(self.records)
@@ -52,8 +53,15 @@ class PrefillCapture:
         return self.attention_mask.shape[1]
 
     def replay(self, method: str | Method, budget: int | float | str | Budget, **hyperparameters) -> SlakeCache:
-        """A :class:`SlakeCache` holding the compressed prompt, as live compression would have left it."""
-        cache = SlakeCache(make_method(method, **hyperparameters), budget, self.num_layers)
+        """A :class:`SlakeCache` holding the compressed prompt, as live compression would have left it.
+
+        A method whose prefill scores do not depend on the budget (``prefill_scores_use_budget = False``, e.g.
+        H2O) computes them once per capture and method configuration; later replays at other budgets reuse them.
+        """
+        method = make_method(method, **hyperparameters)
+        cache = SlakeCache(method, budget, self.num_layers)
+        if not method.prefill_scores_use_budget:
+            cache.engine.score_memo = self._score_memos.setdefault(repr(method), {})
         for layer, (q, k, v, pad, scaling) in enumerate(self.records):
             cache.engine.prefill_layer(layer, q, k, v, pad, scaling)
             cache.layers[layer].lazy_initialization(k, v)

@@ -165,6 +165,9 @@ class Method:
     #: True when the per-slot score carried into decoding for the protected prompt tokens (window, sinks) is the
     #: method's own prefill score (AhaKV seeds its running sums with it); False: they carry ``+inf`` (default)
     carry_protected_scores: ClassVar[bool] = False
+    #: True when :meth:`prefill_scores` reads ``inputs.budget``; False lets prefill-once replays of one capture
+    #: reuse a layer's scores across budgets (worth it for costly scores such as H2O's full attention column sums)
+    prefill_scores_use_budget: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:

@@ -19,10 +19,13 @@ from .common import group_mean
 
 
 def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
-                          key_padding: torch.Tensor | None, chunk: int = 512) -> torch.Tensor:
+                          key_padding: torch.Tensor | None, chunk: int = 512,
+                          max_elements: int = 1 << 26) -> torch.Tensor:
     """Column sums of the full causal attention ``sum_i A[i, j]`` per query head: ``(B, Hq, S)`` float32.
 
-    Queries are processed ``chunk`` at a time (spec section 11.8). Padded keys get no attention; padded queries
+    Queries are processed in row blocks (spec section 11.8) of at most ``chunk`` rows, fewer when a block's logits
+    ``(B, Hq, rows, S)`` would exceed ``max_elements`` (large batches), and each block only meets the keys it can
+    see causally (``0 .. last row``), which halves the work. Padded keys get no attention; padded queries
     contribute nothing.
     """
     B, Hq, S, d = queries.shape
@@ -30,19 +33,21 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: fl
     g = Hq // Hkv
     kf = keys.float().unsqueeze(2)  # (B,Hkv,1,S,d)
     acc = torch.zeros(B, Hq, S, dtype=torch.float32, device=queries.device)
-    cols = torch.arange(S, device=queries.device)
-    for start in range(0, S, chunk):
-        stop = min(S, start + chunk)
+    rows_per_block = max(1, min(int(chunk), int(max_elements) // max(1, B * Hq * S)))
+    for start in range(0, S, rows_per_block):
+        stop = min(S, start + rows_per_block)
         q = queries[:, :, start:stop].float().reshape(B, Hkv, g, stop - start, d)
-        x = torch.matmul(q, kf.transpose(-1, -2)).reshape(B, Hq, stop - start, S) * scaling
+        x = torch.matmul(q, kf[..., :stop, :].transpose(-1, -2)).reshape(B, Hq, stop - start, stop)
+        x.mul_(scaling)
         rows = torch.arange(start, stop, device=queries.device)
-        x = x.masked_fill(cols.view(1, -1) > rows.view(-1, 1), float("-inf"))
+        x.masked_fill_(torch.arange(stop, device=queries.device).view(1, -1) > rows.view(-1, 1), float("-inf"))
         if key_padding is not None:
-            x = x.masked_fill(key_padding[:, None, None, :], float("-inf"))
+            x.masked_fill_(key_padding[:, None, None, :stop], float("-inf"))
         a = torch.softmax(x, dim=-1).nan_to_num_(0.0)
+        del x
         if key_padding is not None:
-            a = a.masked_fill(key_padding[:, None, start:stop, None], 0.0)
-        acc += a.sum(2)
+            a.masked_fill_(key_padding[:, None, start:stop, None], 0.0)
+        acc[..., :stop] += a.sum(2)
     return acc
 
 
@@ -67,6 +72,8 @@ class H2O(Method):
     paper: ClassVar[str] = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023"
     #: window tokens keep their accumulated prefill attention when they leave the window
     carry_protected_scores: ClassVar[bool] = True
+    #: the column sums ignore the budget: prefill-once replays compute them once for every budget
+    prefill_scores_use_budget: ClassVar[bool] = False
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Accumulated attention of every prompt query, group-mean per KV head."""
