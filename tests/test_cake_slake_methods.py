@@ -127,8 +127,8 @@ def test_decode_scores_follow_spec_7_5():
 
 
 # ---------------------------------------------------------------------------------------------- VABS
-def _vabs_reference(logits, probs, values, indicator, selectable, alpha, beta, gamma_v, pad):
-    """Loop-based VABS (spec 8.4) per sample; returns (P, list of TV values, list of (Ã >= 0) flags)."""
+def _vabs_reference(logits, probs, values, indicator, selectable, alpha, beta, gamma_v, pad, split="uniform"):
+    """Loop-based VABS (spec 8.4, readings of 10-S3) per sample; returns (P, TV values, (Ã >= 0) flags)."""
     B, Hq, w, S = logits.shape
     g = Hq // values.shape[1]
     prefs, tvs, nonneg = [], [], []
@@ -143,14 +143,16 @@ def _vabs_reference(logits, probs, values, indicator, selectable, alpha, beta, g
             kh = h // g
             order = sorted(real, key=lambda j: (-float(indicator[b, kh, j]), j))
             ev = torch.zeros(S, dtype=torch.bool)
-            ev[order[k0:]] = True
+            ev[order[0 if split == "window" else k0:]] = True
             vn = values[b, kh].double().norm(dim=-1) * ~pad[b]
             omega = vn / vn.sum()
             for i in range(w):
                 x, a = logits[b, h, i].double(), probs[b, h, i].double()
+                if split == "taylor":  # every visible key, window included
+                    ev = torch.isfinite(x)
                 kept = torch.isfinite(x) & ~ev
                 mu = x[ev].mean()
-                m = max(x[kept].max(), mu)
+                m = max(x[kept].max(), mu) if bool(kept.any()) else mu
                 wt = torch.zeros(S, dtype=torch.float64)
                 wt[kept] = torch.exp(x[kept] - m)
                 wt[ev] = torch.exp(mu - m) * (1 + x[ev] - mu)
@@ -183,6 +185,42 @@ def test_vabs_matches_loop_reference_and_invariant_9():
         assert all(0 <= t <= 1 + 1e-9 for t, ok in zip(tvs, nonneg) if ok)
     # sample 2 has 12 - 6 = 6 selectable tokens: nothing evicted with C' = 10 -> epsilon
     assert vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5)[2] == torch.tensor(1e-12)
+
+
+@pytest.mark.parametrize("split", ["window", "taylor"])
+def test_vabs_splits_match_loop_reference(split):
+    """Spec 10-S3 readings (b) provisional budget 0 and (c) the full-Taylor map, against the loop reference."""
+    w, S = 6, 40
+    q, k, v, pad = _padded_batch([_qkv(S=40), _qkv(S=31), _qkv(S=12)], S)
+    logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
+    probs = torch.softmax(logits, -1)
+    ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
+    for selectable in (0, 4, 10):
+        out = vabs_preference(logits, probs, v, ind, selectable, w, 0.6, 0.5, 0.1, split=split)
+        ref, tvs, _ = _vabs_reference(logits, probs, v, ind, selectable, 0.6, 0.5, 0.1, pad, split=split)
+        torch.testing.assert_close(out, ref.float(), rtol=2e-4, atol=1e-12)
+        assert all(math.isfinite(t) for t in tvs)
+    # neither reading depends on the indicator's ranking (nothing is provisionally kept outside the window)
+    shuffled = ind[..., torch.randperm(S - w)]
+    torch.testing.assert_close(vabs_preference(logits, probs, v, shuffled, 4, w, 0.6, 0.5, split=split),
+                               vabs_preference(logits, probs, v, ind, 4, w, 0.6, 0.5, split=split))
+    # a sample that fits in the budget still evicts nothing: epsilon, as for the uniform split
+    assert vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split=split)[2] == torch.tensor(1e-12)
+
+
+def test_vabs_split_option_validated_and_changes_the_score():
+    with pytest.raises(ValueError, match="vabs_split"):
+        Slake(vabs_split="nosuch")
+    w, S = 6, 40
+    q, k, v, pad = _padded_batch([_qkv(S=40)], S)
+    logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
+    probs = torch.softmax(logits, -1)
+    ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
+    scores = {sp: float(vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split=sp)[0])
+              for sp in ("uniform", "window", "taylor")}
+    assert len(set(scores.values())) == 3, scores
+    with pytest.raises(ValueError, match="split"):
+        vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split="nosuch")
 
 
 def test_vabs_epsilon_when_nothing_evicted_and_padding_invariance():

@@ -30,7 +30,7 @@ import torch
 from slake.methods.base import PrefillInputs, register
 from slake.methods.cake import EPS, LOG_EPS, Cake, match_family
 
-__all__ = ["Slake", "slake_alpha_beta", "vabs_preference"]
+__all__ = ["Slake", "VABS_SPLITS", "slake_alpha_beta", "vabs_preference"]
 
 # paper Table 3 read as one (alpha, beta) pair per (model, budget) column (spec 10-S6)
 _ALPHA_BETA: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
@@ -39,6 +39,9 @@ _ALPHA_BETA: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
     ("mistral7b", "v03"): {128: (0.6, 0.5), 256: (0.4, 0.2)},
 }
 DEFAULT_ALPHA_BETA = (0.5, 0.4)
+
+#: readings of VABS's provisional split (spec 10-S3); see :func:`vabs_preference` and :class:`Slake`
+VABS_SPLITS = ("uniform", "window", "taylor")
 
 
 def slake_alpha_beta(model_family: str, budget: int) -> tuple[float, float]:
@@ -55,7 +58,7 @@ def slake_alpha_beta(model_family: str, budget: int) -> tuple[float, float]:
 
 def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, indicator: torch.Tensor,
                     selectable: int | torch.Tensor, window: int, alpha: float, beta: float, gamma_v: float = 0.1,
-                    key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                    key_padding: torch.Tensor | None = None, split: str = "uniform") -> torch.Tensor:
     """Value-aware budget score of one layer, per batch element (spec 8.4, sketch 8.6), ``(B,)`` float32.
 
     Parameters
@@ -75,22 +78,32 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
         Exponents of Eq. 18 and of the value-aware term (Eq. 16).
     key_padding : torch.Tensor | None
         ``(B, S)`` bool; by default derived from the last window row (padded keys are its only ``-inf`` entries).
+    split : str
+        Which keys the PTAA map linearises (spec 10-S3, :data:`VABS_SPLITS`): ``"uniform"``, the non-window keys
+        outside the top ``k0 = min(C', S_b - w)`` by indicator; ``"window"``, every non-window key (``k0 = 0``);
+        ``"taylor"``, every visible key, window included (the full-Taylor map of paper section 3.2, Eq. 12).
 
-    Returns ``1e-12`` for a sample with nothing provisionally evicted (``n0 == 0``). Padded keys are neither in the
-    provisional evicted set ``E0`` nor in the value-norm weights.
+    Returns ``1e-12`` for a sample with nothing provisionally evicted (``n0 == 0``; with ``"window"`` and
+    ``"taylor"`` only when the prompt fits in the budget). Padded keys are neither in the provisional evicted set
+    ``E0`` nor in the value-norm weights.
     """
     B, Hq, w, S = logits.shape
     Hkv, g, sel = values.shape[1], Hq // values.shape[1], S - w
+    if split not in VABS_SPLITS:
+        raise ValueError(f"vabs_preference: split must be one of {', '.join(VABS_SPLITS)}, got {split!r}")
     if w != min(window, S) or probs.shape != logits.shape or indicator.shape != (B, Hkv, sel):
         raise ValueError(f"vabs_preference: inconsistent shapes logits {tuple(logits.shape)}, probs "
                          f"{tuple(probs.shape)}, indicator {tuple(indicator.shape)} for window {window}")
     pad = ~torch.isfinite(logits[:, 0, -1, :]) if key_padding is None else key_padding.bool()
     real_sel = (~pad[:, :sel]).sum(-1)                                         # (B,) = S_b - w
     k0 = torch.minimum(real_sel, torch.as_tensor(selectable, device=real_sel.device).clamp_min(0).to(real_sel))
+    # ``n0 > 0`` iff the layer evicts anything at budget C; the readings differ only in which keys they linearise
     n0 = real_sel - k0
     eps = torch.full((B,), EPS, dtype=torch.float32, device=logits.device)
     if sel == 0 or not bool((n0 > 0).any()):
         return eps
+    if split == "window":
+        k0 = torch.zeros_like(k0)
     # 1) provisional split: keep the top-k0 real non-window tokens by indicator, per (b, KV head)
     ind = indicator.float().masked_fill(pad[:, None, :sel], float("-inf"))
     order = torch.sort(ind, dim=-1, descending=True, stable=True).indices
@@ -100,8 +113,13 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
     # 2) PTAA weight map for each window query, group layout (B, Hkv, g, w, S)
     x = logits.float().reshape(B, Hkv, g, w, S)
     a = probs.float().reshape(B, Hkv, g, w, S)
+    if split == "taylor":  # every visible key linearised: the row's evicted count is its visible count
+        ev = torch.isfinite(x)
+        n_ev = ev.sum(-1).clamp_min(1).to(x.dtype)
+    else:
+        n_ev = (real_sel - k0).clamp_min(1).to(x.dtype)[:, None, None, None]
     kept = torch.isfinite(x) & ~ev
-    mu = torch.where(ev, x, 0.0).sum(-1) / n0.clamp_min(1).to(x.dtype)[:, None, None, None]
+    mu = torch.where(ev, x, 0.0).sum(-1) / n_ev
     m = torch.maximum(x.masked_fill(~kept, float("-inf")).amax(-1), mu)
     wk = torch.where(kept, torch.exp(x - m[..., None]), 0.0)
     we = torch.where(ev, torch.exp(mu - m)[..., None] * (1 + x - mu[..., None]), 0.0)
@@ -137,6 +155,16 @@ class Slake(Cake):
     budget_hint : int | None
         Average per-layer budget ``C`` (window included) for VABS's provisional split. When None (default), the
         engine's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it.
+    vabs_split : str
+        Which tokens VABS's PTAA error map linearises (spec 10-S3). The paper says only that "in the prefill stage,
+        SLAKE first performs VABS, which considers both the linear approximation error of the attention map and the
+        contribution of value data" (section 3.1), before any eviction, so the evicted set it needs is not defined:
+
+        * ``"uniform"``: the tokens the CAKE indicator would evict at the uniform budget ``C``: keep the top
+          ``C - w`` non-window tokens, linearise the rest (the PTAA map of section 3.3 at a provisional split);
+        * ``"window"``: provisional budget 0, every non-window token linearised, the window exact (the error PTAA
+          makes on the whole evictable block, before anything is chosen to be kept);
+        * ``"taylor"``: every key linearised, the full first-order Taylor attention of section 3.2 (Eq. 12).
     """
 
     linear_cache: bool = True
@@ -145,6 +173,7 @@ class Slake(Cake):
     gamma_v: float = 0.1
     vabs: bool = True
     budget_hint: int | None = None
+    vabs_split: str = "uniform"
 
     name = "slake"
     summary = "SLAKE: CAKE eviction + first-order Taylor linear cache (PTAA) + value-aware budgets (VABS)"
@@ -159,6 +188,9 @@ class Slake(Cake):
                              f"{self.gamma_v})")
         if self.budget_hint is not None and self.budget_hint < 0:
             raise ValueError(f"{self.name}: budget_hint must be >= 0, got {self.budget_hint}")
+        if self.vabs_split not in VABS_SPLITS:
+            raise ValueError(f"{self.name}: vabs_split must be one of {', '.join(VABS_SPLITS)}, got "
+                             f"{self.vabs_split!r}")
 
     def layer_preference(self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor,
                          indicator: torch.Tensor) -> torch.Tensor:
@@ -170,4 +202,5 @@ class Slake(Cake):
             raise ValueError("slake: VABS needs the average per-layer budget C: set budget_hint or "
                              "PrefillInputs.budget")
         return vabs_preference(logits, probs, inputs.values, indicator, budget - inputs.window,
-                               inputs.window, self.alpha, self.beta, self.gamma_v, inputs.key_padding)
+                               inputs.window, self.alpha, self.beta, self.gamma_v, inputs.key_padding,
+                               split=self.vabs_split)
