@@ -1,7 +1,8 @@
 """The ``slake`` command.
 
 Sub-commands: ``methods`` (list the methods), ``generate`` (compressed-cache generation with cache statistics),
-``fidelity``, ``eval``, ``make-prompt`` and ``bench`` (latency and memory vs context length, :mod:`slake.bench`).
+``fidelity``, ``eval``, ``make-prompt``, ``bench`` (latency and memory vs context length, :mod:`slake.bench`) and
+``calibrate`` (per-model VABS/CAKE exponents, :mod:`slake.calibrate`).
 Every sub-command accepts ``--json`` for machine-readable output; errors go to stderr with exit code 2.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from .budget_spec import Budget
 from .cli_args import add_model_args as _add_model_args
 from .bench.command import add_bench_parser, cmd_bench
+from .calibrate_command import add_calibrate_parser, cmd_calibrate
 from .eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
 
 
@@ -71,12 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--linear-cache", choices=["default", "on", "off", "both"], default="default",
                    help="force the PTAA linear cache on/off for every method, or measure both")
-    p.add_argument("--out", help="folder for fidelity.json, fidelity.md and fidelity_per_layer.png")
+    p.add_argument("--output-tokens", type=int, default=32,
+                   help="output-level fidelity: continuation tokens per prompt, teacher-forced (0: skip)")
+    p.add_argument("--output-samples", type=int, default=2,
+                   help="output-level fidelity: prompts of each kind (essay continuation, full cache's answer)")
+    p.add_argument("--out", help="folder for fidelity.json, fidelity.md, fidelity_per_layer.png and "
+                                 "output_kl_vs_budget.png")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
     _add_model_args(p)
     add_eval_parser(sub)
     add_make_prompt_parser(sub)
     add_bench_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 
@@ -121,19 +129,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     hyper = _hyperparameters(args.set)
     if args.linear_cache is not None:
         hyper["linear_cache"] = args.linear_cache
-    method = make_method(args.method, **hyper)  # validates before the slow model load
+    make_method(args.method, **hyper)  # validates before the slow model load
     budget = Budget(args.budget)
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
-    res = generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
+    res = generate(model, tokenizer, prompt, method=args.method, budget=budget, max_new_tokens=args.max_new_tokens,
                    chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
-                   prefill_chunk=args.prefill_chunk)
+                   prefill_chunk=args.prefill_chunk, **hyper)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
            "prefill_s": round(res.prefill_s, 4), "decode_ms_per_token": round(res.decode_ms_per_token, 3),
-           "hyperparameters": method.hyperparameters()}
+           "hyperparameters": res.hyperparameters, "profile": res.profile}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -170,6 +178,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     lin_modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.linear_cache]
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
+    if args.output_tokens < 0 or args.output_tokens == 1 or args.output_samples < 1:
+        raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     if args.prompt_file:
         text = _read_prompt(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
@@ -187,29 +197,68 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     for m in methods:
         for lin in lin_modes:
             for b in budgets:
-                rows += fidelity.measure(rec, m, b, linear_cache=lin)
+                rows += fidelity.measure(rec, m, b, linear_cache=lin, profile_model=model)
     for r in rows:
         r["prompt_tokens"] = int(ids.shape[1])
+    output_rows = _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes) if args.output_tokens else []
+    output_md = ""
+    if output_rows:
+        from . import output_fidelity
+
+        output_md = (f"\n\n## Output level ({args.length}-token prompts, {args.output_tokens} teacher-forced tokens, "
+                     f"{args.output_samples} essay continuations + {args.output_samples} answers)\n\n"
+                     + output_fidelity.summary_table(output_rows))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "fidelity.json").write_text(json.dumps({"rows": rows}, indent=1))
+        (out / "fidelity.json").write_text(json.dumps({"rows": rows, "output_rows": output_rows}, indent=1))
         (out / "fidelity.md").write_text(
             f"# Attention fidelity ({ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
-            + fidelity.summary_table(rows) + "\n\n## Per layer (decode queries)\n\n"
+            + fidelity.summary_table(rows) + output_md + "\n\n## Per layer (decode queries)\n\n"
             + fidelity.per_layer_table(rows) + "\n")
         fidelity.plot_per_layer(rows, str(out / "fidelity_per_layer.png"))
+        if output_rows:
+            output_fidelity.plot_kl_vs_budget(output_rows, str(out / "output_kl_vs_budget.png"))
     if args.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"rows": rows, "output_rows": output_rows}))
     else:
-        print(fidelity.summary_table(rows))
+        print(fidelity.summary_table(rows) + output_md)
         print()
         print(fidelity.per_layer_table(rows))
     return 0
 
 
+def _output_fidelity(args: argparse.Namespace, model, tokenizer, methods: list[str], budgets: list,
+                     lin_modes: list) -> list[dict]:
+    """Output-level rows (:mod:`slake.output_fidelity`) for every (method, linear cache, budget)."""
+    from . import output_fidelity
+    from .continuations import EVALUATION_QUESTIONS, answer_continuations, evaluation_text, text_continuations
+    from .methods.spec import canonical_method_spec
+    from .profiles import resolve_method
+
+    text = evaluation_text()
+    print(f"output level: {2 * args.output_samples} prompts of {args.length} tokens, "
+          f"{args.output_tokens} continuation tokens each...", file=sys.stderr)
+    conts = text_continuations(tokenizer, text, args.length, args.output_tokens, args.output_samples,
+                               seed=args.seed, name="essay")
+    conts += answer_continuations(model, tokenizer, text, args.length, args.output_tokens, args.output_samples,
+                                  EVALUATION_QUESTIONS, seed=args.seed, name="answer")
+    ref = output_fidelity.prepare_reference(model, conts)
+    rows: list[dict] = []
+    for m in methods:
+        for lin in lin_modes:
+            for b in budgets:
+                extra = {} if lin is None else {"linear_cache": lin}
+                built, _ = resolve_method(m, b, model, **extra)
+                label = canonical_method_spec(m, drop=("linear_cache",))
+                for r in output_fidelity.measure_outputs(model, ref, built, b, label=label):
+                    r["linear_cache"] = built.linear_cache
+                    rows.append(r)
+    return rows
+
+
 COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity,
-            "eval": cmd_eval, "make-prompt": cmd_make_prompt, "bench": cmd_bench}
+            "eval": cmd_eval, "make-prompt": cmd_make_prompt, "bench": cmd_bench, "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,16 +103,19 @@ def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def measure(recording: Recording, method: str, budget: int | float | str, window: int = 32,
-            linear_cache: bool | None = None, **hyperparameters) -> list[dict]:
+            linear_cache: bool | None = None, profile_model=None, **hyperparameters) -> list[dict]:
     """Per-layer relative errors of one (method, budget) against full attention.
 
     Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache"}``. ``method`` is the
     canonical spec of the variant (``slake[vabs=false]``, :mod:`slake.methods.spec`) without ``linear_cache``, which
-    has its own column.
+    has its own column. ``profile_model`` (the model or its config) applies the model's hyperparameter profile
+    (:mod:`slake.profiles`) to what the spec leaves unset.
     """
+    from .profiles import resolve_method
+
     if linear_cache is not None:
         hyperparameters["linear_cache"] = linear_cache
-    m = make_method(method, **hyperparameters)
+    m, _ = resolve_method(method, budget, profile_model, **hyperparameters)
     label = canonical_method_spec(method, drop=("linear_cache",)) if isinstance(method, str) else m.name
     L = recording.num_layers
     eng = CompressedKV(m, Budget(budget), L)

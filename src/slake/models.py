@@ -119,6 +119,8 @@ def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
     except OSError as e:
         raise OSError(f"could not load model {name!r} ({path}): {e}") from e
     model.to(device).eval()
+    # the name profiles are matched by (slake.profiles): "smollm2" for the default model, else the name given
+    model.config.slake_model_name = DEFAULT_MODEL if name is None or name.lower() == DEFAULT_MODEL else str(name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     prepare_model(model)

@@ -53,7 +53,7 @@ def measure(model, cfg: BenchConfig) -> dict:
     mask = torch.ones_like(ids)
     meter = MemoryMeter(device)
     meter.reset()
-    cache = SlakeCache(cfg.method, cfg.budget, L, prefill_chunk=cfg.prefill_chunk)
+    cache = SlakeCache(cfg.method, cfg.budget, L, prefill_chunk=cfg.prefill_chunk, profile_model=model)
     _sync(device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, mask)

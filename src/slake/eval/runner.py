@@ -298,6 +298,15 @@ def _batches(pending: list[tuple[Sample, list[Pair]]], size: int) -> list[tuple[
     return out
 
 
+def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[Any, dict | None]:
+    """The method of a (method, budget) pair with the model's profile applied (:mod:`slake.profiles`)."""
+    from ..profiles import resolve_method
+
+    if budget is None:
+        return method, None
+    return resolve_method(method, budget, model)
+
+
 def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Sequence[Pair], *,
                device: torch.device, eos: list[int], suite: str, model_name: str, seed: int, cap: int | None,
                chat_template: bool, bar: Any) -> Iterator[dict[str, Any]]:
@@ -320,7 +329,8 @@ def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Seq
     for method, budget in pairs:
         bar.set_postfix_str(f"{method} {'full' if budget is None else budget} x{len(samples)}", refresh=True)
         start = time.perf_counter()
-        cache = capture.replay(method, capture.prompt_len if budget is None else budget)
+        built, profile = _method_for(model, method, budget)
+        cache = capture.replay(built, capture.prompt_len if budget is None else budget)
         _sync(device)
         compress_s = time.perf_counter() - start
         cache.check_routed()
@@ -343,7 +353,7 @@ def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Seq
                 "seed": seed, "query_aware": True, "compressed": bool(compressed[i]),
                 "compress_s": round(compress_s, 5), "new_tokens": len(tokens), "max_new_tokens": caps[i],
                 "depth": sample.depth, "metric": sample.metric, "kv_bytes": kv_bytes[i],
-                "prefill_chunk": None, "batch_size": len(samples),
+                "prefill_chunk": None, "batch_size": len(samples), "profile": profile,
             }
 
 
@@ -363,11 +373,12 @@ def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair
         bar.set_postfix_str(f"{method} {'full' if budget is None else budget}", refresh=False)
         start = time.perf_counter()
         chunk = None if budget is None else prefill_chunk
+        built, profile = _method_for(model, method, budget)
         if chunk is None:
-            cache = capture.replay(method, len(prefill_ids) if budget is None else budget)
+            cache = capture.replay(built, len(prefill_ids) if budget is None else budget)
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
-            cache = SlakeCache(method, budget, model.config.num_hidden_layers, prefill_chunk=chunk)
+            cache = SlakeCache(built, budget, model.config.num_hidden_layers, prefill_chunk=chunk)
             logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
             source = PrefillCapture(records=[], attention_mask=torch.ones_like(ids), last_logits=logits.float(),
                                     prefill_s=time.perf_counter() - start)
@@ -387,5 +398,5 @@ def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair
             "prefill_s": round(capture.prefill_s, 5), "decode_s": round(decode_s, 5), "seed": seed,
             "query_aware": query_aware, "compressed": bool(stats["compressed"]), "compress_s": round(compress_s, 5),
             "new_tokens": len(tokens), "max_new_tokens": max_new, "depth": sample.depth, "metric": sample.metric,
-            "kv_bytes": stats["kv_bytes"], "prefill_chunk": chunk,
+            "kv_bytes": stats["kv_bytes"], "prefill_chunk": chunk, "profile": profile,
         }

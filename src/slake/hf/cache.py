@@ -123,15 +123,23 @@ class SlakeCache(Cache):
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (ARCHITECTURE.md decision 2: an explicit trade of exactness).
         Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
+    profile_model : model or config, optional
+        The model (or ``model.config``) whose hyperparameter profile applies (:mod:`slake.profiles`): hyperparameters
+        that ``method`` (a name or spec) and ``hyperparameters`` leave unset come from the model's calibrated or
+        shipped profile, or the papers' tables. None (default): the method's defaults. The profile applied is
+        ``cache.profile``.
     **hyperparameters
         Overrides of the method's hyperparameters (e.g. ``window=16``).
     """
 
     def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int,
-                 charge_linear_state: bool = False, prefill_chunk: int | None = None, **hyperparameters) -> None:
+                 charge_linear_state: bool = False, prefill_chunk: int | None = None, *,
+                 profile_model=None, **hyperparameters) -> None:
+        from ..profiles import resolve_method
+
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
-        m = make_method(method, **hyperparameters)
+        m, self.profile = resolve_method(method, budget, profile_model, **hyperparameters)
         self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         super().__init__(layers=[SlakeCacheLayer(self.engine, i) for i in range(num_layers)])

@@ -10,6 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..budget_spec import Budget
 from ..methods.base import Method, make_method
+from ..profiles import resolve_method
 from .attention import prepare_model
 from .cache import SlakeCache
 
@@ -50,6 +51,10 @@ class GenerationResult:
         False when every prompt fit in the budget (no eviction happened; results equal the full cache).
     prefill_s, decode_ms_per_token : float
         Wall time of the prefill (prompt forward and compression) and mean time per decoded token.
+    hyperparameters : dict
+        Every hyperparameter of the method as used (profile values included).
+    profile : dict | None
+        ``{"source", "values", "budget"}`` of the model profile applied (:mod:`slake.profiles`), None if none was.
     """
 
     texts: list[str]
@@ -64,6 +69,8 @@ class GenerationResult:
     decode_ms_per_token: float
     layer_budgets: list | None = None
     sequences: torch.Tensor | None = field(default=None, repr=False)
+    hyperparameters: dict = field(default_factory=dict)
+    profile: dict | None = None
 
     @property
     def text(self) -> str:
@@ -171,15 +178,17 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
         (bounded prefill memory; see :func:`prefill`); the last prompt token is then the first step of
         ``model.generate``. None (default): exact prefill.
     **hyperparameters
-        Method hyperparameter overrides (e.g. ``window=16``).
+        Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
+        spec or on a Method object come from the model's profile when one matches (:mod:`slake.profiles`: a
+        ``slake calibrate`` result, the default model's shipped profile, or the papers' tables).
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise ValueError("the prompt is empty")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    m = make_method(method, **hyperparameters)
     budget_obj = Budget(budget)
+    m, profile = resolve_method(method, budget_obj, model, **hyperparameters)
     prepare_model(model)
     texts = [format_prompt(tokenizer, p, chat_template) for p in prompts]
     tokenizer.padding_side = "left"
@@ -225,7 +234,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
                             new_tokens=new_counts, method=m.name, budget=budget_obj.value, kv_bytes=kv_bytes,
                             kept_tokens_per_layer=stats["kept_tokens_per_layer"], compressed=stats["compressed"],
                             prefill_s=prefill_s, decode_ms_per_token=decode_ms, layer_budgets=stats["layer_budgets"],
-                            sequences=out)
+                            sequences=out, hyperparameters=m.hyperparameters(), profile=profile)
 
 
 def _count_new_tokens(new: torch.Tensor, eos: int | list[int] | None, pad: int | None) -> list[int]:

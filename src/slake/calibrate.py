@@ -1,0 +1,129 @@
+"""``slake calibrate``: tune VABS's ``(alpha, beta)`` and CAKE's ``(tau1, tau2)`` for one model and budget.
+
+The SLAKE paper tunes ``alpha``/``beta`` per model and budget (Table 3) and CAKE's reference code tunes
+``tau1``/``tau2`` the same way, for a few 7-8B models only; every other model would otherwise get Llama-2's values.
+This search finds values for any model without touching the evaluation data:
+
+1. calibration prompts from real text that no evaluation suite uses (the Python language reference shipped with
+   CPython, :func:`slake.continuations.calibration_text`): ``samples`` text continuations and ``samples`` question
+   prompts answered by the full cache (:mod:`slake.continuations`), each prefilled once;
+2. for each candidate value pair, the method replays every prefill (the prefill-once replay of
+   :mod:`slake.hf.prefill_once`, so no candidate pays for a prefill) and is scored by the output-level distance of
+   :mod:`slake.output_fidelity`: the mean KL(full || compressed) of the next-token distributions over the
+   teacher-forced continuations;
+3. a grid (:data:`GRIDS`), then a local refinement around the best point (each value x {1/sqrt 2, 1, sqrt 2});
+4. the best pair, the method's values before calibration and both distances go into the model's profile
+   (:mod:`slake.profiles`), which ``slake generate/eval/bench/fidelity`` and :class:`slake.SlakeCache` then use
+   unless the user sets the values.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+from .output_fidelity import OutputReference, mean_distance, measure_outputs
+from .profiles import SEARCHED
+
+__all__ = ["GRIDS", "CALIBRATION_SOURCE", "calibration_reference", "calibrate_method"]
+
+#: first-stage grids per method (values of the searched hyperparameters)
+GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
+    "slake": {"alpha": (0.0, 0.25, 0.5, 1.0, 2.0), "beta": (0.0, 0.25, 0.5, 1.0, 2.0)},
+    "cake": {"tau1": (0.25, 0.5, 1.0, 2.0, 4.0), "tau2": (0.25, 0.5, 1.0, 2.0, 4.0)},
+}
+CALIBRATION_SOURCE = "pydoc_data.topics (the Python language reference shipped with CPython)"
+
+
+def calibration_reference(model: Any, tokenizer: Any, length: int, samples: int, tokens: int,
+                          seed: int = 0) -> OutputReference:
+    """Build the calibration prompts (``samples`` of each kind) and prefill them once."""
+    from .continuations import (CALIBRATION_QUESTIONS, answer_continuations, calibration_text,
+                                text_continuations)
+    from .output_fidelity import prepare_reference
+
+    text = calibration_text()
+    conts = text_continuations(tokenizer, text, length, tokens, samples, seed=seed, name="calib-text")
+    conts += answer_continuations(model, tokenizer, text, length, tokens, samples, CALIBRATION_QUESTIONS,
+                                  seed=seed, name="calib-answer")
+    return prepare_reference(model, conts)
+
+
+def _score(rows: list[dict]) -> dict:
+    return {"kl": mean_distance(rows), "delta_nll": mean_distance(rows, "delta_nll"),
+            "top1": mean_distance(rows, "top1")}
+
+
+def calibrate_method(model: Any, ref: OutputReference, method: Any, budget: int | float,
+                     grid: dict[str, Sequence[float]] | None = None, refine: bool = True,
+                     on_candidate: Callable[[], None] | None = None) -> dict:
+    """Search the method's profile hyperparameters at one budget; return a profile entry.
+
+    Parameters
+    ----------
+    model : transformers model
+        The model ``ref`` was prefilled with.
+    ref : OutputReference
+        Calibration prompts, prefilled once (:func:`calibration_reference`).
+    method : Method
+        The method as it will be used (its other hyperparameters are the entry's ``context``); the values it holds
+        for the searched hyperparameters are the "before" point.
+    budget : int | float
+        The budget.
+    grid : dict, optional
+        Values per searched hyperparameter (default :data:`GRIDS`).
+    refine : bool
+        Run the local refinement after the grid.
+    on_candidate : callable, optional
+        Called after each evaluated candidate (progress bars).
+
+    Returns
+    -------
+    dict
+        ``{"method", "budget", "values", "context", "before", "after", "search"}`` where ``before``/``after`` hold
+        the values and their distances (``kl``, ``delta_nll``, ``top1``).
+    """
+    keys = SEARCHED.get(method.name)
+    if not keys:
+        raise ValueError(f"slake calibrate tunes {', '.join(sorted(SEARCHED))}; {method.name!r} has no profile "
+                         "hyperparameters")
+    grid = grid or GRIDS[method.name]
+    cache: dict[tuple, dict] = {}
+
+    def evaluate(values: tuple[float, ...]) -> dict:
+        values = tuple(round(v, 4) for v in values)
+        if values not in cache:
+            m = replace(method, **dict(zip(keys, values)))
+            cache[values] = _score(measure_outputs(model, ref, m, budget))
+            if on_candidate is not None:
+                on_candidate()
+        return cache[values]
+
+    start = time.perf_counter()
+    before_values = tuple(float(getattr(method, k)) for k in keys)
+    before = evaluate(before_values)
+    for a in grid[keys[0]]:
+        for b in grid[keys[1]]:
+            evaluate((a, b))
+    if refine:
+        best = min(cache, key=lambda v: cache[v]["kl"])
+        steps = (1 / math.sqrt(2), 1.0, math.sqrt(2))
+        for fa in steps:
+            for fb in steps:
+                a, b = best[0] * fa, best[1] * fb
+                if min(a, b) >= 0 and (a, b) != best:
+                    evaluate((a, b))
+    best = min(cache, key=lambda v: (cache[v]["kl"], v != tuple(round(x, 4) for x in before_values)))
+    context = {k: v for k, v in method.hyperparameters().items() if k not in keys}
+    return {"method": method.name, "budget": budget, "values": dict(zip(keys, best)), "context": context,
+            "before": {"values": dict(zip(keys, before_values)), **before},
+            "after": {"values": dict(zip(keys, best)), **cache[best]},
+            "search": {"candidates": len(cache), "objective": "mean KL(full || compressed), nats/token",
+                       "seconds": round(time.perf_counter() - start, 1)}}
+
+
+def candidates_per_method(refine: bool = True) -> int:
+    """Upper bound on the candidates one (method, budget) search evaluates (for progress bars)."""
+    return 1 + 25 + (8 if refine else 0)

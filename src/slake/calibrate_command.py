@@ -1,0 +1,112 @@
+"""The ``slake calibrate`` sub-command (search in :mod:`slake.calibrate`, profiles in :mod:`slake.profiles`)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from .cli_args import add_model_args
+
+__all__ = ["add_calibrate_parser", "cmd_calibrate"]
+
+
+def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``slake calibrate``."""
+    p = sub.add_parser("calibrate", help="tune VABS alpha/beta and CAKE tau1/tau2 for a model; write its profile",
+                       description="Search slake's VABS (alpha, beta) and cake's (tau1, tau2) at each budget on "
+                                   "calibration prompts from text no evaluation suite uses, minimising the mean "
+                                   "KL(full || compressed) of the next-token distributions, and write the values to "
+                                   "the model's profile, which generate/eval/bench/fidelity then use.")
+    p.add_argument("--methods", default="slake,cake",
+                   help="methods to calibrate: slake and/or cake, variants allowed (slake[vabs_split=uniform])")
+    p.add_argument("--budgets", default="128", help="comma-separated budgets (tokens or ratios in (0, 1))")
+    p.add_argument("--length", type=int, default=4096, help="calibration prompt length in tokens")
+    p.add_argument("--samples", type=int, default=2, help="prompts of each kind (text continuation, answer)")
+    p.add_argument("--tokens", type=int, default=32, help="continuation tokens per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-refine", action="store_true", help="grid only, no local refinement")
+    p.add_argument("--out-dir", default=None,
+                   help="profile folder (default: $SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)")
+    p.add_argument("--alias", action="append", default=[], help="another name the profile's model answers to")
+    p.add_argument("--json", action="store_true", help="print the profile entries as JSON")
+    add_model_args(p)
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list, list]:
+    from .budget_spec import Budget
+    from .methods.base import make_method
+    from .methods.spec import parse_method_list
+    from .profiles import SEARCHED
+
+    methods = [make_method(m) for m in parse_method_list(args.methods)]
+    for m in methods:
+        if m.name not in SEARCHED:
+            raise ValueError(f"slake calibrate tunes {', '.join(sorted(SEARCHED))}, not {m.name!r}")
+    budgets = [Budget(b.strip()).value for b in str(args.budgets).split(",") if b.strip()]
+    if not budgets:
+        raise ValueError("no budget given; use e.g. --budgets 128,256")
+    if args.length < 256:
+        raise ValueError(f"--length must be >= 256, got {args.length}")
+    if args.samples < 1 or args.tokens < 2:
+        raise ValueError(f"need --samples >= 1 and --tokens >= 2 (got {args.samples}, {args.tokens})")
+    for m in methods:
+        for b in budgets:
+            if isinstance(b, int) and b < m.protected:
+                raise ValueError(f"budget {b} is below {m.name}'s window/sinks ({m.protected} tokens)")
+    return methods, budgets
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Run the search and write the profile; exit code 2 with one line for bad input."""
+    from tqdm.auto import tqdm
+
+    from . import __version__
+    from .calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
+    from .models import load_model
+    from .profiles import model_identity, write_entry
+
+    methods, budgets = _check_args(args)  # before the slow model load
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    if ctx and args.length + args.tokens > ctx:
+        raise ValueError(f"--length {args.length} + --tokens {args.tokens} exceeds the model's context ({ctx})")
+    identity = model_identity(model)
+    print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}",
+          file=sys.stderr)
+    ref = calibration_reference(model, tokenizer, args.length, args.samples, args.tokens, args.seed)
+    per = {m.name: 1 + len(GRIDS[m.name][next(iter(GRIDS[m.name]))]) ** 2 + (0 if args.no_refine else 8)
+           for m in methods}
+    bar = tqdm(total=sum(per[m.name] for m in methods) * len(budgets), desc="slake calibrate", unit="candidate",
+               file=sys.stderr)
+    entries, paths = [], set()
+    try:
+        for m in methods:
+            for b in budgets:
+                bar.set_postfix_str(f"{m.name} @ {b}")
+                entry = calibrate_method(model, ref, m, b, refine=not args.no_refine, on_candidate=bar.update)
+                entry["calibration"] = {"source": CALIBRATION_SOURCE, "length": args.length,
+                                        "samples_per_kind": args.samples, "tokens": args.tokens, "seed": args.seed,
+                                        "slake_version": __version__,
+                                        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                            timespec="seconds")}
+                paths.add(write_entry(identity, entry, Path(args.out_dir) if args.out_dir else None,
+                                      aliases=args.alias))
+                entries.append(entry)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({"model": identity["name"], "profiles": sorted(map(str, paths)), "entries": entries}))
+        return 0
+    print("| method | budget | values before | KL before | values after | KL after | ΔNLL before -> after |")
+    print("|---|---:|---|---:|---|---:|---|")
+    for e in entries:
+        fmt = lambda v: ", ".join(f"{k}={x:g}" for k, x in v.items())  # noqa: E731
+        print(f"| {e['method']} | {e['budget']} | {fmt(e['before']['values'])} | {e['before']['kl']:.4f} | "
+              f"{fmt(e['after']['values'])} | {e['after']['kl']:.4f} | "
+              f"{e['before']['delta_nll']:+.4f} -> {e['after']['delta_nll']:+.4f} |")
+    for p in sorted(paths):
+        print(f"profile written: {p}")
+    return 0

@@ -1,0 +1,221 @@
+"""Output-level fidelity: how far a compressed cache moves the model's next-token distributions.
+
+``slake fidelity`` measures attention outputs layer by layer (:mod:`slake.fidelity`); this module measures what the
+user sees. A prompt is prefilled once (exactly, :func:`slake.hf.prefill_once.capture_prefill`), then for the full
+cache and for every (method, budget) the same continuation tokens are fed one decode step at a time
+(teacher-forced), and at each step the model's next-token distribution is compared with the full cache's:
+
+* ``kl``: the mean over predicted tokens of ``KL(p_full || p_method)`` in nats;
+* ``delta_nll``: the mean change of the negative log-likelihood of the continuation's actual next token,
+  ``-log p_method(y_t) + log p_full(y_t)`` (positive = the compressed model finds the real text less likely);
+* ``top1``: the fraction of steps where both distributions have the same most likely token.
+
+Only predictions that depend on the compressed cache count: the first continuation token is predicted from the
+exact prefill's last position, identical for every method, so it is left out. Two kinds of continuation are built:
+``"text"``, the real text that follows the prompt (a language-modelling continuation), and ``"answer"``, the full
+cache's own greedy answer to the question at the end of a prompt. Both are numbers that still separate methods when
+task accuracy is 0 for all of them. The cost per (method, budget) is one replay and ``T`` batched decode steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .budget_spec import Budget
+from .methods.base import Method
+
+__all__ = ["Continuation", "OutputReference", "teacher_forced_logprobs", "distances", "prepare_reference",
+           "measure_outputs", "summary_table", "plot_kl_vs_budget"]
+
+
+@dataclass
+class Continuation:
+    """One prompt and the tokens that continue it.
+
+    Attributes
+    ----------
+    kind : str
+        ``"text"`` (the real text after the prompt) or ``"answer"`` (the full cache's greedy answer).
+    name : str
+        A sample id, e.g. ``"essay-4096-0"``.
+    prompt_ids, target_ids : list of int
+        Prompt token ids (prefilled) and the continuation (fed one token at a time).
+    """
+
+    kind: str
+    name: str
+    prompt_ids: list[int]
+    target_ids: list[int]
+
+
+def teacher_forced_logprobs(model: Any, capture: Any, cache: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the next token at every continuation position, feeding ``targets`` step by step.
+
+    Parameters
+    ----------
+    model : transformers model
+        Prepared with :func:`slake.prepare_model`.
+    capture : slake.hf.prefill_once.PrefillCapture
+        The prompt's recorded prefill (batch ``B``, left-padded).
+    cache : slake.SlakeCache
+        A cache replayed from ``capture`` (``capture.replay(method, budget)``).
+    targets : torch.Tensor
+        ``(B, T)`` continuation token ids (rows shorter than ``T`` padded with any id; the caller masks them).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T, vocab)`` float32 log-probabilities; row ``t`` predicts ``targets[:, t]`` given the prompt and
+        ``targets[:, :t]``. Row 0 comes from the recorded prefill logits.
+    """
+    mask = capture.attention_mask
+    B, T = targets.shape
+    real = mask.sum(-1)
+    out = [torch.log_softmax(capture.last_logits.float(), -1)]
+    with torch.inference_mode():
+        for t in range(T - 1):
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1)
+            logits = model(input_ids=targets[:, t:t + 1], attention_mask=mask, past_key_values=cache,
+                           position_ids=(real + t)[:, None]).logits[:, -1]
+            out.append(torch.log_softmax(logits.float(), -1))
+    cache.check_routed()
+    return torch.stack(out, 1)
+
+
+def distances(full_lp: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> dict:
+    """Per-row KL(full || method), NLL change and top-1 agreement over the ``valid`` positions.
+
+    Parameters
+    ----------
+    full_lp, lp : torch.Tensor
+        ``(B, T, V)`` log-probabilities of the full cache and of the method.
+    targets : torch.Tensor
+        ``(B, T)`` the continuation's tokens.
+    valid : torch.Tensor
+        ``(B, T)`` bool, the positions that count.
+
+    Returns
+    -------
+    dict
+        ``{"kl", "delta_nll", "top1", "nll_full", "tokens"}``, each a list over rows (means over the row's valid
+        positions; ``nan`` for a row with none).
+    """
+    kl = (full_lp.exp() * (full_lp - lp)).sum(-1).clamp_min(0.0)  # (B, T); rounding can go a hair below 0
+    nll_full = -full_lp.gather(-1, targets[..., None]).squeeze(-1)
+    nll = -lp.gather(-1, targets[..., None]).squeeze(-1)
+    top1 = (full_lp.argmax(-1) == lp.argmax(-1)).float()
+    n = valid.sum(-1)
+    v = valid.float()
+
+    def mean(x: torch.Tensor) -> list[float]:
+        return [float(s / c) if c > 0 else float("nan") for s, c in zip((x * v).sum(-1).tolist(), n.tolist())]
+
+    return {"kl": mean(kl), "delta_nll": mean(nll - nll_full), "top1": mean(top1), "nll_full": mean(nll_full),
+            "tokens": n.tolist()}
+
+
+@dataclass
+class OutputReference:
+    """A batch of prompts prefilled once, their continuations, and the full cache's log-probabilities."""
+
+    capture: Any
+    targets: torch.Tensor  # (B, T)
+    valid: torch.Tensor  # (B, T) bool: positions 1.. of each row's own continuation
+    full_lp: torch.Tensor  # (B, T, V)
+    continuations: list[Continuation]
+
+
+def prepare_reference(model: Any, continuations: Sequence[Continuation]) -> OutputReference:
+    """Prefill every prompt once (exactly), stack the captures, and compute the full cache's log-probabilities."""
+    from .hf.prefill_once import capture_prefill, stack_captures
+
+    if not continuations:
+        raise ValueError("no continuation to measure")
+    if any(len(c.target_ids) < 2 for c in continuations):
+        raise ValueError("every continuation needs at least 2 tokens (the first one is predicted exactly)")
+    dev = model.device
+    caps = [capture_prefill(model, torch.tensor([c.prompt_ids], device=dev)) for c in continuations]
+    capture = stack_captures(caps, release=True)
+    T = max(len(c.target_ids) for c in continuations)
+    targets = torch.zeros(len(continuations), T, dtype=torch.long, device=dev)
+    valid = torch.zeros(len(continuations), T, dtype=torch.bool, device=dev)
+    for b, c in enumerate(continuations):
+        targets[b, :len(c.target_ids)] = torch.tensor(c.target_ids, device=dev)
+        valid[b, 1:len(c.target_ids)] = True
+    full_lp = teacher_forced_logprobs(model, capture, capture.replay("full", 1), targets)
+    return OutputReference(capture, targets, valid, full_lp, list(continuations))
+
+
+def measure_outputs(model: Any, ref: OutputReference, method: str | Method, budget: int | float | str,
+                    label: str | None = None, **hyperparameters) -> list[dict]:
+    """Rows ``{"method", "budget", "kind", "sample", "kl", "delta_nll", "top1", "nll_full", "tokens"}`` of one
+    (method, budget) against the full cache, one per continuation."""
+    from .methods.base import make_method
+    from .methods.spec import canonical_method_spec
+
+    m = make_method(method, **hyperparameters)
+    if label is None:
+        label = canonical_method_spec(method) if isinstance(method, str) else m.name
+    cache = ref.capture.replay(m, budget)
+    lp = teacher_forced_logprobs(model, ref.capture, cache, ref.targets)
+    d = distances(ref.full_lp, lp, ref.targets, ref.valid)
+    return [{"method": label, "budget": Budget(budget).value, "kind": c.kind, "sample": c.name,
+             "kl": d["kl"][b], "delta_nll": d["delta_nll"][b], "top1": d["top1"][b], "nll_full": d["nll_full"][b],
+             "tokens": d["tokens"][b]} for b, c in enumerate(ref.continuations)]
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["budget"]), []).append(r)
+    return groups
+
+
+def mean_distance(rows: list[dict], key: str = "kl") -> float:
+    """Token-weighted mean of ``key`` over rows (every predicted token counts once)."""
+    tok = sum(r["tokens"] for r in rows)
+    return sum(r[key] * r["tokens"] for r in rows if r["tokens"]) / max(tok, 1)
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown: one line per (method, budget), token-weighted means per continuation kind and overall."""
+    kinds = sorted({r["kind"] for r in rows})
+    head = ("| method | budget | " + " | ".join(f"KL {k}" for k in kinds)
+            + " | KL all | ΔNLL all (nats/token) | top-1 agreement |")
+    lines = [head, "|---|---:|" + "---:|" * (len(kinds) + 3)]
+    for (m, b), rs in sorted(_groups(rows).items(), key=lambda kv: (kv[0][0], float(kv[0][1]))):
+        per_kind = [mean_distance([r for r in rs if r["kind"] == k]) for k in kinds]
+        lines.append(f"| {m} | {b} | " + " | ".join(f"{x:.4f}" for x in per_kind)
+                     + f" | {mean_distance(rs):.4f} | {mean_distance(rs, 'delta_nll'):+.4f} | "
+                     f"{mean_distance(rs, 'top1'):.3f} |")
+    return "\n".join(lines)
+
+
+def plot_kl_vs_budget(rows: list[dict], path: str) -> None:
+    """KL(full || method) against budget, one line per method (log scales); saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_method: dict[str, list[tuple[float, float]]] = {}
+    for (m, b), rs in _groups(rows).items():
+        by_method.setdefault(m, []).append((float(b), mean_distance(rs)))
+    markers = "os^vD<>pxh*+"
+    for i, (m, pts) in enumerate(sorted(by_method.items())):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], marker=markers[i % len(markers)], label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("budget (tokens per layer and KV head)")
+    ax.set_ylabel("mean KL(full || compressed), nats/token")
+    ax.set_title("Output-level fidelity (teacher-forced next-token distributions)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

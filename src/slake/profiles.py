@@ -1,0 +1,226 @@
+"""Per-model hyperparameter profiles: tuned VABS ``(alpha, beta)`` and CAKE ``(tau1, tau2)`` by model and budget.
+
+The SLAKE and CAKE papers tune these exponents per model and budget (SLAKE Table 3, CAKE's ``model2tau.json``) and
+give them for a handful of 7-8B models only. ``slake calibrate`` (:mod:`slake.calibrate`) finds them for any model
+and writes a profile; this module finds the profile that matches a model and applies it.
+
+Where a method's hyperparameters come from, first match wins:
+
+1. values the user sets (a spec ``slake[alpha=0.3]``, ``--set``, keyword arguments, or a built
+   :class:`~slake.methods.base.Method`, which is used exactly as given);
+2. a user profile: ``$SLAKE_PROFILE_DIR/<model>.json``, by default ``~/.cache/slake/profiles/<model>.json``
+   (written by ``slake calibrate``);
+3. a profile shipped with the package (``slake/profile_data/<model>.json``: the default model's);
+4. the papers' tables for the models they tuned (SLAKE Table 3 for ``slake``, CAKE's reference values for ``cake``);
+5. the method's own defaults.
+
+A profile entry applies to a (method, budget) when the method's name is the entry's, the entry's budget is the
+nearest calibrated budget within a factor of 2 (token budgets and ratios are matched separately), and every other
+hyperparameter of the method equals the value it was calibrated with (a profile calibrated for
+``slake[vabs_split=window]`` does not silently apply to ``slake[linear_cache=false]``). A model matches a profile
+when its name (normalised: lower case, alphanumerics, hub organisation dropped) is one of the profile's names and
+its architecture fingerprint (layers, heads, sizes, vocabulary) is the profile's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROFILE_FORMAT", "SEARCHED", "model_identity", "normalise_name", "profile_dir", "profile_path",
+           "load_profiles", "find_entry", "resolve_method", "write_entry"]
+
+PROFILE_FORMAT = 1
+#: hyperparameters a profile may set, per method
+SEARCHED: dict[str, tuple[str, ...]] = {"slake": ("alpha", "beta"), "cake": ("tau1", "tau2")}
+_FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size")
+
+
+def normalise_name(name: str) -> str:
+    """``"HuggingFaceTB/SmolLM2-135M-Instruct"`` -> ``"smollm2135minstruct"``."""
+    return re.sub(r"[^a-z0-9]", "", str(name).lower().rstrip("/").rsplit("/", 1)[-1])
+
+
+def model_identity(model_or_config: Any) -> dict:
+    """``{"name", "fingerprint"}`` of a model or its config.
+
+    The name is ``config.slake_model_name`` (set by :func:`slake.load_model`: ``"smollm2"`` for the default model,
+    otherwise the name it was given), else ``config._name_or_path``.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    name = getattr(config, "slake_model_name", None) or getattr(config, "_name_or_path", "") or ""
+    fp = {k: getattr(config, k, None) for k in _FINGERPRINT_KEYS}
+    if fp["num_key_value_heads"] is None:
+        fp["num_key_value_heads"] = fp["num_attention_heads"]
+    return {"name": str(name), "fingerprint": fp}
+
+
+def profile_dir() -> Path:
+    """The user profile folder: ``$SLAKE_PROFILE_DIR``, else ``~/.cache/slake/profiles``."""
+    env = os.environ.get("SLAKE_PROFILE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "slake" / "profiles"
+
+
+def _shipped_dir() -> Path:
+    return Path(__file__).resolve().parent / "profile_data"
+
+
+def profile_path(identity: dict, folder: Path | None = None) -> Path:
+    """Where the profile of a model lives: ``<folder>/<normalised name>.json``."""
+    stem = normalise_name(identity["name"]) or "model"
+    return (folder or profile_dir()) / f"{stem}.json"
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"unreadable slake profile {path}: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path} is not a slake profile (format {PROFILE_FORMAT}); delete it or run slake calibrate")
+    return data
+
+
+def _matches(profile: dict, identity: dict) -> bool:
+    names = {normalise_name(n) for n in [profile.get("model", "")] + list(profile.get("aliases", []))}
+    return normalise_name(identity["name"]) in names and profile.get("fingerprint") == identity["fingerprint"]
+
+
+def load_profiles(identity: dict) -> list[tuple[str, dict]]:
+    """``[(source, profile)]`` matching the model: the user's first, then the shipped one."""
+    out = []
+    for source, folder in (("user", profile_dir()), ("shipped", _shipped_dir())):
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            data = _read(path)
+            if data is not None and _matches(data, identity):
+                out.append((f"{source}:{path}", data))
+    return out
+
+
+def _budget_distance(a: float, b: float) -> float:
+    return abs(math.log(a) - math.log(b))
+
+
+def find_entry(profiles: list[tuple[str, dict]], method: Any, budget: int | float) -> tuple[str, dict] | None:
+    """The first profile entry that applies to ``method`` (a built Method) at ``budget``, with its source."""
+    searched = SEARCHED.get(method.name)
+    if not searched:
+        return None
+    hyper = method.hyperparameters()
+    is_ratio = isinstance(budget, float) and budget < 1
+    for source, prof in profiles:
+        cands = []
+        for e in prof["entries"]:
+            b = e.get("budget")
+            if e.get("method") != method.name or not isinstance(b, (int, float)) or b <= 0:
+                continue
+            if (isinstance(b, float) and b < 1) != is_ratio:
+                continue
+            ctx = e.get("context", {})
+            if any(hyper.get(k) != v for k, v in ctx.items() if k not in searched):
+                continue
+            d = _budget_distance(float(b), float(budget))
+            if d <= math.log(2) + 1e-9:
+                cands.append((d, float(b), e))
+        if cands:
+            return source, min(cands, key=lambda c: (c[0], c[1]))[2]
+    return None
+
+
+def _paper_values(method_name: str, identity: dict, budget: int | float) -> dict | None:
+    """SLAKE Table 3 / CAKE reference values for the papers' models (token budgets only)."""
+    if isinstance(budget, float) and budget < 1:
+        return None
+    if method_name == "slake":
+        from .methods.cake import match_family
+        from .methods.slake import _ALPHA_BETA, slake_alpha_beta
+
+        if match_family(identity["name"], list(_ALPHA_BETA)) is None:
+            return None
+        a, b = slake_alpha_beta(identity["name"], int(budget))
+        return {"alpha": a, "beta": b}
+    if method_name == "cake":
+        from .methods.cake import _MODEL2TAU, match_family
+
+        fam = match_family(identity["name"], list(_MODEL2TAU))
+        if fam is None or int(budget) not in _MODEL2TAU[fam]:
+            return None
+        t1, t2 = _MODEL2TAU[fam][int(budget)]
+        return {"tau1": t1, "tau2": t2}
+    return None
+
+
+def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **overrides: Any) -> tuple[Any, dict | None]:
+    """Build ``method`` (a name, a spec or a Method) with the model's profile applied where the user set nothing.
+
+    Parameters
+    ----------
+    method : str | Method
+        A registry name or spec (``"slake"``, ``"slake[vabs_split=window]"``); a built Method is returned as is.
+    budget : int | float | str | Budget
+        The budget the cache will use (profiles are per budget).
+    model_or_config : model, config or None
+        The model (or its config) whose profile to use; None applies no profile.
+    **overrides
+        Hyperparameters set by the user (never replaced by a profile).
+
+    Returns
+    -------
+    (Method, dict | None)
+        The method, and ``{"source", "values", "budget"}`` of the profile applied (None when none was).
+    """
+    from .budget_spec import Budget
+    from .methods.base import Method, make_method
+    from .methods.spec import parse_method_spec
+
+    if isinstance(method, Method):
+        return (replace(method, **overrides) if overrides else method), None
+    built = make_method(method, **overrides)
+    searched = SEARCHED.get(built.name)
+    if model_or_config is None or not searched:
+        return built, None
+    _, from_spec = parse_method_spec(str(method))
+    user_set = set(from_spec) | set(overrides)
+    free = [k for k in searched if k not in user_set]
+    if not free:
+        return built, None
+    value = Budget(budget).value
+    identity = model_identity(model_or_config)
+    found = find_entry(load_profiles(identity), built, value)
+    if found is not None:
+        source, entry = found
+        values, at = {k: entry["values"][k] for k in free if k in entry["values"]}, entry["budget"]
+    else:
+        values, source, at = _paper_values(built.name, identity, value), "paper", value
+    if not values:
+        return built, None
+    valid = {f.name for f in fields(built)}
+    values = {k: v for k, v in values.items() if k in valid}
+    return replace(built, **values), {"source": source, "values": values, "budget": at}
+
+
+def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases: list[str] | None = None) -> Path:
+    """Add (or replace) one (method, budget, context) entry in the model's profile and return its path."""
+    path = profile_path(identity, folder)
+    data = _read(path) or {"format": PROFILE_FORMAT, "model": identity["name"], "aliases": aliases or [],
+                           "fingerprint": identity["fingerprint"], "entries": []}
+    if data.get("fingerprint") != identity["fingerprint"]:
+        raise ValueError(f"{path} holds the profile of another architecture; choose another --out-dir")
+    key = (entry["method"], entry["budget"], json.dumps(entry.get("context", {}), sort_keys=True))
+    data["entries"] = [e for e in data["entries"]
+                       if (e.get("method"), e.get("budget"), json.dumps(e.get("context", {}), sort_keys=True)) != key]
+    data["entries"].append(entry)
+    data["entries"].sort(key=lambda e: (e["method"], float(e["budget"])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,122 @@
+"""Per-model hyperparameter profiles: where alpha/beta and tau1/tau2 come from, and in which order."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from slake import SlakeCache
+from slake.methods import make_method
+from slake.profiles import (find_entry, load_profiles, model_identity, normalise_name, profile_path, resolve_method,
+                            write_entry)
+
+
+def _config(name="my-org/Tiny-Model-1B", layers=3):
+    return SimpleNamespace(slake_model_name=name, model_type="llama", num_hidden_layers=layers, hidden_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+
+
+def _entry(budget=128, alpha=0.9, beta=0.1, **context):
+    ctx = {k: v for k, v in make_method("slake").hyperparameters().items() if k not in ("alpha", "beta")}
+    ctx.update(context)
+    return {"method": "slake", "budget": budget, "values": {"alpha": alpha, "beta": beta}, "context": ctx}
+
+
+@pytest.fixture
+def profile_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLAKE_PROFILE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_no_model_or_no_profile_gives_the_method_defaults(profile_dir):
+    m, applied = resolve_method("slake", 128)
+    assert applied is None and (m.alpha, m.beta) == (0.5, 0.4)
+    m, applied = resolve_method("slake", 128, _config())
+    assert applied is None and (m.alpha, m.beta) == (0.5, 0.4)
+    m, applied = resolve_method("snapkv", 128, _config())
+    assert applied is None and m.name == "snapkv"
+
+
+def test_user_profile_applies_at_the_nearest_budget_within_a_factor_two(profile_dir):
+    cfg = _config()
+    path = write_entry(model_identity(cfg), _entry(128, 0.9, 0.1))
+    write_entry(model_identity(cfg), _entry(512, 0.2, 0.3))
+    assert path == profile_dir / "tinymodel1b.json" == profile_path(model_identity(cfg))
+    m, applied = resolve_method("slake", 128, cfg)
+    assert (m.alpha, m.beta) == (0.9, 0.1) and applied["budget"] == 128 and applied["source"].startswith("user:")
+    assert (resolve_method("slake", 200, cfg)[0].alpha, resolve_method("slake", 300, cfg)[0].alpha) == (0.9, 0.2)
+    assert resolve_method("slake", 40, cfg)[1] is None  # more than a factor 2 from any calibrated budget
+    assert resolve_method("slake", 0.25, cfg)[1] is None  # ratios only match ratio entries
+    write_entry(model_identity(cfg), _entry(0.2, 0.7, 0.7))
+    assert resolve_method("slake", 0.25, cfg)[0].alpha == 0.7
+    # re-calibrating the same (method, budget, context) replaces the entry
+    write_entry(model_identity(cfg), _entry(128, 1.5, 0.5))
+    data = json.loads(path.read_text())
+    assert [e["budget"] for e in data["entries"]] == [0.2, 128, 512]
+    assert resolve_method("slake", 128, cfg)[0].alpha == 1.5
+
+
+def test_user_values_win_and_profiles_never_apply_to_other_configurations(profile_dir):
+    cfg = _config()
+    write_entry(model_identity(cfg), _entry(128, 0.9, 0.1))
+    m, applied = resolve_method("slake[alpha=0.3]", 128, cfg)
+    assert (m.alpha, m.beta) == (0.3, 0.1) and applied["values"] == {"beta": 0.1}
+    m, applied = resolve_method("slake", 128, cfg, alpha=0.3, beta=0.2)
+    assert (m.alpha, m.beta) == (0.3, 0.2) and applied is None
+    built = make_method("slake")
+    assert resolve_method(built, 128, cfg) == (built, None)  # a built Method is used exactly as given
+    m, applied = resolve_method("slake[linear_cache=false]", 128, cfg)  # calibrated with PTAA on: not this
+    assert applied is None and m.alpha == 0.5
+
+
+def test_model_matching_by_name_and_architecture(profile_dir):
+    write_entry(model_identity(_config()), _entry(128, 0.9, 0.1), aliases=["tiny-alias"])
+    assert resolve_method("slake", 128, _config("Tiny-Model-1B"))[0].alpha == 0.9  # organisation dropped
+    assert resolve_method("slake", 128, _config("tiny-alias"))[0].alpha == 0.9
+    assert resolve_method("slake", 128, _config("other-model"))[1] is None
+    assert resolve_method("slake", 128, _config(layers=4))[1] is None  # same name, other architecture
+    with pytest.raises(ValueError, match="another architecture"):
+        write_entry(model_identity(_config(layers=4)), _entry())
+    assert normalise_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2135minstruct"
+
+
+def test_papers_tables_for_the_papers_models(profile_dir):
+    llama31 = _config("meta-llama/Llama-3.1-8B-Instruct")
+    m, applied = resolve_method("slake", 128, llama31)
+    assert (m.alpha, m.beta) == (0.4, 0.2) and applied["source"] == "paper"  # SLAKE Table 3
+    assert resolve_method("slake", 256, llama31)[0].alpha == 0.6
+    m, applied = resolve_method("cake", 128, _config("mistralai/Mistral-7B-Instruct-v0.3"))
+    assert (m.tau1, m.tau2) == (1.0, 0.8) and applied["source"] == "paper"
+    assert resolve_method("cake", 256, llama31)[1] is None  # the reference code tunes 128 and 1024 only
+
+
+def test_bad_profile_file_is_a_clear_error(profile_dir):
+    (profile_dir / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable slake profile"):
+        load_profiles(model_identity(_config()))
+    (profile_dir / "broken.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(ValueError, match="not a slake profile"):
+        load_profiles(model_identity(_config()))
+
+
+def test_slake_cache_applies_the_profile_of_profile_model(profile_dir, llama_gqa):
+    cfg = llama_gqa.config
+    cfg.slake_model_name = "tiny-llama-gqa"
+    try:
+        write_entry(model_identity(cfg), _entry(64, 1.25, 0.75))
+        cache = SlakeCache("slake", 64, cfg.num_hidden_layers, profile_model=llama_gqa)
+        assert (cache.method.alpha, cache.method.beta) == (1.25, 0.75) and cache.profile["values"]["alpha"] == 1.25
+        plain = SlakeCache("slake", 64, cfg.num_hidden_layers)
+        assert plain.profile is None and plain.method.alpha == 0.5
+    finally:
+        del cfg.slake_model_name
+
+
+def test_find_entry_ignores_other_methods(profile_dir):
+    cfg = _config()
+    write_entry(model_identity(cfg), _entry(128))
+    profiles = load_profiles(model_identity(cfg))
+    assert find_entry(profiles, make_method("cake"), 128) is None
+    assert find_entry(profiles, make_method("slake"), 128)[1]["values"]["alpha"] == 0.9
