@@ -23,9 +23,9 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="slake,cake",
                    help="methods to calibrate: slake and/or cake, variants allowed (slake[vabs_split=uniform])")
     p.add_argument("--budgets", default="128", help="comma-separated budgets (tokens or ratios in (0, 1))")
-    p.add_argument("--length", type=int, default=4096, help="calibration prompt length in tokens")
+    p.add_argument("--length", type=int, default=2048, help="calibration prompt length in tokens")
     p.add_argument("--samples", type=int, default=2, help="prompts of each kind (text continuation, answer)")
-    p.add_argument("--tokens", type=int, default=32, help="continuation tokens per prompt")
+    p.add_argument("--tokens", type=int, default=16, help="continuation tokens per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-refine", action="store_true", help="grid only, no local refinement")
     p.add_argument("--out-dir", default=None,

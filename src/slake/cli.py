@@ -2,7 +2,8 @@
 
 Sub-commands: ``methods`` (list the methods), ``generate`` (compressed-cache generation with cache statistics),
 ``fidelity``, ``eval``, ``make-prompt``, ``bench`` (latency and memory vs context length, :mod:`slake.bench`) and
-``calibrate`` (per-model VABS/CAKE exponents, :mod:`slake.calibrate`).
+``calibrate`` (per-model VABS/CAKE exponents, :mod:`slake.calibrate`) and ``demo`` (full cache vs SLAKE on one
+question, :mod:`slake.demo`).
 Every sub-command accepts ``--json`` for machine-readable output; errors go to stderr with exit code 2.
 """
 
@@ -17,6 +18,7 @@ from .budget_spec import Budget
 from .cli_args import add_model_args as _add_model_args
 from .bench.command import add_bench_parser, cmd_bench
 from .calibrate_command import add_calibrate_parser, cmd_calibrate
+from .demo import add_demo_parser, cmd_demo
 from .eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
 
 
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_make_prompt_parser(sub)
     add_bench_parser(sub)
     add_calibrate_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 
@@ -258,7 +261,8 @@ def _output_fidelity(args: argparse.Namespace, model, tokenizer, methods: list[s
 
 
 COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity,
-            "eval": cmd_eval, "make-prompt": cmd_make_prompt, "bench": cmd_bench, "calibrate": cmd_calibrate}
+            "eval": cmd_eval, "make-prompt": cmd_make_prompt, "bench": cmd_bench, "calibrate": cmd_calibrate,
+            "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:
