@@ -26,6 +26,78 @@ from tiny_models import random_ids, tiny_model
 CUDA = torch.cuda.is_available()
 
 
+# ====================================================================== SlakeCache misuse (items 1 and 2)
+def _gen(model, ids, cache, n=4):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("new_len", [40, 62, 63])
+def test_reusing_a_cache_for_a_new_prompt_raises(llama_gqa, new_len):
+    """A cache holding 63 tokens (60 prompt + 3 fed back) refuses an unrelated prompt that is not longer than it,
+    instead of answering from the first prompt."""
+    cache = SlakeCache("snapkv", 48, config=llama_gqa.config)
+    _gen(llama_gqa, random_ids(60, seed=1), cache)
+    assert cache.get_seq_length() == 63
+    with pytest.raises(ValueError, match="already holds 63 tokens of an earlier prompt"):
+        _gen(llama_gqa, random_ids(new_len, seed=2), cache)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "slake"])
+def test_multi_turn_continuation_equals_the_full_cache(llama_gqa, method):
+    """Two turns on one SlakeCache (the second passes the whole conversation) give the same tokens as transformers'
+    own cache when nothing is evicted."""
+    turn1 = random_ids(40, seed=3)
+    follow = random_ids(12, seed=4)
+
+    def run(cache_factory):
+        cache = cache_factory()
+        first = _gen(llama_gqa, turn1, cache, 5)
+        second = _gen(llama_gqa, torch.cat([first, follow], 1), cache, 6)
+        return first, second
+
+    ours = run(lambda: SlakeCache(method, 4096, config=llama_gqa.config))
+    llama_gqa.set_attn_implementation("sdpa")
+    try:
+        ref = run(DynamicCache)
+    finally:
+        slake.prepare_model(llama_gqa)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("layers", [2, 4, 40])
+def test_num_layers_that_do_not_match_the_model_raise_before_any_work(llama_gqa, layers):
+    cache = SlakeCache("slake", 48, layers)
+    with pytest.raises(ValueError, match=f"built for {layers} layers but the model has 3"):
+        _gen(llama_gqa, random_ids(60, seed=1), cache)
+    assert cache.get_seq_length() == 0
+
+
+def test_cache_takes_the_model_config(llama_gqa):
+    assert len(SlakeCache("cake", 48, config=llama_gqa.config).layers) == 3
+    assert len(SlakeCache("cake", 48, llama_gqa.config).layers) == 3  # positional, as DynamicCache(config)
+    assert len(SlakeCache("cake", 48, 3, config=llama_gqa.config).layers) == 3
+    with pytest.raises(ValueError, match="disagrees with the config"):
+        SlakeCache("cake", 48, 4, config=llama_gqa.config)
+    with pytest.raises(ValueError, match="needs the model's config"):
+        SlakeCache("cake", 48)
+    with pytest.raises(ValueError, match="positive integer"):
+        SlakeCache("cake", 48, 0)
+
+
+def test_unprepared_layer_index_and_unfilled_layers_are_clear_errors():
+    """Without the forward check (a direct cache call), a layer the cache lacks and layers the model never filled
+    still give a clear error, not an IndexError or silent phantom layers."""
+    cache = SlakeCache("full", 48, 2)
+    k = torch.zeros(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="updated layer 2, but this SlakeCache was built for 2 layers"):
+        cache.update(k, k, 2)
+    cache = SlakeCache("snapkv", 48, 4)
+    cache.engine.prefill_layer(0, torch.zeros(1, 4, 5, 16), k, k, None, 0.25)
+    with pytest.raises(ValueError, match="the model filled 1 layers but this SlakeCache was built for 4"):
+        cache.statistics()
+
+
 # ====================================================================== the results reader (item 3)
 ROW = {"suite": "needle", "task": "needle", "sample_id": "a", "model": "m", "method": "full", "budget": None,
        "length": 64, "score": 1.0}
