@@ -98,6 +98,40 @@ def test_unprepared_layer_index_and_unfilled_layers_are_clear_errors():
         cache.statistics()
 
 
+# ====================================================================== honest statistics (item 7)
+def test_kv_bytes_separate_growth_slack_from_padding_and_no_linear_state_without_eviction(llama_gqa):
+    ids = random_ids(43, seed=5)
+    cache = SlakeCache("slake", 128, config=llama_gqa.config)  # 43 tokens fit: nothing is evicted
+    _gen(llama_gqa, ids, cache, 3)
+    kv = cache.statistics()["kv_bytes"]
+    assert cache.statistics()["compressed"] is False
+    assert kv["padding"] == 0 and kv["linear_state"] == 0
+    per_token = 2 * 16 * 4 * 2 * 3  # K+V, d=16, fp32, 2 KV heads, 3 layers
+    assert kv["kept"] == 45 * per_token
+    assert kv["slack"] > 0  # room allocated for later decode tokens, reported as such
+
+
+def test_kv_bytes_padding_counts_uneven_heads_only(llama_gqa):
+    ids = random_ids(120, seed=6)
+    cache = SlakeCache("ada-snapkv", 48, config=llama_gqa.config)
+    _gen(llama_gqa, ids, cache, 3)
+    eng = cache.engine
+    kv = cache.statistics()["kv_bytes"]
+    per_slot = 2 * 16 * 4
+    expected_padding = sum(int((s.counts().max() - s.counts()).sum()) for s in eng.layers) * per_slot
+    expected_slack = sum(s.valid.shape[0] * s.valid.shape[1] * (s.capacity - int(s.counts().max()))
+                         for s in eng.layers) * per_slot
+    assert kv["padding"] == expected_padding > 0
+    assert kv["slack"] == expected_slack
+
+
+def test_linear_state_is_allocated_when_something_is_evicted(llama_gqa):
+    cache = SlakeCache("slake", 48, config=llama_gqa.config)
+    _gen(llama_gqa, random_ids(120, seed=7), cache, 3)
+    kv = cache.statistics()["kv_bytes"]
+    assert kv["linear_state"] == 3 * 2 * (16 * 16 + 2 * 16 + 1) * 4
+
+
 # ====================================================================== the results reader (item 3)
 ROW = {"suite": "needle", "task": "needle", "sample_id": "a", "model": "m", "method": "full", "budget": None,
        "length": 64, "score": 1.0}
