@@ -26,6 +26,112 @@ from tiny_models import random_ids, tiny_model
 CUDA = torch.cuda.is_available()
 
 
+# ====================================================================== the command line: bad inputs
+def _files(tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    return tmp_path
+
+
+GEN = ["generate", "--prompt", "hello there"]
+BENCH = ["bench", "--random-model", "tiny", "--lengths", "48", "--out", "{out}"]
+EVAL = ["eval", "--suite", "needle", "--methods", "snapkv", "--budgets", "64", "--out", "{out}"]
+FID = ["fidelity", "--methods", "snapkv", "--budgets", "64"]
+
+#: (id, argv, a fragment of the one-line message)
+BAD_INPUTS = [
+    ("gen-unknown-method", GEN + ["--method", "nope"], "unknown method 'nope'"),
+    ("gen-unknown-hyper", GEN + ["--set", "nosuch=1"], "no hyperparameter nosuch"),
+    ("gen-mistyped-hyper", GEN + ["--method", "slake", "--set", "vabs=3"], "vabs must be true or false"),
+    ("gen-nan-hyper", GEN + ["--method", "slake[alpha=NaN]"], "alpha must be a finite number"),
+    ("gen-inf-hyper", GEN + ["--method", "cake", "--set", "gamma=Infinity"], "gamma must be a finite number"),
+    ("gen-kernel-0", GEN + ["--method", "snapkv[kernel=0]"], "kernel (a pooling kernel) must be an odd integer"),
+    ("gen-kernel-even", GEN + ["--method", "pyramidkv[kernel=4]"], "must be an odd integer"),
+    ("gen-budget-0", GEN + ["--budget", "0"], "budget must be >= 1"),
+    ("gen-budget-text", GEN + ["--budget", "lots"], "budget must be a positive integer"),
+    ("gen-budget-ratio", GEN + ["--budget", "1.5"], "ratio budget must lie strictly between 0 and 1"),
+    ("gen-window-over-budget", GEN + ["--method", "snapkv", "--budget", "16"], "exceed the budget 16"),
+    ("gen-empty-prompt", ["generate", "--prompt", "   "], "the prompt is empty"),
+    ("gen-missing-file", ["generate", "--prompt-file", "{dir}/nope.txt"], "prompt file not found"),
+    ("gen-empty-file", ["generate", "--prompt-file", "{dir}/empty.txt"], "empty.txt is empty"),
+    ("gen-not-utf8", ["generate", "--prompt-file", "{dir}/latin1.txt"], "latin1.txt is not UTF-8"),
+    ("gen-max-new-0", GEN + ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ("gen-prefill-chunk-0", GEN + ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    ("gen-temperature-0", GEN + ["--sample", "--temperature", "0"], "--temperature must lie in"),
+    ("gen-top-p", GEN + ["--sample", "--top-p", "1.5"], "--top-p must lie in"),
+    ("gen-device-garbage", GEN + ["--device", "cuda:abc"], "invalid device 'cuda:abc'"),
+    ("gen-device-unknown", GEN + ["--device", "tpu"], "invalid device"),
+    ("gen-device-index", GEN + ["--device", "cuda:99"], "cuda:99"),
+    ("gen-dtype", GEN + ["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    ("fid-empty-file", FID + ["--prompt-file", "{dir}/empty.txt"], "empty.txt is empty"),
+    ("fid-not-utf8", FID + ["--prompt-file", "{dir}/latin1.txt"], "latin1.txt is not UTF-8"),
+    ("fid-steps-0", FID + ["--steps", "0"], "--steps must be >= 1"),
+    ("fid-length-1", FID + ["--length", "1"], "--length must be >= 2"),
+    ("fid-window-over-budget", ["fidelity", "--methods", "cake", "--budgets", "64,16"], "exceed the budget 16"),
+    ("fid-unknown-method", ["fidelity", "--methods", "snapkv,nope"], "unknown method 'nope'"),
+    ("bench-threads-neg", BENCH + ["--threads", "-1"], "--threads must be >= 1"),
+    ("bench-threads-0", BENCH + ["--threads", "0"], "--threads must be >= 1"),
+    ("bench-shape-key", ["bench", "--random-model", "tiny:nosuch=3", "--lengths", "48", "--out", "{out}"],
+     "unknown config key nosuch"),
+    ("bench-shape-name", ["bench", "--random-model", "gpt9", "--lengths", "48", "--out", "{out}"], "gpt9"),
+    ("bench-lengths", BENCH[:-4] + ["--lengths", "1", "--out", "{out}"], "--lengths"),
+    ("bench-window-over-budget", BENCH + ["--methods", "full,cake", "--budget", "8"], "exceed the budget 8"),
+    ("bench-device", BENCH + ["--device", "cuda:abc"], "invalid device"),
+    ("bench-kernel-0", BENCH + ["--methods", "snapkv[kernel=0]"], "must be an odd integer"),
+    ("eval-budget-0", EVAL[:-4] + ["--budgets", "0", "--out", "{out}"], "budget must be >= 1"),
+    ("eval-unknown-method", ["eval", "--suite", "needle", "--methods", "nope", "--budgets", "64", "--out", "{out}"],
+     "unknown method"),
+    ("eval-window-over-budget", EVAL[:-4] + ["--budgets", "8", "--out", "{out}"], "exceed the budget 8"),
+    ("eval-max-new-0", EVAL + ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ("eval-prefill-chunk-0", EVAL + ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    ("eval-batch-0", EVAL + ["--batch-size", "0"], "--batch-size must be >= 1"),
+    ("eval-device", EVAL + ["--device", "cuda:abc"], "invalid device"),
+    ("eval-nan-hyper", ["eval", "--suite", "needle", "--methods", "slake[beta=NaN]", "--budgets", "64", "--out",
+                        "{out}"], "beta must be a finite number"),
+    ("make-prompt-task", ["make-prompt", "--task", "nope", "--length", "64", "--out", "{out}"], "unknown task"),
+    ("make-prompt-length", ["make-prompt", "--task", "needle", "--length", "0", "--out", "{out}"], "--length"),
+]
+if not CUDA:
+    BAD_INPUTS += [
+        ("gen-no-cuda", GEN + ["--device", "cuda"], "CUDA is not available"),
+        ("bench-no-cuda", BENCH + ["--device", "cuda"], "CUDA is not available"),
+        ("fid-no-cuda", FID + ["--device", "cuda"], "CUDA is not available"),
+    ]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail loudly if a command gets as far as loading a model or a tokenizer."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were validated")
+    import slake.bench.shapes
+    import slake.eval.command
+    import slake.models
+
+    monkeypatch.setattr(slake.models, "load_model", refuse)
+    monkeypatch.setattr(slake.bench.shapes, "random_model", refuse)
+    monkeypatch.setattr(slake.eval.command, "load_tokenizer", refuse)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, capsys, no_model_load):
+    _, argv, fragment = case
+    files = _files(tmp_path / "in")
+    out = tmp_path / "out"
+    argv = [a.format(dir=files, out=out) for a in argv]
+    before = sorted(p.name for p in files.iterdir())
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"slake {argv[0]}: error: ")
+    assert fragment in lines[0], lines[0]
+    assert not out.exists()
+    assert sorted(p.name for p in files.iterdir()) == before
+
+
 # ====================================================================== SlakeCache misuse (items 1 and 2)
 def _gen(model, ids, cache, n=4):
     return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
@@ -96,6 +202,20 @@ def test_unprepared_layer_index_and_unfilled_layers_are_clear_errors():
     cache.engine.prefill_layer(0, torch.zeros(1, 4, 5, 16), k, k, None, 0.25)
     with pytest.raises(ValueError, match="the model filled 1 layers but this SlakeCache was built for 4"):
         cache.statistics()
+
+
+# ====================================================================== context length (item 5)
+def test_prompt_longer_than_the_context_raises_unless_allowed():
+    from test_eval_runner import TinyTokenizer
+
+    model = tiny_model("llama-gqa", layers=2)
+    model.config.max_position_embeddings = 40
+    tok = TinyTokenizer()
+    prompt = " ".join(f"w{i}" for i in range(60))
+    with pytest.raises(ValueError, match="beyond the model's context of 40 tokens"):
+        slake.generate(model, tok, prompt, method="snapkv", budget=32, max_new_tokens=2)
+    res = slake.generate(model, tok, prompt, method="snapkv", budget=32, max_new_tokens=2, allow_long_context=True)
+    assert res.prompt_tokens[0] > 40
 
 
 # ====================================================================== honest statistics (item 7)
