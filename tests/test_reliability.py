@@ -252,6 +252,56 @@ def test_linear_state_is_allocated_when_something_is_evicted(llama_gqa):
     assert kv["linear_state"] == 3 * 2 * (16 * 16 + 2 * 16 + 1) * 4
 
 
+# ====================================================================== memory over repeated calls (item 8)
+def test_no_cache_survives_a_generate_call(llama_gqa, monkeypatch):
+    """slake.generate keeps nothing alive between calls: no module-level reference to the cache or its layers."""
+    from test_eval_runner import TinyTokenizer
+
+    import slake.hf.generate as gen_mod
+    from slake.hf.cache import current_layer
+
+    refs = []
+
+    class Tracked(SlakeCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            refs.append(weakref.ref(self))
+
+    monkeypatch.setattr(gen_mod, "SlakeCache", Tracked)
+    tok = TinyTokenizer()
+    for method in ("slake", "h2o", "snapkv"):
+        res = slake.generate(llama_gqa, tok, " ".join(f"w{i}" for i in range(90)), method=method, budget=40,
+                             max_new_tokens=3)
+        del res
+    gc.collect()
+    assert len(refs) == 3 and all(r() is None for r in refs)
+    assert current_layer() is None
+
+
+# ====================================================================== fp16 on CPU (item 9)
+def test_fp16_on_cpu_is_finite_and_equals_the_full_cache_at_a_full_budget():
+    model = tiny_model("llama-gqa").half()
+    ids = random_ids(80, seed=8)
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            ref = _gen(model, ids, DynamicCache(), 6)
+    finally:
+        slake.prepare_model(model)
+    with torch.no_grad():
+        full = _gen(model, ids, SlakeCache("slake", 4096, config=model.config), 6)
+    assert torch.equal(full, ref)
+    for method in ("slake", "cake", "snapkv", "h2o", "ada-snapkv", "sagekv"):
+        cache = SlakeCache(method, 40, config=model.config)
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache, use_cache=True)
+            step = model(ids[:, -1:], past_key_values=cache, use_cache=True)
+        assert out.logits.dtype == torch.float16
+        assert torch.isfinite(out.logits).all() and torch.isfinite(step.logits).all(), method
+        assert cache.statistics()["compressed"] is True
+        assert all(s.keys.dtype == torch.float16 for s in cache.engine.layers)
+
+
 # ====================================================================== the results reader (item 3)
 ROW = {"suite": "needle", "task": "needle", "sample_id": "a", "model": "m", "method": "full", "budget": None,
        "length": 64, "score": 1.0}
