@@ -31,6 +31,9 @@ def _files(tmp_path):
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    for name, data in (("lb_latin1", b'{"input": "caf\xe9"}\n'), ("lb_json", b'{"input": "q", "context": "c"\n')):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "qasper.jsonl").write_bytes(data)
     return tmp_path
 
 
@@ -89,6 +92,16 @@ BAD_INPUTS = [
     ("eval-device", EVAL + ["--device", "cuda:abc"], "invalid device"),
     ("eval-nan-hyper", ["eval", "--suite", "needle", "--methods", "slake[beta=NaN]", "--budgets", "64", "--out",
                         "{out}"], "beta must be a finite number"),
+    ("eval-unknown-task", ["eval", "--suite", "ruler", "--tasks", "nope", "--methods", "snapkv", "--budgets", "64",
+                           "--out", "{out}"], "unknown RULER task(s) nope"),
+    ("eval-longbench-not-utf8", ["eval", "--suite", "longbench", "--longbench-dir", "{dir}/lb_latin1", "--methods",
+                                 "snapkv", "--budgets", "64", "--out", "{out}"],
+     "lb_latin1/qasper.jsonl, line 1: not UTF-8"),
+    ("eval-longbench-bad-json", ["eval", "--suite", "longbench", "--longbench-dir", "{dir}/lb_json", "--methods",
+                                 "snapkv", "--budgets", "64", "--out", "{out}"],
+     "lb_json/qasper.jsonl, line 1: not a LongBench"),
+    ("make-prompt-depth", ["make-prompt", "--task", "needle", "--length", "64", "--depth", "120", "--out", "{out}"],
+     "--depth must lie in [0, 100]"),
     ("make-prompt-task", ["make-prompt", "--task", "nope", "--length", "64", "--out", "{out}"], "unknown task"),
     ("make-prompt-length", ["make-prompt", "--task", "needle", "--length", "0", "--out", "{out}"], "--length"),
 ]

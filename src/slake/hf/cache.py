@@ -183,18 +183,18 @@ class SlakeCache(Cache):
         info = self.engine.info
         if seen == 0 or query_length is None:
             return
-        bad = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] != seen + query_length
+        given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
+        bad = given is not None and given != seen + query_length
         if (not bad and position_ids is not None and position_ids.dim() == 2 and info is not None
                 and position_ids.shape[-1] == query_length and position_ids.shape[0] in (1, len(info.first_real))):
             expected = seen + query_length - 1 - info.first_real
             bad = bool((position_ids[:, -1].cpu() != expected).any())
         if bad:
-            given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
+            size = "" if given is None else f" ({given} tokens)"
             raise ValueError(
-                f"this SlakeCache already holds {seen} tokens of an earlier prompt and the new input"
-                f"{'' if given is None else f' ({given} tokens)'} does not continue it; a cache serves one conversation: create "
-                f"a new SlakeCache for a new prompt, or pass the whole conversation (cached tokens + new ones) to "
-                f"continue it")
+                f"this SlakeCache already holds {seen} tokens of an earlier prompt and the new input{size} does not "
+                f"continue it; a cache serves one conversation: create a new SlakeCache for a new prompt, or pass the "
+                f"whole conversation (cached tokens + new ones) to continue it")
 
     def begin_chunked_prefill(self, attention_mask: torch.Tensor) -> None:
         """Enter chunked-prefill mode for a prompt with this ``(B, S)`` attention mask (1 = real token).

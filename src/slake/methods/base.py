@@ -181,7 +181,8 @@ class Method:
                 raise ValueError(f"{self.name}: {f.name} must be a finite number, got {value}")
             if (f.name == "kernel" or f.name.endswith("_kernel")) and isinstance(value, int) and (
                     value < 1 or value % 2 == 0):
-                raise ValueError(f"{self.name}: {f.name} (a pooling kernel) must be an odd integer >= 1, got {value}")
+                raise ValueError(f"{self.name}: {f.name} (a pooling kernel) must be an odd integer >= 1, "
+                                 f"got {value}")
             if f.name == "pooling" and value not in ("avg", "max"):
                 raise ValueError(f"{self.name}: pooling must be 'avg' or 'max', got {value!r}")
 
