@@ -148,3 +148,23 @@ def test_every_method_with_and_without_linear_cache_at_4k(default_model):
             assert (stats["kv_bytes"]["linear_state"] > 0) == linear, name
             assert sum(stats["kept_tokens_per_layer"]) <= 1024 * L + 1e-6, name
             print(name, linear, repr(tok.decode(tokens[0], skip_special_tokens=True)), answers)
+
+
+def test_reused_cache_and_prompt_beyond_the_context_are_refused(default_model):
+    """Issue 14 on the real model: a used cache given a different 330-token document raises instead of answering
+    about the first one, and a prompt beyond the 8K context raises before any forward (unless allowed)."""
+    import torch
+
+    model, tok = default_model
+    first, _, _ = _needle_prompt(tok, 400, seed=1)
+    second, _, _ = _needle_prompt(tok, 330, seed=2)
+    cache = slake.SlakeCache("slake", 64, config=model.config)
+    kw = dict(past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        model.generate(**tok(first, return_tensors="pt", add_special_tokens=False), **kw)
+        with pytest.raises(ValueError, match="of an earlier prompt"):
+            model.generate(**tok(second, return_tensors="pt", add_special_tokens=False), **kw)
+    s = needle_sample(tok, 600, 50.0, seed=3)
+    long_prompt = (s.context + "\n") * 16 + s.question  # about 9.6K tokens
+    with pytest.raises(ValueError, match="beyond the model's context of 8192 tokens"):
+        slake.generate(model, tok, long_prompt, method="slake", budget=128, max_new_tokens=4)

@@ -20,6 +20,7 @@ from .bench.command import add_bench_parser, cmd_bench
 from .calibrate_command import add_calibrate_parser, cmd_calibrate
 from .demo import add_demo_parser, cmd_demo
 from .eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
+from .validation import validate_args
 
 
 def _hyperparameters(pairs: list[str]) -> dict:
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)")
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="run a prompt longer than the model's context (max_position_embeddings); quality degrades")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(p)
     p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
@@ -110,18 +113,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        text = args.prompt
-    elif args.prompt_file == "-":
-        text = sys.stdin.read()
-    else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise ValueError(f"prompt file not found: {path}")
-        text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    return text
+    from .validation import read_prompt
+
+    return read_prompt(args.prompt, args.prompt_file)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -139,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     res = generate(model, tokenizer, prompt, method=args.method, budget=budget, max_new_tokens=args.max_new_tokens,
                    chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
-                   prefill_chunk=args.prefill_chunk, **hyper)
+                   prefill_chunk=args.prefill_chunk, allow_long_context=args.allow_long_context, **hyper)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
@@ -185,7 +179,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     if args.prompt_file:
-        text = _read_prompt(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
+        text = getattr(args, "prompt_text", None) or _read_prompt(argparse.Namespace(prompt=None,
+                                                                                      prompt_file=args.prompt_file))
     else:
         from .eval.needle import needle_sample
 
@@ -270,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        validate_args(args)  # every argument, before any model load or file write
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"slake {args.command}: error: {e}", file=sys.stderr)

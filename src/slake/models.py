@@ -103,6 +103,9 @@ def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
 
     from .hf.attention import prepare_model
 
+    from .validation import check_device
+
+    check_device(device, "device")
     device = device or default_device()
     torch_dtype = _parse_dtype(dtype, device)
     path, gguf = resolve_model(name, gguf_file)

@@ -64,9 +64,21 @@ def parse_shape(spec: str) -> tuple[str, dict]:
             raise ValueError(f"shape override must be key=value, got {item!r}")
         k, v = (t.strip() for t in item.split("=", 1))
         kwargs[k] = _parse_value(v)
+    unknown = sorted(set(kwargs) - set(SHAPES[key][1]) - _config_keys(arch))
+    if unknown:
+        raise ValueError(f"--random-model {spec!r}: unknown config key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(unknown)} for the {arch} architecture")
     # long benchmark prompts must fit the RoPE table of the shape; the shape is not limited by it
     kwargs["max_position_embeddings"] = max(int(kwargs.get("max_position_embeddings", 0)), 131072)
     return arch, kwargs
+
+
+def _config_keys(arch: str) -> set[str]:
+    """Attributes of the architecture's transformers config (what an override may set)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cfg = {_LLAMA: LlamaConfig, _MISTRAL: MistralConfig, _QWEN2: Qwen2Config}[arch]()
+    return set(cfg.to_dict()) | set(vars(cfg))
 
 
 def _parse_value(v: str) -> int | float | bool | None | str:

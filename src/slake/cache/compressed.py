@@ -129,7 +129,9 @@ class CompressedKV:
         positions = torch.arange(S, device=dev).view(1, 1, S).expand(B, H, S).contiguous()
         valid = (~key_padding)[:, None, :].expand(B, H, S).contiguous()
         scores = torch.zeros(B, H, S, dtype=torch.float32, device=dev)
-        linear = LinearState.empty(B, H, d, dev) if self.method.linear_cache else None
+        # the linear state exists only when something will be evicted (an uncompressed cache never folds a token);
+        # a cache without it takes the same attention path as with an empty one (see decode_attention)
+        linear = LinearState.empty(B, H, d, dev) if self.method.linear_cache and bool(info.compress.any()) else None
         store = LayerStore(keys, values, positions, valid, scores, linear)
         self.layers[layer_idx] = store
         if not bool(info.compress.any()):
@@ -272,7 +274,8 @@ class CompressedKV:
         target = self.targets[layer_idx]
         chunk = self.chunked_prefill
         scored = (target is not None and self.method.decode_eviction and not self.method.keeps_everything)
-        if nq == 1 and not chunk and not scored and store.linear is None and store.head_visible is None:
+        if (nq == 1 and not chunk and not scored and store.linear is None and not self.method.linear_cache
+                and store.head_visible is None):
             return _sdpa_decode(store, queries, scaling)
         qpos = None if nq == 1 else torch.arange(newest - nq + 1, newest + 1, device=queries.device)
         if chunk:
@@ -390,16 +393,28 @@ class CompressedKV:
         return [float(s.counts().float().mean()) if s is not None else 0.0 for s in self.layers]
 
     def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
-        """Bytes of the whole cache: kept entries, padding slots, metadata, linear state.
+        """Bytes of the whole cache: kept entries, per-head padding, growth slack, metadata, linear state.
 
-        ``sequence``: one batch row's bytes, as a batch-1 run of it would hold them (see
-        :meth:`LayerStore.byte_counts`).
+        ``padding`` is the dense layout's cost of uneven heads: the slots between each head's kept tokens and the
+        longest head's. ``slack`` is allocated room beyond the longest head (free slots kept for the next decode
+        tokens, so that decoding does not reallocate). ``linear_state`` is 0 when nothing was evicted (it is then
+        not allocated). ``sequence``: one batch row's bytes, as a batch-1 run of it would hold them (see
+        :meth:`LayerStore.byte_counts`; no slack).
         """
-        total = {"kept": 0, "padding": 0, "metadata": 0, "linear_state": 0}
+        total = {"kept": 0, "padding": 0, "slack": 0, "metadata": 0, "linear_state": 0}
         for s in self.layers:
-            if s is not None:
-                for k, v in s.byte_counts(sequence).items():
-                    total[k] += v
+            if s is None:
+                continue
+            counts = s.byte_counts(sequence)
+            if sequence is None:  # split LayerStore's padding into per-head padding and growth slack
+                B, H, n = s.valid.shape
+                slots = B * H * n
+                slack_slots = B * H * (n - int(s.counts().max()))
+                kv = counts["kept"] + counts["padding"]  # every slot costs the same
+                counts["slack"] = kv * slack_slots // slots if slots else 0
+                counts["padding"] -= counts["slack"]
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
         return total
 
     def select_batch(self, index: torch.Tensor) -> None:

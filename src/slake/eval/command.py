@@ -97,7 +97,7 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
     int
         0 on success. Invalid arguments raise ValueError (the ``slake`` entry point prints them, exit code 2).
     """
-    from .results import read_results, row_key
+    from .results import read_results, row_key, scan_results
     from .runner import check_pairs, parse_budgets, resolve_methods, run_suite
     from .suites import build_samples, parse_floats, parse_ints, plan_suite
     from .summary import summary_rows, write_summary
@@ -117,9 +117,12 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
         raise ValueError("--batch-size > 1 cannot be combined with --prefill-chunk or --question-agnostic")
     plan = plan_suite(args.suite, _split(args.tasks), lengths, args.samples, args.seed, depths, args.longbench_dir,
                       args.longbench_hub)
+    out = Path(args.out)
+    previous = scan_results(out)
+    if previous.skipped:
+        print(f"slake eval: {previous.describe_skipped()}", file=sys.stderr)
     model, tokenizer = (loader or _default_loader)(args)
     samples = build_samples(plan, tokenizer)
-    out = Path(args.out)
     run_suite(model, tokenizer, samples, methods, budgets, out, suite=plan.suite, model_name=args.model,
               seed=args.seed, query_aware=not args.question_agnostic, max_new_tokens=args.max_new_tokens,
               prefill_chunk=args.prefill_chunk, batch_size=args.batch_size,

@@ -102,10 +102,16 @@ class LongBenchRecord:
 def read_longbench_jsonl(path: str | os.PathLike[str], dataset: str | None = None) -> list[LongBenchRecord]:
     """Read an official LongBench JSONL file."""
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                out.append(LongBenchRecord.from_json(json.loads(line), dataset))
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+                if line.strip():
+                    out.append(LongBenchRecord.from_json(json.loads(line), dataset))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}, line {number}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}, line {number}: not a LongBench record ({type(e).__name__}: {e})") from None
     return out
 
 

@@ -1,18 +1,25 @@
 """The results store: one JSON object per (sample, method, budget) in ``DIR/results.jsonl``.
 
-Rows are appended and flushed one at a time, so an interrupted run loses at most the row being written; a
-truncated last line (a crash mid-write) is cut off when the file is opened again. A row is identified by
-:func:`row_key`; a resumed run skips every key already present.
+Rows are appended and flushed one at a time, so an interrupted run loses at most the row being written. When the
+file is opened again, a last line that does not parse (a crash mid-write) is cut off; a complete last row that only
+lacks its newline gets one. A row is identified by :func:`row_key`; a resumed run skips every key already present.
+
+One reader, :func:`scan_results`, serves resuming, summaries and plots: it keeps the valid result rows
+(:func:`is_result_row`) and reports every other line (not UTF-8, not JSON, not an object, missing or mistyped
+fields) by line number, without ever deleting it from the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-__all__ = ["RESULTS_FILE", "ROW_FIELDS", "FULL_METHOD", "ResultsWriter", "read_results", "row_key", "budget_label"]
+__all__ = ["RESULTS_FILE", "ROW_FIELDS", "FULL_METHOD", "ResultsScan", "ResultsWriter", "is_result_row",
+           "read_results", "scan_results", "row_key", "budget_label"]
 
 RESULTS_FILE = "results.jsonl"
 
@@ -46,8 +53,105 @@ def budget_label(budget: Any) -> str:
     return "full" if budget is None else str(budget)
 
 
+def _parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str]:
+    """``(row, "")`` for a valid result row, else ``(None, reason)``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None, "not JSON"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    problem = _row_problem(obj)
+    return (None, problem) if problem else (obj, "")
+
+
+#: fields a row needs to be resumed and summarised (``budget`` may be null: the full-cache reference)
+_REQUIRED = ("task", "sample_id", "method", "budget", "length", "model", "score")
+
+
+def _row_problem(row: dict[str, Any]) -> str:
+    missing = [k for k in _REQUIRED if k not in row]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    length, score, budget = row["length"], row["score"], row["budget"]
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or not float(length).is_integer():
+        return f"length is not an integer ({length!r})"
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        return f"score is not a number ({score!r})"
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        return f"budget is not null or a positive number ({budget!r})"
+    if any(not isinstance(row[k], (str, int)) or isinstance(row[k], bool) for k in ("task", "sample_id", "method",
+                                                                                     "model")):
+        return "task, sample_id, method and model must be strings"
+    return ""
+
+
+def is_result_row(row: Any) -> bool:
+    """Whether ``row`` is a result row that resuming and the summaries can use (the fields of :func:`row_key`,
+    an integer ``length``, a finite numeric ``score``, a null or positive ``budget``)."""
+    return isinstance(row, dict) and not _row_problem(row)
+
+
+@dataclass
+class ResultsScan:
+    """What :func:`scan_results` found: the valid rows and the skipped lines ``(line number, reason)``."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+    def describe_skipped(self, name: str = RESULTS_FILE, limit: int = 10) -> str:
+        """One line: ``skipped 2 lines of results.jsonl that are not valid result rows: 3 (not JSON), 7 (...)``."""
+        if not self.skipped:
+            return ""
+        shown = ", ".join(f"{n} ({why})" for n, why in self.skipped[:limit])
+        more = f" and {len(self.skipped) - limit} more" if len(self.skipped) > limit else ""
+        return (f"skipped {len(self.skipped)} line{'s' if len(self.skipped) > 1 else ''} of {name} that "
+                f"{'are' if len(self.skipped) > 1 else 'is'} not valid result rows (kept in the file): "
+                f"line {shown}{more}")
+
+
+def _results_path(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    return p / RESULTS_FILE if p.is_dir() else p
+
+
+def scan_results(path: str | os.PathLike[str]) -> ResultsScan:
+    """Read a results file (a directory means its ``results.jsonl``) line by line, as bytes.
+
+    Valid result rows (:func:`is_result_row`) are returned in file order; every other non-blank line (not UTF-8,
+    not JSON, not an object, missing or mistyped fields) is reported in ``skipped`` with its 1-based line number.
+    An absent file gives an empty scan.
+    """
+    p = _results_path(path)
+    scan = ResultsScan()
+    if not p.is_file():
+        return scan
+    for number, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        row, why = _parse_line(raw.strip())
+        if row is None:
+            scan.skipped.append((number, why))
+        else:
+            scan.rows.append(row)
+    return scan
+
+
+def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The valid result rows of a results file (see :func:`scan_results`, which also reports skipped lines).
+
+    Returns an empty list when the file does not exist.
+    """
+    return scan_results(path).rows
+
+
 def _repair_tail(path: Path) -> None:
-    """Cut a partial last line (a write interrupted before its newline)."""
+    """Make the file end with a newline: cut a last line that does not parse as JSON (a write interrupted before
+    its newline); give a complete last line its missing newline. Nothing else is touched."""
     size = path.stat().st_size
     if size == 0:
         return
@@ -57,32 +161,14 @@ def _repair_tail(path: Path) -> None:
             return
         fh.seek(0)
         data = fh.read()
-        fh.truncate(data.rfind(b"\n") + 1)
-
-
-def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All rows of a results file (a directory means its ``results.jsonl``); lines that are not JSON are skipped.
-
-    Returns an empty list when the file does not exist.
-    """
-    p = Path(path)
-    if p.is_dir():
-        p = p / RESULTS_FILE
-    if not p.is_file():
-        return []
-    rows = []
-    with open(p, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                rows.append(obj)
-    return rows
+        cut = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[cut:].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            fh.truncate(cut)
+            return
+        fh.seek(0, os.SEEK_END)
+        fh.write(b"\n")
 
 
 class ResultsWriter:
@@ -100,7 +186,9 @@ class ResultsWriter:
         self.path = self.dir / RESULTS_FILE
         if self.path.is_file():
             _repair_tail(self.path)
-        self.done: set[RowKey] = {row_key(r) for r in read_results(self.path) if _has_key(r)}
+        #: what the existing file held: valid rows and skipped lines (reported by ``slake eval``)
+        self.scan = scan_results(self.path)
+        self.done: set[RowKey] = {row_key(r) for r in self.scan.rows}
         self._fh: TextIO | None = None
 
     def __contains__(self, key: RowKey) -> bool:
@@ -133,11 +221,3 @@ class ResultsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _has_key(row: dict[str, Any]) -> bool:
-    try:
-        row_key(row)
-    except (KeyError, TypeError, ValueError):
-        return False
-    return True

@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import _set_current, current_layer
+from .cache import SlakeCache, _set_current, current_layer
 
 ATTENTION_NAME = "slake"
 
@@ -72,7 +72,15 @@ def prepare_model(model) -> None:
     ValueError
         If the model cannot switch its attention implementation (its attention does not use
         ``ALL_ATTENTION_FUNCTIONS``).
+
+    Notes
+    -----
+    It also registers a forward pre-hook on the model's base model (once) that checks, before any layer runs, that a
+    :class:`SlakeCache` passed to the forward was built for the model's layer count and that the input continues the
+    tokens it already holds (:meth:`SlakeCache.check_forward`). The hook keeps no state; it does nothing without a
+    SlakeCache.
     """
+    _install_input_check(model)
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         return
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
@@ -81,3 +89,26 @@ def prepare_model(model) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(f"{type(model).__name__} refused the '{ATTENTION_NAME}' attention implementation")
+
+
+def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: validate a SlakeCache against the model and the new input before any layer runs."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, SlakeCache):
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    source = ids if ids is not None else embeds
+    q = int(source.shape[1]) if source is not None and source.dim() >= 2 else None
+    cfg = getattr(module, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    cache.check_forward(getattr(text, "num_hidden_layers", None), q, kwargs.get("attention_mask"),
+                        kwargs.get("position_ids"))
+
+
+def _install_input_check(model) -> None:
+    base = getattr(model, "base_model", model)
+    if not isinstance(base, torch.nn.Module) or getattr(base, "_slake_input_check", False):
+        return
+    base.register_forward_pre_hook(_check_slake_cache, with_kwargs=True)
+    base._slake_input_check = True

@@ -115,34 +115,96 @@ class SlakeCache(Cache):
         Method name (see ``slake methods``) or a configured :class:`~slake.methods.base.Method`.
     budget : int | float | str | Budget
         Average cached tokens per layer and KV head, window included (papers' "cache size"), or a ratio in (0, 1).
-    num_layers : int
-        Number of decoder layers (``model.config.num_hidden_layers``).
+    num_layers : int | PretrainedConfig | None
+        Number of decoder layers (``model.config.num_hidden_layers``); a model config is accepted here too. Prefer
+        ``config=model.config``, which cannot be wrong. Checked against the model at the first forward.
     charge_linear_state : bool
         Charge SLAKE's linear state against the budget (equal-memory comparisons).
     prefill_chunk : int | None
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (ARCHITECTURE.md decision 2: an explicit trade of exactness).
         Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
+    config : PretrainedConfig | None
+        The model's config (``model.config``), as transformers' own caches take it: the layer count is read from it,
+        and the model's hyperparameter profile applies (:mod:`slake.profiles`): hyperparameters that ``method`` (a
+        name or spec) and ``hyperparameters`` leave unset come from the model's calibrated or shipped profile, or the
+        papers' tables. The profile applied is ``cache.profile`` (None when none was).
     profile_model : model or config, optional
-        The model (or ``model.config``) whose hyperparameter profile applies (:mod:`slake.profiles`): hyperparameters
-        that ``method`` (a name or spec) and ``hyperparameters`` leave unset come from the model's calibrated or
-        shipped profile, or the papers' tables. None (default): the method's defaults. The profile applied is
-        ``cache.profile``.
+        Where the profile comes from when it should not be ``config`` (default: ``config``; with neither, the
+        method's defaults).
     **hyperparameters
         Overrides of the method's hyperparameters (e.g. ``window=16``).
+
+    Notes
+    -----
+    One cache serves one conversation. A forward whose attention mask does not continue the cached sequence (a new,
+    unrelated prompt given to ``model.generate`` with a used cache) raises ValueError instead of answering from the
+    stale context; passing the whole conversation (the cached tokens followed by new ones) continues it. Because
+    transformers hands the cache only the uncached tail of the input, an unrelated prompt *longer* than the cached
+    sequence cannot be told apart from a continuation: create a new cache for each new prompt.
     """
 
-    def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int,
-                 charge_linear_state: bool = False, prefill_chunk: int | None = None, *,
+    def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int | None = None,
+                 charge_linear_state: bool = False, prefill_chunk: int | None = None, *, config=None,
                  profile_model=None, **hyperparameters) -> None:
         from ..profiles import resolve_method
 
-        if prefill_chunk is not None and int(prefill_chunk) < 1:
+        positional_config = num_layers if hasattr(num_layers, "num_hidden_layers") else None  # SlakeCache(m, b, cfg)
+        source = next((x for x in (profile_model, config, positional_config) if x is not None), None)
+        num_layers = _resolve_num_layers(num_layers, config)
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
-        m, self.profile = resolve_method(method, budget, profile_model, **hyperparameters)
+        m, self.profile = resolve_method(method, budget, source, **hyperparameters)
         self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         super().__init__(layers=[SlakeCacheLayer(self.engine, i) for i in range(num_layers)])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Route a layer's new keys/values to its compressed layer (a clear error for a layer the cache lacks)."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"the model updated layer {layer_idx}, but this SlakeCache was built for "
+                             f"{len(self.layers)} layers; build it with SlakeCache(..., config=model.config)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_forward(self, num_hidden_layers: int | None, query_length: int | None,
+                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> None:
+        """Refuse a forward that does not fit this cache (called before every forward of a prepared model).
+
+        Parameters
+        ----------
+        num_hidden_layers : int | None
+            The model's layer count; must equal the cache's.
+        query_length : int | None
+            Tokens in this forward.
+        attention_mask, position_ids : torch.Tensor | None
+            The forward's 2D attention mask and position ids, when given: the mask must cover the cached tokens plus
+            the new ones, and the new tokens' positions must follow the cached ones (left padding accounted for), i.e.
+            the new input continues the cached sequence.
+
+        Raises
+        ------
+        ValueError
+            For a layer-count mismatch, or new input that is not a continuation of the cached sequence.
+        """
+        if num_hidden_layers is not None and int(num_hidden_layers) != len(self.layers):
+            raise ValueError(f"this SlakeCache was built for {len(self.layers)} layers but the model has "
+                             f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)")
+        seen = self.engine.seen[0]
+        info = self.engine.info
+        if seen == 0 or query_length is None:
+            return
+        given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
+        bad = given is not None and given != seen + query_length
+        if (not bad and position_ids is not None and position_ids.dim() == 2 and info is not None
+                and position_ids.shape[-1] == query_length and position_ids.shape[0] in (1, len(info.first_real))):
+            expected = seen + query_length - 1 - info.first_real
+            bad = bool((position_ids[:, -1].cpu() != expected).any())
+        if bad:
+            size = "" if given is None else f" ({given} tokens)"
+            raise ValueError(
+                f"this SlakeCache already holds {seen} tokens of an earlier prompt and the new input{size} does not "
+                f"continue it; a cache serves one conversation: create a new SlakeCache for a new prompt, or pass the "
+                f"whole conversation (cached tokens + new ones) to continue it")
 
     def begin_chunked_prefill(self, attention_mask: torch.Tensor) -> None:
         """Enter chunked-prefill mode for a prompt with this ``(B, S)`` attention mask (1 = real token).
@@ -165,6 +227,10 @@ class SlakeCache(Cache):
         """Raise if a layer's prompt was stored but never reached the registered attention function."""
         if any(layer.pending is not None for layer in self.layers):
             raise _not_routed_error()
+        filled = sum(s is not None for s in self.engine.layers)
+        if self.engine.info is not None and not self.engine.chunked_prefill and filled != len(self.layers):
+            raise ValueError(f"the model filled {filled} layers but this SlakeCache was built for {len(self.layers)}; "
+                             f"build it with SlakeCache(..., config=model.config)")
 
     def statistics(self) -> dict:
         """Cache statistics: bytes (kept, padding, metadata, linear state), kept tokens per layer, budgets."""
@@ -180,6 +246,29 @@ class SlakeCache(Cache):
             "layer_budgets": (info.layer_budgets.tolist() if info is not None and info.layer_budgets is not None
                               else None),
         }
+
+
+def _resolve_num_layers(num_layers, config) -> int:
+    """The cache's layer count from ``num_layers`` and/or a model ``config`` (which must agree)."""
+    if num_layers is not None and not isinstance(num_layers, int) and hasattr(num_layers, "num_hidden_layers"):
+        if config is not None:
+            raise ValueError("pass the model config once (config=model.config)")
+        num_layers, config = None, num_layers
+    from_config = None
+    if config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        from_config = getattr(text, "num_hidden_layers", None)
+        if not isinstance(from_config, int) or from_config < 1:
+            raise ValueError(f"the config has no valid num_hidden_layers ({from_config!r})")
+    if num_layers is None:
+        if from_config is None:
+            raise ValueError("SlakeCache needs the model's config (config=model.config) or num_layers")
+        return from_config
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    if from_config is not None and from_config != num_layers:
+        raise ValueError(f"num_layers={num_layers} disagrees with the config's num_hidden_layers={from_config}")
+    return num_layers
 
 
 def _not_routed_error() -> RuntimeError:

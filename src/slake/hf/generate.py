@@ -152,7 +152,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
              budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None,
              seed: int | None = None, charge_linear_state: bool = False, prefill_chunk: int | None = None,
-             **hyperparameters) -> GenerationResult:
+             allow_long_context: bool = False, **hyperparameters) -> GenerationResult:
     """Generate with a compressed KV cache.
 
     Parameters
@@ -177,6 +177,9 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
         Prefill all prompt tokens but the last in chunks of this many tokens, compressing after each chunk
         (bounded prefill memory; see :func:`prefill`); the last prompt token is then the first step of
         ``model.generate``. None (default): exact prefill.
+    allow_long_context : bool
+        Run even when the prompt plus ``max_new_tokens`` exceeds the model's context (``max_position_embeddings``);
+        by default that raises ValueError, because the answer degrades silently past the trained positions.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.profiles`: a
@@ -199,6 +202,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     prompt_lens = enc["attention_mask"].sum(-1).tolist()
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
+    check_context_length(model, enc["input_ids"].shape[1], max_new_tokens, allow_long_context)
     cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state,
                        prefill_chunk=prefill_chunk)
     clock = _StepClock()
@@ -235,6 +239,19 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
                             kept_tokens_per_layer=stats["kept_tokens_per_layer"], compressed=stats["compressed"],
                             prefill_s=prefill_s, decode_ms_per_token=decode_ms, layer_budgets=stats["layer_budgets"],
                             sequences=out, hyperparameters=m.hyperparameters(), profile=profile)
+
+
+def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_long_context: bool = False) -> None:
+    """Raise ValueError when ``prompt_tokens + max_new_tokens`` exceeds the model's ``max_position_embeddings``
+    (unless ``allow_long_context``); models without that field pass."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if allow_long_context or not isinstance(limit, int) or prompt_tokens + max_new_tokens <= limit:
+        return
+    raise ValueError(f"the prompt has {prompt_tokens} tokens and up to {max_new_tokens} more are generated, beyond the "
+                     f"model's context of {limit} tokens (max_position_embeddings), where answers degrade; shorten "
+                     f"the prompt or lower max_new_tokens, or allow it explicitly (allow_long_context=True, "
+                     f"--allow-long-context)")
 
 
 def _count_new_tokens(new: torch.Tensor, eos: int | list[int] | None, pad: int | None) -> list[int]:

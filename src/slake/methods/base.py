@@ -19,6 +19,7 @@ scores are float32. Methods never see a transformers object.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -174,6 +175,16 @@ class Method:
             raise ValueError(f"{self.name}: window and sinks must be >= 0 (got window={self.window}, sinks={self.sinks})")
         if self.layer_budgets not in LAYER_BUDGET_POLICIES:
             raise ValueError(f"{self.name}: unknown layer budget policy {self.layer_budgets!r}")
+        for f in fields(self):  # rules every method shares, so no method can forget one
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{self.name}: {f.name} must be a finite number, got {value}")
+            if (f.name == "kernel" or f.name.endswith("_kernel")) and isinstance(value, int) and (
+                    value < 1 or value % 2 == 0):
+                raise ValueError(f"{self.name}: {f.name} (a pooling kernel) must be an odd integer >= 1, "
+                                 f"got {value}")
+            if f.name == "pooling" and value not in ("avg", "max"):
+                raise ValueError(f"{self.name}: pooling must be 'avg' or 'max', got {value!r}")
 
     # ------------------------------------------------------------------ description
     @property

@@ -1,0 +1,199 @@
+"""Argument checks shared by the ``slake`` command and the Python API.
+
+:func:`validate_args` is the command line's single validation pass: ``slake.cli.main`` calls it on the parsed
+arguments of every sub-command before anything slow happens (no model or tokenizer is loaded, no file or folder is
+written). Every problem is a ``ValueError`` whose message names the option (and the file) at fault; the entry point
+prints it as one line and exits with code 2.
+
+The helpers (:func:`check_device`, :func:`check_method_budget`, :func:`read_text`) are also used by the API
+(:func:`slake.load_model`), so both report a bad device or an unreadable file the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["validate_args", "check_device", "check_method_budget", "read_text", "read_prompt"]
+
+
+def check_device(device: str | None, option: str = "--device") -> None:
+    """Raise ValueError for a device string torch cannot parse or a device this machine does not have.
+
+    ``None`` (auto-detect) passes. ``cuda``/``cuda:N`` need CUDA and an N below the device count; ``mps`` needs an
+    available MPS backend.
+    """
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{option}: invalid device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                             f"use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    elif dev.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+        if backend is None or not backend.is_available():
+            raise ValueError(f"{option} {device}: the MPS backend is not available on this machine")
+    elif dev.type != "cpu":
+        raise ValueError(f"{option}: unsupported device {device!r}; use cpu, cuda or cuda:N")
+
+
+def check_method_budget(method: Any, budget: Any) -> None:
+    """Raise ValueError for a (method, budget) pair the engine would refuse, e.g. a window larger than the budget."""
+    from .cache.compressed import CompressedKV
+    from .methods.base import make_method
+
+    CompressedKV(make_method(method), budget, 1)
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """A UTF-8 text file's content; errors name the file (missing, unreadable, not UTF-8)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} not found: {p}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt text from ``--prompt`` or ``--prompt-file`` (``-`` = standard input); refuses an empty prompt."""
+    if prompt is not None:
+        text = prompt
+    elif prompt_file == "-":
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"the prompt on standard input is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    else:
+        text = read_text(prompt_file, "prompt file")
+    if not text.strip():
+        raise ValueError(f"the prompt{f' file {prompt_file}' if prompt is None else ''} is empty")
+    return text
+
+
+def _at_least(args: argparse.Namespace, name: str, low: int) -> None:
+    value = getattr(args, name, None)
+    if value is not None and value < low:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def _finite(args: argparse.Namespace, name: str, low: float, high: float, low_open: bool = True) -> None:
+    value = getattr(args, name, None)
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"--{name.replace('_', '-')} must lie in {bracket}{low}, {high}], got {value}")
+
+
+def _split(text: str, option: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _pairs(methods: list[str], budgets: list[Any]) -> None:
+    for m in methods:
+        for b in budgets:
+            check_method_budget(m, b)
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    from .models import _parse_dtype, default_device
+
+    check_device(getattr(args, "device", None))
+    if getattr(args, "dtype", None) is not None:
+        _parse_dtype(args.dtype, args.device or default_device())
+    _at_least(args, "max_new_tokens", 1)
+    _at_least(args, "prefill_chunk", 1)
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    from .budget_spec import Budget
+    from .cli import _hyperparameters
+    from .methods.base import make_method
+
+    hyper = _hyperparameters(args.set)
+    if args.linear_cache is not None:
+        hyper["linear_cache"] = args.linear_cache
+    method = make_method(args.method, **hyper)
+    check_method_budget(method, Budget(args.budget))
+    if args.sample:
+        _finite(args, "temperature", 0.0, math.inf)
+        _finite(args, "top_p", 0.0, 1.0)
+    # read once here (standard input cannot be read twice); cmd_generate uses args.prompt
+    args.prompt = read_prompt(args.prompt, args.prompt_file)
+    args.prompt_file = None
+
+
+def _check_fidelity(args: argparse.Namespace) -> None:
+    from .budget_spec import Budget
+    from .methods.spec import parse_method_list
+
+    methods = parse_method_list(args.methods)
+    budgets = [Budget(b).value for b in _split(args.budgets, "--budgets")]
+    _pairs(methods, budgets)
+    _at_least(args, "steps", 1)
+    if args.prompt_file:
+        args.prompt_text = read_prompt(None, args.prompt_file)
+    else:
+        _at_least(args, "length", 2)
+
+
+def _check_bench(args: argparse.Namespace) -> None:
+    from .budget_spec import Budget
+    from .methods.spec import parse_method_list
+
+    _at_least(args, "threads", 1)
+    methods = parse_method_list(args.methods)
+    budgets = [Budget(b).value for b in _split(args.budget, "--budget")]
+    _pairs([m for m in methods if m != "full"], budgets)
+    for n in _split(args.lengths, "--lengths"):
+        try:
+            if int(n) < 2:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--lengths: every length must be an integer >= 2, got {n!r}") from None
+    if args.random_model:
+        from .bench.shapes import parse_shape
+
+        parse_shape(args.random_model)
+
+
+def _check_eval(args: argparse.Namespace) -> None:
+    pass  # cmd_eval validates its own arguments before loading the model; device and dtype are checked above
+
+
+_CHECKS = {"generate": _check_generate, "fidelity": _check_fidelity, "bench": _check_bench, "eval": _check_eval}
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check a parsed ``slake`` command line before any model load; raise ValueError naming the problem.
+
+    Checked for every command that has them: ``--device`` (parsable and present on this machine), ``--dtype``,
+    ``--max-new-tokens >= 1``, ``--prefill-chunk >= 1``. ``generate``: the method, its ``--set`` hyperparameters
+    and the budget (a window larger than the budget is refused), ``--temperature`` and ``--top-p`` when sampling, and
+    the prompt (missing, empty or non-UTF-8 file). ``fidelity``: methods, budgets and their pairs, ``--steps``,
+    ``--length``, the prompt file. ``bench``: ``--threads >= 1``, methods, budgets and their pairs, ``--lengths``,
+    ``--random-model`` (unknown shapes and config keys).
+    """
+    _check_common(args)
+    check = _CHECKS.get(getattr(args, "command", None))
+    if check is not None:
+        check(args)
