@@ -110,6 +110,9 @@ def test_slake_cache_applies_the_profile_of_profile_model(profile_dir, llama_gqa
         assert (cache.method.alpha, cache.method.beta) == (1.25, 0.75) and cache.profile["values"]["alpha"] == 1.25
         plain = SlakeCache("slake", 64, cfg.num_hidden_layers)
         assert plain.profile is None and plain.method.alpha == 0.5
+        for cache in (SlakeCache("slake", 64, config=cfg), SlakeCache("slake", 64, cfg)):  # as transformers' caches
+            assert cache.method.alpha == 1.25 and len(cache.layers) == cfg.num_hidden_layers
+        assert SlakeCache("slake[alpha=0.5]", 64, config=cfg).method.alpha == 0.5
     finally:
         del cfg.slake_model_name
 
