@@ -54,7 +54,15 @@ class RequestState:
 
     prompt_len: int
     cache: CompressedKV
-    layers_done: set = field(default_factory=set)
+
+    def kept_tokens_per_layer(self) -> list[float]:
+        """Mean kept tokens per KV head, per layer (valid slots of the engine's stores)."""
+        return [float(s.valid.sum(-1).float().mean()) if s is not None else 0.0 for s in self.cache.layers]
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the per-slot metadata kept between steps (positions, validity, scores), all layers."""
+        return sum(int(s.positions.nbytes + s.valid.nbytes + s.scores.nbytes) for s in self.cache.layers
+                   if s is not None)
 
 
 @dataclass
@@ -74,6 +82,9 @@ _STATES: dict[int, RequestState] = {}
 #: the plan of the step being run (read by ``do_kv_cache_update``, which receives no metadata)
 _CURRENT: StepPlan | None = None
 _LAYOUT_CHECKED = False
+#: compressed requests started in this process, newest last (read back by :func:`slake.vllm.engine.run_vllm`)
+RUN_LOG: list[RequestState] = []
+_RUN_LOG_MAX = 256
 
 
 def _config() -> tuple[SlakeVllmConfig | None, VllmConfig]:
@@ -117,6 +128,8 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                 if self.slake.compresses(slen):
                     st = RequestState(slen, CompressedKV(self.slake.method, self.slake.budget, self.num_layers))
                     _STATES[first] = st
+                    RUN_LOG.append(st)
+                    del RUN_LOG[:-_RUN_LOG_MAX]
                     plan.prefills.append((st, qs, qe, table[i, :keep].clone()))
                 continue
             st = _STATES.get(first)

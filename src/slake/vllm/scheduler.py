@@ -61,6 +61,17 @@ class BlockPolicy:
                 freed += len(extra)
         return freed
 
+    def stats_for(self, output_request_id: str) -> dict[str, int]:
+        """Statistics of a request by the id its ``RequestOutput`` carries (the engine core appends ``-<uuid>``)."""
+        if not self.stats:
+            return {}
+        if output_request_id in self.stats:
+            return self.stats[output_request_id]
+        for key, row in self.stats.items():
+            if key.startswith(output_request_id + "-"):
+                return row
+        return {}
+
     def record(self, manager, request) -> None:
         """Update the blocks-held statistics of ``request`` (no-op unless :attr:`stats` is a dict)."""
         if self.stats is None:
