@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)")
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="run with transformers (default) or vLLM with the slake plugin (needs slake[vllm])")
     _add_model_args(p)
     p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
     p.add_argument("--methods", default="cake,slake", help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]")
@@ -124,16 +126,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     method = make_method(args.method, **hyper)  # validates before the slow model load
     budget = Budget(args.budget)
     prompt = _read_prompt(args)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
-    res = generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
-                   chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
-                   prefill_chunk=args.prefill_chunk)
+    if args.engine == "vllm":
+        from .vllm.generate import generate_from_args
+
+        res = generate_from_args(args, method, budget, prompt)
+    else:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+        res = generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
+                       chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
+                       top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
+                       prefill_chunk=args.prefill_chunk)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
            "prefill_s": round(res.prefill_s, 4), "decode_ms_per_token": round(res.decode_ms_per_token, 3),
-           "hyperparameters": method.hyperparameters()}
+           "hyperparameters": method.hyperparameters(), **getattr(res, "engine_extra", {})}
     if args.json:
         print(json.dumps(out))
         return 0

@@ -48,13 +48,38 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     from ..models import load_model
 
     hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
-    hf_model.config._attn_implementation = "sdpa"  # do not write slake's attention name into config.json
     tmp = out.with_name(out.name + ".part")
     tmp.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(tmp)
+    save_dequantized(hf_model, tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return str(out)
+
+
+def save_dequantized(hf_model, folder: Path) -> None:
+    """Save a (GGUF-dequantized) transformers model as a plain safetensors checkpoint that vLLM loads.
+
+    ``save_pretrained`` refuses GGUF-loaded models (their config still names the GGUF quantization), although the
+    weights are already dequantized; the config is written without it and tied output weights are left to
+    ``tie_word_embeddings``.
+    """
+    import copy
+
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(hf_model.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config._attn_implementation = "sdpa"  # do not write slake's attention name into config.json
+    config.architectures = [type(hf_model).__name__]  # vLLM picks the model class from this field
+    config.save_pretrained(folder)
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(folder)
+    state = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 @dataclass
@@ -114,6 +139,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
         ``VLLM_CPU_KVCACHE_SPACE`` when it is not set.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     from vllm import LLM, SamplingParams
 
