@@ -45,7 +45,7 @@ from .config import SlakeVllmConfig, parse_config
 from .paged import check_layout, read_slots, slot_mapping
 from .validate import validate_engine_config
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 
 
 @dataclass

@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 from .config import SlakeVllmConfig, parse_config
 from .validate import validate_engine_config
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 _INSTALLED = False
 
 
