@@ -43,5 +43,10 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
         raise ValueError("slake: tova averages attention over all query heads of a layer, which tensor parallelism "
                          "splits across ranks; use tensor_parallel_size=1 or a per-head method (snapkv, h2o, "
                          "streamingllm)")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1 and tp > vllm_config.model_config.get_total_num_kv_heads():
+        raise ValueError(f"slake: tensor_parallel_size={tp} exceeds the model's KV heads, so vLLM replicates KV heads "
+                         f"and a rank would score a KV head from part of its query group; use at most "
+                         f"{vllm_config.model_config.get_total_num_kv_heads()} ranks")
     if not vllm_config.model_config.is_attention_free and getattr(vllm_config.model_config, "use_mla", False):
         raise ValueError("slake: MLA models are not supported by the vLLM plugin")
