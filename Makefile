@@ -50,7 +50,7 @@ setup-vllm: $(VBIN)/.slake-vllm
 
 # Equivalence of the vLLM plugin with the transformers engine (tests_vllm/, not collected by `make test`).
 test-vllm: setup-vllm
-	$(VBIN)/python -m pytest -q tests_vllm
+	$(VBIN)/python -m pytest -q --durations=10 tests_vllm
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) runs .pytest_cache
