@@ -2,7 +2,7 @@
 the transformers engine's text for every supported method, with fewer KV blocks held than plain vLLM, and
 ``slake generate --engine vllm --json`` does the same from the command line.
 
-The prompt is a generated ~1K-token needle document run with the chat template, generation stopping on EOS, as
+The prompt is a generated ~512-token needle document (4x the budget) run with the chat template, generation stopping on EOS, as
 ``slake generate`` does.
 """
 
@@ -20,13 +20,13 @@ from slake.vllm.config import SUPPORTED_METHODS
 from slake.vllm.generate import generate_vllm
 
 BUDGET = 128
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def prompt(tmp_path_factory) -> tuple[str, str]:
     path = tmp_path_factory.mktemp("prompt") / "doc.txt"
-    subprocess.run([sys.executable, "-m", "slake.cli", "make-prompt", "--task", "needle", "--length", "1024",
+    subprocess.run([sys.executable, "-m", "slake.cli", "make-prompt", "--task", "needle", "--length", "512",
                     "--seed", "3", "--out", str(path)], check=True, capture_output=True)
     return str(path), path.read_text(encoding="utf-8")
 
@@ -53,7 +53,7 @@ def test_plain_vllm_equals_full_cache(plain, transformers_results):
     assert not plain.compressed
 
 
-@pytest.mark.parametrize("method", SUPPORTED_METHODS)
+@pytest.mark.parametrize("method", [m for m in SUPPORTED_METHODS if m != "snapkv"])  # snapkv: the CLI test below
 def test_default_model_vllm_text_equals_transformers(method, prompt, plain, transformers_results):
     hf = transformers_results[method]
     vl = generate_vllm(prompt[1], method=make_method(method), budget=Budget(BUDGET), model=None, gguf_file=None,

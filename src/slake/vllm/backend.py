@@ -20,7 +20,10 @@ whatever the compressed length; only the cache bookkeeping (``seq_lens``, slots)
 
 Per-request state lives in this worker process, keyed by the request's first block id (a block belongs to one
 request at a time while prefix caching is off; a request's prefill from position 0 resets the entry). Only small
-per-slot metadata (positions, validity, scores) is kept between steps; keys and values stay in vLLM's blocks.
+per-slot metadata (positions, validity, scores) is kept between steps; keys and values stay in vLLM's blocks. The
+worker does not see when a request finishes, so a finished request's metadata stays until its first block starts
+another request: at most one entry per KV block, ``13 * (budget + 1)`` bytes per layer and KV head, i.e. about a
+tenth of the KV cache's size in the worst case for head dim 64, float32, budget 128 and block size 32.
 """
 
 from __future__ import annotations
@@ -82,8 +85,10 @@ _STATES: dict[int, RequestState] = {}
 #: the plan of the step being run (read by ``do_kv_cache_update``, which receives no metadata)
 _CURRENT: StepPlan | None = None
 _LAYOUT_CHECKED = False
-#: compressed requests started in this process, newest last (read back by :func:`slake.vllm.engine.run_vllm`)
+#: compressed requests started in this process, newest last, recorded only while ``RECORD_RUNS`` is True (set by
+#: :func:`slake.vllm.engine.run_vllm`, which reads them back; a server records nothing)
 RUN_LOG: list[RequestState] = []
+RECORD_RUNS = False
 _RUN_LOG_MAX = 256
 
 
@@ -128,8 +133,9 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                 if self.slake.compresses(slen):
                     st = RequestState(slen, CompressedKV(self.slake.method, self.slake.budget, self.num_layers))
                     _STATES[first] = st
-                    RUN_LOG.append(st)
-                    del RUN_LOG[:-_RUN_LOG_MAX]
+                    if RECORD_RUNS:
+                        RUN_LOG.append(st)
+                        del RUN_LOG[:-_RUN_LOG_MAX]
                     plan.prefills.append((st, qs, qe, table[i, :keep].clone()))
                 continue
             st = _STATES.get(first)

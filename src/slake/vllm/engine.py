@@ -155,6 +155,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
         policy = manager.slake_policy = BlockPolicy(None)
     policy.stats = {}
     backend.RUN_LOG.clear()
+    backend.RECORD_RUNS = True
     sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
                         stop_token_ids=list(stop_token_ids or []), detokenize=False)
     t0 = time.perf_counter()
