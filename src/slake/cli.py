@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-long-context", action="store_true",
                    help="run a prompt longer than the model's context (max_position_embeddings); quality degrades")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="run with transformers (default) or vLLM with the slake plugin (needs slake[vllm])")
     _add_model_args(p)
     p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
     p.add_argument("--methods", default="cake,slake", help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]")
@@ -129,16 +131,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     make_method(args.method, **hyper)  # validates before the slow model load
     budget = Budget(args.budget)
     prompt = _read_prompt(args)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
-    res = generate(model, tokenizer, prompt, method=args.method, budget=budget, max_new_tokens=args.max_new_tokens,
-                   chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
-                   prefill_chunk=args.prefill_chunk, allow_long_context=args.allow_long_context, **hyper)
+    if args.engine == "vllm":
+        from .vllm.generate import generate_from_args
+
+        method = make_method(args.method, **hyper)  # the plugin's methods have no profile hyperparameters
+        res = generate_from_args(args, method, budget, prompt)
+    else:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+        res = generate(model, tokenizer, prompt, method=args.method, budget=budget,
+                       max_new_tokens=args.max_new_tokens, chat_template=not args.no_chat_template,
+                       do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       charge_linear_state=args.charge_linear_state, prefill_chunk=args.prefill_chunk,
+                       allow_long_context=args.allow_long_context, **hyper)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
            "prefill_s": round(res.prefill_s, 4), "decode_ms_per_token": round(res.decode_ms_per_token, 3),
-           "hyperparameters": res.hyperparameters, "profile": res.profile}
+           "hyperparameters": (res.hyperparameters if getattr(res, "hyperparameters", None)
+                               else make_method(args.method, **hyper).hyperparameters()),
+           "profile": getattr(res, "profile", None), **getattr(res, "engine_extra", {})}
     if args.json:
         print(json.dumps(out))
         return 0

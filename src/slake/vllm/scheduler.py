@@ -1,0 +1,138 @@
+"""Scheduler side of the plugin: compressed requests give their surplus KV blocks back to vLLM's block pool.
+
+vLLM 0.32 has no public hook for a request's block list, so this module wraps two methods at plugin load
+(:func:`install`), both inert unless the engine is configured for slake:
+
+* ``Scheduler.__init__``: reads the engine's slake configuration, validates the engine options
+  (:func:`slake.vllm.validate.validate_engine_config`) and attaches a :class:`BlockPolicy` to the scheduler's
+  ``KVCacheManager``;
+* ``KVCacheManager.allocate_slots``: for a compressed request (prompt longer than the budget) past its prefill, the
+  blocks beyond the first ``ceil((budget + 1) / block_size)`` are returned to the block pool (once, right after the
+  prefill step) and no block is ever allocated again: the worker side (:mod:`slake.vllm.backend`) keeps the request
+  in ``budget + 1`` slots per layer and KV head with the method's decode rule.
+
+The decision "compressed or not" is a pure function of the prompt length and the budget, so the scheduler and the
+workers agree without exchanging messages. The patches are tested against the pinned vLLM (``tests_vllm/``).
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from .config import SlakeVllmConfig, parse_config
+from .validate import validate_engine_config
+
+logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
+_INSTALLED = False
+
+
+class BlockPolicy:
+    """Per-engine block accounting of compressed requests.
+
+    Attributes
+    ----------
+    config : SlakeVllmConfig
+        The engine's slake configuration.
+    stats : dict[str, dict[str, int]] | None
+        When not None, request id -> ``{"after_prefill": blocks, "end": blocks}`` (blocks held per KV-cache group,
+        summed over groups), filled at every decode step; ``slake generate --engine vllm`` reads it.
+    """
+
+    def __init__(self, config: SlakeVllmConfig | None) -> None:
+        self.config = config
+        self.stats: dict[str, dict[str, int]] | None = None
+
+    def compressed(self, request) -> bool:
+        """True when the request's prompt is longer than the budget (the worker compresses it)."""
+        return self.config is not None and self.config.compresses(int(request.num_prompt_tokens))
+
+    def trim(self, manager, request) -> int:
+        """Return the request's blocks beyond what ``budget + 1`` slots need to the pool; returns blocks freed."""
+        freed = 0
+        for mgr in manager.coordinator.single_type_managers:
+            blocks = mgr.req_to_blocks.get(request.request_id)
+            if not blocks:
+                continue
+            keep = self.config.blocks(mgr.block_size)
+            if len(blocks) > keep:
+                extra = blocks[keep:]
+                del blocks[keep:]
+                manager.block_pool.free_blocks(reversed(extra))  # tail first, as vLLM frees
+                freed += len(extra)
+        return freed
+
+    def stats_for(self, output_request_id: str) -> dict[str, int]:
+        """Statistics of a request by the id its ``RequestOutput`` carries (the engine core appends ``-<uuid>``)."""
+        if not self.stats:
+            return {}
+        if output_request_id in self.stats:
+            return self.stats[output_request_id]
+        for key, row in self.stats.items():
+            if key.startswith(output_request_id + "-"):
+                return row
+        return {}
+
+    def record(self, manager, request) -> None:
+        """Update the blocks-held statistics of ``request`` (no-op unless :attr:`stats` is a dict)."""
+        if self.stats is None:
+            return
+        held = sum(len(m.req_to_blocks.get(request.request_id, ())) for m in manager.coordinator.single_type_managers)
+        row = self.stats.setdefault(request.request_id, {"after_prefill": held, "end": held})
+        row["end"] = held
+
+
+def _wrap_allocate(original):
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        policy: BlockPolicy | None = getattr(self, "slake_policy", None)
+        decoding = request.num_computed_tokens >= request.num_prompt_tokens
+        if policy is None or not decoding:
+            return original(self, request, num_new_tokens, *args, **kwargs)
+        if policy.compressed(request):
+            if num_new_tokens != 1 or kwargs.get("num_lookahead_tokens", 0):
+                raise RuntimeError("slake: a compressed request must decode one token per step")
+            policy.trim(self, request)
+            policy.record(self, request)
+            return self.empty_kv_cache_blocks  # the request stays in its budget + 1 slots
+        out = original(self, request, num_new_tokens, *args, **kwargs)
+        if out is not None:
+            policy.record(self, request)
+        return out
+
+    allocate_slots.__wrapped__ = original
+    allocate_slots.__doc__ = original.__doc__
+    return allocate_slots
+
+
+def _wrap_init(original):
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        cfg = parse_config(vllm_config.additional_config)
+        if cfg is None:
+            return
+        validate_engine_config(cfg, vllm_config)
+        if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            raise ValueError("slake: asynchronous scheduling is not supported; add --no-async-scheduling")
+        self.kv_cache_manager.slake_policy = BlockPolicy(cfg)
+        logger.info("slake: compressed requests keep %d KV slots per layer and head (%s)", cfg.slots(),
+                    cfg.describe())
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+def install() -> None:
+    """Wrap ``Scheduler.__init__`` and ``KVCacheManager.allocate_slots`` (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    KVCacheManager.allocate_slots = _wrap_allocate(KVCacheManager.allocate_slots)
+    Scheduler.__init__ = _wrap_init(Scheduler.__init__)
+    _INSTALLED = True
+
+
+def policy_of(scheduler) -> BlockPolicy | None:
+    """The :class:`BlockPolicy` of a scheduler (None when slake is not configured)."""
+    return getattr(scheduler.kv_cache_manager, "slake_policy", None)

@@ -1,0 +1,71 @@
+"""Shared fixtures of the vLLM tests (run in ``.venv-vllm`` by ``make test-vllm``; not collected by ``make test``).
+
+The tiny model is a random Llama saved to a temporary directory, with larger query/key and embedding weights so
+that attention is peaky and greedy continuations vary: every method's compressed continuation differs from the
+full cache's, so an engine that silently ran uncompressed would fail the equivalence tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BUDGET = 64
+NEW_TOKENS = 24
+#: prompt lengths of the batch: compressed ones of different lengths, two of the same length with different tokens,
+#: and one shorter than the budget (never compressed)
+LENGTHS = (200, 120, 40, 300, 200)
+
+
+def build_tiny(path: str, seed: int = 0) -> None:
+    """Save a random 3-layer Llama (GQA 4/2 heads, head dim 32) to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+            if name.endswith(("lm_head.weight", "embed_tokens.weight")):
+                p.mul_(3.0)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    build_tiny(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int, new_tokens: int) -> list[int]:
+    """Greedy tokens of slake's transformers engine (batch 1), or of the full cache when ``method`` is None."""
+    import slake
+    from slake.hf.cache import SlakeCache
+    from slake.methods import make_method
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    slake.prepare_model(model)
+    kw = {}
+    if method is not None:
+        kw["past_key_values"] = SlakeCache(make_method(method), budget, model.config.num_hidden_layers)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()

@@ -1,0 +1,58 @@
+"""The plugin's configuration and start-up checks (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slake.vllm.config import ENV_VAR, SUPPORTED_METHODS, parse_config
+
+
+def test_no_configuration_means_no_plugin(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert parse_config({}) is None
+    assert parse_config({"other_plugin": {"x": 1}}) is None
+
+
+def test_additional_config_wins_over_environment(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, '{"method": "h2o", "budget": 256}')
+    cfg = parse_config({"slake": {"method": "snapkv", "budget": 128, "set": {"window": 16}}})
+    assert cfg.method.name == "snapkv" and cfg.budget == 128 and cfg.method.window == 16
+    env = parse_config({})
+    assert env.method.name == "h2o" and env.budget == 256
+
+
+def test_blocks_and_slots():
+    cfg = parse_config({"slake": {"method": "snapkv", "budget": 128}})
+    assert cfg.slots() == 129
+    assert cfg.blocks(32) == 5 and cfg.blocks(128) == 2
+    assert cfg.compresses(129) and not cfg.compresses(128)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"method": "cake", "budget": 128}, "not supported by the vLLM plugin"),
+    ({"method": "slake", "budget": 128}, "not supported by the vLLM plugin"),
+    ({"method": "snapkv", "budget": 0.25}, "absolute budget"),
+    ({"method": "snapkv", "budget": 16}, "exceed the budget"),
+    ({"method": "snapkv[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
+    ({"method": "snapkv[linear_cache=true]", "budget": 128}, "linear_cache"),
+    ({"method": "snapkv"}, "needs \"method\" and \"budget\""),
+    ({"method": "snapkv", "budget": 128, "ratio": 2}, "unknown configuration key"),
+    ({"method": "nosuch", "budget": 128}, "unknown method"),
+])
+def test_what_the_plugin_cannot_honour_fails_with_one_line(raw, message):
+    with pytest.raises(ValueError, match="^slake: ") as exc:
+        parse_config({"slake": raw})
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_bad_environment_json(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "snapkv:128")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        parse_config({})
+
+
+def test_supported_methods_are_registered():
+    from slake.methods import available_methods
+
+    assert set(SUPPORTED_METHODS) <= set(available_methods())
