@@ -59,27 +59,34 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
         raise ValueError(f"shape mismatch: query {tuple(query.shape)}, logits {tuple(logits.shape)}, "
                          f"values {tuple(values.shape)}")
     cdt = torch.promote_types(torch.promote_types(query.dtype, logits.dtype), torch.float32)
-    x = logits.to(cdt).reshape(B, H, g * nq, n)
-    v = values.to(cdt)
-    m = x.amax(-1) if n > 0 else x.new_full((B, H, g * nq), float("-inf"))  # (B, H, g*nq)
-    lin_on = state is not None  # no host sync on count: heads with count == 0 get lam = 0
-    if lin_on:
-        if state.k_sum.shape != (B, H, d):
+    R = g * nq
+    x = logits.reshape(B, H, R, n)
+    if x.dtype != cdt:
+        x = x.to(cdt)
+    v = values if values.dtype == cdt else values.to(cdt)
+    m = x.amax(-1, keepdim=True) if n > 0 else x.new_full((B, H, R, 1), float("-inf"))  # (B, H, R, 1)
+    if state is not None:  # no host sync on count: heads with count == 0 get lam = 0
+        aug = state.aug
+        if aug.shape != (B, H, d + 1, d + 1):
             raise ValueError(f"linear state shape {tuple(state.k_sum.shape)} does not match (B, Hkv, d)={(B, H, d)}")
+        if aug.dtype != cdt:
+            aug = aug.to(cdt)
         s = d ** -0.5 if scaling is None else float(scaling)
-        q = query.to(cdt).reshape(B, H, g * nq, d)
-        cnt = state.count.to(cdt)[..., None]                                       # (B, H, 1)
-        has = cnt > 0
-        mu = torch.matmul(q, state.k_sum.to(cdt)[..., None])[..., 0] * s / cnt.clamp_min(1)
-        m = torch.where(has, torch.maximum(m, mu), m)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))                     # all -inf row: e = 0
-    e = torch.exp(x - m[..., None])
-    num = torch.matmul(e, v)                                                       # (B, H, g*nq, d)
-    den = e.sum(-1)
-    if lin_on:
-        lam = torch.where(has, torch.exp(mu - m), torch.zeros_like(mu))
-        lin = torch.matmul(q, state.kv.to(cdt)) * s + (1 - mu)[..., None] * state.v_sum.to(cdt)[:, :, None, :]
-        num = num + lam[..., None] * lin
-        den = den + lam * cnt
-    out = torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(cdt).tiny)[..., None], 0.0)
-    return out.reshape(B, H, g, nq, d)
+        qs = query.reshape(B, H, R, d)
+        qs = (qs if qs.dtype == cdt else qs.to(cdt)) * s
+        cnt = aug[..., d:, d:]                                                     # (B, H, 1, 1) n_e
+        mu = torch.matmul(qs, aug[..., :d, d:]).div_(cnt.clamp_min(1))             # (B, H, R, 1) s q.k_sum / n_e
+        # one product gives s q^T L + (1 - mu) v_sum: [s q, 1 - mu] @ [[L], [v_sum^T]]
+        lin = torch.matmul(torch.cat([qs, 1 - mu], -1), aug[..., :, :d])          # (B, H, R, d)
+        mu = torch.where(cnt > 0, mu, float("-inf"))                               # no term: lam = exp(-inf) = 0
+        m = torch.maximum(m, mu)
+    m = m.clamp_min(torch.finfo(cdt).min)                                          # all -inf row: e = 0, no NaN
+    e = torch.exp(x - m)
+    num = torch.matmul(e, v)                                                       # (B, H, R, d)
+    den = e.sum(-1, keepdim=True)
+    if state is not None:
+        lam = torch.exp(mu - m)
+        num = num.addcmul_(lam, lin)
+        den = den.addcmul_(lam, cnt)
+    # den >= 1 when the row has a visible slot or a linear term (the shift m is attained), else num = den = 0
+    return num.div_(den.clamp_min(torch.finfo(cdt).tiny)).reshape(B, H, g, nq, d)

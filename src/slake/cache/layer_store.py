@@ -150,7 +150,8 @@ class LayerStore:
         if self.linear is not None:
             if slots is not None and chosen is not None:
                 gi = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-                self.linear.fold(self.keys.gather(2, gi), self.values.gather(2, gi), chosen)
+                # stored rows are finite (kept, freed or zero-grown slots): fold by multiplication, not selects
+                self.linear.fold(self.keys.gather(2, gi), self.values.gather(2, gi), chosen, finite=True)
             else:
                 self.linear.fold(self.keys, self.values, evicted)
         self.valid &= ~evicted
