@@ -62,9 +62,9 @@ def old_fold(self, keys, values, evicted, finite=False):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_attend_and_fold_equal_previous_implementation(dtype):
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-5)
     for trial in range(30):
-        B, Hkv, g, nq, n, d = 2, 2, [1, 2, 3][trial % 3], [1, 2][trial % 2], int(torch.randint(1, 40, (1,))), 8
+        B, Hkv, g, nq, n, d = 2, 2, [1, 2, 3][trial % 3], [1, 2][trial % 2], int(torch.randint(1, 40, (1,), generator=GEN)), 8
         q = torch.randn(B, Hkv, g, nq, d, generator=GEN, dtype=dtype) * 2
         keys = torch.randn(B, Hkv, 3 * n, d, generator=GEN, dtype=dtype) + 0.3
         values = torch.randn(B, Hkv, 3 * n, d, generator=GEN, dtype=dtype)

@@ -58,35 +58,39 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     if logits.shape != (B, H, g, nq, n) or values.shape != (B, H, n, d):
         raise ValueError(f"shape mismatch: query {tuple(query.shape)}, logits {tuple(logits.shape)}, "
                          f"values {tuple(values.shape)}")
-    cdt = torch.promote_types(torch.promote_types(query.dtype, logits.dtype), torch.float32)
+    cdt = torch.float64 if torch.float64 in (query.dtype, logits.dtype) else torch.float32
     R = g * nq
     x = logits.reshape(B, H, R, n)
     if x.dtype != cdt:
         x = x.to(cdt)
     v = values if values.dtype == cdt else values.to(cdt)
-    m = x.amax(-1, keepdim=True) if n > 0 else x.new_full((B, H, R, 1), float("-inf"))  # (B, H, R, 1)
-    if state is not None:  # no host sync on count: heads with count == 0 get lam = 0
-        aug = state.aug
-        if aug.shape != (B, H, d + 1, d + 1):
-            raise ValueError(f"linear state shape {tuple(state.k_sum.shape)} does not match (B, Hkv, d)={(B, H, d)}")
-        if aug.dtype != cdt:
-            aug = aug.to(cdt)
-        s = d ** -0.5 if scaling is None else float(scaling)
-        qs = query.reshape(B, H, R, d)
-        qs = (qs if qs.dtype == cdt else qs.to(cdt)) * s
-        cnt = aug[..., d:, d:]                                                     # (B, H, 1, 1) n_e
-        mu = torch.matmul(qs, aug[..., :d, d:]).div_(cnt.clamp_min(1))             # (B, H, R, 1) s q.k_sum / n_e
-        # one product gives s q^T L + (1 - mu) v_sum: [s q, 1 - mu] @ [[L], [v_sum^T]]
-        lin = torch.matmul(torch.cat([qs, 1 - mu], -1), aug[..., :, :d])          # (B, H, R, d)
-        mu = torch.where(cnt > 0, mu, float("-inf"))                               # no term: lam = exp(-inf) = 0
-        m = torch.maximum(m, mu)
-    m = m.clamp_min(torch.finfo(cdt).min)                                          # all -inf row: e = 0, no NaN
-    e = torch.exp(x - m)
-    num = torch.matmul(e, v)                                                       # (B, H, R, d)
-    den = e.sum(-1, keepdim=True)
-    if state is not None:
-        lam = torch.exp(mu - m)
-        num = num.addcmul_(lam, lin)
-        den = den.addcmul_(lam, cnt)
+    tiny = torch.finfo(cdt).tiny
+    if state is None:
+        m = x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)
+        e = torch.exp(x - m.clamp_min(torch.finfo(cdt).min))                     # all -inf row: e = 0, no NaN
+        return torch.matmul(e, v).div_(e.sum(-1, keepdim=True).clamp_min(tiny)).reshape(B, H, g, nq, d)
+    aug = state.aug
+    if aug.shape != (B, H, d + 1, d + 1):
+        raise ValueError(f"linear state shape {tuple(state.k_sum.shape)} does not match (B, Hkv, d)={(B, H, d)}")
+    if aug.dtype == cdt:
+        cnt, lk, vsum = state.attention_parts()  # n_e (B, H, 1, 1), [L, k_sum] (B, H, d, d+1), v_sum (B, H, 1, d)
+    else:
+        aug = aug.to(cdt)
+        cnt, lk, vsum = aug[..., d:, d:], aug[..., :d, :], aug[..., d:, :d]
+    s = d ** -0.5 if scaling is None else float(scaling)
+    qs = query.reshape(B, H, R, d)
+    qs = (qs if qs.dtype == cdt else qs.to(cdt)) * s
+    # one product gives s q^T L and s q . k_sum: s q @ [L, k_sum]
+    p = torch.matmul(qs, lk)                                                       # (B, H, R, d + 1)
+    # mu = s q . k_sum / n_e; a head with nothing folded (0 / 0) gets the lowest finite logit, so lam = 0 (or a
+    # row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
+    mu = torch.nan_to_num(p[..., d:] / cnt, nan=torch.finfo(cdt).min)            # (B, H, R, 1)
+    lin = p[..., :d].addcmul(1 - mu, vsum)                                         # s q^T L + (1 - mu) v_sum
+    # the shift m = max(max_j x_j, mu) and both exponentials in one pass over [x, mu]
+    xa = torch.cat([x, mu], -1)
+    ea = torch.exp(xa - xa.amax(-1, keepdim=True))
+    e, lam = ea[..., :n], ea[..., n:]
+    num = torch.matmul(e, v).addcmul_(lam, lin)                                    # (B, H, R, d)
+    den = e.sum(-1, keepdim=True).addcmul_(lam, cnt)
     # den >= 1 when the row has a visible slot or a linear term (the shift m is attained), else num = den = 0
-    return num.div_(den.clamp_min(torch.finfo(cdt).tiny)).reshape(B, H, g, nq, d)
+    return num.div_(den.clamp_min(tiny)).reshape(B, H, g, nq, d)

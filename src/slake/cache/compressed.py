@@ -300,7 +300,7 @@ class CompressedKV:
         slots, chosen, mask = evict
         if self.method.evict_before_output:
             store.free(mask, slots, chosen)
-            x = x.masked_fill(mask[:, :, None, None, :], float("-inf"))
+            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
             return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
         if store.linear is None:
             out = _probs_values(probs, store.values)

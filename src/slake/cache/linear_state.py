@@ -41,12 +41,31 @@ class LinearState:
         ``(B, Hkv)`` number of evicted tokens folded in (a view of ``aug``).
     """
 
-    __slots__ = ("aug",)
+    __slots__ = ("_aug", "_ones_cache", "_parts")
 
     def __init__(self, aug: torch.Tensor) -> None:
         if aug.ndim != 4 or aug.shape[-1] != aug.shape[-2] or aug.shape[-1] < 2:
             raise ValueError(f"aug must be (B, Hkv, d + 1, d + 1), got {tuple(aug.shape)}")
         self.aug = aug
+        self._ones_cache: torch.Tensor | None = None
+
+    @property
+    def aug(self) -> torch.Tensor:
+        return self._aug
+
+    @aug.setter
+    def aug(self, value: torch.Tensor) -> None:
+        self._aug = value
+        self._parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def attention_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views used by PTAA each step, made once per buffer: ``count`` ``(B, Hkv, 1, 1)``, ``[L, k_sum]``
+        ``(B, Hkv, d, d + 1)`` and ``v_sum`` ``(B, Hkv, 1, d)``."""
+        if self._parts is None:
+            a = self._aug
+            d = a.shape[-1] - 1
+            self._parts = (a[..., d:, d:], a[..., :d, :], a[..., d:, :d])
+        return self._parts
 
     @classmethod
     def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor,
@@ -149,7 +168,7 @@ class LinearState:
                              f"{evicted.dtype} {tuple(evicted.shape)}")
         n = keys.shape[2]
         dt = aug.dtype
-        m = evicted.to(aug.device).unsqueeze(-1)
+        m = (evicted if evicted.device == aug.device else evicted.to(aug.device)).unsqueeze(-1)
         mf = m.to(dt)
         k = keys if keys.dtype == dt else keys.to(dt)
         v = values if values.dtype == dt else values.to(dt)
@@ -159,9 +178,17 @@ class LinearState:
             k = torch.where(m, k, 0.0)
             v = torch.where(m, v, 0.0)
         kp = torch.cat([k, mf], -1).view(B * H, n, d1)                               # [k, 1] (0 if unmarked)
-        vp = torch.cat([v, v.new_ones(B, H, n, 1)], -1).view(B * H, n, d1)           # [v, 1]
-        flat = aug.view(B * H, d1, d1)
-        flat.baddbmm_(kp.transpose(1, 2), vp)
+        vp = torch.cat([v, self._ones(B, H, n, v)], -1).view(B * H, n, d1)          # [v, 1]
+        aug.view(B * H, d1, d1).baddbmm_(kp.transpose(1, 2), vp)
+
+    def _ones(self, B: int, H: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``(B, H, n, 1)`` tensor of ones, reused between one-row decode folds (no allocation per step)."""
+        o = self._ones_cache
+        if o is None or o.shape != (B, H, n, 1) or o.device != like.device or o.dtype != like.dtype:
+            o = like.new_ones(B, H, n, 1)
+            if n == 1:
+                self._ones_cache = o
+        return o
 
     # ------------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:
