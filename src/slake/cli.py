@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)")
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
+    p.add_argument("--kv-dtype", default=None, help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
+                   "scales, dequantised in attention); default: the model's dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(p)
     p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
@@ -71,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--linear-cache", choices=["default", "on", "off", "both"], default="default",
                    help="force the PTAA linear cache on/off for every method, or measure both")
+    p.add_argument("--kv-dtype", default=None, help="comma-separated storage of kept keys/values to measure: auto "
+                   "(model dtype), int8, fp8_e4m3; e.g. auto,int8")
     p.add_argument("--out", help="folder for fidelity.json, fidelity.md and fidelity_per_layer.png")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
     _add_model_args(p)
@@ -123,12 +127,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         hyper["linear_cache"] = args.linear_cache
     method = make_method(args.method, **hyper)  # validates before the slow model load
     budget = Budget(args.budget)
+    from .cache.quant import parse_kv_dtype
+
+    kv_dtype = parse_kv_dtype(args.kv_dtype)
     prompt = _read_prompt(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     res = generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=args.max_new_tokens,
                    chat_template=not args.no_chat_template, do_sample=args.sample, temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, charge_linear_state=args.charge_linear_state,
-                   prefill_chunk=args.prefill_chunk)
+                   prefill_chunk=args.prefill_chunk, kv_dtype=kv_dtype)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
@@ -170,6 +177,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     lin_modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.linear_cache]
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
+    from .cache.quant import parse_kv_dtype
+
+    kv_dtypes = [parse_kv_dtype(k) for k in _split(args.kv_dtype or "auto")]
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     if args.prompt_file:
         text = _read_prompt(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
@@ -185,9 +195,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     rec = fidelity.record(model, ids, args.steps)
     rows = []
     for m in methods:
-        for lin in lin_modes:
-            for b in budgets:
-                rows += fidelity.measure(rec, m, b, linear_cache=lin)
+        for kvd in kv_dtypes:
+            for lin in lin_modes:
+                for b in budgets:
+                    rows += fidelity.measure(rec, m, b, linear_cache=lin, kv_dtype=kvd)
     for r in rows:
         r["prompt_tokens"] = int(ids.shape[1])
     if args.out:

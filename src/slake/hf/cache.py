@@ -119,6 +119,9 @@ class SlakeCache(Cache):
         Number of decoder layers (``model.config.num_hidden_layers``).
     charge_linear_state : bool
         Charge SLAKE's linear state against the budget (equal-memory comparisons).
+    kv_dtype : str | None
+        Storage of the kept keys and values: None (model dtype) or ``"int8"`` / ``"fp8_e4m3"`` (8-bit codes with a
+        float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
     prefill_chunk : int | None
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (ARCHITECTURE.md decision 2: an explicit trade of exactness).
@@ -128,11 +131,12 @@ class SlakeCache(Cache):
     """
 
     def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int,
-                 charge_linear_state: bool = False, prefill_chunk: int | None = None, **hyperparameters) -> None:
+                 charge_linear_state: bool = False, prefill_chunk: int | None = None, kv_dtype: str | None = None,
+                 **hyperparameters) -> None:
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m = make_method(method, **hyperparameters)
-        self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state)
+        self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state, kv_dtype=kv_dtype)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         super().__init__(layers=[SlakeCacheLayer(self.engine, i) for i in range(num_layers)])
 
@@ -166,6 +170,7 @@ class SlakeCache(Cache):
         return {
             "method": eng.method.name,
             "budget": eng.budget.value,
+            "kv_dtype": eng.kv_dtype,
             "compressed": bool(info is not None and bool(info.compress.any())),
             "kv_bytes": eng.byte_counts(),
             "kept_tokens_per_layer": eng.kept_tokens_per_layer(),

@@ -145,7 +145,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
              budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None,
              seed: int | None = None, charge_linear_state: bool = False, prefill_chunk: int | None = None,
-             **hyperparameters) -> GenerationResult:
+             kv_dtype: str | None = None, **hyperparameters) -> GenerationResult:
     """Generate with a compressed KV cache.
 
     Parameters
@@ -170,6 +170,9 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
         Prefill all prompt tokens but the last in chunks of this many tokens, compressing after each chunk
         (bounded prefill memory; see :func:`prefill`); the last prompt token is then the first step of
         ``model.generate``. None (default): exact prefill.
+    kv_dtype : str | None
+        ``"int8"`` or ``"fp8_e4m3"``: store the kept keys and values in 8 bits (:mod:`slake.cache.quant`);
+        None (default): the model's dtype.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``).
     """
@@ -191,7 +194,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
     cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
     clock = _StepClock()
     gen_kwargs: dict = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                         "pad_token_id": tokenizer.pad_token_id}
