@@ -113,3 +113,11 @@ def test_every_method_generates_with_8bit(kv_dtype):
 def test_cli_rejects_unknown_kv_dtype(capsys):
     assert main(["generate", "--prompt", "hello", "--kv-dtype", "int4"]) == 2
     assert "unknown kv_dtype" in capsys.readouterr().err
+
+
+def test_charged_linear_state_counts_8bit_slots():
+    from slake.cache.compressed import linear_state_slots
+
+    # (64^2 + 128) fp32 numbers = 16,896 bytes = 124.2 8-bit K+V slots of 2 * (64 + 4) bytes (33 fp32, 66 bf16 slots)
+    assert linear_state_slots(64, 4) == 33 and linear_state_slots(64, 2) == 66
+    assert linear_state_slots(64, (64 + 4) / 64) == 125

@@ -16,6 +16,7 @@ Conventions (ARCHITECTURE.md section 3, spec ``slake-cake.md`` section 0):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from ..budget_spec import Budget
 from ..methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores
 from .layer_store import _GROWTH, LayerStore
 from .linear_state import LinearState
-from .quant import parse_kv_dtype
+from .quant import parse_kv_dtype, scale_bytes_per_row
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -126,7 +127,9 @@ class CompressedKV:
             key_padding = torch.zeros(B, S, dtype=torch.bool, device=dev)
         if self.info is None:
             full = self._chunk_padding if self.chunked_prefill else None
-            self.info = self._start(key_padding if full is None else full.to(dev), d, keys.element_size())
+            # bytes per stored number: the model dtype's, or 8-bit codes plus the per-row scale (spread over d)
+            itemsize = keys.element_size() if self.kv_dtype is None else (d + scale_bytes_per_row()) / d
+            self.info = self._start(key_padding if full is None else full.to(dev), d, itemsize)
         elif self.info.prompt_len != S and not self.chunked_prefill:
             raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {self.info.prompt_len}")
         info = self.info
@@ -507,7 +510,8 @@ def _sdpa_decode(store: LayerStore, queries: torch.Tensor, scaling: float) -> to
     return out.reshape(B, Hq, 1, d).float()
 
 
-def linear_state_slots(head_dim: int, itemsize: int) -> int:
-    """Token slots (K+V at ``itemsize`` bytes) that one fp32 linear state ``(d^2 + 2d)`` occupies, rounded up."""
+def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
+    """Token slots (K+V at ``itemsize`` bytes per number; fractional with 8-bit codes plus scales) that one fp32
+    linear state ``(d^2 + 2d)`` occupies, rounded up."""
     state_bytes = (head_dim * head_dim + 2 * head_dim) * 4
-    return -(-state_bytes // (2 * head_dim * itemsize))
+    return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))
