@@ -24,6 +24,9 @@ from slake.cache.linear_state import LinearState
 
 __all__ = ["attend"]
 
+# (lowest finite, smallest normal) per compute dtype, looked up once (torch.finfo costs a call per use)
+_LIMITS = {dt: (torch.finfo(dt).min, torch.finfo(dt).tiny) for dt in (torch.float32, torch.float64)}
+
 
 def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, state: LinearState | None = None,
            scaling: float | None = None) -> torch.Tensor:
@@ -64,10 +67,10 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     if x.dtype != cdt:
         x = x.to(cdt)
     v = values if values.dtype == cdt else values.to(cdt)
-    tiny = torch.finfo(cdt).tiny
+    fmin, tiny = _LIMITS[cdt]
     if state is None:
         m = x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)
-        e = torch.exp(x - m.clamp_min(torch.finfo(cdt).min))                     # all -inf row: e = 0, no NaN
+        e = torch.exp(x - m.clamp_min(fmin))                                      # all -inf row: e = 0, no NaN
         return torch.matmul(e, v).div_(e.sum(-1, keepdim=True).clamp_min(tiny)).reshape(B, H, g, nq, d)
     aug = state.aug
     if aug.shape != (B, H, d + 1, d + 1):
@@ -84,7 +87,7 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     p = torch.matmul(qs, lk)                                                       # (B, H, R, d + 1)
     # mu = s q . k_sum / n_e; a head with nothing folded (0 / 0) gets the lowest finite logit, so lam = 0 (or a
     # row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
-    mu = torch.nan_to_num(p[..., d:] / cnt, nan=torch.finfo(cdt).min)            # (B, H, R, 1)
+    mu = torch.nan_to_num(p[..., d:] / cnt, nan=fmin)                              # (B, H, R, 1)
     lin = p[..., :d].addcmul(1 - mu, vsum)                                         # s q^T L + (1 - mu) v_sum
     # the shift m = max(max_j x_j, mu) and both exponentials in one pass over [x, mu]
     xa = torch.cat([x, mu], -1)
