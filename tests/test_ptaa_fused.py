@@ -117,3 +117,13 @@ def test_engine_decode_step_equals_previous_implementation(method, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for a, b in zip(new_state, old_state):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_state_keeps_its_former_constructor():
+    st = LinearState.empty(2, 3, 4)
+    st.fold(torch.randn(2, 3, 5, 4, generator=GEN), torch.randn(2, 3, 5, 4, generator=GEN),
+            torch.rand(2, 3, 5, generator=GEN) < 0.5)
+    again = LinearState(k_sum=st.k_sum, v_sum=st.v_sum, kv=st.kv, count=st.count)
+    assert torch.equal(again.aug, st.aug) and again.aug.data_ptr() != st.aug.data_ptr()
+    st.k_sum += 1.0  # in-place update through the view lands in the augmented matrix
+    assert torch.equal(st.aug[..., :-1, -1], again.k_sum + 1.0)

@@ -43,7 +43,15 @@ class LinearState:
 
     __slots__ = ("_aug", "_ones_cache", "_parts")
 
-    def __init__(self, aug: torch.Tensor) -> None:
+    def __init__(self, aug: torch.Tensor | None = None, *, k_sum: torch.Tensor | None = None,
+                 v_sum: torch.Tensor | None = None, kv: torch.Tensor | None = None,
+                 count: torch.Tensor | None = None) -> None:
+        if aug is None:  # the former dataclass signature LinearState(k_sum=, v_sum=, kv=, count=)
+            if k_sum is None or v_sum is None or kv is None or count is None:
+                raise ValueError("LinearState needs aug, or all of k_sum, v_sum, kv and count")
+            B, H, d = k_sum.shape
+            aug = torch.zeros(B, H, d + 1, d + 1, device=k_sum.device, dtype=k_sum.dtype)
+            aug[..., :-1, -1], aug[..., -1, :-1], aug[..., :-1, :-1], aug[..., -1, -1] = k_sum, v_sum, kv, count
         if aug.ndim != 4 or aug.shape[-1] != aug.shape[-2] or aug.shape[-1] < 2:
             raise ValueError(f"aug must be (B, Hkv, d + 1, d + 1), got {tuple(aug.shape)}")
         self.aug = aug
@@ -71,10 +79,7 @@ class LinearState:
     def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor,
                    count: torch.Tensor) -> LinearState:
         """A state from the four separate accumulators (copied into one augmented tensor)."""
-        B, H, d = k_sum.shape
-        st = cls.empty(B, H, d, device=k_sum.device, dtype=k_sum.dtype)
-        st.k_sum, st.v_sum, st.kv, st.count = k_sum, v_sum, kv, count
-        return st
+        return cls(k_sum=k_sum, v_sum=v_sum, kv=kv, count=count)
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, head_dim: int, device: torch.device | str | None = None,
