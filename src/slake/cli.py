@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
     p.add_argument("--allow-long-context", action="store_true",
                    help="run a prompt longer than the model's context (max_position_embeddings); quality degrades")
+    p.add_argument("--kv-dtype", default=None, help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
+                   "scales, dequantised in attention); default: the model's dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="run with transformers (default) or vLLM with the slake plugin (needs slake[vllm])")
@@ -80,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--linear-cache", choices=["default", "on", "off", "both"], default="default",
                    help="force the PTAA linear cache on/off for every method, or measure both")
+    p.add_argument("--kv-dtype", default=None, help="comma-separated storage of kept keys/values to measure: auto "
+                   "(model dtype), int8, fp8_e4m3; e.g. auto,int8")
     p.add_argument("--output-tokens", type=int, default=32,
                    help="output-level fidelity: continuation tokens per prompt, teacher-forced (0: skip)")
     p.add_argument("--output-samples", type=int, default=2,
@@ -130,10 +134,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         hyper["linear_cache"] = args.linear_cache
     make_method(args.method, **hyper)  # validates before the slow model load
     budget = Budget(args.budget)
+    from .cache.quant import parse_kv_dtype
+
+    kv_dtype = parse_kv_dtype(args.kv_dtype)
     prompt = _read_prompt(args)
     if args.engine == "vllm":
         from .vllm.generate import generate_from_args
 
+        if kv_dtype is not None:
+            raise ValueError("--kv-dtype is not supported with --engine vllm (the plugin stores vLLM's own cache dtype)")
         method = make_method(args.method, **hyper)  # the plugin's methods have no profile hyperparameters
         res = generate_from_args(args, method, budget, prompt)
     else:
@@ -142,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        max_new_tokens=args.max_new_tokens, chat_template=not args.no_chat_template,
                        do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        charge_linear_state=args.charge_linear_state, prefill_chunk=args.prefill_chunk,
-                       allow_long_context=args.allow_long_context, **hyper)
+                       allow_long_context=args.allow_long_context, kv_dtype=kv_dtype, **hyper)
     out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
            "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
            "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
@@ -188,6 +197,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         raise ValueError("--steps must be >= 1")
     if args.output_tokens < 0 or args.output_tokens == 1 or args.output_samples < 1:
         raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
+    from .cache.quant import parse_kv_dtype
+
+    kv_dtypes = [parse_kv_dtype(k) for k in _split(args.kv_dtype or "auto")]
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     if args.prompt_file:
         text = getattr(args, "prompt_text", None) or _read_prompt(argparse.Namespace(prompt=None,
@@ -204,9 +216,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     rec = fidelity.record(model, ids, args.steps)
     rows = []
     for m in methods:
-        for lin in lin_modes:
-            for b in budgets:
-                rows += fidelity.measure(rec, m, b, linear_cache=lin, profile_model=model)
+        for kvd in kv_dtypes:
+            for lin in lin_modes:
+                for b in budgets:
+                    rows += fidelity.measure(rec, m, b, linear_cache=lin, kv_dtype=kvd, profile_model=model)
     for r in rows:
         r["prompt_tokens"] = int(ids.shape[1])
     output_rows = _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes) if args.output_tokens else []

@@ -103,13 +103,15 @@ def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def measure(recording: Recording, method: str, budget: int | float | str, window: int = 32,
-            linear_cache: bool | None = None, profile_model=None, **hyperparameters) -> list[dict]:
+            linear_cache: bool | None = None, kv_dtype: str | None = None, profile_model=None,
+            **hyperparameters) -> list[dict]:
     """Per-layer relative errors of one (method, budget) against full attention.
 
     Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache"}``. ``method`` is the
     canonical spec of the variant (``slake[vabs=false]``, :mod:`slake.methods.spec`) without ``linear_cache``, which
-    has its own column. ``profile_model`` (the model or its config) applies the model's hyperparameter profile
-    (:mod:`slake.profiles`) to what the spec leaves unset.
+    has its own column. ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``) stores the kept entries in 8 bits; the label
+    then ends in ``@int8`` / ``@fp8_e4m3``. ``profile_model`` (the model or its config) applies the model's
+    hyperparameter profile (:mod:`slake.profiles`) to what the spec leaves unset.
     """
     from .profiles import resolve_method
 
@@ -118,7 +120,9 @@ def measure(recording: Recording, method: str, budget: int | float | str, window
     m, _ = resolve_method(method, budget, profile_model, **hyperparameters)
     label = canonical_method_spec(method, drop=("linear_cache",)) if isinstance(method, str) else m.name
     L = recording.num_layers
-    eng = CompressedKV(m, Budget(budget), L)
+    eng = CompressedKV(m, Budget(budget), L, kv_dtype=kv_dtype)
+    if eng.kv_dtype is not None:
+        label = f"{label}@{eng.kv_dtype}"
     S = recording.prompt[0][1].shape[2]
     win_pos = torch.arange(max(S - window, 0), S)
     window_err = []

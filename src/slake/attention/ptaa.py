@@ -24,6 +24,9 @@ from slake.cache.linear_state import LinearState
 
 __all__ = ["attend"]
 
+# (lowest finite, smallest normal) per compute dtype, looked up once (torch.finfo costs a call per use)
+_LIMITS = {dt: (torch.finfo(dt).min, torch.finfo(dt).tiny) for dt in (torch.float32, torch.float64)}
+
 
 def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, state: LinearState | None = None,
            scaling: float | None = None) -> torch.Tensor:
@@ -58,28 +61,39 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     if logits.shape != (B, H, g, nq, n) or values.shape != (B, H, n, d):
         raise ValueError(f"shape mismatch: query {tuple(query.shape)}, logits {tuple(logits.shape)}, "
                          f"values {tuple(values.shape)}")
-    cdt = torch.promote_types(torch.promote_types(query.dtype, logits.dtype), torch.float32)
-    x = logits.to(cdt).reshape(B, H, g * nq, n)
-    v = values.to(cdt)
-    m = x.amax(-1) if n > 0 else x.new_full((B, H, g * nq), float("-inf"))  # (B, H, g*nq)
-    lin_on = state is not None  # no host sync on count: heads with count == 0 get lam = 0
-    if lin_on:
-        if state.k_sum.shape != (B, H, d):
-            raise ValueError(f"linear state shape {tuple(state.k_sum.shape)} does not match (B, Hkv, d)={(B, H, d)}")
-        s = d ** -0.5 if scaling is None else float(scaling)
-        q = query.to(cdt).reshape(B, H, g * nq, d)
-        cnt = state.count.to(cdt)[..., None]                                       # (B, H, 1)
-        has = cnt > 0
-        mu = torch.matmul(q, state.k_sum.to(cdt)[..., None])[..., 0] * s / cnt.clamp_min(1)
-        m = torch.where(has, torch.maximum(m, mu), m)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))                     # all -inf row: e = 0
-    e = torch.exp(x - m[..., None])
-    num = torch.matmul(e, v)                                                       # (B, H, g*nq, d)
-    den = e.sum(-1)
-    if lin_on:
-        lam = torch.where(has, torch.exp(mu - m), torch.zeros_like(mu))
-        lin = torch.matmul(q, state.kv.to(cdt)) * s + (1 - mu)[..., None] * state.v_sum.to(cdt)[:, :, None, :]
-        num = num + lam[..., None] * lin
-        den = den + lam * cnt
-    out = torch.where(den[..., None] > 0, num / den.clamp_min(torch.finfo(cdt).tiny)[..., None], 0.0)
-    return out.reshape(B, H, g, nq, d)
+    cdt = torch.float64 if torch.float64 in (query.dtype, logits.dtype) else torch.float32
+    R = g * nq
+    x = logits.reshape(B, H, R, n)
+    if x.dtype != cdt:
+        x = x.to(cdt)
+    v = values if values.dtype == cdt else values.to(cdt)
+    fmin, tiny = _LIMITS[cdt]
+    if state is None:
+        m = x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)
+        e = torch.exp(x - m.clamp_min(fmin))                                      # all -inf row: e = 0, no NaN
+        return torch.matmul(e, v).div_(e.sum(-1, keepdim=True).clamp_min(tiny)).reshape(B, H, g, nq, d)
+    aug = state.aug
+    if aug.shape != (B, H, d + 1, d + 1):
+        raise ValueError(f"linear state shape {tuple(state.k_sum.shape)} does not match (B, Hkv, d)={(B, H, d)}")
+    if aug.dtype == cdt:
+        cnt, lk, vsum = state.attention_parts()  # n_e (B, H, 1, 1), [L, k_sum] (B, H, d, d+1), v_sum (B, H, 1, d)
+    else:
+        aug = aug.to(cdt)
+        cnt, lk, vsum = aug[..., d:, d:], aug[..., :d, :], aug[..., d:, :d]
+    s = d ** -0.5 if scaling is None else float(scaling)
+    qs = query.reshape(B, H, R, d)
+    qs = (qs if qs.dtype == cdt else qs.to(cdt)) * s
+    # one product gives s q^T L and s q . k_sum: s q @ [L, k_sum]
+    p = torch.matmul(qs, lk)                                                       # (B, H, R, d + 1)
+    # mu = s q . k_sum / n_e; a head with nothing folded (0 / 0) gets the lowest finite logit, so lam = 0 (or a
+    # row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
+    mu = torch.nan_to_num(p[..., d:] / cnt, nan=fmin)                              # (B, H, R, 1)
+    lin = p[..., :d].addcmul(1 - mu, vsum)                                         # s q^T L + (1 - mu) v_sum
+    # the shift m = max(max_j x_j, mu) and both exponentials in one pass over [x, mu]
+    xa = torch.cat([x, mu], -1)
+    ea = torch.exp(xa - xa.amax(-1, keepdim=True))
+    e, lam = ea[..., :n], ea[..., n:]
+    num = torch.matmul(e, v).addcmul_(lam, lin)                                    # (B, H, R, d)
+    den = e.sum(-1, keepdim=True).addcmul_(lam, cnt)
+    # den >= 1 when the row has a visible slot or a linear term (the shift m is attained), else num = den = 0
+    return num.div_(den.clamp_min(tiny)).reshape(B, H, g, nq, d)

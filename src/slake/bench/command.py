@@ -33,6 +33,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--budget", default="128", help="budget (or comma-separated budgets) in tokens per layer and KV "
                    "head, or ratios in (0, 1)")
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated context lengths")
+    p.add_argument("--kv-dtype", default=None, help="comma-separated storage of kept keys/values: auto (model "
+                   "dtype), int8, fp8_e4m3 (8-bit with per-token scales); e.g. auto,int8")
     p.add_argument("--batch", type=int, default=1, help="batch size (identical-length random prompts)")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (after --warmup steps)")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before timing")
@@ -83,7 +85,10 @@ def _configs(args: argparse.Namespace) -> list:
     from ..methods.spec import parse_method_list
     from .runner import BenchConfig
 
+    from ..cache.quant import parse_kv_dtype
+
     methods = parse_method_list(args.methods)
+    kv_dtypes = [parse_kv_dtype(k) for k in _split(getattr(args, "kv_dtype", None) or "auto")]
     budgets = [Budget(b).value for b in _split(args.budget)]
     lengths = [int(x) for x in _split(args.lengths)]
     if any(n < 2 for n in lengths):
@@ -95,9 +100,11 @@ def _configs(args: argparse.Namespace) -> list:
     out = []
     for n in lengths:
         for m in methods:
-            for b in (budgets[:1] if m == "full" else budgets):
-                out.append(BenchConfig(method=m, budget=b, length=n, batch=args.batch, decode_steps=args.decode_steps,
-                                       warmup=args.warmup, prefill_chunk=args.prefill_chunk, seed=args.seed))
+            for kvd in kv_dtypes:
+                for b in (budgets[:1] if m == "full" else budgets):
+                    out.append(BenchConfig(method=m, budget=b, length=n, batch=args.batch,
+                                           decode_steps=args.decode_steps, warmup=args.warmup,
+                                           prefill_chunk=args.prefill_chunk, seed=args.seed, kv_dtype=kvd))
     return out
 
 
@@ -105,6 +112,7 @@ def _isolated(args: argparse.Namespace, cfg) -> dict:
     argv = [sys.executable, "-m", "slake.cli", "bench", "--methods", cfg.method, "--budget", str(cfg.budget),
             "--lengths", str(cfg.length), "--batch", str(cfg.batch), "--decode-steps", str(cfg.decode_steps),
             "--warmup", str(cfg.warmup), "--seed", str(args.seed), "--no-plots", "--no-progress", "--json",
+            "--kv-dtype", cfg.kv_dtype or "auto",
             "--out", str(Path(args.out) / "isolated")]
     for flag, value in (("--prefill-chunk", args.prefill_chunk), ("--model", args.model),
                         ("--random-model", args.random_model), ("--gguf-file", args.gguf_file),

@@ -11,7 +11,7 @@ _MIB = 1024 * 1024
 
 def series_label(row: dict, rows: list[dict]) -> str:
     """Legend label of a row: the method, plus budget / batch / chunk where the run has several."""
-    label = row["method"]
+    label = row["method"] + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
     if len({r["budget"] for r in rows}) > 1 and row["method"] != "full":
         label += f"@{row['budget']}"
     if len({r["batch"] for r in rows}) > 1:
@@ -30,7 +30,7 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         lines.append(
-            f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r.get('prefill_chunk') or '-'} | "
+            f"| {r['method']}{' ' + r['kv_dtype'] if r.get('kv_dtype') else ''} | {r['budget']} | {r['length']} | {r['batch']} | {r.get('prefill_chunk') or '-'} | "
             f"{r['prefill_s']:.2f} | {r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
             f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {r['peak_mem_bytes'] / _MIB:.0f} | "
             f"{r['kv_bytes'] / _MIB:.2f} ({kv.get('kept', 0) / _MIB:.2f} / {kv.get('padding', 0) / _MIB:.2f} / "

@@ -36,6 +36,7 @@ class BenchConfig:
     warmup: int = 3
     prefill_chunk: int | None = None
     seed: int = 0
+    kv_dtype: str | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -53,7 +54,8 @@ def measure(model, cfg: BenchConfig) -> dict:
     mask = torch.ones_like(ids)
     meter = MemoryMeter(device)
     meter.reset()
-    cache = SlakeCache(cfg.method, cfg.budget, L, prefill_chunk=cfg.prefill_chunk, profile_model=model)
+    cache = SlakeCache(cfg.method, cfg.budget, L, prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype,
+                       profile_model=model)
     _sync(device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, mask)
@@ -77,6 +79,7 @@ def measure(model, cfg: BenchConfig) -> dict:
     del cache, out, logits
     return {
         "method": cfg.method, "budget": cfg.budget, "length": cfg.length, "batch": cfg.batch,
+        "kv_dtype": cfg.kv_dtype,
         "prefill_chunk": cfg.prefill_chunk,
         "prefill_s": t1 - t0, "ttft_s": t2 - t0,
         "decode_ms_per_token": statistics.median(times) if times else 0.0,

@@ -16,6 +16,7 @@ Conventions (ARCHITECTURE.md section 3, spec ``slake-cake.md`` section 0):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from ..budget_spec import Budget
 from ..methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores
 from .layer_store import _GROWTH, LayerStore
 from .linear_state import LinearState
+from .quant import parse_kv_dtype, scale_bytes_per_row
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -58,11 +60,15 @@ class CompressedKV:
     charge_linear_state : bool
         Charge the PTAA linear state against the budget (SLAKE "memory honesty" option): the selectable budget of
         each layer shrinks by ``ceil((d*d + 2d) * 4 / (2 * d * itemsize))`` token slots.
+    kv_dtype : str | None
+        Storage of the kept keys and values: None (the model's dtype) or ``"int8"`` / ``"fp8_e4m3"`` (8-bit codes
+        with a float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
     """
 
     def __init__(self, method: Method, budget: Budget | int | float | str, num_layers: int,
-                 charge_linear_state: bool = False) -> None:
+                 charge_linear_state: bool = False, kv_dtype: str | None = None) -> None:
         self.method = method
+        self.kv_dtype = parse_kv_dtype(kv_dtype)
         self.budget = budget if isinstance(budget, Budget) else Budget(budget)
         self.num_layers = num_layers
         self.charge_linear_state = charge_linear_state
@@ -121,7 +127,9 @@ class CompressedKV:
             key_padding = torch.zeros(B, S, dtype=torch.bool, device=dev)
         if self.info is None:
             full = self._chunk_padding if self.chunked_prefill else None
-            self.info = self._start(key_padding if full is None else full.to(dev), d, keys.element_size())
+            # bytes per stored number: the model dtype's, or 8-bit codes plus the per-row scale (spread over d)
+            itemsize = keys.element_size() if self.kv_dtype is None else (d + scale_bytes_per_row()) / d
+            self.info = self._start(key_padding if full is None else full.to(dev), d, itemsize)
         elif self.info.prompt_len != S and not self.chunked_prefill:
             raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {self.info.prompt_len}")
         info = self.info
@@ -132,7 +140,7 @@ class CompressedKV:
         # the linear state exists only when something will be evicted (an uncompressed cache never folds a token);
         # a cache without it takes the same attention path as with an empty one (see decode_attention)
         linear = LinearState.empty(B, H, d, dev) if self.method.linear_cache and bool(info.compress.any()) else None
-        store = LayerStore(keys, values, positions, valid, scores, linear)
+        store = LayerStore(keys, values, positions, valid, scores, linear, kv_dtype=self.kv_dtype)
         self.layers[layer_idx] = store
         if not bool(info.compress.any()):
             self.targets[layer_idx] = None
@@ -284,7 +292,7 @@ class CompressedKV:
             for b0 in range(0, nq, _CHUNK_QUERY_BLOCK):
                 b1 = min(b0 + _CHUNK_QUERY_BLOCK, nq)
                 qf, x = layer_logits(store, queries[:, :, b0:b1], qpos[b0:b1] if qpos is not None else None, scaling)
-                outs.append(attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, b1 - b0, d))
+                outs.append(attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, b1 - b0, d))
             if target is not None and not self.method.keeps_everything:
                 w = max(min(self.method.window, nq), 1)
                 _, x = layer_logits(store, queries[:, :, nq - w:], qpos[nq - w:] if qpos is not None else None,
@@ -293,22 +301,22 @@ class CompressedKV:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         qf, x = layer_logits(store, queries, qpos, scaling)
         if not scored:
-            return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
         probs = _safe_softmax(x)                                               # (B, H, g, nq, n)
         evict = self._decode_evict(layer_idx, probs, target, newest)
         if evict is None:
             if store.linear is None:
-                return _probs_values(probs, store.values).reshape(B, Hq, nq, d)
-            return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+                return _probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
         slots, chosen, mask = evict
         if self.method.evict_before_output:
             store.free(mask, slots, chosen)
-            x = x.masked_fill(mask[:, :, None, None, :], float("-inf"))
-            return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
+            return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
         if store.linear is None:
-            out = _probs_values(probs, store.values)
+            out = _probs_values(probs, store.dense_values())
         else:
-            out = attend(qf, x, store.values, store.linear, scaling)
+            out = attend(qf, x, store.dense_values(), store.linear, scaling)
         store.free(mask, slots, chosen)
         return out.reshape(B, Hq, nq, d)
 
@@ -321,7 +329,7 @@ class CompressedKV:
         store = self.layers[layer_idx]
         B, Hq, nq, d = queries.shape
         qf, x = layer_logits(store, queries, positions, scaling)
-        return attend(qf, x, store.values, store.linear, scaling).reshape(B, Hq, nq, d)
+        return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
 
     def _decode_evict(self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor,
                       newest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -454,7 +462,7 @@ def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tens
     H = store.keys.shape[1]
     g = Hq // H
     qf = queries.float().reshape(B, H, g, nq, d)
-    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.keys.transpose(-1, -2))   # (B, H, g*nq, n)
+    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2))   # (B, H, g*nq, n)
     x = x.mul_(scaling).view(B, H, g, nq, -1)
     if positions is None:
         visible = store.valid[:, :, None, None, :]
@@ -510,13 +518,15 @@ def _sdpa_decode(store: LayerStore, queries: torch.Tensor, scaling: float) -> to
     """
     B, Hq, _, d = queries.shape
     H = store.keys.shape[1]
-    q = queries.reshape(B, H, Hq // H, d).to(store.keys.dtype)
-    out = F.scaled_dot_product_attention(q, store.keys, store.values, attn_mask=store.valid[:, :, None, :],
+    keys, values = store.dense_keys(), store.dense_values()
+    q = queries.reshape(B, H, Hq // H, d).to(keys.dtype)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=store.valid[:, :, None, :],
                                          scale=scaling)
     return out.reshape(B, Hq, 1, d).float()
 
 
-def linear_state_slots(head_dim: int, itemsize: int) -> int:
-    """Token slots (K+V at ``itemsize`` bytes) that one fp32 linear state ``(d^2 + 2d)`` occupies, rounded up."""
+def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
+    """Token slots (K+V at ``itemsize`` bytes per number; fractional with 8-bit codes plus scales) that one fp32
+    linear state ``(d^2 + 2d)`` occupies, rounded up."""
     state_bytes = (head_dim * head_dim + 2 * head_dim) * 4
-    return -(-state_bytes // (2 * head_dim * itemsize))
+    return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))

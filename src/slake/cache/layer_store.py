@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .linear_state import LinearState
+from .quant import dequantize_rows, parse_kv_dtype, quantize_rows, scale_bytes_per_row
 
 _GROWTH = 256  # slots added at once when a row runs out of free slots (amortises reallocation)
 
@@ -37,11 +38,21 @@ class LayerStore:
         Linear state of evicted entries (SLAKE's PTAA), or None for plain eviction.
     head_visible : torch.Tensor | None
         ``(B, Hkv, g, n)`` bool per-query-head visibility of each slot, or None (every head sees every slot).
+    kv_dtype : str | None
+        ``"int8"`` or ``"fp8_e4m3"``: store keys and values as 8-bit codes with one float32 scale per row
+        (:mod:`slake.cache.quant`); ``keys``/``values`` then hold the codes and ``k_scale``/``v_scale``
+        ``(B, Hkv, n, 1)`` the scales. Readers use :meth:`dense_keys` / :meth:`dense_values`. None: model dtype.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                  scores: torch.Tensor, linear: LinearState | None = None,
-                 head_visible: torch.Tensor | None = None) -> None:
+                 head_visible: torch.Tensor | None = None, kv_dtype: str | None = None) -> None:
+        self.kv_dtype = parse_kv_dtype(kv_dtype)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if self.kv_dtype is not None:
+            keys, self.k_scale = quantize_rows(keys, self.kv_dtype)
+            values, self.v_scale = quantize_rows(values, self.kv_dtype)
         self.keys = keys
         self.values = values
         self.positions = positions
@@ -55,6 +66,18 @@ class LayerStore:
     def capacity(self) -> int:
         """Slots per row (the padded length of every head)."""
         return self.keys.shape[2]
+
+    def dense_keys(self) -> torch.Tensor:
+        """``(B, Hkv, n, d)`` keys for attention: the stored tensor, or its float32 dequantisation (8-bit storage)."""
+        return self.keys if self.k_scale is None else dequantize_rows(self.keys, self.k_scale)
+
+    def dense_values(self) -> torch.Tensor:
+        """``(B, Hkv, n, d)`` values for attention (float32 dequantisation under 8-bit storage)."""
+        return self.values if self.v_scale is None else dequantize_rows(self.values, self.v_scale)
+
+    def _slot_tensors(self) -> tuple[str, ...]:
+        """Names of the per-slot tensors with the slot axis at dim 2 (row data and scales)."""
+        return ("keys", "values") + (("k_scale", "v_scale") if self.k_scale is not None else ())
 
     def counts(self) -> torch.Tensor:
         """``(B, Hkv)`` number of kept tokens per sequence and KV head."""
@@ -92,10 +115,13 @@ class LayerStore:
         kept_mask.scatter_(-1, sel, sel_valid)
         dropped = self.valid & ~kept_mask
         if self.linear is not None and bool(dropped.any()):
-            self.linear.fold(self.keys, self.values, dropped)
+            self.linear.fold(self.dense_keys(), self.dense_values(), dropped)
         gi = sel[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gi)
         self.values = self.values.gather(2, gi)
+        if self.k_scale is not None:
+            self.k_scale = self.k_scale.gather(2, sel[..., None])
+            self.v_scale = self.v_scale.gather(2, sel[..., None])
         self.positions = self.positions.gather(-1, sel).masked_fill(~sel_valid, -1)
         self.scores = self.scores.gather(-1, sel).masked_fill(~sel_valid, float("-inf"))
         if self.head_visible is not None:
@@ -130,6 +156,11 @@ class LayerStore:
             # the first n_new free slots of each row (stable sort puts free slots first in slot order)
             slots = torch.sort(free.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
         gi = slots[..., None].expand(-1, -1, -1, d)
+        if self.k_scale is not None:
+            keys, ks = quantize_rows(keys, self.kv_dtype)
+            values, vs = quantize_rows(values, self.kv_dtype)
+            self.k_scale.scatter_(2, slots[..., None], ks)
+            self.v_scale.scatter_(2, slots[..., None], vs)
         self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
         self.values.scatter_(2, gi, values.to(self.values.dtype))
         self.positions.scatter_(-1, slots, positions.view(1, 1, -1).expand(B, H, -1))
@@ -150,9 +181,14 @@ class LayerStore:
         if self.linear is not None:
             if slots is not None and chosen is not None:
                 gi = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-                self.linear.fold(self.keys.gather(2, gi), self.values.gather(2, gi), chosen)
+                k, v = self.keys.gather(2, gi), self.values.gather(2, gi)
+                if self.k_scale is not None:
+                    k = dequantize_rows(k, self.k_scale.gather(2, slots[..., None]))
+                    v = dequantize_rows(v, self.v_scale.gather(2, slots[..., None]))
+                # stored rows are finite (kept, freed or zero-grown slots): fold by multiplication, not selects
+                self.linear.fold(k, v, chosen, finite=True)
             else:
-                self.linear.fold(self.keys, self.values, evicted)
+                self.linear.fold(self.dense_keys(), self.dense_values(), evicted)
         self.valid &= ~evicted
         self.positions.masked_fill_(evicted, -1)
         self.scores.masked_fill_(evicted, float("-inf"))
@@ -162,6 +198,9 @@ class LayerStore:
         pad = lambda t, v: torch.cat([t, t.new_full((*t.shape[:2], extra, *t.shape[3:]), v)], 2)  # noqa: E731
         self.keys = pad(self.keys, 0)
         self.values = pad(self.values, 0)
+        if self.k_scale is not None:  # scale 0: an empty slot decodes to zeros
+            self.k_scale = pad(self.k_scale, 0)
+            self.v_scale = pad(self.v_scale, 0)
         self.positions = pad(self.positions, -1)
         self.valid = pad(self.valid, False)
         self.scores = pad(self.scores, float("-inf"))
@@ -178,7 +217,7 @@ class LayerStore:
     # ------------------------------------------------------------------ batch manipulation (generate helpers)
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep / reorder batch rows (beam search, batch selection)."""
-        for name in ("keys", "values", "positions", "valid", "scores"):
+        for name in self._slot_tensors() + ("positions", "valid", "scores"):
             setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
         if self.head_visible is not None:
             self.head_visible = self.head_visible.index_select(0, index.to(self.keys.device))
@@ -187,7 +226,7 @@ class LayerStore:
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times (``num_return_sequences``)."""
-        for name in ("keys", "values", "positions", "valid", "scores"):
+        for name in self._slot_tensors() + ("positions", "valid", "scores"):
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
         if self.head_visible is not None:
             self.head_visible = self.head_visible.repeat_interleave(repeats, dim=0)
@@ -204,6 +243,8 @@ class LayerStore:
         """
         B, H, n, d = self.keys.shape
         per_slot_kv = 2 * d * self.keys.element_size()
+        if self.k_scale is not None:  # 8-bit codes plus one scale per key row and per value row
+            per_slot_kv += 2 * scale_bytes_per_row()
         meta_per_slot = self.positions.element_size() + self.valid.element_size() + self.scores.element_size()
         if self.head_visible is not None:
             meta_per_slot += self.head_visible.shape[2] * self.head_visible.element_size()

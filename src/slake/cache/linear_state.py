@@ -11,31 +11,75 @@ float32 (exact up to 2**24 tokens). All accumulators are float32 whatever the mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 __all__ = ["LinearState"]
 
 
-@dataclass
 class LinearState:
-    """Per-(batch, KV head) PTAA accumulators of one layer.
+    """Per-(batch, KV head) PTAA accumulators of one layer, stored as one augmented matrix.
+
+    The four accumulators live in a single ``(B, Hkv, d + 1, d + 1)`` tensor ``aug``, the sum of ``k'^T v'`` over
+    the evicted tokens with ``k' = [k, 1]`` and ``v' = [v, 1]``::
+
+        aug = [[ L        , k_sum ],
+               [ v_sum^T  , count ]]
+
+    so that folding rows is a single batched matmul-accumulate, and the PTAA linear term of a query row
+    ``r = [s q, 1 - mu]`` is the single product ``r @ aug[..., :d]`` (:func:`slake.attention.ptaa.attend`). The
+    number of stored floats is ``(d + 1)^2 = d^2 + 2d + 1``, exactly the separate tensors' total.
 
     Attributes
     ----------
+    aug : torch.Tensor
+        ``(B, Hkv, d + 1, d + 1)`` the augmented accumulator (float32 by default).
     k_sum, v_sum : torch.Tensor
-        ``(B, Hkv, d)`` sums of the evicted keys / values.
+        ``(B, Hkv, d)`` sums of the evicted keys / values (views of ``aug``).
     kv : torch.Tensor
-        ``(B, Hkv, d, d)`` ``L = sum_j k_j v_j^T`` over the evicted tokens.
+        ``(B, Hkv, d, d)`` ``L = sum_j k_j v_j^T`` over the evicted tokens (a view of ``aug``).
     count : torch.Tensor
-        ``(B, Hkv)`` number of evicted tokens folded in.
+        ``(B, Hkv)`` number of evicted tokens folded in (a view of ``aug``).
     """
 
-    k_sum: torch.Tensor
-    v_sum: torch.Tensor
-    kv: torch.Tensor
-    count: torch.Tensor
+    __slots__ = ("_aug", "_ones_cache", "_parts")
+
+    def __init__(self, aug: torch.Tensor | None = None, *, k_sum: torch.Tensor | None = None,
+                 v_sum: torch.Tensor | None = None, kv: torch.Tensor | None = None,
+                 count: torch.Tensor | None = None) -> None:
+        if aug is None:  # the former dataclass signature LinearState(k_sum=, v_sum=, kv=, count=)
+            if k_sum is None or v_sum is None or kv is None or count is None:
+                raise ValueError("LinearState needs aug, or all of k_sum, v_sum, kv and count")
+            B, H, d = k_sum.shape
+            aug = torch.zeros(B, H, d + 1, d + 1, device=k_sum.device, dtype=k_sum.dtype)
+            aug[..., :-1, -1], aug[..., -1, :-1], aug[..., :-1, :-1], aug[..., -1, -1] = k_sum, v_sum, kv, count
+        if aug.ndim != 4 or aug.shape[-1] != aug.shape[-2] or aug.shape[-1] < 2:
+            raise ValueError(f"aug must be (B, Hkv, d + 1, d + 1), got {tuple(aug.shape)}")
+        self.aug = aug
+        self._ones_cache: torch.Tensor | None = None
+
+    @property
+    def aug(self) -> torch.Tensor:
+        return self._aug
+
+    @aug.setter
+    def aug(self, value: torch.Tensor) -> None:
+        self._aug = value
+        self._parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def attention_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views used by PTAA each step, made once per buffer: ``count`` ``(B, Hkv, 1, 1)``, ``[L, k_sum]``
+        ``(B, Hkv, d, d + 1)`` and ``v_sum`` ``(B, Hkv, 1, d)``."""
+        if self._parts is None:
+            a = self._aug
+            d = a.shape[-1] - 1
+            self._parts = (a[..., d:, d:], a[..., :d, :], a[..., d:, :d])
+        return self._parts
+
+    @classmethod
+    def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor,
+                   count: torch.Tensor) -> LinearState:
+        """A state from the four separate accumulators (copied into one augmented tensor)."""
+        return cls(k_sum=k_sum, v_sum=v_sum, kv=kv, count=count)
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, head_dim: int, device: torch.device | str | None = None,
@@ -45,31 +89,62 @@ class LinearState:
             raise ValueError(f"invalid LinearState shape: batch={batch}, kv_heads={kv_heads}, head_dim={head_dim}")
         if not dtype.is_floating_point or dtype.itemsize < 4:
             raise ValueError(f"the linear state must be float32 or float64, got {dtype}")
-        z = dict(device=device, dtype=dtype)
-        return cls(k_sum=torch.zeros(batch, kv_heads, head_dim, **z), v_sum=torch.zeros(batch, kv_heads, head_dim, **z),
-                   kv=torch.zeros(batch, kv_heads, head_dim, head_dim, **z), count=torch.zeros(batch, kv_heads, **z))
+        return cls(torch.zeros(batch, kv_heads, head_dim + 1, head_dim + 1, device=device, dtype=dtype))
+
+    # ------------------------------------------------------------------ views of the augmented matrix
+    @property
+    def k_sum(self) -> torch.Tensor:
+        return self.aug[..., :-1, -1]
+
+    @k_sum.setter
+    def k_sum(self, value: torch.Tensor) -> None:
+        _assign(self.aug[..., :-1, -1], value)
+
+    @property
+    def v_sum(self) -> torch.Tensor:
+        return self.aug[..., -1, :-1]
+
+    @v_sum.setter
+    def v_sum(self, value: torch.Tensor) -> None:
+        _assign(self.aug[..., -1, :-1], value)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.aug[..., :-1, :-1]
+
+    @kv.setter
+    def kv(self, value: torch.Tensor) -> None:
+        _assign(self.aug[..., :-1, :-1], value)
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.aug[..., -1, -1]
+
+    @count.setter
+    def count(self, value: torch.Tensor) -> None:
+        _assign(self.aug[..., -1, -1], value)
 
     # ------------------------------------------------------------------ shape
     @property
     def batch_size(self) -> int:
-        return self.k_sum.shape[0]
+        return self.aug.shape[0]
 
     @property
     def kv_heads(self) -> int:
-        return self.k_sum.shape[1]
+        return self.aug.shape[1]
 
     @property
     def head_dim(self) -> int:
-        return self.k_sum.shape[2]
+        return self.aug.shape[2] - 1
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k_sum.dtype
+        return self.aug.dtype
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def fold(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> None:
-        """Add the rows of ``keys``/``values`` marked in ``evicted`` to the state, in place.
+    def fold(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor, finite: bool = False) -> None:
+        """Add the rows of ``keys``/``values`` marked in ``evicted`` to the state, in place (spec 8.2).
 
         Parameters
         ----------
@@ -77,37 +152,60 @@ class LinearState:
             ``(B, Hkv, n, d)``, any float dtype; accumulated in the state's dtype (float32).
         evicted : torch.Tensor
             ``(B, Hkv, n)`` bool, True for the rows to fold in. Unmarked rows are ignored even if non-finite.
+        finite : bool
+            The caller guarantees that every row is finite (the engine's gathered decode rows): unmarked rows are
+            then zeroed by a multiplication instead of two selects. Results are identical for finite rows.
 
         Notes
         -----
-        ``L`` is updated with one batched matmul ``(B, Hkv, d, n) @ (B, Hkv, n, d)``. Folding disjoint sets one after
-        the other equals folding their union once (spec section 8.3, invariant 8).
+        One batched matmul-accumulate ``aug += [k, 1]^T [v, 1]`` over the marked rows updates ``L``, ``k_sum``,
+        ``v_sum`` and ``count`` at once. Folding disjoint sets one after the other equals folding their union once
+        (spec section 8.3, invariant 8).
         """
-        B, H, d = self.k_sum.shape
+        aug = self.aug
+        B, H, d1, _ = aug.shape
+        d = d1 - 1
         if keys.shape != values.shape or keys.shape[:2] != (B, H) or keys.shape[-1] != d or keys.ndim != 4:
             raise ValueError(f"keys/values must be (B={B}, Hkv={H}, n, d={d}); got {tuple(keys.shape)} and "
                              f"{tuple(values.shape)}")
         if evicted.shape != keys.shape[:3] or evicted.dtype != torch.bool:
             raise ValueError(f"evicted must be a bool mask of shape {tuple(keys.shape[:3])}, got "
                              f"{evicted.dtype} {tuple(evicted.shape)}")
-        m = evicted[..., None].to(self.k_sum.device)
-        k = torch.where(m, keys.to(self.k_sum), 0.0)
-        v = torch.where(m, values.to(self.v_sum), 0.0)
-        self.k_sum += k.sum(2)
-        self.v_sum += v.sum(2)
-        self.kv += torch.matmul(k.transpose(-1, -2), v)
-        self.count += m[..., 0].sum(-1).to(self.count.dtype)
+        n = keys.shape[2]
+        dt = aug.dtype
+        m = (evicted if evicted.device == aug.device else evicted.to(aug.device)).unsqueeze(-1)
+        mf = m.to(dt)
+        k = keys if keys.dtype == dt else keys.to(dt)
+        v = values if values.dtype == dt else values.to(dt)
+        if finite:
+            k = k * mf  # v needs no mask: the zero rows of k' cancel it
+        else:
+            k = torch.where(m, k, 0.0)
+            v = torch.where(m, v, 0.0)
+        kp = torch.cat([k, mf], -1).view(B * H, n, d1)                               # [k, 1] (0 if unmarked)
+        vp = torch.cat([v, self._ones(B, H, n, v)], -1).view(B * H, n, d1)          # [v, 1]
+        aug.view(B * H, d1, d1).baddbmm_(kp.transpose(1, 2), vp)
+
+    def _ones(self, B: int, H: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``(B, H, n, 1)`` tensor of ones, reused between one-row decode folds (no allocation per step)."""
+        o = self._ones_cache
+        if o is None or o.shape != (B, H, n, 1) or o.device != like.device or o.dtype != like.dtype:
+            o = like.new_ones(B, H, n, 1)
+            if n == 1:
+                self._ones_cache = o
+        return o
 
     # ------------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:
-        """Bytes held by the four tensors (the linear state is reported separately from the kept entries)."""
-        return sum(t.numel() * t.element_size() for t in (self.k_sum, self.v_sum, self.kv, self.count))
+        """Bytes of the accumulators, ``(d^2 + 2d + 1)`` numbers per (batch, KV head) (reported separately from the
+        kept entries)."""
+        return self.aug.numel() * self.aug.element_size()
 
     def _map(self, fn) -> LinearState:
-        return LinearState(k_sum=fn(self.k_sum), v_sum=fn(self.v_sum), kv=fn(self.kv), count=fn(self.count))
+        return LinearState(fn(self.aug).contiguous())
 
     def _apply_(self, fn) -> LinearState:
-        self.k_sum, self.v_sum, self.kv, self.count = fn(self.k_sum), fn(self.v_sum), fn(self.kv), fn(self.count)
+        self.aug = fn(self.aug).contiguous()
         return self
 
     def select_batch(self, indices: torch.Tensor | list[int]) -> LinearState:
@@ -126,3 +224,9 @@ class LinearState:
     def to(self, device: torch.device | str) -> LinearState:
         """A copy on ``device`` (dtype unchanged)."""
         return self._map(lambda t: t.to(device))
+
+
+def _assign(view: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` into a view of the augmented matrix (``state.k_sum += x`` lands here after the in-place add)."""
+    if value.data_ptr() != view.data_ptr() or value.stride() != view.stride():
+        view.copy_(value)

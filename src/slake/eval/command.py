@@ -61,6 +61,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--longbench-hub", action="store_true",
                    help="read LongBench datasets missing from --longbench-dir from the data.zip of THUDM/LongBench "
                         "on the Hugging Face hub (downloaded once into its cache; needs network)")
+    p.add_argument("--kv-dtype", default=None, help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
+                   "scales); default: the model's dtype. Use a separate --out per value")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, summary.md/csv, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -113,6 +115,9 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
         raise ValueError("--prefill-chunk must be >= 1 and cannot be combined with --question-agnostic")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from ..cache.quant import parse_kv_dtype
+
+    kv_dtype = parse_kv_dtype(getattr(args, "kv_dtype", None))
     if args.batch_size > 1 and (args.prefill_chunk is not None or args.question_agnostic):
         raise ValueError("--batch-size > 1 cannot be combined with --prefill-chunk or --question-agnostic")
     plan = plan_suite(args.suite, _split(args.tasks), lengths, args.samples, args.seed, depths, args.longbench_dir,
@@ -126,7 +131,7 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
     run_suite(model, tokenizer, samples, methods, budgets, out, suite=plan.suite, model_name=args.model,
               seed=args.seed, query_aware=not args.question_agnostic, max_new_tokens=args.max_new_tokens,
               prefill_chunk=args.prefill_chunk, batch_size=args.batch_size,
-              chat_template=not args.no_chat_template, progress=not args.no_progress)
+              chat_template=not args.no_chat_template, progress=not args.no_progress, kv_dtype=kv_dtype)
     all_rows = read_results(out)
     md, csv_path = write_summary(out, all_rows)
     plots = _plots(out, all_rows, args.no_plots)

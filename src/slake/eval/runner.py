@@ -184,6 +184,7 @@ def run_suite(
     progress: bool = True,
     prefill_chunk: int | None = None,
     batch_size: int = 1,
+    kv_dtype: str | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate ``samples`` with the full cache and every (method, budget) pair; append rows to ``DIR/results.jsonl``.
 
@@ -228,6 +229,10 @@ def run_suite(
         decode step over the batch (about 5x faster per sample at batch 8 on CPU). Greedy outputs equal those of
         ``batch_size=1`` up to floating-point reassociation in the padded batch. Rows record ``batch_size``; their
         ``decode_s`` and ``compress_s`` are the whole batch's. Query-aware, exact-prefill runs only.
+    kv_dtype : str, optional
+        ``"int8"`` or ``"fp8_e4m3"``: every pair (the full-cache row included) stores its kept keys and values in 8
+        bits (:mod:`slake.cache.quant`). Rows record ``kv_dtype``; it is not part of the resume key, so write runs
+        with different ``kv_dtype`` to different directories.
 
     Returns
     -------
@@ -236,6 +241,9 @@ def run_suite(
     """
     from tqdm.auto import tqdm
 
+    from ..cache.quant import parse_kv_dtype
+
+    kv_dtype = parse_kv_dtype(kv_dtype)
     method_names = resolve_methods(methods)
     budget_values = parse_budgets(budgets) if method_names else []
     check_pairs(method_names, budget_values)
@@ -270,11 +278,12 @@ def run_suite(
             if len(batch) == 1:
                 rows = _run_sample(model, tokenizer, batch[0], batch_pairs, device=device, eos=eos, suite=suite,
                                    model_name=name, seed=seed, query_aware=query_aware, cap=max_new_tokens,
-                                   chat_template=chat_template, bar=bar, prefill_chunk=prefill_chunk)
+                                   chat_template=chat_template, bar=bar, prefill_chunk=prefill_chunk,
+                                   kv_dtype=kv_dtype)
             else:
                 rows = _run_batch(model, tokenizer, batch, batch_pairs, device=device, eos=eos, suite=suite,
                                   model_name=name, seed=seed, cap=max_new_tokens, chat_template=chat_template,
-                                  bar=bar)
+                                  bar=bar, kv_dtype=kv_dtype)
             for row in rows:
                 if store.write(row):
                     written.append(row)
@@ -309,7 +318,7 @@ def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[An
 
 def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Sequence[Pair], *,
                device: torch.device, eos: list[int], suite: str, model_name: str, seed: int, cap: int | None,
-               chat_template: bool, bar: Any) -> Iterator[dict[str, Any]]:
+               chat_template: bool, bar: Any, kv_dtype: str | None = None) -> Iterator[dict[str, Any]]:
     """Prefill each sample once, stack the captures, then decode every (method, budget) pair for the batch."""
     captures: list[PrefillCapture] = []
     lengths: list[int] = []
@@ -330,7 +339,7 @@ def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Seq
         bar.set_postfix_str(f"{method} {'full' if budget is None else budget} x{len(samples)}", refresh=True)
         start = time.perf_counter()
         built, profile = _method_for(model, method, budget)
-        cache = capture.replay(built, capture.prompt_len if budget is None else budget)
+        cache = capture.replay(built, capture.prompt_len if budget is None else budget, kv_dtype=kv_dtype)
         _sync(device)
         compress_s = time.perf_counter() - start
         cache.check_routed()
@@ -353,13 +362,14 @@ def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Seq
                 "seed": seed, "query_aware": True, "compressed": bool(compressed[i]),
                 "compress_s": round(compress_s, 5), "new_tokens": len(tokens), "max_new_tokens": caps[i],
                 "depth": sample.depth, "metric": sample.metric, "kv_bytes": kv_bytes[i],
-                "prefill_chunk": None, "batch_size": len(samples), "profile": profile,
+                "prefill_chunk": None, "batch_size": len(samples), "profile": profile, "kv_dtype": kv_dtype,
             }
 
 
 def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair], *, device: torch.device,
                 eos: list[int], suite: str, model_name: str, seed: int, query_aware: bool, cap: int | None,
-                chat_template: bool, bar: Any, prefill_chunk: int | None = None) -> Iterator[dict[str, Any]]:
+                chat_template: bool, bar: Any, prefill_chunk: int | None = None,
+                kv_dtype: str | None = None) -> Iterator[dict[str, Any]]:
     """Prefill ``sample`` once, then yield one scored row per (method, budget) pair."""
     prefill_ids, question_ids = encode_sample(sample, tokenizer, query_aware=query_aware, chat_template=chat_template)
     if not prefill_ids:
@@ -375,10 +385,11 @@ def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair
         chunk = None if budget is None else prefill_chunk
         built, profile = _method_for(model, method, budget)
         if chunk is None:
-            cache = capture.replay(built, len(prefill_ids) if budget is None else budget)
+            cache = capture.replay(built, len(prefill_ids) if budget is None else budget, kv_dtype=kv_dtype)
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
-            cache = SlakeCache(built, budget, model.config.num_hidden_layers, prefill_chunk=chunk)
+            cache = SlakeCache(built, budget, model.config.num_hidden_layers, prefill_chunk=chunk,
+                                kv_dtype=kv_dtype)
             logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
             source = PrefillCapture(records=[], attention_mask=torch.ones_like(ids), last_logits=logits.float(),
                                     prefill_s=time.perf_counter() - start)
@@ -398,5 +409,5 @@ def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair
             "prefill_s": round(capture.prefill_s, 5), "decode_s": round(decode_s, 5), "seed": seed,
             "query_aware": query_aware, "compressed": bool(stats["compressed"]), "compress_s": round(compress_s, 5),
             "new_tokens": len(tokens), "max_new_tokens": max_new, "depth": sample.depth, "metric": sample.metric,
-            "kv_bytes": stats["kv_bytes"], "prefill_chunk": chunk, "profile": profile,
+            "kv_bytes": stats["kv_bytes"], "prefill_chunk": chunk, "profile": profile, "kv_dtype": kv_dtype,
         }

@@ -120,6 +120,9 @@ class SlakeCache(Cache):
         ``config=model.config``, which cannot be wrong. Checked against the model at the first forward.
     charge_linear_state : bool
         Charge SLAKE's linear state against the budget (equal-memory comparisons).
+    kv_dtype : str | None
+        Storage of the kept keys and values: None (model dtype) or ``"int8"`` / ``"fp8_e4m3"`` (8-bit codes with a
+        float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
     prefill_chunk : int | None
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (ARCHITECTURE.md decision 2: an explicit trade of exactness).
@@ -145,7 +148,8 @@ class SlakeCache(Cache):
     """
 
     def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int | None = None,
-                 charge_linear_state: bool = False, prefill_chunk: int | None = None, *, config=None,
+                 charge_linear_state: bool = False, prefill_chunk: int | None = None, kv_dtype: str | None = None, *,
+                 config=None,
                  profile_model=None, **hyperparameters) -> None:
         from ..profiles import resolve_method
 
@@ -155,7 +159,8 @@ class SlakeCache(Cache):
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m, self.profile = resolve_method(method, budget, source, **hyperparameters)
-        self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state)
+        self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state,
+                                  kv_dtype=kv_dtype)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         super().__init__(layers=[SlakeCacheLayer(self.engine, i) for i in range(num_layers)])
 
@@ -240,6 +245,7 @@ class SlakeCache(Cache):
         return {
             "method": eng.method.name,
             "budget": eng.budget.value,
+            "kv_dtype": eng.kv_dtype,
             "compressed": bool(info is not None and bool(info.compress.any())),
             "kv_bytes": eng.byte_counts(),
             "kept_tokens_per_layer": eng.kept_tokens_per_layer(),

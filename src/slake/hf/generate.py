@@ -152,7 +152,8 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
              budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None,
              seed: int | None = None, charge_linear_state: bool = False, prefill_chunk: int | None = None,
-             allow_long_context: bool = False, **hyperparameters) -> GenerationResult:
+             allow_long_context: bool = False, kv_dtype: str | None = None,
+             **hyperparameters) -> GenerationResult:
     """Generate with a compressed KV cache.
 
     Parameters
@@ -180,6 +181,9 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     allow_long_context : bool
         Run even when the prompt plus ``max_new_tokens`` exceeds the model's context (``max_position_embeddings``);
         by default that raises ValueError, because the answer degrades silently past the trained positions.
+    kv_dtype : str | None
+        ``"int8"`` or ``"fp8_e4m3"``: store the kept keys and values in 8 bits (:mod:`slake.cache.quant`);
+        None (default): the model's dtype.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.profiles`: a
@@ -204,7 +208,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
         raise ValueError("the prompt is empty after tokenisation")
     check_context_length(model, enc["input_ids"].shape[1], max_new_tokens, allow_long_context)
     cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
     clock = _StepClock()
     gen_kwargs: dict = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                         "pad_token_id": tokenizer.pad_token_id}

@@ -52,14 +52,15 @@ class PrefillCapture:
         """Padded prompt length ``S``."""
         return self.attention_mask.shape[1]
 
-    def replay(self, method: str | Method, budget: int | float | str | Budget, **hyperparameters) -> SlakeCache:
+    def replay(self, method: str | Method, budget: int | float | str | Budget, kv_dtype: str | None = None,
+               **hyperparameters) -> SlakeCache:
         """A :class:`SlakeCache` holding the compressed prompt, as live compression would have left it.
 
         A method whose prefill scores do not depend on the budget (``prefill_scores_use_budget = False``, e.g.
         H2O) computes them once per capture and method configuration; later replays at other budgets reuse them.
         """
         method = make_method(method, **hyperparameters)
-        cache = SlakeCache(method, budget, self.num_layers)
+        cache = SlakeCache(method, budget, self.num_layers, kv_dtype=kv_dtype)
         if not method.prefill_scores_use_budget:
             cache.engine.score_memo = self._score_memos.setdefault(repr(method), {})
         for layer, (q, k, v, pad, scaling) in enumerate(self.records):
