@@ -123,7 +123,3 @@ def calibrate_method(model: Any, ref: OutputReference, method: Any, budget: int 
             "search": {"candidates": len(cache), "objective": "mean KL(full || compressed), nats/token",
                        "seconds": round(time.perf_counter() - start, 1)}}
 
-
-def candidates_per_method(refine: bool = True) -> int:
-    """Upper bound on the candidates one (method, budget) search evaluates (for progress bars)."""
-    return 1 + 25 + (8 if refine else 0)

@@ -112,13 +112,15 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
     eps = torch.full((B,), EPS, dtype=torch.float32, device=logits.device)
     if sel == 0 or not bool((n0 > 0).any()):
         return eps
-    if split == "window":
+    # 1) provisional split (the full-Taylor map needs none: every visible key is linearised below)
+    if split == "uniform":  # keep the top-k0 real non-window tokens by indicator, per (b, KV head)
+        ind = indicator.float().masked_fill(pad[:, None, :sel], float("-inf"))
+        order = torch.sort(ind, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sel, device=order.device).expand_as(order))
+        ev = (rank >= k0[:, None, None]) & ~pad[:, None, :sel]
+    else:  # "window": every real non-window token (provisional budget 0)
         k0 = torch.zeros_like(k0)
-    # 1) provisional split: keep the top-k0 real non-window tokens by indicator, per (b, KV head)
-    ind = indicator.float().masked_fill(pad[:, None, :sel], float("-inf"))
-    order = torch.sort(ind, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sel, device=order.device).expand_as(order))
-    ev = (rank >= k0[:, None, None]) & ~pad[:, None, :sel]
+        ev = (~pad[:, None, :sel]).expand(B, Hkv, sel)
     ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]      # (B, Hkv, 1, 1, S)
     # 2) PTAA weight map for each window query, group layout (B, Hkv, g, w, S)
     x = logits.float().reshape(B, Hkv, g, w, S)
