@@ -12,13 +12,13 @@ from slake.methods import make_method
 L, B, HQ, HKV, S, D = 4, 2, 4, 2, 96, 8
 
 
-def _prefill(method_name, budget, padding=None, seed=0, **hyper):
+def _prefill(method_name, budget, padding=None, seed=0, q_scales=None, **hyper):
     g = torch.Generator().manual_seed(seed)
     method = make_method(method_name, **hyper)
     eng = CompressedKV(method, budget, L)
     captured = []
     for layer in range(L):
-        q = torch.randn(B, HQ, S, D, generator=g) * 2
+        q = torch.randn(B, HQ, S, D, generator=g) * (2 if q_scales is None else q_scales[layer])
         k = torch.randn(B, HKV, S, D, generator=g) * 2
         v = torch.randn(B, HKV, S, D, generator=g)
         captured.append((q, k, v))
@@ -108,3 +108,31 @@ def test_h2o_window_tokens_keep_their_accumulated_attention():
     assert bool(window.any())
     expect = acc.gather(-1, store.positions.clamp_min(0))
     torch.testing.assert_close(store.scores[window], expect[window])
+
+
+@pytest.mark.parametrize("name", ["cake", "slake"])
+def test_max_layer_budget_caps_every_layer_and_keeps_the_total(name):
+    """A cap below the largest uncapped layer budget binds: no layer keeps more than the cap (window included), the
+    budgets still sum to the total, and a cap no layer reaches changes nothing (``max_layer_budget`` of CAKE)."""
+    scales = [0.3, 1.0, 3.0, 8.0]  # flat to peaked attention: uneven layer preferences
+    free, method, _ = _prefill(name, 24, window=4, q_scales=scales)
+    sel = free.info.layer_budgets
+    assert int(sel.max()) > 24  # the preference allocation is uneven
+    cap = int(sel.max()) - 1 + method.protected  # one token under the largest layer's budget: binds
+    capped, method, _ = _prefill(name, 24, window=4, q_scales=scales, max_layer_budget=cap)
+    csel = capped.info.layer_budgets
+    assert int(csel.max()) <= cap - method.protected
+    assert torch.equal(csel.sum(-1), sel.sum(-1))
+    for store in capped.layers:
+        assert int(store.counts().max()) <= cap
+    loose, _, _ = _prefill(name, 24, window=4, q_scales=scales, max_layer_budget=S)
+    assert torch.equal(loose.info.layer_budgets, sel)
+    for a, b in zip(loose.layers, free.layers):
+        assert torch.equal(a.positions, b.positions)
+
+
+def test_max_layer_budget_below_the_budget_or_the_window_is_refused():
+    with pytest.raises(ValueError, match="max_layer_budget"):
+        make_method("cake", window=8, max_layer_budget=8)
+    with pytest.raises(ValueError, match="below the average budget"):
+        _prefill("cake", 40, max_layer_budget=39)

@@ -18,8 +18,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BUDGET = 64
 NEW_TOKENS = 24
 #: prompt lengths of the batch: compressed ones of different lengths, two of the same length with different tokens,
-#: and one shorter than the budget (never compressed)
-LENGTHS = (200, 120, 40, 300, 200)
+#: one shorter than the budget (never compressed), and one of whole blocks below CAKE/SLAKE's layer cap (its first
+#: decode step needs one more block than its prefill)
+LENGTHS = (200, 120, 40, 300, 200, 96)
+#: vLLM's max_layer_budget of CAKE/SLAKE at BUDGET (slake.vllm.config.with_layer_cap)
+LAYER_CAP = 2 * BUDGET
 
 
 def build_tiny(path: str, seed: int = 0) -> None:
@@ -63,9 +66,15 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
     slake.prepare_model(model)
     kw = {}
     if method is not None:
-        kw["past_key_values"] = SlakeCache(make_method(method), budget, model.config.num_hidden_layers)
+        from slake.budget_spec import Budget
+        from slake.vllm.config import with_layer_cap
+
+        built = with_layer_cap(make_method(method), Budget(budget))  # the cap vLLM uses for CAKE/SLAKE
+        kw["past_key_values"] = SlakeCache(built, budget, model.config.num_hidden_layers)
     x = torch.tensor([ids])
+    # exactly new_tokens, EOS included where it is the argmax, as vLLM's ignore_eos (min_new_tokens would mask EOS)
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, **kw)
     return out[0, len(ids):].tolist()

@@ -23,14 +23,26 @@ def test_additional_config_wins_over_environment(monkeypatch):
 
 def test_blocks_and_slots():
     cfg = parse_config({"slake": {"method": "snapkv", "budget": 128}})
-    assert cfg.slots() == 129
+    assert cfg.slots() == 129 and cfg.slots(4000) == 129
     assert cfg.blocks(32) == 5 and cfg.blocks(128) == 2
     assert cfg.compresses(129) and not cfg.compresses(128)
 
 
+def test_preference_methods_get_a_layer_cap_and_hold_its_slots():
+    """CAKE/SLAKE layers keep up to max_layer_budget tokens (2x the budget unless set), at most the prompt."""
+    cfg = parse_config({"slake": {"method": "slake", "budget": 128}})
+    assert cfg.method.max_layer_budget == 256 and cfg.method.linear_cache
+    assert cfg.slots() == 257 and cfg.blocks(32, 4000) == 9
+    assert cfg.slots(200) == 201 and cfg.blocks(32, 192) == 7  # a 192-token prompt may keep all 192, plus the new
+    cfg = parse_config({"slake": {"method": "cake", "budget": 128, "set": {"max_layer_budget": 160}}})
+    assert cfg.method.max_layer_budget == 160 and cfg.blocks(32, 4000) == 6
+
+
 @pytest.mark.parametrize("raw, message", [
-    ({"method": "cake", "budget": 128}, "not supported by the vLLM plugin"),
-    ({"method": "slake", "budget": 128}, "not supported by the vLLM plugin"),
+    ({"method": "pyramidkv", "budget": 128}, "not supported by the vLLM plugin"),
+    ({"method": "ada-snapkv", "budget": 128}, "not supported by the vLLM plugin"),
+    ({"method": "cake[max_layer_budget=100]", "budget": 128}, "max_layer_budget >= the budget"),
+    ({"method": "slake[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
     ({"method": "snapkv", "budget": 0.25}, "absolute budget"),
     ({"method": "snapkv", "budget": 16}, "exceed the budget"),
     ({"method": "snapkv[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),

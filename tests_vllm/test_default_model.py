@@ -16,7 +16,7 @@ import pytest
 
 from slake.budget_spec import Budget
 from slake.methods import make_method
-from slake.vllm.config import SUPPORTED_METHODS
+from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 from slake.vllm.generate import generate_vllm
 
 BUDGET = 128
@@ -38,7 +38,9 @@ def transformers_results(prompt) -> dict:
     from slake.models import load_model
 
     model, tokenizer = load_model(None, device="cpu", dtype="float32")
-    return {m: generate(model, tokenizer, prompt[1], method=m, budget=BUDGET, max_new_tokens=NEW_TOKENS)
+    cap = {"max_layer_budget": 2 * BUDGET}  # the layer cap vLLM gives CAKE/SLAKE (slake.vllm.config.with_layer_cap)
+    return {m: generate(model, tokenizer, prompt[1], method=m, budget=BUDGET, max_new_tokens=NEW_TOKENS,
+                        **(cap if m in PREFERENCE_METHODS else {}))
             for m in ("full", *SUPPORTED_METHODS)}
 
 
@@ -56,14 +58,19 @@ def test_plain_vllm_equals_full_cache(plain, transformers_results):
 @pytest.mark.parametrize("method", [m for m in SUPPORTED_METHODS if m != "snapkv"])  # snapkv: the CLI test below
 def test_default_model_vllm_text_equals_transformers(method, prompt, plain, transformers_results):
     hf = transformers_results[method]
-    vl = generate_vllm(prompt[1], method=make_method(method), budget=Budget(BUDGET), model=None, gguf_file=None,
+    # a name, as `slake generate` passes it: the default model's profile applies in both engines (slake's alpha/beta)
+    vl = generate_vllm(prompt[1], method=method, budget=Budget(BUDGET), model=None, gguf_file=None,
                        dtype="float32", max_new_tokens=NEW_TOKENS)
+    assert vl.hyperparameters == hf.hyperparameters and vl.profile == hf.profile
     assert vl.text == hf.text
     assert vl.prompt_tokens == hf.prompt_tokens and vl.prompt_tokens[0] > BUDGET
     assert vl.compressed and vl.kept_tokens_per_layer == hf.kept_tokens_per_layer
     extra = vl.engine_extra
-    assert extra["kv_blocks_after_prefill"] == extra["kv_blocks_end"] == -(-(BUDGET + 1) // extra["kv_block_size"])
+    slots = (2 * BUDGET if method in PREFERENCE_METHODS else BUDGET) + 1
+    assert extra["kv_blocks_after_prefill"] == extra["kv_blocks_end"] == -(-slots // extra["kv_block_size"])
     assert extra["kv_blocks_end"] < plain.engine_extra["kv_blocks_after_prefill"]
+    assert (vl.kv_bytes["linear_state"] > 0) == (method == "slake")
+    assert vl.kv_bytes["linear_state"] == hf.kv_bytes["linear_state"]
 
 
 def test_cli_generate_engine_vllm_json(prompt, transformers_results):
@@ -80,8 +87,8 @@ def test_cli_generate_engine_vllm_json(prompt, transformers_results):
 
 
 def test_cli_refuses_what_vllm_cannot_honour(prompt):
-    cmd = [sys.executable, "-m", "slake.cli", "generate", "--engine", "vllm", "--method", "cake", "--budget", "128",
-           "--prompt-file", prompt[0], "--json"]
+    cmd = [sys.executable, "-m", "slake.cli", "generate", "--engine", "vllm", "--method", "pyramidkv", "--budget",
+           "128", "--prompt-file", prompt[0], "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 2
-    assert "slake: method 'cake' is not supported by the vLLM plugin" in done.stderr
+    assert "slake: method 'pyramidkv' is not supported by the vLLM plugin" in done.stderr

@@ -3,15 +3,15 @@
 One batch of prompts of different lengths runs concurrently in one engine per method; every request must equal
 its own batch-1 run of slake's transformers engine (so requests do not see each other's tokens), a prompt shorter
 than the budget must equal plain vLLM, and compressed requests must hold ``ceil((budget + 1) / block_size)``
-blocks from the first decode step on.
+blocks from the first decode step on (CAKE/SLAKE: ``ceil((min(max_layer_budget, prompt) + 1) / block_size)``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import BUDGET, LENGTHS, NEW_TOKENS, hf_generate
-from slake.vllm.config import SUPPORTED_METHODS
+from conftest import BUDGET, LAYER_CAP, LENGTHS, NEW_TOKENS, hf_generate
+from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 from slake.vllm.engine import expected_blocks, run_vllm
 
 BLOCK = 32
@@ -50,11 +50,19 @@ def test_vllm_equals_transformers_engine(method, tiny_dir, prompts, plain, full_
         ref = hf_generate(tiny_dir, ids, method, BUDGET, NEW_TOKENS)
         assert run.tokens[i] == ref, f"{method}: prompt {i} ({n} tokens)"
         assert run.compressed[i] == (n > BUDGET)
-        after, end = expected_blocks(n, NEW_TOKENS, BUDGET, BLOCK)
+        preference = method in PREFERENCE_METHODS
+        after, end = expected_blocks(n, NEW_TOKENS, BUDGET, BLOCK, LAYER_CAP if preference else None)
         assert (run.blocks_after_prefill[i], run.blocks_end[i]) == (after, end)
         if n > BUDGET:
-            assert run.blocks_end[i] < plain.blocks_end[i]
-            assert run.kept_tokens_per_layer[i] == [float(BUDGET)] * 3
+            if n > (LAYER_CAP if preference else BUDGET):
+                assert run.blocks_end[i] < plain.blocks_end[i]
+            else:  # a prompt within CAKE's layer cap: one layer may keep all of it, so no block is freed
+                assert run.blocks_end[i] <= plain.blocks_end[i]
+            kept = run.kept_tokens_per_layer[i]
+            if preference:  # per-layer budgets: the same total, none above the cap
+                assert sum(kept) == 3 * BUDGET and max(kept) <= LAYER_CAP
+            else:
+                assert kept == [float(BUDGET)] * 3
             differs_from_full += ref != full_reference[i]
         else:  # shorter than the budget: no eviction, same as vLLM without the plugin
             assert run.tokens[i] == plain.tokens[i]
@@ -73,7 +81,8 @@ def test_concurrent_requests_do_not_see_each_other(tiny_dir, prompts):
 
 
 @pytest.mark.parametrize("slake, extra, message", [
-    ({"method": "cake", "budget": BUDGET}, {}, "slake: method 'cake' is not supported"),
+    ({"method": "pyramidkv", "budget": BUDGET}, {}, "slake: method 'pyramidkv' is not supported"),
+    ({"method": "cake", "budget": BUDGET, "set": {"max_layer_budget": BUDGET - 1}}, {}, "max_layer_budget >="),
 ])
 def test_unsupported_configuration_fails_at_start_up(tiny_dir, slake, extra, message):
     with pytest.raises(Exception) as exc:

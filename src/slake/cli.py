@@ -143,8 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         if kv_dtype is not None:
             raise ValueError("--kv-dtype is not supported with --engine vllm (the plugin stores vLLM's own cache dtype)")
-        method = make_method(args.method, **hyper)  # the plugin's methods have no profile hyperparameters
-        res = generate_from_args(args, method, budget, prompt)
+        res = generate_from_args(args, hyper, budget, prompt)
     else:
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
         res = generate(model, tokenizer, prompt, method=args.method, budget=budget,

@@ -111,6 +111,10 @@ class CompressedKV:
         compress = real.cpu() > budget
         if self.method.keeps_everything:
             compress[:] = False
+        cap = getattr(self.method, "max_layer_budget", None)
+        if cap is not None and bool(compress.any()) and int(budget[compress].max()) > cap:
+            raise ValueError(f"{self.method.name}: max_layer_budget={cap} is below the average budget "
+                             f"{int(budget[compress].max())}; the layers could not hold the total budget")
         if bool(compress.any()) and int(budget[compress].min()) < self.method.protected:
             raise ValueError(
                 f"{self.method.name}: a budget of {int(budget[compress].min())} tokens is smaller than the protected "
@@ -194,9 +198,14 @@ class CompressedKV:
         for b in range(len(info.real_len)):
             prefs = torch.stack([info.preferences[l][b].float().cpu() for l in range(m + 1)])
             total = int(self._selectable_total()[b]) * self.num_layers
-            cap = max(int(info.real_len[b]) - self.method.protected, 0)
+            cap = max(min(int(info.real_len[b]), self._layer_cap()) - self.method.protected, 0)
             rows.append(budget_rules.preference_budgets(prefs, total, cap, final=final))
         return torch.stack([r.to(torch.int64) for r in rows])
+
+    def _layer_cap(self) -> int:
+        """The method's ``max_layer_budget`` (tokens per layer, window included), or a bound no prompt reaches."""
+        cap = getattr(self.method, "max_layer_budget", None)
+        return int(cap) if cap is not None else 1 << 62
 
     def _carry_protected(self, layer_idx: int) -> None:
         """Replace the ``+inf`` of kept protected prompt slots by the method's own score (carry_protected_scores)."""

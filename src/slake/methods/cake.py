@@ -112,6 +112,12 @@ class Cake(Method):
         Temperatures of the entropy / variance terms of the preference (see :func:`cake_taus`).
     kernel : int
         Pooling kernel (5); ``pooling`` is ``"avg"`` (reference) or ``"max"``.
+    max_layer_budget : int | None
+        Optional cap on one layer's budget in tokens (window included); None (default, the paper) caps a layer only
+        at the prompt length. Not in the paper: the cascade's water-filling (spec 7.2) runs with the cap
+        ``min(S, max_layer_budget) - w`` instead of ``S - w``, which leaves budgets unchanged where no layer reaches
+        the cap. A serving engine whose block table is shared by all layers (vLLM) needs the cap to know a
+        request's slots in advance; it must be at least the average budget ``C``.
     """
 
     window: int = 32
@@ -120,6 +126,7 @@ class Cake(Method):
     tau2: float = 1.0
     kernel: int = 5
     pooling: str = "avg"
+    max_layer_budget: int | None = None
 
     name = "cake"
     summary = "CAKE: cascading, preference-proportional layer budgets; mean+variance window indicator"
@@ -136,6 +143,9 @@ class Cake(Method):
         if self.kernel < 1 or self.kernel % 2 == 0 or self.pooling not in ("avg", "max"):
             raise ValueError(f"{self.name}: kernel must be odd >= 1 and pooling 'avg' or 'max' "
                              f"(got {self.kernel}, {self.pooling!r})")
+        if self.max_layer_budget is not None and self.max_layer_budget <= self.protected:
+            raise ValueError(f"{self.name}: max_layer_budget must exceed the protected window + sinks "
+                             f"({self.protected}), got {self.max_layer_budget}")
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Indicator (window part 0, ignored by the engine) and per-sample preference of one prefilled layer."""

@@ -5,13 +5,18 @@ It is vLLM's CPU backend plus compression, through vLLM's backend registry (``re
 * **Prefill** of a request whose prompt is longer than the budget: vLLM's kernel computes the layer's exact
   attention over the whole prompt; then :class:`slake.cache.compressed.CompressedKV` (the engine the transformers
   path uses) scores and selects the kept tokens of that layer from the same post-RoPE queries/keys, and the kept
-  keys/values are written, per KV head, to the request's first ``budget`` cache slots. The scheduler side
-  (:mod:`slake.vllm.scheduler`) then returns the request's other blocks to vLLM's block pool.
+  keys/values are written, per KV head, to the request's first cache slots. The scheduler side
+  (:mod:`slake.vllm.scheduler`) then returns the request's other blocks to vLLM's block pool. For CAKE/SLAKE
+  (cascading layer budgets, spec section 7.3) the engine re-evicts earlier layers as later ones are prefilled, so
+  every layer's kept entries stay in this process until the last layer's prefill and are written then; SLAKE's
+  PTAA linear state (a fixed ``(d + 1)^2`` per layer and KV head) lives in this process, next to the metadata.
 * **Decode** of a compressed request: the step's new key/value is not written by vLLM (its slot is masked); the
   layer's kept slots are read from the paged cache into the engine's ``LayerStore``, and
   ``CompressedKV.append`` + ``CompressedKV.decode_attention`` compute the output and evict with the method's decode
-  rule exactly as in the transformers engine; the store's ``budget + 1`` slots are written back. The cache of a
-  compressed request therefore never holds more than ``budget + 1`` slots per layer and KV head.
+  rule exactly as in the transformers engine (SLAKE: exact softmax over the kept entries plus the linear term);
+  the store's slots are written back. The cache of a compressed request therefore never holds more than
+  :meth:`slake.vllm.config.SlakeVllmConfig.slots` slots per layer and KV head (``budget + 1``; CAKE/SLAKE:
+  ``min(max_layer_budget, prompt) + 1``).
 * Requests whose prompt fits in the budget, and every request when slake is not configured, run vLLM's kernel
   unchanged.
 
@@ -29,12 +34,13 @@ tenth of the KV cache's size in the worst case for head dim 64, float32, budget 
 from __future__ import annotations
 
 import dataclasses
-from vllm.logger import init_logger
+import math
 import re
 from dataclasses import dataclass, field
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -57,6 +63,9 @@ class RequestState:
 
     prompt_len: int
     cache: CompressedKV
+    #: layer -> (backend impl, layer, kv_cache, block ids) of layers whose kept entries are written at the end of the
+    #: prefill step (CAKE's cascade re-evicts earlier layers while later ones are prefilled)
+    pending: dict = field(default_factory=dict)
 
     def kept_tokens_per_layer(self) -> list[float]:
         """Mean kept tokens per KV head, per layer (valid slots of the engine's stores)."""
@@ -66,6 +75,10 @@ class RequestState:
         """Bytes of the per-slot metadata kept between steps (positions, validity, scores), all layers."""
         return sum(int(s.positions.nbytes + s.valid.nbytes + s.scores.nbytes) for s in self.cache.layers
                    if s is not None)
+
+    def linear_state_bytes(self) -> int:
+        """Bytes of the PTAA linear states (SLAKE), all layers; 0 for methods without one."""
+        return sum(int(s.linear.nbytes()) for s in self.cache.layers if s is not None and s.linear is not None)
 
 
 @dataclass
@@ -118,7 +131,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         qsl = cm.query_start_loc_cpu.tolist() if cm.query_start_loc_cpu is not None else cm.query_start_loc.tolist()
         seq_lens = cm.seq_lens.cpu().clone()
         table = cm.block_table_tensor
-        keep = self.slake.blocks(self.block_size)
+        bs = self.block_size
         changed = False
         for i in range(cm.num_reqs):
             qs, qe = qsl[i], qsl[i + 1]
@@ -136,7 +149,8 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                     if RECORD_RUNS:
                         RUN_LOG.append(st)
                         del RUN_LOG[:-_RUN_LOG_MAX]
-                    plan.prefills.append((st, qs, qe, table[i, :keep].clone()))
+                    held = min(self.slake.blocks(bs, slen), math.ceil(slen / bs))  # kept entries fit the prompt's
+                    plan.prefills.append((st, qs, qe, table[i, :held].clone()))
                 continue
             st = _STATES.get(first)
             if st is None:
@@ -144,9 +158,9 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             if qlen != 1:
                 raise RuntimeError(f"slake: a compressed request was scheduled {qlen} tokens in one step; the plugin "
                                    f"supports one token per decode step (no speculative decoding, no chunked prefill)")
-            plan.decodes.append((st, qs, table[i, :keep].clone()))
+            plan.decodes.append((st, qs, table[i, :self.slake.blocks(bs, st.prompt_len)].clone()))
             plan.masked_tokens.append(qs)
-            seq_lens[i] = self.slake.slots()  # vLLM's kernel must not read past the blocks the request holds
+            seq_lens[i] = self.slake.slots(st.prompt_len)  # vLLM's kernel must not read past the request's blocks
             changed = True
         if changed:
             cm = dataclasses.replace(cm, seq_lens=seq_lens.to(cm.seq_lens.device),
@@ -205,9 +219,17 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
             v = value[qs:qe].transpose(0, 1).unsqueeze(0)
             st.cache.prefill_layer(li, q, k, v, None, self.scale)
-            store = st.cache.layers[li]
-            self._write(layer, kv_cache, store.keys[0], store.values[0], blocks)
-            store.keys = store.values = None  # the kept entries live in vLLM's blocks only
+            st.pending[li] = (self, layer, kv_cache, blocks)
+            if st.cache.method.layer_budgets == "preference" and li < st.cache.num_layers - 1:
+                continue  # the cascade may still shrink this layer: write every layer after the last one
+            for l, (impl, lay, cache, blk) in sorted(st.pending.items()):
+                store = st.cache.layers[l]
+                if store.capacity > blk.numel() * cache.shape[2]:
+                    raise RuntimeError(f"slake: layer {l} keeps {store.capacity} slots, more than the request's "
+                                       f"{blk.numel()} blocks hold")
+                impl._write(lay, cache, store.keys[0], store.values[0], blk)
+                store.keys = store.values = None  # the kept entries live in vLLM's blocks only
+            st.pending.clear()
         for st, qi, blocks in plan.decodes:
             store = st.cache.layers[li]
             cap = store.positions.shape[-1]

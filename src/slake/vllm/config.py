@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..budget_spec import Budget
@@ -22,9 +22,14 @@ from ..methods.base import Method, make_method
 
 ENV_VAR = "SLAKE_VLLM"
 
-#: methods whose kept set per layer and KV head is exactly the budget (uniform layer budgets, uniform head split, no
-#: per-query-head visibility, no linear state): the scheduler then knows the blocks a request needs in advance
-SUPPORTED_METHODS = ("streamingllm", "snapkv", "tova", "h2o")
+#: methods the plugin runs: a uniform head split and no per-query-head visibility, with either uniform layer budgets
+#: (every layer keeps the budget) or CAKE's cascading preference budgets capped at ``max_layer_budget`` (cake, and
+#: slake with its PTAA linear state), so that the scheduler knows in advance the slots a request's layers can need
+SUPPORTED_METHODS = ("streamingllm", "snapkv", "tova", "h2o", "cake", "slake")
+#: methods with per-layer budgets (CAKE's cascade, spec section 7.3)
+PREFERENCE_METHODS = ("cake", "slake")
+#: default ``max_layer_budget`` of preference methods in vLLM, as a multiple of the budget
+DEFAULT_LAYER_CAP_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -34,27 +39,38 @@ class SlakeVllmConfig:
     Attributes
     ----------
     method : Method
-        The compression method (built with :func:`slake.methods.make_method`).
+        The compression method (built with :func:`slake.methods.make_method`; preference methods always have a
+        ``max_layer_budget``).
     budget : int
-        Cached tokens per layer and KV head (window included), as in ``slake generate --budget``.
+        Cached tokens per layer and KV head on average (window included), as in ``slake generate --budget``.
     """
 
     method: Method
     budget: int
+
+    @property
+    def layer_tokens(self) -> int:
+        """Most tokens one layer and KV head of a compressed request keeps after a step's eviction: the budget for
+        uniform methods, ``max_layer_budget`` for CAKE/SLAKE (vLLM's block table is shared by all layers, so a
+        request holds the largest layer's slots in every layer)."""
+        cap = getattr(self.method, "max_layer_budget", None)
+        return int(cap) if self.method.layer_budgets == "preference" else self.budget
 
     def compresses(self, prompt_len: int) -> bool:
         """True when a prompt of ``prompt_len`` tokens is compressed (longer than the budget), as in
         :class:`slake.cache.compressed.CompressedKV`."""
         return prompt_len > self.budget
 
-    def slots(self) -> int:
-        """Cache slots a compressed request holds per layer and KV head while decoding: the budget plus the slot
-        the newest token is written to before the step's eviction (the engine's ``LayerStore`` capacity)."""
-        return self.budget + 1
+    def slots(self, prompt_len: int | None = None) -> int:
+        """Cache slots a compressed request holds per layer and KV head while decoding: what a layer keeps
+        (:attr:`layer_tokens`, at most the prompt) plus the slot the newest token is written to before the step's
+        eviction (the engine's ``LayerStore`` capacity). Without ``prompt_len``: the bound for any prompt."""
+        kept = self.layer_tokens if prompt_len is None else min(self.layer_tokens, int(prompt_len))
+        return kept + 1
 
-    def blocks(self, block_size: int) -> int:
-        """KV blocks a compressed request holds after its prefill."""
-        return math.ceil(self.slots() / block_size)
+    def blocks(self, block_size: int, prompt_len: int | None = None) -> int:
+        """KV blocks a compressed request of ``prompt_len`` tokens holds from its first decode step on."""
+        return math.ceil(self.slots(prompt_len) / block_size)
 
     def describe(self) -> str:
         """One line for logs: ``snapkv@128 (window=32, ...)``."""
@@ -110,8 +126,19 @@ def parse_config(additional_config: Any) -> SlakeVllmConfig | None:
         budget = Budget(raw["budget"])
     except ValueError as exc:
         raise ValueError(f"slake: {exc}") from None
+    method = with_layer_cap(method, budget)
     check_supported(method, budget)
     return SlakeVllmConfig(method=method, budget=int(budget.value))
+
+
+def with_layer_cap(method: Method, budget: Budget) -> Method:
+    """``method`` with ``max_layer_budget`` set for CAKE/SLAKE when the user set none: ``DEFAULT_LAYER_CAP_FACTOR``
+    times the budget (the cap binds only where a layer's preference share exceeds it; the transformers engine gives
+    the same tokens with ``--set max_layer_budget=<that>``). Other methods are returned unchanged."""
+    if (method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None
+            and not budget.is_ratio):
+        return replace(method, max_layer_budget=DEFAULT_LAYER_CAP_FACTOR * int(budget.value))
+    return method
 
 
 def check_supported(method: Method, budget: Budget) -> None:
@@ -120,14 +147,19 @@ def check_supported(method: Method, budget: Budget) -> None:
     if name not in SUPPORTED_METHODS:
         raise ValueError(f"slake: method {name!r} is not supported by the vLLM plugin (it needs per-layer or "
                          f"per-head budgets or a linear state); supported: {', '.join(SUPPORTED_METHODS)}")
-    if getattr(method, "linear_cache", False):
-        raise ValueError(f"slake: {name} with linear_cache=true (PTAA) is not supported by the vLLM plugin")
+    if getattr(method, "linear_cache", False) and name not in PREFERENCE_METHODS:
+        raise ValueError(f"slake: {name} with linear_cache=true (PTAA) is not supported by the vLLM plugin "
+                         f"(only slake, and cake[linear_cache=true], keep a linear state there)")
     if not getattr(method, "decode_eviction", True):
         raise ValueError(f"slake: {name} with decode_eviction=false is not supported by the vLLM plugin "
                          f"(the cache must stay bounded at the budget)")
-    if method.layer_budgets != "uniform":
+    if method.layer_budgets not in ("uniform", "preference"):
         raise ValueError(f"slake: {name} with {method.layer_budgets} layer budgets is not supported by the "
                          f"vLLM plugin")
+    cap = getattr(method, "max_layer_budget", None)
+    if method.layer_budgets == "preference" and not budget.is_ratio and (cap is None or cap < int(budget.value)):
+        raise ValueError(f"slake: {name} needs max_layer_budget >= the budget {budget.value} in vLLM (its block "
+                         f"table is shared by all layers), got {cap}")
     if budget.is_ratio:
         raise ValueError("slake: the vLLM plugin needs an absolute budget in tokens (e.g. 128), not a ratio")
     if not method.keeps_everything and method.protected > int(budget.value):

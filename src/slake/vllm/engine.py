@@ -194,7 +194,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
             "kept": kept_bytes,
             "padding": max(int(held * block_size * layers * per_token) - kept_bytes, 0) if held is not None else 0,
             "metadata": state.metadata_bytes() if compressed else 0,
-            "linear_state": 0,
+            "linear_state": state.linear_state_bytes() if compressed else 0,
             "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
         })
         m = out.metrics
@@ -217,13 +217,15 @@ def _match_state(logs: list, prompt_len: int):
     return None
 
 
-def expected_blocks(prompt_len: int, new_tokens: int, budget: int | None, block_size: int) -> tuple[int, int]:
+def expected_blocks(prompt_len: int, new_tokens: int, budget: int | None, block_size: int,
+                    layer_tokens: int | None = None) -> tuple[int, int]:
     """Blocks a request holds (after prefill, at the end) with the plugin at ``budget`` or, for None, without it.
 
     After prefill means at the first decode step (its slot included); at the end, when the last token is
     scheduled (the last token's own K/V is never written, so ``prompt_len + new_tokens - 1`` slots).
+    ``layer_tokens``: the most tokens a layer keeps (``max_layer_budget`` of CAKE/SLAKE; default the budget).
     """
     if budget is not None and prompt_len > budget:
-        b = math.ceil((budget + 1) / block_size)
+        b = math.ceil((min(layer_tokens or budget, prompt_len) + 1) / block_size)
         return b, b
     return math.ceil((prompt_len + 1) / block_size), math.ceil((prompt_len + new_tokens - 1) / block_size)

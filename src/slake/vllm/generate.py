@@ -24,9 +24,9 @@ class VllmGenerationResult(GenerationResult):
     engine_extra: dict = field(default_factory=dict)
 
 
-def generate_vllm(prompt: str, *, method: Method, budget: Budget, model: str | None, gguf_file: str | None,
+def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: str | None, gguf_file: str | None,
                   dtype: str | None, max_new_tokens: int, chat_template: bool = True,
-                  block_size: int = 32) -> VllmGenerationResult:
+                  block_size: int = 32, **hyperparameters) -> VllmGenerationResult:
     """Greedy generation of one prompt with vLLM and the slake plugin (in this process).
 
     The prompt is formatted and tokenized exactly as :func:`slake.hf.generate.generate` does, and generation stops
@@ -38,7 +38,9 @@ def generate_vllm(prompt: str, *, method: Method, budget: Budget, model: str | N
         The user prompt.
     method, budget :
         What compresses the cache (see :mod:`slake.vllm.config` for what the plugin supports); ``full`` runs plain
-        vLLM.
+        vLLM. A name or spec is resolved as the transformers engine does it (:func:`slake.profiles.resolve_method`:
+        the model's profile fills what the user did not set); CAKE/SLAKE then get vLLM's ``max_layer_budget``
+        (:func:`slake.vllm.config.with_layer_cap`) unless set.
     model, gguf_file, dtype :
         As ``slake generate --model/--gguf-file/--dtype``; GGUF models are converted once to safetensors
         (:func:`slake.vllm.engine.local_model_dir`).
@@ -46,21 +48,29 @@ def generate_vllm(prompt: str, *, method: Method, budget: Budget, model: str | N
         Upper bound of generated tokens.
     block_size : int
         vLLM's KV block size (a multiple of 32 on CPU).
+    **hyperparameters
+        Method hyperparameters set by the user (``--set``).
     """
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from ..hf.generate import format_prompt
-    from .config import check_supported
+    from ..models import DEFAULT_MODEL
+    from ..profiles import resolve_method
+    from .config import check_supported, with_layer_cap
     from .engine import local_model_dir, run_vllm
 
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}.get(dtype, dtype)
+    model_dir = local_model_dir(model, gguf_file, dtype)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.slake_model_name = DEFAULT_MODEL if model is None or model.lower() == DEFAULT_MODEL else str(model)
+    method, profile = resolve_method(method, budget, config, **hyperparameters)
     slake_cfg = None
     if not method.keeps_everything:
+        method = with_layer_cap(method, budget)
         check_supported(method, budget)
         overrides = {k: v for k, v in method.hyperparameters().items()
                      if v != type(method)().hyperparameters().get(k)}
         slake_cfg = {"method": method.name, "budget": int(budget.value), "set": overrides}
-    model_dir = local_model_dir(model, gguf_file, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
@@ -80,11 +90,12 @@ def generate_vllm(prompt: str, *, method: Method, budget: Budget, model: str | N
         method=method.name, budget=budget.value, kv_bytes=run.kv_bytes[0],
         kept_tokens_per_layer=run.kept_tokens_per_layer[0], compressed=run.compressed[0],
         prefill_s=run.prefill_s[0], decode_ms_per_token=run.decode_ms_per_token[0], layer_budgets=None,
+        hyperparameters=method.hyperparameters(), profile=profile,
         engine_extra={"engine": "vllm", "kv_blocks_after_prefill": run.blocks_after_prefill[0],
                       "kv_blocks_end": run.blocks_end[0], "kv_block_size": run.block_size, "model_dir": model_dir})
 
 
-def generate_from_args(args, method: Method, budget: Budget, prompt: str) -> VllmGenerationResult:
+def generate_from_args(args, hyper: dict, budget: Budget, prompt: str) -> VllmGenerationResult:
     """``slake generate --engine vllm``: refuse the options vLLM cannot honour, then :func:`generate_vllm`.
 
     Raises
@@ -106,6 +117,6 @@ def generate_from_args(args, method: Method, budget: Budget, prompt: str) -> Vll
         raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
     if args.device not in (None, "cpu"):
         raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
-    return generate_vllm(prompt, method=method, budget=budget, model=args.model, gguf_file=args.gguf_file,
+    return generate_vllm(prompt, method=args.method, budget=budget, model=args.model, gguf_file=args.gguf_file,
                          dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                         chat_template=not args.no_chat_template)
+                         chat_template=not args.no_chat_template, **hyper)

@@ -7,9 +7,12 @@ vLLM 0.32 has no public hook for a request's block list, so this module wraps tw
   (:func:`slake.vllm.validate.validate_engine_config`) and attaches a :class:`BlockPolicy` to the scheduler's
   ``KVCacheManager``;
 * ``KVCacheManager.allocate_slots``: for a compressed request (prompt longer than the budget) past its prefill, the
-  blocks beyond the first ``ceil((budget + 1) / block_size)`` are returned to the block pool (once, right after the
+  blocks beyond the first ``ceil(slots / block_size)`` are returned to the block pool (once, right after the
   prefill step) and no block is ever allocated again: the worker side (:mod:`slake.vllm.backend`) keeps the request
-  in ``budget + 1`` slots per layer and KV head with the method's decode rule.
+  in ``slots`` slots per layer and KV head with the method's decode rule. ``slots`` is
+  :meth:`SlakeVllmConfig.slots`: ``budget + 1`` for uniform methods, ``min(max_layer_budget, prompt) + 1`` for
+  CAKE/SLAKE (whose largest layer sets the slots of all, as vLLM's block table is shared by all layers); when that
+  exceeds the prompt's blocks, the first decode step allocates the newest token's block as plain vLLM does.
 
 The decision "compressed or not" is a pure function of the prompt length and the budget, so the scheduler and the
 workers agree without exchanging messages. The patches are tested against the pinned vLLM (``tests_vllm/``).
@@ -46,14 +49,24 @@ class BlockPolicy:
         """True when the request's prompt is longer than the budget (the worker compresses it)."""
         return self.config is not None and self.config.compresses(int(request.num_prompt_tokens))
 
+    def needs_block(self, manager, request) -> bool:
+        """True when the request holds fewer blocks than its decoding needs (``slots(prompt_len)``): a CAKE/SLAKE
+        prompt of at most ``max_layer_budget`` tokens may keep every token in a layer, plus the newest token's slot,
+        as plain vLLM at its first decode step."""
+        for mgr in manager.coordinator.single_type_managers:
+            held = len(mgr.req_to_blocks.get(request.request_id, ()))
+            if held < self.config.blocks(mgr.block_size, int(request.num_prompt_tokens)):
+                return True
+        return False
+
     def trim(self, manager, request) -> int:
-        """Return the request's blocks beyond what ``budget + 1`` slots need to the pool; returns blocks freed."""
+        """Return the request's blocks beyond what its ``slots(prompt_len)`` need to the pool; returns blocks freed."""
         freed = 0
         for mgr in manager.coordinator.single_type_managers:
             blocks = mgr.req_to_blocks.get(request.request_id)
             if not blocks:
                 continue
-            keep = self.config.blocks(mgr.block_size)
+            keep = self.config.blocks(mgr.block_size, int(request.num_prompt_tokens))
             if len(blocks) > keep:
                 extra = blocks[keep:]
                 del blocks[keep:]
@@ -90,9 +103,15 @@ def _wrap_allocate(original):
         if policy.compressed(request):
             if num_new_tokens != 1 or kwargs.get("num_lookahead_tokens", 0):
                 raise RuntimeError("slake: a compressed request must decode one token per step")
+            if request.num_computed_tokens == request.num_prompt_tokens and policy.needs_block(self, request):
+                out = original(self, request, num_new_tokens, *args, **kwargs)  # the first decode token's block
+                if out is None:
+                    return None  # no free block: vLLM preempts, as it would without the plugin
+                policy.record(self, request)
+                return out
             policy.trim(self, request)
             policy.record(self, request)
-            return self.empty_kv_cache_blocks  # the request stays in its budget + 1 slots
+            return self.empty_kv_cache_blocks  # the request stays in its slots(prompt_len)
         out = original(self, request, num_new_tokens, *args, **kwargs)
         if out is not None:
             policy.record(self, request)

@@ -43,6 +43,12 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
         raise ValueError("slake: tova averages attention over all query heads of a layer, which tensor parallelism "
                          "splits across ranks; use tensor_parallel_size=1 or a per-head method (snapkv, h2o, "
                          "streamingllm)")
+    par = vllm_config.parallel_config
+    if cfg.method.layer_budgets == "preference" and (par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1):
+        raise ValueError(f"slake: {cfg.method.name}'s layer budgets come from the preferences of every layer and "
+                         f"KV head (a cascade over the whole model in one pass), which tensor and pipeline "
+                         f"parallelism split across ranks; use one rank, or a per-head method (snapkv, h2o, "
+                         f"streamingllm)")
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp > 1 and tp > vllm_config.model_config.get_total_num_kv_heads():
         raise ValueError(f"slake: tensor_parallel_size={tp} exceeds the model's KV heads, so vLLM replicates KV heads "
