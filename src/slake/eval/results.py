@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, TextIO
 
 __all__ = ["RESULTS_FILE", "ROW_FIELDS", "FULL_METHOD", "ResultsScan", "ResultsWriter", "is_result_row",
-           "read_results", "scan_results", "row_key", "budget_label"]
+           "read_results", "scan_results", "row_key", "budget_label", "check_engine_dir"]
 
 RESULTS_FILE = "results.jsonl"
 
@@ -221,3 +221,15 @@ class ResultsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_engine_dir(store: ResultsWriter, engine: str) -> None:
+    """Raise ``ValueError`` when ``store`` already holds rows of another engine than ``engine``.
+
+    Rows record ``engine`` (``"vllm"`` for ``slake eval --engine vllm``; rows without the field are the
+    transformers engine's). :func:`row_key` does not name the engine, so one directory serves one engine.
+    """
+    other = {str(r.get("engine", "transformers")) for r in store.scan.rows} - {engine}
+    if other:
+        raise ValueError(f"{store.path} holds rows of the {', '.join(sorted(other))} engine; the resume key does not "
+                         f"name the engine, so write --engine {engine} results to their own --out directory")

@@ -25,7 +25,7 @@ from ..hf.generate import prefill
 from ..hf.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
 from .metrics import score_prediction
 from .prompts import build_prompt, has_chat_template
-from .results import FULL_METHOD, ResultsWriter, row_key
+from .results import FULL_METHOD, ResultsWriter, check_engine_dir, row_key
 from .sample import Sample
 
 __all__ = ["run_suite", "resolve_methods", "parse_budgets", "check_pairs", "encode_sample", "eos_token_ids", "target_length"]
@@ -262,6 +262,8 @@ def run_suite(
     eos = eos_token_ids(model, tokenizer)
     written: list[dict[str, Any]] = []
     with ResultsWriter(out_dir) as store:
+        check_engine_dir(store, "transformers")
+
         def todo(sample: Sample) -> list[Pair]:
             return [(m, b) for m, b in pairs if row_key({"task": sample.task, "sample_id": sample.sample_id,
                                                           "method": m, "budget": b, "length": target_length(sample),

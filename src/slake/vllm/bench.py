@@ -15,20 +15,22 @@ import math
 
 
 def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, methods: list[str], budget: int,
-          block_size: int = 32, dtype: str = "float32", seed: int = 0) -> list[dict]:
-    """One row per configuration (``"full"`` = plain vLLM); see the module docstring for the columns."""
+          block_size: int = 32, dtype: str = "float32", seed: int = 0, include_plain: bool = True) -> list[dict]:
+    """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
+    for the columns. Every configuration gets the same random prompts."""
     import torch
 
     from .engine import run_vllm
 
     g = torch.Generator().manual_seed(seed)
+    vocab_hi = 1000  # token ids every tokenizer of interest has
+    prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
     rows = []
-    for method in ["full", *methods]:
+    for method in (["full"] if include_plain else []) + list(methods):
         cfg = None if method == "full" else {"method": method, "budget": budget}
-        vocab_hi = 1000  # token ids every tokenizer of interest has
-        prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
         run = run_vllm(model_dir, prompts, slake=cfg, max_new_tokens=new_tokens, ignore_eos=True,
-                       block_size=block_size, dtype=dtype, max_model_len=prompt_len + new_tokens + block_size)
+                       block_size=block_size, dtype=dtype, max_model_len=prompt_len + new_tokens + block_size,
+                       max_num_seqs=max(requests, 1))
         info = run.model_info
         block_bytes = block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * (
             4 if dtype == "float32" else 2)
@@ -45,6 +47,16 @@ def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, me
             "decode_ms_per_step": round(sum(run.decode_ms_per_token) / len(run.decode_ms_per_token), 1),
         })
     return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows of :func:`bench` as a markdown table (the columns of the first row)."""
+    if not rows:
+        return ""
+    cols = [c for c in rows[0] if c not in ("engine", "model", "load_avg_1m")]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench(local_model_dir(a.model), requests=a.requests, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
                  methods=[m.strip() for m in a.methods.split(",") if m.strip()], budget=a.budget,
                  block_size=a.block_size)
-    if a.json:
-        print(json.dumps({"rows": rows}))
-        return 0
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print(json.dumps({"rows": rows}) if a.json else markdown(rows))
     return 0
 
 

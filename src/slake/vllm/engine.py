@@ -116,7 +116,7 @@ def engine_kwargs(model_dir: str, *, slake: dict | None, block_size: int, dtype:
 
 def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, max_new_tokens: int,
              block_size: int = 32, dtype: str = "float32", max_model_len: int = 4096, stop_token_ids=None,
-             ignore_eos: bool = False, kv_cache_gib: int = 1) -> VllmRun:
+             ignore_eos: bool = False, kv_cache_gib: int = 1, max_num_seqs: int = 16) -> VllmRun:
     """Generate greedily with vLLM in this process.
 
     Parameters
@@ -137,6 +137,8 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
         Generate exactly ``max_new_tokens``.
     kv_cache_gib : int
         ``VLLM_CPU_KVCACHE_SPACE`` when it is not set.
+    max_num_seqs : int
+        Requests vLLM runs at once (the others wait in its queue).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
@@ -147,7 +149,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
     from .scheduler import BlockPolicy
 
     llm = LLM(**engine_kwargs(model_dir, slake=slake, block_size=block_size, dtype=dtype,
-                              max_model_len=max_model_len))
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs))
     core = llm.llm_engine.engine_core.engine_core
     manager = core.scheduler.kv_cache_manager
     policy = getattr(manager, "slake_policy", None)

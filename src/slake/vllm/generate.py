@@ -51,7 +51,7 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
     **hyperparameters
         Method hyperparameters set by the user (``--set``).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from ..hf.generate import format_prompt
     from ..models import DEFAULT_MODEL
@@ -74,12 +74,7 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = None
-    eos = tokenizer.eos_token_id if eos is None else eos
-    stop = [eos] if isinstance(eos, int) else list(eos or [])
+    stop = stop_token_ids(model_dir, tokenizer)
     max_len = int(math.ceil((len(ids) + max_new_tokens + 1) / 256) * 256)
     run = run_vllm(model_dir, [ids], slake=slake_cfg, max_new_tokens=max_new_tokens, block_size=block_size,
                    dtype=dtype, max_model_len=max_len, stop_token_ids=stop)
@@ -93,6 +88,25 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
         hyperparameters=method.hyperparameters(), profile=profile,
         engine_extra={"engine": "vllm", "kv_blocks_after_prefill": run.blocks_after_prefill[0],
                       "kv_blocks_end": run.blocks_end[0], "kv_block_size": run.block_size, "model_dir": model_dir})
+
+
+def stop_token_ids(model_dir: str, tokenizer, *, union: bool = False) -> list[int]:
+    """End-of-sequence ids as the transformers engine stops on them: the generation config's (one id or several),
+    else the tokenizer's, as ``model.generate`` (``slake generate``); ``union=True``: both, as the evaluation runner
+    (:func:`slake.eval.runner.eos_token_ids`)."""
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        gen = None
+    tok = getattr(tokenizer, "eos_token_id", None)
+    ids: list[int] = []
+    for src in ((tok, gen) if union else (gen if gen is not None else tok,)):
+        for i in src if isinstance(src, (list, tuple)) else [src]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
 
 
 def generate_from_args(args, hyper: dict, budget: Budget, prompt: str) -> VllmGenerationResult:
