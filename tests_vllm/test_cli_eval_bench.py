@@ -13,8 +13,10 @@ import sys
 
 import pytest
 
-EVAL = ["eval", "--suite", "ruler", "--tasks", "niah_single_1", "--lengths", "512", "--samples", "2",
-        "--methods", "snapkv,slake[max_layer_budget=256]", "--budgets", "128", "--max-new-tokens", "24",
+#: one sample, SLAKE only (snapkv and the other uniform methods are compared through generate): every vLLM engine
+#: start costs tens of seconds of CI time
+EVAL = ["eval", "--suite", "ruler", "--tasks", "niah_single_1", "--lengths", "512", "--samples", "1",
+        "--methods", "slake[max_layer_budget=256]", "--budgets", "128", "--max-new-tokens", "24",
         "--no-progress", "--no-plots"]
 
 
@@ -38,7 +40,7 @@ def eval_dirs(tmp_path_factory):
 
 def test_eval_engine_vllm_predictions_equal_transformers(eval_dirs):
     hf, vl = _rows(eval_dirs / "transformers"), _rows(eval_dirs / "vllm")
-    assert set(hf) == set(vl) and len(vl) == 2 * 3  # 2 samples x (full, snapkv, slake)
+    assert set(hf) == set(vl) and len(vl) == 2  # 1 sample x (full, slake)
     for key, row in vl.items():
         assert row["engine"] == "vllm" and "engine" not in hf[key]
         assert row["prediction"] == hf[key]["prediction"], key
@@ -47,8 +49,6 @@ def test_eval_engine_vllm_predictions_equal_transformers(eval_dirs):
         if key[1].startswith("slake"):
             assert row["profile"] == hf[key]["profile"] and row["profile"] is not None  # shipped alpha, beta
             assert row["kv_blocks_end"] == 9  # ceil((256 + 1) / 32)
-        elif key[1] == "snapkv":
-            assert row["kv_blocks_end"] == 5
 
 
 def test_eval_engine_directories_are_not_mixed(eval_dirs):
@@ -57,14 +57,14 @@ def test_eval_engine_directories_are_not_mixed(eval_dirs):
 
 
 def test_bench_engine_vllm_rows(tmp_path):
-    done = _slake("bench", "--engine", "vllm", "--methods", "full,snapkv,slake", "--budget", "128", "--lengths",
-                  "512", "--batch", "2", "--decode-steps", "3", "--warmup", "1", "--no-progress", "--json",
+    done = _slake("bench", "--engine", "vllm", "--methods", "full,snapkv", "--budget", "128", "--lengths", "512",
+                  "--batch", "1", "--decode-steps", "2", "--warmup", "0", "--no-progress", "--json",
                   "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["method"]: r for r in json.loads(done.stdout)["rows"]}
-    assert set(rows) == {"full", "snapkv", "slake"}
-    assert rows["full"]["blocks_end"] == 17 and rows["snapkv"]["blocks_end"] == 5 and rows["slake"]["blocks_end"] == 9
-    assert rows["snapkv"]["requests_per_gib"] > rows["slake"]["requests_per_gib"] > rows["full"]["requests_per_gib"]
+    assert set(rows) == {"full", "snapkv"}
+    assert rows["full"]["blocks_end"] == 17 and rows["snapkv"]["blocks_end"] == 5  # ceil(513 / 32), ceil(129 / 32)
+    assert rows["snapkv"]["requests_per_gib"] > 3 * rows["full"]["requests_per_gib"]
     assert (tmp_path / "bench_vllm.md").is_file() and (tmp_path / "bench_vllm.jsonl").is_file()
 
 
