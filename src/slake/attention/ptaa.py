@@ -89,10 +89,10 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     # row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
     mu = torch.nan_to_num(p[..., d:] / cnt, nan=fmin)                              # (B, H, R, 1)
     lin = p[..., :d].addcmul(1 - mu, vsum)                                         # s q^T L + (1 - mu) v_sum
-    # the shift m = max(max_j x_j, mu) and both exponentials in one pass over [x, mu]
-    xa = torch.cat([x, mu], -1)
-    ea = torch.exp(xa - xa.amax(-1, keepdim=True))
-    e, lam = ea[..., :n], ea[..., n:]
+    # the shift m = max(max_j x_j, mu); e stays contiguous for the product with v (no concatenation, no copy)
+    m = torch.maximum(x.amax(-1, keepdim=True), mu) if n > 0 else mu
+    e = torch.exp(x - m)
+    lam = torch.exp(mu - m)
     num = torch.matmul(e, v).addcmul_(lam, lin)                                    # (B, H, R, d)
     den = e.sum(-1, keepdim=True).addcmul_(lam, cnt)
     # den >= 1 when the row has a visible slot or a linear term (the shift m is attained), else num = den = 0
