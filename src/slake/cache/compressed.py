@@ -111,9 +111,8 @@ class CompressedKV:
         compress = real.cpu() > budget
         if self.method.keeps_everything:
             compress[:] = False
-        cap = getattr(self.method, "max_layer_budget", None)
-        if cap is not None and bool(compress.any()) and int(budget[compress].max()) > cap:
-            raise ValueError(f"{self.method.name}: max_layer_budget={cap} is below the average budget "
+        if bool(compress.any()) and int(budget[compress].max()) > self._layer_cap():
+            raise ValueError(f"{self.method.name}: max_layer_budget={self._layer_cap()} is below the average budget "
                              f"{int(budget[compress].max())}; the layers could not hold the total budget")
         if bool(compress.any()) and int(budget[compress].min()) < self.method.protected:
             raise ValueError(

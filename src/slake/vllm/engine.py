@@ -82,6 +82,23 @@ def save_dequantized(hf_model, folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def model_config(model_dir: str, model: str | None):
+    """The transformers config of a converted model, named as :func:`slake.load_model` names ``model`` (so that
+    :mod:`slake.profiles` finds the same profile as in the transformers engine)."""
+    from transformers import AutoConfig
+
+    from ..models import DEFAULT_MODEL
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.slake_model_name = DEFAULT_MODEL if model is None or model.lower() == DEFAULT_MODEL else str(model)
+    return config
+
+
+def model_len(prompt_len: int, new_tokens: int) -> int:
+    """``max_model_len`` for prompts of up to ``prompt_len`` tokens and ``new_tokens`` more, rounded up to 256."""
+    return int(math.ceil((prompt_len + new_tokens + 1) / 256) * 256)
+
+
 @dataclass
 class VllmRun:
     """What :func:`run_vllm` returns (one entry per prompt where lists)."""

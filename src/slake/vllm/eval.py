@@ -67,14 +67,11 @@ def run_suite_vllm(
         ``kv_blocks_end``. ``prefill_s`` and ``decode_s`` are vLLM's per-request timings (concurrent requests).
     """
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
 
     from ..budget_spec import Budget
-    from ..methods.base import make_method
     from ..models import DEFAULT_MODEL
-    from ..profiles import resolve_method
-    from .config import check_supported, with_layer_cap
-    from .engine import local_model_dir, run_vllm
+    from .config import plugin_config, resolve_plugin_method, vllm_dtype
+    from .engine import local_model_dir, model_config, model_len, run_vllm
     from .generate import stop_token_ids
 
     method_names = resolve_methods(methods)
@@ -84,18 +81,12 @@ def run_suite_vllm(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for m in method_names:  # every method is checked before the model is converted or an engine starts
         for b in budget_values:
-            check_supported(with_layer_cap(make_method(m), Budget(b)), Budget(b))
-    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}.get(dtype, dtype)
+            resolve_plugin_method(m, Budget(b))
+    dtype = vllm_dtype(dtype)
     model_dir = local_model_dir(model, gguf_file, dtype)
-    config = AutoConfig.from_pretrained(model_dir)
-    config.slake_model_name = DEFAULT_MODEL if model is None or model.lower() == DEFAULT_MODEL else str(model)
-    resolved: dict[tuple[str, Any], tuple[Any, dict | None]] = {}
-    for m in method_names:  # the model's profile, as the transformers runner applies it
-        for b in budget_values:
-            built, profile = resolve_method(m, b, config)
-            built = with_layer_cap(built, Budget(b))
-            check_supported(built, Budget(b))
-            resolved[(m, b)] = built, profile
+    config = model_config(model_dir, model)
+    # the model's profile, as the transformers runner applies it
+    resolved = {(m, b): resolve_plugin_method(m, Budget(b), config) for m in method_names for b in budget_values}
     name = model_name or model or DEFAULT_MODEL
     stop = stop_token_ids(model_dir, tokenizer, union=True)
     encoded = {s.sample_id: encode_sample(s, tokenizer, query_aware=True, chat_template=chat_template)[0]
@@ -122,31 +113,30 @@ def run_suite_vllm(
                 cfg, hyper, profile = None, None, None
             else:
                 built, profile = resolved[(method, budget)]
-                hyper = built.hyperparameters()
-                overrides = {k: v for k, v in hyper.items() if v != type(built)().hyperparameters().get(k)}
-                cfg = {"method": built.name, "budget": int(budget), "set": overrides}
+                hyper, cfg = built.hyperparameters(), plugin_config(built, Budget(budget))
             groups: dict[int, list[Sample]] = {}
             for s in todo:  # one generation length per vLLM call
                 groups.setdefault(caps[s.sample_id], []).append(s)
             for cap, group in groups.items():
                 bar.set_postfix_str(f"{method} {'full' if budget is None else budget} x{len(group)}", refresh=True)
                 prompts = [encoded[s.sample_id] for s in group]
-                max_len = int(math.ceil((max(map(len, prompts)) + cap + 1) / 256) * 256)
                 start = time.perf_counter()
                 run = run_vllm(model_dir, prompts, slake=cfg, max_new_tokens=cap, block_size=block_size,
-                               dtype=dtype, max_model_len=max_len, stop_token_ids=stop,
+                               dtype=dtype, max_model_len=model_len(max(map(len, prompts)), cap),
+                               stop_token_ids=stop,
                                max_num_seqs=max(len(prompts), 1))
                 wall = time.perf_counter() - start
                 for i, s in enumerate(group):
                     prediction = _decode_text(tokenizer, list(run.tokens[i]), stop)
                     steps = max(len(run.tokens[i]) - 1, 0)
+                    ms = run.decode_ms_per_token[i]
                     row = {
                         "suite": suite, "task": s.task, "sample_id": s.sample_id, "model": name, "method": method,
                         "budget": budget, "length": target_length(s), "prompt_tokens": len(prompts[i]),
                         "prediction": prediction, "answers": list(s.answers),
                         "score": float(score_prediction(s, prediction)),
-                        "prefill_s": run.prefill_s[i], "decode_s": round(run.decode_ms_per_token[i] * steps / 1000, 5)
-                        if run.decode_ms_per_token[i] == run.decode_ms_per_token[i] else None,
+                        "prefill_s": run.prefill_s[i],
+                        "decode_s": None if math.isnan(ms) else round(ms * steps / 1000, 5),
                         "seed": seed, "query_aware": True, "compressed": bool(run.compressed[i]),
                         "new_tokens": len(run.tokens[i]), "max_new_tokens": cap, "depth": s.depth,
                         "metric": s.metric, "kv_bytes": run.kv_bytes[i], "prefill_chunk": None,

