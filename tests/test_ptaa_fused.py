@@ -20,7 +20,7 @@ from slake.methods import make_method
 GEN = torch.Generator().manual_seed(7)
 
 
-def old_attend(query, logits, values, state=None, scaling=None):
+def old_attend(query, logits, values, state=None, scaling=None, overwrite_logits=False):
     """``slake.attention.ptaa.attend`` before the fused version (separate k_sum / v_sum / L / count)."""
     B, H, g, nq, d = query.shape
     n = values.shape[2]
@@ -58,6 +58,12 @@ def old_fold(self, keys, values, evicted, finite=False):
     self.v_sum += v.sum(2)
     self.kv += torch.matmul(k.transpose(-1, -2), v)
     self.count += m[..., 0].sum(-1).to(self.count.dtype)
+
+
+def old_fold_slots(self, keys, values, slots, chosen):
+    """The decode fold before ``LinearState.fold_slots``: gather the slots' rows, then fold the chosen ones."""
+    gi = slots[..., None].expand(-1, -1, -1, keys.shape[-1])
+    old_fold(self, keys.gather(2, gi), values.gather(2, gi), chosen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -111,6 +117,7 @@ def test_engine_decode_step_equals_previous_implementation(method, monkeypatch):
     monkeypatch.setattr(compressed, "attend", old_attend)
     monkeypatch.setattr(ptaa, "attend", old_attend)
     monkeypatch.setattr(LinearState, "fold", old_fold)
+    monkeypatch.setattr(LinearState, "fold_slots", old_fold_slots)
     old_out, old_state = _run_engine(method, 20, seed=3)
     assert len(new_state) == 2
     for a, b in zip(new_out, old_out):
@@ -127,3 +134,40 @@ def test_linear_state_keeps_its_former_constructor():
     assert torch.equal(again.aug, st.aug) and again.aug.data_ptr() != st.aug.data_ptr()
     st.k_sum += 1.0  # in-place update through the view lands in the augmented matrix
     assert torch.equal(st.aug[..., :-1, -1], again.k_sum + 1.0)
+
+
+@pytest.mark.parametrize("e", [1, 3])
+def test_fold_slots_equals_gather_then_fold_and_reuses_its_buffers(e):
+    """``fold_slots`` (rows gathered into reused buffers, masked by ``chosen``) equals folding the gathered rows."""
+    for B in (2, 1, 2):  # the buffers follow a change of batch size
+        keys, values = torch.randn(B, 3, 20, 8, generator=GEN), torch.randn(B, 3, 20, 8, generator=GEN)
+        fast, ref = LinearState.empty(B, 3, 8), LinearState.empty(B, 3, 8)
+        for _ in range(4):
+            slots = torch.stack([torch.randperm(20, generator=GEN)[:e] for _ in range(B * 3)]).view(B, 3, e)
+            chosen = torch.rand(B, 3, e, generator=GEN) < 0.7
+            chosen[0, 0] = False  # a row with nothing evicted this step
+            fast.fold_slots(keys, values, slots, chosen)
+            gi = slots[..., None].expand(-1, -1, -1, 8)
+            ref.fold(keys.gather(2, gi), values.gather(2, gi), chosen)
+        torch.testing.assert_close(fast.aug, ref.aug, rtol=1e-6, atol=1e-5)
+        assert float(fast.count[0, 0]) == 0.0
+    with pytest.raises(ValueError, match="fold_slots"):
+        fast.fold_slots(keys.double(), values.double(), slots, chosen)
+
+
+def test_attend_may_overwrite_its_logits_with_the_same_result():
+    q = torch.randn(2, 2, 3, 1, 8, generator=GEN)
+    keys, values = torch.randn(2, 2, 12, 8, generator=GEN), torch.randn(2, 2, 12, 8, generator=GEN)
+    state = LinearState.empty(2, 2, 8)
+    state.fold(torch.randn(2, 2, 5, 8, generator=GEN), torch.randn(2, 2, 5, 8, generator=GEN),
+               torch.ones(2, 2, 5, dtype=torch.bool))
+    logits = torch.einsum("bhgqd,bhnd->bhgqn", q, keys)
+    logits[..., 3] = float("-inf")
+    for st in (None, state):
+        kept = logits.clone()
+        ref = attend(q, kept, values, st, 1.0)
+        assert torch.equal(kept, logits)  # untouched without overwrite_logits
+        scratch = logits.clone()
+        torch.testing.assert_close(attend(q, scratch, values, st, 1.0, overwrite_logits=True), ref)
+        # the linear term sees scaling * query: pre-scaled queries with scaling=1.0 give the same output
+        torch.testing.assert_close(attend(q / 4.0, logits, values, st, 4.0), ref)

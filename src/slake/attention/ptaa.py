@@ -29,7 +29,7 @@ _LIMITS = {dt: (torch.finfo(dt).min, torch.finfo(dt).tiny) for dt in (torch.floa
 
 
 def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, state: LinearState | None = None,
-           scaling: float | None = None) -> torch.Tensor:
+           scaling: float | None = None, overwrite_logits: bool = False) -> torch.Tensor:
     """PTAA output (spec (star)) or plain softmax attention when there is no linear term.
 
     Parameters
@@ -45,7 +45,11 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     state : LinearState | None
         The layer's linear state; batch elements / heads with ``count == 0`` get no linear term.
     scaling : float | None
-        Softmax scale used in ``logits``; ``None`` means ``d ** -0.5``. Needed only for the linear term.
+        Softmax scale used in ``logits``; ``None`` means ``d ** -0.5``. Needed only for the linear term. A caller
+        whose ``query`` is already scaled (``logits = query . k``) passes ``1.0``, which skips the multiplication.
+    overwrite_logits : bool
+        Allow the exponentials to be written into ``logits`` (the engine's own per-step tensor, when it is float32
+        and contiguous), which saves an allocation per call. ``logits`` is then garbage afterwards.
 
     Returns
     -------
@@ -68,9 +72,10 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
         x = x.to(cdt)
     v = values if values.dtype == cdt else values.to(cdt)
     fmin, tiny = _LIMITS[cdt]
+    own = overwrite_logits and x.data_ptr() == logits.data_ptr() and x.is_contiguous()
     if state is None:
-        m = x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)
-        e = torch.exp(x - m.clamp_min(fmin))                                      # all -inf row: e = 0, no NaN
+        m = (x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)).clamp_min_(fmin)
+        e = (x.sub_(m) if own else x - m).exp_()                                  # all -inf row: e = 0, no NaN
         return torch.matmul(e, v).div_(e.sum(-1, keepdim=True).clamp_min(tiny)).reshape(B, H, g, nq, d)
     aug = state.aug
     if aug.shape != (B, H, d + 1, d + 1):
@@ -82,18 +87,21 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
         cnt, lk, vsum = aug[..., d:, d:], aug[..., :d, :], aug[..., d:, :d]
     s = d ** -0.5 if scaling is None else float(scaling)
     qs = query.reshape(B, H, R, d)
-    qs = (qs if qs.dtype == cdt else qs.to(cdt)) * s
-    # one product gives s q^T L and s q . k_sum: s q @ [L, k_sum]
+    if qs.dtype != cdt:
+        qs = qs.to(cdt)
+    if s != 1.0:
+        qs = qs * s
+    # one product gives s q^T L and s q . k_sum: s q @ [L, k_sum]; p is this call's own tensor, updated in place
     p = torch.matmul(qs, lk)                                                       # (B, H, R, d + 1)
-    # mu = s q . k_sum / n_e; a head with nothing folded (0 / 0) gets the lowest finite logit, so lam = 0 (or a
-    # row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
-    mu = torch.nan_to_num(p[..., d:] / cnt, nan=fmin)                              # (B, H, R, 1)
-    lin = p[..., :d].addcmul(1 - mu, vsum)                                         # s q^T L + (1 - mu) v_sum
+    # mu = s q . k_sum / n_e (a view of p's last column); a head with nothing folded (0 / 0) gets the lowest finite
+    # logit, so lam = 0 (or a row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
+    mu = p[..., d:].div_(cnt).nan_to_num_(nan=fmin)                              # (B, H, R, 1)
+    lin = p[..., :d].addcmul_(1 - mu, vsum)                                        # s q^T L + (1 - mu) v_sum
     # the shift m = max(max_j x_j, mu); e stays contiguous for the product with v (no concatenation, no copy)
-    m = torch.maximum(x.amax(-1, keepdim=True), mu) if n > 0 else mu
-    e = torch.exp(x - m)
-    lam = torch.exp(mu - m)
+    m = torch.maximum(x.amax(-1, keepdim=True), mu) if n > 0 else mu.clone()
+    e = (x.sub_(m) if own else x - m).exp_()
+    lam = (mu - m).exp_()
     num = torch.matmul(e, v).addcmul_(lam, lin)                                    # (B, H, R, d)
     den = e.sum(-1, keepdim=True).addcmul_(lam, cnt)
     # den >= 1 when the row has a visible slot or a linear term (the shift m is attained), else num = den = 0
-    return num.div_(den.clamp_min(tiny)).reshape(B, H, g, nq, d)
+    return num.div_(den.clamp_min_(tiny)).reshape(B, H, g, nq, d)

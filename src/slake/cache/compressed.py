@@ -300,7 +300,8 @@ class CompressedKV:
             for b0 in range(0, nq, _CHUNK_QUERY_BLOCK):
                 b1 = min(b0 + _CHUNK_QUERY_BLOCK, nq)
                 qf, x = layer_logits(store, queries[:, :, b0:b1], qpos[b0:b1] if qpos is not None else None, scaling)
-                outs.append(attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, b1 - b0, d))
+                out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+                outs.append(out.reshape(B, Hq, b1 - b0, d))
             if target is not None and not self.method.keeps_everything:
                 w = max(min(self.method.window, nq), 1)
                 _, x = layer_logits(store, queries[:, :, nq - w:], qpos[nq - w:] if qpos is not None else None,
@@ -309,22 +310,25 @@ class CompressedKV:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         qf, x = layer_logits(store, queries, qpos, scaling)
         if not scored:
-            return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+            return out.reshape(B, Hq, nq, d)
         probs = _safe_softmax(x)                                               # (B, H, g, nq, n)
         evict = self._decode_evict(layer_idx, probs, target, newest)
         if evict is None:
             if store.linear is None:
                 return _probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
-            return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+            return out.reshape(B, Hq, nq, d)
         slots, chosen, mask = evict
         if self.method.evict_before_output:
             store.free(mask, slots, chosen)
             x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
-            return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.dense_values(), store.linear, 1.0,
+                          overwrite_logits=True).reshape(B, Hq, nq, d)
         if store.linear is None:
             out = _probs_values(probs, store.dense_values())
         else:
-            out = attend(qf, x, store.dense_values(), store.linear, scaling)
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
         store.free(mask, slots, chosen)
         return out.reshape(B, Hq, nq, d)
 
@@ -337,7 +341,8 @@ class CompressedKV:
         store = self.layers[layer_idx]
         B, Hq, nq, d = queries.shape
         qf, x = layer_logits(store, queries, positions, scaling)
-        return attend(qf, x, store.dense_values(), store.linear, scaling).reshape(B, Hq, nq, d)
+        out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+        return out.reshape(B, Hq, nq, d)
 
     def _decode_evict(self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor,
                       newest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -459,9 +464,10 @@ class CompressedKV:
 
 def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None,
                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's slots.
+    """Scaled queries ``scaling * q`` in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's
+    slots (pass the queries to :func:`~slake.attention.ptaa.attend` with ``scaling=1.0``).
 
-    Logits are ``scaling * q . k`` in fp32, ``-inf`` for empty slots and for keys after the query's position.
+    Logits are ``(scaling * q) . k`` in fp32, ``-inf`` for empty slots and for keys after the query's position.
     ``positions=None`` means one query at the newest position, which sees every stored token (no causal test).
     The ``g * n_q`` query rows of a KV head share one matmul against its keys (no per-query-head expansion or
     copy of the cache); an fp32 cache is used as is, a low-precision one through :func:`matmul_f32`.
@@ -469,9 +475,9 @@ def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tens
     B, Hq, nq, d = queries.shape
     H = store.keys.shape[1]
     g = Hq // H
-    qf = queries.float().reshape(B, H, g, nq, d)
+    qf = (queries.float() * scaling).reshape(B, H, g, nq, d)
     x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2))   # (B, H, g*nq, n)
-    x = x.mul_(scaling).view(B, H, g, nq, -1)
+    x = x.view(B, H, g, nq, -1)
     if positions is None:
         visible = store.valid[:, :, None, None, :]
     else:

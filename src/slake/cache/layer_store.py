@@ -179,7 +179,9 @@ class LayerStore:
         same set as ``evicted``) let the linear state fold only those ``e`` rows instead of masking the whole layer.
         """
         if self.linear is not None:
-            if slots is not None and chosen is not None:
+            if slots is not None and chosen is not None and self.k_scale is None and self.keys.dtype == self.linear.dtype:
+                self.linear.fold_slots(self.keys, self.values, slots, chosen)
+            elif slots is not None and chosen is not None:
                 gi = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])
                 k, v = self.keys.gather(2, gi), self.values.gather(2, gi)
                 if self.k_scale is not None:

@@ -41,7 +41,7 @@ class LinearState:
         ``(B, Hkv)`` number of evicted tokens folded in (a view of ``aug``).
     """
 
-    __slots__ = ("_aug", "_ones_cache", "_parts")
+    __slots__ = ("_aug", "_ones_cache", "_parts", "_row_buffers")
 
     def __init__(self, aug: torch.Tensor | None = None, *, k_sum: torch.Tensor | None = None,
                  v_sum: torch.Tensor | None = None, kv: torch.Tensor | None = None,
@@ -56,6 +56,7 @@ class LinearState:
             raise ValueError(f"aug must be (B, Hkv, d + 1, d + 1), got {tuple(aug.shape)}")
         self.aug = aug
         self._ones_cache: torch.Tensor | None = None
+        self._row_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def aug(self) -> torch.Tensor:
@@ -185,6 +186,50 @@ class LinearState:
         kp = torch.cat([k, mf], -1).view(B * H, n, d1)                               # [k, 1] (0 if unmarked)
         vp = torch.cat([v, self._ones(B, H, n, v)], -1).view(B * H, n, d1)          # [v, 1]
         aug.view(B * H, d1, d1).baddbmm_(kp.transpose(1, 2), vp)
+
+    @torch.no_grad()
+    def fold_slots(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Fold the rows ``slots`` of ``keys``/``values`` where ``chosen`` is True, in place (a decode step's eviction).
+
+        Parameters
+        ----------
+        keys, values : torch.Tensor
+            ``(B, Hkv, n, d)`` stored rows in the state's dtype, all finite (a layer's kept, freed or zero-grown
+            slots).
+        slots : torch.Tensor
+            ``(B, Hkv, e)`` int64 slot indices.
+        chosen : torch.Tensor
+            ``(B, Hkv, e)`` bool: which of ``slots`` are evicted (the others are not folded).
+
+        Notes
+        -----
+        Equals ``fold(keys.gather(slots), values.gather(slots), chosen, finite=True)``: the ``e`` rows are gathered
+        straight into two reused ``(B, Hkv, e, d + 1)`` buffers ``[k * c, c]`` and ``[v, 1]`` (``c`` the chosen
+        flag), and ``aug += [k c, c]^T [v, 1]`` is one outer-product update when ``e == 1`` (the usual decode
+        step) or one batched matmul otherwise, so a step's fold is five small operations and no allocation.
+        """
+        aug = self.aug
+        B, H, d1, _ = aug.shape
+        d = d1 - 1
+        e = slots.shape[-1]
+        if keys.dtype != aug.dtype or values.dtype != aug.dtype or keys.shape[-1] != d or slots.shape != chosen.shape:
+            raise ValueError(f"fold_slots needs {aug.dtype} keys/values of width {d} and slots/chosen of one shape; "
+                             f"got {keys.dtype} {tuple(keys.shape)}, {tuple(slots.shape)}, {tuple(chosen.shape)}")
+        buf = self._row_buffers
+        if buf is None or buf[0].shape != (B, H, e, d1) or buf[0].device != aug.device:
+            buf = (aug.new_empty(B, H, e, d1), aug.new_ones(B, H, e, d1))
+            self._row_buffers = buf
+        kb, vb = buf
+        gi = slots[..., None].expand(-1, -1, -1, d)
+        torch.gather(keys, 2, gi, out=kb[..., :d])
+        torch.gather(values, 2, gi, out=vb[..., :d])   # vb[..., d] stays 1
+        c = kb[..., d:]
+        c.copy_(chosen[..., None])
+        kb[..., :d].mul_(c)                            # v needs no mask: the zero rows of [k c, c] cancel it
+        if e == 1:
+            aug.addcmul_(kb.transpose(-1, -2), vb)
+        else:
+            aug.view(B * H, d1, d1).baddbmm_(kb.view(B * H, e, d1).transpose(1, 2), vb.view(B * H, e, d1))
 
     def _ones(self, B: int, H: int, n: int, like: torch.Tensor) -> torch.Tensor:
         """A ``(B, H, n, 1)`` tensor of ones, reused between one-row decode folds (no allocation per step)."""
