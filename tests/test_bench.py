@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from slake.bench.shapes import SHAPES, parse_shape
 from slake.cli import main
@@ -31,6 +32,9 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     assert len(lines) == 6 and json.loads(lines[0])["method"] == "full"
     md = (out / "bench.md").read_text()
     assert "| slake | 40 | 96 |" in md
+    # on CPU the three configurations of each length are timed again in turn (interleaved, the default)
+    assert all(r["decode_timing"] == "interleaved" and r["decode_ms_sequential"] > 0 for r in rows)
+    assert "timed in turn" in md
     for png in ("decode_latency.png", "peak_memory.png"):
         assert (out / png).stat().st_size > 1000
 
@@ -43,6 +47,45 @@ def test_bench_chunked_prefill_and_batch(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["batch"] == 2 and row["prefill_chunk"] == 32 and row["compressed"]
     assert not (tmp_path / "decode_latency.png").exists()
+
+
+def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tmp_path, capsys):
+    base = ["bench", "--budget", "40", "--lengths", "48,96", "--random-model", "tiny:num_hidden_layers=2",
+            "--device", "cpu", "--decode-steps", "2", "--warmup", "0", "--json", "--no-progress", "--no-plots"]
+    assert main(base + ["--methods", "full,cake", "--decode-timing", "sequential", "--out", str(tmp_path / "a")]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert len(rows) == 4 and all(r["decode_timing"] == "sequential" and "decode_ms_sequential" not in r
+                                  for r in rows)
+    # one configuration per length: nothing to interleave with
+    assert main(base + ["--methods", "cake", "--out", str(tmp_path / "b")]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["decode_timing"] for r in rows] == ["sequential", "sequential"]
+    assert main(base + ["--methods", "cake", "--isolate", "--decode-timing", "interleaved",
+                        "--out", str(tmp_path / "c")]) == 2
+    assert "drop --isolate" in capsys.readouterr().err
+
+
+def test_interleaved_timing_runs_each_configuration_in_alternating_order(monkeypatch):
+    from slake.bench import runner
+    from slake.bench.runner import BenchConfig, time_decode_interleaved
+    from slake.bench.shapes import random_model
+
+    model = random_model("tiny:num_hidden_layers=2", device="cpu", dtype=torch.float32, seed=0)
+    calls = []
+    real_step = runner._step
+
+    def step(m, cache, tok):
+        calls.append(id(cache))
+        return real_step(m, cache, tok)
+
+    monkeypatch.setattr(runner, "_step", step)
+    cfgs = [BenchConfig(method=m, budget=40, length=64) for m in ("full", "snapkv", "slake")]
+    times = time_decode_interleaved(model, cfgs, steps=4, warmup=1)
+    assert [len(t) for t in times] == [4, 4, 4] and all(x > 0 for t in times for x in t)
+    caches = calls[:3]  # warm-up: one step per configuration, in order
+    assert len(set(caches)) == 3
+    timed = calls[3:]
+    assert timed == caches + caches[::-1] + caches + caches[::-1]
 
 
 def test_bench_rejects_bad_arguments(tmp_path, capsys):

@@ -5,7 +5,9 @@ context length.
 ``runs/bench/bench.jsonl`` (one row per configuration, appended), ``bench.md`` (table of this run) and
 ``decode_latency.png`` / ``peak_memory.png``. ``--random-model llama3-8b`` measures a randomly initialised model of
 that shape (:mod:`slake.bench.shapes`) instead of a checkpoint. ``--isolate`` runs every configuration in a fresh
-process (exact per-configuration peak memory, at the cost of reloading the model).
+process (exact per-configuration peak memory, at the cost of reloading the model). On CPU the decode steps of the
+configurations of one length are timed again in turn (``--decode-timing``, :func:`slake.bench.runner.
+time_decode_interleaved`), so that comparisons between methods do not depend on when each one ran.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +54,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights")
     p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
+    p.add_argument("--decode-timing", choices=["auto", "interleaved", "sequential"], default="auto",
+                   help="interleaved: after measuring the configurations of one context length, open them again "
+                        "together and time their decode steps in turn, so that machine drift cannot bias a "
+                        "comparison (needs all their caches in memory at once; one more prefill each); "
+                        "sequential: time each configuration during its own run; auto (default): interleaved on "
+                        "CPU, sequential on CUDA and with --isolate")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="measure transformers (default) or vLLM with the slake plugin (needs slake[vllm]): per "
                         "length, --batch requests of random tokens submitted at once, each generating --warmup + "
@@ -149,7 +158,8 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
             resolve_plugin_method(m, b)  # raises for what the plugin cannot run
     check_cli_options([("--random-model", bool(args.random_model)), ("--isolate", args.isolate),
                        ("--prefill-chunk", args.prefill_chunk is not None),
-                       ("--kv-dtype", (args.kv_dtype or "auto") != "auto")], args.device)
+                       ("--kv-dtype", (args.kv_dtype or "auto") != "auto"),
+                       ("--decode-timing", getattr(args, "decode_timing", "auto") != "auto")], args.device)
     from ..vllm.bench import bench, markdown
     from ..vllm.engine import local_model_dir
 
@@ -183,7 +193,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from .report import markdown_table, plot_rows
-    from .runner import measure
+    from .runner import measure, time_decode_interleaved
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,25 +211,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
            "dtype": str(model.dtype).replace("torch.", "") if model is not None else (args.dtype or "auto"),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
            "cpu_count": os.cpu_count(), "load_avg_1m": _load_avg()}
+    interleave = _interleaved_timing(args, model)
     rows = []
     with open(out / "bench.jsonl", "a", encoding="utf-8") as f:
-        for cfg in configs:
-            if bar is not None:
-                bar.set_postfix_str(f"{cfg.method} {cfg.length}")
-            row = _isolated(args, cfg) if args.isolate else measure(model, cfg)
-            row.update({k: v for k, v in env.items() if k not in row})
-            row["load_avg_1m_after"] = _load_avg()
-            rows.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            if bar is not None:
-                bar.update(1)
+        for group in _length_groups(configs):
+            group_rows = []
+            for cfg in group:
+                if bar is not None:
+                    bar.set_postfix_str(f"{cfg.method} {cfg.length}")
+                row = _isolated(args, cfg) if args.isolate else measure(model, cfg)
+                row.update({k: v for k, v in env.items() if k not in row})
+                row["load_avg_1m_after"] = _load_avg()
+                group_rows.append(row)
+                if not interleave:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                if bar is not None:
+                    bar.update(1)
+            if interleave and len(group) > 1:
+                if bar is not None:
+                    bar.set_postfix_str(f"interleaved decode timing, length {group[0].length}")
+                _apply_interleaved(group_rows, time_decode_interleaved(model, group, args.decode_steps, args.warmup))
+            if interleave:
+                for row in group_rows:
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+            rows += group_rows
     if bar is not None:
         bar.close()
     notes = [f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
              f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
              f"batch {args.batch}, {args.decode_steps} timed decode steps after {args.warmup} warm-up steps; "
              "prompts are random token ids",
+             "decode ms/token: " + ("medians of steps timed in turn across the configurations of each length "
+                                    "(interleaved; the medians of each configuration's own run are "
+                                    "decode_ms_sequential in bench.jsonl)" if interleave else
+                                    "medians of each configuration's own run (sequential)"),
              "peak memory: " + ("CUDA max_memory_allocated (reset per configuration)" if rows and
                                 rows[0]["peak_mem_kind"].startswith("cuda") else
                                 "process RSS high-water mark (VmHWM, reset per configuration via "
@@ -234,6 +261,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(markdown_table(rows))
     return 0
+
+
+def _interleaved_timing(args: argparse.Namespace, model) -> bool:
+    """Whether decode steps are timed interleaved (``--decode-timing``; auto: on CPU without ``--isolate``)."""
+    mode = getattr(args, "decode_timing", "auto")
+    if mode == "interleaved" and args.isolate:
+        raise ValueError("--decode-timing interleaved needs the configurations in one process; drop --isolate")
+    if mode == "auto":
+        return not args.isolate and model is not None and model.device.type == "cpu"
+    return mode == "interleaved"
+
+
+def _length_groups(configs: list) -> list[list]:
+    """Consecutive configurations of one context length (the order of :func:`_configs`)."""
+    groups: list[list] = []
+    for cfg in configs:
+        if groups and groups[-1][0].length == cfg.length:
+            groups[-1].append(cfg)
+        else:
+            groups.append([cfg])
+    return groups
+
+
+def _apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
+    """Replace each row's decode statistics by its interleaved step times, keeping the sequential median."""
+    for row, t in zip(rows, times):
+        row["decode_ms_sequential"] = row["decode_ms_per_token"]
+        row.update({"decode_ms_per_token": statistics.median(t), "decode_ms_min": min(t), "decode_ms_max": max(t),
+                    "decode_steps": len(t), "decode_timing": "interleaved"})
 
 
 def _load_avg() -> float | None:

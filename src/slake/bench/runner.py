@@ -7,6 +7,12 @@ then ``decode_steps`` timed steps (each synchronised on CUDA). Reported: prefill
 picking the first token), decode milliseconds per token (median, min, max over the timed steps), peak memory
 (:class:`~slake.bench.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding, metadata,
 linear state).
+
+Decode timings taken one configuration after another drift with the machine (on a shared 2-core CPU, medians of the
+same configuration differ by a few percent from minute to minute), which is enough to flip comparisons between
+methods. :func:`time_decode_interleaved` therefore re-opens the configurations of one context length together and
+times their decode steps in turn (A, B, B, A, ...), so that every configuration sees the same machine; ``slake bench``
+reports those medians by default on CPU (``--decode-timing``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ..hf.cache import SlakeCache
 from ..hf.generate import prefill
 from .memory import MemoryMeter
 
-__all__ = ["BenchConfig", "measure"]
+__all__ = ["BenchConfig", "measure", "time_decode_interleaved"]
 
 
 @dataclass
@@ -44,18 +50,70 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
+    """The configuration's random prompt ``(batch, length)`` (same ids for every method of a seed)."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    return torch.randint(min(3, vocab - 1), vocab, (cfg.batch, cfg.length), generator=g).to(model.device)
+
+
+def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
+    return SlakeCache(cfg.method, cfg.budget, model.config.num_hidden_layers, prefill_chunk=cfg.prefill_chunk,
+                      kv_dtype=cfg.kv_dtype, profile_model=model)
+
+
+def _step(model, cache: SlakeCache, tok: torch.Tensor) -> torch.Tensor:
+    """One greedy decode step; returns the next tokens ``(batch, 1)``."""
+    out = model(tok, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def time_decode_interleaved(model, cfgs: list[BenchConfig], steps: int, warmup: int) -> list[list[float]]:
+    """Decode milliseconds per step of several configurations, measured in turn on one machine state.
+
+    Every configuration is prefilled (untimed) and decoded for ``warmup`` untimed steps; then ``steps`` rounds
+    time one step of each configuration, in forward order on even rounds and reverse order on odd ones (so no
+    configuration always follows the same one). All caches are alive together during the timing, so this needs
+    the memory of all of them at once; the peak memory of each configuration is measured by :func:`measure`, alone.
+
+    Returns
+    -------
+    list[list[float]]
+        Per configuration (in the order given), its ``steps`` step times in milliseconds.
+    """
+    device = model.device
+    states = []
+    with torch.inference_mode():
+        for cfg in cfgs:
+            cache = _new_cache(model, cfg)
+            ids = _prompt(model, cfg)
+            tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
+            for _ in range(warmup):
+                tok = _step(model, cache, tok)
+            states.append([cache, tok])
+        times: list[list[float]] = [[] for _ in cfgs]
+        order = list(range(len(cfgs)))
+        for r in range(steps):
+            for i in (order if r % 2 == 0 else order[::-1]):
+                cache, tok = states[i]
+                _sync(device)
+                s = time.perf_counter()
+                tok = _step(model, cache, tok)
+                _sync(device)
+                times[i].append((time.perf_counter() - s) * 1e3)
+                states[i][1] = tok
+    del states
+    return times
+
+
 def measure(model, cfg: BenchConfig) -> dict:
     """Run one configuration on ``model`` and return its result row (a JSON-ready dict)."""
     device = model.device
-    L = model.config.num_hidden_layers
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(cfg.seed)
-    ids = torch.randint(min(3, vocab - 1), vocab, (cfg.batch, cfg.length), generator=g).to(device)
+    ids = _prompt(model, cfg)
     mask = torch.ones_like(ids)
     meter = MemoryMeter(device)
     meter.reset()
-    cache = SlakeCache(cfg.method, cfg.budget, L, prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype,
-                       profile_model=model)
+    cache = _new_cache(model, cfg)
     _sync(device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, mask)
@@ -68,15 +126,14 @@ def measure(model, cfg: BenchConfig) -> dict:
     with torch.inference_mode():
         for step in range(cfg.warmup + cfg.decode_steps):
             s = time.perf_counter()
-            out = model(tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            tok = _step(model, cache, tok)
             _sync(device)
             if step >= cfg.warmup:
                 times.append((time.perf_counter() - s) * 1e3)
     peak = meter.peak()
     stats = cache.statistics()
     kv = stats["kv_bytes"]
-    del cache, out, logits
+    del cache, logits
     return {
         "method": cfg.method, "budget": cfg.budget, "length": cfg.length, "batch": cfg.batch,
         "kv_dtype": cfg.kv_dtype,
@@ -84,7 +141,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "prefill_s": t1 - t0, "ttft_s": t2 - t0,
         "decode_ms_per_token": statistics.median(times) if times else 0.0,
         "decode_ms_min": min(times) if times else 0.0, "decode_ms_max": max(times) if times else 0.0,
-        "decode_steps": len(times),
+        "decode_steps": len(times), "decode_timing": "sequential",
         "peak_mem_bytes": int(peak), "peak_mem_baseline_bytes": int(meter.baseline),
         "peak_mem_kind": meter.kind, "peak_mem_reset": meter.reset_ok,
         "kv_bytes": int(sum(kv.values())), "kv_bytes_detail": {k: int(v) for k, v in kv.items()},
