@@ -208,6 +208,24 @@ def test_vabs_splits_match_loop_reference(split):
     assert vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split=split)[2] == torch.tensor(1e-12)
 
 
+@pytest.mark.parametrize("split", ["uniform", "window", "taylor"])
+def test_vabs_in_row_blocks_equals_one_block(split, monkeypatch):
+    """The VABS map is computed a few window rows at a time (bounded memory); any block size gives the same score."""
+    from slake.methods import slake as slake_module
+
+    w, S = 6, 40
+    q, k, v, pad = _padded_batch([_qkv(S=40), _qkv(S=31), _qkv(S=12)], S)
+    logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
+    probs = torch.softmax(logits, -1)
+    ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
+    outs = []
+    for block in (1 << 40, 1, 3 * 4 * 4 * S):  # one block; one row at a time; 4 rows (the last block has 2)
+        monkeypatch.setattr(slake_module, "_VABS_BLOCK", block)
+        outs.append(vabs_preference(logits, probs, v, ind, 4, w, 0.6, 0.5, 0.1, split=split))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=0.0)
+
+
 def test_vabs_split_option_validated_and_changes_the_score():
     with pytest.raises(ValueError, match="vabs_split"):
         Slake(vabs_split="nosuch")

@@ -206,3 +206,18 @@ def test_attend_validates_shapes():
         attend(torch.zeros(1, 1, 1, 1, 4), torch.zeros(1, 1, 1, 1, 3), torch.zeros(1, 1, 2, 4))
     assert math.isclose(float(attend(torch.zeros(1, 1, 1, 1, 4), torch.zeros(1, 1, 1, 1, 2),
                                      torch.ones(1, 1, 2, 4)).mean()), 1.0)
+
+
+def test_long_folds_run_in_row_blocks_with_the_same_state(monkeypatch):
+    """A prefill-sized fold runs 1024 rows at a time (bounded transient copies): same state as one product."""
+    from slake.cache import linear_state
+
+    keys, values = torch.randn(2, 3, 2500, 8, generator=GEN), torch.randn(2, 3, 2500, 8, generator=GEN)
+    evicted = torch.rand(2, 3, 2500, generator=GEN) < 0.8
+    blocked = LinearState.empty(2, 3, 8)
+    blocked.fold(keys, values, evicted)
+    monkeypatch.setattr(linear_state, "_FOLD_BLOCK", 1 << 30)
+    whole = LinearState.empty(2, 3, 8)
+    whole.fold(keys, values, evicted)
+    torch.testing.assert_close(blocked.aug, whole.aug, rtol=1e-5, atol=1e-3)
+    assert torch.equal(blocked.count, evicted.sum(-1).float())

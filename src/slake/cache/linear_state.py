@@ -16,6 +16,9 @@ import torch
 __all__ = ["LinearState"]
 
 
+_FOLD_BLOCK = 1024  # rows folded per matmul-accumulate (bounds fold's transient copies at long prompts)
+
+
 class LinearState:
     """Per-(batch, KV head) PTAA accumulators of one layer, stored as one augmented matrix.
 
@@ -160,7 +163,8 @@ class LinearState:
         Notes
         -----
         One batched matmul-accumulate ``aug += [k, 1]^T [v, 1]`` over the marked rows updates ``L``, ``k_sum``,
-        ``v_sum`` and ``count`` at once. Folding disjoint sets one after the other equals folding their union once
+        ``v_sum`` and ``count`` at once; more than 1024 rows (a prefill compaction) are folded 1024 at a time, so the
+        transient ``[k, 1]`` / ``[v, 1]`` copies stay small whatever the prompt length. Folding disjoint sets one after the other equals folding their union once
         (spec section 8.3, invariant 8).
         """
         aug = self.aug
@@ -173,6 +177,11 @@ class LinearState:
             raise ValueError(f"evicted must be a bool mask of shape {tuple(keys.shape[:3])}, got "
                              f"{evicted.dtype} {tuple(evicted.shape)}")
         n = keys.shape[2]
+        if n > _FOLD_BLOCK:  # a prefill compaction: fold in row blocks to bound the transient copies
+            for s in range(0, n, _FOLD_BLOCK):
+                self.fold(keys[:, :, s:s + _FOLD_BLOCK], values[:, :, s:s + _FOLD_BLOCK],
+                          evicted[:, :, s:s + _FOLD_BLOCK], finite=finite)
+            return
         dt = aug.dtype
         m = (evicted if evicted.device == aug.device else evicted.to(aug.device)).unsqueeze(-1)
         mf = m.to(dt)

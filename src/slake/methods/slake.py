@@ -122,31 +122,45 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
         k0 = torch.zeros_like(k0)
         ev = (~pad[:, None, :sel]).expand(B, Hkv, sel)
     ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]      # (B, Hkv, 1, 1, S)
-    # 2) PTAA weight map for each window query, group layout (B, Hkv, g, w, S)
-    x = logits.float().reshape(B, Hkv, g, w, S)
-    a = probs.float().reshape(B, Hkv, g, w, S)
-    if split == "taylor":  # every visible key linearised: the row's evicted count is its visible count
-        ev = torch.isfinite(x)
-        n_ev = ev.sum(-1).clamp_min(1).to(x.dtype)
-    else:
-        n_ev = (real_sel - k0).clamp_min(1).to(x.dtype)[:, None, None, None]
-    kept = torch.isfinite(x) & ~ev
-    mu = torch.where(ev, x, 0.0).sum(-1) / n_ev
-    m = torch.maximum(x.masked_fill(~kept, float("-inf")).amax(-1), mu)
-    wk = torch.where(kept, torch.exp(x - m[..., None]), 0.0)
-    we = torch.where(ev, torch.exp(mu - m)[..., None] * (1 + x - mu[..., None]), 0.0)
-    wt = wk + we
-    err = (wt / wt.sum(-1, keepdim=True) - a).abs()
-    # 3) total variation, value-aware error, entropy of the exact window block
-    tv = 0.5 * err.sum(-1)                                                     # (B, Hkv, g, w)
+    # 2-3) per window row: PTAA weight map (group layout (B, Hkv, g, rows, S)), its total variation and value-aware
+    # error against the exact row, and the entropy of the exact row; rows are independent, so they are taken a few
+    # at a time to bound the transient memory (at 8K tokens a whole window's map is ~9 MB per temporary)
+    x_all = logits.float().reshape(B, Hkv, g, w, S)
+    a_all = probs.float().reshape(B, Hkv, g, w, S)
     vn = values.float().norm(dim=-1).masked_fill(pad[:, None, :], 0.0)        # (B, Hkv, S)
-    omega = vn / vn.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    va = (err * omega[:, :, None, None, :]).sum(-1).clamp_min(EPS) ** gamma_v
-    ab = a[..., :sel]
-    ent = -(ab * torch.log(ab + LOG_EPS)).sum(-1)
+    omega = (vn / vn.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))[:, :, None, None, :]
+    n_fixed = None if split == "taylor" else (real_sel - k0).clamp_min(1).to(x_all.dtype)[:, None, None, None]
+    rows = max(1, _VABS_BLOCK // max(B * Hq * S, 1))
+    parts = [_vabs_rows(x_all[:, :, :, r0:r0 + rows], a_all[:, :, :, r0:r0 + rows], ev, n_fixed, omega, sel,
+                        gamma_v) for r0 in range(0, w, rows)]
+    tv, va, ent = (torch.cat(t, dim=-1) for t in zip(*parts))                  # each (B, Hkv, g, w)
     # 4) P = E[TV * VA]^alpha * E[Ent]^beta, means over heads and window rows of each sample
     pref = (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha * ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
     return torch.where(n0 > 0, pref, eps)
+
+
+_VABS_BLOCK = 1 << 19  # elements of one (B, Hq, rows, S) temporary of the VABS map (2 MiB in float32)
+
+
+def _vabs_rows(x: torch.Tensor, a: torch.Tensor, ev: torch.Tensor, n_ev: torch.Tensor | None, omega: torch.Tensor,
+               sel: int, gamma_v: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TV, value-aware error and entropy of some window rows (``x``, ``a``: ``(B, Hkv, g, rows, S)`` logits and exact
+    probabilities; ``ev``: the provisional evicted set, broadcastable, or ignored when ``n_ev`` is None, the
+    full-Taylor split where every visible key is linearised). Each returned tensor is ``(B, Hkv, g, rows)``."""
+    if n_ev is None:  # "taylor": the row's evicted count is its visible count
+        ev = torch.isfinite(x)
+        n_ev = ev.sum(-1).clamp_min(1).to(x.dtype)
+    kept = torch.isfinite(x) & ~ev
+    mu = torch.where(ev, x, 0.0).sum(-1) / n_ev
+    m = torch.maximum(x.masked_fill(~kept, float("-inf")).amax(-1), mu)
+    wt = torch.where(kept, torch.exp(x - m[..., None]), 0.0)
+    wt += torch.where(ev, torch.exp(mu - m)[..., None] * (1 + x - mu[..., None]), 0.0)
+    err = wt.div_(wt.sum(-1, keepdim=True)).sub_(a).abs_()
+    tv = 0.5 * err.sum(-1)
+    va = err.mul_(omega).sum(-1).clamp_min(EPS) ** gamma_v
+    ab = a[..., :sel]
+    ent = -(ab * torch.log(ab + LOG_EPS)).sum(-1)
+    return tv, va, ent
 
 
 @register
