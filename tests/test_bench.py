@@ -34,7 +34,10 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     assert "| slake | 40 | 96 |" in md
     # on CPU the three configurations of each length are timed again in turn (interleaved, the default)
     assert all(r["decode_timing"] == "interleaved" and r["decode_ms_sequential"] > 0 for r in rows)
-    assert "timed in turn" in md
+    assert "timed in turn" in md and "decode vs first" in md
+    # each length's first configuration is the reference of the paired ratios (1.0 against itself)
+    assert by[("full", 48)]["decode_vs_first"] == 1.0 and by[("slake", 96)]["decode_first"] == "full@40"
+    assert "| 1.000 × full@40 |" in md
     for png in ("decode_latency.png", "peak_memory.png"):
         assert (out / png).stat().st_size > 1000
 
@@ -55,7 +58,8 @@ def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tm
     assert main(base + ["--methods", "full,cake", "--decode-timing", "sequential", "--out", str(tmp_path / "a")]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert len(rows) == 4 and all(r["decode_timing"] == "sequential" and "decode_ms_sequential" not in r
-                                  for r in rows)
+                                  and "decode_vs_first" not in r for r in rows)
+    assert "decode vs first" not in (tmp_path / "a" / "bench.md").read_text()
     # one configuration per length: nothing to interleave with
     assert main(base + ["--methods", "cake", "--out", str(tmp_path / "b")]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
@@ -114,3 +118,19 @@ def test_random_named_shape_builds_without_download():
     model = random_model("smollm2-135m:num_hidden_layers=1,vocab_size=512", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 3
     assert model.config._attn_implementation == "slake"
+
+
+def test_paired_ratio_survives_drift_that_misleads_the_medians():
+    """The machine slows down steadily; short slowdowns hit cake's early steps and slake's late ones. The ratio of
+    the medians then says slake is faster; the median of per-round ratios still reads the true 1.05."""
+    from slake.bench.command import _apply_interleaved
+
+    base = [60.0 + 3.0 * r for r in range(12)]                       # drift of the machine over the rounds
+    cake = [b + (40.0 if r < 3 else 0.0) for r, b in enumerate(base)]
+    slake = [1.05 * b + (40.0 if r >= 9 else 0.0) for r, b in enumerate(base)]
+    rows = [{"method": "cake", "budget": 128, "decode_ms_per_token": 0.0},
+            {"method": "slake", "budget": 128, "decode_ms_per_token": 0.0}]
+    _apply_interleaved(rows, [cake, slake])
+    assert rows[1]["decode_ms_per_token"] / rows[0]["decode_ms_per_token"] < 1.0
+    assert abs(rows[1]["decode_vs_first"] - 1.05) < 1e-9 and rows[1]["decode_first"] == "cake@128"
+    assert rows[0]["decode_vs_first"] == 1.0

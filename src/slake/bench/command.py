@@ -245,7 +245,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
              "prompts are random token ids",
              "decode ms/token: " + ("medians of steps timed in turn across the configurations of each length "
                                     "(interleaved; the medians of each configuration's own run are "
-                                    "decode_ms_sequential in bench.jsonl)" if interleave else
+                                    "decode_ms_sequential in bench.jsonl); decode vs first: median over those "
+                                    "rounds of the step-time ratio to the length's first configuration, the "
+                                    "number to compare methods by" if interleave else
                                     "medians of each configuration's own run (sequential)"),
              "peak memory: " + ("CUDA max_memory_allocated (reset per configuration)" if rows and
                                 rows[0]["peak_mem_kind"].startswith("cuda") else
@@ -285,11 +287,24 @@ def _length_groups(configs: list) -> list[list]:
 
 
 def _apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
-    """Replace each row's decode statistics by its interleaved step times, keeping the sequential median."""
+    """Replace each row's decode statistics by its interleaved step times, keeping the sequential median, and add
+    ``decode_vs_first``: the median over rounds of the step-time ratio to the length's first configuration.
+
+    A round's steps run back to back, so a slowdown of the machine that lasts longer than a round cancels in its
+    ratio; a shorter one makes that round's ratio an outlier up or down, which the median ignores. On a noisy
+    machine this ratio is far steadier than the ratio of two medians."""
+    ref = times[0]
     for row, t in zip(rows, times):
         row["decode_ms_sequential"] = row["decode_ms_per_token"]
         row.update({"decode_ms_per_token": statistics.median(t), "decode_ms_min": min(t), "decode_ms_max": max(t),
-                    "decode_steps": len(t), "decode_timing": "interleaved"})
+                    "decode_steps": len(t), "decode_timing": "interleaved",
+                    "decode_vs_first": statistics.median(a / b for a, b in zip(t, ref)),
+                    "decode_first": _label(rows[0])})
+
+
+def _label(row: dict) -> str:
+    """``method[@budget][ kv_dtype]`` of a result row (names the reference of ``decode_vs_first``)."""
+    return f"{row['method']}@{row['budget']}" + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
 
 
 def _load_avg() -> float | None:
