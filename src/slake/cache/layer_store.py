@@ -179,9 +179,10 @@ class LayerStore:
         same set as ``evicted``) let the linear state fold only those ``e`` rows instead of masking the whole layer.
         """
         if self.linear is not None:
-            if slots is not None and chosen is not None and self.k_scale is None and self.keys.dtype == self.linear.dtype:
+            rows = slots is not None and chosen is not None
+            if rows and self.k_scale is None and self.keys.dtype == self.linear.dtype:  # the usual decode step
                 self.linear.fold_slots(self.keys, self.values, slots, chosen)
-            elif slots is not None and chosen is not None:
+            elif rows:  # 8-bit or low-precision storage: gather, dequantise / upcast, then fold
                 gi = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])
                 k, v = self.keys.gather(2, gi), self.values.gather(2, gi)
                 if self.k_scale is not None:

@@ -164,8 +164,8 @@ class LinearState:
         -----
         One batched matmul-accumulate ``aug += [k, 1]^T [v, 1]`` over the marked rows updates ``L``, ``k_sum``,
         ``v_sum`` and ``count`` at once; more than 1024 rows (a prefill compaction) are folded 1024 at a time, so the
-        transient ``[k, 1]`` / ``[v, 1]`` copies stay small whatever the prompt length. Folding disjoint sets one after the other equals folding their union once
-        (spec section 8.3, invariant 8).
+        transient ``[k, 1]`` / ``[v, 1]`` copies stay small whatever the prompt length. Folding disjoint sets one
+        after the other equals folding their union once (spec section 8.3, invariant 8).
         """
         aug = self.aug
         B, H, d1, _ = aug.shape
