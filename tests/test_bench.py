@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from slake.bench.shapes import SHAPES, parse_shape
+from slake.hf.shapes import SHAPES, parse_shape
 from slake.cli import main
 
 
@@ -70,9 +70,9 @@ def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tm
 
 
 def test_interleaved_timing_runs_each_configuration_in_alternating_order(monkeypatch):
-    from slake.bench import runner
-    from slake.bench.runner import BenchConfig, time_decode_interleaved
-    from slake.bench.shapes import random_model
+    from slake.engines.transformers import measure as runner
+    from slake.engines.transformers.measure import BenchConfig, time_decode_interleaved
+    from slake.hf.shapes import random_model
 
     model = random_model("tiny:num_hidden_layers=2", device="cpu", dtype=torch.float32, seed=0)
     calls = []
@@ -113,7 +113,7 @@ def test_named_shapes_have_their_published_dimensions(name):
 def test_random_named_shape_builds_without_download():
     import torch
 
-    from slake.bench.shapes import random_model
+    from slake.hf.shapes import random_model
 
     model = random_model("smollm2-135m:num_hidden_layers=1,vocab_size=512", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 3
@@ -123,14 +123,14 @@ def test_random_named_shape_builds_without_download():
 def test_paired_ratio_survives_drift_that_misleads_the_medians():
     """The machine slows down steadily; short slowdowns hit cake's early steps and slake's late ones. The ratio of
     the medians then says slake is faster; the median of per-round ratios still reads the true 1.05."""
-    from slake.bench.command import _apply_interleaved
+    from slake.engines.transformers.bench import apply_interleaved
 
     base = [60.0 + 3.0 * r for r in range(12)]                       # drift of the machine over the rounds
     cake = [b + (40.0 if r < 3 else 0.0) for r, b in enumerate(base)]
     slake = [1.05 * b + (40.0 if r >= 9 else 0.0) for r, b in enumerate(base)]
     rows = [{"method": "cake", "budget": 128, "decode_ms_per_token": 0.0},
             {"method": "slake", "budget": 128, "decode_ms_per_token": 0.0}]
-    _apply_interleaved(rows, [cake, slake])
+    apply_interleaved(rows, [cake, slake])
     assert rows[1]["decode_ms_per_token"] / rows[0]["decode_ms_per_token"] < 1.0
     assert abs(rows[1]["decode_vs_first"] - 1.05) < 1e-9 and rows[1]["decode_first"] == "cake@128"
     assert rows[0]["decode_vs_first"] == 1.0

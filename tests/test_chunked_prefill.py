@@ -53,7 +53,7 @@ def test_cache_stays_bounded_during_chunked_prefill(llama_gqa, method):
     budget, chunk, n = 24, 16, 160
     cache = SlakeCache(method, budget, L, window=8, prefill_chunk=chunk)
     sizes = []
-    engine = cache.engine
+    engine = cache.compressor
     orig = engine._chunk_evict
 
     def spy(layer_idx, x, newest):
@@ -81,7 +81,7 @@ def test_chunked_prefill_batch_with_padding_is_finite(llama_gqa):
     cache = SlakeCache("snapkv", 24, L, window=8)
     logits = prefill(llama_gqa, cache, ids, mask, prefill_chunk=16)
     assert torch.isfinite(logits).all()
-    for store in cache.engine.layers:
+    for store in cache.compressor.layers:
         assert not bool((store.valid & (store.positions < 10) & (store.positions >= 0))[1].any())
 
 
@@ -105,7 +105,7 @@ def test_decode_reuses_storage_in_place(llama_gqa, method):
         for step in range(12):
             tok = llama_gqa(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             now = [(s.keys.data_ptr(), s.values.data_ptr(), s.positions.data_ptr(), s.valid.data_ptr())
-                   + ((s.linear.kv.data_ptr(),) if s.linear is not None else ()) for s in cache.engine.layers]
+                   + ((s.linear.kv.data_ptr(),) if s.linear is not None else ()) for s in cache.compressor.layers]
             if step >= 1:
                 assert now == ptrs, f"a layer was reallocated at decode step {step}"
             ptrs = now
@@ -122,7 +122,7 @@ def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
     with torch.inference_mode():
         out = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
     assert out.shape == (1, 105)
-    assert cache.engine.seen == [104] * L and not cache.engine.chunked_prefill
+    assert cache.compressor.seen == [104] * L and not cache.compressor.chunked_prefill
     # budget above the prompt: chunked + generate equals plain generate with the full cache
     ref_cache, big = SlakeCache("full", 1, L), SlakeCache("snapkv", 400, L, window=8)
     prefill(llama_gqa, big, ids[:, :-1], prefill_chunk=24)

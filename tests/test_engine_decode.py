@@ -54,8 +54,8 @@ def test_cache_size_constant_during_long_decode(llama_gqa, method):
     ids = random_ids(96, seed=6)
     cache = SlakeCache(method, 48, L)
     _generate(model, ids, cache, 100)
-    counts = [s.counts() for s in cache.engine.layers]
-    after_prefill = cache.engine.targets
+    counts = [s.counts() for s in cache.compressor.layers]
+    after_prefill = cache.compressor.targets
     for layer, (c, t) in enumerate(zip(counts, after_prefill)):
         assert torch.equal(c, t), f"layer {layer}: {c.tolist()} != {t.tolist()}"
     if method in ("h2o", "tova", "snapkv", "streamingllm"):  # uniform layer budgets
@@ -63,7 +63,7 @@ def test_cache_size_constant_during_long_decode(llama_gqa, method):
     else:  # adaptive layer budgets sum exactly to the total
         assert int(sum(c[0, 0] for c in counts)) == 48 * L
     # capacity never grows past budget + one free slot for the incoming token (no per-step reallocation)
-    cap = [s.capacity for s in cache.engine.layers]
+    cap = [s.capacity for s in cache.compressor.layers]
     assert max(cap) <= max(int(c.max()) for c in counts) + 256
 
 
@@ -96,7 +96,7 @@ def test_sampling_and_num_return_sequences(llama_gqa):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
                              do_sample=True, top_k=20, num_return_sequences=2, pad_token_id=0)
     assert out.shape == (2, 98)
-    assert all(s.keys.shape[0] == 2 for s in cache.engine.layers)
+    assert all(s.keys.shape[0] == 2 for s in cache.compressor.layers)
 
 
 def test_unrouted_model_raises_instead_of_silently_not_compressing():

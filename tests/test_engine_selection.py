@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slake.budget_spec import Budget
+from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import slake
-from slake.eval import runner as runner_mod
-from slake.eval.command import add_eval_parser, add_make_prompt_parser, cmd_eval, cmd_make_prompt
+from slake.engines.transformers import evaluate as engine_eval
+from slake.cli.eval import add_eval_parser, cmd_eval
+from slake.cli.make_prompt import add_make_prompt_parser, cmd_make_prompt
+from slake.engines.transformers import TransformersEngine
 from slake.eval.needle import needle_grid
 from slake.eval.results import ResultsWriter, read_results, row_key
 from slake.eval.runner import encode_sample, parse_budgets, resolve_methods, run_suite
@@ -80,7 +82,7 @@ def test_cmd_eval_end_to_end_writes_rows_summary_plots_and_json(llama_gqa, tok, 
     real_build = suites.build_samples
     monkeypatch.setattr(suites, "build_samples", lambda plan, tokenizer: real_build(plan, tokenizer, essays=ESSAYS))
     out = tmp_path / "run"
-    assert cmd_eval(_eval_args(out, "--json"), loader=_loader(llama_gqa, tok)) == 0
+    assert cmd_eval(_eval_args(out, "--json"), engine=TransformersEngine(loader=_loader(llama_gqa, tok))) == 0
     printed = json.loads(capsys.readouterr().out)
     rows = read_results(out)
     assert len(rows) == 4 * (1 + 2 * 2)  # 2 lengths x 2 depths, full reference + 2 methods x 2 budgets
@@ -105,14 +107,14 @@ def test_cmd_eval_end_to_end_writes_rows_summary_plots_and_json(llama_gqa, tok, 
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert "needle_full_full.png" in pngs and "needle_snapkv_40.png" in pngs and "score_vs_budget_needle.png" in pngs
     # a rerun resumes: nothing new, nothing duplicated
-    assert cmd_eval(_eval_args(out, "--json"), loader=_loader(llama_gqa, tok)) == 0
+    assert cmd_eval(_eval_args(out, "--json"), engine=TransformersEngine(loader=_loader(llama_gqa, tok))) == 0
     assert len(read_results(out)) == len(rows)
 
 
 def test_runner_resumes_without_duplicates_or_extra_prefills(llama_gqa, tok, needle_samples, tmp_path, monkeypatch):
     prefills = []
-    real_capture = runner_mod.capture_prefill
-    monkeypatch.setattr(runner_mod, "capture_prefill", lambda *a, **k: prefills.append(1) or real_capture(*a, **k))
+    real_capture = engine_eval.capture_prefill
+    monkeypatch.setattr(engine_eval, "capture_prefill", lambda *a, **k: prefills.append(1) or real_capture(*a, **k))
     kw = dict(suite="needle", model_name="tiny", max_new_tokens=2, progress=False)
     # "interrupted" run: a subset of the samples and of the budgets
     first = run_suite(llama_gqa, tok, needle_samples[:2], ["snapkv"], [32], tmp_path, **kw)
@@ -198,14 +200,14 @@ def test_cmd_eval_rejects_bad_arguments_before_loading(tmp_path):
         args = _eval_args(tmp_path)
         setattr(args, extra[0][2:], extra[1])
         with pytest.raises(ValueError, match=msg):
-            cmd_eval(args, loader=loader)
+            cmd_eval(args)  # the engine --engine names, for --model
     args = _eval_args(tmp_path)
     args.suite, args.tasks = "ruler", "niah_single_1,bogus"
     with pytest.raises(ValueError, match="bogus"):
-        cmd_eval(args, loader=loader)
+        cmd_eval(args, engine=TransformersEngine(loader=loader))
     args.suite, args.tasks = "longbench", None
     with pytest.raises(ValueError, match="longbench-dir"):
-        cmd_eval(args, loader=loader)
+        cmd_eval(args, engine=TransformersEngine(loader=loader))
 
 
 def test_make_prompt_writes_plain_prompt_and_answers(tok, tmp_path, capsys, monkeypatch):
@@ -269,7 +271,7 @@ def test_batch_size_is_validated(llama_gqa, tok, needle_samples, tmp_path):
                       **kw)
     args = _eval_args(tmp_path, "--batch-size", "2", "--question-agnostic")
     with pytest.raises(ValueError, match="--batch-size"):
-        cmd_eval(args, loader=_loader(llama_gqa, tok))
+        cmd_eval(args, engine=TransformersEngine(loader=_loader(llama_gqa, tok)))
 
 
 def test_summary_orders_ruler_tasks_like_the_paper(tmp_path):
@@ -301,15 +303,19 @@ def test_method_specs_are_validated():
         resolve_methods("full[window=4]")
 
 
-def test_engine_vllm_refuses_what_it_cannot_honour_before_loading(tmp_path):
-    def loader(args):
+def test_engine_vllm_refuses_what_it_cannot_honour_before_loading(tmp_path, monkeypatch):
+    import slake.hf.models
+
+    def refuse(*a, **k):
         raise AssertionError("the model must not load")
 
+    monkeypatch.setattr(slake.hf.models, "load_tokenizer", refuse)
+    monkeypatch.setattr(slake.hf.models, "load_model", refuse)
     for extra, msg in [(("--kv-dtype", "int8"), "--kv-dtype"), (("--prefill-chunk", "64"), "--prefill-chunk"),
                        (("--question-agnostic",), "--question-agnostic"), (("--device", "cuda"), "CPU backend")]:
         args = _eval_args(tmp_path, "--engine", "vllm", *extra)
         with pytest.raises(ValueError, match=msg):
-            cmd_eval(args, loader=loader)
+            cmd_eval(args)  # the engine --engine names, for --model
 
 
 def test_a_results_directory_serves_one_engine(llama_gqa, tok, needle_samples, tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slake import fidelity
+from slake.quality import fidelity
 
 from tiny_models import random_ids
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from slake.budgets import cross_head_counts, safeguarded_head_counts
+from slake.budgets.allocation import cross_head_counts, safeguarded_head_counts
 from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
 from slake.methods.base import PrefillInputs

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from slake.profiles import model_identity, normalise_name
+from slake.methods.profiles import model_identity, normalise_name
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ def test_shipped_profile_matches_the_default_model():
     import slake
 
     model, _ = slake.load_model()
-    from slake.profiles import load_profiles, resolve_method
+    from slake.methods.profiles import load_profiles, resolve_method
 
     found = [src for src, _ in load_profiles(model_identity(model)) if src.startswith("shipped:")]
     assert found, "no shipped profile matches the default model"

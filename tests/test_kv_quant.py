@@ -101,12 +101,12 @@ def test_every_method_generates_with_8bit(kv_dtype):
                              do_sample=False)
         stats = cache.statistics()
         assert out.shape[1] == ids.shape[1] + 4 and stats["kv_dtype"] == kv_dtype, name
-        assert all(layer.keys.element_size() == 1 for layer in cache.engine.layers), name
+        assert all(layer.keys.element_size() == 1 for layer in cache.compressor.layers), name
     # beam search reorders / repeats batch rows: codes and scales move together
     cache = SlakeCache("slake", 48, model.config.num_hidden_layers, kv_dtype=kv_dtype)
     model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3, num_beams=2,
                    do_sample=False)
-    for s in cache.engine.layers:
+    for s in cache.compressor.layers:
         assert s.k_scale.shape[:3] == s.keys.shape[:3] and s.v_scale.shape[:3] == s.values.shape[:3]
 
 

@@ -37,7 +37,7 @@ def test_every_method_with_and_without_linear_cache(llama_gqa, prompt_and_refere
     model = llama_gqa
     ids, first = prompt_and_reference
     cache = SlakeCache(method, BUDGET, model.config.num_hidden_layers, linear_cache=linear)
-    eng = cache.engine
+    eng = cache.compressor
     sizes: list[list[torch.Tensor]] = []
     decode = eng.decode_attention
 
@@ -116,7 +116,7 @@ def test_sampling_with_num_return_sequences_carries_per_head_state(llama_gqa, me
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
                              do_sample=True, top_k=20, num_return_sequences=2, pad_token_id=0)
     assert out.shape == (2, 98)
-    for store, target in zip(cache.engine.layers, cache.engine.targets):
+    for store, target in zip(cache.compressor.layers, cache.compressor.targets):
         assert store.keys.shape[0] == 2 and torch.equal(store.counts(), target)
         if method == "sagekv":
             assert store.head_visible is not None and store.head_visible.shape[:2] == (2, 2)

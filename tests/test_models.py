@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from slake import models
+from slake.hf import models
 
 
 def test_missing_default_model_package_names_the_pip_command(monkeypatch):

@@ -38,7 +38,7 @@ def test_replayed_capture_equals_live_compression(llama_gqa, method):
         tokens = greedy_decode(model, capture, cache, 10)
         assert tokens == live[:, 90:].tolist()
     for layer in range(L):
-        a, b = live_cache.engine.layers[layer], cache.engine.layers[layer]
+        a, b = live_cache.compressor.layers[layer], cache.compressor.layers[layer]
         assert torch.equal(a.counts(), b.counts())
 
 
@@ -49,9 +49,9 @@ def test_question_agnostic_mode_feeds_the_question_after_compression(llama_gqa):
     cache = capture.replay("snapkv", 40)
     tokens = greedy_decode(model, capture, cache, 5, extra_ids=question)
     assert len(tokens[0]) == 5
-    assert cache.engine.seen[0] == 80 + 12 + 4
+    assert cache.compressor.seen[0] == 80 + 12 + 4
     # the question was appended after compression: the context is compressed, the question kept whole
-    store = cache.engine.layers[0]
+    store = cache.compressor.layers[0]
     assert bool((store.positions[store.valid] >= 80).sum() == 16 * store.keys.shape[1])
 
 
@@ -122,7 +122,7 @@ def test_budget_independent_scores_are_computed_once_per_capture(llama_gqa, monk
     for budget, cache in zip((40, 60, 40), caches):
         fresh = capture_prefill(model, ids, mask).replay("h2o", budget)
         for layer in range(L):
-            a, b = cache.engine.layers[layer], fresh.engine.layers[layer]
+            a, b = cache.compressor.layers[layer], fresh.compressor.layers[layer]
             assert torch.equal(a.positions, b.positions) and torch.equal(a.scores, b.scores)
     assert len(calls) == L + 3 * L
     capture.replay("h2o", 40, window=8)  # another configuration computes its own scores

@@ -9,7 +9,7 @@ import pytest
 
 from slake import SlakeCache
 from slake.methods import make_method
-from slake.profiles import (find_entry, load_profiles, model_identity, normalise_name, profile_path, resolve_method,
+from slake.methods.profiles import (find_entry, load_profiles, model_identity, normalise_name, profile_path, resolve_method,
                             write_entry)
 
 

@@ -118,13 +118,12 @@ def no_model_load(monkeypatch):
     """Fail loudly if a command gets as far as loading a model or a tokenizer."""
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the arguments were validated")
-    import slake.bench.shapes
-    import slake.eval.command
-    import slake.models
+    import slake.hf.models
+    import slake.hf.shapes
 
-    monkeypatch.setattr(slake.models, "load_model", refuse)
-    monkeypatch.setattr(slake.bench.shapes, "random_model", refuse)
-    monkeypatch.setattr(slake.eval.command, "load_tokenizer", refuse)
+    monkeypatch.setattr(slake.hf.models, "load_model", refuse)
+    monkeypatch.setattr(slake.hf.shapes, "random_model", refuse)
+    monkeypatch.setattr(slake.hf.models, "load_tokenizer", refuse)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
@@ -212,7 +211,7 @@ def test_unprepared_layer_index_and_unfilled_layers_are_clear_errors():
     with pytest.raises(ValueError, match="updated layer 2, but this SlakeCache was built for 2 layers"):
         cache.update(k, k, 2)
     cache = SlakeCache("snapkv", 48, 4)
-    cache.engine.prefill_layer(0, torch.zeros(1, 4, 5, 16), k, k, None, 0.25)
+    cache.compressor.prefill_layer(0, torch.zeros(1, 4, 5, 16), k, k, None, 0.25)
     with pytest.raises(ValueError, match="the model filled 1 layers but this SlakeCache was built for 4"):
         cache.statistics()
 
@@ -248,7 +247,7 @@ def test_kv_bytes_padding_counts_uneven_heads_only(llama_gqa):
     ids = random_ids(120, seed=6)
     cache = SlakeCache("ada-snapkv", 48, config=llama_gqa.config)
     _gen(llama_gqa, ids, cache, 3)
-    eng = cache.engine
+    eng = cache.compressor
     kv = cache.statistics()["kv_bytes"]
     per_slot = 2 * 16 * 4
     expected_padding = sum(int((s.counts().max() - s.counts()).sum()) for s in eng.layers) * per_slot
@@ -312,7 +311,7 @@ def test_fp16_on_cpu_is_finite_and_equals_the_full_cache_at_a_full_budget():
         assert out.logits.dtype == torch.float16
         assert torch.isfinite(out.logits).all() and torch.isfinite(step.logits).all(), method
         assert cache.statistics()["compressed"] is True
-        assert all(s.keys.dtype == torch.float16 for s in cache.engine.layers)
+        assert all(s.keys.dtype == torch.float16 for s in cache.compressor.layers)
 
 
 # ====================================================================== the results reader (item 3)

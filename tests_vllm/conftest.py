@@ -66,7 +66,7 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
     slake.prepare_model(model)
     kw = {}
     if method is not None:
-        from slake.budget_spec import Budget
+        from slake.budgets.budget import Budget
         from slake.vllm.config import with_layer_cap
 
         built = with_layer_cap(make_method(method), Budget(budget))  # the cap vLLM uses for CAKE/SLAKE

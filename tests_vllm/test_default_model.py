@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from slake.budget_spec import Budget
+from slake.budgets.budget import Budget
 from slake.methods import make_method
 from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
-from slake.vllm.generate import generate_vllm
+from slake.engines.vllm.generate import generate_vllm
 
 BUDGET = 128
 NEW_TOKENS = 16
@@ -35,7 +35,7 @@ def prompt(tmp_path_factory) -> tuple[str, str]:
 def transformers_results(prompt) -> dict:
     """The transformers engine's result per method (and the full cache), one model load."""
     from slake.hf.generate import generate
-    from slake.models import load_model
+    from slake.hf.models import load_model
 
     model, tokenizer = load_model(None, device="cpu", dtype="float32")
     cap = {"max_layer_budget": 2 * BUDGET}  # the layer cap vLLM gives CAKE/SLAKE (slake.vllm.config.with_layer_cap)
@@ -65,10 +65,10 @@ def test_default_model_vllm_text_equals_transformers(method, prompt, plain, tran
     assert vl.text == hf.text
     assert vl.prompt_tokens == hf.prompt_tokens and vl.prompt_tokens[0] > BUDGET
     assert vl.compressed and vl.kept_tokens_per_layer == hf.kept_tokens_per_layer
-    extra = vl.engine_extra
+    extra = vl.extra
     slots = (2 * BUDGET if method in PREFERENCE_METHODS else BUDGET) + 1
     assert extra["kv_blocks_after_prefill"] == extra["kv_blocks_end"] == -(-slots // extra["kv_block_size"])
-    assert extra["kv_blocks_end"] < plain.engine_extra["kv_blocks_after_prefill"]
+    assert extra["kv_blocks_end"] < plain.extra["kv_blocks_after_prefill"]
     assert (vl.kv_bytes["linear_state"] > 0) == (method == "slake")
     assert vl.kv_bytes["linear_state"] == hf.kv_bytes["linear_state"]
 

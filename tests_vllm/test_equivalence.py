@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BUDGET, LAYER_CAP, LENGTHS, NEW_TOKENS, hf_generate
 from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
-from slake.vllm.engine import expected_blocks, run_vllm
+from slake.engines.vllm.runner import expected_blocks, run_vllm
 
 BLOCK = 32
 

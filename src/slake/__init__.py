@@ -11,13 +11,13 @@ Public names: :func:`load_model`, :func:`generate`, :class:`SlakeCache`, :func:`
 :func:`available_methods`, :func:`make_method`, :class:`Budget`.
 """
 
-from . import methods  # noqa: F401  (registers every method)
-from .budget_spec import Budget
-from .hf.attention import prepare_model
-from .hf.cache import SlakeCache
-from .hf.generate import GenerationResult, generate
-from .methods import Method, available_methods, make_method
-from .models import DEFAULT_MODEL, load_model
+from slake import methods  # noqa: F401  (registers every method)
+from slake.budgets.budget import Budget
+from slake.hf.attention import prepare_model
+from slake.hf.cache import SlakeCache
+from slake.hf.generate import GenerationResult, generate
+from slake.methods import Method, available_methods, make_method
+from slake.hf.models import DEFAULT_MODEL, load_model
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""The compression engine: prefill compression with layer budgets (uniform, pyramid or cascading), and decode
+"""The compressor (:class:`CompressedKV`): prefill compression with layer budgets (uniform, pyramid or cascading), and decode
 over the compressed cache with decode-time eviction and the optional PTAA linear term.
 
 This module is engine-agnostic (no transformers import). ``slake.hf`` feeds it each layer's post-RoPE queries,
@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .. import budgets as budget_rules
-from ..attention.ptaa import attend
-from ..budget_spec import Budget
-from ..methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores
-from .layer_store import _GROWTH, LayerStore
-from .linear_state import LinearState
-from .quant import parse_kv_dtype, scale_bytes_per_row
+from slake.budgets import allocation as budget_rules
+from slake.attention.ptaa import attend
+from slake.budgets.budget import Budget
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, make_method
+from slake.cache.layer_store import _GROWTH, LayerStore
+from slake.cache.linear_state import LinearState
+from slake.cache.quant import parse_kv_dtype, scale_bytes_per_row
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -544,3 +545,9 @@ def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
     linear state ``(d^2 + 2d)`` occupies, rounded up."""
     state_bytes = (head_dim * head_dim + 2 * head_dim) * 4
     return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))
+
+
+def check_method_budget(method: Any, budget: Any) -> None:
+    """Raise ValueError for a (method, budget) pair the compressor would refuse (an unknown method or
+    hyperparameter, a bad budget, a window or sink count larger than the budget), before any model work."""
+    CompressedKV(make_method(method), budget, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
-from .sample import TokenizerLike, count_tokens
+from slake.eval.sample import TokenizerLike, count_tokens
 
 __all__ = ["LengthFitError", "Fit", "fit_to_length", "DEFAULT_TOLERANCE"]
 

@@ -157,6 +157,6 @@ def default_essays(essays: Sequence[str] | None) -> Sequence[str]:
     """``essays`` or, when None, the Paul Graham essays from :mod:`slake.eval.data_sources`."""
     if essays is not None:
         return essays
-    from .data_sources import paul_graham_essays
+    from slake.eval.data_sources import paul_graham_essays
 
     return paul_graham_essays()

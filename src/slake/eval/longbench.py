@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .longbench_config import (
+from slake.eval.longbench_config import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
     NO_CHAT_TEMPLATE_DATASETS,
     base_dataset,
 )
-from .sample import Sample, count_tokens
+from slake.eval.sample import Sample, count_tokens
 
 __all__ = [
     "LongBenchRecord",

@@ -20,7 +20,7 @@ import re
 import string
 from typing import Any, Callable, Sequence
 
-from .text_similarity import indel_ratio, rouge_l_f, token_f1
+from slake.eval.text_similarity import indel_ratio, rouge_l_f, token_f1
 
 __all__ = [
     "normalize_answer",

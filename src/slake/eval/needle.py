@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from typing import Iterable, Literal, Sequence
 
-from .fitting import DEFAULT_TOLERANCE, fit_to_length
-from .haystack import cycle_prefix, default_essays, essay_offset, essay_words, insert_at_depths, word_boundaries
-from .metrics import needle_score
-from .sample import Draft, Sample, TokenizerLike
-from .vocab import CITIES, random_number, random_word
+from slake.eval.fitting import DEFAULT_TOLERANCE, fit_to_length
+from slake.eval.haystack import cycle_prefix, default_essays, essay_offset, essay_words, insert_at_depths, word_boundaries
+from slake.eval.metrics import needle_score
+from slake.eval.sample import Draft, Sample, TokenizerLike
+from slake.eval.vocab import CITIES, random_number, random_word
 
 __all__ = ["NEEDLE_KINDS", "NeedleKind", "make_needle", "needle_sample", "needle_grid", "needle_score"]
 

@@ -16,8 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from .results import FULL_METHOD, budget_label, read_results
-from .summary import method_budget_order, task_order
+from slake.eval.results import FULL_METHOD, budget_label, read_results
+from slake.eval.summary import method_budget_order, task_order
 
 __all__ = ["write_plots", "needle_heatmaps", "score_vs_budget"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sample import Sample
+from slake.eval.sample import Sample
 
 __all__ = ["build_messages", "build_prompt", "has_chat_template"]
 

@@ -33,15 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .data_sources import QARecord, hotpotqa_samples, squad_samples
-from .fitting import DEFAULT_TOLERANCE, Fit, LengthFitError, fit_to_length
-from .haystack import default_essays
-from .metrics import ruler_score, string_match_all, string_match_part
-from .ruler_niah import NIAH_TASKS, niah_renderer
-from .ruler_qa import qa_renderer
-from .ruler_vt import vt_renderer
-from .ruler_words import cwe_renderer, fwe_renderer, vocabulary_from_texts
-from .sample import Draft, Sample, TokenizerLike, count_tokens
+from slake.eval.data_sources import QARecord, hotpotqa_samples, squad_samples
+from slake.eval.fitting import DEFAULT_TOLERANCE, Fit, LengthFitError, fit_to_length
+from slake.eval.haystack import default_essays
+from slake.eval.metrics import ruler_score, string_match_all, string_match_part
+from slake.eval.ruler_niah import NIAH_TASKS, niah_renderer
+from slake.eval.ruler_qa import qa_renderer
+from slake.eval.ruler_vt import vt_renderer
+from slake.eval.ruler_words import cwe_renderer, fwe_renderer, vocabulary_from_texts
+from slake.eval.sample import Draft, Sample, TokenizerLike, count_tokens
 
 __all__ = [
     "RULER_TASKS",

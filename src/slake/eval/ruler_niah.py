@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from .haystack import (
+from slake.eval.haystack import (
     LazyStream,
     cycle_prefix,
     default_essays,
@@ -16,8 +16,8 @@ from .haystack import (
     noise_units,
     word_boundaries,
 )
-from .sample import Draft
-from .vocab import random_number, random_uuid, word_keys
+from slake.eval.sample import Draft
+from slake.eval.vocab import random_number, random_uuid, word_keys
 
 __all__ = ["NiahConfig", "NIAH_TASKS", "niah_renderer"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Callable, Sequence
 
-from .data_sources import QARecord
-from .sample import Draft
+from slake.eval.data_sources import QARecord
+from slake.eval.sample import Draft
 
 __all__ = ["qa_renderer"]
 

@@ -6,9 +6,9 @@ import random
 import string
 from typing import Callable
 
-from .haystack import insert_at_depths, noise_units
-from .sample import Draft
-from .vocab import random_number
+from slake.eval.haystack import insert_at_depths, noise_units
+from slake.eval.sample import Draft
+from slake.eval.vocab import random_number
 
 __all__ = ["vt_renderer"]
 

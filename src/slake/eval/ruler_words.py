@@ -9,9 +9,9 @@ import re
 from collections import Counter
 from typing import Callable, Sequence
 
-from .haystack import LazyStream
-from .sample import Draft
-from .vocab import coded_word
+from slake.eval.haystack import LazyStream
+from slake.eval.sample import Draft
+from slake.eval.vocab import coded_word
 
 __all__ = ["cwe_renderer", "fwe_renderer", "vocabulary_from_texts", "FWE_NOISE"]
 

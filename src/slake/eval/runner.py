@@ -1,37 +1,35 @@
-"""The evaluation runner: samples x (full reference + methods x budgets) on one model, prefilled once per sample.
+"""The evaluation runner: samples x (full reference + methods x budgets), on any engine, resumable.
 
-For each sample the prompt is built (:func:`slake.eval.prompts.build_prompt`), tokenised and prefilled ONCE with
-:func:`slake.hf.prefill_once.capture_prefill`; every (method, budget) pair is then replayed from that capture and
-decoded greedily (ARCHITECTURE.md section 4: compression does not change prefill outputs, so the replayed cache is
-the cache live compression would have built). Each row is appended to ``DIR/results.jsonl`` and flushed as soon as it
-is scored; a rerun skips the rows already there and does not even prefill a sample whose rows are all present.
+:func:`evaluate_suite` encodes every sample's prompt (:func:`encode_sample`: chat template, question last), skips the
+(sample, method, budget) rows already in ``DIR/results.jsonl`` (:func:`slake.eval.results.row_key`), hands the rest to
+the engine (:meth:`slake.engines.base.Engine.evaluate`), scores what comes back and appends one row per output
+(:func:`build_row`, the one builder of result rows), flushed as soon as it is scored. How the engine generates is
+its own affair: the transformers engine prefills each sample once and replays every pair from it; the vLLM engine
+runs every sample of a pair as one batch.
 
 Query-aware (default): the question is at the end of the prompt, inside the prefill and the observation window.
-Question-agnostic: the context alone is prefilled and compressed, then the question is fed (``extra_ids``) and the
-answer generated.
+Question-agnostic: the context alone is prefilled and compressed, then the question is fed and the answer generated.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch
+from slake.budgets.budget import Budget
+from slake.cache.compressed import check_method_budget
+from slake.engines.base import EvalOptions, EvalOutput, EvalRequest, Pair
+from slake.eval.metrics import score_prediction
+from slake.eval.prompts import build_prompt, has_chat_template
+from slake.eval.results import FULL_METHOD, ResultsWriter, check_engine_dir, row_key
+from slake.eval.sample import Sample
 
-from ..budget_spec import Budget
-from ..hf.cache import SlakeCache
-from ..hf.generate import prefill
-from ..hf.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
-from .metrics import score_prediction
-from .prompts import build_prompt, has_chat_template
-from .results import FULL_METHOD, ResultsWriter, check_engine_dir, row_key
-from .sample import Sample
+if TYPE_CHECKING:
+    from slake.engines.base import Engine
 
-__all__ = ["run_suite", "resolve_methods", "parse_budgets", "check_pairs", "encode_sample", "eos_token_ids", "target_length"]
-
-Pair = tuple[str, "int | float | None"]
-
+__all__ = ["build_row", "check_pairs", "decode_text", "encode_sample", "evaluate_suite", "parse_budgets",
+           "resolve_methods", "run_suite", "target_length"]
 
 def resolve_methods(methods: str | Sequence[str]) -> list[str]:
     """Validate method names or specs; ``"all"`` means every registered method except ``full``.
@@ -58,8 +56,9 @@ def resolve_methods(methods: str | Sequence[str]) -> list[str]:
         For an unknown name (the message lists the registered methods), a bad spec, hyperparameters on ``full``
         or an empty list.
     """
-    from ..methods import available_methods
-    from ..methods.spec import canonical_method_spec, parse_method_spec, split_method_list
+    from slake.methods import available_methods
+    from slake.methods.base import canonical_method_spec
+    from slake.methods.spec import parse_method_spec, split_method_list
 
     registered = list(available_methods())
     names = split_method_list(methods) if isinstance(methods, str) else [str(m).strip() for m in methods]
@@ -104,29 +103,16 @@ def parse_budgets(budgets: str | Sequence[int | float | str]) -> list[int | floa
 
 
 def check_pairs(methods: Sequence[str], budgets: Sequence[int | float]) -> None:
-    """Raise ValueError now for a (method, budget) pair the engine would refuse (e.g. a budget below the method's
-    observation window), rather than in the middle of a run."""
-    from ..hf.cache import SlakeCache
-
+    """Raise ValueError now for a (method, budget) pair the compressor would refuse (e.g. a budget below the
+    method's observation window), rather than in the middle of a run."""
     for method in methods:
         for budget in budgets:
-            SlakeCache(method, budget, 1)
+            check_method_budget(method, budget)
 
 
 def target_length(sample: Sample) -> int:
     """The length a sample was generated for (``metadata["target_length"]``), else its achieved length."""
     return int(sample.metadata.get("target_length", sample.length))
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """End-of-sequence ids from the tokenizer and the model's generation config."""
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(gen, "eos_token_id", None)):
-        for i in src if isinstance(src, (list, tuple)) else [src]:
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return ids
 
 
 def encode_sample(sample: Sample, tokenizer: Any, *, query_aware: bool = True,
@@ -146,13 +132,31 @@ def encode_sample(sample: Sample, tokenizer: Any, *, query_aware: bool = True,
             list(tokenizer.encode(question, add_special_tokens=False)) if question else [])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def decode_text(tokenizer: Any, tokens: list[int], eos: list[int]) -> str:
+    """The prediction of a generation: trailing end-of-sequence ids dropped, special tokens skipped, stripped."""
+    while tokens and tokens[-1] in eos:
+        tokens = tokens[:-1]
+    return str(tokenizer.decode(tokens, skip_special_tokens=True)).strip()
 
 
-def _model_name(model: Any) -> str:
-    return str(getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__)
+def build_row(sample: Sample, out: EvalOutput, *, prediction: str, suite: str, model_name: str, seed: int,
+              query_aware: bool, engine: str, kv_dtype: str | None) -> dict[str, Any]:
+    """The result row of one (sample, method, budget), whatever the engine: the fields of
+    :data:`slake.eval.results.ROW_FIELDS`, the output's accounting, and the engine's own fields (``out.extra``)."""
+    row: dict[str, Any] = {
+        "suite": suite, "task": sample.task, "sample_id": sample.sample_id, "model": model_name,
+        "method": out.method, "budget": out.budget, "length": target_length(sample),
+        "prompt_tokens": out.prompt_tokens, "prediction": prediction, "answers": list(sample.answers),
+        "score": float(score_prediction(sample, prediction)), "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+        "seed": seed, "query_aware": query_aware, "compressed": out.compressed, "new_tokens": len(out.tokens),
+        "max_new_tokens": out.max_new_tokens, "depth": sample.depth, "metric": sample.metric,
+        "kv_bytes": out.kv_bytes, "prefill_chunk": out.prefill_chunk, "batch_size": out.batch_size,
+        "profile": out.profile, "kv_dtype": kv_dtype, "engine": engine,
+    }
+    if out.hyperparameters is not None:
+        row["hyperparameters"] = out.hyperparameters
+    row.update(out.extra)
+    return row
 
 
 def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full: bool) -> list[Pair]:
@@ -160,15 +164,8 @@ def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full:
     return pairs + [(m, b) for m in methods for b in budgets]
 
 
-def _decode_text(tokenizer: Any, tokens: list[int], eos: list[int]) -> str:
-    while tokens and tokens[-1] in eos:
-        tokens = tokens[:-1]
-    return str(tokenizer.decode(tokens, skip_special_tokens=True)).strip()
-
-
-def run_suite(
-    model: Any,
-    tokenizer: Any,
+def evaluate_suite(
+    engine: Engine,
     samples: Sequence[Sample],
     methods: str | Sequence[str],
     budgets: str | Sequence[int | float | str],
@@ -177,39 +174,34 @@ def run_suite(
     suite: str = "custom",
     model_name: str | None = None,
     seed: int = 0,
-    query_aware: bool = True,
     max_new_tokens: int | None = None,
     chat_template: bool = True,
     include_full: bool = True,
     progress: bool = True,
-    prefill_chunk: int | None = None,
-    batch_size: int = 1,
-    kv_dtype: str | None = None,
+    options: EvalOptions | None = None,
 ) -> list[dict[str, Any]]:
-    """Evaluate ``samples`` with the full cache and every (method, budget) pair; append rows to ``DIR/results.jsonl``.
+    """Evaluate ``samples`` with the full cache and every (method, budget) pair on ``engine``; append rows to
+    ``DIR/results.jsonl``.
 
     Parameters
     ----------
-    model, tokenizer
-        A causal LM prepared for slake (:func:`slake.load_model` or :func:`slake.prepare_model`) and its tokenizer
-        (``encode``, ``decode`` and, for chat prompts, ``apply_chat_template``).
+    engine : slake.engines.base.Engine
+        What generates (its tokenizer encodes the prompts).
     samples : sequence of Sample
         The suite; the row's ``length`` is the sample's target length (:func:`target_length`).
     methods : str or sequence of str
-        Method names or ``"all"`` (see :func:`resolve_methods`); any registered method works.
+        Method names or ``"all"`` (see :func:`resolve_methods`).
     budgets : str or sequence
-        Token budgets (int) or ratios (float in (0, 1)). A budget at or above the prompt length is still run; the
-        engine does no eviction and the row says ``compressed: false``.
+        Token budgets (int) or ratios (float in (0, 1)). A budget at or above the prompt length is still run; no
+        eviction happens and the row says ``compressed: false``.
     out_dir : path-like
-        Output directory (created); rows go to ``results.jsonl``.
+        Output directory (created); rows go to ``results.jsonl``. One directory holds one engine's rows.
     suite : str
         Suite name stored in the rows (``needle``, ``ruler``, ``longbench`` ...).
     model_name : str, optional
-        Model identifier stored in the rows (part of the resume key); ``config._name_or_path`` by default.
+        Model identifier stored in the rows (part of the resume key); the engine's model name by default.
     seed : int
         The run's seed, stored in the rows.
-    query_aware : bool
-        True: question inside the prefill. False: compress the context, then feed the question.
     max_new_tokens : int, optional
         Global cap on each sample's ``max_new_tokens``.
     chat_template : bool
@@ -217,22 +209,11 @@ def run_suite(
     include_full : bool
         Run the full-cache reference row (method ``full``, budget None).
     progress : bool
-        Show a tqdm progress bar over samples (with the time left).
-    prefill_chunk : int, optional
-        Measure chunked prefill instead of exact prefill: every compressed pair prefills the prompt live in chunks
-        of this many tokens (:func:`slake.hf.generate.prefill`), so prefill-once does not apply to them. The
-        full-cache row is unaffected (chunking changes nothing without eviction). Rows record ``prefill_chunk``.
-    batch_size : int
-        Decode up to this many samples of the same task together. Each sample is still prefilled alone; the
-        captures are left-padded into one batch (:func:`slake.hf.prefill_once.stack_captures`) and every
-        (method, budget) pair is replayed and decoded for the whole batch, which amortises the weight reads of a
-        decode step over the batch (about 5x faster per sample at batch 8 on CPU). Greedy outputs equal those of
-        ``batch_size=1`` up to floating-point reassociation in the padded batch. Rows record ``batch_size``; their
-        ``decode_s`` and ``compress_s`` are the whole batch's. Query-aware, exact-prefill runs only.
-    kv_dtype : str, optional
-        ``"int8"`` or ``"fp8_e4m3"``: every pair (the full-cache row included) stores its kept keys and values in 8
-        bits (:mod:`slake.cache.quant`). Rows record ``kv_dtype``; it is not part of the resume key, so write runs
-        with different ``kv_dtype`` to different directories.
+        Show a tqdm progress bar over the generations (with the time left).
+    options : EvalOptions, optional
+        Question-agnostic prompts, chunked prefill, batch size, 8-bit storage (:class:`EvalOptions`); the engine
+        refuses what it cannot honour (:meth:`slake.engines.base.Engine.check`). ``kv_dtype`` is not part of the
+        resume key: write runs with different ``kv_dtype`` to different directories.
 
     Returns
     -------
@@ -241,175 +222,75 @@ def run_suite(
     """
     from tqdm.auto import tqdm
 
-    from ..cache.quant import parse_kv_dtype
+    from slake.cache.quant import parse_kv_dtype
 
-    kv_dtype = parse_kv_dtype(kv_dtype)
+    opts = options or EvalOptions()
+    opts = EvalOptions(query_aware=opts.query_aware, prefill_chunk=opts.prefill_chunk, batch_size=opts.batch_size,
+                       kv_dtype=parse_kv_dtype(opts.kv_dtype))
     method_names = resolve_methods(methods)
     budget_values = parse_budgets(budgets) if method_names else []
-    check_pairs(method_names, budget_values)
-    pairs = _pairs(method_names, budget_values, include_full)
-    name = model_name or _model_name(model)
+    for m in method_names:
+        for b in budget_values:
+            engine.check_pair(m, b)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prefill_chunk is not None and (prefill_chunk < 1 or not query_aware):
+    if opts.prefill_chunk is not None and (opts.prefill_chunk < 1 or not opts.query_aware):
         raise ValueError("prefill_chunk must be >= 1 and is only supported with query-aware prompts")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if batch_size > 1 and (prefill_chunk is not None or not query_aware):
+    if not isinstance(opts.batch_size, int) or opts.batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {opts.batch_size!r}")
+    if opts.batch_size > 1 and (opts.prefill_chunk is not None or not opts.query_aware):
         raise ValueError("batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
                          "question of a question-agnostic run and chunked prefill are fed per sample")
-    device = next(model.parameters()).device
-    eos = eos_token_ids(model, tokenizer)
+    engine.check(prefill_chunk=opts.prefill_chunk, question_agnostic=not opts.query_aware, kv_dtype=opts.kv_dtype)
+    pairs = _pairs(method_names, budget_values, include_full)
+    name = model_name or engine.model_name
+    tokenizer = engine.tokenizer
+    eos = engine.eos_token_ids()
     written: list[dict[str, Any]] = []
     with ResultsWriter(out_dir) as store:
-        check_engine_dir(store, "transformers")
-
-        def todo(sample: Sample) -> list[Pair]:
-            return [(m, b) for m, b in pairs if row_key({"task": sample.task, "sample_id": sample.sample_id,
-                                                          "method": m, "budget": b, "length": target_length(sample),
-                                                          "model": name,
-                                                          "prefill_chunk": None if b is None else prefill_chunk})
-                    not in store]
-
-        pending = [(s, todo(s)) for s in samples]
-        pending = [(s, p) for s, p in pending if p]
-        batches = _batches(pending, batch_size)
-        bar = tqdm(total=len(pending), desc=f"eval {suite}", unit="sample", disable=not progress,
-                   dynamic_ncols=True)
-        for batch, batch_pairs in batches:
-            if len(batch) == 1:
-                rows = _run_sample(model, tokenizer, batch[0], batch_pairs, device=device, eos=eos, suite=suite,
-                                   model_name=name, seed=seed, query_aware=query_aware, cap=max_new_tokens,
-                                   chat_template=chat_template, bar=bar, prefill_chunk=prefill_chunk,
-                                   kv_dtype=kv_dtype)
-            else:
-                rows = _run_batch(model, tokenizer, batch, batch_pairs, device=device, eos=eos, suite=suite,
-                                  model_name=name, seed=seed, cap=max_new_tokens, chat_template=chat_template,
-                                  bar=bar, kv_dtype=kv_dtype)
-            for row in rows:
-                if store.write(row):
-                    written.append(row)
-            bar.update(len(batch))
+        check_engine_dir(store, engine.name)
+        requests: list[EvalRequest] = []
+        for i, s in enumerate(samples):
+            todo = tuple((m, b) for m, b in pairs if row_key({
+                "task": s.task, "sample_id": s.sample_id, "method": m, "budget": b, "length": target_length(s),
+                "model": name, "prefill_chunk": None if b is None else opts.prefill_chunk}) not in store)
+            if not todo:
+                continue
+            prefill_ids, question_ids = encode_sample(s, tokenizer, query_aware=opts.query_aware,
+                                                      chat_template=chat_template)
+            if not prefill_ids:
+                raise ValueError(f"sample {s.sample_id!r} has an empty prompt")
+            cap = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, max_new_tokens)
+            requests.append(EvalRequest(key=i, prefill_ids=prefill_ids, question_ids=question_ids,
+                                        max_new_tokens=cap, group=s.task, pairs=todo))
+        bar = tqdm(total=sum(len(r.pairs) for r in requests), desc=f"eval {suite} ({engine.name})", unit="run",
+                   disable=not progress, dynamic_ncols=True)
+        for out in engine.evaluate(requests, opts):
+            sample = samples[out.key]
+            row = build_row(sample, out, prediction=decode_text(tokenizer, list(out.tokens), eos), suite=suite,
+                            model_name=name, seed=seed, query_aware=opts.query_aware, engine=engine.name,
+                            kv_dtype=opts.kv_dtype)
+            if store.write(row):
+                written.append(row)
+            bar.set_postfix_str(f"{out.method} {'full' if out.budget is None else out.budget}", refresh=False)
+            bar.update(1)
         bar.close()
     return written
 
 
-def _batches(pending: list[tuple[Sample, list[Pair]]], size: int) -> list[tuple[list[Sample], list[Pair]]]:
-    """Group consecutive samples of the same task, generation length and pending pairs, ``size`` at most."""
-    out: list[tuple[list[Sample], list[Pair]]] = []
-    for sample, pairs in pending:
-        if out:
-            batch, batch_pairs = out[-1]
-            head = batch[0]
-            if (len(batch) < size and batch_pairs == pairs and head.task == sample.task
-                    and head.max_new_tokens == sample.max_new_tokens):
-                batch.append(sample)
-                continue
-        out.append(([sample], pairs))
-    return out
+def run_suite(model: Any, tokenizer: Any, samples: Sequence[Sample], methods: str | Sequence[str],
+              budgets: str | Sequence[int | float | str], out_dir: str | os.PathLike[str], *,
+              query_aware: bool = True, prefill_chunk: int | None = None, batch_size: int = 1,
+              kv_dtype: str | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """:func:`evaluate_suite` on a loaded transformers model (the Python API's shortcut).
 
+    ``model`` is prepared for slake (:func:`slake.load_model` or :func:`slake.prepare_model`); the model name of the
+    rows is ``model_name`` if given, else ``config._name_or_path``. ``query_aware``, ``prefill_chunk``,
+    ``batch_size`` and ``kv_dtype`` form the :class:`EvalOptions`; ``kwargs`` are those of :func:`evaluate_suite`.
+    """
+    from slake.engines.transformers import TransformersEngine
 
-def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[Any, dict | None]:
-    """The method of a (method, budget) pair with the model's profile applied (:mod:`slake.profiles`)."""
-    from ..profiles import resolve_method
-
-    if budget is None:
-        return method, None
-    return resolve_method(method, budget, model)
-
-
-def _run_batch(model: Any, tokenizer: Any, samples: Sequence[Sample], pairs: Sequence[Pair], *,
-               device: torch.device, eos: list[int], suite: str, model_name: str, seed: int, cap: int | None,
-               chat_template: bool, bar: Any, kv_dtype: str | None = None) -> Iterator[dict[str, Any]]:
-    """Prefill each sample once, stack the captures, then decode every (method, budget) pair for the batch."""
-    captures: list[PrefillCapture] = []
-    lengths: list[int] = []
-    for sample in samples:
-        prefill_ids, _ = encode_sample(sample, tokenizer, query_aware=True, chat_template=chat_template)
-        if not prefill_ids:
-            raise ValueError(f"sample {sample.sample_id!r} has an empty prompt")
-        bar.set_postfix_str(f"prefill {sample.sample_id}", refresh=True)
-        ids = torch.tensor([prefill_ids], dtype=torch.long, device=device)
-        captures.append(capture_prefill(model, ids, torch.ones_like(ids)))
-        lengths.append(len(prefill_ids))
-    prefill_s = [c.prefill_s for c in captures]
-    capture = stack_captures(captures, release=True)  # peak memory: one batch of records, not two
-    captures.clear()
-    caps = [s.max_new_tokens if cap is None else min(s.max_new_tokens, cap) for s in samples]
-    max_new = max(caps)
-    for method, budget in pairs:
-        bar.set_postfix_str(f"{method} {'full' if budget is None else budget} x{len(samples)}", refresh=True)
-        start = time.perf_counter()
-        built, profile = _method_for(model, method, budget)
-        cache = capture.replay(built, capture.prompt_len if budget is None else budget, kv_dtype=kv_dtype)
-        _sync(device)
-        compress_s = time.perf_counter() - start
-        cache.check_routed()
-        engine = cache.engine
-        compressed = engine.info.compress.tolist()
-        kv_bytes = [engine.byte_counts(i) for i in range(len(samples))]
-        start = time.perf_counter()
-        all_tokens = greedy_decode(model, capture, cache, max_new, eos)
-        _sync(device)
-        decode_s = time.perf_counter() - start
-        for i, sample in enumerate(samples):
-            tokens = all_tokens[i][:caps[i]]
-            prediction = _decode_text(tokenizer, tokens, eos)
-            yield {
-                "suite": suite, "task": sample.task, "sample_id": sample.sample_id, "model": model_name,
-                "method": method, "budget": budget, "length": target_length(sample), "prompt_tokens": lengths[i],
-                "prediction": prediction, "answers": list(sample.answers),
-                "score": float(score_prediction(sample, prediction)),
-                "prefill_s": round(prefill_s[i], 5), "decode_s": round(decode_s, 5),
-                "seed": seed, "query_aware": True, "compressed": bool(compressed[i]),
-                "compress_s": round(compress_s, 5), "new_tokens": len(tokens), "max_new_tokens": caps[i],
-                "depth": sample.depth, "metric": sample.metric, "kv_bytes": kv_bytes[i],
-                "prefill_chunk": None, "batch_size": len(samples), "profile": profile, "kv_dtype": kv_dtype,
-            }
-
-
-def _run_sample(model: Any, tokenizer: Any, sample: Sample, pairs: Sequence[Pair], *, device: torch.device,
-                eos: list[int], suite: str, model_name: str, seed: int, query_aware: bool, cap: int | None,
-                chat_template: bool, bar: Any, prefill_chunk: int | None = None,
-                kv_dtype: str | None = None) -> Iterator[dict[str, Any]]:
-    """Prefill ``sample`` once, then yield one scored row per (method, budget) pair."""
-    prefill_ids, question_ids = encode_sample(sample, tokenizer, query_aware=query_aware, chat_template=chat_template)
-    if not prefill_ids:
-        raise ValueError(f"sample {sample.sample_id!r} has an empty prompt")
-    ids = torch.tensor([prefill_ids], dtype=torch.long, device=device)
-    extra = torch.tensor([question_ids], dtype=torch.long, device=device) if question_ids else None
-    capture = capture_prefill(model, ids, torch.ones_like(ids))
-    prompt_tokens = len(prefill_ids) + len(question_ids)
-    max_new = sample.max_new_tokens if cap is None else min(sample.max_new_tokens, cap)
-    for method, budget in pairs:
-        bar.set_postfix_str(f"{method} {'full' if budget is None else budget}", refresh=False)
-        start = time.perf_counter()
-        chunk = None if budget is None else prefill_chunk
-        built, profile = _method_for(model, method, budget)
-        if chunk is None:
-            cache = capture.replay(built, len(prefill_ids) if budget is None else budget, kv_dtype=kv_dtype)
-            source = capture
-        else:  # chunked prefill is measured live: each chunk attends over the compressed past
-            cache = SlakeCache(built, budget, model.config.num_hidden_layers, prefill_chunk=chunk,
-                                kv_dtype=kv_dtype)
-            logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
-            source = PrefillCapture(records=[], attention_mask=torch.ones_like(ids), last_logits=logits.float(),
-                                    prefill_s=time.perf_counter() - start)
-        _sync(device)
-        compress_s = time.perf_counter() - start
-        stats = cache.statistics()
-        start = time.perf_counter()
-        tokens = greedy_decode(model, source, cache, max_new, eos, extra_ids=extra)[0]
-        _sync(device)
-        decode_s = time.perf_counter() - start
-        prediction = _decode_text(tokenizer, tokens, eos)
-        yield {
-            "suite": suite, "task": sample.task, "sample_id": sample.sample_id, "model": model_name,
-            "method": method, "budget": budget, "length": target_length(sample), "prompt_tokens": prompt_tokens,
-            "prediction": prediction, "answers": list(sample.answers), "score": float(score_prediction(sample,
-                                                                                                      prediction)),
-            "prefill_s": round(capture.prefill_s, 5), "decode_s": round(decode_s, 5), "seed": seed,
-            "query_aware": query_aware, "compressed": bool(stats["compressed"]), "compress_s": round(compress_s, 5),
-            "new_tokens": len(tokens), "max_new_tokens": max_new, "depth": sample.depth, "metric": sample.metric,
-            "kv_bytes": stats["kv_bytes"], "prefill_chunk": chunk, "profile": profile, "kv_dtype": kv_dtype,
-        }
+    engine = TransformersEngine.from_model(model, tokenizer)
+    options = EvalOptions(query_aware=query_aware, prefill_chunk=prefill_chunk, batch_size=batch_size,
+                          kv_dtype=kv_dtype)
+    return evaluate_suite(engine, samples, methods, budgets, out_dir, options=options, **kwargs)

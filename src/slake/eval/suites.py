@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .sample import Sample
+from slake.eval.sample import Sample
 
 __all__ = ["SUITES", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "SuitePlan", "plan_suite", "build_samples",
            "parse_ints", "parse_floats"]
@@ -61,7 +61,7 @@ class SuitePlan:
 
 
 def _longbench_available(directory: str | os.PathLike[str]) -> list[str]:
-    from .longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
+    from slake.eval.longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
 
     base = Path(directory)
     return [d for d in (*LONGBENCH_DATASETS, *LONGBENCH_E_DATASETS)
@@ -94,7 +94,7 @@ def plan_suite(suite: str, tasks: Sequence[str] | None = None, lengths: Sequence
             raise ValueError(f"the needle suite has one task, 'needle'; got {', '.join(tasks)}")
         plan.tasks = ["needle"]
     elif suite == "ruler":
-        from .ruler import RULER_TASKS
+        from slake.eval.ruler import RULER_TASKS
 
         unknown = [t for t in tasks or [] if t not in RULER_TASKS]
         if unknown:
@@ -106,8 +106,8 @@ def plan_suite(suite: str, tasks: Sequence[str] | None = None, lengths: Sequence
 
 
 def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir: Any, hub: bool) -> None:
-    from .longbench import LONGBENCH_DIR_ENV, load_longbench
-    from .longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
+    from slake.eval.longbench import LONGBENCH_DIR_ENV, load_longbench
+    from slake.eval.longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
 
     known = (*LONGBENCH_DATASETS, *LONGBENCH_E_DATASETS)
     unknown = [t for t in tasks or [] if t not in known]
@@ -139,24 +139,24 @@ def build_samples(plan: SuitePlan, tokenizer: Any, *, essays: Sequence[str] | No
     out: list[Sample] = []
     n = plan.samples or 1
     if plan.suite == "needle":
-        from .needle import needle_grid
+        from slake.eval.needle import needle_grid
 
         if essays is None:
-            from .data_sources import paul_graham_essays
+            from slake.eval.data_sources import paul_graham_essays
 
             essays = paul_graham_essays()
         for k in range(n):
             for length in sorted(plan.lengths):
                 out += needle_grid(tokenizer, [length], plan.depths, seed=plan.seed + k, essays=essays)
     elif plan.suite == "ruler":
-        from .ruler import ruler_samples
+        from slake.eval.ruler import ruler_samples
 
         extra: dict[str, Any] = {"essays": essays} if essays is not None else {}
         for task in plan.tasks:
             for length in sorted(plan.lengths):
                 out += ruler_samples(task, tokenizer, length, n, seed=plan.seed, **extra)
     else:
-        from .longbench import longbench_sample
+        from slake.eval.longbench import longbench_sample
 
         for task in plan.tasks:
             for length in sorted(plan.lengths):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .results import FULL_METHOD, budget_label, read_results
+from slake.eval.results import FULL_METHOD, budget_label, read_results
 
 __all__ = ["SummaryTable", "summary_rows", "summary_tables", "write_summary", "method_budget_order", "task_order"]
 
@@ -43,7 +43,7 @@ def method_budget_order(rows: Iterable[dict[str, Any]]) -> list[tuple[str, Any]]
 def task_order(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Distinct tasks: RULER's tasks in the RULER paper's order, then any other task in order of first appearance
     (runs split over several processes append their tasks interleaved)."""
-    from .ruler import RULER_TASKS
+    from slake.eval.ruler import RULER_TASKS
 
     out: list[str] = []
     for r in rows:

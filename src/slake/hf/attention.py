@@ -1,7 +1,7 @@
 """The attention function slake registers with transformers (``AttentionInterface`` name ``"slake"``).
 
 During prefill it computes the layer's exact attention with transformers' own SDPA function (so prefill outputs are
-bit-identical to plain transformers) and then lets the engine compress the layer; during decoding it attends over
+bit-identical to plain transformers) and then lets the compressor compress the layer; during decoding it attends over
 the compressed layer (exact softmax over kept entries plus the PTAA linear term when the method has one). Calls that
 do not come from a :class:`~slake.hf.cache.SlakeCache` (no cache, another cache class) fall back to plain SDPA.
 """
@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import SlakeCache, _set_current, current_layer
+from slake.hf.cache import SlakeCache, _set_current, current_layer
 
 ATTENTION_NAME = "slake"
 
@@ -53,7 +53,7 @@ def slake_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         padding = key_padding_from_mask(attention_mask, key.shape[0], key.shape[2])
         layer.finish_prefill(query, padding, scaling)
         return out, None
-    out = layer.engine.decode_attention(layer.layer_idx, query, scaling)
+    out = layer.compressor.decode_attention(layer.layer_idx, query, scaling)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

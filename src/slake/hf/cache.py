@@ -1,7 +1,7 @@
-"""The transformers cache class: a :class:`transformers.Cache` whose layers delegate to the engine.
+"""The transformers cache class: a :class:`transformers.Cache` whose layers delegate to the compressor.
 
 Integration uses only official extension points (ARCHITECTURE.md decision 3.1): this cache-layer class and the
-attention function registered in :mod:`slake.hf.attention`. ``update`` hands the new keys/values to the engine and
+attention function registered in :mod:`slake.hf.attention`. ``update`` hands the new keys/values to the compressor and
 records which layer was updated last, so that the registered attention function, called right after by the model's
 attention module, knows which compressed layer it serves.
 """
@@ -13,9 +13,9 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..budget_spec import Budget
-from ..cache.compressed import CompressedKV
-from ..methods.base import Method, make_method
+from slake.budgets.budget import Budget
+from slake.cache.compressed import CompressedKV
+from slake.methods.base import Method, make_method
 
 _current = threading.local()
 
@@ -41,9 +41,9 @@ class SlakeCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, engine: CompressedKV, layer_idx: int) -> None:
+    def __init__(self, compressor: CompressedKV, layer_idx: int) -> None:
         super().__init__()
-        self.engine = engine
+        self.compressor = compressor
         self.layer_idx = layer_idx
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt K/V awaiting the attention function
 
@@ -58,13 +58,13 @@ class SlakeCacheLayer(CacheLayerMixin):
             raise _not_routed_error()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        store = self.engine.layers[self.layer_idx]
+        store = self.compressor.layers[self.layer_idx]
         if store is None:
             self.pending = (key_states, value_states)
-            self.engine.seen[self.layer_idx] = key_states.shape[2]
+            self.compressor.seen[self.layer_idx] = key_states.shape[2]
             out = key_states, value_states
         else:
-            store = self.engine.append(self.layer_idx, key_states, value_states)
+            store = self.compressor.append(self.layer_idx, key_states, value_states)
             out = store.keys, store.values
         self.keys, self.values = out
         _set_current(self)
@@ -74,8 +74,8 @@ class SlakeCacheLayer(CacheLayerMixin):
         """Compress the layer's prompt entries (called by the attention function after the exact attention)."""
         keys, values = self.pending
         self.pending = None
-        self.engine.prefill_layer(self.layer_idx, queries, keys, values, key_padding, scaling)
-        store = self.engine.layers[self.layer_idx]
+        self.compressor.prefill_layer(self.layer_idx, queries, keys, values, key_padding, scaling)
+        store = self.compressor.layers[self.layer_idx]
         self.keys, self.values = store.keys, store.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -83,7 +83,7 @@ class SlakeCacheLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Logical length: every token seen so far (kept or evicted), so positions stay absolute."""
-        return self.engine.seen[self.layer_idx]
+        return self.compressor.seen[self.layer_idx]
 
     def get_max_length(self) -> int:
         return -1
@@ -93,15 +93,15 @@ class SlakeCacheLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.layer_idx == 0:
-            self.engine.select_batch(beam_idx)
+            self.compressor.select_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.layer_idx == 0:
-            self.engine.repeat_batch(repeats)
+            self.compressor.repeat_batch(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.layer_idx == 0:
-            self.engine.select_batch(indices)
+            self.compressor.select_batch(indices)
 
 
 class SlakeCache(Cache):
@@ -129,7 +129,7 @@ class SlakeCache(Cache):
         Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
     config : PretrainedConfig | None
         The model's config (``model.config``), as transformers' own caches take it: the layer count is read from it,
-        and the model's hyperparameter profile applies (:mod:`slake.profiles`): hyperparameters that ``method`` (a
+        and the model's hyperparameter profile applies (:mod:`slake.methods.profiles`): hyperparameters that ``method`` (a
         name or spec) and ``hyperparameters`` leave unset come from the model's calibrated or shipped profile, or the
         papers' tables. The profile applied is ``cache.profile`` (None when none was).
     profile_model : model or config, optional
@@ -151,7 +151,7 @@ class SlakeCache(Cache):
                  charge_linear_state: bool = False, prefill_chunk: int | None = None, kv_dtype: str | None = None, *,
                  config=None,
                  profile_model=None, **hyperparameters) -> None:
-        from ..profiles import resolve_method
+        from slake.methods.profiles import resolve_method
 
         positional_config = num_layers if hasattr(num_layers, "num_hidden_layers") else None  # SlakeCache(m, b, cfg)
         source = next((x for x in (profile_model, config, positional_config) if x is not None), None)
@@ -159,10 +159,10 @@ class SlakeCache(Cache):
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m, self.profile = resolve_method(method, budget, source, **hyperparameters)
-        self.engine = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state,
+        self.compressor = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state,
                                   kv_dtype=kv_dtype)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
-        super().__init__(layers=[SlakeCacheLayer(self.engine, i) for i in range(num_layers)])
+        super().__init__(layers=[SlakeCacheLayer(self.compressor, i) for i in range(num_layers)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Route a layer's new keys/values to its compressed layer (a clear error for a layer the cache lacks)."""
@@ -194,8 +194,8 @@ class SlakeCache(Cache):
         if num_hidden_layers is not None and int(num_hidden_layers) != len(self.layers):
             raise ValueError(f"this SlakeCache was built for {len(self.layers)} layers but the model has "
                              f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)")
-        seen = self.engine.seen[0]
-        info = self.engine.info
+        seen = self.compressor.seen[0]
+        info = self.compressor.info
         if seen == 0 or query_length is None:
             return
         given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
@@ -217,30 +217,30 @@ class SlakeCache(Cache):
         Feed the prompt chunk by chunk through the model, then call :meth:`end_chunked_prefill`
         (:func:`slake.hf.generate.prefill` does both).
         """
-        self.engine.begin_chunked_prefill(attention_mask == 0)
+        self.compressor.begin_chunked_prefill(attention_mask == 0)
 
     def end_chunked_prefill(self) -> None:
         """Leave chunked-prefill mode (later tokens are decode steps)."""
-        self.engine.end_chunked_prefill()
+        self.compressor.end_chunked_prefill()
 
     @property
     def method(self) -> Method:
         """The compression method."""
-        return self.engine.method
+        return self.compressor.method
 
     def check_routed(self) -> None:
         """Raise if a layer's prompt was stored but never reached the registered attention function."""
         if any(layer.pending is not None for layer in self.layers):
             raise _not_routed_error()
-        filled = sum(s is not None for s in self.engine.layers)
-        if self.engine.info is not None and not self.engine.chunked_prefill and filled != len(self.layers):
+        filled = sum(s is not None for s in self.compressor.layers)
+        if self.compressor.info is not None and not self.compressor.chunked_prefill and filled != len(self.layers):
             raise ValueError(f"the model filled {filled} layers but this SlakeCache was built for {len(self.layers)}; "
                              f"build it with SlakeCache(..., config=model.config)")
 
     def statistics(self) -> dict:
         """Cache statistics: bytes (kept, padding, metadata, linear state), kept tokens per layer, budgets."""
         self.check_routed()
-        eng = self.engine
+        eng = self.compressor
         info = eng.info
         return {
             "method": eng.method.name,

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ..budget_spec import Budget
-from ..methods.base import Method, make_method
-from ..profiles import resolve_method
-from .attention import prepare_model
-from .cache import SlakeCache
+from slake.budgets.budget import Budget
+from slake.methods.base import Method, make_method
+from slake.methods.profiles import resolve_method
+from slake.hf.attention import prepare_model
+from slake.hf.cache import SlakeCache
 
 
 class _StepClock(LogitsProcessor):
@@ -54,7 +55,11 @@ class GenerationResult:
     hyperparameters : dict
         Every hyperparameter of the method as used (profile values included).
     profile : dict | None
-        ``{"source", "values", "budget"}`` of the model profile applied (:mod:`slake.profiles`), None if none was.
+        ``{"source", "values", "budget"}`` of the model profile applied (:mod:`slake.methods.profiles`), None if none was.
+    engine : str
+        The engine that generated (``transformers`` or ``vllm``).
+    extra : dict
+        Engine-specific accounting (the vLLM engine's KV blocks held, block size and converted model folder).
     """
 
     texts: list[str]
@@ -71,6 +76,8 @@ class GenerationResult:
     sequences: torch.Tensor | None = field(default=None, repr=False)
     hyperparameters: dict = field(default_factory=dict)
     profile: dict | None = None
+    engine: str = "transformers"
+    extra: dict = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -147,6 +154,16 @@ def prefill(model, cache: SlakeCache, input_ids: torch.Tensor, attention_mask: t
     cache.check_routed()
     return out.logits[:, -1].float()
 
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """End-of-sequence ids from the tokenizer and the model's generation config."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(gen, "eos_token_id", None)):
+        for i in src if isinstance(src, (list, tuple)) else [src]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
 
 def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method = "snapkv",
              budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
@@ -186,7 +203,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
         None (default): the model's dtype.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
-        spec or on a Method object come from the model's profile when one matches (:mod:`slake.profiles`: a
+        spec or on a Method object come from the model's profile when one matches (:mod:`slake.methods.profiles`: a
         ``slake calibrate`` result, the default model's shipped profile, or the papers' tables).
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)

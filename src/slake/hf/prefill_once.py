@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..budget_spec import Budget
-from ..cache.compressed import CompressedKV
-from ..methods.base import Method, make_method
-from .attention import prepare_model
-from .cache import SlakeCache
+from slake.budgets.budget import Budget
+from slake.cache.compressed import CompressedKV
+from slake.methods.base import Method, make_method
+from slake.hf.attention import prepare_model
+from slake.hf.cache import SlakeCache
 
 
 class _RecordingKV(CompressedKV):
-    """A full-cache engine that also records each layer's prefill inputs."""
+    """A full-cache compressor that also records each layer's prefill inputs."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(make_method("full"), 1, num_layers)
@@ -62,9 +62,9 @@ class PrefillCapture:
         method = make_method(method, **hyperparameters)
         cache = SlakeCache(method, budget, self.num_layers, kv_dtype=kv_dtype)
         if not method.prefill_scores_use_budget:
-            cache.engine.score_memo = self._score_memos.setdefault(repr(method), {})
+            cache.compressor.score_memo = self._score_memos.setdefault(repr(method), {})
         for layer, (q, k, v, pad, scaling) in enumerate(self.records):
-            cache.engine.prefill_layer(layer, q, k, v, pad, scaling)
+            cache.compressor.prefill_layer(layer, q, k, v, pad, scaling)
             cache.layers[layer].lazy_initialization(k, v)
         return cache
 
@@ -75,16 +75,16 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = SlakeCache("full", 1, model.config.num_hidden_layers)
-    engine = _RecordingKV(model.config.num_hidden_layers)
-    cache.engine = engine
+    recorder = _RecordingKV(model.config.num_hidden_layers)
+    cache.compressor = recorder
     for layer in cache.layers:
-        layer.engine = engine
+        layer.compressor = recorder
     start = time.perf_counter()
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                     position_ids=_positions(attention_mask), logits_to_keep=1)
     cache.check_routed()
-    return PrefillCapture(records=engine.records, attention_mask=attention_mask,
+    return PrefillCapture(records=recorder.records, attention_mask=attention_mask,
                           last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start)
 
 

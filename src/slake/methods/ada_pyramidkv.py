@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .ada_snapkv import AdaKVHeads
-from .base import register
-from .pyramidkv import PyramidKV
+from slake.methods.ada_snapkv import AdaKVHeads
+from slake.methods.base import register
+from slake.methods.pyramidkv import PyramidKV
 
 __all__ = ["AdaPyramidKV"]
 

@@ -9,7 +9,7 @@ over the query heads of a KV head, the mean being AdaKV's own GQA rule, guide 1.
 ``Hkv * b`` selectable tokens (``b`` = the layer's per-head selectable budget); how many each KV head keeps comes from
 one top-k over all heads' scores, with AdaKV's **safeguard**: every head first keeps its own best
 ``int(alpha * b)`` tokens (``alpha_safeguard = 0.2``, the AdaKV and kvpress default), the rest of the layer's
-budget goes to the best remaining tokens of any head (:func:`slake.budgets.safeguarded_head_counts`).
+budget goes to the best remaining tokens of any head (:func:`slake.budgets.allocation.safeguarded_head_counts`).
 
 Choices and deviations:
 
@@ -30,9 +30,9 @@ from typing import ClassVar
 
 import torch
 
-from ..budgets import safeguarded_head_counts
-from .base import register
-from .snapkv import SnapKV
+from slake.budgets.allocation import safeguarded_head_counts
+from slake.methods.base import register
+from slake.methods.snapkv import SnapKV
 
 __all__ = ["AdaKVHeads", "AdaSnapKV", "adakv_head_budgets"]
 

@@ -41,8 +41,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
-from .common import pool1d, window_logits
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import pool1d, window_logits
 
 __all__ = ["AhaKV", "ahakv_gain", "sg_rows", "value_prior"]
 

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from slake.methods.spec import format_method_spec, parse_method_spec, split_method_list
+
 LAYER_BUDGET_POLICIES = ("uniform", "pyramid", "preference")
 
 
@@ -272,8 +274,6 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
         wrong type for its hyperparameter's default (e.g. ``vabs=1`` for a boolean; integers are accepted for
         floats and converted).
     """
-    from .spec import parse_method_spec
-
     if isinstance(name, Method):
         if overrides:
             raise ValueError("pass hyperparameters either on the Method object or as overrides, not both")
@@ -303,12 +303,45 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
     return cls(**values)
 
 
+def parse_method_list(text: str) -> list[str]:
+    """Split a command-line method list (:func:`split_method_list`) and validate every entry with
+    :func:`slake.methods.make_method`, so a typo fails before any model is loaded.
+
+    Raises
+    ------
+    ValueError
+        For an empty list, unbalanced brackets, an unknown method or hyperparameter, or a mistyped value.
+    """
+    methods = split_method_list(text)
+    if not methods:
+        raise ValueError(f"expected a comma-separated list of methods, got {text!r}")
+    for m in methods:
+        make_method(m)
+    return methods
+
+def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
+    """The canonical spec of the method ``spec`` builds, with the values the method holds (``slake[alpha=1]`` and
+    ``slake[alpha=1.0]`` give the same string); keys in ``drop`` are left out (e.g. a column of their own).
+
+    Raises
+    ------
+    ValueError
+        As :func:`slake.methods.make_method`.
+    """
+    name, overrides = parse_method_spec(spec)
+    method = make_method(spec)
+    return format_method_spec(name, {k: getattr(method, k) for k in overrides if k not in drop})
+
+
+
 __all__ = [
     "DecodeInputs",
     "Method",
     "PrefillInputs",
     "PrefillScores",
     "available_methods",
+    "canonical_method_spec",
     "make_method",
+    "parse_method_list",
     "register",
 ]

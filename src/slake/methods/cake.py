@@ -5,7 +5,7 @@ against the ``S - w`` non-window keys, fp32, rows not renormalised, section 0.1(
 
 * layer **preference** ``P = H^(1/tau1) * V^(1/tau2)`` with ``H`` the entropy of ``Abar`` and ``V`` the sum of the
   unbiased variances over the window rows (section 7.1); the engine turns preferences into budgets with
-  :func:`slake.budgets.preference_budgets` (cascading, section 7.3);
+  :func:`slake.budgets.allocation.preference_budgets` (cascading, section 7.3);
 * eviction **indicator** ``I = G(pool(mean_i Abar + gamma * Var_i Abar))`` (section 7.4);
 * **decode** score: the pooled attention of the current query over the cached slots (section 7.5).
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import Method, register
+from slake.methods.base import Method, register
 
 
 @register

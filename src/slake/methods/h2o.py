@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
-from .common import group_mean
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import group_mean
 
 
 def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float,

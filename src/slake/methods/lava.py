@@ -40,9 +40,9 @@ from typing import ClassVar
 
 import torch
 
-from ..budgets import cross_head_counts
-from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
-from .common import pool1d, positional_pool, window_attention
+from slake.budgets.allocation import cross_head_counts
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import pool1d, positional_pool, window_attention
 
 __all__ = ["LAVa", "lava_entropy", "lava_scores"]
 

@@ -2,7 +2,7 @@
 
 Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024.
 Budgets follow the KVCache-Factory (October 2024) formula with ``beta = 20``: layer 0 gets the most; see
-:func:`slake.budgets.pyramid_budgets`. Deviation (switchable): by default the linear step is not floored and the
+:func:`slake.budgets.allocation.pyramid_budgets`. Deviation (switchable): by default the linear step is not floored and the
 budgets are rounded by largest remainder, so they sum exactly to ``L * C'`` (ARCHITECTURE.md decision 5); the
 reference formula floors the step and overshoots the total by up to ``L^2 / 2`` tokens (``exact=False``).
 """
@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from ..budgets import pyramid_budgets
-from .base import register
-from .snapkv import SnapKV
+from slake.budgets.allocation import pyramid_budgets
+from slake.methods.base import register
+from slake.methods.snapkv import SnapKV
 
 
 @register

@@ -26,7 +26,7 @@ model (mean KL 0.164/0.108 nats per token at 128/256 against 0.167/0.117 for ``"
 budget, window included, spec 10-S14) comes from ``budget_hint`` or the engine's ``PrefillInputs.budget``. ``Att``/``Att~`` are attention maps (10-S4); the
 entropy uses the exact map's ``A[-w:, :-w]`` block (10-S5). Scores are per batch element and padding-aware.
 ``alpha``/``beta`` default to ``(0.5, 0.4)`` (Llama-2-7B's values, identical at both budgets); the papers' models get
-Table 3's values and other models their calibrated profile when one exists (:mod:`slake.profiles`,
+Table 3's values and other models their calibrated profile when one exists (:mod:`slake.methods.profiles`,
 ``slake calibrate``).
 """
 

@@ -18,8 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
-from .common import group_mean, pool1d, positional_pool, window_attention
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import group_mean, pool1d, positional_pool, window_attention
 
 
 @register

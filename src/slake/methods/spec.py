@@ -58,23 +58,6 @@ def split_method_list(text: str) -> list[str]:
     return [i for i in items if i]
 
 
-def parse_method_list(text: str) -> list[str]:
-    """Split a command-line method list (:func:`split_method_list`) and validate every entry with
-    :func:`slake.methods.make_method`, so a typo fails before any model is loaded.
-
-    Raises
-    ------
-    ValueError
-        For an empty list, unbalanced brackets, an unknown method or hyperparameter, or a mistyped value.
-    """
-    from .base import make_method
-
-    methods = split_method_list(text)
-    if not methods:
-        raise ValueError(f"expected a comma-separated list of methods, got {text!r}")
-    for m in methods:
-        make_method(m)
-    return methods
 
 
 def parse_value(raw: str) -> Any:
@@ -153,19 +136,3 @@ def format_method_spec(name: str, overrides: dict[str, Any] | None = None) -> st
         value = overrides[key]
         parts.append(f"{key}={value if isinstance(value, str) else json.dumps(value)}")
     return f"{name}[{','.join(parts)}]"
-
-
-def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
-    """The canonical spec of the method ``spec`` builds, with the values the method holds (``slake[alpha=1]`` and
-    ``slake[alpha=1.0]`` give the same string); keys in ``drop`` are left out (e.g. a column of their own).
-
-    Raises
-    ------
-    ValueError
-        As :func:`slake.methods.make_method`.
-    """
-    from .base import make_method
-
-    name, overrides = parse_method_spec(spec)
-    method = make_method(spec)
-    return format_method_spec(name, {k: getattr(method, k) for k in overrides if k not in drop})

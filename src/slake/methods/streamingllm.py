@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
 
 
 @register

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
-from .common import window_attention
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import window_attention
 
 
 @register

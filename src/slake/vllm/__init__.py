@@ -16,7 +16,7 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from . import scheduler
+    from slake.vllm import scheduler
 
     scheduler.install()
     if current_platform.is_cpu():

@@ -49,10 +49,10 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ..cache.compressed import CompressedKV
-from .config import SlakeVllmConfig, parse_config
-from .paged import check_layout, read_slots, slot_mapping
-from .validate import validate_engine_config
+from slake.cache.compressed import CompressedKV
+from slake.vllm.config import SlakeVllmConfig, parse_config
+from slake.vllm.paged import check_layout, read_slots, slot_mapping
+from slake.vllm.validate import validate_engine_config
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 
@@ -99,7 +99,7 @@ _STATES: dict[int, RequestState] = {}
 _CURRENT: StepPlan | None = None
 _LAYOUT_CHECKED = False
 #: compressed requests started in this process, newest last, recorded only while ``RECORD_RUNS`` is True (set by
-#: :func:`slake.vllm.engine.run_vllm`, which reads them back; a server records nothing)
+#: :func:`slake.engines.vllm.runner.run_vllm`, which reads them back; a server records nothing)
 RUN_LOG: list[RequestState] = []
 RECORD_RUNS = False
 _RUN_LOG_MAX = 256

@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..budget_spec import Budget
-from ..methods.base import Method, make_method
+from slake.budgets.budget import Budget
+from slake.methods.base import Method, make_method
 
 ENV_VAR = "SLAKE_VLLM"
 
@@ -194,9 +194,9 @@ def check_cli_options(refused: list[tuple[str, bool]], device: str | None) -> No
 def resolve_plugin_method(method: Method | str, budget: Budget, model_config: Any = None,
                           **hyperparameters: Any) -> tuple[Method, dict | None]:
     """The method the plugin runs for ``method`` at ``budget``: the model's profile applied as in the transformers
-    engine (:func:`slake.profiles.resolve_method`), then vLLM's layer cap (:func:`with_layer_cap`), checked
+    engine (:func:`slake.methods.profiles.resolve_method`), then vLLM's layer cap (:func:`with_layer_cap`), checked
     (:func:`check_supported`; the full cache needs no check). Returns the method and the profile applied."""
-    from ..profiles import resolve_method
+    from slake.methods.profiles import resolve_method
 
     built, profile = resolve_method(method, budget, model_config, **hyperparameters)
     if built.keeps_everything:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
-from .config import SlakeVllmConfig, parse_config
-from .validate import validate_engine_config
+from slake.vllm.config import SlakeVllmConfig, parse_config
+from slake.vllm.validate import validate_engine_config
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 _INSTALLED = False

@@ -1,8 +1,10 @@
 """``slake demo``: one question about a long document, answered with the full cache and with a compressed cache.
 
-It prints both answers, whether each is correct (the expected answer is known: the document is a generated
-needle-in-a-haystack prompt, RULER's niah_single_1 by default), and the KV memory each cache holds, in bytes and as a percent of the
-full cache. A wrong compressed answer is printed as wrong, with a hint, never as the product's best.
+It prints both answers as text a person reads (the first line, or a clean excerpt of a long one), whether each is
+correct (the expected answer is known: the document is a generated needle-in-a-haystack prompt, RULER's
+niah_single_1 by default), the time each took, and the KV memory each cache holds, in MiB and as a percent of the
+full cache. A wrong compressed answer is printed as wrong, with a hint, never as the product's best. It runs on the
+engine ``--engine`` names (transformers by default).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import argparse
 import json
 import sys
 
-from .cli_args import add_model_args
+from slake.cli.options import add_engine_arg, add_model_args, engine_from_args
 
-__all__ = ["DEMO_METHOD", "DEMO_BUDGET", "add_demo_parser", "cmd_demo"]
+__all__ = ["DEMO_BUDGET", "DEMO_METHOD", "add_demo_parser", "answer_excerpt", "cmd_demo"]
 
 DEMO_METHOD = "slake"
 #: RULER's niah_single_1 (a number hidden in filler text): on the default model, compression keeps this needle at
@@ -41,6 +43,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_arg(p, "answer")
     add_model_args(p)
 
 
@@ -48,62 +51,88 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def answer_excerpt(text: str, width: int = 100) -> str:
+    """An answer as a person reads it on one line: its first non-empty line with runs of spaces collapsed, cut at a
+    word boundary near ``width`` characters with an ellipsis; ``(empty answer)`` when there is nothing to show."""
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return "(empty answer)"
+    first = lines[0]
+    more = len(lines) > 1
+    if len(first) > width:
+        cut = first[:width].rsplit(" ", 1)[0] or first[:width]
+        first, more = cut.rstrip(" ,;:"), True
+    return first + (" ..." if more else "")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; exit 0 even when the compressed answer is wrong (it says so), 2 for bad input."""
-    from .budget_spec import Budget
-    from .eval.metrics import score_prediction
-    from .eval.needle import needle_sample
-    from .hf.generate import generate
-    from .methods import make_method
-    from .models import load_model
+    import time
 
-    from .eval.ruler import RULER_TASKS
+    from slake.budgets.budget import Budget
+    from slake.eval.metrics import score_prediction
+    from slake.eval.needle import needle_sample
+    from slake.eval.prompts import build_prompt
+    from slake.eval.ruler import RULER_TASKS, ruler_sample
 
-    make_method(args.method)
     budget = Budget(args.budget)
     if args.task != "needle" and args.task not in RULER_TASKS:
         raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
     if args.length < 256 or args.max_new_tokens < 1 or not 0 <= args.depth <= 100:
         raise ValueError("need --length >= 256, --max-new-tokens >= 1 and --depth in [0, 100]")
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+    engine = engine_from_args(args)
+    engine.check()
+    engine.check_pair(args.method, budget)
+    tokenizer = engine.tokenizer
     if args.task == "needle":
         sample = needle_sample(tokenizer, args.length, args.depth, kind="number", seed=args.seed)
     else:
-        from .eval.ruler import ruler_sample
-
         sample = ruler_sample(args.task, tokenizer, args.length, seed=args.seed, depth=args.depth)
-    from .eval.prompts import build_prompt
-
     # the prompt exactly as the evaluation builds it: chat template, question last, and for RULER tasks the answer
     # prefix ("The special magic number for X mentioned in the provided text is") opening the assistant turn
     prompt = build_prompt(sample, tokenizer)
     runs = {}
     for name, method, b in (("full cache", "full", 1), (args.method, args.method, budget)):
-        res = generate(model, tokenizer, prompt, method=method, budget=b, max_new_tokens=args.max_new_tokens,
-                       chat_template=False)
+        start = time.perf_counter()
+        res = engine.generate(prompt, method=method, budget=b, max_new_tokens=args.max_new_tokens,
+                              chat_template=False)
         runs[name] = {"text": res.text, "correct": bool(score_prediction(sample, res.text) >= 1.0),
                       "kv_bytes": res.kv_bytes, "prompt_tokens": res.prompt_tokens[0], "profile": res.profile,
-                      "stored_bytes": sum(v for k, v in res.kv_bytes.items() if k != "full")}
+                      "stored_bytes": sum(v for k, v in res.kv_bytes.items() if k in _STORED),
+                      "seconds": round(time.perf_counter() - start, 2), "prefill_s": round(res.prefill_s, 3),
+                      "decode_ms_per_token": round(res.decode_ms_per_token, 2)}
     full, comp = runs["full cache"], runs[args.method]
     kept_pct = 100.0 * comp["stored_bytes"] / max(full["stored_bytes"], 1)
     out = {"question": sample.question.strip(), "expected": list(sample.answers), "method": args.method,
            "budget": budget.value, "prompt_tokens": full["prompt_tokens"], "full": full, "compressed": comp,
-           "kept_percent": round(kept_pct, 2)}
+           "kept_percent": round(kept_pct, 2), "engine": engine.name}
     if args.json:
         print(json.dumps(out))
         return 0
     mark = {True: "correct", False: "WRONG"}
-    print(f"Document: {full['prompt_tokens']} tokens with one hidden fact ({args.task}). Question: "
-          f"{sample.question.strip()}")
-    print(f"Expected answer: {', '.join(sample.answers)}\n")
-    print(f"[full cache]  {mark[full['correct']]}: {full['text']!r}")
-    print(f"[{args.method} @ {budget.value}]  {mark[comp['correct']]}: {comp['text']!r}\n")
-    print(f"KV memory, full cache: {_fmt_bytes(full['stored_bytes'])}")
-    print(f"KV memory, {args.method}:    {_fmt_bytes(comp['stored_bytes'])} ({kept_pct:.1f}% of the full cache: "
-          f"kept entries {_fmt_bytes(comp['kv_bytes']['kept'])}, linear state "
-          f"{_fmt_bytes(comp['kv_bytes'].get('linear_state', 0))}, bookkeeping "
-          f"{_fmt_bytes(comp['kv_bytes'].get('metadata', 0) + comp['kv_bytes'].get('padding', 0))})")
+    label = f"{args.method} @ {budget.value}"
+    width = max(len("full cache"), len(label))
+    print(f"Document: {full['prompt_tokens']} tokens with one hidden fact ({args.task}).")
+    print(f"Question: {sample.question.strip()}")
+    print(f"Expected: {', '.join(sample.answers)}\n")
+    for name, run in ((f"{'full cache':<{width}}", full), (f"{label:<{width}}", comp)):
+        print(f"  {name}  {mark[run['correct']]:<7}  {answer_excerpt(run['text'])}")
+    print()
+    for name, run in ((f"{'full cache':<{width}}", full), (f"{label:<{width}}", comp)):
+        pct = "" if run is full else f"  ({kept_pct:.1f}% of the full cache)"
+        print(f"  {name}  KV memory {_fmt_bytes(run['stored_bytes']):>9}{pct}   time {run['seconds']:.1f} s "
+              f"(prefill {run['prefill_s']:.1f} s, decode {run['decode_ms_per_token']:.0f} ms/token)")
+    kv = comp["kv_bytes"]
+    print(f"\n  {args.method} keeps {_fmt_bytes(kv['kept'])} of entries, a linear state of "
+          f"{_fmt_bytes(kv.get('linear_state', 0))} and {_fmt_bytes(kv.get('metadata', 0) + kv.get('padding', 0))} "
+          "of bookkeeping.")
     if not comp["correct"]:
         print(f"\n{args.method} did not answer correctly at budget {budget.value} on this document: try a larger "
-              "--budget (the README's demo section lists what was measured).", file=sys.stderr)
+              "--budget (docs/results.md lists what was measured).", file=sys.stderr)
     return 0
+
+
+#: the byte counts a cache holds (``full`` is what an uncompressed cache would hold: not stored; ``blocks_held`` is
+#: the vLLM engine's block-granular total of the same entries)
+_STORED = ("kept", "padding", "metadata", "linear_state")

@@ -1,12 +1,13 @@
-"""Argument checks shared by the ``slake`` command and the Python API.
+"""Argument checks of the ``slake`` command.
 
 :func:`validate_args` is the command line's single validation pass: ``slake.cli.main`` calls it on the parsed
 arguments of every sub-command before anything slow happens (no model or tokenizer is loaded, no file or folder is
 written). Every problem is a ``ValueError`` whose message names the option (and the file) at fault; the entry point
 prints it as one line and exits with code 2.
 
-The helpers (:func:`check_device`, :func:`check_method_budget`, :func:`read_text`) are also used by the API
-(:func:`slake.load_model`), so both report a bad device or an unreadable file the same way.
+The checks it shares with the Python API live below the command line and are used by both, so that both report a
+bad device or a bad (method, budget) pair the same way: :func:`slake.hf.models.check_device` and
+:func:`slake.cache.compressed.check_method_budget`.
 """
 
 from __future__ import annotations
@@ -17,45 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["validate_args", "check_device", "check_method_budget", "read_text", "read_prompt"]
+from slake.cache.compressed import check_method_budget
+from slake.cli.options import parse_hyperparameters, split_list
+from slake.hf.models import check_device
 
-
-def check_device(device: str | None, option: str = "--device") -> None:
-    """Raise ValueError for a device string torch cannot parse or a device this machine does not have.
-
-    ``None`` (auto-detect) passes. ``cuda``/``cuda:N`` need CUDA and an N below the device count; ``mps`` needs an
-    available MPS backend.
-    """
-    if device is None:
-        return
-    import torch
-
-    try:
-        dev = torch.device(str(device))
-    except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"{option}: invalid device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
-                             f"use --device cpu")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
-                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
-    elif dev.type == "mps":
-        backend = getattr(torch.backends, "mps", None)
-        if backend is None or not backend.is_available():
-            raise ValueError(f"{option} {device}: the MPS backend is not available on this machine")
-    elif dev.type != "cpu":
-        raise ValueError(f"{option}: unsupported device {device!r}; use cpu, cuda or cuda:N")
-
-
-def check_method_budget(method: Any, budget: Any) -> None:
-    """Raise ValueError for a (method, budget) pair the engine would refuse, e.g. a window larger than the budget."""
-    from .cache.compressed import CompressedKV
-    from .methods.base import make_method
-
-    CompressedKV(make_method(method), budget, 1)
+__all__ = ["read_prompt", "read_text", "validate_args"]
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
@@ -101,13 +68,6 @@ def _finite(args: argparse.Namespace, name: str, low: float, high: float, low_op
         raise ValueError(f"--{name.replace('_', '-')} must lie in {bracket}{low}, {high}], got {value}")
 
 
-def _split(text: str, option: str) -> list[str]:
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
-    return items
-
-
 def _pairs(methods: list[str], budgets: list[Any]) -> None:
     for m in methods:
         for b in budgets:
@@ -115,7 +75,7 @@ def _pairs(methods: list[str], budgets: list[Any]) -> None:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    from .models import _parse_dtype, default_device
+    from slake.hf.models import _parse_dtype, default_device
 
     check_device(getattr(args, "device", None))
     if getattr(args, "dtype", None) is not None:
@@ -125,11 +85,10 @@ def _check_common(args: argparse.Namespace) -> None:
 
 
 def _check_generate(args: argparse.Namespace) -> None:
-    from .budget_spec import Budget
-    from .cli import _hyperparameters
-    from .methods.base import make_method
+    from slake.budgets.budget import Budget
+    from slake.methods.base import make_method
 
-    hyper = _hyperparameters(args.set)
+    hyper = parse_hyperparameters(args.set)
     if args.linear_cache is not None:
         hyper["linear_cache"] = args.linear_cache
     method = make_method(args.method, **hyper)
@@ -143,11 +102,11 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 
 def _check_fidelity(args: argparse.Namespace) -> None:
-    from .budget_spec import Budget
-    from .methods.spec import parse_method_list
+    from slake.budgets.budget import Budget
+    from slake.methods.base import parse_method_list
 
     methods = parse_method_list(args.methods)
-    budgets = [Budget(b).value for b in _split(args.budgets, "--budgets")]
+    budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
     _pairs(methods, budgets)
     _at_least(args, "steps", 1)
     if args.prompt_file:
@@ -157,21 +116,21 @@ def _check_fidelity(args: argparse.Namespace) -> None:
 
 
 def _check_bench(args: argparse.Namespace) -> None:
-    from .budget_spec import Budget
-    from .methods.spec import parse_method_list
+    from slake.budgets.budget import Budget
+    from slake.methods.base import parse_method_list
 
     _at_least(args, "threads", 1)
     methods = parse_method_list(args.methods)
-    budgets = [Budget(b).value for b in _split(args.budget, "--budget")]
+    budgets = [Budget(b).value for b in split_list(args.budget, "--budget")]
     _pairs([m for m in methods if m != "full"], budgets)
-    for n in _split(args.lengths, "--lengths"):
+    for n in split_list(args.lengths, "--lengths"):
         try:
             if int(n) < 2:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--lengths: every length must be an integer >= 2, got {n!r}") from None
     if args.random_model:
-        from .bench.shapes import parse_shape
+        from slake.hf.shapes import parse_shape
 
         parse_shape(args.random_model)
 

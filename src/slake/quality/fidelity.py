@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget_spec import Budget
-from .cache.compressed import CompressedKV
-from .methods.base import make_method
-from .methods.spec import canonical_method_spec
+from slake.budgets.budget import Budget
+from slake.cache.compressed import CompressedKV
+from slake.methods.base import make_method
+from slake.methods.base import canonical_method_spec
 
 
 @dataclass
@@ -65,16 +65,16 @@ class _Recorder(CompressedKV):
 
 def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
     """Run the prompt and ``steps`` greedy tokens with the full cache, recording every layer's inputs."""
-    from .hf.attention import prepare_model
-    from .hf.cache import SlakeCache
+    from slake.hf.attention import prepare_model
+    from slake.hf.cache import SlakeCache
 
     prepare_model(model)
     L = model.config.num_hidden_layers
     cache = SlakeCache("full", 1, L)
     rec = _Recorder(L)
-    cache.engine = rec
+    cache.compressor = rec
     for layer in cache.layers:
-        layer.engine = rec
+        layer.compressor = rec
     with torch.inference_mode():
         model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
                        max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
@@ -111,9 +111,9 @@ def measure(recording: Recording, method: str, budget: int | float | str, window
     canonical spec of the variant (``slake[vabs=false]``, :mod:`slake.methods.spec`) without ``linear_cache``, which
     has its own column. ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``) stores the kept entries in 8 bits; the label
     then ends in ``@int8`` / ``@fp8_e4m3``. ``profile_model`` (the model or its config) applies the model's
-    hyperparameter profile (:mod:`slake.profiles`) to what the spec leaves unset.
+    hyperparameter profile (:mod:`slake.methods.profiles`) to what the spec leaves unset.
     """
-    from .profiles import resolve_method
+    from slake.methods.profiles import resolve_method
 
     if linear_cache is not None:
         hyperparameters["linear_cache"] = linear_cache

@@ -112,7 +112,7 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
 
-    from ..hf.attention import prepare_model
+    from slake.hf.attention import prepare_model
 
     arch, kwargs = parse_shape(spec)
     config_cls, model_cls = {_LLAMA: (LlamaConfig, LlamaForCausalLM), _MISTRAL: (MistralConfig, MistralForCausalLM),

@@ -5,15 +5,15 @@ The SLAKE paper tunes ``alpha``/``beta`` per model and budget (Table 3) and CAKE
 This search finds values for any model without touching the evaluation data:
 
 1. calibration prompts from real text that no evaluation suite uses (the Python language reference shipped with
-   CPython, :func:`slake.continuations.calibration_text`): ``samples`` text continuations and ``samples`` question
-   prompts answered by the full cache (:mod:`slake.continuations`), each prefilled once;
+   CPython, :func:`slake.quality.continuations.calibration_text`): ``samples`` text continuations and ``samples`` question
+   prompts answered by the full cache (:mod:`slake.quality.continuations`), each prefilled once;
 2. for each candidate value pair, the method replays every prefill (the prefill-once replay of
    :mod:`slake.hf.prefill_once`, so no candidate pays for a prefill) and is scored by the output-level distance of
-   :mod:`slake.output_fidelity`: the mean KL(full || compressed) of the next-token distributions over the
+   :mod:`slake.quality.output_fidelity`: the mean KL(full || compressed) of the next-token distributions over the
    teacher-forced continuations;
 3. a grid (:data:`GRIDS`), then a local refinement around the best point (each value x {1/sqrt 2, 1, sqrt 2});
 4. the best pair, the method's values before calibration and both distances go into the model's profile
-   (:mod:`slake.profiles`), which ``slake generate/eval/bench/fidelity`` and :class:`slake.SlakeCache` then use
+   (:mod:`slake.methods.profiles`), which ``slake generate/eval/bench/fidelity`` and :class:`slake.SlakeCache` then use
    unless the user sets the values.
 """
 
@@ -24,8 +24,8 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from .output_fidelity import OutputReference, mean_distance, measure_outputs
-from .profiles import SEARCHED
+from slake.quality.output_fidelity import OutputReference, mean_distance, measure_outputs
+from slake.methods.profiles import SEARCHED
 
 __all__ = ["GRIDS", "CALIBRATION_SOURCE", "calibration_reference", "calibrate_method"]
 
@@ -40,9 +40,9 @@ CALIBRATION_SOURCE = "pydoc_data.topics (the Python language reference shipped w
 def calibration_reference(model: Any, tokenizer: Any, length: int, samples: int, tokens: int,
                           seed: int = 0) -> OutputReference:
     """Build the calibration prompts (``samples`` of each kind) and prefill them once."""
-    from .continuations import (CALIBRATION_QUESTIONS, answer_continuations, calibration_text,
+    from slake.quality.continuations import (CALIBRATION_QUESTIONS, answer_continuations, calibration_text,
                                 text_continuations)
-    from .output_fidelity import prepare_reference
+    from slake.quality.output_fidelity import prepare_reference
 
     text = calibration_text()
     conts = text_continuations(tokenizer, text, length, tokens, samples, seed=seed, name="calib-text")

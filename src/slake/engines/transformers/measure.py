@@ -5,7 +5,7 @@ A configuration is (method, budget, context length, batch). For each one :func:`
 :func:`slake.hf.generate.prefill` (exact or chunked), then decodes greedily: ``warmup`` steps that are not timed,
 then ``decode_steps`` timed steps (each synchronised on CUDA). Reported: prefill time, time to first token (prefill +
 picking the first token), decode milliseconds per token (median, min, max over the timed steps), peak memory
-(:class:`~slake.bench.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding, metadata,
+(:class:`~slake.engines.transformers.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding, metadata,
 linear state).
 
 Decode timings taken one configuration after another drift with the machine (on a shared 2-core CPU, medians of the
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hf.cache import SlakeCache
-from ..hf.generate import prefill
-from .memory import MemoryMeter
+from slake.hf.cache import SlakeCache
+from slake.hf.generate import prefill
+from slake.engines.transformers.memory import MemoryMeter
 
 __all__ = ["BenchConfig", "measure", "time_decode_interleaved"]
 

@@ -1,4 +1,4 @@
-"""The ``slake calibrate`` sub-command (search in :mod:`slake.calibrate`, profiles in :mod:`slake.profiles`)."""
+"""The ``slake calibrate`` sub-command (search in :mod:`slake.quality.calibrate`, profiles in :mod:`slake.methods.profiles`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_args import add_model_args
+from slake.cli.options import add_model_args
 
 __all__ = ["add_calibrate_parser", "cmd_calibrate"]
 
@@ -36,10 +36,10 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> tuple[list, list]:
-    from .budget_spec import Budget
-    from .methods.base import make_method
-    from .methods.spec import parse_method_list
-    from .profiles import SEARCHED
+    from slake.budgets.budget import Budget
+    from slake.methods.base import make_method
+    from slake.methods.base import parse_method_list
+    from slake.methods.profiles import SEARCHED
 
     methods = [make_method(m) for m in parse_method_list(args.methods)]
     for m in methods:
@@ -63,10 +63,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Run the search and write the profile; exit code 2 with one line for bad input."""
     from tqdm.auto import tqdm
 
-    from . import __version__
-    from .calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
-    from .models import load_model
-    from .profiles import model_identity, write_entry
+    from slake import __version__
+    from slake.quality.calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
+    from slake.hf.models import load_model
+    from slake.methods.profiles import model_identity, write_entry
 
     methods, budgets = _check_args(args)  # before the slow model load
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)

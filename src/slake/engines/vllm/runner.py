@@ -30,14 +30,14 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     ----------
     model : str | None
         ``"smollm2"`` / None (the packaged GGUF), a ``.gguf`` file, a hub id or a local directory. GGUF models are
-        loaded with :func:`slake.models.load_model` and saved once as safetensors (with the tokenizer) under
+        loaded with :func:`slake.hf.models.load_model` and saved once as safetensors (with the tokenizer) under
         :func:`cache_dir`; anything else is returned as is.
     gguf_file : str | None
         GGUF file name inside ``model`` (a directory).
     dtype : str
         Weights dtype of the converted copy.
     """
-    from ..models import resolve_model
+    from slake.hf.models import resolve_model
 
     path, gguf = resolve_model(model, gguf_file)
     if gguf is None:
@@ -45,7 +45,7 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     out = cache_dir() / "vllm-models" / f"{Path(gguf).stem}-{dtype}"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return str(out)
-    from ..models import load_model
+    from slake.hf.models import load_model
 
     hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
     tmp = out.with_name(out.name + ".part")
@@ -84,10 +84,10 @@ def save_dequantized(hf_model, folder: Path) -> None:
 
 def model_config(model_dir: str, model: str | None):
     """The transformers config of a converted model, named as :func:`slake.load_model` names ``model`` (so that
-    :mod:`slake.profiles` finds the same profile as in the transformers engine)."""
+    :mod:`slake.methods.profiles` finds the same profile as in the transformers engine)."""
     from transformers import AutoConfig
 
-    from ..models import DEFAULT_MODEL
+    from slake.hf.models import DEFAULT_MODEL
 
     config = AutoConfig.from_pretrained(model_dir)
     config.slake_model_name = DEFAULT_MODEL if model is None or model.lower() == DEFAULT_MODEL else str(model)
@@ -162,8 +162,8 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     from vllm import LLM, SamplingParams
 
-    from . import backend
-    from .scheduler import BlockPolicy
+    from slake.vllm import backend
+    from slake.vllm.scheduler import BlockPolicy
 
     llm = LLM(**engine_kwargs(model_dir, slake=slake, block_size=block_size, dtype=dtype,
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs))

@@ -1,4 +1,4 @@
-"""Throughput and KV memory of vLLM with and without the plugin: ``python -m slake.vllm.bench``.
+"""Throughput and KV memory of vLLM with and without the plugin: ``slake bench --engine vllm``.
 
 A batch of ``--requests`` prompts of ``--prompt-len`` random tokens is submitted at once (offline ``vllm.LLM``, as
 ``vllm bench throughput`` does) and each request generates exactly ``--new-tokens`` tokens. For each configuration
@@ -9,9 +9,11 @@ once (blocks per GiB divided by the blocks a request holds at the end).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import sys
+
+from slake.engines.base import BenchPlan, BenchReport, load_avg
 
 
 def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, methods: list[str], budget: int,
@@ -20,7 +22,7 @@ def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, me
     for the columns. Every configuration gets the same random prompts."""
     import torch
 
-    from .engine import run_vllm
+    from slake.engines.vllm.runner import run_vllm
 
     g = torch.Generator().manual_seed(seed)
     vocab_hi = 1000  # token ids every tokenizer of interest has
@@ -59,26 +61,26 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; prints a markdown table (or JSON rows with ``--json``)."""
-    from .engine import local_model_dir
 
-    p = argparse.ArgumentParser(prog="python -m slake.vllm.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="model (the default GGUF is converted once)")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--methods", default="snapkv", help="comma-separated plugin methods")
-    p.add_argument("--budget", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    rows = bench(local_model_dir(a.model), requests=a.requests, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
-                 methods=[m.strip() for m in a.methods.split(",") if m.strip()], budget=a.budget,
-                 block_size=a.block_size)
-    print(json.dumps({"rows": rows}) if a.json else markdown(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> BenchReport:
+    """:func:`bench` per length and budget (plain vLLM once per length) on the model in ``model_dir``; rows appended
+    to ``OUT/bench_vllm.jsonl``, this run's table in ``OUT/bench_vllm.md``. Each request generates
+    ``warmup + decode_steps`` tokens."""
+    methods = [m for m in plan.methods if m != "full"]  # plain vLLM is always measured
+    out = plan.out
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with open(out / "bench_vllm.jsonl", "a", encoding="utf-8") as f:
+        for n in plan.lengths:
+            for i, b in enumerate(plan.budgets):
+                print(f"slake bench (vllm): length {n}, budget {int(b.value)}", file=sys.stderr)
+                for row in bench(model_dir, requests=plan.batch, prompt_len=n,
+                                 new_tokens=plan.warmup + plan.decode_steps, methods=methods, budget=int(b.value),
+                                 dtype=dtype, seed=plan.seed, include_plain=i == 0):
+                    row.update({"engine": "vllm", "model": model_name, "load_avg_1m": load_avg()})
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+    table = markdown(rows)
+    (out / "bench_vllm.md").write_text("# slake bench --engine vllm\n\n" + table + "\n", encoding="utf-8")
+    return BenchReport(rows=rows, table=table, files=[out / "bench_vllm.jsonl", out / "bench_vllm.md"])

@@ -1,4 +1,4 @@
-"""Prompts with continuations for output-level fidelity (:mod:`slake.output_fidelity`) and calibration.
+"""Prompts with continuations for output-level fidelity (:mod:`slake.quality.output_fidelity`) and calibration.
 
 Two kinds, both from real text:
 
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .output_fidelity import Continuation
+from slake.quality.output_fidelity import Continuation
 
 __all__ = ["calibration_text", "evaluation_text", "text_continuations", "answer_continuations",
            "CALIBRATION_QUESTIONS", "EVALUATION_QUESTIONS"]
@@ -48,7 +48,7 @@ def calibration_text() -> str:
 
 def evaluation_text() -> str:
     """The essays of the evaluation suites, concatenated (see :mod:`slake.eval.data_sources`)."""
-    from .eval.data_sources import paul_graham_essays
+    from slake.eval.data_sources import paul_graham_essays
 
     return "\n\n".join(paul_graham_essays())
 
@@ -92,8 +92,8 @@ def answer_continuations(model: Any, tokenizer: Any, text: str, length: int, tar
                          questions: Sequence[str], *, seed: int = 0, name: str = "answer") -> list[Continuation]:
     """``samples`` prompts (about ``length`` tokens of ``text`` + a question, in the chat template), each continued
     by the full cache's greedy answer (at most ``target_tokens`` tokens, end-of-sequence included)."""
-    from .hf.generate import format_prompt
-    from .hf.prefill_once import capture_prefill, greedy_decode
+    from slake.hf.generate import format_prompt
+    from slake.hf.prefill_once import capture_prefill, greedy_decode
 
     if length < 64 or target_tokens < 2 or samples < 1 or not questions:
         raise ValueError(f"need length >= 64, target_tokens >= 2, samples >= 1 and a question (got {length}, "

@@ -1,7 +1,7 @@
 """Per-model hyperparameter profiles: tuned VABS ``(alpha, beta)`` and CAKE ``(tau1, tau2)`` by model and budget.
 
 The SLAKE and CAKE papers tune these exponents per model and budget (SLAKE Table 3, CAKE's ``model2tau.json``) and
-give them for a handful of 7-8B models only. ``slake calibrate`` (:mod:`slake.calibrate`) finds them for any model
+give them for a handful of 7-8B models only. ``slake calibrate`` (:mod:`slake.quality.calibrate`) finds them for any model
 and writes a profile; this module finds the profile that matches a model and applies it.
 
 Where a method's hyperparameters come from, first match wins:
@@ -68,7 +68,7 @@ def profile_dir() -> Path:
 
 
 def _shipped_dir() -> Path:
-    return Path(__file__).resolve().parent / "profile_data"
+    return Path(__file__).resolve().parent.parent / "profile_data"
 
 
 def profile_path(identity: dict, folder: Path | None = None) -> Path:
@@ -140,15 +140,15 @@ def _paper_values(method_name: str, identity: dict, budget: int | float) -> dict
     if isinstance(budget, float) and budget < 1:
         return None
     if method_name == "slake":
-        from .methods.cake import match_family
-        from .methods.slake import _ALPHA_BETA, slake_alpha_beta
+        from slake.methods.cake import match_family
+        from slake.methods.slake import _ALPHA_BETA, slake_alpha_beta
 
         if match_family(identity["name"], list(_ALPHA_BETA)) is None:
             return None
         a, b = slake_alpha_beta(identity["name"], int(budget))
         return {"alpha": a, "beta": b}
     if method_name == "cake":
-        from .methods.cake import _MODEL2TAU, match_family
+        from slake.methods.cake import _MODEL2TAU, match_family
 
         fam = match_family(identity["name"], list(_MODEL2TAU))
         if fam is None or int(budget) not in _MODEL2TAU[fam]:
@@ -177,9 +177,9 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
     (Method, dict | None)
         The method, and ``{"source", "values", "budget"}`` of the profile applied (None when none was).
     """
-    from .budget_spec import Budget
-    from .methods.base import Method, make_method
-    from .methods.spec import parse_method_spec
+    from slake.budgets.budget import Budget
+    from slake.methods.base import Method, make_method
+    from slake.methods.spec import parse_method_spec
 
     if isinstance(method, Method):
         return (replace(method, **overrides) if overrides else method), None

@@ -1,6 +1,6 @@
 """Output-level fidelity: how far a compressed cache moves the model's next-token distributions.
 
-``slake fidelity`` measures attention outputs layer by layer (:mod:`slake.fidelity`); this module measures what the
+``slake fidelity`` measures attention outputs layer by layer (:mod:`slake.quality.fidelity`); this module measures what the
 user sees. A prompt is prefilled once (exactly, :func:`slake.hf.prefill_once.capture_prefill`), then for the full
 cache and for every (method, budget) the same continuation tokens are fed one decode step at a time
 (teacher-forced), and at each step the model's next-token distribution is compared with the full cache's:
@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .budget_spec import Budget
-from .methods.base import Method
+from slake.budgets.budget import Budget
+from slake.methods.base import Method
 
 __all__ = ["Continuation", "OutputReference", "teacher_forced_logprobs", "distances", "prepare_reference",
            "measure_outputs", "summary_table", "plot_kl_vs_budget"]
@@ -130,7 +130,7 @@ class OutputReference:
 
 def prepare_reference(model: Any, continuations: Sequence[Continuation]) -> OutputReference:
     """Prefill every prompt once (exactly), stack the captures, and compute the full cache's log-probabilities."""
-    from .hf.prefill_once import capture_prefill, stack_captures
+    from slake.hf.prefill_once import capture_prefill, stack_captures
 
     if not continuations:
         raise ValueError("no continuation to measure")
@@ -153,8 +153,8 @@ def measure_outputs(model: Any, ref: OutputReference, method: str | Method, budg
                     label: str | None = None, **hyperparameters) -> list[dict]:
     """Rows ``{"method", "budget", "kind", "sample", "kl", "delta_nll", "top1", "nll_full", "tokens"}`` of one
     (method, budget) against the full cache, one per continuation."""
-    from .methods.base import make_method
-    from .methods.spec import canonical_method_spec
+    from slake.methods.base import make_method
+    from slake.methods.base import canonical_method_spec
 
     m = make_method(method, **hyperparameters)
     if label is None:

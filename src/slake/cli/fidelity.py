@@ -1,0 +1,133 @@
+"""``slake fidelity``: relative error of attention outputs and output-level distance to the full cache
+(:mod:`slake.quality.fidelity`, :mod:`slake.quality.output_fidelity`); transformers models only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from slake.budgets.budget import Budget
+from slake.cli.options import add_model_args, split_list
+from slake.cli.validation import read_prompt
+
+__all__ = ["add_fidelity_parser", "cmd_fidelity"]
+
+
+def add_fidelity_parser(sub: Any) -> None:
+    """Register ``slake fidelity``."""
+    p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
+    p.add_argument("--methods", default="cake,slake", help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]")
+    p.add_argument("--budgets", default="64,128,256", help="comma-separated budgets")
+    p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (generated needle document)")
+    p.add_argument("--prompt-file", help="use this prompt instead of a generated document")
+    p.add_argument("--steps", type=int, default=16, help="decode steps whose queries are measured")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--linear-cache", choices=["default", "on", "off", "both"], default="default",
+                   help="force the PTAA linear cache on/off for every method, or measure both")
+    p.add_argument("--kv-dtype", default=None, help="comma-separated storage of kept keys/values to measure: auto "
+                   "(model dtype), int8, fp8_e4m3; e.g. auto,int8")
+    p.add_argument("--output-tokens", type=int, default=32,
+                   help="output-level fidelity: continuation tokens per prompt, teacher-forced (0: skip)")
+    p.add_argument("--output-samples", type=int, default=2,
+                   help="output-level fidelity: prompts of each kind (essay continuation, full cache's answer)")
+    p.add_argument("--out", help="folder for fidelity.json, fidelity.md, fidelity_per_layer.png and "
+                                 "output_kl_vs_budget.png")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    add_model_args(p)
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from slake.quality import fidelity
+    from slake.hf.generate import format_prompt
+    from slake.methods.base import parse_method_list
+    from slake.hf.models import load_model
+
+    methods = parse_method_list(args.methods)
+    budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
+    lin_modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.linear_cache]
+    if args.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    if args.output_tokens < 0 or args.output_tokens == 1 or args.output_samples < 1:
+        raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
+    from slake.cache.quant import parse_kv_dtype
+
+    kv_dtypes = [parse_kv_dtype(k) for k in split_list(args.kv_dtype or "auto", "--kv-dtype")]
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+    if args.prompt_file:
+        text = getattr(args, "prompt_text", None) or read_prompt(None, args.prompt_file)
+    else:
+        from slake.eval.needle import needle_sample
+
+        sample = needle_sample(tokenizer, args.length, 50.0, kind="number", seed=args.seed)
+        text = sample.context + sample.question
+    ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).input_ids
+    ids = ids.to(model.device)
+    print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...",
+          file=sys.stderr)
+    rec = fidelity.record(model, ids, args.steps)
+    rows = []
+    for m in methods:
+        for kvd in kv_dtypes:
+            for lin in lin_modes:
+                for b in budgets:
+                    rows += fidelity.measure(rec, m, b, linear_cache=lin, kv_dtype=kvd, profile_model=model)
+    for r in rows:
+        r["prompt_tokens"] = int(ids.shape[1])
+    output_rows = _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes) if args.output_tokens else []
+    output_md = ""
+    if output_rows:
+        from slake.quality import output_fidelity
+
+        output_md = (f"\n\n## Output level ({args.length}-token prompts, {args.output_tokens} teacher-forced tokens, "
+                     f"{args.output_samples} essay continuations + {args.output_samples} answers)\n\n"
+                     + output_fidelity.summary_table(output_rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fidelity.json").write_text(json.dumps({"rows": rows, "output_rows": output_rows}, indent=1))
+        (out / "fidelity.md").write_text(
+            f"# Attention fidelity ({ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
+            + fidelity.summary_table(rows) + output_md + "\n\n## Per layer (decode queries)\n\n"
+            + fidelity.per_layer_table(rows) + "\n")
+        fidelity.plot_per_layer(rows, str(out / "fidelity_per_layer.png"))
+        if output_rows:
+            output_fidelity.plot_kl_vs_budget(output_rows, str(out / "output_kl_vs_budget.png"))
+    if args.json:
+        print(json.dumps({"rows": rows, "output_rows": output_rows}))
+    else:
+        print(fidelity.summary_table(rows) + output_md)
+        print()
+        print(fidelity.per_layer_table(rows))
+    return 0
+
+
+def _output_fidelity(args: argparse.Namespace, model, tokenizer, methods: list[str], budgets: list,
+                     lin_modes: list) -> list[dict]:
+    """Output-level rows (:mod:`slake.quality.output_fidelity`) for every (method, linear cache, budget)."""
+    from slake.quality import output_fidelity
+    from slake.quality.continuations import EVALUATION_QUESTIONS, answer_continuations, evaluation_text, text_continuations
+    from slake.methods.base import canonical_method_spec
+    from slake.methods.profiles import resolve_method
+
+    text = evaluation_text()
+    print(f"output level: {2 * args.output_samples} prompts of {args.length} tokens, "
+          f"{args.output_tokens} continuation tokens each...", file=sys.stderr)
+    conts = text_continuations(tokenizer, text, args.length, args.output_tokens, args.output_samples,
+                               seed=args.seed, name="essay")
+    conts += answer_continuations(model, tokenizer, text, args.length, args.output_tokens, args.output_samples,
+                                  EVALUATION_QUESTIONS, seed=args.seed, name="answer")
+    ref = output_fidelity.prepare_reference(model, conts)
+    rows: list[dict] = []
+    for m in methods:
+        for lin in lin_modes:
+            for b in budgets:
+                extra = {} if lin is None else {"linear_cache": lin}
+                built, _ = resolve_method(m, b, model, **extra)
+                label = canonical_method_spec(m, drop=("linear_cache",))
+                for r in output_fidelity.measure_outputs(model, ref, built, b, label=label):
+                    r["linear_cache"] = built.linear_cache
+                    rows.append(r)
+    return rows

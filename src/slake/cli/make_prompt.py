@@ -1,0 +1,66 @@
+"""``slake make-prompt``: the plain prompt of one generated sample.
+
+``slake make-prompt --task needle --length 2048 --seed 1 --out runs/demo_document.txt`` writes the plain prompt
+(context + question, no chat template) of one generated sample and prints its expected answers to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_make_prompt_parser", "cmd_make_prompt"]
+
+
+def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``make-prompt`` sub-command to ``subparsers``."""
+    p = subparsers.add_parser("make-prompt", help="write the plain prompt of one generated needle/RULER sample",
+                              description="Write context + question (no chat template) of one generated sample to "
+                              "a file; the expected answers go to stderr.")
+    p.add_argument("--task", required=True, help="'needle' or a RULER task (e.g. niah_single_2, vt, qa_1)")
+    p.add_argument("--length", type=int, required=True, help="prompt length in the model's tokens")
+    p.add_argument("--depth", type=float, default=None,
+                   help="needle depth in percent (needle: default 50; RULER NIAH tasks: random by default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2", help="model whose tokenizer measures the length")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    p.add_argument("--out", required=True, help="output text file ('-' for standard output)")
+    return p
+
+
+
+
+def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
+    """Run ``slake make-prompt``; ``tokenizer`` overrides loading ``args.model``'s tokenizer (tests)."""
+    from slake.eval.ruler import RULER_TASKS
+
+    if args.task != "needle" and args.task not in RULER_TASKS:
+        raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
+    if args.length < 1:
+        raise ValueError(f"--length must be >= 1, got {args.length}")
+    if args.depth is not None and not 0.0 <= args.depth <= 100.0:
+        raise ValueError(f"--depth must lie in [0, 100], got {args.depth}")
+    from slake.hf.models import load_tokenizer
+
+    tok = tokenizer if tokenizer is not None else load_tokenizer(args.model, args.gguf_file)
+    if args.task == "needle":
+        from slake.eval.needle import needle_sample
+
+        sample = needle_sample(tok, args.length, 50.0 if args.depth is None else args.depth, seed=args.seed)
+    else:
+        from slake.eval.ruler import ruler_sample
+
+        sample = ruler_sample(args.task, tok, args.length, seed=args.seed, depth=args.depth)
+    text = sample.context + sample.question
+    if args.out == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path} ({sample.length} tokens, task {sample.task}, sample {sample.sample_id})",
+              file=sys.stderr)
+    print(f"expected answer: {' | '.join(sample.answers)}", file=sys.stderr)
+    return 0

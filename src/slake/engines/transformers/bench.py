@@ -1,0 +1,175 @@
+"""The transformers engine's benchmark: prefill time, time to first token, decode latency, peak memory and KV bytes
+per method, budget and context length (``slake bench``).
+
+Every configuration is measured by :func:`slake.engines.transformers.measure.measure` on random token prompts;
+rows are appended to ``OUT/bench.jsonl``, and ``OUT/bench.md`` and the plots are written from this run's rows.
+With ``isolate`` each configuration runs in a fresh process (exact per-configuration peak memory, at the cost of
+reloading the model). On CPU the decode steps of the configurations of one length are timed again in turn
+(``decode_timing``, :func:`slake.engines.transformers.measure.time_decode_interleaved`), so that comparisons between
+methods do not depend on when each one ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from slake.engines.base import BenchPlan, BenchReport, ModelSpec, load_avg
+from slake.engines.transformers.measure import BenchConfig
+
+__all__ = ["configs", "run_bench"]
+
+
+def configs(plan: BenchPlan) -> list[BenchConfig]:
+    """The plan's configurations, length by length (the full cache once per length, at the first budget)."""
+    out = []
+    for n in plan.lengths:
+        for m in plan.methods:
+            for kvd in plan.kv_dtypes:
+                for b in (plan.budgets[:1] if m == "full" else plan.budgets):
+                    out.append(BenchConfig(method=m, budget=getattr(b, "value", b), length=n, batch=plan.batch,
+                                           decode_steps=plan.decode_steps, warmup=plan.warmup,
+                                           prefill_chunk=plan.prefill_chunk, seed=plan.seed, kv_dtype=kvd))
+    return out
+
+
+def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
+    argv = [sys.executable, "-m", "slake.cli", "bench", "--methods", cfg.method, "--budget", str(cfg.budget),
+            "--lengths", str(cfg.length), "--batch", str(cfg.batch), "--decode-steps", str(cfg.decode_steps),
+            "--warmup", str(cfg.warmup), "--seed", str(plan.seed), "--no-plots", "--no-progress", "--json",
+            "--kv-dtype", cfg.kv_dtype or "auto", "--out", str(plan.out / "isolated")]
+    model = None if spec.random else spec.name
+    for flag, value in (("--prefill-chunk", plan.prefill_chunk), ("--model", model),
+                        ("--random-model", spec.random), ("--gguf-file", spec.gguf_file),
+                        ("--device", spec.device), ("--dtype", spec.dtype), ("--threads", plan.threads)):
+        if value is not None:
+            argv += [flag, str(value)]
+    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"isolated run of {cfg} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])["rows"][0]
+
+
+def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[[], Any]) -> BenchReport:
+    """Measure every configuration of ``plan`` (see the module docstring); write ``bench.jsonl``, ``bench.md`` and
+    the plots under ``plan.out``. ``load()`` gives the model (not called with ``isolate``: each configuration's
+    process loads ``spec`` itself); ``model_name`` names it in the rows."""
+    import torch
+
+    from slake.engines.transformers.measure import measure, time_decode_interleaved
+    from slake.engines.transformers.report import markdown_table, plot_rows
+
+    if plan.threads:
+        torch.set_num_threads(plan.threads)
+    cfgs = configs(plan)
+    out = plan.out
+    out.mkdir(parents=True, exist_ok=True)
+    model = None if plan.isolate else load()
+    bar = None
+    if plan.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cfgs), desc="slake bench", unit="config", file=sys.stderr)
+    env = {"model": model_name,
+           "device": str(model.device) if model is not None else (spec.device or "auto"),
+           "dtype": str(model.dtype).replace("torch.", "") if model is not None else (spec.dtype or "auto"),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+           "cpu_count": os.cpu_count(), "load_avg_1m": load_avg()}
+    interleave = interleaved_timing(plan, model)
+    rows = []
+    with open(out / "bench.jsonl", "a", encoding="utf-8") as f:
+        for group in length_groups(cfgs):
+            group_rows = []
+            for cfg in group:
+                if bar is not None:
+                    bar.set_postfix_str(f"{cfg.method} {cfg.length}")
+                row = _isolated(spec, plan, cfg) if plan.isolate else measure(model, cfg)
+                row.update({k: v for k, v in env.items() if k not in row})
+                row["load_avg_1m_after"] = load_avg()
+                group_rows.append(row)
+                if not interleave:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                if bar is not None:
+                    bar.update(1)
+            if interleave and len(group) > 1:
+                if bar is not None:
+                    bar.set_postfix_str(f"interleaved decode timing, length {group[0].length}")
+                apply_interleaved(group_rows, time_decode_interleaved(model, group, plan.decode_steps, plan.warmup))
+            if interleave:
+                for row in group_rows:
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+            rows += group_rows
+    if bar is not None:
+        bar.close()
+    notes = [f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
+             f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
+             f"batch {plan.batch}, {plan.decode_steps} timed decode steps after {plan.warmup} warm-up steps; "
+             "prompts are random token ids",
+             "decode ms/token: " + ("medians of steps timed in turn across the configurations of each length "
+                                    "(interleaved; the medians of each configuration's own run are "
+                                    "decode_ms_sequential in bench.jsonl); decode vs first: median over those "
+                                    "rounds of the step-time ratio to the length's first configuration, the "
+                                    "number to compare methods by" if interleave else
+                                    "medians of each configuration's own run (sequential)"),
+             "peak memory: " + ("CUDA max_memory_allocated (reset per configuration)" if rows and
+                                rows[0]["peak_mem_kind"].startswith("cuda") else
+                                "process RSS high-water mark (VmHWM, reset per configuration via "
+                                "/proc/self/clear_refs; includes the model weights)")]
+    (out / "bench.md").write_text(markdown_table(rows, "slake bench", notes), encoding="utf-8")
+    files = [out / "bench.jsonl", out / "bench.md"]
+    if plan.plots and rows:
+        plot_rows(rows, str(out))
+    keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
+    ordered = [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}} for r in rows]
+    return BenchReport(rows=ordered, table=markdown_table(rows), files=files)
+
+
+def interleaved_timing(plan: BenchPlan, model: Any) -> bool:
+    """Whether decode steps are timed interleaved (``decode_timing``; auto: on CPU without ``isolate``)."""
+    mode = plan.decode_timing
+    if mode == "interleaved" and plan.isolate:
+        raise ValueError("--decode-timing interleaved needs the configurations in one process; drop --isolate")
+    if mode == "auto":
+        return not plan.isolate and model is not None and model.device.type == "cpu"
+    return mode == "interleaved"
+
+
+def length_groups(cfgs: list[BenchConfig]) -> list[list[BenchConfig]]:
+    """Consecutive configurations of one context length (the order of :func:`configs`)."""
+    groups: list[list[BenchConfig]] = []
+    for cfg in cfgs:
+        if groups and groups[-1][0].length == cfg.length:
+            groups[-1].append(cfg)
+        else:
+            groups.append([cfg])
+    return groups
+
+
+def apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
+    """Replace each row's decode statistics by its interleaved step times, keeping the sequential median, and add
+    ``decode_vs_first``: the median over rounds of the step-time ratio to the length's first configuration.
+
+    A round's steps run back to back, so a slowdown of the machine that lasts longer than a round cancels in its
+    ratio; a shorter one makes that round's ratio an outlier up or down, which the median ignores. On a noisy
+    machine this ratio is far steadier than the ratio of two medians."""
+    ref = times[0]
+    for row, t in zip(rows, times):
+        row["decode_ms_sequential"] = row["decode_ms_per_token"]
+        row.update({"decode_ms_per_token": statistics.median(t), "decode_ms_min": min(t), "decode_ms_max": max(t),
+                    "decode_steps": len(t), "decode_timing": "interleaved",
+                    "decode_vs_first": statistics.median(a / b for a, b in zip(t, ref)),
+                    "decode_first": _label(rows[0])})
+
+
+def _label(row: dict) -> str:
+    """``method[@budget][ kv_dtype]`` of a result row (names the reference of ``decode_vs_first``)."""
+    return f"{row['method']}@{row['budget']}" + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
+

@@ -1,0 +1,96 @@
+"""The transformers engine: slake's reference engine, a transformers model with :class:`slake.SlakeCache`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from slake.engines.base import BenchPlan, BenchReport, Engine, EvalOptions, EvalOutput, EvalRequest, ModelSpec
+from slake.hf.generate import GenerationResult, eos_token_ids, generate
+
+__all__ = ["TransformersEngine"]
+
+Loader = Callable[[ModelSpec], tuple[Any, Any]]
+
+
+def _load(spec: ModelSpec) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a model spec; a random model shape has no tokenizer (None)."""
+    from slake.hf.models import _parse_dtype, default_device, load_model
+
+    if spec.random:
+        from slake.hf.shapes import random_model
+
+        device = spec.device or default_device()
+        return random_model(spec.random, device=device, dtype=_parse_dtype(spec.dtype, device), seed=spec.seed), None
+    return load_model(spec.name, device=spec.device, dtype=spec.dtype, gguf_file=spec.gguf_file)
+
+
+class TransformersEngine(Engine):
+    """A transformers causal LM with slake's compressed cache; every method and option is supported.
+
+    Parameters
+    ----------
+    model : ModelSpec, optional
+        The model to load on first use (:func:`slake.load_model`, or :func:`slake.hf.shapes.random_model` for a
+        random shape); the packaged default model when omitted.
+    loader : callable, optional
+        ``loader(spec) -> (model, tokenizer)`` in place of loading the spec (tests pass a tiny model).
+    """
+
+    name = "transformers"
+    unsupported: dict[str, str] = {}
+
+    def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:
+        super().__init__(model)
+        self._loader = loader or _load
+        self._loaded: tuple[Any, Any] | None = None
+        self._name: str | None = None
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, name: str | None = None) -> TransformersEngine:
+        """An engine over an already loaded (and prepared) model; rows name it ``name`` or its
+        ``config._name_or_path``."""
+        engine = cls()
+        engine._loaded = (model, tokenizer)
+        engine._name = name or str(getattr(getattr(model, "config", None), "_name_or_path", "")
+                                   or type(model).__name__)
+        return engine
+
+    def load(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)``, loaded on the first call."""
+        if self._loaded is None:
+            self._loaded = self._loader(self.model_spec)
+        return self._loaded
+
+    @property
+    def model(self) -> Any:
+        """The transformers model (loads it)."""
+        return self.load()[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.load()[1]
+
+    @property
+    def model_name(self) -> str:
+        return self._name or self.model_spec.label
+
+    def eos_token_ids(self) -> list[int]:
+        model, tokenizer = self.load()
+        return eos_token_ids(model, tokenizer)
+
+    def generate(self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True,
+                 **options: Any) -> GenerationResult:
+        model, tokenizer = self.load()
+        return generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=max_new_tokens,
+                        chat_template=chat_template, **options)
+
+    def evaluate(self, requests: Sequence[EvalRequest], options: EvalOptions) -> Iterator[EvalOutput]:
+        from slake.engines.transformers.evaluate import evaluate
+
+        return evaluate(self.model, requests, options, self.eos_token_ids())
+
+    def bench(self, plan: BenchPlan) -> BenchReport:
+        from slake.engines.transformers.bench import run_bench
+
+        return run_bench(plan, self.model_spec, self.model_name, lambda: self.model)

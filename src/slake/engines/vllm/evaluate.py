@@ -1,0 +1,63 @@
+"""The vLLM engine's evaluation: for each (method, budget) pair, every pending prompt as one vLLM batch.
+
+One vLLM engine is started per pair with that plugin configuration (plain vLLM for the full cache), and every
+pending prompt of the pair is submitted at once (vLLM schedules them as a batch; prompts with different generation
+caps go in separate calls), greedy, stopping on the model's end-of-sequence ids. Outputs carry vLLM's block
+accounting (``kv_blocks_end``) and the hyperparameters the plugin ran with.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from slake.budgets.budget import Budget
+from slake.engines.base import EvalOutput, EvalRequest
+
+__all__ = ["evaluate"]
+
+
+def evaluate(requests: Sequence[EvalRequest], *, model_dir: str, dtype: str, stop: list[int],
+             plugin_method: Callable[[str, int | float], tuple[Any, dict | None]],
+             block_size: int = 32) -> Iterator[EvalOutput]:
+    """Every pending pair of every request (see the module docstring); one :class:`EvalOutput` each.
+
+    ``model_dir`` is the folder vLLM loads, ``dtype`` its dtype, ``stop`` the end-of-sequence ids, and
+    ``plugin_method(method, budget)`` the resolved method and profile of a pair
+    (:meth:`slake.engines.vllm.VllmEngine.plugin_method`)."""
+    from slake.engines.vllm.runner import model_len, run_vllm
+    from slake.vllm.config import plugin_config
+
+    by_pair: dict[tuple, list[EvalRequest]] = {}
+    for req in requests:
+        for pair in req.pairs:
+            by_pair.setdefault(pair, []).append(req)
+    if not by_pair:
+        return
+    for (method, budget), todo in by_pair.items():
+        if budget is None:
+            cfg, hyper, profile = None, None, None
+        else:
+            built, profile = plugin_method(method, budget)
+            hyper, cfg = built.hyperparameters(), plugin_config(built, Budget(budget))
+        groups: dict[int, list[EvalRequest]] = {}
+        for req in todo:  # one generation length per vLLM call
+            groups.setdefault(req.max_new_tokens, []).append(req)
+        for cap, group in groups.items():
+            prompts = [req.prefill_ids for req in group]
+            start = time.perf_counter()
+            run = run_vllm(model_dir, prompts, slake=cfg, max_new_tokens=cap, block_size=block_size,
+                           dtype=dtype, max_model_len=model_len(max(map(len, prompts)), cap),
+                           stop_token_ids=stop, max_num_seqs=max(len(prompts), 1))
+            wall = time.perf_counter() - start
+            for i, req in enumerate(group):
+                steps = max(len(run.tokens[i]) - 1, 0)
+                ms = run.decode_ms_per_token[i]
+                yield EvalOutput(key=req.key, method=method, budget=budget, tokens=list(run.tokens[i]),
+                                 prompt_tokens=len(prompts[i]), prefill_s=run.prefill_s[i],
+                                 decode_s=None if math.isnan(ms) else round(ms * steps / 1000, 5),
+                                 compressed=bool(run.compressed[i]), kv_bytes=run.kv_bytes[i], max_new_tokens=cap,
+                                 batch_size=len(group), profile=profile, hyperparameters=hyper,
+                                 extra={"kv_blocks_end": run.blocks_end[i], "engine_wall_s": round(wall, 3)})

@@ -1,0 +1,91 @@
+"""Generation with vLLM and the slake plugin: the transformers engine's prompt handling and result fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slake.budgets.budget import Budget
+from slake.hf.generate import GenerationResult
+from slake.methods.base import Method
+
+__all__ = ["generate_vllm", "stop_token_ids"]
+
+
+def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: str | None, gguf_file: str | None,
+                  dtype: str | None, max_new_tokens: int, chat_template: bool = True,
+                  block_size: int = 32, **hyperparameters: Any) -> GenerationResult:
+    """Greedy generation of one prompt with vLLM and the slake plugin (in this process).
+
+    The prompt is formatted and tokenized exactly as :func:`slake.hf.generate.generate` does, and generation stops
+    on the model's EOS ids, so the text equals the transformers engine's for the same method and budget.
+
+    Parameters
+    ----------
+    prompt : str
+        The user prompt.
+    method, budget :
+        What compresses the cache (see :mod:`slake.vllm.config` for what the plugin supports); ``full`` runs plain
+        vLLM. A name or spec is resolved as the transformers engine does it
+        (:func:`slake.methods.profiles.resolve_method`: the model's profile fills what the user did not set);
+        CAKE/SLAKE then get vLLM's ``max_layer_budget`` (:func:`slake.vllm.config.with_layer_cap`) unless set.
+    model, gguf_file, dtype :
+        As ``slake generate --model/--gguf-file/--dtype``; GGUF models are converted once to safetensors
+        (:func:`slake.engines.vllm.runner.local_model_dir`).
+    max_new_tokens : int
+        Upper bound of generated tokens.
+    block_size : int
+        vLLM's KV block size (a multiple of 32 on CPU).
+    **hyperparameters
+        Method hyperparameters set by the user (``--set``).
+
+    Returns
+    -------
+    GenerationResult
+        With ``engine="vllm"`` and ``extra`` holding ``kv_blocks_after_prefill``, ``kv_blocks_end``,
+        ``kv_block_size`` and ``model_dir``.
+    """
+    from transformers import AutoTokenizer
+
+    from slake.engines.vllm.runner import local_model_dir, model_config, model_len, run_vllm
+    from slake.hf.generate import format_prompt
+    from slake.vllm.config import plugin_config, resolve_plugin_method, vllm_dtype
+
+    budget = Budget(budget)
+    dtype = vllm_dtype(dtype)
+    model_dir = local_model_dir(model, gguf_file, dtype)
+    method, profile = resolve_plugin_method(method, budget, model_config(model_dir, model), **hyperparameters)
+    slake_cfg = plugin_config(method, budget)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = format_prompt(tokenizer, prompt, chat_template)
+    ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
+    stop = stop_token_ids(model_dir, tokenizer)
+    run = run_vllm(model_dir, [ids], slake=slake_cfg, max_new_tokens=max_new_tokens, block_size=block_size,
+                   dtype=dtype, max_model_len=model_len(len(ids), max_new_tokens), stop_token_ids=stop)
+    toks = run.tokens[0]
+    return GenerationResult(
+        texts=[tokenizer.decode(toks, skip_special_tokens=True)], prompt_tokens=[len(ids)], new_tokens=[len(toks)],
+        method=method.name, budget=budget.value, kv_bytes=run.kv_bytes[0],
+        kept_tokens_per_layer=run.kept_tokens_per_layer[0], compressed=run.compressed[0],
+        prefill_s=run.prefill_s[0], decode_ms_per_token=run.decode_ms_per_token[0], layer_budgets=None,
+        hyperparameters=method.hyperparameters(), profile=profile, engine="vllm",
+        extra={"kv_blocks_after_prefill": run.blocks_after_prefill[0], "kv_blocks_end": run.blocks_end[0],
+               "kv_block_size": run.block_size, "model_dir": model_dir})
+
+
+def stop_token_ids(model_dir: str, tokenizer: Any, *, union: bool = False) -> list[int]:
+    """End-of-sequence ids as the transformers engine stops on them: the generation config's (one id or several),
+    else the tokenizer's, as ``model.generate`` (``slake generate``); ``union=True``: both, as the evaluation
+    (:func:`slake.hf.generate.eos_token_ids`, which this calls)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from slake.hf.generate import eos_token_ids
+
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        gen = None
+    if not union and getattr(gen, "eos_token_id", None) is not None:
+        tokenizer = None  # model.generate stops on the generation config's ids alone
+    return eos_token_ids(SimpleNamespace(generation_config=gen), tokenizer)
