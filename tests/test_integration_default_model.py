@@ -48,10 +48,10 @@ class _ForcedSnapKV(SnapKV):
 def test_needle_at_2k_full_cache_and_snapkv(default_model):
     """The full cache answers a numeric needle in a ~2K-token essay document.
 
-    SnapKV at budget 1024 runs and compresses; on this 135M model it often keeps only the first digits of the
-    number (measured in the README: 1 of 5 seeds at 2K), so its answer is reported, not asserted. What is asserted
-    is that the compressed cache decodes correctly: when the needle sentence is among the kept tokens, a cache of
-    512 tokens per layer (a quarter of the prompt) gives the exact answer.
+    SnapKV at budget 1024 runs and compresses; on this 135M model it often keeps only the first digits of the number
+    (measured by hand when the test was written: 1 of 5 seeds at 2K), so its answer is reported, not asserted. What is
+    asserted is that the compressed cache decodes correctly: when the needle sentence is among the kept tokens, a cache
+    of 512 tokens per layer (a quarter of the prompt) gives the exact answer.
     """
     model, tok = default_model
     prompt, answers, needle = _needle_prompt(tok, 2048)

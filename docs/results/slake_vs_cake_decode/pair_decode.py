@@ -1,4 +1,6 @@
-"""Paired, interleaved decode timing in one process (used for the SLAKE/CAKE decode ratio in the README).
+"""Paired, interleaved decode timing in one process.
+
+Used for the SLAKE/CAKE decode ratio in docs/results-speed-memory.md, "SLAKE's decode step against CAKE's".
 
 Two caches (A and B) are prefilled with the same random prompt on one model; then decode steps alternate A, B / B, A
 (the order flips every round). With --cpu-time the thread CPU time of each step is measured, which is stable on a

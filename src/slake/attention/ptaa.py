@@ -1,16 +1,18 @@
 """Attention over a compressed layer: exact softmax over the kept slots plus SLAKE's PTAA linear term.
 
-Partially Taylor-Approximated Attention (SLAKE section 3.3, Algorithm 1 of App. C; spec ``slake-cake.md`` sections
-8.1, 8.5 and 11). For one query head with scaled logits ``x_j`` over the kept slots and a linear state summarising the
-``n_e`` evicted tokens, with ``mu = scaling * q . k_sum / n_e``, any shift ``m`` and ``lam = exp(mu - m)``::
+Partially Taylor-Approximated Attention (SLAKE section 3.3, Algorithm 1 of App. C; see
+``docs/methods/slake.md#the-closed-form``, ``#decode-step`` and ``#numerical-safeguards``). For one query head with
+scaled logits ``x_j`` over the kept slots and a linear state summarising the ``n_e`` evicted tokens, with
+``mu = scaling * q . k_sum / n_e``, any shift ``m`` and ``lam = exp(mu - m)``::
 
     out = [sum_kept e^(x_j - m) v_j + lam * ((1 - mu) v_sum + scaling * q^T L)]
-          / [sum_kept e^(x_j - m) + lam * n_e]                                           (spec (star))
+          / [sum_kept e^(x_j - m) + lam * n_e]              (docs/methods/slake.md#the-closed-form)
 
 This is the softmax over *all* past tokens in which every evicted token's weight ``e^{x_j}`` is replaced by its
 first-order expansion ``e^{mu} (1 + x_j - mu)`` around the mean evicted logit. The printed Eqs. 12/13/21 of the paper
-contain typos (spec 10-S2); Algorithm 1 / (star) is used. ``m = max(max_kept x, mu)`` (spec 11.2), so neither
-exponential can overflow. Without a state, or where ``count == 0``, the result is exactly ``softmax(logits) @ values``.
+contain typos (``docs/methods/slake.md#deviations-from-the-paper``); Algorithm 1, i.e. the closed form above, is
+used. ``m = max(max_kept x, mu)`` (``docs/methods/slake.md#numerical-safeguards``), so neither exponential can
+overflow. Without a state, or where ``count == 0``, the result is exactly ``softmax(logits) @ values``.
 
 GQA is handled by a group axis: the ``g`` query heads of a KV head are laid out as ``(B, Hkv, g, n_q, d)`` and share
 the KV head's slots and linear state, which are never expanded.
@@ -30,7 +32,8 @@ _LIMITS = {dt: (torch.finfo(dt).min, torch.finfo(dt).tiny) for dt in (torch.floa
 
 def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, state: LinearState | None = None,
            scaling: float | None = None, overwrite_logits: bool = False) -> torch.Tensor:
-    """PTAA output (spec (star)) or plain softmax attention when there is no linear term.
+    """PTAA output (the closed form, ``docs/methods/slake.md#the-closed-form``) or plain softmax attention when
+    there is no linear term.
 
     Parameters
     ----------

@@ -1,19 +1,25 @@
-"""How a total KV budget is split across layers (spec ``slake-cake.md`` sections 6, 7.2 and 7.3).
+"""How a total KV budget is split across layers.
 
-Every budget returned here is a **selectable** (non-window) token count per layer and KV head, ``B_l`` in the spec's
-notation; the engine adds the protected window ``w`` on top. Integer results are ``int64`` tensors, real-valued ones
-``float64``.
+See ``docs/methods/baselines.md#pyramid-budgets``, ``docs/methods/cake.md#layer-budgets`` and
+``docs/methods/cake.md#cascading-prefill``.
+
+Every budget returned here is a **selectable** (non-window) token count per layer and KV head, ``B_l`` in the notation
+of ``docs/methods/cake.md``; the engine adds the protected window ``w`` on top. Integer results are ``int64`` tensors,
+real-valued ones ``float64``.
 
 * :func:`uniform_budgets` - every layer gets ``C'`` (SnapKV, H2O, ...).
-* :func:`pyramid_budgets` - PyramidKV's linearly decreasing schedule (KVCache-Factory, October 2024), section 6.
-* :func:`preference_budgets` - CAKE's preference-proportional allocation with the spec's recommended rounding
-  (section 7.2 **[spec]**): proportional water-filling under a per-layer cap, ``ceil`` at intermediate cascade stages
-  and largest-remainder rounding at the final stage. This guarantees integer stage budgets that never increase from
-  one cascade stage to the next (Proposition 1), which is what makes cascading equal one-shot eviction (Theorem 1).
-  Deviation: the reference CAKE code's ``adjust_budgets`` (truncate, even redistribution) is not reproduced, because
-  it breaks Theorem 1 (section 10-C5).
+* :func:`pyramid_budgets` - PyramidKV's linearly decreasing schedule (KVCache-Factory, October 2024),
+  ``docs/methods/baselines.md#pyramid-budgets``.
+* :func:`preference_budgets` - CAKE's preference-proportional allocation with our rounding
+  (``docs/methods/cake.md#layer-budgets``, ``docs/methods/cake.md#deviations-from-the-paper``): proportional
+  water-filling under a per-layer cap, ``ceil`` at intermediate cascade stages and largest-remainder rounding at the
+  final stage. This guarantees integer stage budgets that never increase from one cascade stage to the next
+  (Proposition 1), which is what makes cascading equal one-shot eviction (Theorem 1). Deviation: the reference CAKE
+  code's ``adjust_budgets`` (truncate, even redistribution) is not reproduced, because it breaks Theorem 1
+  (``docs/methods/cake.md#deviations-from-the-paper``).
 * :func:`cross_head_counts` / :func:`safeguarded_head_counts` - AdaKV/LAVa per-head budgets: one top-k over all
-  KV heads of a layer (spec ``lava-ahakv-sagekv.md`` sections 1.3(8) and 4), optionally with AdaKV's safeguard floor.
+  KV heads of a layer (``docs/methods/lava.md#head-budgets``), optionally with AdaKV's safeguard floor
+  (``docs/methods/lava.md#safeguard``).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ def _as_prefs(prefs: Sequence[float] | torch.Tensor) -> torch.Tensor:
 
 
 def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -> torch.Tensor:
-    """Real-valued proportional allocation with a per-layer cap (spec section 7.2, ``waterfill``).
+    """Real-valued proportional allocation with a per-layer cap (``docs/methods/cake.md#layer-budgets``).
 
     Returns ``B`` (float64, one entry per layer) with ``B_l = min(cap, c * P_l)`` and ``sum(B) = min(total, n*cap)``.
 
@@ -86,7 +92,9 @@ def largest_remainder(real: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def preference_budgets(prefs: Sequence[float] | torch.Tensor, total: int, cap: int, final: bool) -> torch.Tensor:
-    """CAKE cascade-stage budgets ``alloc(P, T, cap, final)`` of spec section 7.2 **[spec]**, as int64.
+    """CAKE cascade-stage budgets ``alloc(P, T, cap, final)`` with our rounding, as int64.
+
+    See ``docs/methods/cake.md#layer-budgets`` and ``docs/methods/cake.md#deviations-from-the-paper``.
 
     Parameters
     ----------
@@ -119,7 +127,9 @@ def uniform_budgets(num_layers: int, per_layer: int) -> torch.Tensor:
 
 def pyramid_budgets(num_layers: int, selectable: int, prompt_len: int, window: int, beta: float = 20,
                     exact: bool = False) -> torch.Tensor:
-    """PyramidKV's per-layer selectable budgets, spec section 6 (KVCache-Factory ``PyramidKVCluster``, Oct. 2024).
+    """PyramidKV's per-layer selectable budgets (KVCache-Factory ``PyramidKVCluster``, Oct. 2024).
+
+    See ``docs/methods/baselines.md#pyramid-budgets``.
 
     With ``C' = selectable``, ``S = prompt_len``, ``w = window``::
 

@@ -1,4 +1,4 @@
-"""Budgets the way papers state them (ARCHITECTURE.md decision 5).
+"""Budgets the way papers state them (``docs/conventions.md#budgets``).
 
 A budget is the average number of cached tokens per layer and KV head, the observation window included (the papers'
 "cache size 128"), or a ratio of the prompt length. :class:`Budget` validates the user's input and resolves it to

@@ -4,7 +4,7 @@ over the compressed cache with decode-time eviction and the optional PTAA linear
 This module is engine-agnostic (no transformers import). ``slake.hf`` feeds it each layer's post-RoPE queries,
 keys and values; it owns one :class:`~slake.cache.layer_store.LayerStore` per layer.
 
-Conventions (ARCHITECTURE.md section 3, spec ``slake-cake.md`` section 0):
+Conventions (``docs/conventions.md``; ``docs/methods/README.md#observation-window-attention``):
 
 * Positions index the (left-padded) input sequence; the token decoded at step ``t`` has position ``S + t``.
 * Every layer keeps its ``protected`` tokens (sinks + observation window). The rest of the per-layer budget is the
@@ -192,7 +192,10 @@ class CompressedKV:
         return torch.stack([r.to(torch.int64) for r in rows])
 
     def _preference_stage(self, m: int, final: bool) -> torch.Tensor:
-        """(B, m+1) selectable budgets of layers 0..m at cascade stage m (spec section 7.3)."""
+        """(B, m+1) selectable budgets of layers 0..m at cascade stage m.
+
+        See ``docs/methods/cake.md#cascading-prefill``.
+        """
         info = self.info
         rows = []
         for b in range(len(info.real_len)):
@@ -272,7 +275,8 @@ class CompressedKV:
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction.
 
-        Returns ``(B, Hq, n_q, d)`` float32. Order of operations per spec 7.5 / 8.5: logits once; if the layer is
+        Returns ``(B, Hq, n_q, d)`` float32. Order of operations (``docs/methods/cake.md#decode-rule``,
+        ``docs/methods/slake.md#decode-step``, ``docs/methods/README.md#decode-eviction``): logits once; if the layer is
         over its budget, score with the exact softmax, pick the lowest-scored unprotected slot(s); evict before the
         output (SLAKE, Algorithm 1) or after it (CAKE reference code, H2O, TOVA).
 

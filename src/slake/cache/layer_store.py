@@ -1,10 +1,11 @@
 """Storage of one compressed layer: kept keys/values at KV-head granularity with per-slot metadata.
 
-Layout (ARCHITECTURE.md decision 4): dense tensors ``(B, Hkv, capacity, d)`` padded to the longest head, with a
-validity mask. Each slot also records the absolute position of its token and a float32 score carried between
-eviction decisions. After a prefill compaction the kept tokens sit in position order at the front of each row;
-at decode, evicted slots are freed in place and the next token is written into a free slot, so no step reallocates
-the layer (the capacity only grows when a row has no free slot, e.g. with no decode eviction).
+Layout (``docs/design.md#storage-layout``, ``docs/conventions.md#memory-and-byte-accounting``): dense tensors
+``(B, Hkv, capacity, d)`` padded to the longest head, with a validity mask. Each slot also records the absolute position
+of its token and a float32 score carried between eviction decisions. After a prefill compaction the kept tokens sit in
+position order at the front of each row; at decode, evicted slots are freed in place and the next token is written into
+a free slot, so no step reallocates the layer (the capacity only grows when a row has no free slot, e.g. with no decode
+eviction).
 
 Optionally a per-query-head visibility mask ``head_visible`` ``(B, Hkv, g, capacity)`` restricts which query heads of
 a GQA group see a slot (SAGE-KV's per-query-head selections stored once per KV head); slots written at decode are

@@ -1,12 +1,13 @@
-"""SLAKE's linear state: the first-order Taylor summary of every evicted token (spec ``slake-cake.md`` section 8.2).
+"""SLAKE's linear state: the first-order Taylor summary of every evicted token (``docs/methods/slake.md#linear-state``).
 
 For each batch element and KV head the state holds ``k_sum = sum_E k_j``, ``v_sum = sum_E v_j``,
 ``kv = L = sum_E k_j v_j^T`` (``d x d``) and the number of folded tokens ``count = n_e``. It is shared by the ``g``
 query heads of a GQA group and is never expanded per query head.
 
-Deviations from the spec: ``count`` is kept per (batch element, KV head) rather than one integer per layer, because
-per-head and per-sequence budgets (left padding, per-head eviction) can make the numbers differ; it is stored as
-float32 (exact up to 2**24 tokens). All accumulators are float32 whatever the model dtype (section 11.3).
+Deviation from the paper's notation: ``count`` is kept per (batch element, KV head) rather than one integer per layer,
+because per-head and per-sequence budgets (left padding, per-head eviction) can make the numbers differ; it is stored as
+float32 (exact up to 2**24 tokens). All accumulators are float32 whatever the model dtype
+(``docs/methods/slake.md#numerical-safeguards``).
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ class LinearState:
     # ------------------------------------------------------------------ update
     @torch.no_grad()
     def fold(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor, finite: bool = False) -> None:
-        """Add the rows of ``keys``/``values`` marked in ``evicted`` to the state, in place (spec 8.2).
+        """Add the rows of ``keys``/``values`` marked in ``evicted`` to the state, in place.
+
+        See ``docs/methods/slake.md#linear-state``.
 
         Parameters
         ----------
@@ -165,7 +168,7 @@ class LinearState:
         One batched matmul-accumulate ``aug += [k, 1]^T [v, 1]`` over the marked rows updates ``L``, ``k_sum``,
         ``v_sum`` and ``count`` at once; more than 1024 rows (a prefill compaction) are folded 1024 at a time, so the
         transient ``[k, 1]`` / ``[v, 1]`` copies stay small whatever the prompt length. Folding disjoint sets one
-        after the other equals folding their union once (spec section 8.3, invariant 8).
+        after the other equals folding their union once (``docs/methods/slake.md#linear-state``).
         """
         aug = self.aug
         B, H, d1, _ = aug.shape

@@ -10,7 +10,7 @@ as ``d`` 8-bit codes plus one float32 scale per row (per-token absmax scaling):
   ``2^-4`` for normal codes, absolute error at most ``2^-10 * scale`` for subnormal ones).
 
 Attention dequantises (``code * scale``, float32) right before the logits and the value product; scores, the
-softmax, the PTAA linear state (spec ``slake-cake.md`` section 8.2) and everything else stay float32. A row of zeros
+softmax, the PTAA linear state (``docs/methods/slake.md#linear-state``) and everything else stay float32. A row of zeros
 has scale 0 and decodes to zeros. Bytes per stored token and KV head: ``2 * (d + 4)`` (136 at ``d = 64``, i.e.
 0.53x of bf16's 256; 0.52x at ``d = 128``). Prefill attention is exact and unaffected; only what later tokens see
 is quantised, like eviction itself.

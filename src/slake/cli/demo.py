@@ -19,10 +19,11 @@ __all__ = ["DEMO_BUDGET", "DEMO_METHOD", "add_demo_parser", "answer_excerpt", "c
 
 DEMO_METHOD = "slake"
 #: RULER's niah_single_1 (a number hidden in filler text): on the default model, compression keeps this needle at
-#: small budgets, while on the essay needle every method loses all digits but the first (README, "Needle retrieval")
+#: small budgets, while on the essay needle every method loses all digits but the first
+#: (``docs/results-needle.md#what-this-shows``)
 DEMO_TASK = "niah_single_1"
-#: chosen by measurement on the default model (README, "The demo"): SLAKE with the shipped profile answers the demo
-#: question at 128 tokens per layer and KV head (7% of the 2K-token document's cache)
+#: chosen by measurement on the default model (``README.md#set-up-two-commands``): SLAKE with the shipped profile
+#: answers the demo question at 128 tokens per layer and KV head (7% of the 2K-token document's cache)
 DEMO_BUDGET = "128"
 
 

@@ -1,9 +1,9 @@
 """The transformers cache class: a :class:`transformers.Cache` whose layers delegate to the compressor.
 
-Integration uses only official extension points (ARCHITECTURE.md decision 3.1): this cache-layer class and the
-attention function registered in :mod:`slake.hf.attention`. ``update`` hands the new keys/values to the compressor and
-records which layer was updated last, so that the registered attention function, called right after by the model's
-attention module, knows which compressed layer it serves.
+Integration uses only official extension points (``docs/design.md#official-extension-points``): this cache-layer class
+and the attention function registered in :mod:`slake.hf.attention`. ``update`` hands the new keys/values to the
+compressor and records which layer was updated last, so that the registered attention function, called right after by
+the model's attention module, knows which compressed layer it serves.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ class SlakeCache(Cache):
         float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
     prefill_chunk : int | None
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
-        bounded independently of the prompt length (ARCHITECTURE.md decision 2: an explicit trade of exactness).
+        bounded independently of the prompt length (an explicit trade of exactness,
+        ``docs/conventions.md#chunked-prefill``).
         Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
     config : PretrainedConfig | None
         The model's config (``model.config``), as transformers' own caches take it: the layer count is read from it,

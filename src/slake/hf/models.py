@@ -55,7 +55,7 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """fp32 on CPU, bf16 on CUDA (ARCHITECTURE.md; issue "model loading")."""
+    """fp32 on CPU, bf16 on CUDA (``docs/conventions.md#supported-models``)."""
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 

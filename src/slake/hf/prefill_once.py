@@ -1,4 +1,4 @@
-"""Prefill once, compress many (ARCHITECTURE.md section 4).
+"""Prefill once, compress many (``docs/design.md#prefill-once-compress-many``).
 
 Compression never changes prefill outputs (each layer's attention is exact and the layer is compressed afterwards),
 and the cascade only depends on the per-layer queries/keys/values in layer order. So one full prefill can be

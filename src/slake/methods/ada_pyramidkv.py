@@ -1,14 +1,15 @@
 """Ada-PyramidKV: PyramidKV's layer budgets and SnapKV scoring with AdaKV's adaptive per-head budgets.
 
-Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference",
-2024, on PyramidKV (Cai et al., 2024): one of the LAVa paper's baselines (spec ``lava-ahakv-sagekv.md`` sections
-1.10 and 4). Each layer's selectable budget ``b_l`` follows PyramidKV's schedule
-(:class:`~slake.methods.pyramidkv.PyramidKV`, ``beta = 20``); inside the layer the ``Hkv * b_l`` tokens are split
-across KV heads by one top-k over all heads with AdaKV's safeguard floor ``int(alpha * b_l)`` per head (see
-:mod:`slake.methods.ada_snapkv` for the exact rule and its deviation from the AdaKV code's rounding).
+Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference", 2024, on
+PyramidKV (Cai et al., 2024): one of the LAVa paper's baselines (``docs/methods/lava.md#ada-snapkv-and-ada-pyramidkv``).
+Each layer's selectable budget ``b_l`` follows PyramidKV's schedule (:class:`~slake.methods.pyramidkv.PyramidKV`,
+``beta = 20``); inside the layer the ``Hkv * b_l`` tokens are split across KV heads by one top-k over all heads with
+AdaKV's safeguard floor ``int(alpha * b_l)`` per head (see :mod:`slake.methods.ada_snapkv` for the exact rule and its
+deviation from the AdaKV code's rounding).
 
 Defaults follow the LAVa paper's comparison: window 32, max-pool 7. Storage is dense and padded to the longest head
-(guide 0.4 layout B). Decode keeps every head at its post-prefill size (``decode_eviction=False``: append-only).
+(``docs/conventions.md#memory-and-byte-accounting``). Decode keeps every head at its post-prefill size
+(``decode_eviction=False``: append-only).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Ada-SnapKV: SnapKV scoring with AdaKV's adaptive per-head budgets (one top-k across the heads of a layer).
 
 Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference",
-2024, applied to SnapKV (Li et al., NeurIPS 2024) as in the LAVa paper's baselines (spec ``lava-ahakv-sagekv.md``
-sections 1.10 and 4, ``AdaKVPress``).
+2024, applied to SnapKV (Li et al., NeurIPS 2024) as in the LAVa paper's baselines
+(``docs/methods/lava.md#ada-snapkv-and-ada-pyramidkv``; kvpress ``AdaKVPress``).
 
-Scoring is SnapKV's (:class:`~slake.methods.snapkv.SnapKV`: summed observation-window attention, pooled, group mean
-over the query heads of a KV head, the mean being AdaKV's own GQA rule, guide 1.9 (ii)). The layer keeps
-``Hkv * b`` selectable tokens (``b`` = the layer's per-head selectable budget); how many each KV head keeps comes from
-one top-k over all heads' scores, with AdaKV's **safeguard**: every head first keeps its own best
-``int(alpha * b)`` tokens (``alpha_safeguard = 0.2``, the AdaKV and kvpress default), the rest of the layer's
-budget goes to the best remaining tokens of any head (:func:`slake.budgets.allocation.safeguarded_head_counts`).
+Scoring is SnapKV's (:class:`~slake.methods.snapkv.SnapKV`: summed observation-window attention, pooled, group mean over
+the query heads of a KV head, the mean being AdaKV's own GQA rule,
+``docs/methods/lava.md#ada-snapkv-and-ada-pyramidkv``). The layer keeps ``Hkv * b`` selectable tokens (``b`` = the
+layer's per-head selectable budget); how many each KV head keeps comes from one top-k over all heads' scores, with
+AdaKV's **safeguard**: every head first keeps its own best ``int(alpha * b)`` tokens (``alpha_safeguard = 0.2``, the
+AdaKV and kvpress default), the rest of the layer's budget goes to the best remaining tokens of any head
+(:func:`slake.budgets.allocation.safeguarded_head_counts`).
 
 Choices and deviations:
 
@@ -18,9 +19,9 @@ Choices and deviations:
   tokens; both guarantee every head ``int(alpha * b)`` tokens.
 * Defaults follow the LAVa paper's comparison ("all methods use max-pool 7"): ``kernel=7``, ``pooling="max"``,
   ``window=32``; plain ``snapkv`` keeps the SnapKV class defaults (avg-pool 5).
-* Storage: dense, padded to the longest head of the layer (guide 0.4 layout B); the padding is reported separately
-  by ``LayerStore.byte_counts``. Decode keeps each head at its post-prefill size (SnapKV's decode rule per head);
-  ``decode_eviction=False`` gives the original append-only decode.
+* Storage: dense, padded to the longest head of the layer (``docs/conventions.md#memory-and-byte-accounting``); the
+  padding is reported separately by ``LayerStore.byte_counts``. Decode keeps each head at its post-prefill size
+  (SnapKV's decode rule per head); ``decode_eviction=False`` gives the original append-only decode.
 """
 
 from __future__ import annotations

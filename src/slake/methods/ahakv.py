@@ -1,34 +1,37 @@
 """AhaKV: adaptive holistic attention-driven KV cache eviction.
 
 Gu et al., "AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient Inference of Large Language
-Models", arXiv 2506.03762. Spec ``lava-ahakv-sagekv.md`` section 2 (guide). Three changes to H2O-style scoring:
+Models", arXiv 2506.03762. Our reading: ``docs/methods/ahakv.md``. Three changes to H2O-style scoring
+(``docs/methods/ahakv.md#score``):
 
 * **RA** (recent accumulation): sum the attention of the last ``r = B_r`` prompt queries only (``window``), so every
-  candidate receives the same number of terms (guide 2.4, 3);
-* **SGS** (step-gain softmax): the scoring softmax uses the logits times the gain ``c = sqrt(2 ln(N / B))`` (guide
-  2.3), which makes the expected row entropy ``log B``; ``c = 1`` at ``N = B * e^0.5``;
-* **VPE** (value prior): multiply by ``gbar = avgpool(||v||_2^2) / max`` in (0, 1] (guide 2.4, 5-6), then max-pool.
+  candidate receives the same number of terms;
+* **SGS** (step-gain softmax): the scoring softmax uses the logits times the gain ``c = sqrt(2 ln(N / B))``
+  (``docs/methods/ahakv.md#step-gain-softmax``), which makes the expected row entropy ``log B``; ``c = 1`` at
+  ``N = B * e^0.5``;
+* **VPE** (value prior): multiply by ``gbar = avgpool(||v||_2^2) / max`` in (0, 1], then max-pool.
 
 Prefill keeps the top ``B - B_r`` candidates per KV head plus the ``B_r`` newest tokens. Decode is H2O-like: after
 each step's attention the step's SG-softmax row is added to every slot's running sum ``acc`` and the non-recent slot
 with the smallest ``acc`` leaves, so each head stays at exactly ``B`` entries. Budgets are uniform over layers and
 heads.
 
-Resolutions of the guide followed (2.8): (1) the gain multiplies the standard scaled logits, ``softmax(c*A)``;
-(3) ``c`` is computed once from the real prompt length ``N`` and the layer budget ``B`` (``max(N, B+1)`` when
-``N <= B``) and reused at every decode step; it applies **only to scoring**, the model's attention keeps its own
-scale; (5) selection uses the refined, pooled score; (6) exactly ``r`` rows; (7) value pool: average, kernel 7,
-same padding, padding not counted; score pool: max, kernel 7; (8) decode increments carry no value prior (literal);
-(10) candidates exclude the recent window, so the total is exactly ``B``.
+Where the paper is ambiguous we read it as follows (``docs/methods/ahakv.md#deviations-from-the-paper``): the gain
+multiplies the standard scaled logits, ``softmax(c*A)``; ``c`` is computed once from the real prompt length ``N``
+and the layer budget ``B`` (``max(N, B+1)`` when ``N <= B``) and reused at every decode step; it applies **only to
+scoring**, the model's attention keeps its own scale; selection uses the refined, pooled score; exactly ``r`` rows;
+value pool: average, kernel 7, same padding, padding not counted; score pool: max, kernel 7; decode increments carry
+no value prior (literal); candidates exclude the recent window, so the total is exactly ``B``.
 
 Choices and deviations:
 
-* GQA (not in the paper, 2.7): query-head scores are reduced to their KV head by the mean (``gqa="max"`` option);
+* GQA (not in the paper): query-head scores are reduced to their KV head by the mean (``gqa="max"`` option);
   KV is stored per KV head.
-* The score pooling runs over all prompt columns, as in the guide's pseudocode (2.5), so the recent window's
-  partial sums can raise its neighbouring candidates; the pooled values seed ``acc`` for every kept slot, the
+* The score pooling runs over all prompt columns (``docs/methods/ahakv.md#deviations-from-the-paper``), so the recent
+  window's partial sums can raise its neighbouring candidates; the pooled values seed ``acc`` for every kept slot, the
   recent window included (the engine's ``carry_protected_scores``).
-* ``gain_floor=True`` (off by default, guide 2.8 (4)) floors ``c`` at 1 so short prompts are never flattened.
+* ``gain_floor=True`` (off by default, ``docs/methods/ahakv.md#step-gain-softmax``) floors ``c`` at 1 so short
+  prompts are never flattened.
 * At decode the engine passes the standard probabilities ``p = softmax(A)`` over the cached slots; the SG row is
   computed as ``softmax(c * log p)``, which equals ``softmax(c * A)``.
 """
@@ -48,7 +51,10 @@ __all__ = ["AhaKV", "ahakv_gain", "sg_rows", "value_prior"]
 
 
 def ahakv_gain(prompt_len: torch.Tensor | float, budget: torch.Tensor | float, floor: bool = False) -> torch.Tensor:
-    """SG-softmax gain ``c = sqrt(2 ln(max(N, B+1) / B))`` (guide 2.3, 2.5), float64; ``floor`` clamps at 1."""
+    """SG-softmax gain ``c = sqrt(2 ln(max(N, B+1) / B))``, float64; ``floor`` clamps at 1.
+
+    See ``docs/methods/ahakv.md#step-gain-softmax``.
+    """
     n = torch.as_tensor(prompt_len, dtype=torch.float64)
     b = torch.as_tensor(budget, dtype=torch.float64).clamp_min(1.0)
     c = torch.sqrt(2.0 * torch.log(torch.maximum(n, b + 1.0) / b))
@@ -79,14 +85,15 @@ def value_prior(values: torch.Tensor, key_padding: torch.Tensor, kernel: int = 7
 @register
 @dataclass
 class AhaKV(Method):
-    """AhaKV (guide section 2).
+    """AhaKV (``docs/methods/ahakv.md``).
 
     Parameters
     ----------
     window : int
         Recent budget ``B_r`` = accumulation rows ``r`` (32, paper 5.2.1); the ``B_r`` newest tokens are always kept.
     kernel : int
-        Score pooling kernel (7) and ``pooling`` its type (``"max"``); guide 2.8 (7).
+        Score pooling kernel (7) and ``pooling`` its type (``"max"``); our choice, the paper gives neither
+        (``docs/methods/ahakv.md#deviations-from-the-paper``).
     value_kernel : int
         Average-pooling kernel of the squared value norms (7).
     value_prior : bool
@@ -141,7 +148,7 @@ class AhaKV(Method):
         return PrefillScores(scores=f.masked_fill(inputs.key_padding[:, None, :], 0.0))
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        """``acc += mean_h softmax(c * A_t)`` over the cached slots (guide 2.4, decode step)."""
+        """``acc += mean_h softmax(c * A_t)`` over the cached slots (``docs/methods/ahakv.md#decode-rule``)."""
         prompt_len = inputs.prompt_len if inputs.prompt_len is not None else inputs.valid.sum(-1).amax(-1)
         c = self.gain(prompt_len, inputs.budget).to(inputs.probs.device, torch.float32).view(-1, 1, 1, 1)
         rows = torch.softmax(torch.log(inputs.probs.float()) * c, dim=-1).nan_to_num(0.0)

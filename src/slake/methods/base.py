@@ -135,7 +135,8 @@ class Method:
     Parameters
     ----------
     window : int
-        Observation window ``w``: the most recent ``w`` tokens score the others and are always kept (spec section 0).
+        Observation window ``w``: the most recent ``w`` tokens score the others and are always kept
+        (``docs/methods/README.md#observation-window-attention``).
     sinks : int
         Number of initial tokens that are always kept (StreamingLLM's attention sinks); 0 for most methods.
     linear_cache : bool

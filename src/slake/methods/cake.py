@@ -1,24 +1,30 @@
 """CAKE: Cascading and Adaptive KV cache Eviction with layer preferences (Qin et al., ICLR 2025).
 
-Spec ``slake-cake.md`` section 7. Per layer, from the observation-window attention ``Abar`` (the last ``w`` queries
-against the ``S - w`` non-window keys, fp32, rows not renormalised, section 0.1(a)):
+Our reading: ``docs/methods/cake.md``. Per layer, from the observation-window attention ``Abar`` (the last ``w``
+queries against the ``S - w`` non-window keys, fp32, rows not renormalised,
+``docs/methods/README.md#observation-window-attention``):
 
 * layer **preference** ``P = H^(1/tau1) * V^(1/tau2)`` with ``H`` the entropy of ``Abar`` and ``V`` the sum of the
-  unbiased variances over the window rows (section 7.1); the engine turns preferences into budgets with
-  :func:`slake.budgets.allocation.preference_budgets` (cascading, section 7.3);
-* eviction **indicator** ``I = G(pool(mean_i Abar + gamma * Var_i Abar))`` (section 7.4);
-* **decode** score: the pooled attention of the current query over the cached slots (section 7.5).
+  unbiased variances over the window rows (``docs/methods/cake.md#layer-preference``); the engine turns preferences
+  into budgets with :func:`slake.budgets.allocation.preference_budgets` (``docs/methods/cake.md#layer-budgets``,
+  ``docs/methods/cake.md#cascading-prefill``);
+* eviction **indicator** ``I = G(pool(mean_i Abar + gamma * Var_i Abar))``
+  (``docs/methods/cake.md#eviction-indicator``);
+* **decode** score: the pooled attention of the current query over the cached slots
+  (``docs/methods/cake.md#decode-rule``).
 
-Choices and deviations (documented per the spec):
+Choices and deviations (``docs/methods/cake.md#deviations-from-the-paper``):
 
-* Statistics are in fp32 (the reference code casts probabilities to fp16, section 10-C7).
-* Preferences are computed **per batch element** (sums over heads, rows and columns of that sample); the reference
-  code sums over the batch (10-C14). Padded keys have zero probability and contribute nothing; padded window rows
-  (samples shorter than the window) are zeroed. With ``w == 1`` the variance is 0 (not NaN).
-* Decode: probabilities are group-averaged, then pooled over *positional* neighbours (10-C9, ``sort=True``); window
-  slots are zeroed before pooling, which equals the reference's pooling of ``p[..., :n-w]`` with zero padding. With
-  ``pooling="max"`` the order pool/group-mean is swapped w.r.t. the reference (equal for ``avg``).
-* ``tau1 = tau2 = 1`` by default; :func:`cake_taus` gives the reference code's tuned values (section 7.7).
+* Statistics are in fp32 (the reference code casts probabilities to fp16).
+* Preferences are computed **per batch element** (sums over heads, rows and columns of that sample); the reference code
+  sums over the batch. Padded keys have zero probability and contribute nothing; padded window rows (samples shorter
+  than the window) are zeroed. With ``w == 1`` the variance is 0 (not NaN).
+* Decode: probabilities are group-averaged, then pooled over *positional* neighbours
+  (``docs/methods/README.md#eviction-and-positional-order``, ``sort=True``); window slots are zeroed before pooling,
+  which equals the reference's pooling of ``p[..., :n-w]`` with zero padding. With ``pooling="max"`` the order
+  pool/group-mean is swapped w.r.t. the reference (equal for ``avg``).
+* ``tau1 = tau2 = 1`` by default; :func:`cake_taus` gives the reference code's tuned values
+  (``docs/methods/cake.md#hyperparameters``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ def match_family(model_family: str, patterns: list[tuple[str, ...]]) -> tuple[st
 
 
 def cake_taus(model_family: str, budget: int) -> tuple[float, float]:
-    """Tuned ``(tau1, tau2)`` of the reference code (spec 7.7, ``model2tau.json``); ``(1.0, 1.0)`` otherwise.
+    """Tuned ``(tau1, tau2)`` of the reference code (``model2tau.json``); ``(1.0, 1.0)`` otherwise.
+
+    See ``docs/methods/cake.md#hyperparameters``.
 
     Known families: Llama-2-7B/13B-chat, Llama-3.1-8B-Instruct, Mistral-7B-Instruct-v0.3, Qwen2.5-7B-Instruct, at
     budgets ``C = 128`` and ``1024`` exactly (other budgets use the default, as the reference code).
@@ -72,7 +80,9 @@ def _row_var(abar: torch.Tensor) -> torch.Tensor:
 
 
 def cake_preference(abar: torch.Tensor, tau1: float, tau2: float) -> torch.Tensor:
-    """Layer preference ``P = H^(1/tau1) * V^(1/tau2)`` per batch element (spec 7.1), ``(B,)`` float32.
+    """Layer preference ``P = H^(1/tau1) * V^(1/tau2)`` per batch element, ``(B,)`` float32.
+
+    See ``docs/methods/cake.md#layer-preference``.
 
     ``abar``: ``(B, Hq, w, S - w)`` window attention over the non-window keys. ``H = -sum a log(a + 1e-10)`` and
     ``V = sum_j Var_i(a)`` are summed over heads, rows and columns of each sample, clamped at ``1e-12`` before the
@@ -85,7 +95,9 @@ def cake_preference(abar: torch.Tensor, tau1: float, tau2: float) -> torch.Tenso
 
 
 def cake_indicator(abar: torch.Tensor, gamma: float, kernel: int, pooling: str, num_kv_heads: int) -> torch.Tensor:
-    """Attention-shift tolerant indicator ``G(pool(mean_i abar + gamma * Var_i abar))`` (spec 7.4).
+    """Attention-shift tolerant indicator ``G(pool(mean_i abar + gamma * Var_i abar))``.
+
+    See ``docs/methods/cake.md#eviction-indicator``.
 
     ``abar``: ``(B, Hq, w, S - w)``; returns ``(B, Hkv, S - w)`` float32 (pool first, then group mean, as the
     reference code).
@@ -100,7 +112,7 @@ def cake_indicator(abar: torch.Tensor, gamma: float, kernel: int, pooling: str, 
 @register
 @dataclass
 class Cake(Method):
-    """CAKE (spec section 7): preference-proportional cascading layer budgets, mean+variance indicator.
+    """CAKE (``docs/methods/cake.md``): preference-proportional cascading layer budgets, mean+variance indicator.
 
     Parameters
     ----------
@@ -113,11 +125,12 @@ class Cake(Method):
     kernel : int
         Pooling kernel (5); ``pooling`` is ``"avg"`` (reference) or ``"max"``.
     max_layer_budget : int | None
-        Optional cap on one layer's budget in tokens (window included); None (default, the paper) caps a layer only
-        at the prompt length. Not in the paper: the cascade's water-filling (spec 7.2) runs with the cap
-        ``min(S, max_layer_budget) - w`` instead of ``S - w``, which leaves budgets unchanged where no layer reaches
-        the cap. A serving engine whose block table is shared by all layers (vLLM) needs the cap to know a
-        request's slots in advance; it must be at least the average budget ``C``.
+        Optional cap on one layer's budget in tokens (window included); None (default, the paper) caps a layer only at
+        the prompt length (``docs/methods/cake.md#max-layer-budget``). Not in the paper: the cascade's water-filling
+        (``docs/methods/cake.md#layer-budgets``) runs with the cap ``min(S, max_layer_budget) - w`` instead of
+        ``S - w``, which leaves budgets unchanged where no layer reaches the cap. A serving engine whose block table is
+        shared by all layers (vLLM) needs the cap to know a request's slots in advance; it must be at least the average
+        budget ``C``.
     """
 
     window: int = 32
@@ -165,7 +178,10 @@ class Cake(Method):
         return cake_preference(probs[..., : probs.shape[-1] - probs.shape[-2]], self.tau1, self.tau2)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Spec 7.5: pooled (positionally) group mean of the current queries' probabilities; ``(B, Hkv, n)``."""
+        """Pooled (positionally) group mean of the current queries' probabilities; ``(B, Hkv, n)``.
+
+        See ``docs/methods/cake.md#decode-rule``.
+        """
         p = inputs.probs.float().mean(2)                                     # mean over query rows
         s = group_mean(p, inputs.positions.shape[1])
         newest = inputs.positions.masked_fill(~inputs.valid, -1).amax(-1, keepdim=True)

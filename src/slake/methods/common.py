@@ -1,4 +1,4 @@
-"""Shared tensor building blocks of the scoring rules (spec ``slake-cake.md`` section 0.1).
+"""Shared tensor building blocks of the scoring rules (``docs/methods/README.md``).
 
 Everything here is plain torch, float32, and padding-aware: a padded key gets zero probability, so statistics summed
 over keys are unaffected by left padding.
@@ -14,8 +14,8 @@ def window_logits(queries: torch.Tensor, keys: torch.Tensor, window: int, scalin
                   key_padding: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled logits of the last ``window`` queries against every key, causal inside the window block.
 
-    Spec section 0.1(a). Returns ``(B, Hq, w, S)`` float32 with ``-inf`` at masked entries (future keys inside the
-    window, padded keys). ``w = min(window, S)``.
+    See ``docs/methods/README.md#observation-window-attention``. Returns ``(B, Hq, w, S)`` float32 with ``-inf`` at
+    masked entries (future keys inside the window, padded keys). ``w = min(window, S)``.
     """
     B, Hq, S, d = queries.shape
     Hkv = keys.shape[1]
@@ -37,7 +37,7 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, window: int, sca
 
 
 def pool1d(x: torch.Tensor, kernel: int, kind: str = "avg") -> torch.Tensor:
-    """Pool along the last (token) axis with stride 1 and 'same' length (spec section 0.1(b)).
+    """Pool along the last (token) axis with stride 1 and 'same' length (``docs/methods/README.md#pooling``).
 
     ``avg`` zero-pads and always divides by ``kernel`` (PyTorch ``count_include_pad=True``), as the reference code;
     ``max`` pads with ``-inf``. ``kernel <= 1`` returns ``x`` unchanged. Works on any leading shape.
@@ -58,7 +58,8 @@ def pool1d(x: torch.Tensor, kernel: int, kind: str = "avg") -> torch.Tensor:
 
 
 def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Mean over the query heads sharing a KV head (spec section 0.1(c)): ``(B, Hq, ...) -> (B, Hkv, ...)``."""
+    """Mean over the query heads sharing a KV head (``docs/methods/README.md#gqa-reduction``):
+    ``(B, Hq, ...) -> (B, Hkv, ...)``."""
     B, Hq = x.shape[:2]
     g = Hq // num_kv_heads
     if g == 1:
@@ -72,7 +73,7 @@ def positional_pool(scores: torch.Tensor, positions: torch.Tensor, valid: torch.
 
     Decode-time storage overwrites evicted slots in place, so slot order is not token order. This sorts the slots by
     position (empty slots last, with score 0), pools, and scatters back. ``scores, positions, valid``:
-    ``(B, Hkv, n)``. Spec section 10-C9 (positional order).
+    ``(B, Hkv, n)``. See ``docs/methods/README.md#eviction-and-positional-order``.
     """
     if kernel <= 1:
         return scores

@@ -1,4 +1,4 @@
-"""Full cache: the uncompressed upper bound (spec ``slake-cake.md`` section 1).
+"""Full cache: the uncompressed upper bound (``docs/methods/baselines.md#full-cache``).
 
 Every token is kept; decoding appends. Results equal transformers' default cache up to float rounding.
 """

@@ -1,10 +1,10 @@
-"""H2O: heavy hitters by accumulated attention plus a recent window (spec ``slake-cake.md`` section 3).
+"""H2O: heavy hitters by accumulated attention plus a recent window (``docs/methods/baselines.md#h2o``).
 
 Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models", NeurIPS 2023.
 
 Score of a key = total attention it has received from every query so far (prefill: column sums of the causal
 attention, computed in query chunks so memory stays O(chunk x S); decode: ``acc += A_t``). Group-mean over the query
-heads of a KV head; no pooling. The ``window`` most recent tokens are protected (spec default r = 32).
+heads of a KV head; no pooling. The ``window`` most recent tokens are protected (default r = 32).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: fl
                           max_elements: int = 1 << 26) -> torch.Tensor:
     """Column sums of the full causal attention ``sum_i A[i, j]`` per query head: ``(B, Hq, S)`` float32.
 
-    Queries are processed in row blocks (spec section 11.8) of at most ``chunk`` rows, fewer when a block's logits
-    ``(B, Hq, rows, S)`` would exceed ``max_elements`` (large batches), and each block only meets the keys it can
-    see causally (``0 .. last row``), which halves the work. Padded keys get no attention; padded queries
+    Queries are processed in row blocks (``docs/methods/baselines.md#h2o``) of at most ``chunk`` rows, fewer when a
+    block's logits ``(B, Hq, rows, S)`` would exceed ``max_elements`` (large batches), and each block only meets the
+    keys it can see causally (``0 .. last row``), which halves the work. Padded keys get no attention; padded queries
     contribute nothing.
     """
     B, Hq, S, d = queries.shape
@@ -59,7 +59,7 @@ class H2O(Method):
     Parameters
     ----------
     window : int
-        Recent tokens always kept (``r``; spec default 32; KVCache-Factory uses 8).
+        Recent tokens always kept (``r``; default 32, as in CAKE's comparisons; KVCache-Factory uses 8).
     chunk : int
         Query chunk size for the prefill column sums.
     """

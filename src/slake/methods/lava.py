@@ -1,33 +1,34 @@
 """LAVa: layer-wise KV cache eviction with dynamic head and layer budgets.
 
 Shen et al., "LAVa: Layer-wise KV Cache Eviction with Dynamic Budget Allocation", arXiv 2509.09754.
-Spec ``lava-ahakv-sagekv.md`` section 1 (guide). Per layer, from the last ``w`` prompt queries:
+Our reading: ``docs/methods/lava.md#lava``. Per layer, from the last ``w`` prompt queries:
 
-* score (1.3, 1-5): ``s_g[j] = Vbar_g * max_{h in group(g)} maxpool7(mean_i P_h[i, j])`` over the candidates
-  ``j < N - w``, with ``Vbar_g = max_j ||v_{g,j}||_1`` (the head's largest value L1 norm);
-* **head budgets** (1.3, 8): one top-``Hkv * b`` over the pooled scores of all heads of the layer
-  (:meth:`LAVa.head_budgets`), so heads get different numbers of tokens (dense storage padded to the longest head,
-  layout B of guide 0.4; ``LayerStore.byte_counts`` reports the padding);
-* **layer budgets** (1.3, 6-7; 1.5): preference = normalised entropy ``e_l = H(s_l / sum s_l) / log(Hkv*(N-w))`` in
-  [0, 1]; layers are allocated with the engine's CAKE cascade (progressive re-compression of layers ``0..l`` after
-  layer ``l`` is prefilled), which equals the one-shot allocation.
+* score (``docs/methods/lava.md#score``): ``s_g[j] = Vbar_g * max_{h in group(g)} maxpool7(mean_i P_h[i, j])`` over the
+  candidates ``j < N - w``, with ``Vbar_g = max_j ||v_{g,j}||_1`` (the head's largest value L1 norm);
+* **head budgets** (``docs/methods/lava.md#head-budgets``): one top-``Hkv * b`` over the pooled scores of all heads
+  of the layer (:meth:`LAVa.head_budgets`), so heads get different numbers of tokens (dense storage padded to the
+  longest head, ``docs/conventions.md#memory-and-byte-accounting``; ``LayerStore.byte_counts`` reports the padding);
+* **layer budgets** (``docs/methods/lava.md#layer-budgets``): preference = normalised entropy
+  ``e_l = H(s_l / sum s_l) / log(Hkv*(N-w))`` in [0, 1]; layers are allocated with the engine's CAKE cascade
+  (progressive re-compression of layers ``0..l`` after layer ``l`` is prefilled), which equals the one-shot allocation.
 
-Choices and deviations (guide resolutions followed unless said otherwise):
+Choices and deviations (``docs/methods/lava.md#deviations-from-the-paper``):
 
 * Defaults are the paper's algorithm (as the issue asks): ``floor_mode="paper"`` (no per-head floor, the per-head
   caps sum exactly to ``Hkv * b``) and ``value_norm="all"`` (Vbar over all N tokens, paper Eq. 5). The reference
   code's behaviour is available: ``floor_mode="reference"`` (``cap = round((1-alpha)*count + int(alpha*C))`` with
-  ``C`` the configured budget, frozen, guide 1.8 (4): it exceeds the budget by about 6% at C=128) or ``"adakv"``
-  (``int(alpha*b)``), ``floor_alpha=0.2``, and ``value_norm="candidates"`` (max over ``j < N-w``; guide 1.8 (1)
-  recommends this one for reproducing the published numbers). ``value_norm="none"`` sets ``Vbar = 1``.
+  ``C`` the configured budget, frozen by a typo of the reference code: it exceeds the budget by about 6% at C=128)
+  or ``"adakv"`` (``int(alpha*b)``), ``floor_alpha=0.2``, and ``value_norm="candidates"`` (max over ``j < N-w``,
+  as the reference code does; use it to reproduce the published numbers). ``value_norm="none"`` sets ``Vbar = 1``.
 * Layer-budget rounding: the engine's cascade (water-filling under the per-layer cap ``N - w``, ceil at
   intermediate stages, largest remainder at the end) replaces ``floor(e_j / sum e * Tot)``: budgets sum exactly to
-  ``L * (C - w)`` and a layer whose share exceeds its candidates gives the rest to the others (guide 1.8 (5), (6)).
+  ``L * (C - w)`` and a layer whose share exceeds its candidates gives the rest to the others.
 * With a floor (``floor_mode != "paper"``) the intermediate cascade stages keep ``max(cap, count)`` per head, a
-  superset of every later stage, so that cascading still equals one-shot eviction (guide 1.8 (12) solves the same
-  problem by keeping all sorted scores until the end of prefill).
-* Scores are fp32 (guide 0.3); window rows of the probability are averaged over exactly ``w`` rows (1.8 (2)).
-* Decode: the paper never evicts while decoding (1.8 (10)). Like every other method of this library the default
+  superset of every later stage, so that cascading still equals one-shot eviction (the reference code solves the
+  same problem by keeping all sorted scores until the end of prefill).
+* Scores are fp32; window rows of the probability are averaged over exactly ``w`` rows (the paper's Eq. 5 sums
+  ``w + 1`` rows with a ``1/w`` factor).
+* Decode: the paper never evicts while decoding. Like every other method of this library the default
   keeps the cache at its post-prefill size per head with the same rule on the current query's attention
   (group-reduced, positionally max-pooled); ``decode_eviction=False`` gives the paper's append-only decode.
 * Ablations: ``layers="uniform"`` (LAVa-Uniform), ``head_budget="uniform"`` ("-head dynamic"), ``gqa="mean"``.
@@ -56,7 +57,7 @@ def _group(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
 
 def lava_scores(inputs: PrefillInputs, kernel: int = 7, pooling: str = "max", gqa: str = "max",
                 value_norm: str = "all") -> torch.Tensor:
-    """LAVa score ``(B, Hkv, S)`` float32 (guide 1.3, 1-5); window and padded columns are 0."""
+    """LAVa score ``(B, Hkv, S)`` float32 (``docs/methods/lava.md#score``); window and padded columns are 0."""
     a = window_attention(inputs.queries, inputs.keys, inputs.window, inputs.scaling, inputs.key_padding)
     B, _, w, S = a.shape
     p = a.nan_to_num(0.0).mean(2)  # rows of padded window queries (short samples) have no visible key
@@ -73,7 +74,9 @@ def lava_scores(inputs: PrefillInputs, kernel: int = 7, pooling: str = "max", gq
 
 
 def lava_entropy(scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
-    """Normalised entropy ``e = H(P) / log(M)`` of each sequence's layer scores (guide 1.3, 6), ``(B,)`` in [0, 1].
+    """Normalised entropy ``e = H(P) / log(M)`` of each sequence's layer scores, ``(B,)`` in [0, 1].
+
+    See ``docs/methods/lava.md#layer-budgets``.
 
     ``scores``: ``(B, Hkv, n)`` non-negative, zero outside the candidates; ``num_candidates``: ``(B,)`` the number
     ``M = Hkv * (N - w)`` of candidate entries of each sequence. ``M <= 1`` gives 0.
@@ -88,7 +91,7 @@ def lava_entropy(scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Te
 @register
 @dataclass
 class LAVa(Method):
-    """LAVa (guide section 1).
+    """LAVa (``docs/methods/lava.md#lava``).
 
     Parameters
     ----------
@@ -150,7 +153,10 @@ class LAVa(Method):
 
     def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
                      final: bool = True) -> torch.Tensor:
-        """Per-head caps from one top-``Hkv * b`` over the layer (guide 1.3, 8), with the optional floor."""
+        """Per-head caps from one top-``Hkv * b`` over the layer, with the optional floor.
+
+        See ``docs/methods/lava.md#head-budgets``.
+        """
         if self.head_budget == "uniform":
             return super().head_budgets(scores, selectable, budget=budget, final=final)
         H = scores.shape[1]

@@ -1,9 +1,11 @@
-"""PyramidKV: SnapKV's indicator with budgets decreasing linearly with depth (spec ``slake-cake.md`` section 6).
+"""PyramidKV: SnapKV's indicator with budgets decreasing linearly with depth.
+
+See ``docs/methods/baselines.md#pyramid-budgets``.
 
 Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024.
 Budgets follow the KVCache-Factory (October 2024) formula with ``beta = 20``: layer 0 gets the most; see
 :func:`slake.budgets.allocation.pyramid_budgets`. Deviation (switchable): by default the linear step is not floored and the
-budgets are rounded by largest remainder, so they sum exactly to ``L * C'`` (ARCHITECTURE.md decision 5); the
+budgets are rounded by largest remainder, so they sum exactly to ``L * C'`` (``docs/conventions.md#budgets``); the
 reference formula floors the step and overshoots the total by up to ``L^2 / 2`` tokens (``exact=False``).
 """
 
@@ -41,5 +43,5 @@ class PyramidKV(SnapKV):
     layer_budgets: ClassVar[str] = "pyramid"
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
-        """Pyramid budgets (spec section 6), layer 0 largest."""
+        """Pyramid budgets (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
         return pyramid_budgets(num_layers, selectable, prompt_len, self.window, self.beta, exact=self.exact)

@@ -1,36 +1,38 @@
 """SAGE-KV: one-shot per-query-head top-k selection from the last prompt token, then a sliding recent window.
 
 Wang et al., "LLMs Know What to Drop: Self-Attention Guided KV Cache Eviction for Efficient Long-Context
-Inference", arXiv 2503.08879. Spec ``lava-ahakv-sagekv.md`` section 3 (guide).
+Inference", arXiv 2503.08879. Our reading: ``docs/methods/sagekv.md``.
 
 After a layer's prefill its prompt is split into sink ``[0, S)``, evictable ``E`` and recent (the newest tokens, the
 last prompt token included). Every **query head** ``h`` picks the top ``k`` tokens of ``E`` by its last-token logit
-``q_{h,N-1} . k_j`` (softmax is monotone, guide 3.3). The reduced cache is sink + selections + recent; during decoding
-new tokens enter the recent region and its oldest token leaves, while the sink and the selections never change.
+``q_{h,N-1} . k_j`` (softmax is monotone, ``docs/methods/sagekv.md#partition-and-selection``). The reduced cache is
+sink + selections + recent; during decoding new tokens enter the recent region and its oldest token leaves, while the
+sink and the selections never change.
 
 Budget (per layer and KV head, the engine's ``C = B``): ``S = floor(sink_fraction * B)`` (B/4), ``k = B // (2G)``
 (or explicit ``k``), and the recent region, last prompt token included, takes the rest: ``B - S - G*k`` tokens.
 
-Storage (guide 3.4): the recommended block-per-query-head visibility, stored **without copies**. Each KV head keeps
-the union of its ``G`` query heads' selections once, with a per-query-head visibility mask (``head_visible``) so that
-query head ``h`` sees exactly sink + its own top-k + recent + generated tokens, as in the block layout, and a token
-picked by several heads is neither duplicated nor double-counted. The kept length per KV head is
-``S + |union| + recent <= B`` (``= B`` when the heads' selections are disjoint); heads of a layer are padded to the
-longest (guide 0.4 layout B; ``LayerStore.byte_counts`` reports padding and the mask separately).
+Storage (``docs/methods/sagekv.md#storage``): the paper's block-per-query-head visibility, stored **without copies**.
+Each KV head keeps the union of its ``G`` query heads' selections once, with a per-query-head visibility mask
+(``head_visible``) so that query head ``h`` sees exactly sink + its own top-k + recent + generated tokens, as in the
+block layout, and a token picked by several heads is neither duplicated nor double-counted. The kept length per KV head
+is ``S + |union| + recent <= B`` (``= B`` when the heads' selections are disjoint); heads of a layer are padded to the
+longest (``docs/conventions.md#memory-and-byte-accounting``; ``LayerStore.byte_counts`` reports padding and the mask
+separately).
 
-Choices and deviations:
+Choices and deviations (``docs/methods/sagekv.md#deviations-from-the-paper``):
 
-* Recent region (guide 3.7 (2)): between steps it holds the newest ``B - S - G*k`` tokens (the last prompt token
-  included), so the stored cache is exactly the budget ``B``. A decode step appends its token, attends, then drops
-  the oldest recent token (the engine's evict-after-output order), so each step's attention sees the sink, the
-  selections and the newest ``B - S - G*k + 1`` tokens: the guide's ``S + G*k + R + 1`` entries with ``R = B/4``.
-* ``k`` defaults to ``B // (2G)`` for every model; the paper's Qwen2.5 setting rounds it down to a power of two
-  (guide 3.7 (4)): pass ``k`` explicitly for that.
+* Recent region: between steps it holds the newest ``B - S - G*k`` tokens (the last prompt token included), so the
+  stored cache is exactly the budget ``B``. A decode step appends its token, attends, then drops the oldest recent token
+  (the engine's evict-after-output order), so each step's attention sees the sink, the selections and the newest
+  ``B - S - G*k + 1`` tokens: ``S + G*k + R + 1`` entries with ``R = B/4``.
+* ``k`` defaults to ``B // (2G)`` for every model; the paper's Qwen2.5 setting rounds it down to a power of two:
+  pass ``k`` explicitly for that.
 * Prompts with ``N <= B`` are not compressed and never evict at decode (the engine's rule), instead of sliding once
-  the cache exceeds ``B + 1`` (guide 3.5 note).
+  the cache exceeds ``B + 1``.
 * With ``linear_cache=True`` tokens evicted from a KV head are folded into its linear state; tokens kept only for
   another query head of the group are neither attended nor folded for this head.
-* Positions stay absolute (guide 0.2; the paper's choice).
+* Positions stay absolute (``docs/conventions.md#positions``; the paper's choice).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def sagekv_partition(budget: torch.Tensor, group: int, sink_fraction: float = 0.
 @register
 @dataclass
 class SageKV(Method):
-    """SAGE-KV (guide section 3).
+    """SAGE-KV (``docs/methods/sagekv.md``).
 
     Parameters
     ----------

@@ -1,33 +1,34 @@
 """SLAKE: Softmax-approximated training-free Linear Attention with KV-cache Eviction (ICLR 2026 submission).
 
-Spec ``slake-cake.md`` section 8. SLAKE is CAKE (window, mean+variance indicator, cascading preference budgets,
+Our reading: ``docs/methods/slake.md``. SLAKE is CAKE (window, mean+variance indicator, cascading preference budgets,
 one-token-per-step decode eviction; :class:`slake.methods.cake.Cake`) plus
 
-* **PTAA** (``linear_cache=True``): every evicted token, at prefill (all cascade stages, spec 10-S7) and at decode,
-  is folded into a per-KV-head linear state and still contributes through a first-order Taylor term
-  (:mod:`slake.cache.linear_state`, :func:`slake.attention.ptaa.attend`). Decode eviction happens before the step's
-  output (Algorithm 1 order, spec 10-S8), hence ``evict_before_output = True``;
+* **PTAA** (``linear_cache=True``): every evicted token, at prefill (all cascade stages,
+  ``docs/methods/slake.md#prefill-folding``) and at decode, is folded into a per-KV-head linear state and still
+  contributes through a first-order Taylor term (:mod:`slake.cache.linear_state`,
+  :func:`slake.attention.ptaa.attend`). Decode eviction happens before the step's output (Algorithm 1 order,
+  ``docs/methods/slake.md#decode-step``), hence ``evict_before_output = True``;
 * **VABS** (``vabs=True``): the layer preference is the value-aware score of :func:`vabs_preference` (paper Eqs. 15-18,
-  spec 8.4) instead of CAKE's entropy/variance score.
+  ``docs/methods/slake.md#vabs``) instead of CAKE's entropy/variance score.
 
 Ablations of paper Table 2: eviction only = ``linear_cache=False, vabs=False``; +PTAA = ``linear_cache=True,
 vabs=False``; +VABS = the defaults.
 
-Choices and deviations: VABS needs an evicted set before any budget exists (spec 10-S3). ``vabs_split`` selects the
-reading: ``"taylor"`` (default) linearises every key (the full Taylor map of paper section 3.2); ``"window"``
-linearises every non-window token, i.e. the PTAA error of the whole evictable block at a provisional budget of 0;
-``"uniform"`` keeps the top ``k0 = min(C - w, S - w)`` tokens of the CAKE indicator at the uniform budget ``C`` (our
-first reading). The default is the best reading on the RULER-style suite at 4K on the default model (README, "SLAKE
-on this model"; 13 tasks x 5 samples, macro average at budgets 64/128/256): ``"taylor"`` 0.0/8.2/13.9,
-``"window"`` 0.0/4.9/12.4, ``"uniform"`` 1.5/1.5/1.5 (it starves the sharp retrieval layers, whose in-sample error
-after keeping their own top tokens is about 0). At the output level ``"window"`` is marginally closer to the full
-model (mean KL 0.164/0.108 nats per token at 128/256 against 0.167/0.117 for ``"taylor"``); both beat CAKE
-(0.178/0.119). ``C`` (the average per-layer
-budget, window included, spec 10-S14) comes from ``budget_hint`` or the engine's ``PrefillInputs.budget``. ``Att``/``Att~`` are attention maps (10-S4); the
-entropy uses the exact map's ``A[-w:, :-w]`` block (10-S5). Scores are per batch element and padding-aware.
-``alpha``/``beta`` default to ``(0.5, 0.4)`` (Llama-2-7B's values, identical at both budgets); the papers' models get
-Table 3's values and other models their calibrated profile when one exists (:mod:`slake.methods.profiles`,
-``slake calibrate``).
+Choices and deviations: VABS needs an evicted set before any budget exists
+(``docs/methods/slake.md#the-provisional-split``). ``vabs_split`` selects the reading: ``"taylor"`` (default) linearises
+every key (the full Taylor map of paper section 3.2); ``"window"`` linearises every non-window token, i.e. the PTAA
+error of the whole evictable block at a provisional budget of 0; ``"uniform"`` keeps the top ``k0 = min(C - w, S - w)``
+tokens of the CAKE indicator at the uniform budget ``C`` (our first reading). The default is the best reading on the
+RULER-style suite at 4K on the default model (``docs/results-slake.md#ruler-style-suite-slakes-readings``; 13 tasks x 5
+samples, macro average at budgets 64/128/256): ``"taylor"`` 0.0/8.2/13.9, ``"window"`` 0.0/4.9/12.4, ``"uniform"``
+1.5/1.5/1.5 (it starves the sharp retrieval layers, whose in-sample error after keeping their own top tokens is about
+0). At the output level ``"window"`` is marginally closer to the full model (mean KL 0.164/0.108 nats per token at
+128/256 against 0.167/0.117 for ``"taylor"``); both beat CAKE (0.178/0.119). ``C`` (the average per-layer budget, window
+included, ``docs/conventions.md#budgets``) comes from ``budget_hint`` or the engine's ``PrefillInputs.budget``.
+``Att``/``Att~`` are attention maps and the entropy uses the exact map's ``A[-w:, :-w]`` block
+(``docs/methods/slake.md#vabs``). Scores are per batch element and padding-aware. ``alpha``/``beta`` default to
+``(0.5, 0.4)`` (Llama-2-7B's values, identical at both budgets); the papers' models get Table 3's values and other
+models their calibrated profile when one exists (:mod:`slake.methods.profiles`, ``slake calibrate``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from slake.methods.cake import EPS, LOG_EPS, Cake, match_family
 
 __all__ = ["Slake", "VABS_SPLITS", "slake_alpha_beta", "vabs_preference"]
 
-# paper Table 3 read as one (alpha, beta) pair per (model, budget) column (spec 10-S6)
+# paper Table 3 read as one (alpha, beta) pair per (model, budget) column (docs/methods/slake.md#hyperparameters)
 _ALPHA_BETA: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
     ("llama27b",): {128: (0.5, 0.4), 256: (0.5, 0.4)},
     ("llama318b",): {128: (0.4, 0.2), 256: (0.6, 0.5)},
@@ -50,12 +51,15 @@ _ALPHA_BETA: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
 }
 DEFAULT_ALPHA_BETA = (0.5, 0.4)
 
-#: readings of VABS's provisional split (spec 10-S3); see :func:`vabs_preference` and :class:`Slake`
+#: readings of VABS's provisional split (``docs/methods/slake.md#the-provisional-split``); see
+#: :func:`vabs_preference` and :class:`Slake`
 VABS_SPLITS = ("uniform", "window", "taylor")
 
 
 def slake_alpha_beta(model_family: str, budget: int) -> tuple[float, float]:
-    """VABS ``(alpha, beta)`` of paper Table 3 (spec 8.4) for Llama-2-7B-chat, Llama-3.1-8B, Mistral-7B-v0.3.
+    """VABS ``(alpha, beta)`` of paper Table 3 for Llama-2-7B-chat, Llama-3.1-8B, Mistral-7B-v0.3.
+
+    Our reading of the table: ``docs/methods/slake.md#hyperparameters``.
 
     Other budgets of a known model use the nearest tabulated budget (128 or 256, on a log scale); unknown models get
     :data:`DEFAULT_ALPHA_BETA` ``= (0.5, 0.4)``.
@@ -69,7 +73,7 @@ def slake_alpha_beta(model_family: str, budget: int) -> tuple[float, float]:
 def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, indicator: torch.Tensor,
                     selectable: int | torch.Tensor, window: int, alpha: float, beta: float, gamma_v: float = 0.1,
                     key_padding: torch.Tensor | None = None, split: str = "uniform") -> torch.Tensor:
-    """Value-aware budget score of one layer, per batch element (spec 8.4, sketch 8.6), ``(B,)`` float32.
+    """Value-aware budget score of one layer, per batch element (``docs/methods/slake.md#vabs``), ``(B,)`` float32.
 
     Parameters
     ----------
@@ -89,9 +93,10 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
     key_padding : torch.Tensor | None
         ``(B, S)`` bool; by default derived from the last window row (padded keys are its only ``-inf`` entries).
     split : str
-        Which keys the PTAA map linearises (spec 10-S3, :data:`VABS_SPLITS`): ``"uniform"``, the non-window keys
-        outside the top ``k0 = min(C', S_b - w)`` by indicator; ``"window"``, every non-window key (``k0 = 0``);
-        ``"taylor"``, every visible key, window included (the full-Taylor map of paper section 3.2, Eq. 12).
+        Which keys the PTAA map linearises (``docs/methods/slake.md#the-provisional-split``, :data:`VABS_SPLITS`):
+        ``"uniform"``, the non-window keys outside the top ``k0 = min(C', S_b - w)`` by indicator; ``"window"``, every
+        non-window key (``k0 = 0``); ``"taylor"``, every visible key, window included (the full-Taylor map of paper
+        section 3.2, Eq. 12).
 
     Returns ``1e-12`` for a sample with nothing provisionally evicted (``n0 == 0``; with ``"window"`` and
     ``"taylor"`` only when the prompt fits in the budget). Padded keys are neither in the provisional evicted set
@@ -166,7 +171,7 @@ def _vabs_rows(x: torch.Tensor, a: torch.Tensor, ev: torch.Tensor, n_ev: torch.T
 @register
 @dataclass
 class Slake(Cake):
-    """SLAKE (spec section 8): CAKE + PTAA linear cache + VABS layer preference.
+    """SLAKE (``docs/methods/slake.md``): CAKE + PTAA linear cache + VABS layer preference.
 
     Parameters
     ----------
@@ -182,9 +187,10 @@ class Slake(Cake):
         Average per-layer budget ``C`` (window included) for VABS's provisional split. When None (default), the
         engine's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it.
     vabs_split : str
-        Which tokens VABS's PTAA error map linearises (spec 10-S3). The paper says only that "in the prefill stage,
-        SLAKE first performs VABS, which considers both the linear approximation error of the attention map and the
-        contribution of value data" (section 3.1), before any eviction, so the evicted set it needs is not defined:
+        Which tokens VABS's PTAA error map linearises (``docs/methods/slake.md#the-provisional-split``). The paper says
+        only that "in the prefill stage, SLAKE first performs VABS, which considers both the linear approximation error
+        of the attention map and the contribution of value data" (section 3.1), before any eviction, so the evicted set
+        it needs is not defined:
 
         * ``"uniform"``: the tokens the CAKE indicator would evict at the uniform budget ``C``: keep the top
           ``C - w`` non-window tokens, linearise the rest (the PTAA map of section 3.3 at a provisional split);

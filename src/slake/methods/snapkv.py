@@ -1,10 +1,11 @@
-"""SnapKV: observation-window attention, pooled (spec ``slake-cake.md`` section 5).
+"""SnapKV: observation-window attention, pooled (``docs/methods/baselines.md#snapkv``).
 
 Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024.
 
 Indicator ``I = G(pool(sum_i Abar[..., i, :]))`` over the non-window keys, ``Abar`` = attention of the last ``w``
 prompt queries (rows not renormalised after removing the window columns). GQA: group-mean per KV head, so the cache
-stays at KV-head granularity (spec 0.1(c) default; the original code expanded the cache per query head).
+stays at KV-head granularity (our default GQA rule, ``docs/methods/README.md#gqa-reduction``; the original code
+expanded the cache per query head).
 
 Deviation from the original (documented, switchable): by default tokens are also evicted during decoding with
 CAKE's rule (pooled attention of the current query), as CAKE and SLAKE did for every baseline; set

@@ -1,10 +1,10 @@
-"""StreamingLLM: attention sinks plus the most recent tokens (spec ``slake-cake.md`` section 2).
+"""StreamingLLM: attention sinks plus the most recent tokens (``docs/methods/baselines.md#streamingllm``).
 
 Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024.
 
 Keeps the ``sinks`` first tokens and the most recent ``C - sinks`` tokens of every layer; at decode the oldest
 non-sink token leaves. Deviation: positions are not re-rotated ("position rolling" is not used in the LongBench
-comparisons of the papers we follow; ARCHITECTURE.md decision 3).
+comparisons of the papers we follow; ``docs/conventions.md#positions``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TOVA: token omission via attention (spec ``slake-cake.md`` section 4).
+"""TOVA: token omission via attention (``docs/methods/baselines.md#tova``).
 
 Oren et al., "Transformers are Multi-State RNNs", EMNLP 2024.
 

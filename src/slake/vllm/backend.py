@@ -6,10 +6,10 @@ It is vLLM's CPU backend plus compression, through vLLM's backend registry (``re
   attention over the whole prompt; then :class:`slake.cache.compressed.CompressedKV` (the engine the transformers
   path uses) scores and selects the kept tokens of that layer from the same post-RoPE queries/keys, and the kept
   keys/values are written, per KV head, to the request's first cache slots. The scheduler side
-  (:mod:`slake.vllm.scheduler`) then returns the request's other blocks to vLLM's block pool. For CAKE/SLAKE
-  (cascading layer budgets, spec section 7.3) the engine re-evicts earlier layers as later ones are prefilled, so
-  every layer's kept entries stay in this process until the last layer's prefill and are written then; SLAKE's
-  PTAA linear state (a fixed ``(d + 1)^2`` per layer and KV head) lives in this process, next to the metadata.
+  (:mod:`slake.vllm.scheduler`) then returns the request's other blocks to vLLM's block pool. For CAKE/SLAKE (cascading
+  layer budgets, ``docs/methods/cake.md#cascading-prefill``) the engine re-evicts earlier layers as later ones are
+  prefilled, so every layer's kept entries stay in this process until the last layer's prefill and are written then;
+  SLAKE's PTAA linear state (a fixed ``(d + 1)^2`` per layer and KV head) lives in this process, next to the metadata.
 * **Decode** of a compressed request: the step's new key/value is not written by vLLM (its slot is masked); the
   layer's kept slots are read from the paged cache into the engine's ``LayerStore``, and
   ``CompressedKV.append`` + ``CompressedKV.decode_attention`` compute the output and evict with the method's decode

@@ -26,7 +26,7 @@ ENV_VAR = "SLAKE_VLLM"
 #: (every layer keeps the budget) or CAKE's cascading preference budgets capped at ``max_layer_budget`` (cake, and
 #: slake with its PTAA linear state), so that the scheduler knows in advance the slots a request's layers can need
 SUPPORTED_METHODS = ("streamingllm", "snapkv", "tova", "h2o", "cake", "slake")
-#: methods with per-layer budgets (CAKE's cascade, spec section 7.3)
+#: methods with per-layer budgets (CAKE's cascade, ``docs/methods/cake.md#cascading-prefill``)
 PREFERENCE_METHODS = ("cake", "slake")
 #: default ``max_layer_budget`` of preference methods in vLLM, as a multiple of the budget
 DEFAULT_LAYER_CAP_FACTOR = 2
