@@ -161,7 +161,7 @@ def test_sagekv_selection_visibility_and_sizes():
     budget = 40
     eng, method, data = _engine("sagekv", budget)
     s_n, k_n, r_n = (int(t) for t in sagekv_partition(torch.tensor([budget]), G))
-    for layer, (q, k, v) in enumerate(data):
+    for layer, (q, k, _v) in enumerate(data):
         store = eng.layers[layer]
         assert bool((store.counts() <= budget).all())
         for b in range(B):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from slake.hf.shapes import SHAPES, parse_shape
 from slake.cli import main
+from slake.hf.shapes import SHAPES, parse_shape
 
 
 def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from slake.quality.calibrate import calibrate_method
-from slake.cli.calibrate import _check_args
 from slake.cli import build_parser
+from slake.cli.calibrate import _check_args
 from slake.methods import make_method
+from slake.quality.calibrate import calibrate_method
 from slake.quality.output_fidelity import Continuation, mean_distance, measure_outputs, prepare_reference
-
 from tiny_models import random_ids
 
 

@@ -7,7 +7,6 @@ import torch
 
 import slake
 from slake import SlakeCache
-
 from tiny_models import random_ids, tiny_model
 
 

@@ -171,9 +171,10 @@ def test_hub_download_failure_says_what_to_do(monkeypatch, tmp_path):
 
 
 def test_plan_suite_longbench_hub(monkeypatch, tmp_path):
+    import huggingface_hub
+
     from slake.eval.longbench_config import LONGBENCH_DATASETS
     from slake.eval.suites import plan_suite
-    import huggingface_hub
 
     archive = _official_zip(tmp_path)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(archive))

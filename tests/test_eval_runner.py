@@ -10,15 +10,14 @@ import pytest
 import torch
 
 import slake
-from slake.engines.transformers import evaluate as engine_eval
 from slake.cli.eval import add_eval_parser, cmd_eval
 from slake.cli.make_prompt import add_make_prompt_parser, cmd_make_prompt
 from slake.engines.transformers import TransformersEngine
+from slake.engines.transformers import evaluate as engine_eval
 from slake.eval.needle import needle_grid
 from slake.eval.results import ResultsWriter, read_results, row_key
 from slake.eval.runner import encode_sample, parse_budgets, resolve_methods, run_suite
 from slake.eval.summary import summary_rows, write_summary
-
 from test_eval_support import WordTokenizer, fake_essays
 
 ESSAYS = fake_essays(n_essays=4, sentences=60)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from slake.quality import fidelity
-
 from tiny_models import random_ids
 
 

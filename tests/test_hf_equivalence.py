@@ -7,7 +7,6 @@ import torch
 
 import slake
 from slake import SlakeCache
-
 from tiny_models import ARCHS, random_ids, tiny_model
 
 METHODS = ["full", "streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "slake"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 

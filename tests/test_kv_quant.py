@@ -10,7 +10,6 @@ from slake.cache.quant import dequantize_rows, parse_kv_dtype, quantize_rows
 from slake.cli import main
 from slake.hf.cache import SlakeCache
 from slake.methods import make_method
-
 from tiny_models import random_ids, tiny_model
 
 GEN = torch.Generator().manual_seed(11)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from slake import SlakeCache
-
 from tiny_models import random_ids
 
 EVICTING = ["snapkv", "pyramidkv", "h2o", "tova", "streamingllm", "cake", "lava", "ahakv", "sagekv", "ada-snapkv",

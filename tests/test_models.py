@@ -38,9 +38,11 @@ def test_dtype_and_device_defaults():
 
 def test_local_directory_loads_offline(tmp_path):
     """Any local directory works through transformers (the same path a hub id takes once downloaded)."""
-    from tiny_models import tiny_model
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+
+    from tiny_models import tiny_model
 
     model = tiny_model("llama-gqa")
     model.save_pretrained(tmp_path)

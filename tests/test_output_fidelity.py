@@ -7,9 +7,15 @@ import math
 import pytest
 import torch
 
-from slake.quality.output_fidelity import (Continuation, distances, mean_distance, measure_outputs, prepare_reference,
-                                   summary_table, teacher_forced_logprobs)
-
+from slake.quality.output_fidelity import (
+    Continuation,
+    distances,
+    mean_distance,
+    measure_outputs,
+    prepare_reference,
+    summary_table,
+    teacher_forced_logprobs,
+)
 from tiny_models import random_ids
 
 

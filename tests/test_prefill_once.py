@@ -7,7 +7,6 @@ import torch
 
 from slake import SlakeCache
 from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
-
 from tiny_models import random_ids
 
 

@@ -9,8 +9,15 @@ import pytest
 
 from slake import SlakeCache
 from slake.methods import make_method
-from slake.methods.profiles import (find_entry, load_profiles, model_identity, normalise_name, profile_path, resolve_method,
-                            write_entry)
+from slake.methods.profiles import (
+    find_entry,
+    load_profiles,
+    model_identity,
+    normalise_name,
+    profile_path,
+    resolve_method,
+    write_entry,
+)
 
 
 def _config(name="my-org/Tiny-Model-1B", layers=3):

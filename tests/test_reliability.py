@@ -20,7 +20,6 @@ from slake import SlakeCache
 from slake.cli import main
 from slake.eval.results import ResultsWriter, read_results, scan_results
 from slake.eval.summary import write_summary
-
 from tiny_models import random_ids, tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -267,10 +266,9 @@ def test_linear_state_is_allocated_when_something_is_evicted(llama_gqa):
 # ====================================================================== memory over repeated calls (item 8)
 def test_no_cache_survives_a_generate_call(llama_gqa, monkeypatch):
     """slake.generate keeps nothing alive between calls: no module-level reference to the cache or its layers."""
-    from test_eval_runner import TinyTokenizer
-
     import slake.hf.generate as gen_mod
     from slake.hf.cache import current_layer
+    from test_eval_runner import TinyTokenizer
 
     refs = []
 

@@ -11,8 +11,16 @@ ARCHS = ["llama-mha", "llama-gqa", "mistral", "qwen2", "qwen3"]
 
 def tiny_model(arch: str, layers: int = 3, seed: int = 0):
     """A randomly initialised causal LM of the given architecture, fp32, eval mode, slake attention."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,

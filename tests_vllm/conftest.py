@@ -57,10 +57,11 @@ def prompts() -> list[list[int]]:
 
 def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int, new_tokens: int) -> list[int]:
     """Greedy tokens of slake's transformers engine (batch 1), or of the full cache when ``method`` is None."""
+    from transformers import AutoModelForCausalLM
+
     import slake
     from slake.hf.cache import SlakeCache
     from slake.methods import make_method
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     slake.prepare_model(model)

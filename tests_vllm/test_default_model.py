@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from slake.budgets.budget import Budget
+from slake.engines.vllm.generate import generate_vllm
 from slake.methods import make_method
 from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
-from slake.engines.vllm.generate import generate_vllm
 
 BUDGET = 128
 NEW_TOKENS = 16

@@ -16,8 +16,8 @@ from slake.budgets.budget import Budget
 from slake.hf.attention import prepare_model
 from slake.hf.cache import SlakeCache
 from slake.hf.generate import GenerationResult, generate
-from slake.methods import Method, available_methods, make_method
 from slake.hf.models import DEFAULT_MODEL, load_model
+from slake.methods import Method, available_methods, make_method
 
 __version__ = "0.1.0"
 

@@ -9,23 +9,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Budget:
     """A KV-cache budget.
 
     Parameters
     ----------
-    value : int | float
+    value : int | float | str | Budget
         An integer ``>= 1``: average cached tokens per layer and KV head (window included). A float in ``(0, 1)``:
-        a ratio of each prompt's length (rounded up). Strings such as ``"128"`` or ``"0.25"`` are parsed.
+        a ratio of each prompt's length (rounded up). Strings such as ``"128"`` or ``"0.25"`` are parsed; a Budget
+        is copied. The attribute ``value`` holds the resolved int or float.
     """
 
     value: int | float
 
-    def __post_init__(self) -> None:
-        v = self.value
+    def __init__(self, value: int | float | str | Budget | Any) -> None:
+        object.__setattr__(self, "value", value)
+        self._validate()
+
+    def _validate(self) -> None:
+        v: Any = self.value
         if isinstance(v, Budget):
             object.__setattr__(self, "value", v.value)
             v = self.value

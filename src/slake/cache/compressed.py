@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slake.budgets import allocation as budget_rules
 from slake.attention.ptaa import attend
+from slake.budgets import allocation as budget_rules
 from slake.budgets.budget import Budget
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, make_method
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.linear_state import LinearState
 from slake.cache.quant import parse_kv_dtype, scale_bytes_per_row
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, make_method
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -163,12 +163,12 @@ class CompressedKV:
         if policy == "preference":
             last = layer_idx == self.num_layers - 1
             stage = self._preference_stage(layer_idx, final=last)
-            for l in range(layer_idx + 1):
-                self._evict_to(l, stage[:, l], final=last)
+            for layer in range(layer_idx + 1):
+                self._evict_to(layer, stage[:, layer], final=last)
             if last:
                 info.layer_budgets = stage
-                for l in range(self.num_layers):
-                    self._carry_protected(l)
+                for layer in range(self.num_layers):
+                    self._carry_protected(layer)
         else:
             sel = self._static_budgets(policy)
             self._evict_to(layer_idx, sel[:, layer_idx])
@@ -199,7 +199,7 @@ class CompressedKV:
         info = self.info
         rows = []
         for b in range(len(info.real_len)):
-            prefs = torch.stack([info.preferences[l][b].float().cpu() for l in range(m + 1)])
+            prefs = torch.stack([info.preferences[j][b].float().cpu() for j in range(m + 1)])
             total = int(self._selectable_total()[b]) * self.num_layers
             cap = max(min(int(info.real_len[b]), self._layer_cap()) - self.method.protected, 0)
             rows.append(budget_rules.preference_budgets(prefs, total, cap, final=final))

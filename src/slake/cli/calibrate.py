@@ -37,8 +37,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check_args(args: argparse.Namespace) -> tuple[list, list]:
     from slake.budgets.budget import Budget
-    from slake.methods.base import make_method
-    from slake.methods.base import parse_method_list
+    from slake.methods.base import make_method, parse_method_list
     from slake.methods.profiles import SEARCHED
 
     methods = [make_method(m) for m in parse_method_list(args.methods)]
@@ -64,9 +63,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from slake import __version__
-    from slake.quality.calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
     from slake.hf.models import load_model
     from slake.methods.profiles import model_identity, write_entry
+    from slake.quality.calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
 
     methods, budgets = _check_args(args)  # before the slow model load
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
@@ -90,7 +89,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 entry["calibration"] = {"source": CALIBRATION_SOURCE, "length": args.length,
                                         "samples_per_kind": args.samples, "tokens": args.tokens, "seed": args.seed,
                                         "slake_version": __version__,
-                                        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                        "created": datetime.datetime.now(datetime.UTC).isoformat(
                                             timespec="seconds")}
                 paths.add(write_entry(identity, entry, Path(args.out_dir) if args.out_dir else None,
                                       aliases=args.alias))

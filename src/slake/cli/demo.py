@@ -93,6 +93,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # the prompt exactly as the evaluation builds it: chat template, question last, and for RULER tasks the answer
     # prefix ("The special magic number for X mentioned in the provided text is") opening the assistant turn
     prompt = build_prompt(sample, tokenizer)
+    assert isinstance(prompt, str)  # query-aware prompts are one string
     runs = {}
     for name, method, b in (("full cache", "full", 1), (args.method, args.method, budget)):
         start = time.perf_counter()

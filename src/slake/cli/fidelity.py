@@ -40,14 +40,15 @@ def add_fidelity_parser(sub: Any) -> None:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from slake.quality import fidelity
     from slake.hf.generate import format_prompt
-    from slake.methods.base import parse_method_list
     from slake.hf.models import load_model
+    from slake.methods.base import parse_method_list
+    from slake.quality import fidelity
 
     methods = parse_method_list(args.methods)
     budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
-    lin_modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.linear_cache]
+    modes: dict[str, list[bool | None]] = {"default": [None], "on": [True], "off": [False], "both": [False, True]}
+    lin_modes = modes[args.linear_cache]
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
     if args.output_tokens < 0 or args.output_tokens == 1 or args.output_samples < 1:
@@ -107,10 +108,15 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 def _output_fidelity(args: argparse.Namespace, model, tokenizer, methods: list[str], budgets: list,
                      lin_modes: list) -> list[dict]:
     """Output-level rows (:mod:`slake.quality.output_fidelity`) for every (method, linear cache, budget)."""
-    from slake.quality import output_fidelity
-    from slake.quality.continuations import EVALUATION_QUESTIONS, answer_continuations, evaluation_text, text_continuations
     from slake.methods.base import canonical_method_spec
     from slake.methods.profiles import resolve_method
+    from slake.quality import output_fidelity
+    from slake.quality.continuations import (
+        EVALUATION_QUESTIONS,
+        answer_continuations,
+        evaluation_text,
+        text_continuations,
+    )
 
     text = evaluation_text()
     print(f"output level: {2 * args.output_samples} prompts of {args.length} tokens, "

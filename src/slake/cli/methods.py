@@ -18,7 +18,7 @@ def add_methods_parser(sub: Any) -> None:
 def cmd_methods(args: argparse.Namespace) -> int:
     from slake.methods import available_methods
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, cls in available_methods().items():
         m = cls()
         rows.append({"name": name, "summary": cls.summary, "paper": cls.paper, "layer_budgets": cls.layer_budgets,

@@ -46,7 +46,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         except UnicodeDecodeError as e:
             raise ValueError(f"the prompt on standard input is not UTF-8 text (byte {e.start}: {e.reason})") from None
     else:
-        text = read_text(prompt_file, "prompt file")
+        text = read_text(str(prompt_file), "prompt file")
     if not text.strip():
         raise ValueError(f"the prompt{f' file {prompt_file}' if prompt is None else ''} is empty")
     return text
@@ -153,6 +153,6 @@ def validate_args(args: argparse.Namespace) -> None:
     ``--random-model`` (unknown shapes and config keys).
     """
     _check_common(args)
-    check = _CHECKS.get(getattr(args, "command", None))
+    check = _CHECKS.get(str(getattr(args, "command", "")))
     if check is not None:
         check(args)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import bisect
 import random
 import re
-from typing import Callable, Generic, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 __all__ = [
     "NOISE_SENTENCES",

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from slake.eval.longbench_config import (
     DATASET2MAXLEN,
@@ -80,7 +81,7 @@ class LongBenchRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any], dataset: str | None = None) -> "LongBenchRecord":
+    def from_json(cls, obj: dict[str, Any], dataset: str | None = None) -> LongBenchRecord:
         """Build from one official JSON object (unknown keys are kept in ``extra``)."""
         known = {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}
         answers = obj.get("answers") or []

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from slake.eval.text_similarity import indel_ratio, rouge_l_f, token_f1
 
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 try:  # optional, as in the official code
-    import jieba as _jieba  # type: ignore[import-not-found]
+    import jieba as _jieba
 
     JIEBA_AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the environment

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import random
-from typing import Iterable, Literal, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Literal
 
 from slake.eval.fitting import DEFAULT_TOLERANCE, fit_to_length
-from slake.eval.haystack import cycle_prefix, default_essays, essay_offset, essay_words, insert_at_depths, word_boundaries
+from slake.eval.haystack import (
+    cycle_prefix,
+    default_essays,
+    essay_offset,
+    essay_words,
+    insert_at_depths,
+    word_boundaries,
+)
 from slake.eval.metrics import needle_score
 from slake.eval.sample import Draft, Sample, TokenizerLike
 from slake.eval.vocab import CITIES, random_number, random_word

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from slake.eval.results import FULL_METHOD, budget_label, read_results
 from slake.eval.summary import method_budget_order, task_order

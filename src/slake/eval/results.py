@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 __all__ = ["RESULTS_FILE", "ROW_FIELDS", "FULL_METHOD", "ResultsScan", "ResultsWriter", "is_result_row",
            "read_results", "scan_results", "row_key", "budget_label", "check_engine_dir"]
@@ -216,7 +217,7 @@ class ResultsWriter:
             self._fh.close()
             self._fh = None
 
-    def __enter__(self) -> "ResultsWriter":
+    def __enter__(self) -> ResultsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

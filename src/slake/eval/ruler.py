@@ -30,8 +30,8 @@ without chat-template tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from slake.eval.data_sources import QARecord, hotpotqa_samples, squad_samples
 from slake.eval.fitting import DEFAULT_TOLERANCE, Fit, LengthFitError, fit_to_length

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from slake.eval.data_sources import QARecord
 from slake.eval.sample import Draft

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Callable
+from collections.abc import Callable
 
 from slake.eval.haystack import insert_at_depths, noise_units
 from slake.eval.sample import Draft

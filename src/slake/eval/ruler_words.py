@@ -7,7 +7,7 @@ import itertools
 import random
 import re
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from slake.eval.haystack import LazyStream
 from slake.eval.sample import Draft

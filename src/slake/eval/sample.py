@@ -72,7 +72,7 @@ class Sample:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Sample":
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
         """Inverse of :meth:`to_dict`."""
         return cls(**data)
 

@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from slake.eval.sample import Sample
 
@@ -124,7 +125,7 @@ def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir:
     elif hub:
         plan.tasks = list(LONGBENCH_DATASETS)
     else:
-        plan.tasks = _longbench_available(directory)
+        plan.tasks = _longbench_available(directory or ".")
     if not plan.tasks:
         raise ValueError(f"no LongBench <dataset>.jsonl file in {directory}")
     for task in plan.tasks:

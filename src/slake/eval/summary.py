@@ -10,9 +10,10 @@ from __future__ import annotations
 import csv
 import os
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from slake.eval.results import FULL_METHOD, budget_label, read_results
 

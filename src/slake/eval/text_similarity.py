@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["lcs_length", "token_f1", "rouge_l_f", "indel_ratio"]
 

@@ -15,17 +15,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
-from slake.methods.base import Method, make_method
+from slake.methods.base import Method
 
 _current = threading.local()
 
 
-def current_layer() -> "SlakeCacheLayer | None":
+def current_layer() -> SlakeCacheLayer | None:
     """The compressed layer whose ``update`` ran last in this thread (consumed by the attention function)."""
     return getattr(_current, "layer", None)
 
 
-def _set_current(layer: "SlakeCacheLayer | None") -> None:
+def _set_current(layer: SlakeCacheLayer | None) -> None:
     _current.layer = layer
 
 

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from slake.budgets.budget import Budget
-from slake.methods.base import Method, make_method
-from slake.methods.profiles import resolve_method
 from slake.hf.attention import prepare_model
 from slake.hf.cache import SlakeCache
+from slake.methods.base import Method
+from slake.methods.profiles import resolve_method
 
 
 class _StepClock(LogitsProcessor):

@@ -16,9 +16,9 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
-from slake.methods.base import Method, make_method
 from slake.hf.attention import prepare_model
 from slake.hf.cache import SlakeCache
+from slake.methods.base import Method, make_method
 
 
 class _RecordingKV(CompressedKV):
@@ -88,7 +88,7 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                           last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start)
 
 
-def stack_captures(captures: "list[PrefillCapture]", *, release: bool = False) -> PrefillCapture:
+def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> PrefillCapture:
     """Left-pad single-sequence captures of different lengths into one batched capture.
 
     Each sequence's recorded queries/keys/values already carry its own RoPE positions (``0 .. n-1``), so padding

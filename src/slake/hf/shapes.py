@@ -109,8 +109,14 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     seed : int
         Seed of the weight initialisation.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from slake.hf.attention import prepare_model
 

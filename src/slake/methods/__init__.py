@@ -1,9 +1,31 @@
 """Compression methods, one file each; importing this package registers them all."""
 
-from slake.methods import full, streamingllm, h2o, tova, snapkv, pyramidkv, cake, slake  # noqa: F401  (registration)
-from slake.methods import ada_snapkv, ada_pyramidkv, lava, ahakv, sagekv  # noqa: F401  (registration)
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, available_methods, make_method, register
-from slake.methods.base import canonical_method_spec, parse_method_list
+from slake.methods import (  # noqa: F401  (registration)  # noqa: F401  (registration)
+           ada_pyramidkv,
+           ada_snapkv,
+           ahakv,
+           cake,
+           full,
+           h2o,
+           lava,
+           pyramidkv,
+           sagekv,
+           slake,
+           snapkv,
+           streamingllm,
+           tova,
+)
+from slake.methods.base import (
+           DecodeInputs,
+           Method,
+           PrefillInputs,
+           PrefillScores,
+           available_methods,
+           canonical_method_spec,
+           make_method,
+           parse_method_list,
+           register,
+)
 from slake.methods.spec import format_method_spec, parse_method_spec, split_method_list
 
 __all__ = ["DecodeInputs", "Method", "PrefillInputs", "PrefillScores", "available_methods", "make_method", "register",

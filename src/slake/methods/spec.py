@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["split_method_list", "parse_method_list", "parse_value", "parse_method_spec", "format_method_spec",
-           "canonical_method_spec"]
+__all__ = ["format_method_spec", "parse_method_spec", "parse_value", "split_method_list"]
 
 
 def split_method_list(text: str) -> list[str]:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from slake.quality.output_fidelity import OutputReference, mean_distance, measure_outputs
 from slake.methods.profiles import SEARCHED
+from slake.quality.output_fidelity import OutputReference, mean_distance, measure_outputs
 
 __all__ = ["GRIDS", "CALIBRATION_SOURCE", "calibration_reference", "calibrate_method"]
 
@@ -40,8 +41,12 @@ CALIBRATION_SOURCE = "pydoc_data.topics (the Python language reference shipped w
 def calibration_reference(model: Any, tokenizer: Any, length: int, samples: int, tokens: int,
                           seed: int = 0) -> OutputReference:
     """Build the calibration prompts (``samples`` of each kind) and prefill them once."""
-    from slake.quality.continuations import (CALIBRATION_QUESTIONS, answer_continuations, calibration_text,
-                                text_continuations)
+    from slake.quality.continuations import (
+        CALIBRATION_QUESTIONS,
+        answer_continuations,
+        calibration_text,
+        text_continuations,
+    )
     from slake.quality.output_fidelity import prepare_reference
 
     text = calibration_text()

@@ -16,7 +16,8 @@ calibration never sees the data it is judged on).
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

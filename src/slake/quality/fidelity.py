@@ -22,8 +22,7 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
-from slake.methods.base import make_method
-from slake.methods.base import canonical_method_spec
+from slake.methods.base import canonical_method_spec, make_method
 
 
 @dataclass
@@ -130,7 +129,7 @@ def measure(recording: Recording, method: str, budget: int | float | str, window
         eng.prefill_layer(layer, q, k, v, pad, scaling)
     full_k = [rec[1] for rec in recording.prompt]
     full_v = [rec[2] for rec in recording.prompt]
-    for layer, (q, k, v, pad, scaling) in enumerate(recording.prompt):
+    for layer, (q, k, v, _pad, scaling) in enumerate(recording.prompt):
         qw = q[:, :, win_pos]
         window_err.append(_rel_err(eng.attention(layer, qw, win_pos, scaling),
                                    _full_attention(qw, k, v, win_pos, scaling)))

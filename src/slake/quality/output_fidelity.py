@@ -19,8 +19,9 @@ task accuracy is 0 for all of them. The cost per (method, budget) is one replay 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -153,8 +154,7 @@ def measure_outputs(model: Any, ref: OutputReference, method: str | Method, budg
                     label: str | None = None, **hyperparameters) -> list[dict]:
     """Rows ``{"method", "budget", "kind", "sample", "kl", "delta_nll", "top1", "nll_full", "tokens"}`` of one
     (method, budget) against the full cache, one per continuation."""
-    from slake.methods.base import make_method
-    from slake.methods.base import canonical_method_spec
+    from slake.methods.base import canonical_method_spec, make_method
 
     m = make_method(method, **hyperparameters)
     if label is None:

@@ -166,7 +166,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             cm = dataclasses.replace(cm, seq_lens=seq_lens.to(cm.seq_lens.device),
                                      max_seq_len=int(seq_lens[: cm.num_reqs].max()))
         md = super().build(common_prefix_len, cm, fast_build)
-        md.slake_plan = plan  # type: ignore[attr-defined]
+        md.slake_plan = plan
         _CURRENT = plan
         return md
 
@@ -222,10 +222,10 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             st.pending[li] = (self, layer, kv_cache, blocks)
             if st.cache.method.layer_budgets == "preference" and li < st.cache.num_layers - 1:
                 continue  # the cascade may still shrink this layer: write every layer after the last one
-            for l, (impl, lay, cache, blk) in sorted(st.pending.items()):
-                store = st.cache.layers[l]
+            for pending_li, (impl, lay, cache, blk) in sorted(st.pending.items()):
+                store = st.cache.layers[pending_li]
                 if store.capacity > blk.numel() * cache.shape[2]:
-                    raise RuntimeError(f"slake: layer {l} keeps {store.capacity} slots, more than the request's "
+                    raise RuntimeError(f"slake: layer {pending_li} keeps {store.capacity} slots, more than the request's "
                                        f"{blk.numel()} blocks hold")
                 impl._write(lay, cache, store.keys[0], store.values[0], blk)
                 store.keys = store.values = None  # the kept entries live in vLLM's blocks only

@@ -38,7 +38,6 @@ class TransformersEngine(Engine):
     """
 
     name = "transformers"
-    unsupported: dict[str, str] = {}
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:
         super().__init__(model)

@@ -20,12 +20,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from slake.engines.transformers.memory import MemoryMeter
 from slake.hf.cache import SlakeCache
 from slake.hf.generate import prefill
-from slake.engines.transformers.memory import MemoryMeter
 
 __all__ = ["BenchConfig", "measure", "time_decode_interleaved"]
 
@@ -82,7 +83,7 @@ def time_decode_interleaved(model, cfgs: list[BenchConfig], steps: int, warmup: 
         Per configuration (in the order given), its ``steps`` step times in milliseconds.
     """
     device = model.device
-    states = []
+    states: list[list[Any]] = []  # [cache, last token] per configuration
     with torch.inference_mode():
         for cfg in cfgs:
             cache = _new_cache(model, cfg)

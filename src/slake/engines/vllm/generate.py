@@ -63,9 +63,9 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
                    dtype=dtype, max_model_len=model_len(len(ids), max_new_tokens), stop_token_ids=stop)
     toks = run.tokens[0]
     return GenerationResult(
-        texts=[tokenizer.decode(toks, skip_special_tokens=True)], prompt_tokens=[len(ids)], new_tokens=[len(toks)],
+        texts=[str(tokenizer.decode(toks, skip_special_tokens=True))], prompt_tokens=[len(ids)], new_tokens=[len(toks)],
         method=method.name, budget=budget.value, kv_bytes=run.kv_bytes[0],
-        kept_tokens_per_layer=run.kept_tokens_per_layer[0], compressed=run.compressed[0],
+        kept_tokens_per_layer=run.kept_tokens_per_layer[0] or [], compressed=run.compressed[0],
         prefill_s=run.prefill_s[0], decode_ms_per_token=run.decode_ms_per_token[0], layer_budgets=None,
         hyperparameters=method.hyperparameters(), profile=profile, engine="vllm",
         extra={"kv_blocks_after_prefill": run.blocks_after_prefill[0], "kv_blocks_end": run.blocks_end[0],

@@ -217,7 +217,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
             "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
         })
         m = out.metrics
-        if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+        if m is not None and getattr(m, "first_token_ts", None) and getattr(m, "scheduled_ts", None):
             run.prefill_s.append(round(m.first_token_ts - m.scheduled_ts, 4))
             steps = max(len(toks) - 1, 1)
             run.decode_ms_per_token.append(round((m.last_token_ts - m.first_token_ts) * 1000 / steps, 3))
