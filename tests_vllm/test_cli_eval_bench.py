@@ -42,7 +42,7 @@ def test_eval_engine_vllm_predictions_equal_transformers(eval_dirs):
     hf, vl = _rows(eval_dirs / "transformers"), _rows(eval_dirs / "vllm")
     assert set(hf) == set(vl) and len(vl) == 2  # 1 sample x (full, slake)
     for key, row in vl.items():
-        assert row["engine"] == "vllm" and "engine" not in hf[key]
+        assert row["engine"] == "vllm" and hf[key]["engine"] == "transformers"  # one row builder, both engines
         assert row["prediction"] == hf[key]["prediction"], key
         assert row["score"] == hf[key]["score"] and row["prompt_tokens"] == hf[key]["prompt_tokens"]
         assert row["compressed"] == (key[1] != "full")
@@ -70,6 +70,6 @@ def test_bench_engine_vllm_rows(tmp_path):
 
 def test_bench_engine_vllm_refuses_what_it_cannot_honour(tmp_path):
     for extra, msg in ((("--kv-dtype", "int8"), "--kv-dtype"), (("--methods", "lava"), "not supported"),
-                       (("--budget", "0.25"), "token budgets")):
+                       (("--budget", "0.25"), "absolute budget in tokens")):
         done = _slake("bench", "--engine", "vllm", "--lengths", "512", "--out", str(tmp_path), *extra)
         assert done.returncode == 2 and msg in done.stderr, done.stderr[-2000:]
