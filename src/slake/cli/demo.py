@@ -1,6 +1,6 @@
 """``slake demo``: one question about a long document, answered with the full cache and with a compressed cache.
 
-It prints both answers as text a person reads (the first line, or a clean excerpt of a long one), whether each is
+It prints both answers as text a person reads (one line, line breaks collapsed, cut near 90 characters), whether each is
 correct (the expected answer is known: the document is a generated needle-in-a-haystack prompt, RULER's
 niah_single_1 by default), the time each took, and the KV memory each cache holds, in MiB and as a percent of the
 full cache. A wrong compressed answer is printed as wrong, with a hint, never as the product's best. It runs on the
@@ -52,19 +52,17 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def answer_excerpt(text: str, width: int = 100) -> str:
-    """An answer as a person reads it on one line: its first non-empty line with runs of spaces collapsed, cut at a
-    word boundary near ``width`` characters with an ellipsis; ``(empty answer)`` when there is nothing to show."""
-    lines = [" ".join(line.split()) for line in text.splitlines()]
-    lines = [line for line in lines if line]
-    if not lines:
+def answer_excerpt(text: str, width: int = 90) -> str:
+    """An answer as a person reads it on one line: line breaks and runs of spaces collapsed, the punctuation a
+    continuation opens with (``": "`` after a prompt that ends mid-sentence) dropped, and cut at a word boundary near
+    ``width`` characters with `` ...``; ``(empty answer)`` when nothing is left."""
+    flat = " ".join(text.split()).lstrip(":;,.-– ")
+    if not flat:
         return "(empty answer)"
-    first = lines[0]
-    more = len(lines) > 1
-    if len(first) > width:
-        cut = first[:width].rsplit(" ", 1)[0] or first[:width]
-        first, more = cut.rstrip(" ,;:"), True
-    return first + (" ..." if more else "")
+    if len(flat) <= width:
+        return flat
+    cut = flat[:width].rsplit(" ", 1)[0] or flat[:width]
+    return cut.rstrip(" ,;:") + " ..."
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -119,7 +117,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Question: {sample.question.strip()}")
     print(f"Expected: {', '.join(sample.answers)}\n")
     for name, run in ((f"{'full cache':<{width}}", full), (f"{label:<{width}}", comp)):
-        print(f"  {name}  {mark[run['correct']]:<7}  {answer_excerpt(run['text'])}")
+        print(f"  {name}  {mark[run['correct']]:<7}  \"{answer_excerpt(run['text'])}\"")
     print()
     for name, run in ((f"{'full cache':<{width}}", full), (f"{label:<{width}}", comp)):
         pct = "" if run is full else f"  ({kept_pct:.1f}% of the full cache)"
