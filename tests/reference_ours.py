@@ -48,7 +48,9 @@ PAIRS: dict[str, tuple[str, str]] = {
     "adakv.adakv_gqamax": ("ada-snapkv[window={w},safeguard=reference]", "uniform"),
     "cake": ("cake[window={w}]", "ref"),
     "lava": ("lava[window={w},value_norm=candidates,floor_mode=reference]", "ref"),
-    "lava.default": ("lava[window={w}]", "ref"),
+    "lava#default": ("lava[window={w}]", "ref"),
+    "lava#value_norm_candidates": ("lava[window={w},value_norm=candidates]", "ref"),
+    "lava#floor_reference": ("lava[window={w},floor_mode=reference]", "ref"),
 }
 
 #: single-layer cases are scored as layer 3 of 8 by pyramid schedules (see tools/reference/reference_side.py)

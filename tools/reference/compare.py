@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from reference_ours import (FIXTURES, PAIRS, PYRAMID_SINGLE, diff_beyond_ties, ours_keep, pairs_for, output_diff, pack,  # noqa: E402
+from reference_ours import (FIXTURES, PAIRS, PYRAMID_SINGLE, diff_beyond_ties, ours_keep, pairs_for, ref_key, output_diff, pack,  # noqa: E402
                             set_metrics, spec_for)
 from slake.budgets import preference_budgets  # noqa: E402
 from slake.methods import make_method  # noqa: E402
@@ -89,6 +89,9 @@ def main() -> None:
                     mask, counts, _, sc = ours_keep(spec, q, k, v, scaling, sel, b, pl, pL)
                     m = set_metrics(mask, ref_mask)
                     m["out_diff"] = output_diff(q, k, v, scaling, mask, ref_mask)
+                    m["ours_err"] = output_diff(q, k, v, scaling, mask, torch.ones_like(mask))
+                    m["kept_ratio"] = float(mask.sum() / ref_mask.sum())
+                    m["ref_err"] = output_diff(q, k, v, scaling, ref_mask, torch.ones_like(mask))
                     m["diff_beyond_ties"] = diff_beyond_ties(mask, ref_mask, sc)
                     ref_counts = (ref_mask.sum(-1) - method.protected).tolist()
                     m["head_budget_equal"] = float(counts.tolist() == ref_counts)
@@ -106,9 +109,9 @@ def main() -> None:
                                                **{n: m[n] for n in ("jaccard", "equal_heads", "diff_frac", "diff_beyond_ties")},
                                                "head_budget_equal": m["head_budget_equal"]}
         # ---------------- whole-model references (layer budgets)
-        for key in ("cake", "lava", "lava.default"):
-            src = res.get(key.split(".")[0])
-            if src is None or (key == "cake" and not src.get("compressed", True)):
+        for key in [k for k in PAIRS if ref_key(k).split(".")[0] in ("cake", "lava")]:
+            src = res.get(ref_key(key).split(".")[0])
+            if src is None or not src.get("compressed", True):
                 continue
             spec = spec_for(key, w)
             method = make_method(spec)
@@ -118,21 +121,22 @@ def main() -> None:
                 q, k, v = lay(l)
                 ref_mask = src["kept"][l]
                 sel = ref_budgets[l]
-                if key.startswith("lava"):  # per-head counts are LAVa's own; compared separately below
-                    mask, counts, pref, sc = ours_keep(spec, q, k, v, scaling, sel, b, l, L)
+                mask, counts, pref, sc = ours_keep(spec, q, k, v, scaling, sel, b, l, L)
+                if "head_counts" in src:  # LAVa's per-head budgets
                     agg[(kind, key)]["head_budget_equal"].append(
                         float(counts.tolist() == [int(x) for x in src["head_counts"][l]]))
-                else:
-                    mask, counts, pref, sc = ours_keep(spec, q, k, v, scaling, sel, b, l, L)
                 prefs.append(pref)
                 m = set_metrics(mask, ref_mask)
                 m["out_diff"] = output_diff(q, k, v, scaling, mask, ref_mask)
+                m["kept_ratio"] = float(mask.sum() / ref_mask.sum())
+                m["ours_err"] = output_diff(q, k, v, scaling, mask, torch.ones_like(mask))
+                m["ref_err"] = output_diff(q, k, v, scaling, ref_mask, torch.ones_like(mask))
                 m["diff_beyond_ties"] = diff_beyond_ties(mask, ref_mask, sc)
                 for name, val in m.items():
                     agg[(kind, key)][name].append(val)
                 agg[(kind, key)]["pref_rel_diff"].append(abs(pref - src["prefs"][l]) / max(abs(src["prefs"][l]), 1e-30))
                 if fx is not None and l == fix_layer:
-                    fx["arrays"][f"b{b}__{key}"] = pack(ref_mask)
+                    fx["arrays"][f"b{b}__{ref_key(key)}"] = pack(ref_mask)
                     fmeta["pairs"][key] = {"spec": spec, "selectable": sel, "layer_idx": l, "num_layers": L,
                                            **{n: m[n] for n in ("jaccard", "equal_heads", "diff_frac", "diff_beyond_ties")},
                                            "ref_pref": src["prefs"][l], "ours_pref": pref,
@@ -165,7 +169,8 @@ def main() -> None:
             if kind in d:
                 x = d[kind]
                 print(f"{key:24s} {kind:6s} J={x['jaccard']['mean']:.4f} eq={x['equal_heads']['mean']:.3f} "
-                      f"diff={x['diff_frac']['mean']:.4f} nt={x['diff_beyond_ties']['mean']:.4f} out={x['out_diff']['mean']:.2e}"
+                      f"diff={x['diff_frac']['mean']:.4f} nt={x['diff_beyond_ties']['mean']:.4f} out={x['out_diff']['mean']:.2e} "
+                      f"err ours/ref={x['ours_err']['mean']:.3e}/{x['ref_err']['mean']:.3e}"
                       + (f" lb_eq={x['layer_budget_equal']['mean']:.3f}" if "layer_budget_equal" in x else "")
                       + (f" hb_eq={x['head_budget_equal']['mean']:.3f}" if "head_budget_equal" in x else ""))
 
