@@ -25,10 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from reference_ours import (FIXTURES, PAIRS, PYRAMID_SINGLE, diff_beyond_ties, ours_keep, pairs_for, ref_key, output_diff, pack,  # noqa: E402
-                            set_metrics, spec_for)
+from reference_ours import (FIXTURES, PAIRS, PYRAMID_SINGLE, diff_beyond_ties, ours_keep,  # noqa: E402
+                            output_diff, pack, pairs_for, ref_key, set_metrics, spec_for)
 from slake.budgets import preference_budgets  # noqa: E402
 from slake.methods import make_method  # noqa: E402
+
+KEEP_METRICS = ("jaccard", "equal_heads", "diff_frac", "diff_beyond_ties")
 
 #: the default-model layer whose tensors go into the fixtures (one layer keeps them small)
 FIXTURE_MODEL = ("model_731", 14)
@@ -106,7 +108,7 @@ def main() -> None:
                     if fx is not None and l == fix_layer:
                         fx["arrays"][f"b{b}__{rkey}"] = pack(ref_mask)
                         fmeta["pairs"][key] = {"spec": spec, "selectable": sel, "layer_idx": pl, "num_layers": pL,
-                                               **{n: m[n] for n in ("jaccard", "equal_heads", "diff_frac", "diff_beyond_ties")},
+                                               **{n: m[n] for n in KEEP_METRICS},
                                                "head_budget_equal": m["head_budget_equal"]}
         # ---------------- whole-model references (layer budgets)
         for key in [k for k in PAIRS if ref_key(k).split(".")[0] in ("cake", "lava")]:
@@ -138,7 +140,7 @@ def main() -> None:
                 if fx is not None and l == fix_layer:
                     fx["arrays"][f"b{b}__{ref_key(key)}"] = pack(ref_mask)
                     fmeta["pairs"][key] = {"spec": spec, "selectable": sel, "layer_idx": l, "num_layers": L,
-                                           **{n: m[n] for n in ("jaccard", "equal_heads", "diff_frac", "diff_beyond_ties")},
+                                           **{n: m[n] for n in KEEP_METRICS},
                                            "ref_pref": src["prefs"][l], "ours_pref": pref,
                                            "ref_head_counts": [int(x) for x in src.get("head_counts", [[]] * L)[l]]}
             total, cap = (b - w) * L, S - w
@@ -169,7 +171,8 @@ def main() -> None:
             if kind in d:
                 x = d[kind]
                 print(f"{key:24s} {kind:6s} J={x['jaccard']['mean']:.4f} eq={x['equal_heads']['mean']:.3f} "
-                      f"diff={x['diff_frac']['mean']:.4f} nt={x['diff_beyond_ties']['mean']:.4f} out={x['out_diff']['mean']:.2e} "
+                      f"diff={x['diff_frac']['mean']:.4f} nt={x['diff_beyond_ties']['mean']:.4f} "
+                      f"out={x['out_diff']['mean']:.2e} "
                       f"err ours/ref={x['ours_err']['mean']:.3e}/{x['ref_err']['mean']:.3e}"
                       + (f" lb_eq={x['layer_budget_equal']['mean']:.3f}" if "layer_budget_equal" in x else "")
                       + (f" hb_eq={x['head_budget_equal']['mean']:.3f}" if "head_budget_equal" in x else ""))
