@@ -238,7 +238,7 @@ def test_floor_alpha_one_gives_uniform_head_budgets():
     for store in eng.layers:
         assert bool((store.counts() == 40).all())
     eng, method, _ = _prefill("ada-snapkv", 40, seed=1, alpha_safeguard=1.0)
-    ref, _, _ = _prefill("snapkv", 40, seed=1, kernel=7, pooling="max")
+    ref, _, _ = _prefill("snapkv", 40, seed=1, kernel=7, pooling="max", group_first=True)
     for a, b in zip(eng.layers, ref.layers):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
 
@@ -246,6 +246,6 @@ def test_floor_alpha_one_gives_uniform_head_budgets():
 def test_lava_uniform_without_value_norm_equals_ada_snapkv_pure_cross_head_top_k():
     """Guide 1.9 (ii): Vbar = 1, uniform layers, alpha = 0 is AdaKV's cross-head top-k (with AdaKV's group mean)."""
     eng, _, _ = _prefill("lava", 40, seed=4, layers="uniform", value_norm="none", gqa="mean")
-    ref, _, _ = _prefill("ada-snapkv", 40, seed=4, alpha_safeguard=0.0)
+    ref, _, _ = _prefill("ada-snapkv", 40, seed=4, alpha_safeguard=0.0, group_first=False)
     for a, b in zip(eng.layers, ref.layers):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)

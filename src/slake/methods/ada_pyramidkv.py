@@ -42,6 +42,7 @@ class AdaPyramidKV(AdaKVHeads, PyramidKV):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
+    group_first: bool = True
 
     name: ClassVar[str] = "ada-pyramidkv"
     summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"

@@ -36,11 +36,16 @@ class SnapKV(Method):
         Pooling kernel (default 5, the SnapKV class default; the SnapKV LongBench configs use max-pool 7).
     pooling : str
         ``"avg"`` (default) or ``"max"``.
+    group_first : bool
+        GQA: average a KV head's query heads before pooling (AdaKV's and KVCache-Factory's code) instead of after
+        (False, kvpress and the CAKE code). The two are equal for ``"avg"`` pooling (it is linear); they differ for
+        ``"max"`` (docs/faithfulness.md).
     """
 
     window: int = 32
     kernel: int = 5
     pooling: str = "avg"
+    group_first: bool = False
 
     name: ClassVar[str] = "snapkv"
     summary: ClassVar[str] = "observation-window attention, pooled; uniform layer budgets"
@@ -53,7 +58,10 @@ class SnapKV(Method):
         w = a.shape[2]
         S = s.shape[-1]
         s[..., S - w:] = 0.0  # window columns are protected; keep them out of the neighbours' pooling
-        return PrefillScores(scores=group_mean(pool1d(s, self.kernel, self.pooling), inputs.keys.shape[1]))
+        Hkv = inputs.keys.shape[1]
+        if self.group_first:
+            return PrefillScores(scores=pool1d(group_mean(s, Hkv), self.kernel, self.pooling))
+        return PrefillScores(scores=group_mean(pool1d(s, self.kernel, self.pooling), Hkv))
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """CAKE's decode rule: positional pooling of the current queries' attention, group-mean."""

@@ -1,0 +1,182 @@
+"""Compare slake's methods with the reference outputs and write the committed fixtures (runs in slake's env).
+
+Inputs: the captured cases of ``capture.py`` and the ``ref.pt`` of ``reference_side.py``. Outputs:
+
+* ``tests/fixtures/reference/<case>.npz|json``: the tensors of the random cases and of one layer of the default
+  model's shortest capture (fp16), the references' kept sets there (bit-packed), their layer budgets and
+  preferences of every layer, and the agreement measured now; ``tests/test_reference_fixtures.py`` re-checks it;
+* ``tests/fixtures/reference/summary.json``: agreement per reference output over every layer and case (the
+  numbers of ``docs/faithfulness.md``).
+
+Usage: ``PYTHONPATH=src python tools/reference/compare.py --cases /tmp/slake-ref --ref /tmp/slake-ref/ref.pt``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from reference_ours import (FIXTURES, PAIRS, PYRAMID_SINGLE, diff_beyond_ties, ours_keep,  # noqa: E402
+                            output_diff, pack, pairs_for, ref_key, set_metrics, spec_for)
+from slake.budgets import preference_budgets  # noqa: E402
+from slake.methods import make_method  # noqa: E402
+
+KEEP_METRICS = ("jaccard", "equal_heads", "diff_frac", "diff_beyond_ties")
+
+#: the default-model layer whose tensors go into the fixtures (one layer keeps them small)
+FIXTURE_MODEL = ("model_731", 14)
+
+
+def layer_position(l: int, L: int, key: str) -> tuple[int, int]:
+    return PYRAMID_SINGLE if (L == 1 and "pyramid" in key) else (l, L)
+
+
+def budget_metrics(ours: list[int], ref: list[int]) -> dict:
+    o, r = np.array(ours), np.array(ref)
+    return {"equal_layers": float((o == r).mean()), "abs_diff_frac": float(np.abs(o - r).sum() / max(r.sum(), 1)),
+            "ours_total": int(o.sum()), "ref_total": int(r.sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=Path, required=True)
+    ap.add_argument("--ref", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=FIXTURES)
+    args = ap.parse_args()
+    ref = torch.load(args.ref)
+    args.out.mkdir(parents=True, exist_ok=True)
+    agg = defaultdict(lambda: defaultdict(list))  # key -> metric -> values (over cases and layers)
+    fixtures: dict[str, dict] = {}
+    for case_key, res in ref["cases"].items():
+        stem, btag = case_key.split("/")
+        kind = "model" if stem.startswith("model_") else stem.rsplit("_", 1)[0]
+        case = torch.load(args.cases / f"{stem}.pt")
+        Q, K, V, scaling = case["queries"], case["keys"], case["values"], case["scaling"]
+        w, b, L = res["window"], res["budget"], res["num_layers"]
+        S = Q.shape[2]
+        lay = (lambda l: (Q[l:l + 1], K[l:l + 1], V[l:l + 1])) if L > 1 else (lambda l: (Q, K, V))
+        fix_layer = FIXTURE_MODEL[1] if stem == FIXTURE_MODEL[0] else (0 if kind != "model" else None)
+        fx = fixtures.setdefault(stem, {"arrays": {}, "meta": {"S": S, "scaling": scaling, "num_layers": L,
+                                                               "layer": fix_layer, "source": case["source"],
+                                                               "budgets": {}}}) if fix_layer is not None else None
+        if fx is not None:
+            q, k, v = lay(fix_layer)
+            fx["arrays"].update(queries=q.numpy().astype(np.float16), keys=k.numpy().astype(np.float16),
+                                values=v.numpy().astype(np.float16))
+            fmeta = fx["meta"]["budgets"].setdefault(str(b), {"window": w, "pairs": {}})
+        # ---------------- per-layer references
+        for l, per in res["layers"].items():
+            q, k, v = lay(l)
+            for rkey, ref_mask in per.items():
+                for key in pairs_for(rkey):
+                    spec = spec_for(key, w)
+                    method = make_method(spec)
+                    mode = PAIRS[key][1]
+                    if mode == "uniform":
+                        sel = b - method.protected
+                    elif mode == "ref":
+                        sel = int(ref_mask.sum(-1)[0]) - method.protected
+                    else:
+                        sel = (ref_mask.sum(-1) - method.protected).tolist()
+                    pl, pL = layer_position(l, L, key)
+                    mask, counts, _, sc = ours_keep(spec, q, k, v, scaling, sel, b, pl, pL)
+                    m = set_metrics(mask, ref_mask)
+                    m["out_diff"] = output_diff(q, k, v, scaling, mask, ref_mask)
+                    m["ours_err"] = output_diff(q, k, v, scaling, mask, torch.ones_like(mask))
+                    m["kept_ratio"] = float(mask.sum() / ref_mask.sum())
+                    m["ref_err"] = output_diff(q, k, v, scaling, ref_mask, torch.ones_like(mask))
+                    m["diff_beyond_ties"] = diff_beyond_ties(mask, ref_mask, sc)
+                    ref_counts = (ref_mask.sum(-1) - method.protected).tolist()
+                    m["head_budget_equal"] = float(counts.tolist() == ref_counts)
+                    for name, val in m.items():
+                        agg[(kind, key)][name].append(val)
+                    if "pyramid" in key:
+                        sched = method.pyramid_schedule(pL, b - w, S)
+                        agg[(kind, key)]["layer_budget_equal"].append(float(int(sched[pl]) == ref_counts[0]))
+                        if fx is not None:
+                            lb = fmeta.setdefault("layer_budgets", {}).setdefault(key, {"ref": [None] * L})
+                            lb["ref"][int(l)] = int(ref_counts[0])
+                    if fx is not None and l == fix_layer:
+                        fx["arrays"][f"b{b}__{rkey}"] = pack(ref_mask)
+                        fmeta["pairs"][key] = {"spec": spec, "selectable": sel, "layer_idx": pl, "num_layers": pL,
+                                               **{n: m[n] for n in KEEP_METRICS},
+                                               "head_budget_equal": m["head_budget_equal"]}
+        # ---------------- whole-model references (layer budgets)
+        for key in [k for k in PAIRS if ref_key(k).split(".")[0] in ("cake", "lava")]:
+            src = res.get(ref_key(key).split(".")[0])
+            if src is None or not src.get("compressed", True):
+                continue
+            spec = spec_for(key, w)
+            method = make_method(spec)
+            ref_budgets = [int(x) for x in src["layer_budgets"]]
+            prefs = []
+            for l in range(L):
+                q, k, v = lay(l)
+                ref_mask = src["kept"][l]
+                sel = ref_budgets[l]
+                mask, counts, pref, sc = ours_keep(spec, q, k, v, scaling, sel, b, l, L)
+                if "head_counts" in src:  # LAVa's per-head budgets
+                    agg[(kind, key)]["head_budget_equal"].append(
+                        float(counts.tolist() == [int(x) for x in src["head_counts"][l]]))
+                prefs.append(pref)
+                m = set_metrics(mask, ref_mask)
+                m["out_diff"] = output_diff(q, k, v, scaling, mask, ref_mask)
+                m["kept_ratio"] = float(mask.sum() / ref_mask.sum())
+                m["ours_err"] = output_diff(q, k, v, scaling, mask, torch.ones_like(mask))
+                m["ref_err"] = output_diff(q, k, v, scaling, ref_mask, torch.ones_like(mask))
+                m["diff_beyond_ties"] = diff_beyond_ties(mask, ref_mask, sc)
+                for name, val in m.items():
+                    agg[(kind, key)][name].append(val)
+                agg[(kind, key)]["pref_rel_diff"].append(abs(pref - src["prefs"][l]) / max(abs(src["prefs"][l]), 1e-30))
+                if fx is not None and l == fix_layer:
+                    fx["arrays"][f"b{b}__{ref_key(key)}"] = pack(ref_mask)
+                    fmeta["pairs"][key] = {"spec": spec, "selectable": sel, "layer_idx": l, "num_layers": L,
+                                           **{n: m[n] for n in KEEP_METRICS},
+                                           "ref_pref": src["prefs"][l], "ours_pref": pref,
+                                           "ref_head_counts": [int(x) for x in src.get("head_counts", [[]] * L)[l]]}
+            total, cap = (b - w) * L, S - w
+            ours_b = preference_budgets(torch.tensor(prefs), total, cap, final=True).tolist()
+            same_prefs = preference_budgets(torch.tensor(src["prefs"], dtype=torch.float64), total, cap,
+                                            final=True).tolist()
+            bm = budget_metrics(ours_b, ref_budgets)
+            bm_same = budget_metrics(same_prefs, ref_budgets)
+            agg[(kind, key)]["layer_budget_equal"].append(bm["equal_layers"])
+            agg[(kind, key)]["layer_budget_abs_diff_frac"].append(bm["abs_diff_frac"])
+            agg[(kind, key)]["layer_budget_equal_same_prefs"].append(bm_same["equal_layers"])
+            agg[(kind, key)]["layer_budget_abs_diff_frac_same_prefs"].append(bm_same["abs_diff_frac"])
+            if fx is not None:
+                fmeta.setdefault("layer_budgets", {})[key] = {
+                    "ref": ref_budgets, "ref_prefs": [float(x) for x in src["prefs"]], "total": total, "cap": cap,
+                    "same_prefs": bm_same}
+    summary = {"versions": ref.get("versions", {}), "failures": ref.get("failures", {}), "pairs": {}}
+    for (kind, key), metrics in sorted(agg.items()):
+        summary["pairs"].setdefault(key, {"spec": PAIRS[key][0]})[kind] = {
+            name: {"mean": float(np.mean(vals)), "min": float(np.min(vals)), "n": len(vals)}
+            for name, vals in metrics.items()}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    for stem, fx in fixtures.items():
+        np.savez_compressed(args.out / f"{stem}.npz", **fx["arrays"])
+        (args.out / f"{stem}.json").write_text(json.dumps(fx["meta"], indent=1, sort_keys=True) + "\n")
+    for key, d in summary["pairs"].items():
+        for kind in ("model", "random_gqa", "random_mha"):
+            if kind in d:
+                x = d[kind]
+                print(f"{key:24s} {kind:6s} J={x['jaccard']['mean']:.4f} eq={x['equal_heads']['mean']:.3f} "
+                      f"diff={x['diff_frac']['mean']:.4f} nt={x['diff_beyond_ties']['mean']:.4f} "
+                      f"out={x['out_diff']['mean']:.2e} "
+                      f"err ours/ref={x['ours_err']['mean']:.3e}/{x['ref_err']['mean']:.3e}"
+                      + (f" lb_eq={x['layer_budget_equal']['mean']:.3f}" if "layer_budget_equal" in x else "")
+                      + (f" hb_eq={x['head_budget_equal']['mean']:.3f}" if "head_budget_equal" in x else ""))
+
+
+if __name__ == "__main__":
+    main()
