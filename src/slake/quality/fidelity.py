@@ -38,7 +38,7 @@ class Recording:
 
 
 class _Recorder(CompressedKV):
-    """Full-cache engine that records prompt and decode inputs."""
+    """Full-cache compressor that records prompt and decode inputs."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(make_method("full"), 1, num_layers)
