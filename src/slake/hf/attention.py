@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from slake.hf.cache import SlakeCache, _set_current, current_layer
+from slake.hf.layer_layout import check_supported_attention
 
 ATTENTION_NAME = "slake"
 
@@ -41,10 +42,13 @@ def slake_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     _set_current(None)
     if kwargs.get("softcap") is not None:
         raise ValueError("slake does not support attention logit soft-capping (softcap)")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("slake does not support learned attention sinks (s_aux)")
     window = kwargs.get("sliding_window")
     if window is not None and layer.get_seq_length() > window:
         raise ValueError(f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
-                         f"is longer; slake supports full-attention layers only")
+                         f"is longer; slake compresses full-attention layers only (this model has none: every layer "
+                         f"is a sliding-window layer)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer.pending is not None:
@@ -53,7 +57,7 @@ def slake_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         padding = key_padding_from_mask(attention_mask, key.shape[0], key.shape[2])
         layer.finish_prefill(query, padding, scaling)
         return out, None
-    out = layer.compressor.decode_attention(layer.layer_idx, query, scaling)
+    out = layer.compressor.decode_attention(layer.slot, query, scaling)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -71,7 +75,8 @@ def prepare_model(model) -> None:
     ------
     ValueError
         If the model cannot switch its attention implementation (its attention does not use
-        ``ALL_ATTENTION_FUNCTIONS``).
+        ``ALL_ATTENTION_FUNCTIONS``), or its attention is not plain softmax attention (logit soft-capping, learned
+        sinks: :func:`slake.hf.layer_layout.check_supported_attention`), naming the model.
 
     Notes
     -----
@@ -80,6 +85,7 @@ def prepare_model(model) -> None:
     tokens it already holds (:meth:`SlakeCache.check_forward`). The hook keeps no state; it does nothing without a
     SlakeCache.
     """
+    check_supported_attention(model.config, type(model).__name__)
     _install_input_check(model)
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         return

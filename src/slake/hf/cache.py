@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
+from slake.hf.layer_layout import AttentionLayout, attention_layout
 from slake.methods.base import Method
 
 _current = threading.local()
@@ -30,21 +31,23 @@ def _set_current(layer: SlakeCacheLayer | None) -> None:
 
 
 class SlakeCacheLayer(CacheLayerMixin):
-    """One model layer of a :class:`SlakeCache`.
+    """One compressed model layer of a :class:`SlakeCache`.
 
     The first ``update`` stores the prompt's keys/values and returns them unchanged for the exact prefill attention;
     the attention function then calls :meth:`finish_prefill`, which compresses the layer. Later updates append to
-    the compressed store.
+    the compressed store. ``layer_idx`` is the model's layer index, ``slot`` the compressor's (they differ in hybrid
+    models, whose sliding-window layers are not compressed).
     """
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, compressor: CompressedKV, layer_idx: int) -> None:
+    def __init__(self, compressor: CompressedKV, layer_idx: int, slot: int | None = None) -> None:
         super().__init__()
         self.compressor = compressor
         self.layer_idx = layer_idx
+        self.slot = layer_idx if slot is None else slot
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt K/V awaiting the attention function
 
     # ------------------------------------------------------------------ CacheLayerMixin
@@ -58,13 +61,13 @@ class SlakeCacheLayer(CacheLayerMixin):
             raise _not_routed_error()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        store = self.compressor.layers[self.layer_idx]
+        store = self.compressor.layers[self.slot]
         if store is None:
             self.pending = (key_states, value_states)
-            self.compressor.seen[self.layer_idx] = key_states.shape[2]
+            self.compressor.seen[self.slot] = key_states.shape[2]
             out = key_states, value_states
         else:
-            store = self.compressor.append(self.layer_idx, key_states, value_states)
+            store = self.compressor.append(self.slot, key_states, value_states)
             out = store.keys, store.values
         self.keys, self.values = out
         _set_current(self)
@@ -74,8 +77,8 @@ class SlakeCacheLayer(CacheLayerMixin):
         """Compress the layer's prompt entries (called by the attention function after the exact attention)."""
         keys, values = self.pending
         self.pending = None
-        self.compressor.prefill_layer(self.layer_idx, queries, keys, values, key_padding, scaling)
-        store = self.compressor.layers[self.layer_idx]
+        self.compressor.prefill_layer(self.slot, queries, keys, values, key_padding, scaling)
+        store = self.compressor.layers[self.slot]
         self.keys, self.values = store.keys, store.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -83,7 +86,7 @@ class SlakeCacheLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Logical length: every token seen so far (kept or evicted), so positions stay absolute."""
-        return self.compressor.seen[self.layer_idx]
+        return self.compressor.seen[self.slot]
 
     def get_max_length(self) -> int:
         return -1
@@ -92,15 +95,15 @@ class SlakeCacheLayer(CacheLayerMixin):
         raise RuntimeError("a SlakeCache serves one generation; create a new one instead of resetting it")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.layer_idx == 0:
+        if self.slot == 0:
             self.compressor.select_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.layer_idx == 0:
+        if self.slot == 0:
             self.compressor.repeat_batch(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.layer_idx == 0:
+        if self.slot == 0:
             self.compressor.select_batch(indices)
 
 
@@ -129,7 +132,9 @@ class SlakeCache(Cache):
         ``docs/conventions.md#chunked-prefill``).
         Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
     config : PretrainedConfig | None
-        The model's config (``model.config``), as transformers' own caches take it: the layer count is read from it,
+        The model's config (``model.config``), as transformers' own caches take it: the layer count and the layer
+        types are read from it (in a hybrid model only the full-attention layers are compressed; sliding-window and
+        chunked layers get transformers' own bounded cache layers, :mod:`slake.hf.layer_layout`),
         and the model's hyperparameter profile applies (:mod:`slake.methods.profiles`): hyperparameters that ``method`` (a
         name or spec) and ``hyperparameters`` leave unset come from the model's calibrated or shipped profile, or the
         papers' tables. The profile applied is ``cache.profile`` (None when none was).
@@ -157,13 +162,26 @@ class SlakeCache(Cache):
         positional_config = num_layers if hasattr(num_layers, "num_hidden_layers") else None  # SlakeCache(m, b, cfg)
         source = next((x for x in (profile_model, config, positional_config) if x is not None), None)
         num_layers = _resolve_num_layers(num_layers, config)
+        model_config = config if config is not None else positional_config
+        self.layout = (attention_layout(model_config) if model_config is not None
+                       else AttentionLayout.all_compressed(num_layers))
+        if self.layout.num_layers != num_layers:
+            raise ValueError(f"the config lists {self.layout.num_layers} layer types for {num_layers} layers")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m, self.profile = resolve_method(method, budget, source, **hyperparameters)
-        self.compressor = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state,
-                                  kv_dtype=kv_dtype)
+        self.compressor = CompressedKV(m, budget, len(self.layout.compressed), charge_linear_state=charge_linear_state,
+                                       kv_dtype=kv_dtype)
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
-        super().__init__(layers=[SlakeCacheLayer(self.compressor, i) for i in range(num_layers)])
+        slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
+        layers: list = []
+        for i in range(num_layers):
+            if i in slots:
+                layers.append(SlakeCacheLayer(self.compressor, i, slots[i]))
+            else:
+                kind, kwargs = self.layout.bounded[i]
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+        super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Route a layer's new keys/values to its compressed layer (a clear error for a layer the cache lacks)."""
@@ -231,15 +249,36 @@ class SlakeCache(Cache):
 
     def check_routed(self) -> None:
         """Raise if a layer's prompt was stored but never reached the registered attention function."""
-        if any(layer.pending is not None for layer in self.layers):
+        if any(getattr(layer, "pending", None) is not None for layer in self.layers):
             raise _not_routed_error()
         filled = sum(s is not None for s in self.compressor.layers)
-        if self.compressor.info is not None and not self.compressor.chunked_prefill and filled != len(self.layers):
-            raise ValueError(f"the model filled {filled} layers but this SlakeCache was built for {len(self.layers)}; "
+        expected = len(self.layout.compressed)
+        if self.compressor.info is not None and not self.compressor.chunked_prefill and filled != expected:
+            what = "compressed layers" if self.layout.hybrid else "layers"
+            raise ValueError(f"the model filled {filled} {what} but this SlakeCache was built for {expected}; "
                              f"build it with SlakeCache(..., config=model.config)")
 
+    def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
+        """Bytes held: the compressor's counts (``full``, ``kept``, ``padding``, ``slack``, ``metadata``,
+        ``linear_state``; :meth:`slake.cache.compressed.CompressedKV.byte_counts`) and, in a hybrid model,
+        ``sliding``: what the sliding-window and chunked layers hold in transformers' own bounded caches.
+        ``sequence``: one sequence of the batch."""
+        counts = self.compressor.byte_counts(sequence)
+        if self.layout.hybrid:
+            held = 0
+            for i in self.layout.bounded:
+                layer = self.layers[i]
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    if t is not None:
+                        t = t if sequence is None else t[sequence]
+                        held += t.numel() * t.element_size()
+            counts["sliding"] = held
+        return counts
+
     def statistics(self) -> dict:
-        """Cache statistics: bytes (kept, padding, metadata, linear state), kept tokens per layer, budgets."""
+        """Cache statistics: bytes (:meth:`byte_counts`), kept tokens per compressed layer, budgets, and which
+        layers are compressed (``compressed_layers``) and which are left to their bounded cache (``sliding_layers``,
+        empty unless the model is hybrid)."""
         self.check_routed()
         eng = self.compressor
         info = eng.info
@@ -248,8 +287,10 @@ class SlakeCache(Cache):
             "budget": eng.budget.value,
             "kv_dtype": eng.kv_dtype,
             "compressed": bool(info is not None and bool(info.compress.any())),
-            "kv_bytes": eng.byte_counts(),
+            "kv_bytes": self.byte_counts(),
             "kept_tokens_per_layer": eng.kept_tokens_per_layer(),
+            "compressed_layers": list(self.layout.compressed),
+            "sliding_layers": sorted(self.layout.bounded),
             "layer_budgets": (info.layer_budgets.tolist() if info is not None and info.layer_budgets is not None
                               else None),
         }

@@ -224,7 +224,7 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
     check_context_length(model, enc["input_ids"].shape[1], max_new_tokens, allow_long_context)
-    cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state,
+    cache = SlakeCache(m, budget_obj, config=model.config, charge_linear_state=charge_linear_state,
                        prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
     clock = _StepClock()
     gen_kwargs: dict = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
@@ -252,9 +252,11 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     decode_ms = ((end - clock.times[0]) / steps * 1e3) if steps > 0 else 0.0
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    full_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
+    # what an uncompressed cache would hold: every real token in each compressed layer, and the sliding layers of
+    # a hybrid model as they are (bounded by their window in either cache)
+    full_bytes = (2 * len(cache.layout.compressed) * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
                   * sum(p + n for p, n in zip(prompt_lens, new_counts)))
-    kv_bytes = {"full": int(full_bytes), **stats["kv_bytes"]}
+    kv_bytes = {"full": int(full_bytes) + stats["kv_bytes"].get("sliding", 0), **stats["kv_bytes"]}
     return GenerationResult(texts=[t.strip() for t in decoded], prompt_tokens=[int(p) for p in prompt_lens],
                             new_tokens=new_counts, method=m.name, budget=budget_obj.value, kv_bytes=kv_bytes,
                             kept_tokens_per_layer=stats["kept_tokens_per_layer"], compressed=stats["compressed"],

@@ -5,12 +5,17 @@ and the cascade only depends on the per-layer queries/keys/values in layer order
 recorded — every layer's post-RoPE queries, keys and values plus the last-position logits — and replayed into any
 number of (method, budget) caches, each giving exactly the cache that live compression would have built. Decoding
 then continues from each replayed cache with a plain greedy loop.
+
+Hybrid models: the sliding-window (and chunked) layers are not compressed; their prefill keys and values are
+recorded too and replayed into a fresh bounded layer of transformers' own class, which keeps exactly what it kept in
+the live prefill.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,10 +42,12 @@ class _RecordingKV(CompressedKV):
 class PrefillCapture:
     """A recorded prefill: per-layer prefill inputs, the prompt's attention mask and last logits."""
 
-    records: list[tuple]
+    records: list[tuple]  # per compressed layer (the compressor's order)
     attention_mask: torch.Tensor  # (B, S) 1 = real token
     last_logits: torch.Tensor  # (B, vocab) float32 logits at the last prompt position
     prefill_s: float
+    config: Any = None  # the model's config (its layer types); None: every layer compressed
+    bounded: dict = field(default_factory=dict)  # model layer index -> (keys, values) of a sliding/chunked layer
     num_layers: int = field(init=False)
     _score_memos: dict = field(init=False, default_factory=dict, repr=False)
 
@@ -60,12 +67,17 @@ class PrefillCapture:
         H2O) computes them once per capture and method configuration; later replays at other budgets reuse them.
         """
         method = make_method(method, **hyperparameters)
-        cache = SlakeCache(method, budget, self.num_layers, kv_dtype=kv_dtype)
+        if self.config is not None:
+            cache = SlakeCache(method, budget, config=self.config, kv_dtype=kv_dtype)
+        else:
+            cache = SlakeCache(method, budget, self.num_layers, kv_dtype=kv_dtype)
         if not method.prefill_scores_use_budget:
             cache.compressor.score_memo = self._score_memos.setdefault(repr(method), {})
-        for layer, (q, k, v, pad, scaling) in enumerate(self.records):
-            cache.compressor.prefill_layer(layer, q, k, v, pad, scaling)
-            cache.layers[layer].lazy_initialization(k, v)
+        for slot, (q, k, v, pad, scaling) in enumerate(self.records):
+            cache.compressor.prefill_layer(slot, q, k, v, pad, scaling)
+            cache.layers[cache.layout.compressed[slot]].lazy_initialization(k, v)
+        for layer, (k, v) in self.bounded.items():
+            cache.layers[layer].update(k, v)
         return cache
 
 
@@ -74,18 +86,31 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     prepare_model(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    cache = SlakeCache("full", 1, model.config.num_hidden_layers)
-    recorder = _RecordingKV(model.config.num_hidden_layers)
+    cache = SlakeCache("full", 1, config=model.config)
+    recorder = _RecordingKV(len(cache.layout.compressed))
     cache.compressor = recorder
-    for layer in cache.layers:
-        layer.compressor = recorder
+    bounded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, layer in enumerate(cache.layers):
+        if i in cache.layout.bounded:
+            layer.update = _recording_update(layer.update, bounded, i)
+        else:
+            layer.compressor = recorder
     start = time.perf_counter()
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                     position_ids=_positions(attention_mask), logits_to_keep=1)
     cache.check_routed()
     return PrefillCapture(records=recorder.records, attention_mask=attention_mask,
-                          last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start)
+                          last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start,
+                          config=model.config if cache.layout.hybrid else None, bounded=bounded)
+
+
+def _recording_update(update, bounded: dict, layer: int):
+    """A bounded layer's ``update`` that also records the prompt's keys and values it is given."""
+    def record(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        bounded[layer] = (key_states, value_states)
+        return update(key_states, value_states, *args, **kwargs)
+    return record
 
 
 def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> PrefillCapture:
@@ -148,10 +173,16 @@ def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> 
     if release:
         for c in captures:
             c.records = []
+    bounded = {layer: (torch.cat([left_pad(c.bounded[layer][0], c.bounded[layer][0].shape[-2]) for c in captures]),
+                       torch.cat([left_pad(c.bounded[layer][1], c.bounded[layer][1].shape[-2]) for c in captures]))
+               for layer in captures[0].bounded}
+    if release:
+        for c in captures:
+            c.bounded = {}
     masks = [torch.cat([c.attention_mask.new_zeros(1, S - c.prompt_len), c.attention_mask], 1) for c in captures]
     return PrefillCapture(records=records, attention_mask=torch.cat(masks),
                           last_logits=torch.cat([c.last_logits for c in captures]),
-                          prefill_s=sum(c.prefill_s for c in captures))
+                          prefill_s=sum(c.prefill_s for c in captures), config=captures[0].config, bounded=bounded)
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:

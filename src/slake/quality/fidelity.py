@@ -63,17 +63,17 @@ class _Recorder(CompressedKV):
 
 
 def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
-    """Run the prompt and ``steps`` greedy tokens with the full cache, recording every layer's inputs."""
+    """Run the prompt and ``steps`` greedy tokens with the full cache, recording every compressed layer's inputs
+    (every layer, except the sliding-window layers of a hybrid model, which are never compressed)."""
     from slake.hf.attention import prepare_model
     from slake.hf.cache import SlakeCache
 
     prepare_model(model)
-    L = model.config.num_hidden_layers
-    cache = SlakeCache("full", 1, L)
-    rec = _Recorder(L)
+    cache = SlakeCache("full", 1, config=model.config)  # hybrid models: the compressed (full-attention) layers
+    rec = _Recorder(len(cache.layout.compressed))
     cache.compressor = rec
-    for layer in cache.layers:
-        layer.compressor = rec
+    for i in cache.layout.compressed:
+        cache.layers[i].compressor = rec
     with torch.inference_mode():
         model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
                        max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,

@@ -98,7 +98,7 @@ def _run_batch(model: Any, batch: list[EvalRequest], options: EvalOptions, eos: 
         compressor = cache.compressor
         assert compressor.info is not None  # set by the replay's prefill
         compressed = compressor.info.compress.tolist()
-        kv_bytes = [compressor.byte_counts(i) for i in range(len(batch))]  # after compression, before decoding
+        kv_bytes = [cache.byte_counts(i) for i in range(len(batch))]  # after compression, before decoding
         start = time.perf_counter()
         all_tokens = greedy_decode(model, capture, cache, cap, eos)
         _sync(device)
@@ -127,7 +127,7 @@ def _run_one(model: Any, req: EvalRequest, options: EvalOptions, eos: list[int],
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
             assert budget is not None  # the full cache is never chunked
-            cache = SlakeCache(built, budget, model.config.num_hidden_layers, prefill_chunk=chunk,
+            cache = SlakeCache(built, budget, config=model.config, prefill_chunk=chunk,
                                kv_dtype=options.kv_dtype)
             logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
             source = PrefillCapture(records=[], attention_mask=torch.ones_like(ids), last_logits=logits.float(),

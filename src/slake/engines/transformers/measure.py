@@ -59,7 +59,7 @@ def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
 
 
 def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
-    return SlakeCache(cfg.method, cfg.budget, model.config.num_hidden_layers, prefill_chunk=cfg.prefill_chunk,
+    return SlakeCache(cfg.method, cfg.budget, config=model.config, prefill_chunk=cfg.prefill_chunk,
                       kv_dtype=cfg.kv_dtype, profile_model=model)
 
 

@@ -1,0 +1,157 @@
+"""Hybrid attention: the full-attention layers are compressed, sliding-window layers keep transformers' own bounded
+cache (docs/conventions.md#hybrid-models). Models whose attention slake does not model are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_models import ALL_SLIDING, HYBRID, REFUSED, WINDOW, hybrid_model
+from tiny_models import random_ids
+
+import slake
+from slake import SlakeCache
+from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
+
+METHODS = ["full", "streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "slake", "lava", "ahakv", "sagekv",
+           "ada-snapkv"]
+
+
+def _generate(model, ids, cache, new_tokens, mask=None):
+    mask = torch.ones_like(ids) if mask is None else mask
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                              output_logits=True, pad_token_id=0)
+
+
+def _reference(model, ids, new_tokens, mask=None):
+    """Plain transformers: SDPA and its own cache (sliding layers bounded by DynamicCache(config=...))."""
+    model.set_attn_implementation("sdpa")
+    try:
+        return _generate(model, ids, None, new_tokens, mask)
+    finally:
+        slake.prepare_model(model)
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def hybrid(request):
+    return request.param, hybrid_model(request.param)
+
+
+def test_only_the_full_attention_layers_are_compressed(hybrid):
+    name, model = hybrid
+    types = model.config.layer_types
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    assert full and sliding, name
+    cache = SlakeCache("cake", 40, config=model.config)
+    _generate(model, random_ids(96, seed=1), cache, 4)
+    stats = cache.statistics()
+    assert stats["compressed"] is True
+    assert stats["compressed_layers"] == full and stats["sliding_layers"] == sliding
+    assert len(stats["kept_tokens_per_layer"]) == len(full)
+    assert all(k <= 40 for k in stats["kept_tokens_per_layer"])
+    # CAKE's layer budgets are allocated across the compressed layers only and sum to their total
+    budgets = torch.tensor(stats["layer_budgets"])
+    assert budgets.shape == (1, len(full)) and int(budgets.sum()) == (40 - 32) * len(full)  # selectable tokens (window excluded)
+    kv = stats["kv_bytes"]
+    held = sum(cache.layers[i].keys.numel() * 4 * 2 for i in sliding)
+    assert kv["sliding"] == held > 0
+    for i in sliding:  # transformers' own bounded layer: at most the window
+        assert type(cache.layers[i]).__name__ == "DynamicSlidingWindowLayer"
+        assert cache.layers[i].keys.shape[-2] <= WINDOW
+
+
+def test_budget_at_prompt_length_equals_plain_transformers(hybrid):
+    name, model = hybrid
+    ids = random_ids(48, seed=2)  # 3x the window: the sliding layers really slide
+    ref = _reference(model, ids, 12)
+    for method in METHODS:
+        out = _generate(model, ids, SlakeCache(method, 48, config=model.config), 12)
+        assert torch.equal(out.sequences, ref.sequences), f"{name}/{method}: tokens differ"
+        for a, b in zip(out.logits, ref.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"{name}/{method} decode logits")
+
+
+def test_compression_changes_decoding(hybrid):
+    """The budget really bites on the full layers (a test that cannot fail is no test)."""
+    name, model = hybrid
+    ids = random_ids(120, seed=3)
+    ref = _reference(model, ids, 4)
+    out = _generate(model, ids, SlakeCache("snapkv", 40, config=model.config), 4)
+    assert not torch.allclose(out.logits[1], ref.logits[1], atol=1e-4), name
+
+
+@pytest.mark.parametrize("method", ["snapkv", "cake", "slake"])
+def test_padded_batch_equals_each_prompt_alone(hybrid, method):
+    name, model = hybrid
+    a, b = random_ids(96, seed=4)[0], random_ids(80, seed=5)[0]
+    ids = torch.zeros(2, 96, dtype=torch.long)
+    mask = torch.zeros(2, 96, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 16:], mask[1, 16:] = b, 1
+    batch = _generate(model, ids, SlakeCache(method, 40, config=model.config), 6, mask)
+    for row, single in ((0, a), (1, b)):
+        alone = _generate(model, single[None], SlakeCache(method, 40, config=model.config), 6)
+        assert torch.equal(batch.sequences[row, -6:], alone.sequences[0, -6:]), f"{name}/{method} row {row}"
+
+
+@pytest.mark.parametrize("method", ["snapkv", "cake", "slake"])
+def test_prefill_once_replay_equals_live_compression(hybrid, method):
+    """The evaluation's prefill-once path records the sliding layers too and rebuilds them exactly."""
+    name, model = hybrid
+    ids = random_ids(96, seed=6)
+    live = _generate(model, ids, SlakeCache(method, 40, config=model.config), 6)
+    capture = capture_prefill(model, ids)
+    cache = capture.replay(method, 40)
+    tokens = greedy_decode(model, capture, cache, 6)
+    assert tokens[0] == live.sequences[0, -6:].tolist(), f"{name}/{method}"
+    # stacked captures of different lengths replay into a padded batch with the same tokens
+    other = random_ids(72, seed=7)
+    stacked = stack_captures([capture_prefill(model, ids), capture_prefill(model, other)])
+    batch = greedy_decode(model, stacked, stacked.replay(method, 40), 6)
+    single = capture_prefill(model, other)
+    alone = greedy_decode(model, single, single.replay(method, 40), 6)
+    assert batch[0] == tokens[0] and batch[1] == alone[0], f"{name}/{method} stacked"
+
+
+@pytest.mark.parametrize("name", ALL_SLIDING)
+def test_all_sliding_models_compress_within_the_window_and_refuse_beyond_it(name):
+    """No full layer to compress: within the window a sliding layer is a full layer (equivalence holds); a longer
+    sequence is refused in one line rather than silently attending beyond the window."""
+    model = hybrid_model(name)
+    ids = random_ids(12, seed=8)
+    ref = _reference(model, ids, 3)
+    for method in ("full", "snapkv", "cake", "slake"):
+        out = _generate(model, ids, SlakeCache(method, 40, config=model.config), 3)
+        assert torch.equal(out.sequences, ref.sequences), f"{name}/{method}"
+    with pytest.raises(ValueError, match="sliding-window attention .* slake compresses full-attention layers only"):
+        _generate(model, random_ids(64, seed=9), SlakeCache("snapkv", 40, config=model.config), 2)
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_models_with_attention_slake_does_not_model_are_refused_naming_the_model(name):
+    model = hybrid_model(name, prepare=False)
+    with pytest.raises(ValueError, match=type(model).__name__) as err:
+        slake.prepare_model(model)
+    assert "\n" not in str(err.value)
+    assert ("soft-capping" if name == "gemma2" else "attention sinks") in str(err.value)
+
+
+def test_generate_reports_compressed_and_sliding_bytes(hybrid):
+    """``kv_bytes`` counts both kinds of layer: the compressed ones (kept, linear state ...) and the sliding ones
+    (``sliding``); ``full`` is what plain transformers would hold (every token of the full layers, the sliding
+    layers bounded as they are)."""
+    from test_eval_runner import TinyTokenizer
+
+    name, model = hybrid
+    prompt = " ".join(f"w{i}" for i in range(150))
+    res = slake.generate(model, TinyTokenizer(), prompt, method="slake", budget=40, max_new_tokens=4,
+                         chat_template=False)
+    kv = res.kv_bytes
+    n_full = sum(t == "full_attention" for t in model.config.layer_types)
+    tokens = res.prompt_tokens[0] + res.new_tokens[0]
+    per_token = 2 * model.config.num_key_value_heads * 16 * 4  # keys + values, head dim 16, fp32
+    assert res.compressed and kv["sliding"] > 0 and kv["linear_state"] > 0
+    assert kv["full"] == n_full * per_token * tokens + kv["sliding"], name
+    assert len(res.kept_tokens_per_layer) == n_full
