@@ -155,3 +155,18 @@ def test_generate_reports_compressed_and_sliding_bytes(hybrid):
     assert res.compressed and kv["sliding"] > 0 and kv["linear_state"] > 0
     assert kv["full"] == n_full * per_token * tokens + kv["sliding"], name
     assert len(res.kept_tokens_per_layer) == n_full
+
+
+def test_the_vllm_plugin_refuses_models_with_sliding_layers():
+    """The plugin compresses every layer, so it refuses hybrid and sliding-window models in one line (the
+    transformers engine serves them); plain full-attention configs pass."""
+    from types import SimpleNamespace
+
+    from slake.vllm.validate import check_layer_types
+
+    check_layer_types(SimpleNamespace(layer_types=["full_attention"] * 4, sliding_window=None))
+    check_layer_types(SimpleNamespace(sliding_window=None))
+    for cfg in (SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=512),
+                SimpleNamespace(sliding_window=4096)):
+        with pytest.raises(ValueError, match="full-attention models only"):
+            check_layer_types(cfg)

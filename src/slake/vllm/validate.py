@@ -56,3 +56,16 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
                          f"{vllm_config.model_config.get_total_num_kv_heads()} ranks")
     if not vllm_config.model_config.is_attention_free and getattr(vllm_config.model_config, "use_mla", False):
         raise ValueError("slake: MLA models are not supported by the vLLM plugin")
+    check_layer_types(vllm_config.model_config.hf_text_config)
+
+
+def check_layer_types(text_config) -> None:
+    """Refuse a model with sliding-window or chunked layers: the plugin compresses every attention layer, so it
+    would evict from layers that transformers and vLLM bound by their window (the transformers engine compresses
+    only the full-attention layers of such a model, ``docs/conventions.md#hybrid-models``)."""
+    types = getattr(text_config, "layer_types", None) or []
+    bounded = sorted({t for t in types if t != "full_attention"})
+    if bounded or getattr(text_config, "sliding_window", None) is not None and not types:
+        kinds = ", ".join(bounded) or "sliding_attention"
+        raise ValueError(f"slake: the vLLM plugin compresses full-attention models only; this model has {kinds} "
+                         "layers (use --engine transformers, which compresses its full-attention layers)")
