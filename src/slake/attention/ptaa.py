@@ -51,7 +51,7 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
         Softmax scale used in ``logits``; ``None`` means ``d ** -0.5``. Needed only for the linear term. A caller
         whose ``query`` is already scaled (``logits = query . k``) passes ``1.0``, which skips the multiplication.
     overwrite_logits : bool
-        Allow the exponentials to be written into ``logits`` (the engine's own per-step tensor, when it is float32
+        Allow the exponentials to be written into ``logits`` (the compressor's own per-step tensor, when it is float32
         and contiguous), which saves an allocation per call. ``logits`` is then garbage afterwards.
 
     Returns

@@ -92,7 +92,7 @@ class CompressedKV:
     # ================================================================== prefill
     def _prefill_scores(self, layer_idx: int, inputs: PrefillInputs) -> PrefillScores:
         """The method's prefill scores, from :attr:`score_memo` when it may be reused (budget-independent scores,
-        whole-prompt prefill). Memo entries are cloned on the way out: the engine edits scores in place."""
+        whole-prompt prefill). Memo entries are cloned on the way out: the compressor edits scores in place."""
         memo = self.score_memo
         if memo is None or self.method.prefill_scores_use_budget or self.chunked_prefill:
             return self.method.prefill_scores(inputs)

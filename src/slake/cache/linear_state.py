@@ -160,7 +160,7 @@ class LinearState:
         evicted : torch.Tensor
             ``(B, Hkv, n)`` bool, True for the rows to fold in. Unmarked rows are ignored even if non-finite.
         finite : bool
-            The caller guarantees that every row is finite (the engine's gathered decode rows): unmarked rows are
+            The caller guarantees that every row is finite (the compressor's gathered decode rows): unmarked rows are
             then zeroed by a multiplication instead of two selects. Results are identical for finite rows.
 
         Notes

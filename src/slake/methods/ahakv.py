@@ -29,10 +29,10 @@ Choices and deviations:
   KV is stored per KV head.
 * The score pooling runs over all prompt columns (``docs/methods/ahakv.md#deviations-from-the-paper``), so the recent
   window's partial sums can raise its neighbouring candidates; the pooled values seed ``acc`` for every kept slot, the
-  recent window included (the engine's ``carry_protected_scores``).
+  recent window included (the compressor's ``carry_protected_scores``).
 * ``gain_floor=True`` (off by default, ``docs/methods/ahakv.md#step-gain-softmax``) floors ``c`` at 1 so short
   prompts are never flattened.
-* At decode the engine passes the standard probabilities ``p = softmax(A)`` over the cached slots; the SG row is
+* At decode the compressor passes the standard probabilities ``p = softmax(A)`` over the cached slots; the SG row is
   computed as ``softmax(c * log p)``, which equals ``softmax(c * A)``.
 """
 

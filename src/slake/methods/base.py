@@ -1,17 +1,17 @@
 """The engine-agnostic method interface.
 
-A method is a small object holding hyperparameters and pure tensor functions. The engine (``slake.cache`` and
+A method is a small object holding hyperparameters and pure tensor functions. The compressor (``slake.cache`` and
 ``slake.hf``) calls it at two moments:
 
 * **prefill**, once per layer right after the layer's exact attention: :meth:`Method.prefill_scores` receives the
   layer's post-RoPE queries, keys and values and returns a per-token eviction score per KV head and, for methods with
   adaptive layer budgets, a per-sequence layer preference;
 * **decode**, at every step past the budget: :meth:`Method.decode_scores` receives the current queries' attention
-  probabilities over the cached slots and returns the new per-slot score; the engine evicts the lowest-scored
+  probabilities over the cached slots and returns the new per-slot score; the compressor evicts the lowest-scored
   unprotected slot(s).
 
 Protected tokens (the observation window of the ``window`` most recent tokens and ``sinks`` first tokens) are never
-scored by the method: the engine gives them ``+inf``. Padding gets ``-inf`` and is never kept.
+scored by the method: the compressor gives them ``+inf``. Padding gets ``-inf`` and is never kept.
 
 Shapes follow the Hugging Face convention: queries ``(B, Hq, n_q, d)``, keys/values ``(B, Hkv, n_k, d)``. All
 scores are float32. Methods never see a transformers object.
@@ -49,7 +49,7 @@ class PrefillInputs:
     layer_idx, num_layers : int
         Position of the layer in the model.
     budget : torch.Tensor | None
-        ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, as resolved by the engine.
+        ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, as resolved by the compressor.
     """
 
     queries: torch.Tensor
@@ -76,7 +76,7 @@ class PrefillScores:
     ----------
     scores : torch.Tensor
         ``(B, Hkv, S)`` float32 eviction indicator; higher = keep. Values at protected and padded positions are
-        ignored (the engine overwrites them).
+        ignored (the compressor overwrites them).
     preference : torch.Tensor | None
         ``(B,)`` float32 layer preference (CAKE's ``P_l``, SLAKE's VABS score), > 0, for methods whose
         ``layer_budgets == "preference"``; None otherwise.
@@ -108,7 +108,7 @@ class DecodeInputs:
         ``(B, Hkv, n)`` float32 per-slot score carried from the previous step (prefill indicator, accumulated
         attention, ...). Methods that accumulate (H2O) add to it; others ignore it.
     prompt_len : torch.Tensor | None
-        ``(B,)`` int64 real (unpadded) prompt length of each sequence, when the engine knows it.
+        ``(B,)`` int64 real (unpadded) prompt length of each sequence, when the compressor knows it.
     budget : torch.Tensor | None
         ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, when known.
     """
@@ -228,7 +228,7 @@ class Method:
         Returns
         -------
         torch.Tensor
-            ``(B, Hkv)`` int64 selectable tokens kept per head; the engine clamps it to ``[0, candidates]`` and adds
+            ``(B, Hkv)`` int64 selectable tokens kept per head; the compressor clamps it to ``[0, candidates]`` and adds
             the protected slots. Default: the uniform split ``min(selectable, candidates)`` for every head.
         """
         cand = (scores > float("-inf")) & (scores < float("inf"))

@@ -5,7 +5,7 @@ queries against the ``S - w`` non-window keys, fp32, rows not renormalised,
 ``docs/methods/README.md#observation-window-attention``):
 
 * layer **preference** ``P = H^(1/tau1) * V^(1/tau2)`` with ``H`` the entropy of ``Abar`` and ``V`` the sum of the
-  unbiased variances over the window rows (``docs/methods/cake.md#layer-preference``); the engine turns preferences
+  unbiased variances over the window rows (``docs/methods/cake.md#layer-preference``); the compressor turns preferences
   into budgets with :func:`slake.budgets.allocation.preference_budgets` (``docs/methods/cake.md#layer-budgets``,
   ``docs/methods/cake.md#cascading-prefill``);
 * eviction **indicator** ``I = G(pool(mean_i Abar + gamma * Var_i Abar))``
@@ -161,7 +161,7 @@ class Cake(Method):
                              f"({self.protected}), got {self.max_layer_budget}")
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
-        """Indicator (window part 0, ignored by the engine) and per-sample preference of one prefilled layer."""
+        """Indicator (window part 0, ignored by the compressor) and per-sample preference of one prefilled layer."""
         logits = window_logits(inputs.queries, inputs.keys, inputs.window, inputs.scaling, inputs.key_padding)
         probs = torch.softmax(logits, dim=-1)
         B, _, w, S = probs.shape

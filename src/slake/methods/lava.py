@@ -9,7 +9,7 @@ Our reading: ``docs/methods/lava.md#lava``. Per layer, from the last ``w`` promp
   of the layer (:meth:`LAVa.head_budgets`), so heads get different numbers of tokens (dense storage padded to the
   longest head, ``docs/conventions.md#memory-and-byte-accounting``; ``LayerStore.byte_counts`` reports the padding);
 * **layer budgets** (``docs/methods/lava.md#layer-budgets``): preference = normalised entropy
-  ``e_l = H(s_l / sum s_l) / log(Hkv*(N-w))`` in [0, 1]; layers are allocated with the engine's CAKE cascade
+  ``e_l = H(s_l / sum s_l) / log(Hkv*(N-w))`` in [0, 1]; layers are allocated with the compressor's CAKE cascade
   (progressive re-compression of layers ``0..l`` after layer ``l`` is prefilled), which equals the one-shot allocation.
 
 Choices and deviations (``docs/methods/lava.md#deviations-from-the-paper``):
@@ -20,7 +20,7 @@ Choices and deviations (``docs/methods/lava.md#deviations-from-the-paper``):
   ``C`` the configured budget, frozen by a typo of the reference code: it exceeds the budget by about 6% at C=128)
   or ``"adakv"`` (``int(alpha*b)``), ``floor_alpha=0.2``, and ``value_norm="candidates"`` (max over ``j < N-w``,
   as the reference code does; use it to reproduce the published numbers). ``value_norm="none"`` sets ``Vbar = 1``.
-* Layer-budget rounding: the engine's cascade (water-filling under the per-layer cap ``N - w``, ceil at
+* Layer-budget rounding: the compressor's cascade (water-filling under the per-layer cap ``N - w``, ceil at
   intermediate stages, largest remainder at the end) replaces ``floor(e_j / sum e * Tot)``: budgets sum exactly to
   ``L * (C - w)`` and a layer whose share exceeds its candidates gives the rest to the others.
 * With a floor (``floor_mode != "paper"``) the intermediate cascade stages keep ``max(cap, count)`` per head, a

@@ -9,7 +9,7 @@ last prompt token included). Every **query head** ``h`` picks the top ``k`` toke
 sink + selections + recent; during decoding new tokens enter the recent region and its oldest token leaves, while the
 sink and the selections never change.
 
-Budget (per layer and KV head, the engine's ``C = B``): ``S = floor(sink_fraction * B)`` (B/4), ``k = B // (2G)``
+Budget (per layer and KV head, the compressor's ``C = B``): ``S = floor(sink_fraction * B)`` (B/4), ``k = B // (2G)``
 (or explicit ``k``), and the recent region, last prompt token included, takes the rest: ``B - S - G*k`` tokens.
 
 Storage (``docs/methods/sagekv.md#storage``): the paper's block-per-query-head visibility, stored **without copies**.
@@ -24,11 +24,11 @@ Choices and deviations (``docs/methods/sagekv.md#deviations-from-the-paper``):
 
 * Recent region: between steps it holds the newest ``B - S - G*k`` tokens (the last prompt token included), so the
   stored cache is exactly the budget ``B``. A decode step appends its token, attends, then drops the oldest recent token
-  (the engine's evict-after-output order), so each step's attention sees the sink, the selections and the newest
+  (the compressor's evict-after-output order), so each step's attention sees the sink, the selections and the newest
   ``B - S - G*k + 1`` tokens: ``S + G*k + R + 1`` entries with ``R = B/4``.
 * ``k`` defaults to ``B // (2G)`` for every model; the paper's Qwen2.5 setting rounds it down to a power of two:
   pass ``k`` explicitly for that.
-* Prompts with ``N <= B`` are not compressed and never evict at decode (the engine's rule), instead of sliding once
+* Prompts with ``N <= B`` are not compressed and never evict at decode (the compressor's rule), instead of sliding once
   the cache exceeds ``B + 1``.
 * With ``linear_cache=True`` tokens evicted from a KV head are folded into its linear state; tokens kept only for
   another query head of the group are neither attended nor folded for this head.
@@ -74,7 +74,7 @@ class SageKV(Method):
     k : int | None
         Tokens selected per query head; None (default) means ``B // (2G)`` (paper).
     window : int
-        Must stay 1: the last prompt token, the selection query, protected by the engine.
+        Must stay 1: the last prompt token, the selection query, protected by the compressor.
     """
 
     sink_fraction: float = 0.25

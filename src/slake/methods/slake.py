@@ -24,7 +24,7 @@ samples, macro average at budgets 64/128/256): ``"taylor"`` 0.0/8.2/13.9, ``"win
 1.5/1.5/1.5 (it starves the sharp retrieval layers, whose in-sample error after keeping their own top tokens is about
 0). At the output level ``"window"`` is marginally closer to the full model (mean KL 0.164/0.108 nats per token at
 128/256 against 0.167/0.117 for ``"taylor"``); both beat CAKE (0.178/0.119). ``C`` (the average per-layer budget, window
-included, ``docs/conventions.md#budgets``) comes from ``budget_hint`` or the engine's ``PrefillInputs.budget``.
+included, ``docs/conventions.md#budgets``) comes from ``budget_hint`` or the compressor's ``PrefillInputs.budget``.
 ``Att``/``Att~`` are attention maps and the entropy uses the exact map's ``A[-w:, :-w]`` block
 (``docs/methods/slake.md#vabs``). Scores are per batch element and padding-aware. ``alpha``/``beta`` default to
 ``(0.5, 0.4)`` (Llama-2-7B's values, identical at both budgets); the papers' models get Table 3's values and other
@@ -185,7 +185,7 @@ class Slake(Cake):
         True: VABS preference; False: CAKE's ``H^(1/tau1) V^(1/tau2)`` (ablation).
     budget_hint : int | None
         Average per-layer budget ``C`` (window included) for VABS's provisional split. When None (default), the
-        engine's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it.
+        compressor's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it.
     vabs_split : str
         Which tokens VABS's PTAA error map linearises (``docs/methods/slake.md#the-provisional-split``). The paper says
         only that "in the prefill stage, SLAKE first performs VABS, which considers both the linear approximation error
