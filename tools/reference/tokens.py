@@ -171,53 +171,6 @@ def compare(work: Path, out: Path) -> None:
     print("wrote", out)
 
 
-def ours_kept(work: Path, keys: list[str]) -> None:
-    """Diagnosis of a divergence: our kept set of every layer and KV head right after the prefill of the same prompt
-    (``SlakeCache`` + ``slake.hf.generate.prefill``, what ``slake.generate`` runs), into ``ours_kept.pt``."""
-    import torch
-
-    import slake
-    from slake.hf.cache import SlakeCache
-    from slake.hf.generate import prefill
-
-    cases = json.loads((work / "cases.json").read_text())
-    model, tokenizer = slake.load_model(device="cpu", dtype="float32")
-    slake.prepare_model(model)
-    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
-    out = {}
-    for case in cases["cases"]:
-        ids = torch.tensor([case["input_ids"]])
-        S = ids.shape[1]
-        for key in keys:
-            cache = SlakeCache(OURS[key], case["budget"], L, profile_model=model)
-            prefill(model, cache, ids)
-            m = torch.zeros(L, H, S, dtype=torch.bool)
-            for li in range(L):
-                st = cache.compressor.layers[li]
-                for h in range(H):
-                    m[li, h, st.positions[0, h][st.valid[0, h]]] = True
-            out[(case["name"], key)] = m
-            print(case["name"], key, m.sum(-1).float().mean().item(), flush=True)
-    torch.save(out, work / "ours_kept.pt")
-
-
-def kept_compare(work: Path) -> None:
-    """Per (prompt, press): differing kept entries (share of kvpress's), layers whose sets differ, first such layer."""
-    import torch
-
-    a, b = torch.load(work / "ours_kept.pt"), torch.load(work / "kvpress_kept.pt")
-    res = {}
-    for k in sorted(set(a) & set(b)):
-        o, r = a[k], b[k]
-        diff = (o ^ r).sum(-1).sum(-1)  # per layer
-        layers = [int(i) for i in torch.nonzero(diff).flatten()]
-        res[f"{k[0]}/{k[1]}"] = {"diff_frac": float((o ^ r).sum() / 2 / r.sum()), "layers_differing": layers,
-                                 "kept_ours": float(o.sum(-1).float().mean()),
-                                 "kept_ref": float(r.sum(-1).float().mean())}
-        print(k, res[f"{k[0]}/{k[1]}"])
-    (work / "kept_compare.json").write_text(json.dumps(res, indent=1))
-
-
 # ====================================================================== kvpress side (no slake imports)
 def make_presses(case: dict) -> dict:
     """press key -> (kvpress press, attention implementation) for one prompt (see ``KVPRESS``)."""
@@ -303,54 +256,6 @@ def kvpress_side(work: Path) -> None:
     print("wrote", work / "kvpress.json", kvpress.__name__)
 
 
-def kvpress_kept(work: Path, keys: list[str]) -> None:
-    """Diagnosis: kvpress's kept set of every layer and KV head after the prefill, into ``kvpress_kept.pt``. Pruning
-    presses gather keys, so each kept key is found among the layer's full keys (exact copies); ``AdaKVPress``
-    gives its masked indices."""
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    cases = json.loads((work / "cases.json").read_text())
-    gguf = Path(cases["gguf"])
-    kw = {"gguf_file": gguf.name, "dtype": torch.float32}
-    models = {}
-    out = {}
-    for case in cases["cases"]:
-        S = case["S"]
-        presses = make_presses(case)
-        for key in keys:
-            press, impl = presses[key]
-            if impl not in models:
-                models[impl] = AutoModelForCausalLM.from_pretrained(gguf.parent, attn_implementation=impl,
-                                                                    **kw).eval()
-            model = models[impl]
-            L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
-            m = torch.zeros(L, H, S, dtype=torch.bool)
-            inner = press.compress
-
-            def compress(module, hidden, keys_, values, attn, kwargs_, inner=inner, m=m):
-                k2, v2 = inner(module, hidden, keys_, values, attn, kwargs_)
-                mk = getattr(module, "masked_key_indices", None)
-                if k2.shape[2] == keys_.shape[2] and mk is not None:  # AdaKV: masked entries
-                    m[module.layer_idx] = True
-                    m[module.layer_idx, mk[1], mk[2]] = False
-                else:
-                    eq = (k2[0][:, :, None, :] == keys_[0][:, None, :, :]).all(-1)  # (H, kept, S)
-                    m[module.layer_idx] = eq.any(1)
-                return k2, v2
-
-            press.compress = compress
-            with torch.inference_mode(), press(model):
-                model(input_ids=torch.tensor([case["input_ids"]]), past_key_values=DynamicCache(), use_cache=True,
-                      logits_to_keep=1)
-            for layer in model.model.layers:
-                if hasattr(layer.self_attn, "masked_key_indices"):
-                    layer.self_attn.masked_key_indices = None
-            out[(case["name"], key)] = m
-            print(case["name"], key, m.sum(-1).float().mean().item(), flush=True)
-    torch.save(out, work / "kvpress_kept.pt")
-
-
 class _null:
     def __enter__(self):
         return self
@@ -362,10 +267,8 @@ class _null:
 # ====================================================================== driver
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["run", "prepare", "kvpress", "ours", "compare", "ours-kept", "kvpress-kept",
-                                     "kept-compare"])
-    ap.add_argument("--cases", nargs="+", help="prompt names to run (ours / ours-kept / kvpress-kept)")
-    ap.add_argument("--keys", nargs="+", default=["snapkv"], help="press keys for the kept-set diagnosis")
+    ap.add_argument("step", choices=["run", "prepare", "kvpress", "ours", "compare"])
+    ap.add_argument("--cases", nargs="+", help="prompt names our side runs, in this order (default: all)")
     ap.add_argument("--prompts", type=Path, nargs="+")
     ap.add_argument("--work", type=Path, default=Path("/tmp/reftok"))
     ap.add_argument("--kvpress-venv", type=Path)
@@ -380,12 +283,6 @@ def main() -> None:
         ours_side(args.work, args.cases)
     elif args.step == "compare":
         compare(args.work, args.out)
-    elif args.step == "ours-kept":
-        ours_kept(args.work, args.keys)
-    elif args.step == "kvpress-kept":
-        kvpress_kept(args.work, args.keys)
-    elif args.step == "kept-compare":
-        kept_compare(args.work)
     else:
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
         me = str(Path(__file__).resolve())
