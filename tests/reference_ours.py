@@ -70,8 +70,17 @@ def spec_for(key: str, window: int) -> str:
     return PAIRS[key][0].format(w=window)
 
 
-def ours_keep(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, selectable,
-              budget: int, layer_idx: int = 0, num_layers: int = 1):
+def ours_keep(
+    spec: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    selectable,
+    budget: int,
+    layer_idx: int = 0,
+    num_layers: int = 1,
+):
     """Our kept set of one layer, the way the engine selects it (``CompressedKV._evict_to``): the method's scores,
     protected slots (sinks, window) at ``+inf``, the method's head split of ``selectable`` tokens per head on
     average (an int, or a per-head list that overrides the split), then a stable descending sort per head.
@@ -81,16 +90,24 @@ def ours_keep(spec: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     """
     method = make_method(spec)
     B, Hkv, S, _ = k.shape
-    inputs = PrefillInputs(queries=q, keys=k, values=v, key_padding=torch.zeros(B, S, dtype=torch.bool),
-                           scaling=scaling, window=method.window, layer_idx=layer_idx, num_layers=num_layers,
-                           budget=torch.tensor([budget]))
+    inputs = PrefillInputs(
+        queries=q,
+        keys=k,
+        values=v,
+        key_padding=torch.zeros(B, S, dtype=torch.bool),
+        scaling=scaling,
+        window=method.window,
+        layer_idx=layer_idx,
+        num_layers=num_layers,
+        budget=torch.tensor([budget]),
+    )
     res = method.prefill_scores(inputs)
     s = res.scores.float().clone()
     if method.sinks:
-        s[..., :method.sinks] = float("inf")
+        s[..., : method.sinks] = float("inf")
     recent = method.protected - method.sinks
     if recent > 0:
-        s[..., S - recent:] = float("inf")
+        s[..., S - recent :] = float("inf")
     protected = torch.isposinf(s).sum(-1)[0]
     if isinstance(selectable, (list, tuple)) or torch.is_tensor(selectable) and selectable.dim() > 0:
         counts = torch.as_tensor(selectable, dtype=torch.int64).view(1, -1)
@@ -110,8 +127,11 @@ def set_metrics(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     a, b = ours.reshape(-1, ours.shape[-1]), ref.reshape(-1, ref.shape[-1])
     inter = (a & b).sum(-1).double()
     union = (a | b).sum(-1).double().clamp_min(1)
-    return {"jaccard": float((inter / union).mean()), "equal_heads": float((a == b).all(-1).double().mean()),
-            "diff_frac": float((a ^ b).sum() / 2 / b.sum().clamp_min(1))}
+    return {
+        "jaccard": float((inter / union).mean()),
+        "equal_heads": float((a == b).all(-1).double().mean()),
+        "diff_frac": float((a ^ b).sum() / 2 / b.sum().clamp_min(1)),
+    }
 
 
 def diff_beyond_ties(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor) -> float:
@@ -131,8 +151,9 @@ def diff_beyond_ties(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor
     return n / 2 / max(int(ref.sum()), 1)
 
 
-def next_query_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                      mask: torch.Tensor) -> torch.Tensor:
+def next_query_output(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, mask: torch.Tensor
+) -> torch.Tensor:
     """Attention output ``(Hq, d)`` of the last prompt query (the query nearest to the next one) over a kept set."""
     Hq, Hkv = q.shape[1], k.shape[1]
     g = Hq // Hkv

@@ -17,13 +17,16 @@ from slake.methods.sagekv import sagekv_partition
 
 L, B, HQ, HKV, S, D = 2, 2, 4, 2, 96, 8
 G = HQ // HKV
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def _qkv(seed: int, b: int = B, s: int = S):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, HQ, s, D, generator=g) * 2, torch.randn(b, HKV, s, D, generator=g) * 2,
-            torch.randn(b, HKV, s, D, generator=g))
+    return (
+        torch.randn(b, HQ, s, D, generator=g) * 2,
+        torch.randn(b, HKV, s, D, generator=g) * 2,
+        torch.randn(b, HKV, s, D, generator=g),
+    )
 
 
 def _inputs(q, k, v, window, budget):
@@ -96,8 +99,9 @@ def test_h2o_limit_of_the_score():
     """c = 1, no value prior, no pooling and r = N rows give H2O's causal column sums."""
     q, k, v = _qkv(4)
     rows = sg_rows(_inputs(q, k, v, S, 40), torch.ones(B))
-    torch.testing.assert_close(group_mean(rows.sum(2), HKV), group_mean(accumulated_attention(q, k, SCALE, None),
-                                                                         HKV), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        group_mean(rows.sum(2), HKV), group_mean(accumulated_attention(q, k, SCALE, None), HKV), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_ahakv_prefill_keeps_top_candidates_plus_recent_and_seeds_acc():
@@ -169,7 +173,7 @@ def test_sagekv_selection_visibility_and_sizes():
                 kept = _kept(store, b, h)
                 union = set()
                 for m in range(G):
-                    logit = (q[b, h * G + m, -1] @ k[b, h].T)[s_n: S - r_n]
+                    logit = (q[b, h * G + m, -1] @ k[b, h].T)[s_n : S - r_n]
                     top = set((torch.sort(logit, descending=True, stable=True).indices[:k_n] + s_n).tolist())
                     union |= top
                     vis = store.head_visible[b, h, m] & store.valid[b, h]
@@ -184,15 +188,18 @@ def test_sagekv_masked_attention_equals_per_query_head_gathered_cache():
     s_n, k_n, r_n = (int(t) for t in sagekv_partition(torch.tensor([40]), G))
     q, k, v = data[0]
     g = torch.Generator().manual_seed(3)
-    kn, vn, qn = torch.randn(B, HKV, 1, D, generator=g), torch.randn(B, HKV, 1, D, generator=g), \
-        torch.randn(B, HQ, 1, D, generator=g)
+    kn, vn, qn = (
+        torch.randn(B, HKV, 1, D, generator=g),
+        torch.randn(B, HKV, 1, D, generator=g),
+        torch.randn(B, HQ, 1, D, generator=g),
+    )
     eng.append(0, kn, vn)
     out = eng.decode_attention(0, qn, SCALE)  # (B, Hq, 1, d)
     K, V = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
     for b in range(B):
         for hq in range(HQ):
             h = hq // G
-            logit = (q[b, hq, -1] @ k[b, h].T)[s_n: S - r_n]
+            logit = (q[b, hq, -1] @ k[b, h].T)[s_n : S - r_n]
             top = (torch.sort(logit, descending=True, stable=True).indices[:k_n] + s_n).tolist()
             idx = list(range(s_n)) + sorted(top) + list(range(S - r_n, S + 1))
             att = torch.softmax((qn[b, hq, 0] @ K[b, h, idx].T) * SCALE, -1)

@@ -13,15 +13,43 @@ from slake.hf.shapes import SHAPES, parse_shape
 
 def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     out = tmp_path / "bench"
-    rc = main(["bench", "--methods", "full,snapkv,slake", "--budget", "40", "--lengths", "48,96",
-               "--random-model", "tiny", "--device", "cpu", "--decode-steps", "3", "--warmup", "1",
-               "--out", str(out), "--json", "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "--methods",
+            "full,snapkv,slake",
+            "--budget",
+            "40",
+            "--lengths",
+            "48,96",
+            "--random-model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--decode-steps",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert len(rows) == 6
     for r in rows:
-        for key in ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes",
-                    "kv_bytes"):
+        for key in (
+            "method",
+            "budget",
+            "length",
+            "batch",
+            "prefill_s",
+            "decode_ms_per_token",
+            "peak_mem_bytes",
+            "kv_bytes",
+        ):
             assert key in r
         assert r["decode_steps"] == 3 and r["decode_ms_min"] <= r["decode_ms_per_token"] <= r["decode_ms_max"]
         assert r["peak_mem_bytes"] > 0 and r["kv_bytes"] > 0 and r["prefill_s"] > 0
@@ -43,9 +71,32 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
 
 
 def test_bench_chunked_prefill_and_batch(tmp_path, capsys):
-    rc = main(["bench", "--methods", "cake", "--budget", "40", "--lengths", "96", "--batch", "2",
-               "--prefill-chunk", "32", "--random-model", "tiny:num_hidden_layers=3", "--decode-steps", "2",
-               "--warmup", "0", "--out", str(tmp_path), "--json", "--no-progress", "--no-plots"])
+    rc = main(
+        [
+            "bench",
+            "--methods",
+            "cake",
+            "--budget",
+            "40",
+            "--lengths",
+            "96",
+            "--batch",
+            "2",
+            "--prefill-chunk",
+            "32",
+            "--random-model",
+            "tiny:num_hidden_layers=3",
+            "--decode-steps",
+            "2",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+            "--json",
+            "--no-progress",
+            "--no-plots",
+        ]
+    )
     assert rc == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["batch"] == 2 and row["prefill_chunk"] == 32 and row["compressed"]
@@ -53,19 +104,39 @@ def test_bench_chunked_prefill_and_batch(tmp_path, capsys):
 
 
 def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tmp_path, capsys):
-    base = ["bench", "--budget", "40", "--lengths", "48,96", "--random-model", "tiny:num_hidden_layers=2",
-            "--device", "cpu", "--decode-steps", "2", "--warmup", "0", "--json", "--no-progress", "--no-plots"]
+    base = [
+        "bench",
+        "--budget",
+        "40",
+        "--lengths",
+        "48,96",
+        "--random-model",
+        "tiny:num_hidden_layers=2",
+        "--device",
+        "cpu",
+        "--decode-steps",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        "--no-progress",
+        "--no-plots",
+    ]
     assert main(base + ["--methods", "full,cake", "--decode-timing", "sequential", "--out", str(tmp_path / "a")]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-    assert len(rows) == 4 and all(r["decode_timing"] == "sequential" and "decode_ms_sequential" not in r
-                                  and "decode_vs_first" not in r for r in rows)
+    assert len(rows) == 4 and all(
+        r["decode_timing"] == "sequential" and "decode_ms_sequential" not in r and "decode_vs_first" not in r
+        for r in rows
+    )
     assert "decode vs first" not in (tmp_path / "a" / "bench.md").read_text()
     # one configuration per length: nothing to interleave with
     assert main(base + ["--methods", "cake", "--out", str(tmp_path / "b")]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["decode_timing"] for r in rows] == ["sequential", "sequential"]
-    assert main(base + ["--methods", "cake", "--isolate", "--decode-timing", "interleaved",
-                        "--out", str(tmp_path / "c")]) == 2
+    assert (
+        main(base + ["--methods", "cake", "--isolate", "--decode-timing", "interleaved", "--out", str(tmp_path / "c")])
+        == 2
+    )
     assert "drop --isolate" in capsys.readouterr().err
 
 
@@ -94,8 +165,23 @@ def test_interleaved_timing_runs_each_configuration_in_alternating_order(monkeyp
 
 def test_bench_rejects_bad_arguments(tmp_path, capsys):
     assert main(["bench", "--methods", "nope", "--random-model", "tiny", "--out", str(tmp_path)]) == 2
-    assert main(["bench", "--methods", "full", "--random-model", "gpt9", "--lengths", "8", "--out",
-                 str(tmp_path), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--methods",
+                "full",
+                "--random-model",
+                "gpt9",
+                "--lengths",
+                "8",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -104,8 +190,12 @@ def test_named_shapes_have_their_published_dimensions(name):
     assert cfg["hidden_size"] % cfg["num_attention_heads"] == 0
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
     if name == "llama3-8b":
-        assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == \
-            (32, 4096, 8, 128256)
+        assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (
+            32,
+            4096,
+            8,
+            128256,
+        )
     _, small = parse_shape(f"{name}:num_hidden_layers=1")
     assert small["num_hidden_layers"] == 1
 
@@ -125,11 +215,13 @@ def test_paired_ratio_survives_drift_that_misleads_the_medians():
     the medians then says slake is faster; the median of per-round ratios still reads the true 1.05."""
     from slake.engines.transformers.bench import apply_interleaved
 
-    base = [60.0 + 3.0 * r for r in range(12)]                       # drift of the machine over the rounds
+    base = [60.0 + 3.0 * r for r in range(12)]  # drift of the machine over the rounds
     cake = [b + (40.0 if r < 3 else 0.0) for r, b in enumerate(base)]
     slake = [1.05 * b + (40.0 if r >= 9 else 0.0) for r, b in enumerate(base)]
-    rows = [{"method": "cake", "budget": 128, "decode_ms_per_token": 0.0},
-            {"method": "slake", "budget": 128, "decode_ms_per_token": 0.0}]
+    rows = [
+        {"method": "cake", "budget": 128, "decode_ms_per_token": 0.0},
+        {"method": "slake", "budget": 128, "decode_ms_per_token": 0.0},
+    ]
     apply_interleaved(rows, [cake, slake])
     assert rows[1]["decode_ms_per_token"] / rows[0]["decode_ms_per_token"] < 1.0
     assert abs(rows[1]["decode_vs_first"] - 1.05) < 1e-9 and rows[1]["decode_first"] == "cake@128"

@@ -158,8 +158,12 @@ def test_cascaded_fold_equals_one_shot_fold_invariant_8():
         mask = torch.ones(1, 1, cap, dtype=torch.bool)
         mask[0, 0, current[layer]] = False
         once.fold(keys[layer], values[layer], mask)
-        for a, b in [(staged.kv, once.kv), (staged.k_sum, once.k_sum), (staged.v_sum, once.v_sum),
-                     (staged.count, once.count)]:
+        for a, b in [
+            (staged.kv, once.kv),
+            (staged.k_sum, once.k_sum),
+            (staged.v_sum, once.v_sum),
+            (staged.count, once.count),
+        ]:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         assert int(once.count) == cap - current[layer].numel()
 

@@ -65,7 +65,7 @@ def test_cake_matches_spec_sketch():
     out = Cake(window=w, tau1=0.9, tau2=2.3).prefill_scores(_inputs(q, k, v, w))
     assert out.scores.shape == (1, 2, 60) and out.preference.shape == (1,)
     torch.testing.assert_close(out.scores[..., : 60 - w], I_ref)
-    assert torch.equal(out.scores[..., 60 - w:], torch.zeros(1, 2, w))
+    assert torch.equal(out.scores[..., 60 - w :], torch.zeros(1, 2, w))
 
 
 def test_cake_padded_batch_equals_unpadded():
@@ -77,7 +77,7 @@ def test_cake_padded_batch_equals_unpadded():
     for b, (qb, kb, vb) in enumerate(seqs):
         ref = Cake(window=w).prefill_scores(_inputs(qb, kb, vb, w))
         n = qb.shape[2]
-        torch.testing.assert_close(out.scores[b, :, S - n: S - w], ref.scores[0, :, : n - w])
+        torch.testing.assert_close(out.scores[b, :, S - n : S - w], ref.scores[0, :, : n - w])
         torch.testing.assert_close(out.preference[b], ref.preference[0], rtol=1e-5, atol=0)
     # a sample shorter than the window: finite, nothing selectable
     q, k, v, pad = _padded_batch([_qkv(S=30), _qkv(S=5)], 30)
@@ -143,7 +143,7 @@ def _vabs_reference(logits, probs, values, indicator, selectable, alpha, beta, g
             kh = h // g
             order = sorted(real, key=lambda j: (-float(indicator[b, kh, j]), j))
             ev = torch.zeros(S, dtype=torch.bool)
-            ev[order[0 if split == "window" else k0:]] = True
+            ev[order[0 if split == "window" else k0 :]] = True
             vn = values[b, kh].double().norm(dim=-1) * ~pad[b]
             omega = vn / vn.sum()
             for i in range(w):
@@ -202,8 +202,10 @@ def test_vabs_splits_match_loop_reference(split):
         assert all(math.isfinite(t) for t in tvs)
     # neither reading depends on the indicator's ranking (nothing is provisionally kept outside the window)
     shuffled = ind[..., torch.randperm(S - w)]
-    torch.testing.assert_close(vabs_preference(logits, probs, v, shuffled, 4, w, 0.6, 0.5, split=split),
-                               vabs_preference(logits, probs, v, ind, 4, w, 0.6, 0.5, split=split))
+    torch.testing.assert_close(
+        vabs_preference(logits, probs, v, shuffled, 4, w, 0.6, 0.5, split=split),
+        vabs_preference(logits, probs, v, ind, 4, w, 0.6, 0.5, split=split),
+    )
     # a sample that fits in the budget still evicts nothing: epsilon, as for the uniform split
     assert vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split=split)[2] == torch.tensor(1e-12)
 
@@ -234,8 +236,10 @@ def test_vabs_split_option_validated_and_changes_the_score():
     logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
     probs = torch.softmax(logits, -1)
     ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
-    scores = {sp: float(vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split=sp)[0])
-              for sp in ("uniform", "window", "taylor")}
+    scores = {
+        sp: float(vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split=sp)[0])
+        for sp in ("uniform", "window", "taylor")
+    }
     assert len(set(scores.values())) == 3, scores
     with pytest.raises(ValueError, match="split"):
         vabs_preference(logits, probs, v, ind, 10, w, 0.6, 0.5, split="nosuch")

@@ -21,15 +21,19 @@ def reference(llama_gqa):
     return prepare_reference(llama_gqa, conts)
 
 
-@pytest.mark.parametrize("spec,grid,refine", [
-    ("slake[window=8]", {"alpha": (0.0, 3.0), "beta": (0.0, 2.0)}, True),
-    ("cake[window=8]", {"tau1": (0.25, 4.0), "tau2": (0.25, 4.0)}, False),
-])
+@pytest.mark.parametrize(
+    "spec,grid,refine",
+    [
+        ("slake[window=8]", {"alpha": (0.0, 3.0), "beta": (0.0, 2.0)}, True),
+        ("cake[window=8]", {"tau1": (0.25, 4.0), "tau2": (0.25, 4.0)}, False),
+    ],
+)
 def test_search_returns_the_best_candidate_and_its_measured_distances(llama_gqa, reference, spec, grid, refine):
     method = make_method(spec)
     calls = []
-    entry = calibrate_method(llama_gqa, reference, method, 24, grid=grid, refine=refine,
-                             on_candidate=lambda: calls.append(1))
+    entry = calibrate_method(
+        llama_gqa, reference, method, 24, grid=grid, refine=refine, on_candidate=lambda: calls.append(1)
+    )
     keys = list(grid)
     assert entry["method"] == method.name and entry["budget"] == 24 and set(entry["values"]) == set(keys)
     assert entry["before"]["values"] == {k: float(getattr(method, k)) for k in keys}
@@ -44,10 +48,12 @@ def test_search_returns_the_best_candidate_and_its_measured_distances(llama_gqa,
 
 def test_calibrate_rejects_bad_input_before_loading_a_model():
     parser = build_parser()
-    for argv, message in ((["calibrate", "--methods", "snapkv"], "tunes"),
-                          (["calibrate", "--budgets", "16"], "below"),
-                          (["calibrate", "--length", "100"], "--length"),
-                          (["calibrate", "--tokens", "1"], "--tokens"),
-                          (["calibrate", "--budgets", "0"], "budget")):
+    for argv, message in (
+        (["calibrate", "--methods", "snapkv"], "tunes"),
+        (["calibrate", "--budgets", "16"], "below"),
+        (["calibrate", "--length", "100"], "--length"),
+        (["calibrate", "--tokens", "1"], "--tokens"),
+        (["calibrate", "--budgets", "0"], "budget"),
+    ):
         with pytest.raises(ValueError, match=message):
             _check_args(parser.parse_args(argv))

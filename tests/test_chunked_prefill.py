@@ -104,8 +104,11 @@ def test_decode_reuses_storage_in_place(llama_gqa, method):
     with torch.inference_mode():
         for step in range(12):
             tok = llama_gqa(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            now = [(s.keys.data_ptr(), s.values.data_ptr(), s.positions.data_ptr(), s.valid.data_ptr())
-                   + ((s.linear.kv.data_ptr(),) if s.linear is not None else ()) for s in cache.compressor.layers]
+            now = [
+                (s.keys.data_ptr(), s.values.data_ptr(), s.positions.data_ptr(), s.valid.data_ptr())
+                + ((s.linear.kv.data_ptr(),) if s.linear is not None else ())
+                for s in cache.compressor.layers
+            ]
             if step >= 1:
                 assert now == ptrs, f"a layer was reallocated at decode step {step}"
             ptrs = now

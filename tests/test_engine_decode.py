@@ -12,9 +12,18 @@ from tiny_models import random_ids, tiny_model
 
 def _generate(model, ids, cache, n, attention_mask=None, **kw):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
-                              past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              return_dict_in_generate=True, output_logits=True, pad_token_id=0, **kw)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
+            past_key_values=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+            **kw,
+        )
 
 
 def test_streamingllm_positions_match_a_masked_full_forward(llama_gqa):
@@ -33,7 +42,7 @@ def test_streamingllm_positions_match_a_masked_full_forward(llama_gqa):
         # at the step that feeds token `row`, the cache holds C tokens (sinks + recent) before appending it
         keep = torch.zeros(T, dtype=torch.bool)
         keep[:4] = True
-        keep[row - (C - 4):row + 1] = True
+        keep[row - (C - 4) : row + 1] = True
         allowed[row] &= keep
     mask = torch.zeros(1, 1, T, T).masked_fill(~allowed, float("-inf"))
     model.set_attn_implementation("sdpa")
@@ -76,12 +85,12 @@ def test_padded_batch_equals_single_prompts(llama_gqa, method):
     ids = torch.zeros(3, S, dtype=torch.long)
     mask = torch.zeros(3, S, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, S - len(p):] = p
-        mask[i, S - len(p):] = 1
+        ids[i, S - len(p) :] = p
+        mask[i, S - len(p) :] = 1
     batch = _generate(model, ids, SlakeCache(method, 40, L), 12, attention_mask=mask)
     for i, p in enumerate(prompts):
         single = _generate(model, p[None], SlakeCache(method, 40, L), 12)
-        assert torch.equal(batch.sequences[i, S:], single.sequences[0, len(p):]), f"{method}: prompt {i} differs"
+        assert torch.equal(batch.sequences[i, S:], single.sequences[0, len(p) :]), f"{method}: prompt {i} differs"
         for a, b in zip(batch.logits, single.logits):
             torch.testing.assert_close(a[i], b[0], rtol=1e-3, atol=1e-3)
 
@@ -92,8 +101,16 @@ def test_sampling_and_num_return_sequences(llama_gqa):
     cache = SlakeCache("slake", 40, model.config.num_hidden_layers)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
-                             do_sample=True, top_k=20, num_return_sequences=2, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=8,
+            do_sample=True,
+            top_k=20,
+            num_return_sequences=2,
+            pad_token_id=0,
+        )
     assert out.shape == (2, 98)
     assert all(s.keys.shape[0] == 2 for s in cache.compressor.layers)
 

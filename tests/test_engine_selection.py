@@ -22,7 +22,7 @@ def _prefill(method_name, budget, padding=None, seed=0, q_scales=None, **hyper):
         k = torch.randn(B, HKV, S, D, generator=g) * 2
         v = torch.randn(B, HKV, S, D, generator=g)
         captured.append((q, k, v))
-        eng.prefill_layer(layer, q, k, v, padding, D ** -0.5)
+        eng.prefill_layer(layer, q, k, v, padding, D**-0.5)
     return eng, method, captured
 
 
@@ -33,8 +33,10 @@ def test_kept_entries_are_the_top_scored_ones(name):
     for layer, (q, k, v) in enumerate(captured):
         inputs_budget = torch.full((B,), 40)
         from slake.methods.base import PrefillInputs
-        res = method.prefill_scores(PrefillInputs(q, k, v, torch.zeros(B, S, dtype=torch.bool), D ** -0.5,
-                                                  method.window, layer, L, inputs_budget))
+
+        res = method.prefill_scores(
+            PrefillInputs(q, k, v, torch.zeros(B, S, dtype=torch.bool), D**-0.5, method.window, layer, L, inputs_budget)
+        )
         scores = res.scores.clone()
         pos = torch.arange(S)
         protected = torch.zeros(S, dtype=torch.bool)
@@ -102,7 +104,7 @@ def test_h2o_window_tokens_keep_their_accumulated_attention():
 
     eng, method, captured = _prefill("h2o", 48)
     q, k, v = captured[0]
-    acc = group_mean(accumulated_attention(q, k, D ** -0.5, None), HKV)
+    acc = group_mean(accumulated_attention(q, k, D**-0.5, None), HKV)
     store = eng.layers[0]
     window = store.valid & (store.positions >= S - method.window)
     assert bool(window.any())

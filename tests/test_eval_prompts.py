@@ -15,8 +15,13 @@ except ImportError:  # pragma: no cover
 
 def sample(**kw) -> Sample:
     base = dict(
-        task="t", context="Instruction.\n\nLong text here.\n\n", question="What is it?", answers=["x"],
-        metric="all", max_new_tokens=8, answer_prefix=" Answer:",
+        task="t",
+        context="Instruction.\n\nLong text here.\n\n",
+        question="What is it?",
+        answers=["x"],
+        metric="all",
+        max_new_tokens=8,
+        answer_prefix=" Answer:",
     )
     base.update(kw)
     return Sample(**base)

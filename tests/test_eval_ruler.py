@@ -30,8 +30,19 @@ def make(task: str, length: int = 3000, seed: int = 0, **kw):
 def test_all_thirteen_tasks_registered():
     assert len(RULER_TASKS) == 13
     assert set(RULER_TASKS) == {
-        "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
-        "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
+        "niah_single_1",
+        "niah_single_2",
+        "niah_single_3",
+        "niah_multikey_1",
+        "niah_multikey_2",
+        "niah_multikey_3",
+        "niah_multivalue",
+        "niah_multiquery",
+        "vt",
+        "cwe",
+        "fwe",
+        "qa_1",
+        "qa_2",
     }
 
 
@@ -60,7 +71,13 @@ def test_deterministic_and_seed_dependent(task):
 
 def test_metric_values():
     assert TASK_SPECS["qa_1"].metric == "part" and TASK_SPECS["vt"].metric == "all"
-    assert [TASK_SPECS[t].max_new_tokens for t in ("niah_single_1", "vt", "cwe", "fwe", "qa_2")] == [128, 30, 120, 50, 32]
+    assert [TASK_SPECS[t].max_new_tokens for t in ("niah_single_1", "vt", "cwe", "fwe", "qa_2")] == [
+        128,
+        30,
+        120,
+        50,
+        32,
+    ]
 
 
 def test_niah_variants():
@@ -71,7 +88,9 @@ def test_niah_variants():
     mk2 = make("niah_multikey_2")  # the haystack is made of needles
     assert mk2.context.count("special magic number for") > 50
     mk3 = make("niah_multikey_3")
-    assert re.fullmatch(r"[0-9a-f-]{36}", mk3.answers[0]) and re.search(r"for [0-9a-f-]{36} is", mk3.question + mk3.context)
+    assert re.fullmatch(r"[0-9a-f-]{36}", mk3.answers[0]) and re.search(
+        r"for [0-9a-f-]{36} is", mk3.question + mk3.context
+    )
     s1 = make("niah_single_1")
     assert "The river keeps flowing toward the sea." in s1.context  # noise haystack
     assert re.fullmatch(r"\d{7}", s1.answers[0])

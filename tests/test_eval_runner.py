@@ -39,8 +39,11 @@ class TinyTokenizer(WordTokenizer):
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
-        return "".join(self._pieces[i - 3] if 3 <= i < 3 + len(self._pieces) else ("" if i < 3 else f"<{i}>")
-                       for i in ids if not (skip_special_tokens and i < 3))
+        return "".join(
+            self._pieces[i - 3] if 3 <= i < 3 + len(self._pieces) else ("" if i < 3 else f"<{i}>")
+            for i in ids
+            if not (skip_special_tokens and i < 3)
+        )
 
     def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=True):
         rows = [self.encode(t, add_special_tokens) for t in texts]
@@ -63,15 +66,39 @@ def needle_samples(tok):
 def _eval_args(out, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_eval_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["eval", "--suite", "needle", "--methods", "snapkv,h2o", "--budgets", "40,4096",
-                              "--lengths", "200,280", "--depths", "0,100", "--samples", "1", "--seed", "1",
-                              "--max-new-tokens", "3", "--model", "tiny", "--no-progress", "--out", str(out),
-                              *extra])
+    return parser.parse_args(
+        [
+            "eval",
+            "--suite",
+            "needle",
+            "--methods",
+            "snapkv,h2o",
+            "--budgets",
+            "40,4096",
+            "--lengths",
+            "200,280",
+            "--depths",
+            "0,100",
+            "--samples",
+            "1",
+            "--seed",
+            "1",
+            "--max-new-tokens",
+            "3",
+            "--model",
+            "tiny",
+            "--no-progress",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _loader(model, tok):
     def load(args):
         return model, tok
+
     return load
 
 
@@ -86,9 +113,23 @@ def test_cmd_eval_end_to_end_writes_rows_summary_plots_and_json(llama_gqa, tok, 
     rows = read_results(out)
     assert len(rows) == 4 * (1 + 2 * 2)  # 2 lengths x 2 depths, full reference + 2 methods x 2 budgets
     for r in rows:
-        assert {"task", "sample_id", "model", "method", "budget", "length",
-                "prompt_tokens", "prediction", "answers", "score", "prefill_s",
-                                             "decode_s", "seed", "query_aware", "compressed"} <= set(r)
+        assert {
+            "task",
+            "sample_id",
+            "model",
+            "method",
+            "budget",
+            "length",
+            "prompt_tokens",
+            "prediction",
+            "answers",
+            "score",
+            "prefill_s",
+            "decode_s",
+            "seed",
+            "query_aware",
+            "compressed",
+        } <= set(r)
         assert 0.0 <= r["score"] <= 1.0 and r["new_tokens"] <= 3 and r["model"] == "tiny"
         # a budget above the prompt length is run but marked: no eviction
         assert r["compressed"] == (r["method"] != "full" and r["budget"] == 40)
@@ -98,8 +139,13 @@ def test_cmd_eval_end_to_end_writes_rows_summary_plots_and_json(llama_gqa, tok, 
         by_sample.setdefault(r["sample_id"], set()).add(r["prefill_s"])
     assert all(len(v) == 1 for v in by_sample.values())
     assert printed["rows"] and all(JSON_KEYS <= set(r) for r in printed["rows"])
-    assert {(r["method"], r["budget"]) for r in printed["rows"]} == {("full", None), ("snapkv", 40), ("snapkv", 4096),
-                                                                     ("h2o", 40), ("h2o", 4096)}
+    assert {(r["method"], r["budget"]) for r in printed["rows"]} == {
+        ("full", None),
+        ("snapkv", 40),
+        ("snapkv", 4096),
+        ("h2o", 40),
+        ("h2o", 4096),
+    }
     md = (out / "summary.md").read_text()
     assert md.index("| full | full |") < md.index("| snapkv | 40 |")
     assert (out / "summary.csv").read_text().splitlines()[0].startswith("model,suite,length,method,budget,needle")
@@ -139,11 +185,26 @@ def test_truncated_last_line_is_repaired(tmp_path):
 
 def test_runner_prediction_equals_live_generate(llama_gqa, tok, needle_samples, tmp_path):
     sample = needle_samples[3]
-    rows = run_suite(llama_gqa, tok, [sample], ["snapkv", "tova"], [40], tmp_path, model_name="tiny",
-                     max_new_tokens=6, progress=False)
+    rows = run_suite(
+        llama_gqa,
+        tok,
+        [sample],
+        ["snapkv", "tova"],
+        [40],
+        tmp_path,
+        model_name="tiny",
+        max_new_tokens=6,
+        progress=False,
+    )
     for row in rows:
-        live = slake.generate(llama_gqa, tok, sample.context + sample.question, method=row["method"],
-                              budget=row["budget"] or 100_000, max_new_tokens=row["max_new_tokens"])
+        live = slake.generate(
+            llama_gqa,
+            tok,
+            sample.context + sample.question,
+            method=row["method"],
+            budget=row["budget"] or 100_000,
+            max_new_tokens=row["max_new_tokens"],
+        )
         assert row["prediction"] == live.text
         assert row["prompt_tokens"] == live.prompt_tokens[0]
         assert row["compressed"] == live.compressed
@@ -154,17 +215,29 @@ def test_question_agnostic_rows(llama_gqa, tok, needle_samples, tmp_path):
     ctx, q = encode_sample(sample, tok, query_aware=False)
     full = encode_sample(sample, tok)[0]
     assert q and len(ctx) + len(q) == len(full)
-    rows = run_suite(llama_gqa, tok, [sample], ["snapkv"], [40], tmp_path, query_aware=False, max_new_tokens=2,
-                     progress=False)
+    rows = run_suite(
+        llama_gqa, tok, [sample], ["snapkv"], [40], tmp_path, query_aware=False, max_new_tokens=2, progress=False
+    )
     assert [r["query_aware"] for r in rows] == [False, False]
     assert all(r["prompt_tokens"] == len(full) for r in rows)
 
 
 def test_summary_and_json_rows(tmp_path):
-    rows = [{"suite": "ruler", "task": t, "sample_id": f"{t}{i}", "model": "m", "method": m, "budget": b,
-             "length": 1024, "score": s}
-            for t in ("a", "b") for i in range(2) for m, b, s in [("snapkv", 64, 0.5), ("full", None, 1.0),
-                                                                   ("snapkv", 0.5, 0.0)]]
+    rows = [
+        {
+            "suite": "ruler",
+            "task": t,
+            "sample_id": f"{t}{i}",
+            "model": "m",
+            "method": m,
+            "budget": b,
+            "length": 1024,
+            "score": s,
+        }
+        for t in ("a", "b")
+        for i in range(2)
+        for m, b, s in [("snapkv", 64, 0.5), ("full", None, 1.0), ("snapkv", 0.5, 0.0)]
+    ]
     js = summary_rows(rows)
     assert all(JSON_KEYS <= set(r) for r in js)
     assert [(r["method"], r["budget"]) for r in js[:2]] == [("full", None), ("full", None)]
@@ -173,8 +246,11 @@ def test_summary_and_json_rows(tmp_path):
     md, _ = write_summary(tmp_path, rows)
     lines = [ln for ln in md.read_text().splitlines() if ln.startswith("| ")]
     assert lines[0] == "| method | budget | a | b | average | n |"
-    assert lines[1:] == ["| full | full | 100.0 | 100.0 | 100.0 | 4 |", "| snapkv | 64 | 50.0 | 50.0 | 50.0 | 4 |",
-                         "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | 4 |"]
+    assert lines[1:] == [
+        "| full | full | 100.0 | 100.0 | 100.0 | 4 |",
+        "| snapkv | 64 | 50.0 | 50.0 | 50.0 | 4 |",
+        "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | 4 |",
+    ]
 
 
 def test_methods_and_budgets_are_validated():
@@ -193,9 +269,12 @@ def test_cmd_eval_rejects_bad_arguments_before_loading(tmp_path):
     def loader(args):
         raise AssertionError("the model must not load")
 
-    for extra, msg in [(("--methods", "nope"), "unknown method"), (("--budgets", "-3"), "budget"),
-                       (("--budgets", "8"), "exceed the budget"),
-                       (("--lengths", "x"), "--lengths")]:
+    for extra, msg in [
+        (("--methods", "nope"), "unknown method"),
+        (("--budgets", "-3"), "budget"),
+        (("--budgets", "8"), "exceed the budget"),
+        (("--lengths", "x"), "--lengths"),
+    ]:
         args = _eval_args(tmp_path)
         setattr(args, extra[0][2:], extra[1])
         with pytest.raises(ValueError, match=msg):
@@ -231,16 +310,37 @@ def test_chunked_prefill_rows(llama_gqa, tok, needle_samples, tmp_path):
     """--prefill-chunk measures chunked prefill live; a chunk covering the prompt equals exact prefill."""
     sample = needle_samples[3]
     n = len(encode_sample(sample, tok)[0])
-    exact = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "exact", max_new_tokens=6,
-                      progress=False)
-    whole = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "whole", max_new_tokens=6,
-                      progress=False, prefill_chunk=n + 10)
+    exact = run_suite(
+        llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "exact", max_new_tokens=6, progress=False
+    )
+    whole = run_suite(
+        llama_gqa,
+        tok,
+        [sample],
+        ["snapkv", "slake"],
+        [40],
+        tmp_path / "whole",
+        max_new_tokens=6,
+        progress=False,
+        prefill_chunk=n + 10,
+    )
     assert [r["prediction"] for r in whole] == [r["prediction"] for r in exact]
-    chunked = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40], tmp_path / "exact", max_new_tokens=6,
-                        progress=False, prefill_chunk=max(8, n // 3))
+    chunked = run_suite(
+        llama_gqa,
+        tok,
+        [sample],
+        ["snapkv", "slake"],
+        [40],
+        tmp_path / "exact",
+        max_new_tokens=6,
+        progress=False,
+        prefill_chunk=max(8, n // 3),
+    )
     # same directory: chunked rows are new keys (the full row is shared with the exact run and not repeated)
-    assert [(r["method"], r["prefill_chunk"]) for r in chunked] == [("snapkv", max(8, n // 3)),
-                                                                      ("slake", max(8, n // 3))]
+    assert [(r["method"], r["prefill_chunk"]) for r in chunked] == [
+        ("snapkv", max(8, n // 3)),
+        ("slake", max(8, n // 3)),
+    ]
     assert all(r["compressed"] for r in chunked)
     with pytest.raises(ValueError, match="prefill_chunk"):
         run_suite(llama_gqa, tok, [sample], ["snapkv"], [40], tmp_path / "x", query_aware=False, prefill_chunk=16)
@@ -266,8 +366,7 @@ def test_batched_rows_equal_single_rows_for_every_method(llama_gqa, tok, needle_
 def test_batch_size_is_validated(llama_gqa, tok, needle_samples, tmp_path):
     for bad, kw in [(0, {}), (2, {"query_aware": False}), (2, {"prefill_chunk": 64})]:
         with pytest.raises(ValueError, match="batch_size"):
-            run_suite(llama_gqa, tok, needle_samples, ["snapkv"], [40], tmp_path, batch_size=bad, progress=False,
-                      **kw)
+            run_suite(llama_gqa, tok, needle_samples, ["snapkv"], [40], tmp_path, batch_size=bad, progress=False, **kw)
     args = _eval_args(tmp_path, "--batch-size", "2", "--question-agnostic")
     with pytest.raises(ValueError, match="--batch-size"):
         cmd_eval(args, engine=TransformersEngine(loader=_loader(llama_gqa, tok)))
@@ -284,12 +383,19 @@ def test_method_variants_get_their_own_rows(llama_gqa, tok, needle_samples, tmp_
     sample = needle_samples[3]
     methods = resolve_methods("h2o,h2o[window=8],slake,slake[VABS=False],snapkv[linear_cache=true]")
     assert methods == ["h2o", "h2o[window=8]", "slake", "slake[vabs=false]", "snapkv[linear_cache=true]"]
-    rows = run_suite(llama_gqa, tok, [sample], methods, [40], tmp_path, model_name="tiny", max_new_tokens=6,
-                     progress=False)
+    rows = run_suite(
+        llama_gqa, tok, [sample], methods, [40], tmp_path, model_name="tiny", max_new_tokens=6, progress=False
+    )
     assert sorted(r["method"] for r in rows) == sorted(methods + ["full"])
     for row in rows:  # each variant decodes with its own hyperparameters (H2O's score memo is not shared)
-        live = slake.generate(llama_gqa, tok, sample.context + sample.question, method=row["method"],
-                              budget=row["budget"] or 100_000, max_new_tokens=row["max_new_tokens"])
+        live = slake.generate(
+            llama_gqa,
+            tok,
+            sample.context + sample.question,
+            method=row["method"],
+            budget=row["budget"] or 100_000,
+            max_new_tokens=row["max_new_tokens"],
+        )
         assert row["prediction"] == live.text
     lin = {r["method"]: r["kv_bytes"]["linear_state"] for r in rows}
     assert lin["snapkv[linear_cache=true]"] > 0 and lin["slake[vabs=false]"] > 0 and lin["h2o"] == 0
@@ -310,8 +416,12 @@ def test_engine_vllm_refuses_what_it_cannot_honour_before_loading(tmp_path, monk
 
     monkeypatch.setattr(slake.hf.models, "load_tokenizer", refuse)
     monkeypatch.setattr(slake.hf.models, "load_model", refuse)
-    for extra, msg in [(("--kv-dtype", "int8"), "--kv-dtype"), (("--prefill-chunk", "64"), "--prefill-chunk"),
-                       (("--question-agnostic",), "--question-agnostic"), (("--device", "cuda"), "CPU backend")]:
+    for extra, msg in [
+        (("--kv-dtype", "int8"), "--kv-dtype"),
+        (("--prefill-chunk", "64"), "--prefill-chunk"),
+        (("--question-agnostic",), "--question-agnostic"),
+        (("--device", "cuda"), "CPU backend"),
+    ]:
         args = _eval_args(tmp_path, "--engine", "vllm", *extra)
         with pytest.raises(ValueError, match=msg):
             cmd_eval(args)  # the engine --engine names, for --model
@@ -320,9 +430,28 @@ def test_engine_vllm_refuses_what_it_cannot_honour_before_loading(tmp_path, monk
 def test_a_results_directory_serves_one_engine(llama_gqa, tok, needle_samples, tmp_path):
     """The resume key does not name the engine: rows of vLLM in a directory make the transformers runner refuse it
     (instead of silently skipping the samples those rows cover)."""
-    (tmp_path / "results.jsonl").write_text(json.dumps({
-        "suite": "needle", "task": "needle", "sample_id": "x", "model": "tiny", "method": "full", "budget": None,
-        "length": 200, "prompt_tokens": 200, "prediction": "", "answers": ["1"], "score": 0.0, "prefill_s": 0.1,
-        "decode_s": 0.1, "seed": 1, "query_aware": True, "engine": "vllm"}) + "\n")
+    (tmp_path / "results.jsonl").write_text(
+        json.dumps(
+            {
+                "suite": "needle",
+                "task": "needle",
+                "sample_id": "x",
+                "model": "tiny",
+                "method": "full",
+                "budget": None,
+                "length": 200,
+                "prompt_tokens": 200,
+                "prediction": "",
+                "answers": ["1"],
+                "score": 0.0,
+                "prefill_s": 0.1,
+                "decode_s": 0.1,
+                "seed": 1,
+                "query_aware": True,
+                "engine": "vllm",
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(ValueError, match="rows of the vllm engine"):
         run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, model_name="tiny", progress=False)

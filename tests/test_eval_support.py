@@ -66,8 +66,11 @@ def fake_qa_records(n: int = 60, paragraphs: int = 1, seed: int = 0) -> list[QAR
             sents = [" ".join(rng.sample(BASIC_WORDS, 10)).capitalize() + "." for _ in range(6)]
             paras.append(" ".join(sents))
         answer = " ".join(paras[0].split()[3:5])
-        out.append(QARecord(f"q{i}", f"Which two words follow the third word in record {i}?", (answer,),
-                            tuple(paras), (0,), "fake"))
+        out.append(
+            QARecord(
+                f"q{i}", f"Which two words follow the third word in record {i}?", (answer,), tuple(paras), (0,), "fake"
+            )
+        )
     return out
 
 

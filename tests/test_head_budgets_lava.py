@@ -33,13 +33,13 @@ def _prefill(name, budget, seed=0, padding=None, **hyper):
     eng = CompressedKV(method, budget, L)
     data = _qkv(seed)
     for layer, (q, k, v) in enumerate(data):
-        eng.prefill_layer(layer, q, k, v, padding, D ** -0.5)
+        eng.prefill_layer(layer, q, k, v, padding, D**-0.5)
     return eng, method, data
 
 
 def _inputs(q, k, v, window, layer=0, budget=40, padding=None):
     pad = torch.zeros(q.shape[0], k.shape[2], dtype=torch.bool) if padding is None else padding
-    return PrefillInputs(q, k, v, pad, D ** -0.5, window, layer, L, torch.full((q.shape[0],), budget))
+    return PrefillInputs(q, k, v, pad, D**-0.5, window, layer, L, torch.full((q.shape[0],), budget))
 
 
 def _kept(store, b, h):
@@ -98,8 +98,9 @@ def test_default_head_budgets_are_the_uniform_split():
 
 
 # ---------------------------------------------------------------------------------------------- engine, per head
-@pytest.mark.parametrize("name, hyper", [("lava", {}), ("ada-snapkv", {}), ("ada-snapkv", {"alpha_safeguard": 0.0}),
-                                         ("ada-pyramidkv", {})])
+@pytest.mark.parametrize(
+    "name, hyper", [("lava", {}), ("ada-snapkv", {}), ("ada-snapkv", {"alpha_safeguard": 0.0}), ("ada-pyramidkv", {})]
+)
 def test_per_head_budgets_sum_exactly_and_stay_in_range(name, hyper):
     eng, method, _ = _prefill(name, 40, seed=1, **hyper)
     sel = eng.info.layer_budgets
@@ -126,8 +127,7 @@ def test_lava_keeps_the_global_top_k_of_its_scores():
         for b in range(B):
             n = int(final[b, layer]) * HKV
             flat = torch.sort(s[b].flatten(), descending=True, stable=True).indices[:n]
-            expect = [set((flat[flat // (S - w) == h] % (S - w)).tolist()) | set(range(S - w, S))
-                      for h in range(HKV)]
+            expect = [set((flat[flat // (S - w) == h] % (S - w)).tolist()) | set(range(S - w, S)) for h in range(HKV)]
             assert [_kept(eng.layers[layer], b, h) for h in range(HKV)] == expect
 
 
@@ -137,7 +137,7 @@ def _one_shot(name, budget, final, **hyper):
     real_evict = eng._evict_to
     eng._evict_to = lambda *a, **k: None  # store every layer at full length, then evict once with the final budgets
     for layer, (q, k, v) in enumerate(_qkv(3)):
-        eng.prefill_layer(layer, q, k, v, None, D ** -0.5)
+        eng.prefill_layer(layer, q, k, v, None, D**-0.5)
     for layer in range(L):
         real_evict(layer, final[:, layer], final=True)
     return eng
@@ -156,7 +156,7 @@ def test_lava_cascade_equals_one_shot_and_stage_budgets_never_grow(floor_mode):
 
     eng._evict_to = recording
     for layer, (q, k, v) in enumerate(_qkv(3)):
-        eng.prefill_layer(layer, q, k, v, None, D ** -0.5)
+        eng.prefill_layer(layer, q, k, v, None, D**-0.5)
     for layer, seq in stages.items():
         for a, b in zip(seq, seq[1:]):
             assert all(y <= x for x, y in zip(a, b)), f"layer {layer}: {seq}"
@@ -178,15 +178,17 @@ def test_lava_score_matches_the_guide_formula():
     q, k, v = _qkv(6, layers=1)[0]
     w = 32
     s = lava_scores(_inputs(q, k, v, w))
-    assert s.shape == (B, HKV, S) and bool((s >= 0).all()) and bool((s[..., S - w:] == 0).all())
-    a = window_attention(q, k, w, D ** -0.5)[..., : S - w].mean(2)  # (B, Hq, S-w)
+    assert s.shape == (B, HKV, S) and bool((s >= 0).all()) and bool((s[..., S - w :] == 0).all())
+    a = window_attention(q, k, w, D**-0.5)[..., : S - w].mean(2)  # (B, Hq, S-w)
     p = torch.nn.functional.max_pool1d(a.reshape(-1, 1, S - w), 7, 1, 3).reshape(B, HQ, S - w)
     vbar = v.abs().sum(-1).amax(-1)  # paper: all N tokens
     ref = vbar[..., None] * p.reshape(B, HKV, HQ // HKV, S - w).amax(2)
     torch.testing.assert_close(s[..., : S - w], ref)
     vbar_c = v[:, :, : S - w].abs().sum(-1).amax(-1)  # reference code: candidates only
-    torch.testing.assert_close(lava_scores(_inputs(q, k, v, w), value_norm="candidates")[..., : S - w],
-                               vbar_c[..., None] * p.reshape(B, HKV, HQ // HKV, S - w).amax(2))
+    torch.testing.assert_close(
+        lava_scores(_inputs(q, k, v, w), value_norm="candidates")[..., : S - w],
+        vbar_c[..., None] * p.reshape(B, HKV, HQ // HKV, S - w).amax(2),
+    )
 
 
 def test_lava_value_scaling_of_one_head_scales_only_its_scores():
@@ -217,9 +219,10 @@ def test_lava_padding_does_not_change_scores_or_preference():
     pad[0, : S - n] = True
     kk = k[:1].clone()
     kk[:, :, : S - n] = 100.0  # garbage in the padding must not matter
-    padded = method.prefill_scores(_inputs(q[:1], kk, v[:1] * (~pad)[:, None, :, None] + 50 * pad[:, None, :, None],
-                                           32, padding=pad))
-    torch.testing.assert_close(padded.scores[..., S - n:], single.scores)
+    padded = method.prefill_scores(
+        _inputs(q[:1], kk, v[:1] * (~pad)[:, None, :, None] + 50 * pad[:, None, :, None], 32, padding=pad)
+    )
+    torch.testing.assert_close(padded.scores[..., S - n :], single.scores)
     torch.testing.assert_close(padded.preference, single.preference)
 
 

@@ -17,9 +17,16 @@ def _reference(model, ids, new_tokens):
     try:
         with torch.no_grad():
             logits = model(ids).logits
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                                 min_new_tokens=new_tokens, return_dict_in_generate=True, output_logits=True,
-                                 pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                min_new_tokens=new_tokens,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=0,
+            )
     finally:
         slake.prepare_model(model)
     return logits, out
@@ -31,9 +38,17 @@ def _ours(model, ids, method, budget, new_tokens):
     with torch.no_grad():
         logits = model(ids, past_key_values=SlakeCache(method, budget, L)).logits
         cache = SlakeCache(method, budget, L)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+        )
     return logits, out, cache
 
 

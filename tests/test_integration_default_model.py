@@ -57,7 +57,7 @@ def test_needle_at_2k_full_cache_and_snapkv(default_model):
     prompt, answers, needle = _needle_prompt(tok, 2048)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     assert 1900 < ids.shape[1] < 2200
-    start = len(tok(prompt[:prompt.index(needle)], add_special_tokens=False).input_ids)
+    start = len(tok(prompt[: prompt.index(needle)], add_special_tokens=False).input_ids)
     capture = capture_prefill(model, ids)
 
     def answer(method, budget):
@@ -95,13 +95,39 @@ def test_cli_generate_json_reports_honest_statistics(tmp_path, default_model):
     prompt, _, _ = _needle_prompt(tok, 1024, seed=2)
     f = tmp_path / "doc.txt"
     f.write_text(prompt.split("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0])
-    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--method", "snapkv", "--budget", "128",
-                          "--prompt-file", str(f), "--max-new-tokens", "8", "--json"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slake.cli",
+            "generate",
+            "--method",
+            "snapkv",
+            "--budget",
+            "128",
+            "--prompt-file",
+            str(f),
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("text", "prompt_tokens", "new_tokens", "method", "budget", "kv_bytes", "kept_tokens_per_layer",
-                "prefill_s", "decode_ms_per_token"):
+    for key in (
+        "text",
+        "prompt_tokens",
+        "new_tokens",
+        "method",
+        "budget",
+        "kv_bytes",
+        "kept_tokens_per_layer",
+        "prefill_s",
+        "decode_ms_per_token",
+    ):
         assert key in data
     assert set(data["kv_bytes"]) >= {"full", "kept", "linear_state"}
     L = model.config.num_hidden_layers
@@ -114,14 +140,26 @@ def test_cli_generate_json_reports_honest_statistics(tmp_path, default_model):
 
 
 def test_cli_errors_are_clear():
-    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--method", "nope", "--prompt", "hi"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "slake.cli", "generate", "--method", "nope", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "unknown method" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--budget", "0", "--prompt", "hi"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "slake.cli", "generate", "--budget", "0", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "budget" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "slake.cli", "generate", "--budget", "16", "--prompt", "hi"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "slake.cli", "generate", "--budget", "16", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "window" in out.stderr
 
 

@@ -37,7 +37,7 @@ def test_round_trip_error_bounds(src_dtype):
     deq = dequantize_rows(codes, scale)
     err = (deq - xf).abs()
     # 3 mantissa bits: relative error <= 2^-4 for normal codes, absolute <= 2^-10 * scale for subnormal ones
-    assert bool((err <= torch.maximum(xf.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-5) + 1e-30).all())
+    assert bool((err <= torch.maximum(xf.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-5) + 1e-30).all())
     assert torch.equal(deq[0, 0, 0], torch.zeros(64)) and bool(torch.isfinite(deq).all())
 
 
@@ -51,12 +51,12 @@ def _engine(kv_dtype, method="slake", d=64, seed=0, steps=12):
         q = torch.randn(B, HQ, S, d, generator=g)
         k = torch.randn(B, HKV, S, d, generator=g) + 0.5
         v = torch.randn(B, HKV, S, d, generator=g)
-        eng.prefill_layer(layer, q, k, v, pad, d ** -0.5)
+        eng.prefill_layer(layer, q, k, v, pad, d**-0.5)
     outs = []
     for _ in range(steps):
         for layer in range(L):
             eng.append(layer, torch.randn(B, HKV, 1, d, generator=g) + 0.5, torch.randn(B, HKV, 1, d, generator=g))
-            outs.append(eng.decode_attention(layer, torch.randn(B, HQ, 1, d, generator=g), d ** -0.5))
+            outs.append(eng.decode_attention(layer, torch.randn(B, HQ, 1, d, generator=g), d**-0.5))
     return eng, torch.stack(outs)
 
 
@@ -67,7 +67,7 @@ def test_bytes_accounting_counts_codes_and_scales(kv_dtype):
     kept = sum(int(s.valid.sum()) for s in eng.layers)
     d = 64
     assert eng.byte_counts()["kept"] == kept * 2 * (d + 4)  # d one-byte codes + one fp32 scale, for K and for V
-    assert ref.byte_counts()["kept"] == kept * 2 * d * 4    # the same kept tokens at fp32
+    assert ref.byte_counts()["kept"] == kept * 2 * d * 4  # the same kept tokens at fp32
     bf16_equivalent = kept * 2 * d * 2
     assert eng.byte_counts()["kept"] <= 0.55 * bf16_equivalent
     for s in eng.layers:
@@ -96,15 +96,17 @@ def test_every_method_generates_with_8bit(kv_dtype):
     ids = random_ids(120)
     for name in available_methods():
         cache = SlakeCache(name, 48, model.config.num_hidden_layers, kv_dtype=kv_dtype)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
-                             do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4, do_sample=False
+        )
         stats = cache.statistics()
         assert out.shape[1] == ids.shape[1] + 4 and stats["kv_dtype"] == kv_dtype, name
         assert all(layer.keys.element_size() == 1 for layer in cache.compressor.layers), name
     # beam search reorders / repeats batch rows: codes and scales move together
     cache = SlakeCache("slake", 48, model.config.num_hidden_layers, kv_dtype=kv_dtype)
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3, num_beams=2,
-                   do_sample=False)
+    model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False
+    )
     for s in cache.compressor.layers:
         assert s.k_scale.shape[:3] == s.keys.shape[:3] and s.v_scale.shape[:3] == s.values.shape[:3]
 

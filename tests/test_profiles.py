@@ -21,8 +21,16 @@ from slake.methods.profiles import (
 
 
 def _config(name="my-org/Tiny-Model-1B", layers=3):
-    return SimpleNamespace(slake_model_name=name, model_type="llama", num_hidden_layers=layers, hidden_size=64,
-                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    return SimpleNamespace(
+        slake_model_name=name,
+        model_type="llama",
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
 
 
 def _entry(budget=128, alpha=0.9, beta=0.1, **context):

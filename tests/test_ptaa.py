@@ -63,7 +63,7 @@ def _random_case(B=2, Hq=6, Hkv=2, nq=3, N=40, d=8, dtype=F64):
     p_kept, p_ev = torch.rand(2, generator=GEN).tolist()
     kept = u < p_kept * 0.8
     evicted = (u >= p_kept * 0.8) & (u < p_kept * 0.8 + (1 - p_kept * 0.8) * p_ev)
-    return q, keys, values, kept, evicted, d ** -0.5
+    return q, keys, values, kept, evicted, d**-0.5
 
 
 def test_zero_evicted_equals_softmax_invariant_1():
@@ -113,9 +113,9 @@ def test_shift_invariance_and_overflow_guard_invariant_4():
     values = torch.randn(1, 1, N, d, generator=GEN, dtype=F64)
     q = (480 * u).reshape(1, 1, 1, d)  # x ~ +60 for evicted, -60 for kept keys: exp(mu - kept max) = exp(120)
     for shift in (0.0, 3.0, -7.0):
-        ref = brute_force_ptaa(q, keys, values, ~evicted, evicted, d ** -0.5, shift=shift)
-        out32, _ = closed_form(q.float(), keys.float(), values.float(), ~evicted, evicted, d ** -0.5, torch.float32)
-        out64, _ = closed_form(q, keys, values, ~evicted, evicted, d ** -0.5)
+        ref = brute_force_ptaa(q, keys, values, ~evicted, evicted, d**-0.5, shift=shift)
+        out32, _ = closed_form(q.float(), keys.float(), values.float(), ~evicted, evicted, d**-0.5, torch.float32)
+        out64, _ = closed_form(q, keys, values, ~evicted, evicted, d**-0.5)
         torch.testing.assert_close(out64, ref, rtol=1e-10, atol=1e-12)
         assert torch.isfinite(out32).all()
         torch.testing.assert_close(out32.double(), ref, rtol=1e-3, atol=1e-3)
@@ -204,8 +204,9 @@ def test_linear_state_fold_and_batch_ops():
 def test_attend_validates_shapes():
     with pytest.raises(ValueError):
         attend(torch.zeros(1, 1, 1, 1, 4), torch.zeros(1, 1, 1, 1, 3), torch.zeros(1, 1, 2, 4))
-    assert math.isclose(float(attend(torch.zeros(1, 1, 1, 1, 4), torch.zeros(1, 1, 1, 1, 2),
-                                     torch.ones(1, 1, 2, 4)).mean()), 1.0)
+    assert math.isclose(
+        float(attend(torch.zeros(1, 1, 1, 1, 4), torch.zeros(1, 1, 1, 1, 2), torch.ones(1, 1, 2, 4)).mean()), 1.0
+    )
 
 
 def test_long_folds_run_in_row_blocks_with_the_same_state(monkeypatch):

@@ -30,7 +30,7 @@ def old_attend(query, logits, values, state=None, scaling=None, overwrite_logits
     m = x.amax(-1) if n > 0 else x.new_full((B, H, g * nq), float("-inf"))
     lin_on = state is not None
     if lin_on:
-        s = d ** -0.5 if scaling is None else float(scaling)
+        s = d**-0.5 if scaling is None else float(scaling)
         q = query.to(cdt).reshape(B, H, g * nq, d)
         cnt = state.count.to(cdt)[..., None]
         has = cnt > 0
@@ -70,7 +70,14 @@ def old_fold_slots(self, keys, values, slots, chosen):
 def test_fused_attend_and_fold_equal_previous_implementation(dtype):
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-5)
     for trial in range(30):
-        B, Hkv, g, nq, n, d = 2, 2, [1, 2, 3][trial % 3], [1, 2][trial % 2], int(torch.randint(1, 40, (1,), generator=GEN)), 8
+        B, Hkv, g, nq, n, d = (
+            2,
+            2,
+            [1, 2, 3][trial % 3],
+            [1, 2][trial % 2],
+            int(torch.randint(1, 40, (1,), generator=GEN)),
+            8,
+        )
         q = torch.randn(B, Hkv, g, nq, d, generator=GEN, dtype=dtype) * 2
         keys = torch.randn(B, Hkv, 3 * n, d, generator=GEN, dtype=dtype) + 0.3
         values = torch.randn(B, Hkv, 3 * n, d, generator=GEN, dtype=dtype)
@@ -82,12 +89,12 @@ def test_fused_attend_and_fold_equal_previous_implementation(dtype):
             old_fold(old, keys[:, :, sl], values[:, :, sl], evicted[..., sl])
         for name in ("k_sum", "v_sum", "kv", "count"):
             torch.testing.assert_close(getattr(new, name), getattr(old, name), **tol)
-        logits = torch.einsum("bhgqd,bhnd->bhgqn", q, keys[:, :, :n]) * d ** -0.5
+        logits = torch.einsum("bhgqd,bhnd->bhgqn", q, keys[:, :, :n]) * d**-0.5
         logits = logits.masked_fill(torch.rand(B, Hkv, 1, 1, n, generator=GEN) < 0.3, float("-inf"))
         logits[1, 1] = float("-inf")  # a head with only the linear term
         for st in (None, new):
-            out = attend(q, logits, values[:, :, :n], st, d ** -0.5)
-            ref = old_attend(q, logits, values[:, :, :n], old if st is not None else None, d ** -0.5)
+            out = attend(q, logits, values[:, :, :n], st, d**-0.5)
+            ref = old_attend(q, logits, values[:, :, :n], old if st is not None else None, d**-0.5)
             torch.testing.assert_close(out, ref, **tol)
             assert out.dtype == ref.dtype
 
@@ -102,12 +109,12 @@ def _run_engine(method: str, steps: int, seed: int) -> tuple[list[torch.Tensor],
         q = torch.randn(B, HQ, S, D, generator=g) * 2
         k = torch.randn(B, HKV, S, D, generator=g) * 2 + 0.5
         v = torch.randn(B, HKV, S, D, generator=g)
-        eng.prefill_layer(layer, q, k, v, pad, D ** -0.5)
+        eng.prefill_layer(layer, q, k, v, pad, D**-0.5)
     outs = []
     for _ in range(steps):
         for layer in range(L):
             eng.append(layer, torch.randn(B, HKV, 1, D, generator=g) * 2 + 0.5, torch.randn(B, HKV, 1, D, generator=g))
-            outs.append(eng.decode_attention(layer, torch.randn(B, HQ, 1, D, generator=g) * 2, D ** -0.5))
+            outs.append(eng.decode_attention(layer, torch.randn(B, HQ, 1, D, generator=g) * 2, D**-0.5))
     return outs, [s.linear.aug.clone() for s in eng.layers if s.linear is not None]
 
 
@@ -128,8 +135,11 @@ def test_engine_decode_step_equals_previous_implementation(method, monkeypatch):
 
 def test_linear_state_keeps_its_former_constructor():
     st = LinearState.empty(2, 3, 4)
-    st.fold(torch.randn(2, 3, 5, 4, generator=GEN), torch.randn(2, 3, 5, 4, generator=GEN),
-            torch.rand(2, 3, 5, generator=GEN) < 0.5)
+    st.fold(
+        torch.randn(2, 3, 5, 4, generator=GEN),
+        torch.randn(2, 3, 5, 4, generator=GEN),
+        torch.rand(2, 3, 5, generator=GEN) < 0.5,
+    )
     again = LinearState(k_sum=st.k_sum, v_sum=st.v_sum, kv=st.kv, count=st.count)
     assert torch.equal(again.aug, st.aug) and again.aug.data_ptr() != st.aug.data_ptr()
     st.k_sum += 1.0  # in-place update through the view lands in the augmented matrix
@@ -159,8 +169,11 @@ def test_attend_may_overwrite_its_logits_with_the_same_result():
     q = torch.randn(2, 2, 3, 1, 8, generator=GEN)
     keys, values = torch.randn(2, 2, 12, 8, generator=GEN), torch.randn(2, 2, 12, 8, generator=GEN)
     state = LinearState.empty(2, 2, 8)
-    state.fold(torch.randn(2, 2, 5, 8, generator=GEN), torch.randn(2, 2, 5, 8, generator=GEN),
-               torch.ones(2, 2, 5, dtype=torch.bool))
+    state.fold(
+        torch.randn(2, 2, 5, 8, generator=GEN),
+        torch.randn(2, 2, 5, 8, generator=GEN),
+        torch.ones(2, 2, 5, dtype=torch.bool),
+    )
     logits = torch.einsum("bhgqd,bhnd->bhgqn", q, keys)
     logits[..., 3] = float("-inf")
     for st in (None, state):

@@ -20,8 +20,11 @@ from slake.methods.slake import vabs_preference
 
 def _qkv(seed, hq=4, hkv=2, s=20, d=8):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, hq, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g),
-            torch.randn(1, hkv, s, d, generator=g))
+    return (
+        torch.randn(1, hq, s, d, generator=g),
+        torch.randn(1, hkv, s, d, generator=g),
+        torch.randn(1, hkv, s, d, generator=g),
+    )
 
 
 def _logit(q, k, h, row, j, scaling):
@@ -116,8 +119,11 @@ def ahakv_bruteforce(q, k, v, r, budget, kernel=7, gqa="mean"):
         heads = [F[kv * g + t] for t in range(g)]
         f = [(sum(hh[j] for hh in heads) / g) if gqa == "mean" else max(hh[j] for hh in heads) for j in range(S)]
         nu = [sum(float(x) ** 2 for x in v[0, kv, j]) for j in range(S)]
-        gam = [sum(nu[t] for t in range(max(0, j - kernel // 2), min(S, j + kernel // 2 + 1)))
-               / (min(S, j + kernel // 2 + 1) - max(0, j - kernel // 2)) for j in range(S)]
+        gam = [
+            sum(nu[t] for t in range(max(0, j - kernel // 2), min(S, j + kernel // 2 + 1)))
+            / (min(S, j + kernel // 2 + 1) - max(0, j - kernel // 2))
+            for j in range(S)
+        ]
         gbar = [x / max(gam) for x in gam]
         f = [f[j] * gbar[j] for j in range(S)]
         for j in range(S):
@@ -130,9 +136,17 @@ def test_ahakv_scale_and_score_match_paper_equations(gqa):
     q, k, v = _qkv(5, s=24)
     S, r, budget = 24, 6, 10
     method = make_method(f"ahakv[window={r},gqa={gqa}]")
-    inputs = PrefillInputs(queries=q, keys=k, values=v, key_padding=torch.zeros(1, S, dtype=torch.bool),
-                           scaling=1 / math.sqrt(q.shape[-1]), window=r, layer_idx=0, num_layers=1,
-                           budget=torch.tensor([budget]))
+    inputs = PrefillInputs(
+        queries=q,
+        keys=k,
+        values=v,
+        key_padding=torch.zeros(1, S, dtype=torch.bool),
+        scaling=1 / math.sqrt(q.shape[-1]),
+        window=r,
+        layer_idx=0,
+        num_layers=1,
+        budget=torch.tensor([budget]),
+    )
     ours = method.prefill_scores(inputs).scores
     ref, c = ahakv_bruteforce(q, k, v, r, budget, gqa=gqa)
     assert float(ahakv_gain(S, budget)) == pytest.approx(c, rel=1e-12)
@@ -173,9 +187,17 @@ def test_sagekv_selection_matches_paper(hq, hkv, budget):
     q, k, v = _qkv(7, hq, hkv, s=40)
     S = q.shape[2]
     method = make_method("sagekv")
-    inputs = PrefillInputs(queries=q, keys=k, values=v, key_padding=torch.zeros(1, S, dtype=torch.bool),
-                           scaling=1 / math.sqrt(q.shape[-1]), window=method.window, layer_idx=0, num_layers=1,
-                           budget=torch.tensor([budget]))
+    inputs = PrefillInputs(
+        queries=q,
+        keys=k,
+        values=v,
+        key_padding=torch.zeros(1, S, dtype=torch.bool),
+        scaling=1 / math.sqrt(q.shape[-1]),
+        window=method.window,
+        layer_idx=0,
+        num_layers=1,
+        budget=torch.tensor([budget]),
+    )
     res = method.prefill_scores(inputs)
     visible, kept = sagekv_bruteforce(q, k, budget)
     assert torch.equal(res.head_visible, visible)

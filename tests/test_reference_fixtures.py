@@ -12,8 +12,17 @@ import json
 import pytest
 import torch
 
-from reference_ours import (FIXTURES, PAIRS, diff_beyond_ties, load_fixture, ours_keep, ref_key, set_metrics,
-                            tensors, unpack)
+from reference_ours import (
+    FIXTURES,
+    PAIRS,
+    diff_beyond_ties,
+    load_fixture,
+    ours_keep,
+    ref_key,
+    set_metrics,
+    tensors,
+    unpack,
+)
 from slake.budgets import preference_budgets
 from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
@@ -23,9 +32,19 @@ CASES = sorted(p.stem for p in FIXTURES.glob("*.npz"))
 #: pairs whose kept sets are equal to the reference's, up to exact score ties (max pooling makes plateaus of equal
 #: scores that each code breaks in its own order); see docs/faithfulness.md
 EQUAL_UP_TO_TIES = {
-    "kvpress.snapkv", "kvpress.streamingllm", "kvpress.pyramidkv", "kvcf.snapkv", "kvcf.snapkv_max7",
-    "kvcf.pyramidkv", "kvcf.h2o", "kvcf.adakv#scoring", "kvcf.adakv#reference", "adakv.adakv_gqamean#scoring",
-    "adakv.adakv_gqamean#reference", "cake", "lava",
+    "kvpress.snapkv",
+    "kvpress.streamingllm",
+    "kvpress.pyramidkv",
+    "kvcf.snapkv",
+    "kvcf.snapkv_max7",
+    "kvcf.pyramidkv",
+    "kvcf.h2o",
+    "kvcf.adakv#scoring",
+    "kvcf.adakv#reference",
+    "adakv.adakv_gqamean#scoring",
+    "adakv.adakv_gqamean#reference",
+    "cake",
+    "lava",
 }
 
 
@@ -50,8 +69,9 @@ def test_kept_sets_match_reference(name, budget, key):
     rec = meta["budgets"][budget]["pairs"][key]
     S = q.shape[2]
     ref = unpack(arrays[f"b{budget}__{ref_key(key)}"], S)
-    mask, counts, pref, scores = ours_keep(rec["spec"], q, k, v, meta["scaling"], rec["selectable"], int(budget),
-                                           rec["layer_idx"], rec["num_layers"])
+    mask, counts, pref, scores = ours_keep(
+        rec["spec"], q, k, v, meta["scaling"], rec["selectable"], int(budget), rec["layer_idx"], rec["num_layers"]
+    )
     m = set_metrics(mask, ref)
     nt = diff_beyond_ties(mask, ref, scores)
     if key in EQUAL_UP_TO_TIES:
@@ -90,7 +110,7 @@ def test_layer_budgets_match_reference(name, budget, key):
         if rec["num_layers"] == meta["num_layers"]:
             ours_l = ours
         else:  # single-layer case scored as one layer of a deeper model
-            ours_l = ours[rec["layer_idx"]:rec["layer_idx"] + 1]
+            ours_l = ours[rec["layer_idx"] : rec["layer_idx"] + 1]
             ref = ref[:1]
         if key == "kvcf.pyramidkv":  # exact=False is KVCache-Factory's formula
             assert torch.equal(ours_l, ref)
@@ -104,8 +124,16 @@ def test_layer_budgets_match_reference(name, budget, key):
     assert moved < 0.01  # the references round shares down (int / adjust_budgets); < 1% of the budget moves
 
 
-@pytest.mark.parametrize("spec", ["snapkv[window=16,kernel=5,pooling=avg]", "streamingllm[sinks=4]", "tova",
-                                  "h2o[window=16]", "ada-snapkv[window=16]"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "snapkv[window=16,kernel=5,pooling=avg]",
+        "streamingllm[sinks=4]",
+        "tova",
+        "h2o[window=16]",
+        "ada-snapkv[window=16]",
+    ],
+)
 def test_fixture_route_equals_the_engine(spec):
     """``ours_keep`` (used above) selects exactly what ``CompressedKV`` keeps at prefill."""
     arrays, meta = load_fixture("random_gqa_200")

@@ -49,6 +49,7 @@ def test_tokens_fixture_is_consistent():
 @pytest.fixture(scope="module")
 def default_model():
     import slake
+
     try:
         return slake.load_model(device="cpu", dtype="float32")
     except FileNotFoundError as e:  # the package is part of `make setup`; say what is missing if it is not
@@ -63,12 +64,18 @@ def test_greedy_tokens_agree_with_kvpress(default_model, case, press):
     model, tokenizer = default_model
     row = ROWS[(case, press)]
     prompt = TOKENS["prompts"][case]
-    res = slake.generate(model, tokenizer, prompt["prompt"], method=row["spec"], budget=row["budget"],
-                         max_new_tokens=TOKENS["max_new_tokens"])
+    res = slake.generate(
+        model,
+        tokenizer,
+        prompt["prompt"],
+        method=row["spec"],
+        budget=row["budget"],
+        max_new_tokens=TOKENS["max_new_tokens"],
+    )
     S = res.prompt_tokens[0]
     seq = res.sequences[0].tolist()
     assert seq[:S] == prompt["input_ids"]  # the chat template applied as on kvpress's side
-    ours = seq[S:S + res.new_tokens[0]]
+    ours = seq[S : S + res.new_tokens[0]]
     a = agreement(ours, row["kvpress_tokens"])
     assert a["equal_prefix"] >= row["equal_prefix"], (a, row["kvpress_text"], tokenizer.decode(ours))
     assert a["equal_share"] >= row["equal_share"] - 1e-9

@@ -74,33 +74,76 @@ BAD_INPUTS = [
     ("fid-unknown-method", ["fidelity", "--methods", "snapkv,nope"], "unknown method 'nope'"),
     ("bench-threads-neg", BENCH + ["--threads", "-1"], "--threads must be >= 1"),
     ("bench-threads-0", BENCH + ["--threads", "0"], "--threads must be >= 1"),
-    ("bench-shape-key", ["bench", "--random-model", "tiny:nosuch=3", "--lengths", "48", "--out", "{out}"],
-     "unknown config key nosuch"),
+    (
+        "bench-shape-key",
+        ["bench", "--random-model", "tiny:nosuch=3", "--lengths", "48", "--out", "{out}"],
+        "unknown config key nosuch",
+    ),
     ("bench-shape-name", ["bench", "--random-model", "gpt9", "--lengths", "48", "--out", "{out}"], "gpt9"),
     ("bench-lengths", BENCH[:-4] + ["--lengths", "1", "--out", "{out}"], "--lengths"),
     ("bench-window-over-budget", BENCH + ["--methods", "full,cake", "--budget", "8"], "exceed the budget 8"),
     ("bench-device", BENCH + ["--device", "cuda:abc"], "invalid device"),
     ("bench-kernel-0", BENCH + ["--methods", "snapkv[kernel=0]"], "must be an odd integer"),
     ("eval-budget-0", EVAL[:-4] + ["--budgets", "0", "--out", "{out}"], "budget must be >= 1"),
-    ("eval-unknown-method", ["eval", "--suite", "needle", "--methods", "nope", "--budgets", "64", "--out", "{out}"],
-     "unknown method"),
+    (
+        "eval-unknown-method",
+        ["eval", "--suite", "needle", "--methods", "nope", "--budgets", "64", "--out", "{out}"],
+        "unknown method",
+    ),
     ("eval-window-over-budget", EVAL[:-4] + ["--budgets", "8", "--out", "{out}"], "exceed the budget 8"),
     ("eval-max-new-0", EVAL + ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("eval-prefill-chunk-0", EVAL + ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     ("eval-batch-0", EVAL + ["--batch-size", "0"], "--batch-size must be >= 1"),
     ("eval-device", EVAL + ["--device", "cuda:abc"], "invalid device"),
-    ("eval-nan-hyper", ["eval", "--suite", "needle", "--methods", "slake[beta=NaN]", "--budgets", "64", "--out",
-                        "{out}"], "beta must be a finite number"),
-    ("eval-unknown-task", ["eval", "--suite", "ruler", "--tasks", "nope", "--methods", "snapkv", "--budgets", "64",
-                           "--out", "{out}"], "unknown RULER task(s) nope"),
-    ("eval-longbench-not-utf8", ["eval", "--suite", "longbench", "--longbench-dir", "{dir}/lb_latin1", "--methods",
-                                 "snapkv", "--budgets", "64", "--out", "{out}"],
-     "lb_latin1/qasper.jsonl, line 1: not UTF-8"),
-    ("eval-longbench-bad-json", ["eval", "--suite", "longbench", "--longbench-dir", "{dir}/lb_json", "--methods",
-                                 "snapkv", "--budgets", "64", "--out", "{out}"],
-     "lb_json/qasper.jsonl, line 1: not a LongBench"),
-    ("make-prompt-depth", ["make-prompt", "--task", "needle", "--length", "64", "--depth", "120", "--out", "{out}"],
-     "--depth must lie in [0, 100]"),
+    (
+        "eval-nan-hyper",
+        ["eval", "--suite", "needle", "--methods", "slake[beta=NaN]", "--budgets", "64", "--out", "{out}"],
+        "beta must be a finite number",
+    ),
+    (
+        "eval-unknown-task",
+        ["eval", "--suite", "ruler", "--tasks", "nope", "--methods", "snapkv", "--budgets", "64", "--out", "{out}"],
+        "unknown RULER task(s) nope",
+    ),
+    (
+        "eval-longbench-not-utf8",
+        [
+            "eval",
+            "--suite",
+            "longbench",
+            "--longbench-dir",
+            "{dir}/lb_latin1",
+            "--methods",
+            "snapkv",
+            "--budgets",
+            "64",
+            "--out",
+            "{out}",
+        ],
+        "lb_latin1/qasper.jsonl, line 1: not UTF-8",
+    ),
+    (
+        "eval-longbench-bad-json",
+        [
+            "eval",
+            "--suite",
+            "longbench",
+            "--longbench-dir",
+            "{dir}/lb_json",
+            "--methods",
+            "snapkv",
+            "--budgets",
+            "64",
+            "--out",
+            "{out}",
+        ],
+        "lb_json/qasper.jsonl, line 1: not a LongBench",
+    ),
+    (
+        "make-prompt-depth",
+        ["make-prompt", "--task", "needle", "--length", "64", "--depth", "120", "--out", "{out}"],
+        "--depth must lie in [0, 100]",
+    ),
     ("make-prompt-task", ["make-prompt", "--task", "nope", "--length", "64", "--out", "{out}"], "unknown task"),
     ("make-prompt-length", ["make-prompt", "--task", "needle", "--length", "0", "--out", "{out}"], "--length"),
 ]
@@ -115,8 +158,10 @@ if not CUDA:
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail loudly if a command gets as far as loading a model or a tokenizer."""
+
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the arguments were validated")
+
     import slake.hf.models
     import slake.hf.shapes
 
@@ -145,8 +190,15 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, tmp_path, caps
 
 # ====================================================================== SlakeCache misuse (items 1 and 2)
 def _gen(model, ids, cache, n=4):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )
 
 
 @pytest.mark.parametrize("new_len", [40, 62, 63])
@@ -250,8 +302,9 @@ def test_kv_bytes_padding_counts_uneven_heads_only(llama_gqa):
     kv = cache.statistics()["kv_bytes"]
     per_slot = 2 * 16 * 4
     expected_padding = sum(int((s.counts().max() - s.counts()).sum()) for s in eng.layers) * per_slot
-    expected_slack = sum(s.valid.shape[0] * s.valid.shape[1] * (s.capacity - int(s.counts().max()))
-                         for s in eng.layers) * per_slot
+    expected_slack = (
+        sum(s.valid.shape[0] * s.valid.shape[1] * (s.capacity - int(s.counts().max())) for s in eng.layers) * per_slot
+    )
     assert kv["padding"] == expected_padding > 0
     assert kv["slack"] == expected_slack
 
@@ -280,8 +333,9 @@ def test_no_cache_survives_a_generate_call(llama_gqa, monkeypatch):
     monkeypatch.setattr(gen_mod, "SlakeCache", Tracked)
     tok = TinyTokenizer()
     for method in ("slake", "h2o", "snapkv"):
-        res = slake.generate(llama_gqa, tok, " ".join(f"w{i}" for i in range(90)), method=method, budget=40,
-                             max_new_tokens=3)
+        res = slake.generate(
+            llama_gqa, tok, " ".join(f"w{i}" for i in range(90)), method=method, budget=40, max_new_tokens=3
+        )
         del res
     gc.collect()
     assert len(refs) == 3 and all(r() is None for r in refs)
@@ -313,8 +367,16 @@ def test_fp16_on_cpu_is_finite_and_equals_the_full_cache_at_a_full_budget():
 
 
 # ====================================================================== the results reader (item 3)
-ROW = {"suite": "needle", "task": "needle", "sample_id": "a", "model": "m", "method": "full", "budget": None,
-       "length": 64, "score": 1.0}
+ROW = {
+    "suite": "needle",
+    "task": "needle",
+    "sample_id": "a",
+    "model": "m",
+    "method": "full",
+    "budget": None,
+    "length": 64,
+    "score": 1.0,
+}
 
 
 def _row(**kw):
@@ -323,8 +385,14 @@ def _row(**kw):
 
 def test_rows_with_missing_fields_are_skipped_and_reported_not_crashing_the_summary(tmp_path):
     path = tmp_path / "results.jsonl"
-    lines = [_row(), json.dumps({k: v for k, v in ROW.items() if k != "length"}), "[1, 2]", "not json",
-             _row(sample_id="b", score="high"), _row(sample_id="c")]
+    lines = [
+        _row(),
+        json.dumps({k: v for k, v in ROW.items() if k != "length"}),
+        "[1, 2]",
+        "not json",
+        _row(sample_id="b", score="high"),
+        _row(sample_id="c"),
+    ]
     path.write_text("\n".join(lines) + "\n")
     scan = scan_results(tmp_path)
     assert [r["sample_id"] for r in scan.rows] == ["a", "c"]

@@ -20,7 +20,7 @@ def test_300_step_decode_keeps_size_and_counts(dtype):
         q = (torch.randn(B, HQ, S, D, generator=g) * 2).to(dtype)
         k = (torch.randn(B, HKV, S, D, generator=g) * 2 + 0.5).to(dtype)  # non-zero key mean, as real keys
         v = torch.randn(B, HKV, S, D, generator=g).to(dtype)
-        eng.prefill_layer(layer, q, k, v, pad, D ** -0.5)
+        eng.prefill_layer(layer, q, k, v, pad, D**-0.5)
     kept0 = [s.counts().clone() for s in eng.layers]
     real = torch.tensor([S, S - 10])
     for step in range(300):
@@ -29,7 +29,7 @@ def test_300_step_decode_keeps_size_and_counts(dtype):
             v = torch.randn(B, HKV, 1, D, generator=g).to(dtype)
             q = (torch.randn(B, HQ, 1, D, generator=g) * 2).to(dtype)
             eng.append(layer, k, v)
-            out = eng.decode_attention(layer, q, D ** -0.5)
+            out = eng.decode_attention(layer, q, D**-0.5)
             assert out.shape == (B, HQ, 1, D)
             assert bool(torch.isfinite(out).all()), f"step {step} layer {layer}"
     for layer, store in enumerate(eng.layers):

@@ -22,9 +22,16 @@ def tiny_model(arch: str, layers: int = 3, seed: int = 0):
         Qwen3ForCausalLM,
     )
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  attn_implementation="sdpa")
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     if arch == "llama-mha":
         model = LlamaForCausalLM(LlamaConfig(**{**common, "num_key_value_heads": 4}))

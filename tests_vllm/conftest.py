@@ -30,9 +30,19 @@ def build_tiny(path: str, seed: int = 0) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -76,6 +86,7 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
     # exactly new_tokens, EOS included where it is the argmax, as vLLM's ignore_eos (min_new_tokens would mask EOS)
     model.generation_config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, **kw)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw
+        )
+    return out[0, len(ids) :].tolist()

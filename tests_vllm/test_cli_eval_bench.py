@@ -15,9 +15,25 @@ import pytest
 
 #: one sample, SLAKE only (snapkv and the other uniform methods are compared through generate): every vLLM engine
 #: start costs tens of seconds of CI time
-EVAL = ["eval", "--suite", "ruler", "--tasks", "niah_single_1", "--lengths", "512", "--samples", "1",
-        "--methods", "slake[max_layer_budget=256]", "--budgets", "128", "--max-new-tokens", "24",
-        "--no-progress", "--no-plots"]
+EVAL = [
+    "eval",
+    "--suite",
+    "ruler",
+    "--tasks",
+    "niah_single_1",
+    "--lengths",
+    "512",
+    "--samples",
+    "1",
+    "--methods",
+    "slake[max_layer_budget=256]",
+    "--budgets",
+    "128",
+    "--max-new-tokens",
+    "24",
+    "--no-progress",
+    "--no-plots",
+]
 
 
 def _slake(*args: str) -> subprocess.CompletedProcess:
@@ -57,9 +73,27 @@ def test_eval_engine_directories_are_not_mixed(eval_dirs):
 
 
 def test_bench_engine_vllm_rows(tmp_path):
-    done = _slake("bench", "--engine", "vllm", "--methods", "full,snapkv", "--budget", "128", "--lengths", "512",
-                  "--batch", "1", "--decode-steps", "2", "--warmup", "0", "--no-progress", "--json",
-                  "--out", str(tmp_path))
+    done = _slake(
+        "bench",
+        "--engine",
+        "vllm",
+        "--methods",
+        "full,snapkv",
+        "--budget",
+        "128",
+        "--lengths",
+        "512",
+        "--batch",
+        "1",
+        "--decode-steps",
+        "2",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--json",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["method"]: r for r in json.loads(done.stdout)["rows"]}
     assert set(rows) == {"full", "snapkv"}
@@ -69,7 +103,10 @@ def test_bench_engine_vllm_rows(tmp_path):
 
 
 def test_bench_engine_vllm_refuses_what_it_cannot_honour(tmp_path):
-    for extra, msg in ((("--kv-dtype", "int8"), "--kv-dtype"), (("--methods", "lava"), "not supported"),
-                       (("--budget", "0.25"), "absolute budget in tokens")):
+    for extra, msg in (
+        (("--kv-dtype", "int8"), "--kv-dtype"),
+        (("--methods", "lava"), "not supported"),
+        (("--budget", "0.25"), "absolute budget in tokens"),
+    ):
         done = _slake("bench", "--engine", "vllm", "--lengths", "512", "--out", str(tmp_path), *extra)
         assert done.returncode == 2 and msg in done.stderr, done.stderr[-2000:]

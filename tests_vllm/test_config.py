@@ -38,19 +38,22 @@ def test_preference_methods_get_a_layer_cap_and_hold_its_slots():
     assert cfg.method.max_layer_budget == 160 and cfg.blocks(32, 4000) == 6
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"method": "pyramidkv", "budget": 128}, "not supported by the vLLM plugin"),
-    ({"method": "ada-snapkv", "budget": 128}, "not supported by the vLLM plugin"),
-    ({"method": "cake[max_layer_budget=100]", "budget": 128}, "max_layer_budget >= the budget"),
-    ({"method": "slake[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
-    ({"method": "snapkv", "budget": 0.25}, "absolute budget"),
-    ({"method": "snapkv", "budget": 16}, "exceed the budget"),
-    ({"method": "snapkv[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
-    ({"method": "snapkv[linear_cache=true]", "budget": 128}, "linear_cache"),
-    ({"method": "snapkv"}, "needs \"method\" and \"budget\""),
-    ({"method": "snapkv", "budget": 128, "ratio": 2}, "unknown configuration key"),
-    ({"method": "nosuch", "budget": 128}, "unknown method"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"method": "pyramidkv", "budget": 128}, "not supported by the vLLM plugin"),
+        ({"method": "ada-snapkv", "budget": 128}, "not supported by the vLLM plugin"),
+        ({"method": "cake[max_layer_budget=100]", "budget": 128}, "max_layer_budget >= the budget"),
+        ({"method": "slake[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
+        ({"method": "snapkv", "budget": 0.25}, "absolute budget"),
+        ({"method": "snapkv", "budget": 16}, "exceed the budget"),
+        ({"method": "snapkv[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
+        ({"method": "snapkv[linear_cache=true]", "budget": 128}, "linear_cache"),
+        ({"method": "snapkv"}, 'needs "method" and "budget"'),
+        ({"method": "snapkv", "budget": 128, "ratio": 2}, "unknown configuration key"),
+        ({"method": "nosuch", "budget": 128}, "unknown method"),
+    ],
+)
 def test_what_the_plugin_cannot_honour_fails_with_one_line(raw, message):
     with pytest.raises(ValueError, match="^slake: ") as exc:
         parse_config({"slake": raw})

@@ -26,8 +26,24 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def prompt(tmp_path_factory) -> tuple[str, str]:
     path = tmp_path_factory.mktemp("prompt") / "doc.txt"
-    subprocess.run([sys.executable, "-m", "slake.cli", "make-prompt", "--task", "needle", "--length", "512",
-                    "--seed", "3", "--out", str(path)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slake.cli",
+            "make-prompt",
+            "--task",
+            "needle",
+            "--length",
+            "512",
+            "--seed",
+            "3",
+            "--out",
+            str(path),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(path), path.read_text(encoding="utf-8")
 
 
@@ -39,15 +55,31 @@ def transformers_results(prompt) -> dict:
 
     model, tokenizer = load_model(None, device="cpu", dtype="float32")
     cap = {"max_layer_budget": 2 * BUDGET}  # the layer cap vLLM gives CAKE/SLAKE (slake.vllm.config.with_layer_cap)
-    return {m: generate(model, tokenizer, prompt[1], method=m, budget=BUDGET, max_new_tokens=NEW_TOKENS,
-                        **(cap if m in PREFERENCE_METHODS else {}))
-            for m in ("full", *SUPPORTED_METHODS)}
+    return {
+        m: generate(
+            model,
+            tokenizer,
+            prompt[1],
+            method=m,
+            budget=BUDGET,
+            max_new_tokens=NEW_TOKENS,
+            **(cap if m in PREFERENCE_METHODS else {}),
+        )
+        for m in ("full", *SUPPORTED_METHODS)
+    }
 
 
 @pytest.fixture(scope="module")
 def plain(prompt):
-    return generate_vllm(prompt[1], method=make_method("full"), budget=Budget(BUDGET), model=None, gguf_file=None,
-                         dtype="float32", max_new_tokens=NEW_TOKENS)
+    return generate_vllm(
+        prompt[1],
+        method=make_method("full"),
+        budget=Budget(BUDGET),
+        model=None,
+        gguf_file=None,
+        dtype="float32",
+        max_new_tokens=NEW_TOKENS,
+    )
 
 
 def test_plain_vllm_equals_full_cache(plain, transformers_results):
@@ -59,8 +91,15 @@ def test_plain_vllm_equals_full_cache(plain, transformers_results):
 def test_default_model_vllm_text_equals_transformers(method, prompt, plain, transformers_results):
     hf = transformers_results[method]
     # a name, as `slake generate` passes it: the default model's profile applies in both engines (slake's alpha/beta)
-    vl = generate_vllm(prompt[1], method=method, budget=Budget(BUDGET), model=None, gguf_file=None,
-                       dtype="float32", max_new_tokens=NEW_TOKENS)
+    vl = generate_vllm(
+        prompt[1],
+        method=method,
+        budget=Budget(BUDGET),
+        model=None,
+        gguf_file=None,
+        dtype="float32",
+        max_new_tokens=NEW_TOKENS,
+    )
     assert vl.hyperparameters == hf.hyperparameters and vl.profile == hf.profile
     assert vl.text == hf.text
     assert vl.prompt_tokens == hf.prompt_tokens and vl.prompt_tokens[0] > BUDGET
@@ -74,21 +113,55 @@ def test_default_model_vllm_text_equals_transformers(method, prompt, plain, tran
 
 
 def test_cli_generate_engine_vllm_json(prompt, transformers_results):
-    cmd = [sys.executable, "-m", "slake.cli", "generate", "--engine", "vllm", "--method", "snapkv", "--budget",
-           str(BUDGET), "--prompt-file", prompt[0], "--max-new-tokens", str(NEW_TOKENS), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slake.cli",
+        "generate",
+        "--engine",
+        "vllm",
+        "--method",
+        "snapkv",
+        "--budget",
+        str(BUDGET),
+        "--prompt-file",
+        prompt[0],
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)  # stdout holds the JSON object only (vLLM logs go to stderr)
     assert out["text"] == transformers_results["snapkv"].text
-    for key in ("kv_bytes", "kept_tokens_per_layer", "prefill_s", "decode_ms_per_token", "kv_blocks_after_prefill",
-                "kv_blocks_end"):
+    for key in (
+        "kv_bytes",
+        "kept_tokens_per_layer",
+        "prefill_s",
+        "decode_ms_per_token",
+        "kv_blocks_after_prefill",
+        "kv_blocks_end",
+    ):
         assert key in out
     assert out["engine"] == "vllm" and out["kv_blocks_end"] == 5
 
 
 def test_cli_refuses_what_vllm_cannot_honour(prompt):
-    cmd = [sys.executable, "-m", "slake.cli", "generate", "--engine", "vllm", "--method", "pyramidkv", "--budget",
-           "128", "--prompt-file", prompt[0], "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slake.cli",
+        "generate",
+        "--engine",
+        "vllm",
+        "--method",
+        "pyramidkv",
+        "--budget",
+        "128",
+        "--prompt-file",
+        prompt[0],
+        "--json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 2
     assert "slake: method 'pyramidkv' is not supported by the vLLM plugin" in done.stderr

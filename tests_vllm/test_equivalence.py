@@ -43,8 +43,14 @@ def test_plain_vllm_equals_the_full_cache(plain, full_reference):
 
 @pytest.mark.parametrize("method", SUPPORTED_METHODS)
 def test_vllm_equals_transformers_engine(method, tiny_dir, prompts, plain, full_reference):
-    run = run_vllm(tiny_dir, prompts, slake={"method": method, "budget": BUDGET}, max_new_tokens=NEW_TOKENS,
-                   ignore_eos=True, block_size=BLOCK)
+    run = run_vllm(
+        tiny_dir,
+        prompts,
+        slake={"method": method, "budget": BUDGET},
+        max_new_tokens=NEW_TOKENS,
+        ignore_eos=True,
+        block_size=BLOCK,
+    )
     differs_from_full = 0
     for i, (n, ids) in enumerate(zip(LENGTHS, prompts)):
         ref = hf_generate(tiny_dir, ids, method, BUDGET, NEW_TOKENS)
@@ -80,10 +86,13 @@ def test_concurrent_requests_do_not_see_each_other(tiny_dir, prompts):
     assert both.tokens[0] != both.tokens[1]
 
 
-@pytest.mark.parametrize("slake, extra, message", [
-    ({"method": "pyramidkv", "budget": BUDGET}, {}, "slake: method 'pyramidkv' is not supported"),
-    ({"method": "cake", "budget": BUDGET, "set": {"max_layer_budget": BUDGET - 1}}, {}, "max_layer_budget >="),
-])
+@pytest.mark.parametrize(
+    "slake, extra, message",
+    [
+        ({"method": "pyramidkv", "budget": BUDGET}, {}, "slake: method 'pyramidkv' is not supported"),
+        ({"method": "cake", "budget": BUDGET, "set": {"max_layer_budget": BUDGET - 1}}, {}, "max_layer_budget >="),
+    ],
+)
 def test_unsupported_configuration_fails_at_start_up(tiny_dir, slake, extra, message):
     with pytest.raises(Exception) as exc:
         run_vllm(tiny_dir, [[5] * 100], slake=slake, max_new_tokens=2, block_size=BLOCK, **extra)

@@ -9,8 +9,9 @@ from vllm import _custom_ops as ops
 from slake.vllm.paged import check_layout, read_slots, slot_mapping
 
 
-@pytest.mark.parametrize("dtype, head_dim, isa", [(torch.float32, 64, "vec"), (torch.bfloat16, 32, "vec"),
-                                                  (torch.float32, 48, "vec16")])
+@pytest.mark.parametrize(
+    "dtype, head_dim, isa", [(torch.float32, 64, "vec"), (torch.bfloat16, 32, "vec"), (torch.float32, 48, "vec16")]
+)
 def test_vllm_written_slots_read_back_exactly(dtype, head_dim, isa):
     nb, H, bs, n = 8, 3, 32, 70
     kv = torch.zeros(nb, H, bs, 2 * head_dim, dtype=dtype)

@@ -30,8 +30,14 @@ __all__ = ["attend"]
 _LIMITS = {dt: (torch.finfo(dt).min, torch.finfo(dt).tiny) for dt in (torch.float32, torch.float64)}
 
 
-def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, state: LinearState | None = None,
-           scaling: float | None = None, overwrite_logits: bool = False) -> torch.Tensor:
+def attend(
+    query: torch.Tensor,
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    state: LinearState | None = None,
+    scaling: float | None = None,
+    overwrite_logits: bool = False,
+) -> torch.Tensor:
     """PTAA output (the closed form, ``docs/methods/slake.md#the-closed-form``) or plain softmax attention when
     there is no linear term.
 
@@ -61,13 +67,16 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
         and no linear term returns zeros, never NaN.
     """
     if query.ndim != 5 or logits.ndim != 5 or values.ndim != 4:
-        raise ValueError(f"expected query (B,Hkv,g,nq,d), logits (B,Hkv,g,nq,n), values (B,Hkv,n,d); got "
-                         f"{tuple(query.shape)}, {tuple(logits.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"expected query (B,Hkv,g,nq,d), logits (B,Hkv,g,nq,n), values (B,Hkv,n,d); got "
+            f"{tuple(query.shape)}, {tuple(logits.shape)}, {tuple(values.shape)}"
+        )
     B, H, g, nq, d = query.shape
     n = values.shape[2]
     if logits.shape != (B, H, g, nq, n) or values.shape != (B, H, n, d):
-        raise ValueError(f"shape mismatch: query {tuple(query.shape)}, logits {tuple(logits.shape)}, "
-                         f"values {tuple(values.shape)}")
+        raise ValueError(
+            f"shape mismatch: query {tuple(query.shape)}, logits {tuple(logits.shape)}, values {tuple(values.shape)}"
+        )
     cdt = torch.float64 if torch.float64 in (query.dtype, logits.dtype) else torch.float32
     R = g * nq
     x = logits.reshape(B, H, R, n)
@@ -78,7 +87,7 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     own = overwrite_logits and x.data_ptr() == logits.data_ptr() and x.is_contiguous()
     if state is None:
         m = (x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)).clamp_min_(fmin)
-        e = (x.sub_(m) if own else x - m).exp_()                                  # all -inf row: e = 0, no NaN
+        e = (x.sub_(m) if own else x - m).exp_()  # all -inf row: e = 0, no NaN
         return torch.matmul(e, v).div_(e.sum(-1, keepdim=True).clamp_min(tiny)).reshape(B, H, g, nq, d)
     aug = state.aug
     if aug.shape != (B, H, d + 1, d + 1):
@@ -88,23 +97,23 @@ def attend(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, stat
     else:
         aug = aug.to(cdt)
         cnt, lk, vsum = aug[..., d:, d:], aug[..., :d, :], aug[..., d:, :d]
-    s = d ** -0.5 if scaling is None else float(scaling)
+    s = d**-0.5 if scaling is None else float(scaling)
     qs = query.reshape(B, H, R, d)
     if qs.dtype != cdt:
         qs = qs.to(cdt)
     if s != 1.0:
         qs = qs * s
     # one product gives s q^T L and s q . k_sum: s q @ [L, k_sum]; p is this call's own tensor, updated in place
-    p = torch.matmul(qs, lk)                                                       # (B, H, R, d + 1)
+    p = torch.matmul(qs, lk)  # (B, H, R, d + 1)
     # mu = s q . k_sum / n_e (a view of p's last column); a head with nothing folded (0 / 0) gets the lowest finite
     # logit, so lam = 0 (or a row without any visible slot gets m = mu and num = den = 0, as the state is all zeros)
-    mu = p[..., d:].div_(cnt).nan_to_num_(nan=fmin)                              # (B, H, R, 1)
-    lin = p[..., :d].addcmul_(1 - mu, vsum)                                        # s q^T L + (1 - mu) v_sum
+    mu = p[..., d:].div_(cnt).nan_to_num_(nan=fmin)  # (B, H, R, 1)
+    lin = p[..., :d].addcmul_(1 - mu, vsum)  # s q^T L + (1 - mu) v_sum
     # the shift m = max(max_j x_j, mu); e stays contiguous for the product with v (no concatenation, no copy)
     m = torch.maximum(x.amax(-1, keepdim=True), mu) if n > 0 else mu.clone()
     e = (x.sub_(m) if own else x - m).exp_()
     lam = (mu - m).exp_()
-    num = torch.matmul(e, v).addcmul_(lam, lin)                                    # (B, H, R, d)
+    num = torch.matmul(e, v).addcmul_(lam, lin)  # (B, H, R, d)
     den = e.sum(-1, keepdim=True).addcmul_(lam, cnt)
     # den >= 1 when the row has a visible slot or a linear term (the shift m is attained), else num = den = 0
     return num.div_(den.clamp_min_(tiny)).reshape(B, H, g, nq, d)

@@ -12,5 +12,13 @@ from slake.budgets.allocation import (
 )
 from slake.budgets.budget import Budget
 
-__all__ = ["Budget", "cross_head_counts", "largest_remainder", "preference_budgets", "pyramid_budgets",
-           "safeguarded_head_counts", "uniform_budgets", "waterfill"]
+__all__ = [
+    "Budget",
+    "cross_head_counts",
+    "largest_remainder",
+    "preference_budgets",
+    "pyramid_budgets",
+    "safeguarded_head_counts",
+    "uniform_budgets",
+    "waterfill",
+]

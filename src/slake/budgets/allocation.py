@@ -29,8 +29,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["cross_head_counts", "largest_remainder", "preference_budgets", "pyramid_budgets",
-           "safeguarded_head_counts", "uniform_budgets", "waterfill"]
+__all__ = [
+    "cross_head_counts",
+    "largest_remainder",
+    "preference_budgets",
+    "pyramid_budgets",
+    "safeguarded_head_counts",
+    "uniform_budgets",
+    "waterfill",
+]
 
 
 def _as_prefs(prefs: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -125,8 +132,9 @@ def uniform_budgets(num_layers: int, per_layer: int) -> torch.Tensor:
     return torch.full((num_layers,), int(per_layer), dtype=torch.int64)
 
 
-def pyramid_budgets(num_layers: int, selectable: int, prompt_len: int, window: int, beta: float = 20,
-                    exact: bool = False) -> torch.Tensor:
+def pyramid_budgets(
+    num_layers: int, selectable: int, prompt_len: int, window: int, beta: float = 20, exact: bool = False
+) -> torch.Tensor:
     """PyramidKV's per-layer selectable budgets (KVCache-Factory ``PyramidKVCluster``, Oct. 2024).
 
     See ``docs/methods/baselines.md#pyramid-budgets``.
@@ -145,8 +153,10 @@ def pyramid_budgets(num_layers: int, selectable: int, prompt_len: int, window: i
     clamped to ``S - w`` in the fallback; the engine keeps ``min(B_l, S - w)``.
     """
     if num_layers < 1 or selectable < 0 or prompt_len < 0 or window < 0 or not beta > 0:
-        raise ValueError(f"invalid pyramid arguments: num_layers={num_layers}, selectable={selectable}, "
-                         f"prompt_len={prompt_len}, window={window}, beta={beta}")
+        raise ValueError(
+            f"invalid pyramid arguments: num_layers={num_layers}, selectable={selectable}, "
+            f"prompt_len={prompt_len}, window={window}, beta={beta}"
+        )
     c, s, w, n = int(selectable), int(prompt_len), int(window), int(num_layers)
     if n == 1 or s < c + w or s < 2 * c:
         return uniform_budgets(n, c)
@@ -208,7 +218,9 @@ def safeguarded_head_counts(scores: torch.Tensor, per_head: torch.Tensor, alpha:
     cand = _candidates(scores)
     per_head = per_head.to(scores.device).view(-1, 1)
     floor = torch.minimum((per_head.double() * alpha).floor().to(torch.int64), cand.sum(-1))  # (B, H)
-    rank = torch.sort(torch.sort(scores.float().masked_fill(~cand, float("-inf")), dim=-1, descending=True,
-                                 stable=True).indices, dim=-1).indices  # rank of each slot in its head
+    rank = torch.sort(
+        torch.sort(scores.float().masked_fill(~cand, float("-inf")), dim=-1, descending=True, stable=True).indices,
+        dim=-1,
+    ).indices  # rank of each slot in its head
     rest = scores.float().masked_fill(rank < floor[..., None], float("inf"))  # floor slots leave the pool
     return floor + cross_head_counts(rest, (H * per_head[:, 0] - floor.sum(-1)).clamp_min(0))

@@ -66,8 +66,14 @@ class CompressedKV:
         with a float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
     """
 
-    def __init__(self, method: Method, budget: Budget | int | float | str, num_layers: int,
-                 charge_linear_state: bool = False, kv_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        method: Method,
+        budget: Budget | int | float | str,
+        num_layers: int,
+        charge_linear_state: bool = False,
+        kv_dtype: str | None = None,
+    ) -> None:
         self.method = method
         self.kv_dtype = parse_kv_dtype(kv_dtype)
         self.budget = budget if isinstance(budget, Budget) else Budget(budget)
@@ -76,7 +82,8 @@ class CompressedKV:
         if not self.budget.is_ratio and not method.keeps_everything and method.protected > self.budget.value:
             raise ValueError(
                 f"{method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) exceed the budget "
-                f"{self.budget.value}; use a larger budget or a smaller window")
+                f"{self.budget.value}; use a larger budget or a smaller window"
+            )
         self.layers: list[LayerStore | None] = [None] * num_layers
         self.seen: list[int] = [0] * num_layers
         self.info: PrefillInfo | None = None
@@ -99,9 +106,11 @@ class CompressedKV:
         if layer_idx not in memo:
             memo[layer_idx] = self.method.prefill_scores(inputs)
         hit = memo[layer_idx]
-        return PrefillScores(scores=hit.scores.clone(),
-                             preference=None if hit.preference is None else hit.preference.clone(),
-                             head_visible=None if hit.head_visible is None else hit.head_visible.clone())
+        return PrefillScores(
+            scores=hit.scores.clone(),
+            preference=None if hit.preference is None else hit.preference.clone(),
+            head_visible=None if hit.head_visible is None else hit.head_visible.clone(),
+        )
 
     def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int) -> PrefillInfo:
         B, S = key_padding.shape
@@ -113,17 +122,33 @@ class CompressedKV:
         if self.method.keeps_everything:
             compress[:] = False
         if bool(compress.any()) and int(budget[compress].max()) > self._layer_cap():
-            raise ValueError(f"{self.method.name}: max_layer_budget={self._layer_cap()} is below the average budget "
-                             f"{int(budget[compress].max())}; the layers could not hold the total budget")
+            raise ValueError(
+                f"{self.method.name}: max_layer_budget={self._layer_cap()} is below the average budget "
+                f"{int(budget[compress].max())}; the layers could not hold the total budget"
+            )
         if bool(compress.any()) and int(budget[compress].min()) < self.method.protected:
             raise ValueError(
                 f"{self.method.name}: a budget of {int(budget[compress].min())} tokens is smaller than the protected "
-                f"window + sinks ({self.method.protected}); use a larger budget or a smaller window")
-        return PrefillInfo(prompt_len=S, real_len=real.cpu(), first_real=(S - real).cpu(), budget=budget,
-                           compress=compress, preferences=[None] * self.num_layers)
+                f"window + sinks ({self.method.protected}); use a larger budget or a smaller window"
+            )
+        return PrefillInfo(
+            prompt_len=S,
+            real_len=real.cpu(),
+            first_real=(S - real).cpu(),
+            budget=budget,
+            compress=compress,
+            preferences=[None] * self.num_layers,
+        )
 
-    def prefill_layer(self, layer_idx: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      key_padding: torch.Tensor | None, scaling: float) -> None:
+    def prefill_layer(
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_padding: torch.Tensor | None,
+        scaling: float,
+    ) -> None:
         """Store layer ``layer_idx``'s prompt keys/values and compress them (called after its exact attention)."""
         B, H, S, d = keys.shape
         dev = keys.device
@@ -149,10 +174,20 @@ class CompressedKV:
         if not bool(info.compress.any()):
             self.targets[layer_idx] = None
             return
-        result = self._prefill_scores(layer_idx, PrefillInputs(
-            queries=queries, keys=keys, values=values, key_padding=key_padding, scaling=scaling,
-            window=self.method.window, layer_idx=layer_idx, num_layers=self.num_layers,
-            budget=info.budget.to(dev)))
+        result = self._prefill_scores(
+            layer_idx,
+            PrefillInputs(
+                queries=queries,
+                keys=keys,
+                values=values,
+                key_padding=key_padding,
+                scaling=scaling,
+                window=self.method.window,
+                layer_idx=layer_idx,
+                num_layers=self.num_layers,
+                budget=info.budget.to(dev),
+            ),
+        )
         store.scores = self._protect(result.scores.float(), positions, valid, newest=S - 1)
         if result.head_visible is not None:  # uncompressed sequences keep everything visible to every head
             store.head_visible = result.head_visible.bool() | ~info.compress.to(dev).view(B, 1, 1, 1)
@@ -244,8 +279,9 @@ class CompressedKV:
         counts = store.counts()  # (B, H)
         protected = (store.valid & torch.isposinf(store.scores)).sum(-1)
         candidates = counts - protected
-        per_head = self.method.head_budgets(store.scores, selectable.to(counts.device),
-                                            budget=info.budget.to(counts.device), final=final)
+        per_head = self.method.head_budgets(
+            store.scores, selectable.to(counts.device), budget=info.budget.to(counts.device), final=final
+        )
         per_head = torch.minimum(per_head.to(counts.device, torch.int64).clamp_min(0), candidates)
         want = per_head + protected
         compress = info.compress.to(counts.device).view(-1, 1)
@@ -266,8 +302,13 @@ class CompressedKV:
         start = self.seen[layer_idx]
         pos = torch.arange(start, start + n_new, device=keys.device)
         info = self.info
-        evicting = (self.targets[layer_idx] is not None and self.method.decode_eviction and info is not None
-                    and not self.method.keeps_everything and bool(info.compress.all()))  # compress is on the CPU
+        evicting = (
+            self.targets[layer_idx] is not None
+            and self.method.decode_eviction
+            and info is not None
+            and not self.method.keeps_everything
+            and bool(info.compress.all())
+        )  # compress is on the CPU
         store.append(keys, values, pos, growth=1 if evicting else _GROWTH)
         self.seen[layer_idx] = start + n_new
         return store
@@ -294,9 +335,15 @@ class CompressedKV:
         newest = self.seen[layer_idx] - 1
         target = self.targets[layer_idx]
         chunk = self.chunked_prefill
-        scored = (target is not None and self.method.decode_eviction and not self.method.keeps_everything)
-        if (nq == 1 and not chunk and not scored and store.linear is None and not self.method.linear_cache
-                and store.head_visible is None):
+        scored = target is not None and self.method.decode_eviction and not self.method.keeps_everything
+        if (
+            nq == 1
+            and not chunk
+            and not scored
+            and store.linear is None
+            and not self.method.linear_cache
+            and store.head_visible is None
+        ):
             return _sdpa_decode(store, queries, scaling)
         qpos = None if nq == 1 else torch.arange(newest - nq + 1, newest + 1, device=queries.device)
         if chunk:
@@ -309,15 +356,16 @@ class CompressedKV:
                 outs.append(out.reshape(B, Hq, b1 - b0, d))
             if target is not None and not self.method.keeps_everything:
                 w = max(min(self.method.window, nq), 1)
-                _, x = layer_logits(store, queries[:, :, nq - w:], qpos[nq - w:] if qpos is not None else None,
-                                    scaling)
+                _, x = layer_logits(
+                    store, queries[:, :, nq - w :], qpos[nq - w :] if qpos is not None else None, scaling
+                )
                 self._chunk_evict(layer_idx, x, newest)
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         qf, x = layer_logits(store, queries, qpos, scaling)
         if not scored:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
-        probs = _safe_softmax(x)                                               # (B, H, g, nq, n)
+        probs = _safe_softmax(x)  # (B, H, g, nq, n)
         evict = self._decode_evict(layer_idx, probs, target, newest)
         if evict is None:
             if store.linear is None:
@@ -328,8 +376,7 @@ class CompressedKV:
         if self.method.evict_before_output:
             store.free(mask, slots, chosen)
             x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
-            return attend(qf, x, store.dense_values(), store.linear, 1.0,
-                          overwrite_logits=True).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
         if store.linear is None:
             out = _probs_values(probs, store.dense_values())
         else:
@@ -349,8 +396,9 @@ class CompressedKV:
         out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
         return out.reshape(B, Hq, nq, d)
 
-    def _decode_evict(self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor,
-                      newest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _decode_evict(
+        self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor, newest: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Score the slots with the method's decode rule and choose the slots to evict.
 
         Returns None when no row is over its target, else ``(slots, chosen, mask)``: ``(B, Hkv, e)`` slot indices,
@@ -359,17 +407,25 @@ class CompressedKV:
         store = self.layers[layer_idx]
         B, H, g, nq, n = probs.shape
         info = self.info
-        store.scores = self.method.decode_scores(DecodeInputs(
-            probs=probs.reshape(B, H * g, nq, n), positions=store.positions, valid=store.valid, stored=store.scores,
-            prompt_len=info.real_len.to(probs.device), budget=info.budget.to(probs.device))).float()
+        store.scores = self.method.decode_scores(
+            DecodeInputs(
+                probs=probs.reshape(B, H * g, nq, n),
+                positions=store.positions,
+                valid=store.valid,
+                stored=store.scores,
+                prompt_len=info.real_len.to(probs.device),
+                budget=info.budget.to(probs.device),
+            )
+        ).float()
         counts = store.counts()
         excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
         emax = int(excess.max())  # one host sync per layer and step (free on CPU)
         if emax == 0:
             return None
         # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
-        scores = store.scores.masked_fill(self._protected_mask(store.positions, store.valid, newest) | ~store.valid,
-                                          float("inf"))
+        scores = store.scores.masked_fill(
+            self._protected_mask(store.positions, store.valid, newest) | ~store.valid, float("inf")
+        )
         if emax == 1:  # the usual decode step: argmin returns the first minimum, like a stable ascending sort
             lowest = scores.argmin(-1, keepdim=True)
         else:
@@ -407,9 +463,16 @@ class CompressedKV:
         info = self.info
         B, H, g, w, n = x.shape  # logits of the chunk's last ``w`` queries
         probs = _safe_softmax(x)
-        store.scores = self.method.decode_scores(DecodeInputs(
-            probs=probs.reshape(B, H * g, w, n), positions=store.positions, valid=store.valid, stored=store.scores,
-            prompt_len=info.real_len.to(x.device), budget=info.budget.to(x.device))).float()
+        store.scores = self.method.decode_scores(
+            DecodeInputs(
+                probs=probs.reshape(B, H * g, w, n),
+                positions=store.positions,
+                valid=store.valid,
+                stored=store.scores,
+                prompt_len=info.real_len.to(x.device),
+                budget=info.budget.to(x.device),
+            )
+        ).float()
         store.scores = self._protect(store.scores, store.positions, store.valid, newest)
         self._evict_to(layer_idx, info.layer_budgets[:, layer_idx])
 
@@ -461,14 +524,19 @@ class CompressedKV:
         self.targets = [fn(t) if t is not None else None for t in self.targets]
         if self.info is not None:
             i = self.info
-            i.real_len, i.first_real, i.budget, i.compress = (fn(i.real_len), fn(i.first_real), fn(i.budget),
-                                                              fn(i.compress))
+            i.real_len, i.first_real, i.budget, i.compress = (
+                fn(i.real_len),
+                fn(i.first_real),
+                fn(i.budget),
+                fn(i.compress),
+            )
             if i.layer_budgets is not None:
                 i.layer_budgets = fn(i.layer_budgets)
 
 
-def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None,
-                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_logits(
+    store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled queries ``scaling * q`` in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's
     slots (pass the queries to :func:`~slake.attention.ptaa.attend` with ``scaling=1.0``).
 
@@ -481,13 +549,14 @@ def layer_logits(store: LayerStore, queries: torch.Tensor, positions: torch.Tens
     H = store.keys.shape[1]
     g = Hq // H
     qf = (queries.float() * scaling).reshape(B, H, g, nq, d)
-    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2))   # (B, H, g*nq, n)
+    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2))  # (B, H, g*nq, n)
     x = x.view(B, H, g, nq, -1)
     if positions is None:
         visible = store.valid[:, :, None, None, :]
     else:
         visible = store.valid[:, :, None, None, :] & (
-            store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1))
+            store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1)
+        )
     if store.head_visible is not None:  # per-query-head visibility (SAGE-KV)
         visible = visible & store.head_visible[:, :, :, None, :]
     return qf, x.masked_fill_(~visible, float("-inf"))
@@ -539,8 +608,7 @@ def _sdpa_decode(store: LayerStore, queries: torch.Tensor, scaling: float) -> to
     H = store.keys.shape[1]
     keys, values = store.dense_keys(), store.dense_values()
     q = queries.reshape(B, H, Hq // H, d).to(keys.dtype)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=store.valid[:, :, None, :],
-                                         scale=scaling)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=store.valid[:, :, None, :], scale=scaling)
     return out.reshape(B, Hq, 1, d).float()
 
 

@@ -45,9 +45,17 @@ class LayerStore:
         ``(B, Hkv, n, 1)`` the scales. Readers use :meth:`dense_keys` / :meth:`dense_values`. None: model dtype.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                 scores: torch.Tensor, linear: LinearState | None = None,
-                 head_visible: torch.Tensor | None = None, kv_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        scores: torch.Tensor,
+        linear: LinearState | None = None,
+        head_visible: torch.Tensor | None = None,
+        kv_dtype: str | None = None,
+    ) -> None:
         self.kv_dtype = parse_kv_dtype(kv_dtype)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
@@ -132,8 +140,14 @@ class LayerStore:
         return dropped
 
     # ------------------------------------------------------------------ decode
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               score: float = 0.0, growth: int = _GROWTH) -> torch.Tensor:
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        score: float = 0.0,
+        growth: int = _GROWTH,
+    ) -> torch.Tensor:
         """Write ``n_new`` new tokens into free slots of every row; grow the capacity only if a row is full.
 
         ``keys, values``: ``(B, Hkv, n_new, d)``; ``positions``: ``(n_new,)`` int64 (same for the whole batch,
@@ -172,8 +186,9 @@ class LayerStore:
             self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
         return slots
 
-    def free(self, evicted: torch.Tensor, slots: torch.Tensor | None = None,
-             chosen: torch.Tensor | None = None) -> None:
+    def free(
+        self, evicted: torch.Tensor, slots: torch.Tensor | None = None, chosen: torch.Tensor | None = None
+    ) -> None:
         """Evict the slots where ``evicted`` (``(B, Hkv, capacity)`` bool) is True, folding them if linear.
 
         ``slots``/``chosen`` (``(B, Hkv, e)`` slot indices and which of them are evicted; they must describe the

@@ -47,9 +47,15 @@ class LinearState:
 
     __slots__ = ("_aug", "_ones_cache", "_parts", "_row_buffers")
 
-    def __init__(self, aug: torch.Tensor | None = None, *, k_sum: torch.Tensor | None = None,
-                 v_sum: torch.Tensor | None = None, kv: torch.Tensor | None = None,
-                 count: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        aug: torch.Tensor | None = None,
+        *,
+        k_sum: torch.Tensor | None = None,
+        v_sum: torch.Tensor | None = None,
+        kv: torch.Tensor | None = None,
+        count: torch.Tensor | None = None,
+    ) -> None:
         if aug is None:  # the former dataclass signature LinearState(k_sum=, v_sum=, kv=, count=)
             if k_sum is None or v_sum is None or kv is None or count is None:
                 raise ValueError("LinearState needs aug, or all of k_sum, v_sum, kv and count")
@@ -81,14 +87,19 @@ class LinearState:
         return self._parts
 
     @classmethod
-    def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor,
-                   count: torch.Tensor) -> LinearState:
+    def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> LinearState:
         """A state from the four separate accumulators (copied into one augmented tensor)."""
         return cls(k_sum=k_sum, v_sum=v_sum, kv=kv, count=count)
 
     @classmethod
-    def empty(cls, batch: int, kv_heads: int, head_dim: int, device: torch.device | str | None = None,
-              dtype: torch.dtype = torch.float32) -> LinearState:
+    def empty(
+        cls,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> LinearState:
         """A state with nothing folded in. ``dtype`` is float32 by default (float64 is useful in tests)."""
         if batch < 1 or kv_heads < 1 or head_dim < 1:
             raise ValueError(f"invalid LinearState shape: batch={batch}, kv_heads={kv_heads}, head_dim={head_dim}")
@@ -174,16 +185,23 @@ class LinearState:
         B, H, d1, _ = aug.shape
         d = d1 - 1
         if keys.shape != values.shape or keys.shape[:2] != (B, H) or keys.shape[-1] != d or keys.ndim != 4:
-            raise ValueError(f"keys/values must be (B={B}, Hkv={H}, n, d={d}); got {tuple(keys.shape)} and "
-                             f"{tuple(values.shape)}")
+            raise ValueError(
+                f"keys/values must be (B={B}, Hkv={H}, n, d={d}); got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
         if evicted.shape != keys.shape[:3] or evicted.dtype != torch.bool:
-            raise ValueError(f"evicted must be a bool mask of shape {tuple(keys.shape[:3])}, got "
-                             f"{evicted.dtype} {tuple(evicted.shape)}")
+            raise ValueError(
+                f"evicted must be a bool mask of shape {tuple(keys.shape[:3])}, got "
+                f"{evicted.dtype} {tuple(evicted.shape)}"
+            )
         n = keys.shape[2]
         if n > _FOLD_BLOCK:  # a prefill compaction: fold in row blocks to bound the transient copies
             for s in range(0, n, _FOLD_BLOCK):
-                self.fold(keys[:, :, s:s + _FOLD_BLOCK], values[:, :, s:s + _FOLD_BLOCK],
-                          evicted[:, :, s:s + _FOLD_BLOCK], finite=finite)
+                self.fold(
+                    keys[:, :, s : s + _FOLD_BLOCK],
+                    values[:, :, s : s + _FOLD_BLOCK],
+                    evicted[:, :, s : s + _FOLD_BLOCK],
+                    finite=finite,
+                )
             return
         dt = aug.dtype
         m = (evicted if evicted.device == aug.device else evicted.to(aug.device)).unsqueeze(-1)
@@ -195,8 +213,8 @@ class LinearState:
         else:
             k = torch.where(m, k, 0.0)
             v = torch.where(m, v, 0.0)
-        kp = torch.cat([k, mf], -1).view(B * H, n, d1)                               # [k, 1] (0 if unmarked)
-        vp = torch.cat([v, self._ones(B, H, n, v)], -1).view(B * H, n, d1)          # [v, 1]
+        kp = torch.cat([k, mf], -1).view(B * H, n, d1)  # [k, 1] (0 if unmarked)
+        vp = torch.cat([v, self._ones(B, H, n, v)], -1).view(B * H, n, d1)  # [v, 1]
         aug.view(B * H, d1, d1).baddbmm_(kp.transpose(1, 2), vp)
 
     @torch.no_grad()
@@ -225,8 +243,10 @@ class LinearState:
         d = d1 - 1
         e = slots.shape[-1]
         if keys.dtype != aug.dtype or values.dtype != aug.dtype or keys.shape[-1] != d or slots.shape != chosen.shape:
-            raise ValueError(f"fold_slots needs {aug.dtype} keys/values of width {d} and slots/chosen of one shape; "
-                             f"got {keys.dtype} {tuple(keys.shape)}, {tuple(slots.shape)}, {tuple(chosen.shape)}")
+            raise ValueError(
+                f"fold_slots needs {aug.dtype} keys/values of width {d} and slots/chosen of one shape; "
+                f"got {keys.dtype} {tuple(keys.shape)}, {tuple(slots.shape)}, {tuple(chosen.shape)}"
+            )
         buf = self._row_buffers
         if buf is None or buf[0].shape != (B, H, e, d1) or buf[0].device != aug.device:
             buf = (aug.new_empty(B, H, e, d1), aug.new_ones(B, H, e, d1))
@@ -234,10 +254,10 @@ class LinearState:
         kb, vb = buf
         gi = slots[..., None].expand(-1, -1, -1, d)
         torch.gather(keys, 2, gi, out=kb[..., :d])
-        torch.gather(values, 2, gi, out=vb[..., :d])   # vb[..., d] stays 1
+        torch.gather(values, 2, gi, out=vb[..., :d])  # vb[..., d] stays 1
         c = kb[..., d:]
         c.copy_(chosen[..., None])
-        kb[..., :d].mul_(c)                            # v needs no mask: the zero rows of [k c, c] cancel it
+        kb[..., :d].mul_(c)  # v needs no mask: the zero rows of [k c, c] cancel it
         if e == 1:
             aug.addcmul_(kb.transpose(-1, -2), vb)
         else:

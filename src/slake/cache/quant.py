@@ -47,8 +47,9 @@ def parse_kv_dtype(name: str | None) -> str | None:
         return None
     key = _ALIASES.get(key, key)
     if key not in KV_DTYPES:
-        raise ValueError(f"unknown kv_dtype {name!r}; use one of {', '.join(KV_DTYPES)} (or 'auto' for the model's "
-                         f"dtype)")
+        raise ValueError(
+            f"unknown kv_dtype {name!r}; use one of {', '.join(KV_DTYPES)} (or 'auto' for the model's dtype)"
+        )
     return key
 
 

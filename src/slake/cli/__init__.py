@@ -30,15 +30,30 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``slake`` command."""
     parser = argparse.ArgumentParser(prog="slake", description="KV-cache compression for transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_methods_parser, add_generate_parser, add_fidelity_parser, add_eval_parser,
-                add_make_prompt_parser, add_bench_parser, add_calibrate_parser, add_demo_parser):
+    for add in (
+        add_methods_parser,
+        add_generate_parser,
+        add_fidelity_parser,
+        add_eval_parser,
+        add_make_prompt_parser,
+        add_bench_parser,
+        add_calibrate_parser,
+        add_demo_parser,
+    ):
         add(sub)
     return parser
 
 
-COMMANDS = {"methods": cmd_methods, "generate": cmd_generate, "fidelity": cmd_fidelity,
-            "eval": cmd_eval, "make-prompt": cmd_make_prompt, "bench": cmd_bench, "calibrate": cmd_calibrate,
-            "demo": cmd_demo}
+COMMANDS = {
+    "methods": cmd_methods,
+    "generate": cmd_generate,
+    "fidelity": cmd_fidelity,
+    "eval": cmd_eval,
+    "make-prompt": cmd_make_prompt,
+    "bench": cmd_bench,
+    "calibrate": cmd_calibrate,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,39 +24,65 @@ __all__ = ["add_bench_parser", "bench_plan", "cmd_bench"]
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` sub-command to ``subparsers``."""
-    p = subparsers.add_parser("bench", help="latency and peak memory vs context length per method",
-                              description="Per method and context length: prefill time, time to first token, decode "
-                              "ms/token (median, min, max over --decode-steps steps after warm-up), peak memory "
-                              "(CPU: process RSS high-water mark, reset per configuration; CUDA: "
-                              "max_memory_allocated) and KV bytes. Prompts are random token ids.")
-    p.add_argument("--methods", default="full,snapkv,cake,slake", help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]")
-    p.add_argument("--budget", default="128", help="budget (or comma-separated budgets) in tokens per layer and KV "
-                   "head, or ratios in (0, 1)")
+    p = subparsers.add_parser(
+        "bench",
+        help="latency and peak memory vs context length per method",
+        description="Per method and context length: prefill time, time to first token, decode "
+        "ms/token (median, min, max over --decode-steps steps after warm-up), peak memory "
+        "(CPU: process RSS high-water mark, reset per configuration; CUDA: "
+        "max_memory_allocated) and KV bytes. Prompts are random token ids.",
+    )
+    p.add_argument(
+        "--methods",
+        default="full,snapkv,cake,slake",
+        help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]",
+    )
+    p.add_argument(
+        "--budget",
+        default="128",
+        help="budget (or comma-separated budgets) in tokens per layer and KV head, or ratios in (0, 1)",
+    )
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated context lengths")
-    p.add_argument("--kv-dtype", default=None, help="comma-separated storage of kept keys/values: auto (model "
-                   "dtype), int8, fp8_e4m3 (8-bit with per-token scales); e.g. auto,int8")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="comma-separated storage of kept keys/values: auto (model "
+        "dtype), int8, fp8_e4m3 (8-bit with per-token scales); e.g. auto,int8",
+    )
     p.add_argument("--batch", type=int, default=1, help="batch size (identical-length random prompts)")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (after --warmup steps)")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before timing")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="chunked prefill with chunks of this many tokens (bounded prefill memory)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="chunked prefill with chunks of this many tokens (bounded prefill memory)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="'smollm2' (default), a hub id, a local directory or a .gguf file")
-    src.add_argument("--random-model", default=None, metavar="SHAPE",
-                     help="randomly initialised model of a named shape (llama3-8b, llama2-7b, mistral-7b, "
-                          "qwen2.5-7b, smollm2-135m, tiny), optionally with overrides: llama3-8b:num_hidden_layers=4")
+    src.add_argument(
+        "--random-model",
+        default=None,
+        metavar="SHAPE",
+        help="randomly initialised model of a named shape (llama3-8b, llama2-7b, mistral-7b, "
+        "qwen2.5-7b, smollm2-135m, tiny), optionally with overrides: llama3-8b:num_hidden_layers=4",
+    )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights")
     p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
-    p.add_argument("--decode-timing", choices=["auto", "interleaved", "sequential"], default="auto",
-                   help="interleaved: after measuring the configurations of one context length, open them again "
-                        "together and time their decode steps in turn, so that machine drift cannot bias a "
-                        "comparison (needs all their caches in memory at once; one more prefill each); "
-                        "sequential: time each configuration during its own run; auto (default): interleaved on "
-                        "CPU, sequential on CUDA and with --isolate")
+    p.add_argument(
+        "--decode-timing",
+        choices=["auto", "interleaved", "sequential"],
+        default="auto",
+        help="interleaved: after measuring the configurations of one context length, open them again "
+        "together and time their decode steps in turn, so that machine drift cannot bias a "
+        "comparison (needs all their caches in memory at once; one more prefill each); "
+        "sequential: time each configuration during its own run; auto (default): interleaved on "
+        "CPU, sequential on CUDA and with --isolate",
+    )
     add_engine_arg(p, "measure")
     p.add_argument("--out", required=True, help="output directory (bench.jsonl, bench.md, PNG plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -82,20 +108,36 @@ def bench_plan(args: argparse.Namespace) -> Any:
         raise ValueError("--batch and --decode-steps must be >= 1 and --warmup >= 0")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
-    return BenchPlan(methods=tuple(methods), budgets=budgets, lengths=lengths, out=Path(args.out), batch=args.batch,
-                     decode_steps=args.decode_steps, warmup=args.warmup, seed=args.seed,
-                     prefill_chunk=args.prefill_chunk, kv_dtypes=kv_dtypes, isolate=args.isolate,
-                     decode_timing=getattr(args, "decode_timing", "auto"), threads=args.threads,
-                     plots=not args.no_plots, progress=not args.no_progress)
+    return BenchPlan(
+        methods=tuple(methods),
+        budgets=budgets,
+        lengths=lengths,
+        out=Path(args.out),
+        batch=args.batch,
+        decode_steps=args.decode_steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        prefill_chunk=args.prefill_chunk,
+        kv_dtypes=kv_dtypes,
+        isolate=args.isolate,
+        decode_timing=getattr(args, "decode_timing", "auto"),
+        threads=args.threads,
+        plots=not args.no_plots,
+        progress=not args.no_progress,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark on the chosen engine; print the table (or ``{"rows": [...]}`` with ``--json``)."""
     engine = engine_from_args(args)
     plan = bench_plan(args)
-    engine.check(random_model=args.random_model, isolate=plan.isolate, prefill_chunk=plan.prefill_chunk,
-                 decode_timing=plan.decode_timing,
-                 kv_dtype=None if set(plan.kv_dtypes) <= {None} else ",".join(map(str, plan.kv_dtypes)))
+    engine.check(
+        random_model=args.random_model,
+        isolate=plan.isolate,
+        prefill_chunk=plan.prefill_chunk,
+        decode_timing=plan.decode_timing,
+        kv_dtype=None if set(plan.kv_dtypes) <= {None} else ",".join(map(str, plan.kv_dtypes)),
+    )
     for m in plan.methods:
         for b in plan.budgets:
             if m != "full":

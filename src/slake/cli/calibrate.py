@@ -15,21 +15,28 @@ __all__ = ["add_calibrate_parser", "cmd_calibrate"]
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``slake calibrate``."""
-    p = sub.add_parser("calibrate", help="tune VABS alpha/beta and CAKE tau1/tau2 for a model; write its profile",
-                       description="Search slake's VABS (alpha, beta) and cake's (tau1, tau2) at each budget on "
-                                   "calibration prompts from text no evaluation suite uses, minimising the mean "
-                                   "KL(full || compressed) of the next-token distributions, and write the values to "
-                                   "the model's profile, which generate/eval/bench/fidelity then use.")
-    p.add_argument("--methods", default="slake,cake",
-                   help="methods to calibrate: slake and/or cake, variants allowed (slake[vabs_split=uniform])")
+    p = sub.add_parser(
+        "calibrate",
+        help="tune VABS alpha/beta and CAKE tau1/tau2 for a model; write its profile",
+        description="Search slake's VABS (alpha, beta) and cake's (tau1, tau2) at each budget on "
+        "calibration prompts from text no evaluation suite uses, minimising the mean "
+        "KL(full || compressed) of the next-token distributions, and write the values to "
+        "the model's profile, which generate/eval/bench/fidelity then use.",
+    )
+    p.add_argument(
+        "--methods",
+        default="slake,cake",
+        help="methods to calibrate: slake and/or cake, variants allowed (slake[vabs_split=uniform])",
+    )
     p.add_argument("--budgets", default="128", help="comma-separated budgets (tokens or ratios in (0, 1))")
     p.add_argument("--length", type=int, default=2048, help="calibration prompt length in tokens")
     p.add_argument("--samples", type=int, default=2, help="prompts of each kind (text continuation, answer)")
     p.add_argument("--tokens", type=int, default=16, help="continuation tokens per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-refine", action="store_true", help="grid only, no local refinement")
-    p.add_argument("--out-dir", default=None,
-                   help="profile folder (default: $SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)")
+    p.add_argument(
+        "--out-dir", default=None, help="profile folder (default: $SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"
+    )
     p.add_argument("--alias", action="append", default=[], help="another name the profile's model answers to")
     p.add_argument("--json", action="store_true", help="print the profile entries as JSON")
     add_model_args(p)
@@ -73,26 +80,35 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if ctx and args.length + args.tokens > ctx:
         raise ValueError(f"--length {args.length} + --tokens {args.tokens} exceeds the model's context ({ctx})")
     identity = model_identity(model)
-    print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}",
-          file=sys.stderr)
+    print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}", file=sys.stderr)
     ref = calibration_reference(model, tokenizer, args.length, args.samples, args.tokens, args.seed)
-    per = {m.name: 1 + len(GRIDS[m.name][next(iter(GRIDS[m.name]))]) ** 2 + (0 if args.no_refine else 8)
-           for m in methods}
-    bar = tqdm(total=sum(per[m.name] for m in methods) * len(budgets), desc="slake calibrate", unit="candidate",
-               file=sys.stderr)
+    per = {
+        m.name: 1 + len(GRIDS[m.name][next(iter(GRIDS[m.name]))]) ** 2 + (0 if args.no_refine else 8) for m in methods
+    }
+    bar = tqdm(
+        total=sum(per[m.name] for m in methods) * len(budgets),
+        desc="slake calibrate",
+        unit="candidate",
+        file=sys.stderr,
+    )
     entries, paths = [], set()
     try:
         for m in methods:
             for b in budgets:
                 bar.set_postfix_str(f"{m.name} @ {b}")
                 entry = calibrate_method(model, ref, m, b, refine=not args.no_refine, on_candidate=bar.update)
-                entry["calibration"] = {"source": CALIBRATION_SOURCE, "length": args.length,
-                                        "samples_per_kind": args.samples, "tokens": args.tokens, "seed": args.seed,
-                                        "slake_version": __version__,
-                                        "created": datetime.datetime.now(datetime.UTC).isoformat(
-                                            timespec="seconds")}
-                paths.add(write_entry(identity, entry, Path(args.out_dir) if args.out_dir else None,
-                                      aliases=args.alias))
+                entry["calibration"] = {
+                    "source": CALIBRATION_SOURCE,
+                    "length": args.length,
+                    "samples_per_kind": args.samples,
+                    "tokens": args.tokens,
+                    "seed": args.seed,
+                    "slake_version": __version__,
+                    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                }
+                paths.add(
+                    write_entry(identity, entry, Path(args.out_dir) if args.out_dir else None, aliases=args.alias)
+                )
                 entries.append(entry)
     finally:
         bar.close()
@@ -103,9 +119,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print("|---|---:|---|---:|---|---:|---|")
     for e in entries:
         fmt = lambda v: ", ".join(f"{k}={x:g}" for k, x in v.items())  # noqa: E731
-        print(f"| {e['method']} | {e['budget']} | {fmt(e['before']['values'])} | {e['before']['kl']:.4f} | "
-              f"{fmt(e['after']['values'])} | {e['after']['kl']:.4f} | "
-              f"{e['before']['delta_nll']:+.4f} -> {e['after']['delta_nll']:+.4f} |")
+        print(
+            f"| {e['method']} | {e['budget']} | {fmt(e['before']['values'])} | {e['before']['kl']:.4f} | "
+            f"{fmt(e['after']['values'])} | {e['after']['kl']:.4f} | "
+            f"{e['before']['delta_nll']:+.4f} -> {e['after']['delta_nll']:+.4f} |"
+        )
     for p in sorted(paths):
         print(f"profile written: {p}")
     return 0

@@ -29,16 +29,25 @@ DEMO_BUDGET = "128"
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``slake demo``."""
-    p = sub.add_parser("demo", help="answer a question about a long document with the full cache and with SLAKE",
-                       description="Build a needle-in-a-haystack document from real essays, ask for the needle, and "
-                                   "answer with the full cache and with a compressed cache; print both answers, "
-                                   "their correctness and the KV memory kept.")
+    p = sub.add_parser(
+        "demo",
+        help="answer a question about a long document with the full cache and with SLAKE",
+        description="Build a needle-in-a-haystack document from real essays, ask for the needle, and "
+        "answer with the full cache and with a compressed cache; print both answers, "
+        "their correctness and the KV memory kept.",
+    )
     p.add_argument("--method", default=DEMO_METHOD, help="compression method (default slake)")
-    p.add_argument("--budget", default=DEMO_BUDGET,
-                   help="tokens per layer and KV head, or a ratio of the prompt in (0, 1) (default 128)")
-    p.add_argument("--task", default=DEMO_TASK,
-                   help="'needle' (a number in essays) or a RULER task such as niah_single_1 (a number in a "
-                        "repeated filler text; default)")
+    p.add_argument(
+        "--budget",
+        default=DEMO_BUDGET,
+        help="tokens per layer and KV head, or a ratio of the prompt in (0, 1) (default 128)",
+    )
+    p.add_argument(
+        "--task",
+        default=DEMO_TASK,
+        help="'needle' (a number in essays) or a RULER task such as niah_single_1 (a number in a "
+        "repeated filler text; default)",
+    )
     p.add_argument("--length", type=int, default=2048, help="document length in tokens")
     p.add_argument("--depth", type=float, default=50.0, help="needle depth in percent")
     p.add_argument("--seed", type=int, default=1)
@@ -95,18 +104,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     runs = {}
     for name, method, b in (("full cache", "full", 1), (args.method, args.method, budget)):
         start = time.perf_counter()
-        res = engine.generate(prompt, method=method, budget=b, max_new_tokens=args.max_new_tokens,
-                              chat_template=False)
-        runs[name] = {"text": res.text, "correct": bool(score_prediction(sample, res.text) >= 1.0),
-                      "kv_bytes": res.kv_bytes, "prompt_tokens": res.prompt_tokens[0], "profile": res.profile,
-                      "stored_bytes": sum(v for k, v in res.kv_bytes.items() if k in _STORED),
-                      "seconds": round(time.perf_counter() - start, 2), "prefill_s": round(res.prefill_s, 3),
-                      "decode_ms_per_token": round(res.decode_ms_per_token, 2)}
+        res = engine.generate(prompt, method=method, budget=b, max_new_tokens=args.max_new_tokens, chat_template=False)
+        runs[name] = {
+            "text": res.text,
+            "correct": bool(score_prediction(sample, res.text) >= 1.0),
+            "kv_bytes": res.kv_bytes,
+            "prompt_tokens": res.prompt_tokens[0],
+            "profile": res.profile,
+            "stored_bytes": sum(v for k, v in res.kv_bytes.items() if k in _STORED),
+            "seconds": round(time.perf_counter() - start, 2),
+            "prefill_s": round(res.prefill_s, 3),
+            "decode_ms_per_token": round(res.decode_ms_per_token, 2),
+        }
     full, comp = runs["full cache"], runs[args.method]
     kept_pct = 100.0 * comp["stored_bytes"] / max(full["stored_bytes"], 1)
-    out = {"question": sample.question.strip(), "expected": list(sample.answers), "method": args.method,
-           "budget": budget.value, "prompt_tokens": full["prompt_tokens"], "full": full, "compressed": comp,
-           "kept_percent": round(kept_pct, 2), "engine": engine.name}
+    out = {
+        "question": sample.question.strip(),
+        "expected": list(sample.answers),
+        "method": args.method,
+        "budget": budget.value,
+        "prompt_tokens": full["prompt_tokens"],
+        "full": full,
+        "compressed": comp,
+        "kept_percent": round(kept_pct, 2),
+        "engine": engine.name,
+    }
     if args.json:
         print(json.dumps(out))
         return 0
@@ -117,19 +139,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"Question: {sample.question.strip()}")
     print(f"Expected: {', '.join(sample.answers)}\n")
     for name, run in ((f"{'full cache':<{width}}", full), (f"{label:<{width}}", comp)):
-        print(f"  {name}  {mark[run['correct']]:<7}  \"{answer_excerpt(run['text'])}\"")
+        print(f'  {name}  {mark[run["correct"]]:<7}  "{answer_excerpt(run["text"])}"')
     print()
     for name, run in ((f"{'full cache':<{width}}", full), (f"{label:<{width}}", comp)):
         pct = "" if run is full else f"  ({kept_pct:.1f}% of the full cache)"
-        print(f"  {name}  KV memory {_fmt_bytes(run['stored_bytes']):>9}{pct}   time {run['seconds']:.1f} s "
-              f"(prefill {run['prefill_s']:.1f} s, decode {run['decode_ms_per_token']:.0f} ms/token)")
+        print(
+            f"  {name}  KV memory {_fmt_bytes(run['stored_bytes']):>9}{pct}   time {run['seconds']:.1f} s "
+            f"(prefill {run['prefill_s']:.1f} s, decode {run['decode_ms_per_token']:.0f} ms/token)"
+        )
     kv = comp["kv_bytes"]
-    print(f"\n  {args.method} keeps {_fmt_bytes(kv['kept'])} of entries, a linear state of "
-          f"{_fmt_bytes(kv.get('linear_state', 0))} and {_fmt_bytes(kv.get('metadata', 0) + kv.get('padding', 0))} "
-          "of bookkeeping.")
+    print(
+        f"\n  {args.method} keeps {_fmt_bytes(kv['kept'])} of entries, a linear state of "
+        f"{_fmt_bytes(kv.get('linear_state', 0))} and {_fmt_bytes(kv.get('metadata', 0) + kv.get('padding', 0))} "
+        "of bookkeeping."
+    )
     if not comp["correct"]:
-        print(f"\n{args.method} did not answer correctly at budget {budget.value} on this document: try a larger "
-              "--budget (docs/results.md lists what was measured).", file=sys.stderr)
+        print(
+            f"\n{args.method} did not answer correctly at budget {budget.value} on this document: try a larger "
+            "--budget (docs/results.md lists what was measured).",
+            file=sys.stderr,
+        )
     return 0
 
 

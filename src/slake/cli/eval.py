@@ -23,44 +23,81 @@ __all__ = ["add_eval_parser", "cmd_eval"]
 
 def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to ``subparsers`` (from ``parser.add_subparsers``)."""
-    p = subparsers.add_parser("eval", help="evaluate methods x budgets on needle, RULER or LongBench",
-                              description="Generate every (method, budget) for each sample, greedily, and score "
-                              "(the transformers engine prefills each sample once and replays it into every cache). Rows go to OUT/results.jsonl (a rerun resumes); "
-                              "summary.md, summary.csv and PNG plots are written to OUT.")
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate methods x budgets on needle, RULER or LongBench",
+        description="Generate every (method, budget) for each sample, greedily, and score "
+        "(the transformers engine prefills each sample once and replays it into every cache). Rows go to OUT/results.jsonl (a rerun resumes); "
+        "summary.md, summary.csv and PNG plots are written to OUT.",
+    )
     p.add_argument("--suite", required=True, choices=("needle", "ruler", "longbench"))
-    p.add_argument("--tasks", default=None,
-                   help="comma-separated tasks: RULER task names, LongBench datasets (default: every task; for "
-                        "LongBench every dataset file found)")
-    p.add_argument("--methods", required=True,
-                   help="comma-separated methods (see 'slake methods') or 'all'; a variant is written "
-                        "name[key=value,...], e.g. slake[vabs=false] or snapkv[linear_cache=true], and gets its own "
-                        "rows; the full-cache reference is always included")
-    p.add_argument("--budgets", required=True,
-                   help="comma-separated budgets: tokens per layer and KV head (e.g. 128,256) or ratios in (0, 1)")
-    p.add_argument("--lengths", default=None,
-                   help="comma-separated context lengths in tokens (default: needle 1024,2048,4096; ruler 2048; "
-                        "longbench 4096, the middle-truncation maximum)")
-    p.add_argument("--samples", type=int, default=None,
-                   help="samples per (task, length), per (length, depth) cell for needle, first N records for "
-                        "LongBench (default: needle 1, ruler 5, longbench all)")
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="comma-separated tasks: RULER task names, LongBench datasets (default: every task; for "
+        "LongBench every dataset file found)",
+    )
+    p.add_argument(
+        "--methods",
+        required=True,
+        help="comma-separated methods (see 'slake methods') or 'all'; a variant is written "
+        "name[key=value,...], e.g. slake[vabs=false] or snapkv[linear_cache=true], and gets its own "
+        "rows; the full-cache reference is always included",
+    )
+    p.add_argument(
+        "--budgets",
+        required=True,
+        help="comma-separated budgets: tokens per layer and KV head (e.g. 128,256) or ratios in (0, 1)",
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        help="comma-separated context lengths in tokens (default: needle 1024,2048,4096; ruler 2048; "
+        "longbench 4096, the middle-truncation maximum)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per (task, length), per (length, depth) cell for needle, first N records for "
+        "LongBench (default: needle 1, ruler 5, longbench all)",
+    )
     p.add_argument("--depths", default=None, help="needle depths in percent (default 0,25,50,75,100)")
     p.add_argument("--seed", type=int, default=0, help="sample seed")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on every task's generation length")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="measure chunked prefill (chunks of this many tokens) instead of exact prefill; "
-                        "use a separate --out directory")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="decode up to this many samples of a task together (each is still prefilled alone); "
-                        "about 5x faster per sample at 8 on CPU, same greedy outputs up to float rounding")
-    p.add_argument("--question-agnostic", action="store_true",
-                   help="compress the context without the question, then ask (default: question in the prefill)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="measure chunked prefill (chunks of this many tokens) instead of exact prefill; "
+        "use a separate --out directory",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="decode up to this many samples of a task together (each is still prefilled alone); "
+        "about 5x faster per sample at 8 on CPU, same greedy outputs up to float rounding",
+    )
+    p.add_argument(
+        "--question-agnostic",
+        action="store_true",
+        help="compress the context without the question, then ask (default: question in the prefill)",
+    )
     p.add_argument("--no-chat-template", action="store_true", help="plain prompts, no chat template")
     p.add_argument("--longbench-dir", default=None, help="directory with the official LongBench <dataset>.jsonl")
-    p.add_argument("--longbench-hub", action="store_true",
-                   help="read LongBench datasets missing from --longbench-dir from the data.zip of THUDM/LongBench "
-                        "on the Hugging Face hub (downloaded once into its cache; needs network)")
-    p.add_argument("--kv-dtype", default=None, help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
-                   "scales); default: the model's dtype. Use a separate --out per value")
+    p.add_argument(
+        "--longbench-hub",
+        action="store_true",
+        help="read LongBench datasets missing from --longbench-dir from the data.zip of THUDM/LongBench "
+        "on the Hugging Face hub (downloaded once into its cache; needs network)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
+        "scales); default: the model's dtype. Use a separate --out per value",
+    )
     add_engine_arg(p, "generate")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, summary.md/csv, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -68,10 +105,6 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} (mean score per task) to stdout')
     add_model_args(p)
     return p
-
-
-
-
 
 
 def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
@@ -115,26 +148,57 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         raise ValueError("--batch-size > 1 cannot be combined with --prefill-chunk or --question-agnostic")
     engine.check(prefill_chunk=args.prefill_chunk, question_agnostic=args.question_agnostic, kv_dtype=kv_dtype)
     tasks = split_list(args.tasks, "--tasks") if args.tasks else None
-    plan = plan_suite(args.suite, tasks, lengths, args.samples, args.seed, depths, args.longbench_dir,
-                      args.longbench_hub)
+    plan = plan_suite(
+        args.suite, tasks, lengths, args.samples, args.seed, depths, args.longbench_dir, args.longbench_hub
+    )
     out = Path(args.out)
     previous = scan_results(out)
     if previous.skipped:
         print(f"slake eval: {previous.describe_skipped()}", file=sys.stderr)
     samples = build_samples(plan, engine.tokenizer)
-    options = EvalOptions(query_aware=not args.question_agnostic, prefill_chunk=args.prefill_chunk,
-                          batch_size=args.batch_size, kv_dtype=kv_dtype)
-    evaluate_suite(engine, samples, methods, budgets, out, suite=plan.suite, model_name=args.model, seed=args.seed,
-                   max_new_tokens=args.max_new_tokens, chat_template=not args.no_chat_template,
-                   progress=not args.no_progress, options=options)
+    options = EvalOptions(
+        query_aware=not args.question_agnostic,
+        prefill_chunk=args.prefill_chunk,
+        batch_size=args.batch_size,
+        kv_dtype=kv_dtype,
+    )
+    evaluate_suite(
+        engine,
+        samples,
+        methods,
+        budgets,
+        out,
+        suite=plan.suite,
+        model_name=args.model,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        chat_template=not args.no_chat_template,
+        progress=not args.no_progress,
+        options=options,
+    )
     all_rows = read_results(out)
     md, csv_path = write_summary(out, all_rows)
     plots = _plots(out, all_rows, args.no_plots)
-    wanted = {(s.task, s.sample_id, m, b, int(s.metadata.get("target_length", s.length)), args.model,
-               None if b is None else args.prefill_chunk)
-              for s in samples for m, b in [("full", None)] + [(m, b) for m in methods for b in budgets]}
-    mine = [r for r in all_rows if r.get("suite") == plan.suite and row_key(r) in wanted
-            and r.get("query_aware", True) == (not args.question_agnostic)]
+    wanted = {
+        (
+            s.task,
+            s.sample_id,
+            m,
+            b,
+            int(s.metadata.get("target_length", s.length)),
+            args.model,
+            None if b is None else args.prefill_chunk,
+        )
+        for s in samples
+        for m, b in [("full", None)] + [(m, b) for m in methods for b in budgets]
+    }
+    mine = [
+        r
+        for r in all_rows
+        if r.get("suite") == plan.suite
+        and row_key(r) in wanted
+        and r.get("query_aware", True) == (not args.question_agnostic)
+    ]
     if args.json:
         print(json.dumps({"rows": summary_rows(mine)}))
         return 0
@@ -143,6 +207,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     for p in plots:
         print(f"plot: {p}", file=sys.stderr)
     return 0
+
 
 def _plots(out: Path, rows: list[dict[str, Any]], skip: bool) -> list[Path]:
     if skip:
@@ -154,4 +219,3 @@ def _plots(out: Path, rows: list[dict[str, Any]], skip: bool) -> list[Path]:
     except ImportError as e:  # matplotlib is an optional dependency (slake[eval])
         print(f"slake eval: no plots ({e}); install matplotlib: pip install 'slake[eval]'", file=sys.stderr)
         return []
-

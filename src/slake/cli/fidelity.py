@@ -19,22 +19,43 @@ __all__ = ["add_fidelity_parser", "cmd_fidelity"]
 def add_fidelity_parser(sub: Any) -> None:
     """Register ``slake fidelity``."""
     p = sub.add_parser("fidelity", help="relative error of attention outputs vs the full cache, per layer")
-    p.add_argument("--methods", default="cake,slake", help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]")
+    p.add_argument(
+        "--methods",
+        default="cake,slake",
+        help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]",
+    )
     p.add_argument("--budgets", default="64,128,256", help="comma-separated budgets")
     p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (generated needle document)")
     p.add_argument("--prompt-file", help="use this prompt instead of a generated document")
     p.add_argument("--steps", type=int, default=16, help="decode steps whose queries are measured")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--linear-cache", choices=["default", "on", "off", "both"], default="default",
-                   help="force the PTAA linear cache on/off for every method, or measure both")
-    p.add_argument("--kv-dtype", default=None, help="comma-separated storage of kept keys/values to measure: auto "
-                   "(model dtype), int8, fp8_e4m3; e.g. auto,int8")
-    p.add_argument("--output-tokens", type=int, default=32,
-                   help="output-level fidelity: continuation tokens per prompt, teacher-forced (0: skip)")
-    p.add_argument("--output-samples", type=int, default=2,
-                   help="output-level fidelity: prompts of each kind (essay continuation, full cache's answer)")
-    p.add_argument("--out", help="folder for fidelity.json, fidelity.md, fidelity_per_layer.png and "
-                                 "output_kl_vs_budget.png")
+    p.add_argument(
+        "--linear-cache",
+        choices=["default", "on", "off", "both"],
+        default="default",
+        help="force the PTAA linear cache on/off for every method, or measure both",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="comma-separated storage of kept keys/values to measure: auto "
+        "(model dtype), int8, fp8_e4m3; e.g. auto,int8",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=32,
+        help="output-level fidelity: continuation tokens per prompt, teacher-forced (0: skip)",
+    )
+    p.add_argument(
+        "--output-samples",
+        type=int,
+        default=2,
+        help="output-level fidelity: prompts of each kind (essay continuation, full cache's answer)",
+    )
+    p.add_argument(
+        "--out", help="folder for fidelity.json, fidelity.md, fidelity_per_layer.png and output_kl_vs_budget.png"
+    )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
     add_model_args(p)
 
@@ -66,8 +87,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         text = sample.context + sample.question
     ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(model.device)
-    print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...",
-          file=sys.stderr)
+    print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...", file=sys.stderr)
     rec = fidelity.record(model, ids, args.steps)
     rows = []
     for m in methods:
@@ -82,17 +102,23 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if output_rows:
         from slake.quality import output_fidelity
 
-        output_md = (f"\n\n## Output level ({args.length}-token prompts, {args.output_tokens} teacher-forced tokens, "
-                     f"{args.output_samples} essay continuations + {args.output_samples} answers)\n\n"
-                     + output_fidelity.summary_table(output_rows))
+        output_md = (
+            f"\n\n## Output level ({args.length}-token prompts, {args.output_tokens} teacher-forced tokens, "
+            f"{args.output_samples} essay continuations + {args.output_samples} answers)\n\n"
+            + output_fidelity.summary_table(output_rows)
+        )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "fidelity.json").write_text(json.dumps({"rows": rows, "output_rows": output_rows}, indent=1))
         (out / "fidelity.md").write_text(
             f"# Attention fidelity ({ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
-            + fidelity.summary_table(rows) + output_md + "\n\n## Per layer (decode queries)\n\n"
-            + fidelity.per_layer_table(rows) + "\n")
+            + fidelity.summary_table(rows)
+            + output_md
+            + "\n\n## Per layer (decode queries)\n\n"
+            + fidelity.per_layer_table(rows)
+            + "\n"
+        )
         fidelity.plot_per_layer(rows, str(out / "fidelity_per_layer.png"))
         if output_rows:
             output_fidelity.plot_kl_vs_budget(output_rows, str(out / "output_kl_vs_budget.png"))
@@ -105,8 +131,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _output_fidelity(args: argparse.Namespace, model, tokenizer, methods: list[str], budgets: list,
-                     lin_modes: list) -> list[dict]:
+def _output_fidelity(
+    args: argparse.Namespace, model, tokenizer, methods: list[str], budgets: list, lin_modes: list
+) -> list[dict]:
     """Output-level rows (:mod:`slake.quality.output_fidelity`) for every (method, linear cache, budget)."""
     from slake.methods.base import canonical_method_spec
     from slake.methods.profiles import resolve_method
@@ -119,12 +146,25 @@ def _output_fidelity(args: argparse.Namespace, model, tokenizer, methods: list[s
     )
 
     text = evaluation_text()
-    print(f"output level: {2 * args.output_samples} prompts of {args.length} tokens, "
-          f"{args.output_tokens} continuation tokens each...", file=sys.stderr)
-    conts = text_continuations(tokenizer, text, args.length, args.output_tokens, args.output_samples,
-                               seed=args.seed, name="essay")
-    conts += answer_continuations(model, tokenizer, text, args.length, args.output_tokens, args.output_samples,
-                                  EVALUATION_QUESTIONS, seed=args.seed, name="answer")
+    print(
+        f"output level: {2 * args.output_samples} prompts of {args.length} tokens, "
+        f"{args.output_tokens} continuation tokens each...",
+        file=sys.stderr,
+    )
+    conts = text_continuations(
+        tokenizer, text, args.length, args.output_tokens, args.output_samples, seed=args.seed, name="essay"
+    )
+    conts += answer_continuations(
+        model,
+        tokenizer,
+        text,
+        args.length,
+        args.output_tokens,
+        args.output_samples,
+        EVALUATION_QUESTIONS,
+        seed=args.seed,
+        name="answer",
+    )
     ref = output_fidelity.prepare_reference(model, conts)
     rows: list[dict] = []
     for m in methods:

@@ -16,8 +16,11 @@ def add_generate_parser(sub: Any) -> None:
     """Register ``slake generate``."""
     p = sub.add_parser("generate", help="generate with a compressed KV cache and print cache statistics")
     p.add_argument("--method", default="snapkv", help="compression method (see 'slake methods')")
-    p.add_argument("--budget", default="128",
-                   help="average cached tokens per layer and KV head, window included, or a ratio in (0, 1)")
+    p.add_argument(
+        "--budget",
+        default="128",
+        help="average cached tokens per layer and KV head, window included, or a ratio in (0, 1)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="a file holding the prompt ('-' for standard input)")
@@ -27,19 +30,41 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--linear-cache", action="store_true", default=None,
-                   help="fold evicted tokens into SLAKE's Taylor linear state (PTAA)")
-    p.add_argument("--no-linear-cache", dest="linear_cache", action="store_false",
-                   help="disable the linear state of a method that has one (ablation)")
-    p.add_argument("--charge-linear-state", action="store_true",
-                   help="count the linear state against the budget (equal-memory comparison)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)")
+    p.add_argument(
+        "--linear-cache",
+        action="store_true",
+        default=None,
+        help="fold evicted tokens into SLAKE's Taylor linear state (PTAA)",
+    )
+    p.add_argument(
+        "--no-linear-cache",
+        dest="linear_cache",
+        action="store_false",
+        help="disable the linear state of a method that has one (ablation)",
+    )
+    p.add_argument(
+        "--charge-linear-state",
+        action="store_true",
+        help="count the linear state against the budget (equal-memory comparison)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)",
+    )
     p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
-    p.add_argument("--allow-long-context", action="store_true",
-                   help="run a prompt longer than the model's context (max_position_embeddings); quality degrades")
-    p.add_argument("--kv-dtype", default=None, help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
-                   "scales, dequantised in attention); default: the model's dtype")
+    p.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="run a prompt longer than the model's context (max_position_embeddings); quality degrades",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
+        "scales, dequantised in attention); default: the model's dtype",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arg(p, "generate")
     add_model_args(p)
@@ -56,20 +81,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     budget = Budget(args.budget)
     kv_dtype = parse_kv_dtype(args.kv_dtype)
     engine = engine_from_args(args)
-    engine.check(sample=args.sample, prefill_chunk=args.prefill_chunk, charge_linear_state=args.charge_linear_state,
-                 linear_cache=args.linear_cache, kv_dtype=kv_dtype)
+    engine.check(
+        sample=args.sample,
+        prefill_chunk=args.prefill_chunk,
+        charge_linear_state=args.charge_linear_state,
+        linear_cache=args.linear_cache,
+        kv_dtype=kv_dtype,
+    )
     engine.check_pair(make_method(args.method, **hyper), budget)
-    res = engine.generate(args.prompt, method=args.method, budget=budget, max_new_tokens=args.max_new_tokens,
-                          chat_template=not args.no_chat_template, do_sample=args.sample,
-                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          charge_linear_state=args.charge_linear_state, prefill_chunk=args.prefill_chunk,
-                          allow_long_context=args.allow_long_context, kv_dtype=kv_dtype, **hyper)
-    out = {"text": res.text, "prompt_tokens": res.prompt_tokens[0], "new_tokens": res.new_tokens[0],
-           "method": res.method, "budget": res.budget, "compressed": res.compressed, "kv_bytes": res.kv_bytes,
-           "kept_tokens_per_layer": res.kept_tokens_per_layer, "layer_budgets": res.layer_budgets,
-           "prefill_s": round(res.prefill_s, 4), "decode_ms_per_token": round(res.decode_ms_per_token, 3),
-           "hyperparameters": res.hyperparameters or make_method(args.method, **hyper).hyperparameters(),
-           "profile": res.profile, "engine": res.engine, **res.extra}
+    res = engine.generate(
+        args.prompt,
+        method=args.method,
+        budget=budget,
+        max_new_tokens=args.max_new_tokens,
+        chat_template=not args.no_chat_template,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        charge_linear_state=args.charge_linear_state,
+        prefill_chunk=args.prefill_chunk,
+        allow_long_context=args.allow_long_context,
+        kv_dtype=kv_dtype,
+        **hyper,
+    )
+    out = {
+        "text": res.text,
+        "prompt_tokens": res.prompt_tokens[0],
+        "new_tokens": res.new_tokens[0],
+        "method": res.method,
+        "budget": res.budget,
+        "compressed": res.compressed,
+        "kv_bytes": res.kv_bytes,
+        "kept_tokens_per_layer": res.kept_tokens_per_layer,
+        "layer_budgets": res.layer_budgets,
+        "prefill_s": round(res.prefill_s, 4),
+        "decode_ms_per_token": round(res.decode_ms_per_token, 3),
+        "hyperparameters": res.hyperparameters or make_method(args.method, **hyper).hyperparameters(),
+        "profile": res.profile,
+        "engine": res.engine,
+        **res.extra,
+    }
     if args.json:
         print(json.dumps(out))
         return 0
@@ -77,12 +129,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(res.text)
     print()
     note = "" if res.compressed else "  (prompt fits in the budget: no eviction, same as the full cache)"
-    print(f"method {res.method}  budget {res.budget}  prompt {out['prompt_tokens']} tokens  "
-          f"generated {out['new_tokens']} tokens{note}")
-    print(f"KV bytes: full {kv['full']:,}  kept {kv['kept']:,}  padding {kv['padding']:,}  "
-          f"linear state {kv['linear_state']:,}")
+    print(
+        f"method {res.method}  budget {res.budget}  prompt {out['prompt_tokens']} tokens  "
+        f"generated {out['new_tokens']} tokens{note}"
+    )
+    print(
+        f"KV bytes: full {kv['full']:,}  kept {kv['kept']:,}  padding {kv['padding']:,}  "
+        f"linear state {kv['linear_state']:,}"
+    )
     mean_kept = sum(res.kept_tokens_per_layer) / max(len(res.kept_tokens_per_layer), 1)
-    print(f"kept tokens per layer (mean over heads): mean {mean_kept:.1f}, "
-          f"min {min(res.kept_tokens_per_layer):.1f}, max {max(res.kept_tokens_per_layer):.1f}")
+    print(
+        f"kept tokens per layer (mean over heads): mean {mean_kept:.1f}, "
+        f"min {min(res.kept_tokens_per_layer):.1f}, max {max(res.kept_tokens_per_layer):.1f}"
+    )
     print(f"prefill {res.prefill_s:.2f} s  decode {res.decode_ms_per_token:.1f} ms/token")
     return 0

@@ -16,20 +16,25 @@ __all__ = ["add_make_prompt_parser", "cmd_make_prompt"]
 
 def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``make-prompt`` sub-command to ``subparsers``."""
-    p = subparsers.add_parser("make-prompt", help="write the plain prompt of one generated needle/RULER sample",
-                              description="Write context + question (no chat template) of one generated sample to "
-                              "a file; the expected answers go to stderr.")
+    p = subparsers.add_parser(
+        "make-prompt",
+        help="write the plain prompt of one generated needle/RULER sample",
+        description="Write context + question (no chat template) of one generated sample to "
+        "a file; the expected answers go to stderr.",
+    )
     p.add_argument("--task", required=True, help="'needle' or a RULER task (e.g. niah_single_2, vt, qa_1)")
     p.add_argument("--length", type=int, required=True, help="prompt length in the model's tokens")
-    p.add_argument("--depth", type=float, default=None,
-                   help="needle depth in percent (needle: default 50; RULER NIAH tasks: random by default)")
+    p.add_argument(
+        "--depth",
+        type=float,
+        default=None,
+        help="needle depth in percent (needle: default 50; RULER NIAH tasks: random by default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="smollm2", help="model whose tokenizer measures the length")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--out", required=True, help="output text file ('-' for standard output)")
     return p
-
-
 
 
 def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
@@ -60,7 +65,6 @@ def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
-        print(f"wrote {path} ({sample.length} tokens, task {sample.task}, sample {sample.sample_id})",
-              file=sys.stderr)
+        print(f"wrote {path} ({sample.length} tokens, task {sample.task}, sample {sample.sample_id})", file=sys.stderr)
     print(f"expected answer: {' | '.join(sample.answers)}", file=sys.stderr)
     return 0

@@ -21,8 +21,16 @@ def cmd_methods(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for name, cls in available_methods().items():
         m = cls()
-        rows.append({"name": name, "summary": cls.summary, "paper": cls.paper, "layer_budgets": cls.layer_budgets,
-                     "linear_cache": m.linear_cache, "hyperparameters": m.hyperparameters()})
+        rows.append(
+            {
+                "name": name,
+                "summary": cls.summary,
+                "paper": cls.paper,
+                "layer_budgets": cls.layer_budgets,
+                "linear_cache": m.linear_cache,
+                "hyperparameters": m.hyperparameters(),
+            }
+        )
     if args.json:
         print(json.dumps({"methods": rows}, indent=2))
         return 0

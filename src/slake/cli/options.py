@@ -13,14 +13,14 @@ from typing import Any
 from slake.engines import ENGINES, Engine, ModelSpec, make_engine
 from slake.methods.spec import parse_value
 
-__all__ = ["add_engine_arg", "add_model_args", "engine_from_args", "model_spec", "parse_hyperparameters",
-           "split_list"]
+__all__ = ["add_engine_arg", "add_model_args", "engine_from_args", "model_spec", "parse_hyperparameters", "split_list"]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Add ``--model``, ``--gguf-file``, ``--device`` and ``--dtype`` to a sub-command's parser."""
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default, packaged), a hub id, a local directory or a .gguf file")
+    p.add_argument(
+        "--model", default="smollm2", help="'smollm2' (default, packaged), a hub id, a local directory or a .gguf file"
+    )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (hub repo or directory)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
@@ -28,17 +28,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_arg(p: argparse.ArgumentParser, what: str = "run") -> None:
     """Add ``--engine`` (:data:`slake.engines.ENGINES`) to a sub-command's parser."""
-    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
-                   help=f"{what} with transformers (default) or vLLM with the slake plugin (needs slake[vllm]; "
-                        "options it cannot honour are refused before anything loads)")
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=ENGINES[0],
+        help=f"{what} with transformers (default) or vLLM with the slake plugin (needs slake[vllm]; "
+        "options it cannot honour are refused before anything loads)",
+    )
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The :class:`slake.engines.ModelSpec` of a parsed command line (``--random-model`` where the command has it)."""
     random = getattr(args, "random_model", None)
-    return ModelSpec(name=None if random else (getattr(args, "model", None) or "smollm2"),
-                     gguf_file=getattr(args, "gguf_file", None), device=getattr(args, "device", None),
-                     dtype=getattr(args, "dtype", None), random=random, seed=getattr(args, "seed", 0) or 0)
+    return ModelSpec(
+        name=None if random else (getattr(args, "model", None) or "smollm2"),
+        gguf_file=getattr(args, "gguf_file", None),
+        device=getattr(args, "device", None),
+        dtype=getattr(args, "dtype", None),
+        random=random,
+        seed=getattr(args, "seed", 0) or 0,
+    )
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:

@@ -28,8 +28,18 @@ from typing import Any, ClassVar
 from slake.cache.compressed import check_method_budget
 from slake.hf.generate import GenerationResult
 
-__all__ = ["BenchPlan", "BenchReport", "Engine", "EvalOptions", "EvalOutput", "EvalRequest", "ModelSpec", "Pair",
-           "load_avg", "option_flag"]
+__all__ = [
+    "BenchPlan",
+    "BenchReport",
+    "Engine",
+    "EvalOptions",
+    "EvalOutput",
+    "EvalRequest",
+    "ModelSpec",
+    "Pair",
+    "load_avg",
+    "option_flag",
+]
 
 #: a (method, budget) pair of an evaluation; budget None is the full-cache reference
 Pair = tuple[str, "int | float | None"]
@@ -220,8 +230,9 @@ class Engine(abc.ABC):
         """The ids that end generation in an evaluation (the tokenizer's and the generation config's)."""
 
     @abc.abstractmethod
-    def generate(self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True,
-                 **options: Any) -> GenerationResult:
+    def generate(
+        self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True, **options: Any
+    ) -> GenerationResult:
         """Generate a continuation of ``prompt`` with ``method`` at ``budget``.
 
         ``options`` are those of :func:`slake.generate` (sampling, ``prefill_chunk``, ``kv_dtype``,

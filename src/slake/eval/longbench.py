@@ -130,8 +130,11 @@ def read_longbench_archive(path: str | os.PathLike[str], dataset: str) -> list[L
         if not members:
             raise FileNotFoundError(f"{path} has no {name}")
         with archive.open(sorted(members, key=len)[0]) as fh:
-            return [LongBenchRecord.from_json(json.loads(line), dataset)
-                    for line in (raw.decode("utf-8") for raw in fh) if line.strip()]
+            return [
+                LongBenchRecord.from_json(json.loads(line), dataset)
+                for line in (raw.decode("utf-8") for raw in fh)
+                if line.strip()
+            ]
 
 
 def _download_archive() -> str:

@@ -23,8 +23,8 @@ _MULTIDOC_EN = (
     "Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:"
 )
 _QASPER_RULE = (
-    "If the question cannot be answered based on the information in the article, write \"unanswerable\". "
-    "If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation."
+    'If the question cannot be answered based on the information in the article, write "unanswerable". '
+    'If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.'
 )
 
 DATASET2PROMPT: dict[str, str] = {
@@ -38,7 +38,8 @@ DATASET2PROMPT: dict[str, str] = {
         "You are given a scientific article and a question. Answer the question as concisely as you can, using a "
         "single phrase or sentence if possible. " + _QASPER_RULE + "\n\nArticle: {context}\n\n Answer the question "
         "based on the above article as concisely as you can, using a single phrase or sentence if possible. "
-        + _QASPER_RULE + "\n\nQuestion: {input}\n\nAnswer:"
+        + _QASPER_RULE
+        + "\n\nQuestion: {input}\n\nAnswer:"
     ),
     "multifieldqa_en": (
         "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on "
@@ -83,12 +84,12 @@ DATASET2PROMPT: dict[str, str] = {
     "passage_retrieval_en": (
         "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the "
         "abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of "
-        "the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", "
+        'the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", '
         "etc.\n\nThe answer is: "
     ),
     "passage_retrieval_zh": (
         "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n"
-        "请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是："
+        '请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：'
     ),
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
@@ -142,8 +143,19 @@ LONGBENCH_DATASETS: tuple[str, ...] = tuple(DATASET2PROMPT)
 LONGBENCH_E_DATASETS: tuple[str, ...] = tuple(
     f"{d}_e"
     for d in (
-        "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
-        "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+        "qasper",
+        "multifieldqa_en",
+        "hotpotqa",
+        "2wikimqa",
+        "gov_report",
+        "multi_news",
+        "trec",
+        "triviaqa",
+        "samsum",
+        "passage_count",
+        "passage_retrieval_en",
+        "lcc",
+        "repobench-p",
     )
 )
 

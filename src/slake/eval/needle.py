@@ -146,8 +146,13 @@ def needle_grid(
         for j, d in enumerate(depths):
             out.append(
                 needle_sample(
-                    tokenizer, n, d, kind=kind, seed=seed * 1_000_003 + i * 1_009 + j,
-                    essays=essays, max_new_tokens=max_new_tokens,
+                    tokenizer,
+                    n,
+                    d,
+                    kind=kind,
+                    seed=seed * 1_000_003 + i * 1_009 + j,
+                    essays=essays,
+                    max_new_tokens=max_new_tokens,
                 )
             )
     return out

@@ -47,8 +47,9 @@ def _by_model(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def needle_heatmaps(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str],
-                    model_suffix: str = "") -> list[Path]:
+def needle_heatmaps(
+    rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str], model_suffix: str = ""
+) -> list[Path]:
     """One depth x length accuracy heatmap per (method, budget) of the needle rows (``suite == "needle"``)."""
     rows = [r for r in rows if r.get("suite", r["task"]) == "needle" and r.get("depth") is not None]
     if not rows:
@@ -62,8 +63,7 @@ def needle_heatmaps(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[s
         for r in rows:
             if r["method"] == method and r.get("budget") == budget:
                 cells[(float(r["depth"]), int(r["length"]))].append(float(r["score"]))
-        grid = [[100.0 * _mean(cells[(d, n)]) if cells.get((d, n)) else float("nan") for n in lengths]
-                for d in depths]
+        grid = [[100.0 * _mean(cells[(d, n)]) if cells.get((d, n)) else float("nan") for n in lengths] for d in depths]
         fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.4 + 0.5 * len(depths)), dpi=120)
         im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
@@ -73,8 +73,15 @@ def needle_heatmaps(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[s
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v == v:
-                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8,
-                            color="black" if 20 <= v <= 80 else "white")
+                    ax.text(
+                        j,
+                        i,
+                        f"{v:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="black" if 20 <= v <= 80 else "white",
+                    )
         label = "full cache" if budget is None else f"{method}, budget {budget_label(budget)}"
         mean = _mean([s for v in cells.values() for s in v]) * 100
         ax.set_title(f"needle: {label} (mean {mean:.1f}%)", fontsize=10)
@@ -98,8 +105,9 @@ def _macro_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], float]:
     return {k: _mean(v) for k, v in out.items()}
 
 
-def score_vs_budget(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str],
-                    model_suffix: str = "") -> list[Path]:
+def score_vs_budget(
+    rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str], model_suffix: str = ""
+) -> list[Path]:
     """One score-vs-budget plot per suite: a line per method, the full cache as a dashed horizontal line."""
     by_suite: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -118,8 +126,13 @@ def score_vs_budget(rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[s
         methods = [m for m, _ in pairs if m != FULL_METHOD]
         for i, method in enumerate(dict.fromkeys(methods)):  # markers and dashes tell apart >10 colour-cycled lines
             pts = [(xpos[b], scores[(m, b)]) for m, b in pairs if m == method and b is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>pPhX*"[i % 12],
-                    linestyle=("-", "-.", ":")[(i // 10) % 3], label=method)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="osD^v<>pPhX*"[i % 12],
+                linestyle=("-", "-.", ":")[(i // 10) % 3],
+                label=method,
+            )
         if (FULL_METHOD, None) in scores:
             ax.axhline(scores[(FULL_METHOD, None)], color="black", linestyle="--", linewidth=1.2, label="full cache")
         if numeric:

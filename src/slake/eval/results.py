@@ -19,8 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["RESULTS_FILE", "ROW_FIELDS", "FULL_METHOD", "ResultsScan", "ResultsWriter", "is_result_row",
-           "read_results", "scan_results", "row_key", "budget_label", "check_engine_dir"]
+__all__ = [
+    "RESULTS_FILE",
+    "ROW_FIELDS",
+    "FULL_METHOD",
+    "ResultsScan",
+    "ResultsWriter",
+    "is_result_row",
+    "read_results",
+    "scan_results",
+    "row_key",
+    "budget_label",
+    "check_engine_dir",
+]
 
 RESULTS_FILE = "results.jsonl"
 
@@ -29,8 +40,21 @@ FULL_METHOD = "full"
 
 #: Fields every row has (more may follow: ``compressed``, ``compress_s``, ``new_tokens``, ``depth`` ...).
 ROW_FIELDS: tuple[str, ...] = (
-    "suite", "task", "sample_id", "model", "method", "budget", "length", "prompt_tokens", "prediction",
-    "answers", "score", "prefill_s", "decode_s", "seed", "query_aware",
+    "suite",
+    "task",
+    "sample_id",
+    "model",
+    "method",
+    "budget",
+    "length",
+    "prompt_tokens",
+    "prediction",
+    "answers",
+    "score",
+    "prefill_s",
+    "decode_s",
+    "seed",
+    "query_aware",
 )
 
 RowKey = tuple[str, str, str, Any, int, str, Any]
@@ -45,8 +69,15 @@ def row_key(row: dict[str, Any]) -> RowKey:
     budget = row.get("budget")
     if isinstance(budget, float) and budget.is_integer() and budget >= 1:
         budget = int(budget)
-    return (str(row["task"]), str(row["sample_id"]), str(row["method"]), budget, int(row["length"]),
-            str(row["model"]), row.get("prefill_chunk"))
+    return (
+        str(row["task"]),
+        str(row["sample_id"]),
+        str(row["method"]),
+        budget,
+        int(row["length"]),
+        str(row["model"]),
+        row.get("prefill_chunk"),
+    )
 
 
 def budget_label(budget: Any) -> str:
@@ -85,8 +116,9 @@ def _row_problem(row: dict[str, Any]) -> str:
         return f"score is not a number ({score!r})"
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         return f"budget is not null or a positive number ({budget!r})"
-    if any(not isinstance(row[k], (str, int)) or isinstance(row[k], bool) for k in ("task", "sample_id", "method",
-                                                                                     "model")):
+    if any(
+        not isinstance(row[k], (str, int)) or isinstance(row[k], bool) for k in ("task", "sample_id", "method", "model")
+    ):
         return "task, sample_id, method and model must be strings"
     return ""
 
@@ -110,9 +142,11 @@ class ResultsScan:
             return ""
         shown = ", ".join(f"{n} ({why})" for n, why in self.skipped[:limit])
         more = f" and {len(self.skipped) - limit} more" if len(self.skipped) > limit else ""
-        return (f"skipped {len(self.skipped)} line{'s' if len(self.skipped) > 1 else ''} of {name} that "
-                f"{'are' if len(self.skipped) > 1 else 'is'} not valid result rows (kept in the file): "
-                f"line {shown}{more}")
+        return (
+            f"skipped {len(self.skipped)} line{'s' if len(self.skipped) > 1 else ''} of {name} that "
+            f"{'are' if len(self.skipped) > 1 else 'is'} not valid result rows (kept in the file): "
+            f"line {shown}{more}"
+        )
 
 
 def _results_path(path: str | os.PathLike[str]) -> Path:
@@ -232,5 +266,7 @@ def check_engine_dir(store: ResultsWriter, engine: str) -> None:
     """
     other = {str(r.get("engine", "transformers")) for r in store.scan.rows} - {engine}
     if other:
-        raise ValueError(f"{store.path} holds rows of the {', '.join(sorted(other))} engine; the resume key does not "
-                         f"name the engine, so write --engine {engine} results to their own --out directory")
+        raise ValueError(
+            f"{store.path} holds rows of the {', '.join(sorted(other))} engine; the resume key does not "
+            f"name the engine, so write --engine {engine} results to their own --out directory"
+        )

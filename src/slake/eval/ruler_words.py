@@ -58,10 +58,7 @@ def cwe_renderer(
     rng = random.Random(f"cwe:{seed}")
     rng.shuffle(vocab)
     common, uncommon = vocab[:num_common], vocab[num_common:]
-    instruction = (
-        "Below is a numbered list of words. A few words occur much more often than all the "
-        "others.\n\n"
-    )
+    instruction = "Below is a numbered list of words. A few words occur much more often than all the others.\n\n"
     question = f"What are the {num_common} most common words in the list above?"
     prefix = f" Answer: The {num_common} most common words in the list are:"
 
@@ -106,13 +103,8 @@ def fwe_renderer(
     cum = _zipf_cumulative(vocab_size, alpha)
     total = cum[-1]
     stream = LazyStream(lambda r: vocab[bisect.bisect_right(cum, r.random() * total)], f"fwe-draws:{seed}")
-    instruction = (
-        "Read the following coded text and keep track of how often each coded word occurs.\n\n"
-    )
-    question = (
-        f"Ignoring the dots '{FWE_NOISE}', which {num_answers} coded words appear most often "
-        "in the text above?"
-    )
+    instruction = "Read the following coded text and keep track of how often each coded word occurs.\n\n"
+    question = f"Ignoring the dots '{FWE_NOISE}', which {num_answers} coded words appear most often in the text above?"
     prefix = f" Answer: The {num_answers} most frequent coded words in the text above are:"
 
     def render(n: int) -> Draft:

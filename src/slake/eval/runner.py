@@ -28,8 +28,18 @@ from slake.eval.sample import Sample
 if TYPE_CHECKING:
     from slake.engines.base import Engine
 
-__all__ = ["build_row", "check_pairs", "decode_text", "encode_sample", "evaluate_suite", "parse_budgets",
-           "resolve_methods", "run_suite", "target_length"]
+__all__ = [
+    "build_row",
+    "check_pairs",
+    "decode_text",
+    "encode_sample",
+    "evaluate_suite",
+    "parse_budgets",
+    "resolve_methods",
+    "run_suite",
+    "target_length",
+]
+
 
 def resolve_methods(methods: str | Sequence[str]) -> list[str]:
     """Validate method names or specs; ``"all"`` means every registered method except ``full``.
@@ -115,8 +125,9 @@ def target_length(sample: Sample) -> int:
     return int(sample.metadata.get("target_length", sample.length))
 
 
-def encode_sample(sample: Sample, tokenizer: Any, *, query_aware: bool = True,
-                  chat_template: bool = True) -> tuple[list[int], list[int]]:
+def encode_sample(
+    sample: Sample, tokenizer: Any, *, query_aware: bool = True, chat_template: bool = True
+) -> tuple[list[int], list[int]]:
     """Token ids of the prompt: ``(prefill_ids, question_ids)``.
 
     Query-aware: the whole prompt is prefilled and ``question_ids`` is empty. Question-agnostic: the context part
@@ -128,8 +139,10 @@ def encode_sample(sample: Sample, tokenizer: Any, *, query_aware: bool = True,
     if isinstance(built, str):
         return list(tokenizer.encode(built, add_special_tokens=not use_chat)), []
     context, question = built
-    return (list(tokenizer.encode(context, add_special_tokens=not use_chat)),
-            list(tokenizer.encode(question, add_special_tokens=False)) if question else [])
+    return (
+        list(tokenizer.encode(context, add_special_tokens=not use_chat)),
+        list(tokenizer.encode(question, add_special_tokens=False)) if question else [],
+    )
 
 
 def decode_text(tokenizer: Any, tokens: list[int], eos: list[int]) -> str:
@@ -139,19 +152,47 @@ def decode_text(tokenizer: Any, tokens: list[int], eos: list[int]) -> str:
     return str(tokenizer.decode(tokens, skip_special_tokens=True)).strip()
 
 
-def build_row(sample: Sample, out: EvalOutput, *, prediction: str, suite: str, model_name: str, seed: int,
-              query_aware: bool, engine: str, kv_dtype: str | None) -> dict[str, Any]:
+def build_row(
+    sample: Sample,
+    out: EvalOutput,
+    *,
+    prediction: str,
+    suite: str,
+    model_name: str,
+    seed: int,
+    query_aware: bool,
+    engine: str,
+    kv_dtype: str | None,
+) -> dict[str, Any]:
     """The result row of one (sample, method, budget), whatever the engine: the fields of
     :data:`slake.eval.results.ROW_FIELDS`, the output's accounting, and the engine's own fields (``out.extra``)."""
     row: dict[str, Any] = {
-        "suite": suite, "task": sample.task, "sample_id": sample.sample_id, "model": model_name,
-        "method": out.method, "budget": out.budget, "length": target_length(sample),
-        "prompt_tokens": out.prompt_tokens, "prediction": prediction, "answers": list(sample.answers),
-        "score": float(score_prediction(sample, prediction)), "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-        "seed": seed, "query_aware": query_aware, "compressed": out.compressed, "new_tokens": len(out.tokens),
-        "max_new_tokens": out.max_new_tokens, "depth": sample.depth, "metric": sample.metric,
-        "kv_bytes": out.kv_bytes, "prefill_chunk": out.prefill_chunk, "batch_size": out.batch_size,
-        "profile": out.profile, "kv_dtype": kv_dtype, "engine": engine,
+        "suite": suite,
+        "task": sample.task,
+        "sample_id": sample.sample_id,
+        "model": model_name,
+        "method": out.method,
+        "budget": out.budget,
+        "length": target_length(sample),
+        "prompt_tokens": out.prompt_tokens,
+        "prediction": prediction,
+        "answers": list(sample.answers),
+        "score": float(score_prediction(sample, prediction)),
+        "prefill_s": out.prefill_s,
+        "decode_s": out.decode_s,
+        "seed": seed,
+        "query_aware": query_aware,
+        "compressed": out.compressed,
+        "new_tokens": len(out.tokens),
+        "max_new_tokens": out.max_new_tokens,
+        "depth": sample.depth,
+        "metric": sample.metric,
+        "kv_bytes": out.kv_bytes,
+        "prefill_chunk": out.prefill_chunk,
+        "batch_size": out.batch_size,
+        "profile": out.profile,
+        "kv_dtype": kv_dtype,
+        "engine": engine,
     }
     if out.hyperparameters is not None:
         row["hyperparameters"] = out.hyperparameters
@@ -225,8 +266,12 @@ def evaluate_suite(
     from slake.cache.quant import parse_kv_dtype
 
     opts = options or EvalOptions()
-    opts = EvalOptions(query_aware=opts.query_aware, prefill_chunk=opts.prefill_chunk, batch_size=opts.batch_size,
-                       kv_dtype=parse_kv_dtype(opts.kv_dtype))
+    opts = EvalOptions(
+        query_aware=opts.query_aware,
+        prefill_chunk=opts.prefill_chunk,
+        batch_size=opts.batch_size,
+        kv_dtype=parse_kv_dtype(opts.kv_dtype),
+    )
     method_names = resolve_methods(methods)
     budget_values = parse_budgets(budgets) if method_names else []
     for m in method_names:
@@ -239,8 +284,10 @@ def evaluate_suite(
     if not isinstance(opts.batch_size, int) or opts.batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {opts.batch_size!r}")
     if opts.batch_size > 1 and (opts.prefill_chunk is not None or not opts.query_aware):
-        raise ValueError("batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
-                         "question of a question-agnostic run and chunked prefill are fed per sample")
+        raise ValueError(
+            "batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
+            "question of a question-agnostic run and chunked prefill are fed per sample"
+        )
     engine.check(prefill_chunk=opts.prefill_chunk, question_agnostic=not opts.query_aware, kv_dtype=opts.kv_dtype)
     pairs = _pairs(method_names, budget_values, include_full)
     name = model_name or engine.model_name
@@ -251,25 +298,60 @@ def evaluate_suite(
         check_engine_dir(store, engine.name)
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
-            todo = tuple((m, b) for m, b in pairs if row_key({
-                "task": s.task, "sample_id": s.sample_id, "method": m, "budget": b, "length": target_length(s),
-                "model": name, "prefill_chunk": None if b is None else opts.prefill_chunk}) not in store)
+            todo = tuple(
+                (m, b)
+                for m, b in pairs
+                if row_key(
+                    {
+                        "task": s.task,
+                        "sample_id": s.sample_id,
+                        "method": m,
+                        "budget": b,
+                        "length": target_length(s),
+                        "model": name,
+                        "prefill_chunk": None if b is None else opts.prefill_chunk,
+                    }
+                )
+                not in store
+            )
             if not todo:
                 continue
-            prefill_ids, question_ids = encode_sample(s, tokenizer, query_aware=opts.query_aware,
-                                                      chat_template=chat_template)
+            prefill_ids, question_ids = encode_sample(
+                s, tokenizer, query_aware=opts.query_aware, chat_template=chat_template
+            )
             if not prefill_ids:
                 raise ValueError(f"sample {s.sample_id!r} has an empty prompt")
             cap = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, max_new_tokens)
-            requests.append(EvalRequest(key=i, prefill_ids=prefill_ids, question_ids=question_ids,
-                                        max_new_tokens=cap, group=s.task, pairs=todo))
-        bar = tqdm(total=sum(len(r.pairs) for r in requests), desc=f"eval {suite} ({engine.name})", unit="run",
-                   disable=not progress, dynamic_ncols=True)
+            requests.append(
+                EvalRequest(
+                    key=i,
+                    prefill_ids=prefill_ids,
+                    question_ids=question_ids,
+                    max_new_tokens=cap,
+                    group=s.task,
+                    pairs=todo,
+                )
+            )
+        bar = tqdm(
+            total=sum(len(r.pairs) for r in requests),
+            desc=f"eval {suite} ({engine.name})",
+            unit="run",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         for out in engine.evaluate(requests, opts):
             sample = samples[out.key]
-            row = build_row(sample, out, prediction=decode_text(tokenizer, list(out.tokens), eos), suite=suite,
-                            model_name=name, seed=seed, query_aware=opts.query_aware, engine=engine.name,
-                            kv_dtype=opts.kv_dtype)
+            row = build_row(
+                sample,
+                out,
+                prediction=decode_text(tokenizer, list(out.tokens), eos),
+                suite=suite,
+                model_name=name,
+                seed=seed,
+                query_aware=opts.query_aware,
+                engine=engine.name,
+                kv_dtype=opts.kv_dtype,
+            )
             if store.write(row):
                 written.append(row)
             bar.set_postfix_str(f"{out.method} {'full' if out.budget is None else out.budget}", refresh=False)
@@ -278,10 +360,20 @@ def evaluate_suite(
     return written
 
 
-def run_suite(model: Any, tokenizer: Any, samples: Sequence[Sample], methods: str | Sequence[str],
-              budgets: str | Sequence[int | float | str], out_dir: str | os.PathLike[str], *,
-              query_aware: bool = True, prefill_chunk: int | None = None, batch_size: int = 1,
-              kv_dtype: str | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+def run_suite(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    methods: str | Sequence[str],
+    budgets: str | Sequence[int | float | str],
+    out_dir: str | os.PathLike[str],
+    *,
+    query_aware: bool = True,
+    prefill_chunk: int | None = None,
+    batch_size: int = 1,
+    kv_dtype: str | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
     """:func:`evaluate_suite` on a loaded transformers model (the Python API's shortcut).
 
     ``model`` is prepared for slake (:func:`slake.load_model` or :func:`slake.prepare_model`); the model name of the
@@ -291,6 +383,7 @@ def run_suite(model: Any, tokenizer: Any, samples: Sequence[Sample], methods: st
     from slake.engines.transformers import TransformersEngine
 
     engine = TransformersEngine.from_model(model, tokenizer)
-    options = EvalOptions(query_aware=query_aware, prefill_chunk=prefill_chunk, batch_size=batch_size,
-                          kv_dtype=kv_dtype)
+    options = EvalOptions(
+        query_aware=query_aware, prefill_chunk=prefill_chunk, batch_size=batch_size, kv_dtype=kv_dtype
+    )
     return evaluate_suite(engine, samples, methods, budgets, out_dir, options=options, **kwargs)

@@ -15,8 +15,16 @@ from typing import Any
 
 from slake.eval.sample import Sample
 
-__all__ = ["SUITES", "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "SuitePlan", "plan_suite", "build_samples",
-           "parse_ints", "parse_floats"]
+__all__ = [
+    "SUITES",
+    "DEFAULT_DEPTHS",
+    "DEFAULT_LENGTHS",
+    "SuitePlan",
+    "plan_suite",
+    "build_samples",
+    "parse_ints",
+    "parse_floats",
+]
 
 SUITES: tuple[str, ...] = ("needle", "ruler", "longbench")
 DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 25.0, 50.0, 75.0, 100.0)
@@ -65,13 +73,23 @@ def _longbench_available(directory: str | os.PathLike[str]) -> list[str]:
     from slake.eval.longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
 
     base = Path(directory)
-    return [d for d in (*LONGBENCH_DATASETS, *LONGBENCH_E_DATASETS)
-            if (base / f"{d}.jsonl").is_file() or (base / "data" / f"{d}.jsonl").is_file()]
+    return [
+        d
+        for d in (*LONGBENCH_DATASETS, *LONGBENCH_E_DATASETS)
+        if (base / f"{d}.jsonl").is_file() or (base / "data" / f"{d}.jsonl").is_file()
+    ]
 
 
-def plan_suite(suite: str, tasks: Sequence[str] | None = None, lengths: Sequence[int] | None = None,
-               samples: int | None = None, seed: int = 0, depths: Sequence[float] | None = None,
-               longbench_dir: str | os.PathLike[str] | None = None, longbench_hub: bool = False) -> SuitePlan:
+def plan_suite(
+    suite: str,
+    tasks: Sequence[str] | None = None,
+    lengths: Sequence[int] | None = None,
+    samples: int | None = None,
+    seed: int = 0,
+    depths: Sequence[float] | None = None,
+    longbench_dir: str | os.PathLike[str] | None = None,
+    longbench_hub: bool = False,
+) -> SuitePlan:
     """Validate a suite request before any model is loaded.
 
     For LongBench, ``longbench_dir`` (or ``$SLAKE_LONGBENCH_DIR``) holds the official JSONL files; with
@@ -88,8 +106,9 @@ def plan_suite(suite: str, tasks: Sequence[str] | None = None, lengths: Sequence
     if samples is not None and samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     n = samples if samples is not None else DEFAULT_SAMPLES[suite]
-    plan = SuitePlan(suite, [], list(lengths or DEFAULT_LENGTHS[suite]), n, seed,
-                     list(depths) if depths else list(DEFAULT_DEPTHS))
+    plan = SuitePlan(
+        suite, [], list(lengths or DEFAULT_LENGTHS[suite]), n, seed, list(depths) if depths else list(DEFAULT_DEPTHS)
+    )
     if suite == "needle":
         if tasks and list(tasks) != ["needle"]:
             raise ValueError(f"the needle suite has one task, 'needle'; got {', '.join(tasks)}")
@@ -116,8 +135,10 @@ def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir:
         raise ValueError(f"unknown LongBench dataset(s) {', '.join(unknown)}; expected some of {', '.join(known)}")
     directory = longbench_dir or os.environ.get(LONGBENCH_DIR_ENV)
     if directory is None and not hub:
-        raise ValueError(f"the longbench suite needs the official JSONL files: pass --longbench-dir DIR, set "
-                         f"{LONGBENCH_DIR_ENV}, or add --longbench-hub to download them (needs network)")
+        raise ValueError(
+            f"the longbench suite needs the official JSONL files: pass --longbench-dir DIR, set "
+            f"{LONGBENCH_DIR_ENV}, or add --longbench-hub to download them (needs network)"
+        )
     if directory is not None and not Path(directory).is_dir():
         raise ValueError(f"LongBench directory not found: {directory}")
     if tasks:

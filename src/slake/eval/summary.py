@@ -67,13 +67,25 @@ def summary_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = list(rows)
     groups: dict[tuple, list[float]] = defaultdict(list)
     for r in rows:
-        groups[(r.get("model", ""), r.get("suite", ""), r["task"], int(r["length"]), r["method"],
-                r.get("budget"))].append(float(r["score"]))
+        groups[
+            (r.get("model", ""), r.get("suite", ""), r["task"], int(r["length"]), r["method"], r.get("budget"))
+        ].append(float(r["score"]))
     pair_rank = {p: i for i, p in enumerate(method_budget_order(rows))}
     task_rank = {t: i for i, t in enumerate(task_order(rows))}
     keys = sorted(groups, key=lambda k: (k[0], k[1], k[3], pair_rank[(k[4], k[5])], task_rank[k[2]]))
-    return [{"suite": k[1], "task": k[2], "length": k[3], "method": k[4], "budget": k[5], "n": len(groups[k]),
-             "score": round(100.0 * _mean(groups[k]), 2), "model": k[0]} for k in keys]
+    return [
+        {
+            "suite": k[1],
+            "task": k[2],
+            "length": k[3],
+            "method": k[4],
+            "budget": k[5],
+            "n": len(groups[k]),
+            "score": round(100.0 * _mean(groups[k]), 2),
+            "model": k[0],
+        }
+        for k in keys
+    ]
 
 
 @dataclass
@@ -127,9 +139,13 @@ def _fmt(value: float) -> str:
 
 
 def _markdown(tables: list[SummaryTable]) -> str:
-    out = ["# slake evaluation summary", "",
-           "Mean score in percent per task; `average` is the mean of the task columns; `n` counts the rows "
-           "(samples) behind each line. Budget `full` is the uncompressed reference.", ""]
+    out = [
+        "# slake evaluation summary",
+        "",
+        "Mean score in percent per task; `average` is the mean of the task columns; `n` counts the rows "
+        "(samples) behind each line. Budget `full` is the uncompressed reference.",
+        "",
+    ]
     for t in tables:
         out += [f"## {t.title}", ""]
         header = ["method", "budget", *t.tasks, "average", "n"]
@@ -152,15 +168,21 @@ def _csv_rows(tables: list[SummaryTable]) -> tuple[list[str], list[dict[str, Any
     body = []
     for t in tables:
         for method, budget, cells, avg, n in t.lines:
-            line: dict[str, Any] = {"model": t.model, "suite": t.suite, "length": t.length, "method": method,
-                                    "budget": budget_label(budget), "average": round(avg, 2), "n": n}
+            line: dict[str, Any] = {
+                "model": t.model,
+                "suite": t.suite,
+                "length": t.length,
+                "method": method,
+                "budget": budget_label(budget),
+                "average": round(avg, 2),
+                "n": n,
+            }
             line.update({task: round(cells[task][0], 2) for task in cells})
             body.append(line)
     return header, body
 
 
-def write_summary(out_dir: str | os.PathLike[str],
-                  rows: Iterable[dict[str, Any]] | None = None) -> tuple[Path, Path]:
+def write_summary(out_dir: str | os.PathLike[str], rows: Iterable[dict[str, Any]] | None = None) -> tuple[Path, Path]:
     """Write ``DIR/summary.md`` and ``DIR/summary.csv`` from ``rows`` (default: ``DIR/results.jsonl``).
 
     Returns

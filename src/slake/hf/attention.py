@@ -30,26 +30,37 @@ def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_le
     return pad if bool(pad.any()) else None
 
 
-def slake_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+def slake_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Registered attention function; returns ``(B, n_q, Hq, d)`` like transformers' own functions."""
     layer = current_layer()
     if layer is None or key is not layer.keys or layer.layer_idx != getattr(module, "layer_idx", layer.layer_idx):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     _set_current(None)
     if kwargs.get("softcap") is not None:
         raise ValueError("slake does not support attention logit soft-capping (softcap)")
     window = kwargs.get("sliding_window")
     if window is not None and layer.get_seq_length() > window:
-        raise ValueError(f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
-                         f"is longer; slake supports full-attention layers only")
+        raise ValueError(
+            f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
+            f"is longer; slake supports full-attention layers only"
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer.pending is not None:
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                        **kwargs)
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
         padding = key_padding_from_mask(attention_mask, key.shape[0], key.shape[2])
         layer.finish_prefill(query, padding, scaling)
         return out, None
@@ -84,8 +95,10 @@ def prepare_model(model) -> None:
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         return
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
-                         f"slake cannot compress its cache")
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+            f"slake cannot compress its cache"
+        )
     model.set_attn_implementation(ATTENTION_NAME)
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(f"{type(model).__name__} refused the '{ATTENTION_NAME}' attention implementation")
@@ -102,8 +115,9 @@ def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> No
     q = int(source.shape[1]) if source is not None and source.dim() >= 2 else None
     cfg = getattr(module, "config", None)
     text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
-    cache.check_forward(getattr(text, "num_hidden_layers", None), q, kwargs.get("attention_mask"),
-                        kwargs.get("position_ids"))
+    cache.check_forward(
+        getattr(text, "num_hidden_layers", None), q, kwargs.get("attention_mask"), kwargs.get("position_ids")
+    )
 
 
 def _install_input_check(model) -> None:

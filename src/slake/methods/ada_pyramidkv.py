@@ -46,5 +46,7 @@ class AdaPyramidKV(AdaKVHeads, PyramidKV):
 
     name: ClassVar[str] = "ada-pyramidkv"
     summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"
-    paper: ClassVar[str] = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
-                            "Efficient LLM Inference, 2024 (on PyramidKV, Cai et al., 2024)")
+    paper: ClassVar[str] = (
+        "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
+        "Efficient LLM Inference, 2024 (on PyramidKV, Cai et al., 2024)"
+    )

@@ -41,8 +41,9 @@ from slake.methods.snapkv import SnapKV
 __all__ = ["AdaKVHeads", "AdaSnapKV", "adakv_head_budgets"]
 
 
-def adakv_head_budgets(scores: torch.Tensor, selectable: torch.Tensor, alpha: float,
-                       safeguard: str = "exact") -> torch.Tensor:
+def adakv_head_budgets(
+    scores: torch.Tensor, selectable: torch.Tensor, alpha: float, safeguard: str = "exact"
+) -> torch.Tensor:
     """AdaKV per-head selectable counts ``(B, Hkv)`` for a layer budget of ``Hkv * selectable`` (see module doc).
 
     ``safeguard="exact"``: floor tokens reserved first, exact total (kvpress ``AdaKVPress``). ``"reference"``: the
@@ -79,8 +80,9 @@ class AdaKVHeads:
         if self.safeguard not in ("exact", "reference"):
             raise ValueError(f"{self.name}: safeguard must be 'exact' or 'reference', got {self.safeguard!r}")
 
-    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
-                     final: bool = True) -> torch.Tensor:
+    def head_budgets(
+        self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None, final: bool = True
+    ) -> torch.Tensor:
         """AdaKV split of the layer's ``Hkv * selectable`` tokens across its KV heads."""
         return adakv_head_budgets(scores, selectable, self.alpha_safeguard, self.safeguard)
 
@@ -110,5 +112,7 @@ class AdaSnapKV(AdaKVHeads, SnapKV):
 
     name: ClassVar[str] = "ada-snapkv"
     summary: ClassVar[str] = "SnapKV scoring with AdaKV adaptive head budgets (cross-head top-k, safeguard 0.2)"
-    paper: ClassVar[str] = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
-                            "Efficient LLM Inference, 2024 (on SnapKV, NeurIPS 2024)")
+    paper: ClassVar[str] = (
+        "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
+        "Efficient LLM Inference, 2024 (on SnapKV, NeurIPS 2024)"
+    )

@@ -114,15 +114,19 @@ class AhaKV(Method):
 
     name: ClassVar[str] = "ahakv"
     summary: ClassVar[str] = "AhaKV: recent accumulation with a step-gain softmax and a value prior; H2O-style decode"
-    paper: ClassVar[str] = ("Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient "
-                            "Inference of Large Language Models, arXiv 2506.03762, 2025")
+    paper: ClassVar[str] = (
+        "Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient "
+        "Inference of Large Language Models, arXiv 2506.03762, 2025"
+    )
     carry_protected_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.window < 1 or self.gqa not in ("mean", "max") or self.pooling not in ("max", "avg"):
-            raise ValueError(f"ahakv: need window >= 1, gqa 'mean'/'max', pooling 'max'/'avg' (got {self.window}, "
-                             f"{self.gqa!r}, {self.pooling!r})")
+            raise ValueError(
+                f"ahakv: need window >= 1, gqa 'mean'/'max', pooling 'max'/'avg' (got {self.window}, "
+                f"{self.gqa!r}, {self.pooling!r})"
+            )
         for k in (self.kernel, self.value_kernel):
             if k < 1 or k % 2 == 0:
                 raise ValueError(f"ahakv: pooling kernels must be odd and >= 1, got {k}")

@@ -175,17 +175,21 @@ class Method:
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:
-            raise ValueError(f"{self.name}: window and sinks must be >= 0 (got window={self.window}, sinks={self.sinks})")
+            raise ValueError(
+                f"{self.name}: window and sinks must be >= 0 (got window={self.window}, sinks={self.sinks})"
+            )
         if self.layer_budgets not in LAYER_BUDGET_POLICIES:
             raise ValueError(f"{self.name}: unknown layer budget policy {self.layer_budgets!r}")
         for f in fields(self):  # rules every method shares, so no method can forget one
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{self.name}: {f.name} must be a finite number, got {value}")
-            if (f.name == "kernel" or f.name.endswith("_kernel")) and isinstance(value, int) and (
-                    value < 1 or value % 2 == 0):
-                raise ValueError(f"{self.name}: {f.name} (a pooling kernel) must be an odd integer >= 1, "
-                                 f"got {value}")
+            if (
+                (f.name == "kernel" or f.name.endswith("_kernel"))
+                and isinstance(value, int)
+                and (value < 1 or value % 2 == 0)
+            ):
+                raise ValueError(f"{self.name}: {f.name} (a pooling kernel) must be an odd integer >= 1, got {value}")
             if f.name == "pooling" and value not in ("avg", "max"):
                 raise ValueError(f"{self.name}: pooling must be 'avg' or 'max', got {value!r}")
 
@@ -208,8 +212,9 @@ class Method:
         """Return the ``(B, Hkv, n)`` float32 per-slot score used to pick the token evicted at this decode step."""
         raise TypeError(f"method {self.name!r} does not evict at decode")
 
-    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
-                     final: bool = True) -> torch.Tensor:
+    def head_budgets(
+        self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None, final: bool = True
+    ) -> torch.Tensor:
         """Split a layer's selectable budget across its KV heads (prefill eviction).
 
         Parameters
@@ -289,13 +294,19 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
         raise ValueError(f"hyperparameter {', '.join(twice)} is set both in {name!r} and as an override")
     unknown = sorted((set(overrides) | set(from_spec)) - set(known))
     if unknown:
-        raise ValueError(f"method {key!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"method {key!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
+        )
     values = {**from_spec, **overrides}
     for k, value in values.items():
         default = known[k].default
         if isinstance(default, bool) and not isinstance(value, bool):
             raise ValueError(f"{name!r}: {k} must be true or false, got {value!r}")
-        if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+        if (
+            isinstance(default, int)
+            and not isinstance(default, bool)
+            and (isinstance(value, bool) or not isinstance(value, int))
+        ):
             raise ValueError(f"{name!r}: {k} must be an integer, got {value!r}")
         if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{name!r}: {k} must be a number, got {value!r}")
@@ -320,6 +331,7 @@ def parse_method_list(text: str) -> list[str]:
         make_method(m)
     return methods
 
+
 def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
     """The canonical spec of the method ``spec`` builds, with the values the method holds (``slake[alpha=1]`` and
     ``slake[alpha=1.0]`` give the same string); keys in ``drop`` are left out (e.g. a column of their own).
@@ -332,7 +344,6 @@ def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
     name, overrides = parse_method_spec(spec)
     method = make_method(spec)
     return format_method_spec(name, {k: getattr(method, k) for k in overrides if k not in drop})
-
 
 
 __all__ = [

@@ -151,14 +151,18 @@ class Cake(Method):
         if self.window < 1:
             raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
         if not (self.tau1 > 0 and self.tau2 > 0) or self.gamma < 0:
-            raise ValueError(f"{self.name}: need tau1, tau2 > 0 and gamma >= 0 (got {self.tau1}, {self.tau2}, "
-                             f"{self.gamma})")
+            raise ValueError(
+                f"{self.name}: need tau1, tau2 > 0 and gamma >= 0 (got {self.tau1}, {self.tau2}, {self.gamma})"
+            )
         if self.kernel < 1 or self.kernel % 2 == 0 or self.pooling not in ("avg", "max"):
-            raise ValueError(f"{self.name}: kernel must be odd >= 1 and pooling 'avg' or 'max' "
-                             f"(got {self.kernel}, {self.pooling!r})")
+            raise ValueError(
+                f"{self.name}: kernel must be odd >= 1 and pooling 'avg' or 'max' (got {self.kernel}, {self.pooling!r})"
+            )
         if self.max_layer_budget is not None and self.max_layer_budget <= self.protected:
-            raise ValueError(f"{self.name}: max_layer_budget must exceed the protected window + sinks "
-                             f"({self.protected}), got {self.max_layer_budget}")
+            raise ValueError(
+                f"{self.name}: max_layer_budget must exceed the protected window + sinks "
+                f"({self.protected}), got {self.max_layer_budget}"
+            )
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Indicator (window part 0, ignored by the engine) and per-sample preference of one prefilled layer."""
@@ -166,14 +170,15 @@ class Cake(Method):
         probs = torch.softmax(logits, dim=-1)
         B, _, w, S = probs.shape
         if inputs.key_padding is not None:  # padded window rows (sample shorter than w) have no visible key
-            probs = probs.masked_fill(inputs.key_padding[:, None, S - w:, None], 0.0)
+            probs = probs.masked_fill(inputs.key_padding[:, None, S - w :, None], 0.0)
         abar = probs[..., : S - w]
         ind = cake_indicator(abar, self.gamma, self.kernel, self.pooling, inputs.keys.shape[1])
         scores = torch.cat([ind, ind.new_zeros(B, ind.shape[1], w)], dim=-1)
         return PrefillScores(scores=scores, preference=self.layer_preference(inputs, logits, probs, ind))
 
-    def layer_preference(self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor,
-                         indicator: torch.Tensor) -> torch.Tensor:
+    def layer_preference(
+        self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor, indicator: torch.Tensor
+    ) -> torch.Tensor:
         """``(B,)`` layer preference; CAKE's ``H^(1/tau1) V^(1/tau2)`` (overridden by SLAKE's VABS)."""
         return cake_preference(probs[..., : probs.shape[-1] - probs.shape[-2]], self.tau1, self.tau2)
 
@@ -182,9 +187,9 @@ class Cake(Method):
 
         See ``docs/methods/cake.md#decode-rule``.
         """
-        p = inputs.probs.float().mean(2)                                     # mean over query rows
+        p = inputs.probs.float().mean(2)  # mean over query rows
         s = group_mean(p, inputs.positions.shape[1])
         newest = inputs.positions.masked_fill(~inputs.valid, -1).amax(-1, keepdim=True)
-        in_window = inputs.positions > newest - self.window                  # protected: excluded from pooling
+        in_window = inputs.positions > newest - self.window  # protected: excluded from pooling
         s = s.masked_fill(in_window | ~inputs.valid, 0.0)
         return positional_pool(s, inputs.positions, inputs.valid, self.kernel, self.pooling)

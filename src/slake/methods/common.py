@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 
-def window_logits(queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float,
-                  key_padding: torch.Tensor | None = None) -> torch.Tensor:
+def window_logits(
+    queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float, key_padding: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scaled logits of the last ``window`` queries against every key, causal inside the window block.
 
     See ``docs/methods/README.md#observation-window-attention``. Returns ``(B, Hq, w, S)`` float32 with ``-inf`` at
@@ -21,17 +22,18 @@ def window_logits(queries: torch.Tensor, keys: torch.Tensor, window: int, scalin
     Hkv = keys.shape[1]
     g = Hq // Hkv
     w = min(window, S)
-    q = queries[:, :, S - w:].float().reshape(B, Hkv, g * w, d)
+    q = queries[:, :, S - w :].float().reshape(B, Hkv, g * w, d)
     x = torch.matmul(q, keys.float().transpose(-1, -2)).reshape(B, Hq, w, S) * scaling
     causal = torch.ones(w, w, dtype=torch.bool, device=x.device).triu(1)
-    x[..., S - w:] = x[..., S - w:].masked_fill(causal, float("-inf"))
+    x[..., S - w :] = x[..., S - w :].masked_fill(causal, float("-inf"))
     if key_padding is not None and bool(key_padding.any()):
         x = x.masked_fill(key_padding[:, None, None, :], float("-inf"))
     return x
 
 
-def window_attention(queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float,
-                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
+def window_attention(
+    queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float, key_padding: torch.Tensor | None = None
+) -> torch.Tensor:
     """Softmax of :func:`window_logits` over keys: ``(B, Hq, w, S)`` float32 whose rows sum to 1."""
     return torch.softmax(window_logits(queries, keys, window, scaling, key_padding), dim=-1)
 
@@ -67,8 +69,9 @@ def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return x.reshape(B, num_kv_heads, g, *x.shape[2:]).mean(2)
 
 
-def positional_pool(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int,
-                    kind: str = "avg") -> torch.Tensor:
+def positional_pool(
+    scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int, kind: str = "avg"
+) -> torch.Tensor:
     """Pool per-slot scores over *positional* neighbours when slots are not stored in position order.
 
     Decode-time storage overwrites evicted slots in place, so slot order is not token order. This sorts the slots by

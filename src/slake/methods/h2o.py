@@ -18,9 +18,14 @@ from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScore
 from slake.methods.common import group_mean
 
 
-def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
-                          key_padding: torch.Tensor | None, chunk: int = 512,
-                          max_elements: int = 1 << 26) -> torch.Tensor:
+def accumulated_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    key_padding: torch.Tensor | None,
+    chunk: int = 512,
+    max_elements: int = 1 << 26,
+) -> torch.Tensor:
     """Column sums of the full causal attention ``sum_i A[i, j]`` per query head: ``(B, Hq, S)`` float32.
 
     Queries are processed in row blocks (``docs/methods/baselines.md#h2o``) of at most ``chunk`` rows, fewer when a
@@ -69,7 +74,9 @@ class H2O(Method):
 
     name: ClassVar[str] = "h2o"
     summary: ClassVar[str] = "heavy hitters by accumulated attention + recent window, evicts during decoding"
-    paper: ClassVar[str] = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023"
+    paper: ClassVar[str] = (
+        "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023"
+    )
     #: window tokens keep their accumulated prefill attention when they leave the window
     carry_protected_scores: ClassVar[bool] = True
     #: the column sums ignore the budget: prefill-once replays compute them once for every budget

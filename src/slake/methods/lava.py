@@ -55,21 +55,22 @@ def _group(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
     return x.amax(2) if how == "max" else x.mean(2)
 
 
-def lava_scores(inputs: PrefillInputs, kernel: int = 7, pooling: str = "max", gqa: str = "max",
-                value_norm: str = "all") -> torch.Tensor:
+def lava_scores(
+    inputs: PrefillInputs, kernel: int = 7, pooling: str = "max", gqa: str = "max", value_norm: str = "all"
+) -> torch.Tensor:
     """LAVa score ``(B, Hkv, S)`` float32 (``docs/methods/lava.md#score``); window and padded columns are 0."""
     a = window_attention(inputs.queries, inputs.keys, inputs.window, inputs.scaling, inputs.key_padding)
     B, _, w, S = a.shape
     p = a.nan_to_num(0.0).mean(2)  # rows of padded window queries (short samples) have no visible key
-    p[..., S - w:] = 0.0  # the window is protected; keep it out of the candidates' pooling
+    p[..., S - w :] = 0.0  # the window is protected; keep it out of the candidates' pooling
     s = _group(pool1d(p, kernel, pooling), inputs.keys.shape[1], gqa)
     if value_norm != "none":
         vn = inputs.values.float().abs().sum(-1)  # (B, Hkv, S) L1 norms
         vn = vn.masked_fill(inputs.key_padding[:, None, :], 0.0)
         if value_norm == "candidates":
-            vn[..., S - w:] = 0.0
+            vn[..., S - w :] = 0.0
         s = s * vn.amax(-1, keepdim=True)
-    s[..., S - w:] = 0.0
+    s[..., S - w :] = 0.0
     return s.masked_fill(inputs.key_padding[:, None, :], 0.0)
 
 
@@ -125,20 +126,28 @@ class LAVa(Method):
 
     name: ClassVar[str] = "lava"
     summary: ClassVar[str] = "LAVa: value-norm-scaled window score, cross-head top-k, entropy-based layer budgets"
-    paper: ClassVar[str] = ("Shen et al., LAVa: Layer-wise KV Cache Eviction with Dynamic Budget Allocation, "
-                            "arXiv 2509.09754, 2025")
+    paper: ClassVar[str] = (
+        "Shen et al., LAVa: Layer-wise KV Cache Eviction with Dynamic Budget Allocation, arXiv 2509.09754, 2025"
+    )
     layer_budgets: ClassVar[str] = "preference"
 
     def __post_init__(self) -> None:
-        choices = {"value_norm": ("all", "candidates", "none"), "gqa": ("max", "mean"), "pooling": ("max", "avg"),
-                   "head_budget": ("dynamic", "uniform"), "layers": ("dynamic", "uniform"),
-                   "floor_mode": ("paper", "reference", "adakv")}
+        choices = {
+            "value_norm": ("all", "candidates", "none"),
+            "gqa": ("max", "mean"),
+            "pooling": ("max", "avg"),
+            "head_budget": ("dynamic", "uniform"),
+            "layers": ("dynamic", "uniform"),
+            "floor_mode": ("paper", "reference", "adakv"),
+        }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"lava: {key} must be one of {allowed}, got {getattr(self, key)!r}")
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0 or not 0.0 <= self.floor_alpha <= 1.0:
-            raise ValueError(f"lava: need window >= 1, an odd kernel >= 1 and 0 <= floor_alpha <= 1 (got "
-                             f"{self.window}, {self.kernel}, {self.floor_alpha})")
+            raise ValueError(
+                f"lava: need window >= 1, an odd kernel >= 1 and 0 <= floor_alpha <= 1 (got "
+                f"{self.window}, {self.kernel}, {self.floor_alpha})"
+            )
         if self.layers == "uniform":
             self.layer_budgets = "uniform"  # instance override of the class policy (LAVa-Uniform ablation)
         super().__post_init__()
@@ -151,8 +160,9 @@ class LAVa(Method):
         pref = lava_entropy(s, s.shape[1] * (real - w).clamp_min(0))
         return PrefillScores(scores=s, preference=pref)
 
-    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
-                     final: bool = True) -> torch.Tensor:
+    def head_budgets(
+        self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None, final: bool = True
+    ) -> torch.Tensor:
         """Per-head caps from one top-``Hkv * b`` over the layer, with the optional floor.
 
         See ``docs/methods/lava.md#head-budgets``.

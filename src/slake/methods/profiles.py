@@ -32,14 +32,31 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROFILE_FORMAT", "SEARCHED", "model_identity", "normalise_name", "profile_dir", "profile_path",
-           "load_profiles", "find_entry", "resolve_method", "write_entry"]
+__all__ = [
+    "PROFILE_FORMAT",
+    "SEARCHED",
+    "model_identity",
+    "normalise_name",
+    "profile_dir",
+    "profile_path",
+    "load_profiles",
+    "find_entry",
+    "resolve_method",
+    "write_entry",
+]
 
 PROFILE_FORMAT = 1
 #: hyperparameters a profile may set, per method
 SEARCHED: dict[str, tuple[str, ...]] = {"slake": ("alpha", "beta"), "cake": ("tau1", "tau2")}
-_FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "vocab_size")
+_FINGERPRINT_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 
 def normalise_name(name: str) -> str:
@@ -210,13 +227,21 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
 def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases: list[str] | None = None) -> Path:
     """Add (or replace) one (method, budget, context) entry in the model's profile and return its path."""
     path = profile_path(identity, folder)
-    data = _read(path) or {"format": PROFILE_FORMAT, "model": identity["name"], "aliases": aliases or [],
-                           "fingerprint": identity["fingerprint"], "entries": []}
+    data = _read(path) or {
+        "format": PROFILE_FORMAT,
+        "model": identity["name"],
+        "aliases": aliases or [],
+        "fingerprint": identity["fingerprint"],
+        "entries": [],
+    }
     if data.get("fingerprint") != identity["fingerprint"]:
         raise ValueError(f"{path} holds the profile of another architecture; choose another --out-dir")
     key = (entry["method"], entry["budget"], json.dumps(entry.get("context", {}), sort_keys=True))
-    data["entries"] = [e for e in data["entries"]
-                       if (e.get("method"), e.get("budget"), json.dumps(e.get("context", {}), sort_keys=True)) != key]
+    data["entries"] = [
+        e
+        for e in data["entries"]
+        if (e.get("method"), e.get("budget"), json.dumps(e.get("context", {}), sort_keys=True)) != key
+    ]
     data["entries"].append(entry)
     data["entries"].sort(key=lambda e: (e["method"], float(e["budget"])))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,9 @@ class PyramidKV(SnapKV):
 
     name: ClassVar[str] = "pyramidkv"
     summary: ClassVar[str] = "SnapKV scoring with budgets decreasing linearly with depth"
-    paper: ClassVar[str] = "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, 2024"
+    paper: ClassVar[str] = (
+        "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, 2024"
+    )
     layer_budgets: ClassVar[str] = "pyramid"
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:

@@ -47,11 +47,12 @@ from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScore
 __all__ = ["SageKV", "sagekv_partition"]
 
 STATIC = 1e30  # score of sink and selected tokens: never evicted at decode
-RECENT = 1.0   # score of the recent region at prefill (kept; slides at decode)
+RECENT = 1.0  # score of the recent region at prefill (kept; slides at decode)
 
 
-def sagekv_partition(budget: torch.Tensor, group: int, sink_fraction: float = 0.25,
-                     k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sagekv_partition(
+    budget: torch.Tensor, group: int, sink_fraction: float = 0.25, k: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(S, k, recent)`` int64 per sequence for budgets ``B`` (``(B,)``): ``S + G*k + recent == B``.
 
     ``recent`` (the last prompt token included) must be >= 1 wherever the sequence is compressed; the caller checks.
@@ -83,14 +84,18 @@ class SageKV(Method):
 
     name: ClassVar[str] = "sagekv"
     summary: ClassVar[str] = "SAGE-KV: sinks + per-query-head top-k of the last token's attention + sliding recent"
-    paper: ClassVar[str] = ("Wang et al., LLMs Know What to Drop: Self-Attention Guided KV Cache Eviction for "
-                            "Efficient Long-Context Inference, arXiv 2503.08879, 2025")
+    paper: ClassVar[str] = (
+        "Wang et al., LLMs Know What to Drop: Self-Attention Guided KV Cache Eviction for "
+        "Efficient Long-Context Inference, arXiv 2503.08879, 2025"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.window != 1 or self.sinks != 0:
-            raise ValueError("sagekv: window must be 1 and sinks 0 (the sink and recent sizes follow the budget: "
-                             "use sink_fraction and k)")
+            raise ValueError(
+                "sagekv: window must be 1 and sinks 0 (the sink and recent sizes follow the budget: "
+                "use sink_fraction and k)"
+            )
         if not 0.0 <= self.sink_fraction < 1.0 or (self.k is not None and self.k < 0):
             raise ValueError(f"sagekv: need 0 <= sink_fraction < 1 and k >= 0 (got {self.sink_fraction}, {self.k})")
 
@@ -105,8 +110,10 @@ class SageKV(Method):
         compress = real > budget
         sink, kk, recent = (t.to(dev) for t in sagekv_partition(budget, G, self.sink_fraction, self.k))
         if bool((compress & (recent < 1)).any()):
-            raise ValueError(f"sagekv: sink {sink.tolist()} + G*k {(G * kk).tolist()} leave no room for the last "
-                             f"token within the budget {budget.tolist()}; lower k or sink_fraction")
+            raise ValueError(
+                f"sagekv: sink {sink.tolist()} + G*k {(G * kk).tolist()} leave no room for the last "
+                f"token within the budget {budget.tolist()}; lower k or sink_fraction"
+            )
         pos = torch.arange(S, device=dev).view(1, S)
         first = (S - real).view(-1, 1)
         is_sink = (pos >= first) & (pos < first + sink.view(-1, 1))
@@ -120,7 +127,8 @@ class SageKV(Method):
         if kmax > 0:
             top = torch.sort(logit, dim=-1, descending=True, stable=True)  # deterministic ties: lower position
             ok = (torch.arange(kmax, device=dev).view(1, 1, -1) < kk.view(-1, 1, 1)) & torch.isfinite(
-                top.values[..., :kmax])
+                top.values[..., :kmax]
+            )
             selected.scatter_(-1, top.indices[..., :kmax], ok)
         selected &= compress.view(-1, 1, 1)
         per_head = selected.reshape(B, Hkv, G, S)
@@ -129,8 +137,9 @@ class SageKV(Method):
         visible = ~evictable[:, None, None, :] | per_head | ~compress.view(-1, 1, 1, 1)
         return PrefillScores(scores=scores.expand(B, Hkv, S).contiguous(), head_visible=visible)
 
-    def head_budgets(self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None,
-                     final: bool = True) -> torch.Tensor:
+    def head_budgets(
+        self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None, final: bool = True
+    ) -> torch.Tensor:
         """Per KV head: the sink, the union of its query heads' selections and the recent region (<= budget)."""
         cand = (scores >= RECENT) & (scores < float("inf"))
         return torch.minimum(cand.sum(-1), selectable.to(scores.device).view(-1, 1))

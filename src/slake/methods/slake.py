@@ -70,9 +70,19 @@ def slake_alpha_beta(model_family: str, budget: int) -> tuple[float, float]:
     return _ALPHA_BETA[fam][128 if budget * budget <= 128 * 256 else 256]
 
 
-def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Tensor, indicator: torch.Tensor,
-                    selectable: int | torch.Tensor, window: int, alpha: float, beta: float, gamma_v: float = 0.1,
-                    key_padding: torch.Tensor | None = None, split: str = "uniform") -> torch.Tensor:
+def vabs_preference(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    values: torch.Tensor,
+    indicator: torch.Tensor,
+    selectable: int | torch.Tensor,
+    window: int,
+    alpha: float,
+    beta: float,
+    gamma_v: float = 0.1,
+    key_padding: torch.Tensor | None = None,
+    split: str = "uniform",
+) -> torch.Tensor:
     """Value-aware budget score of one layer, per batch element (``docs/methods/slake.md#vabs``), ``(B,)`` float32.
 
     Parameters
@@ -107,10 +117,12 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
     if split not in VABS_SPLITS:
         raise ValueError(f"vabs_preference: split must be one of {', '.join(VABS_SPLITS)}, got {split!r}")
     if w != min(window, S) or probs.shape != logits.shape or indicator.shape != (B, Hkv, sel):
-        raise ValueError(f"vabs_preference: inconsistent shapes logits {tuple(logits.shape)}, probs "
-                         f"{tuple(probs.shape)}, indicator {tuple(indicator.shape)} for window {window}")
+        raise ValueError(
+            f"vabs_preference: inconsistent shapes logits {tuple(logits.shape)}, probs "
+            f"{tuple(probs.shape)}, indicator {tuple(indicator.shape)} for window {window}"
+        )
     pad = ~torch.isfinite(logits[:, 0, -1, :]) if key_padding is None else key_padding.bool()
-    real_sel = (~pad[:, :sel]).sum(-1)                                         # (B,) = S_b - w
+    real_sel = (~pad[:, :sel]).sum(-1)  # (B,) = S_b - w
     k0 = torch.minimum(real_sel, torch.as_tensor(selectable, device=real_sel.device).clamp_min(0).to(real_sel))
     # ``n0 > 0`` iff the layer evicts anything at budget C; the readings differ only in which keys they linearise
     n0 = real_sel - k0
@@ -126,19 +138,21 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
     else:  # "window": every real non-window token (provisional budget 0)
         k0 = torch.zeros_like(k0)
         ev = (~pad[:, None, :sel]).expand(B, Hkv, sel)
-    ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]      # (B, Hkv, 1, 1, S)
+    ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
     # 2-3) per window row: PTAA weight map (group layout (B, Hkv, g, rows, S)), its total variation and value-aware
     # error against the exact row, and the entropy of the exact row; rows are independent, so they are taken a few
     # at a time to bound the transient memory (at 8K tokens a whole window's map is ~9 MB per temporary)
     x_all = logits.float().reshape(B, Hkv, g, w, S)
     a_all = probs.float().reshape(B, Hkv, g, w, S)
-    vn = values.float().norm(dim=-1).masked_fill(pad[:, None, :], 0.0)        # (B, Hkv, S)
+    vn = values.float().norm(dim=-1).masked_fill(pad[:, None, :], 0.0)  # (B, Hkv, S)
     omega = (vn / vn.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))[:, :, None, None, :]
     n_fixed = None if split == "taylor" else (real_sel - k0).clamp_min(1).to(x_all.dtype)[:, None, None, None]
     rows = max(1, _VABS_BLOCK // max(B * Hq * S, 1))
-    parts = [_vabs_rows(x_all[:, :, :, r0:r0 + rows], a_all[:, :, :, r0:r0 + rows], ev, n_fixed, omega, sel,
-                        gamma_v) for r0 in range(0, w, rows)]
-    tv, va, ent = (torch.cat(t, dim=-1) for t in zip(*parts))                  # each (B, Hkv, g, w)
+    parts = [
+        _vabs_rows(x_all[:, :, :, r0 : r0 + rows], a_all[:, :, :, r0 : r0 + rows], ev, n_fixed, omega, sel, gamma_v)
+        for r0 in range(0, w, rows)
+    ]
+    tv, va, ent = (torch.cat(t, dim=-1) for t in zip(*parts))  # each (B, Hkv, g, w)
     # 4) P = E[TV * VA]^alpha * E[Ent]^beta, means over heads and window rows of each sample
     pref = (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha * ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
     return torch.where(n0 > 0, pref, eps)
@@ -147,8 +161,15 @@ def vabs_preference(logits: torch.Tensor, probs: torch.Tensor, values: torch.Ten
 _VABS_BLOCK = 1 << 19  # elements of one (B, Hq, rows, S) temporary of the VABS map (2 MiB in float32)
 
 
-def _vabs_rows(x: torch.Tensor, a: torch.Tensor, ev: torch.Tensor, n_ev: torch.Tensor | None, omega: torch.Tensor,
-               sel: int, gamma_v: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _vabs_rows(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ev: torch.Tensor,
+    n_ev: torch.Tensor | None,
+    omega: torch.Tensor,
+    sel: int,
+    gamma_v: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TV, value-aware error and entropy of some window rows (``x``, ``a``: ``(B, Hkv, g, rows, S)`` logits and exact
     probabilities; ``ev``: the provisional evicted set, broadcastable, or ignored when ``n_ev`` is None, the
     full-Taylor split where every visible key is linearised). Each returned tensor is ``(B, Hkv, g, rows)``."""
@@ -211,30 +232,46 @@ class Slake(Cake):
 
     name = "slake"
     summary = "SLAKE: CAKE eviction + first-order Taylor linear cache (PTAA) + value-aware budgets (VABS)"
-    paper = ("SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction for Long-Sequence "
-             "LLMs, ICLR 2026 submission")
+    paper = (
+        "SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction for Long-Sequence "
+        "LLMs, ICLR 2026 submission"
+    )
     evict_before_output: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.alpha < 0 or self.beta < 0 or not self.gamma_v > 0:
-            raise ValueError(f"{self.name}: need alpha, beta >= 0 and gamma_v > 0 (got {self.alpha}, {self.beta}, "
-                             f"{self.gamma_v})")
+            raise ValueError(
+                f"{self.name}: need alpha, beta >= 0 and gamma_v > 0 (got {self.alpha}, {self.beta}, {self.gamma_v})"
+            )
         if self.budget_hint is not None and self.budget_hint < 0:
             raise ValueError(f"{self.name}: budget_hint must be >= 0, got {self.budget_hint}")
         if self.vabs_split not in VABS_SPLITS:
-            raise ValueError(f"{self.name}: vabs_split must be one of {', '.join(VABS_SPLITS)}, got "
-                             f"{self.vabs_split!r}")
+            raise ValueError(
+                f"{self.name}: vabs_split must be one of {', '.join(VABS_SPLITS)}, got {self.vabs_split!r}"
+            )
 
-    def layer_preference(self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor,
-                         indicator: torch.Tensor) -> torch.Tensor:
+    def layer_preference(
+        self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor, indicator: torch.Tensor
+    ) -> torch.Tensor:
         """VABS score (or CAKE's preference when ``vabs=False``), ``(B,)``."""
         if not self.vabs:
             return super().layer_preference(inputs, logits, probs, indicator)
         budget = self.budget_hint if self.budget_hint is not None else getattr(inputs, "budget", None)
         if budget is None:
-            raise ValueError("slake: VABS needs the average per-layer budget C: set budget_hint or "
-                             "PrefillInputs.budget")
-        return vabs_preference(logits, probs, inputs.values, indicator, budget - inputs.window,
-                               inputs.window, self.alpha, self.beta, self.gamma_v, inputs.key_padding,
-                               split=self.vabs_split)
+            raise ValueError(
+                "slake: VABS needs the average per-layer budget C: set budget_hint or PrefillInputs.budget"
+            )
+        return vabs_preference(
+            logits,
+            probs,
+            inputs.values,
+            indicator,
+            budget - inputs.window,
+            inputs.window,
+            self.alpha,
+            self.beta,
+            self.gamma_v,
+            inputs.key_padding,
+            split=self.vabs_split,
+        )

@@ -57,7 +57,7 @@ class SnapKV(Method):
         s = a.sum(2)  # (B,Hq,S)
         w = a.shape[2]
         S = s.shape[-1]
-        s[..., S - w:] = 0.0  # window columns are protected; keep them out of the neighbours' pooling
+        s[..., S - w :] = 0.0  # window columns are protected; keep them out of the neighbours' pooling
         Hkv = inputs.keys.shape[1]
         if self.group_first:
             return PrefillScores(scores=pool1d(group_mean(s, Hkv), self.kernel, self.pooling))

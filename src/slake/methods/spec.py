@@ -57,8 +57,6 @@ def split_method_list(text: str) -> list[str]:
     return [i for i in items if i]
 
 
-
-
 def parse_value(raw: str) -> Any:
     """A hyperparameter value from text: a JSON literal where it parses (``true``, ``16``, ``0.5``, ``null``),
     ``True``/``False`` as booleans, else the stripped string."""

@@ -38,8 +38,9 @@ GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
 CALIBRATION_SOURCE = "pydoc_data.topics (the Python language reference shipped with CPython)"
 
 
-def calibration_reference(model: Any, tokenizer: Any, length: int, samples: int, tokens: int,
-                          seed: int = 0) -> OutputReference:
+def calibration_reference(
+    model: Any, tokenizer: Any, length: int, samples: int, tokens: int, seed: int = 0
+) -> OutputReference:
     """Build the calibration prompts (``samples`` of each kind) and prefill them once."""
     from slake.quality.continuations import (
         CALIBRATION_QUESTIONS,
@@ -51,19 +52,29 @@ def calibration_reference(model: Any, tokenizer: Any, length: int, samples: int,
 
     text = calibration_text()
     conts = text_continuations(tokenizer, text, length, tokens, samples, seed=seed, name="calib-text")
-    conts += answer_continuations(model, tokenizer, text, length, tokens, samples, CALIBRATION_QUESTIONS,
-                                  seed=seed, name="calib-answer")
+    conts += answer_continuations(
+        model, tokenizer, text, length, tokens, samples, CALIBRATION_QUESTIONS, seed=seed, name="calib-answer"
+    )
     return prepare_reference(model, conts)
 
 
 def _score(rows: list[dict]) -> dict:
-    return {"kl": mean_distance(rows), "delta_nll": mean_distance(rows, "delta_nll"),
-            "top1": mean_distance(rows, "top1")}
+    return {
+        "kl": mean_distance(rows),
+        "delta_nll": mean_distance(rows, "delta_nll"),
+        "top1": mean_distance(rows, "top1"),
+    }
 
 
-def calibrate_method(model: Any, ref: OutputReference, method: Any, budget: int | float,
-                     grid: dict[str, Sequence[float]] | None = None, refine: bool = True,
-                     on_candidate: Callable[[], None] | None = None) -> dict:
+def calibrate_method(
+    model: Any,
+    ref: OutputReference,
+    method: Any,
+    budget: int | float,
+    grid: dict[str, Sequence[float]] | None = None,
+    refine: bool = True,
+    on_candidate: Callable[[], None] | None = None,
+) -> dict:
     """Search the method's profile hyperparameters at one budget; return a profile entry.
 
     Parameters
@@ -92,8 +103,9 @@ def calibrate_method(model: Any, ref: OutputReference, method: Any, budget: int 
     """
     keys = SEARCHED.get(method.name)
     if not keys:
-        raise ValueError(f"slake calibrate tunes {', '.join(sorted(SEARCHED))}; {method.name!r} has no profile "
-                         "hyperparameters")
+        raise ValueError(
+            f"slake calibrate tunes {', '.join(sorted(SEARCHED))}; {method.name!r} has no profile hyperparameters"
+        )
     grid = grid or GRIDS[method.name]
     cache: dict[tuple, dict] = {}
 
@@ -122,9 +134,16 @@ def calibrate_method(model: Any, ref: OutputReference, method: Any, budget: int 
                     evaluate((a, b))
     best = min(cache, key=lambda v: (cache[v]["kl"], v != tuple(round(x, 4) for x in before_values)))
     context = {k: v for k, v in method.hyperparameters().items() if k not in keys}
-    return {"method": method.name, "budget": budget, "values": dict(zip(keys, best)), "context": context,
-            "before": {"values": dict(zip(keys, before_values)), **before},
-            "after": {"values": dict(zip(keys, best)), **cache[best]},
-            "search": {"candidates": len(cache), "objective": "mean KL(full || compressed), nats/token",
-                       "seconds": round(time.perf_counter() - start, 1)}}
-
+    return {
+        "method": method.name,
+        "budget": budget,
+        "values": dict(zip(keys, best)),
+        "context": context,
+        "before": {"values": dict(zip(keys, before_values)), **before},
+        "after": {"values": dict(zip(keys, best)), **cache[best]},
+        "search": {
+            "candidates": len(cache),
+            "objective": "mean KL(full || compressed), nats/token",
+            "seconds": round(time.perf_counter() - start, 1),
+        },
+    }

@@ -23,8 +23,14 @@ import torch
 
 from slake.quality.output_fidelity import Continuation
 
-__all__ = ["calibration_text", "evaluation_text", "text_continuations", "answer_continuations",
-           "CALIBRATION_QUESTIONS", "EVALUATION_QUESTIONS"]
+__all__ = [
+    "calibration_text",
+    "evaluation_text",
+    "text_continuations",
+    "answer_continuations",
+    "CALIBRATION_QUESTIONS",
+    "EVALUATION_QUESTIONS",
+]
 
 #: questions appended to calibration prompts (answered by the full cache; its answer is the target)
 CALIBRATION_QUESTIONS = (
@@ -56,10 +62,10 @@ def evaluation_text() -> str:
 
 def _window(tokenizer: Any, text: str, rng: random.Random, n_tokens: int) -> list[int]:
     """``n_tokens`` consecutive token ids of ``text`` from a seeded paragraph start (wrapping around the text)."""
-    starts = [0] + [i + 2 for i in range(len(text) - 2) if text[i:i + 2] == "\n\n"]
+    starts = [0] + [i + 2 for i in range(len(text) - 2) if text[i : i + 2] == "\n\n"]
     start = rng.choice(starts[:-1] or starts)
     chars = n_tokens * 6 + 1000  # generous: a token is rarely longer than 6 characters of English/code
-    chunk = (text[start:] + "\n\n" + text)[:chars] if start + chars > len(text) else text[start:start + chars]
+    chunk = (text[start:] + "\n\n" + text)[:chars] if start + chars > len(text) else text[start : start + chars]
     ids = list(tokenizer.encode(chunk, add_special_tokens=False))
     while len(ids) < n_tokens:  # very short source text: repeat it
         chunk += "\n\n" + text
@@ -67,8 +73,9 @@ def _window(tokenizer: Any, text: str, rng: random.Random, n_tokens: int) -> lis
     return ids[:n_tokens]
 
 
-def text_continuations(tokenizer: Any, text: str, length: int, target_tokens: int, samples: int, *,
-                       seed: int = 0, name: str = "text") -> list[Continuation]:
+def text_continuations(
+    tokenizer: Any, text: str, length: int, target_tokens: int, samples: int, *, seed: int = 0, name: str = "text"
+) -> list[Continuation]:
     """``samples`` windows of ``length`` tokens of ``text``, each continued by the next ``target_tokens`` tokens.
 
     Raises
@@ -77,8 +84,9 @@ def text_continuations(tokenizer: Any, text: str, length: int, target_tokens: in
         For ``length < 1``, ``target_tokens < 2``, ``samples < 1`` or an empty text.
     """
     if length < 1 or target_tokens < 2 or samples < 1:
-        raise ValueError(f"need length >= 1, target_tokens >= 2 and samples >= 1 (got {length}, {target_tokens}, "
-                         f"{samples})")
+        raise ValueError(
+            f"need length >= 1, target_tokens >= 2 and samples >= 1 (got {length}, {target_tokens}, {samples})"
+        )
     if not text.strip():
         raise ValueError("the source text is empty")
     rng = random.Random(f"{name}-{seed}")
@@ -89,16 +97,28 @@ def text_continuations(tokenizer: Any, text: str, length: int, target_tokens: in
     return out
 
 
-def answer_continuations(model: Any, tokenizer: Any, text: str, length: int, target_tokens: int, samples: int,
-                         questions: Sequence[str], *, seed: int = 0, name: str = "answer") -> list[Continuation]:
+def answer_continuations(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    length: int,
+    target_tokens: int,
+    samples: int,
+    questions: Sequence[str],
+    *,
+    seed: int = 0,
+    name: str = "answer",
+) -> list[Continuation]:
     """``samples`` prompts (about ``length`` tokens of ``text`` + a question, in the chat template), each continued
     by the full cache's greedy answer (at most ``target_tokens`` tokens, end-of-sequence included)."""
     from slake.hf.generate import format_prompt
     from slake.hf.prefill_once import capture_prefill, greedy_decode
 
     if length < 64 or target_tokens < 2 or samples < 1 or not questions:
-        raise ValueError(f"need length >= 64, target_tokens >= 2, samples >= 1 and a question (got {length}, "
-                         f"{target_tokens}, {samples})")
+        raise ValueError(
+            f"need length >= 64, target_tokens >= 2, samples >= 1 and a question (got {length}, "
+            f"{target_tokens}, {samples})"
+        )
     rng = random.Random(f"{name}-{seed}")
     eos = [i for i in (getattr(tokenizer, "eos_token_id", None),) if isinstance(i, int)]
     out: list[Continuation] = []

@@ -75,15 +75,25 @@ def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
     for layer in cache.layers:
         layer.compressor = rec
     with torch.inference_mode():
-        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                       max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-                       pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            past_key_values=cache,
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            do_sample=False,
+            pad_token_id=0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
     cache.check_routed()
     return Recording(prompt=rec.prompt, steps=rec.steps[:steps])
 
 
-def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
+def _full_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Exact causal attention of queries at ``qpos`` over keys at positions ``0..n-1`` (fp32)."""
     B, Hq, nq, d = q.shape
     H = k.shape[1]
@@ -101,9 +111,16 @@ def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float(((a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-12)).mean())
 
 
-def measure(recording: Recording, method: str, budget: int | float | str, window: int = 32,
-            linear_cache: bool | None = None, kv_dtype: str | None = None, profile_model=None,
-            **hyperparameters) -> list[dict]:
+def measure(
+    recording: Recording,
+    method: str,
+    budget: int | float | str,
+    window: int = 32,
+    linear_cache: bool | None = None,
+    kv_dtype: str | None = None,
+    profile_model=None,
+    **hyperparameters,
+) -> list[dict]:
     """Per-layer relative errors of one (method, budget) against full attention.
 
     Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache"}``. ``method`` is the
@@ -131,8 +148,9 @@ def measure(recording: Recording, method: str, budget: int | float | str, window
     full_v = [rec[2] for rec in recording.prompt]
     for layer, (q, k, v, _pad, scaling) in enumerate(recording.prompt):
         qw = q[:, :, win_pos]
-        window_err.append(_rel_err(eng.attention(layer, qw, win_pos, scaling),
-                                   _full_attention(qw, k, v, win_pos, scaling)))
+        window_err.append(
+            _rel_err(eng.attention(layer, qw, win_pos, scaling), _full_attention(qw, k, v, win_pos, scaling))
+        )
     decode_err = [[] for _ in range(L)]
     for t, step in enumerate(recording.steps):
         pos = torch.tensor([S + t])
@@ -144,9 +162,17 @@ def measure(recording: Recording, method: str, budget: int | float | str, window
             full_v[layer] = torch.cat([full_v[layer], v], 2)
             exact = _full_attention(q, full_k[layer], full_v[layer], pos, scaling)
             decode_err[layer].append(_rel_err(approx, exact))
-    return [{"method": label, "budget": Budget(budget).value, "layer": layer, "linear_cache": m.linear_cache,
-             "rel_err": sum(decode_err[layer]) / max(len(decode_err[layer]), 1),
-             "rel_err_window": window_err[layer]} for layer in range(L)]
+    return [
+        {
+            "method": label,
+            "budget": Budget(budget).value,
+            "layer": layer,
+            "linear_cache": m.linear_cache,
+            "rel_err": sum(decode_err[layer]) / max(len(decode_err[layer]), 1),
+            "rel_err_window": window_err[layer],
+        }
+        for layer in range(L)
+    ]
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -154,20 +180,27 @@ def summary_table(rows: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["method"], r["linear_cache"], r["budget"]), []).append(r)
-    lines = ["| method | linear cache | budget | decode rel. err (mean over layers) | worst layer | "
-             "window rel. err (mean) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | linear cache | budget | decode rel. err (mean over layers) | worst layer | "
+        "window rel. err (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
     for (method, lin, budget), rs in groups.items():
         mean = sum(r["rel_err"] for r in rs) / len(rs)
         worst = max(rs, key=lambda r: r["rel_err"])
         win = sum(r["rel_err_window"] for r in rs) / len(rs)
-        lines.append(f"| {method} | {'yes' if lin else 'no'} | {budget} | {mean:.4f} | "
-                     f"{worst['layer']} ({worst['rel_err']:.4f}) | {win:.4f} |")
+        lines.append(
+            f"| {method} | {'yes' if lin else 'no'} | {budget} | {mean:.4f} | "
+            f"{worst['layer']} ({worst['rel_err']:.4f}) | {win:.4f} |"
+        )
     return "\n".join(lines)
 
 
 def per_layer_table(rows: list[dict]) -> str:
     """Markdown table of decode relative error per layer (columns = (method, budget))."""
-    keys = sorted({(r["method"], r["linear_cache"], r["budget"]) for r in rows}, key=lambda k: (k[0], bool(k[1]), float(k[2])))
+    keys = sorted(
+        {(r["method"], r["linear_cache"], r["budget"]) for r in rows}, key=lambda k: (k[0], bool(k[1]), float(k[2]))
+    )
     layers = sorted({r["layer"] for r in rows})
     look = {(r["method"], r["linear_cache"], r["budget"], r["layer"]): r["rel_err"] for r in rows}
     head = "| layer | " + " | ".join(f"{m}{'+lin' if lin else ''}@{b}" for m, lin, b in keys) + " |"
@@ -185,12 +218,20 @@ def plot_per_layer(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    keys = sorted({(r["method"], r["linear_cache"], r["budget"]) for r in rows}, key=lambda k: (k[0], bool(k[1]), float(k[2])))
+    keys = sorted(
+        {(r["method"], r["linear_cache"], r["budget"]) for r in rows}, key=lambda k: (k[0], bool(k[1]), float(k[2]))
+    )
     for m, lin, b in keys:
-        rs = sorted((r for r in rows if (r["method"], r["linear_cache"], r["budget"]) == (m, lin, b)),
-                    key=lambda r: r["layer"])
-        ax.plot([r["layer"] for r in rs], [r["rel_err"] for r in rs], marker="o", markersize=3,
-                label=f"{m}{' + linear cache' if lin and m != 'slake' else ''} @ {b}")
+        rs = sorted(
+            (r for r in rows if (r["method"], r["linear_cache"], r["budget"]) == (m, lin, b)), key=lambda r: r["layer"]
+        )
+        ax.plot(
+            [r["layer"] for r in rs],
+            [r["rel_err"] for r in rs],
+            marker="o",
+            markersize=3,
+            label=f"{m}{' + linear cache' if lin and m != 'slake' else ''} @ {b}",
+        )
     ax.set_xlabel("layer")
     ax.set_ylabel("relative error of attention output")
     ax.set_yscale("log")

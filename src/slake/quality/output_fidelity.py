@@ -28,8 +28,16 @@ import torch
 from slake.budgets.budget import Budget
 from slake.methods.base import Method
 
-__all__ = ["Continuation", "OutputReference", "teacher_forced_logprobs", "distances", "prepare_reference",
-           "measure_outputs", "summary_table", "plot_kl_vs_budget"]
+__all__ = [
+    "Continuation",
+    "OutputReference",
+    "teacher_forced_logprobs",
+    "distances",
+    "prepare_reference",
+    "measure_outputs",
+    "summary_table",
+    "plot_kl_vs_budget",
+]
 
 
 @dataclass
@@ -79,8 +87,12 @@ def teacher_forced_logprobs(model: Any, capture: Any, cache: Any, targets: torch
     with torch.inference_mode():
         for t in range(T - 1):
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1)
-            logits = model(input_ids=targets[:, t:t + 1], attention_mask=mask, past_key_values=cache,
-                           position_ids=(real + t)[:, None]).logits[:, -1]
+            logits = model(
+                input_ids=targets[:, t : t + 1],
+                attention_mask=mask,
+                past_key_values=cache,
+                position_ids=(real + t)[:, None],
+            ).logits[:, -1]
             out.append(torch.log_softmax(logits.float(), -1))
     cache.check_routed()
     return torch.stack(out, 1)
@@ -114,8 +126,13 @@ def distances(full_lp: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, va
     def mean(x: torch.Tensor) -> list[float]:
         return [float(s / c) if c > 0 else float("nan") for s, c in zip((x * v).sum(-1).tolist(), n.tolist())]
 
-    return {"kl": mean(kl), "delta_nll": mean(nll - nll_full), "top1": mean(top1), "nll_full": mean(nll_full),
-            "tokens": n.tolist()}
+    return {
+        "kl": mean(kl),
+        "delta_nll": mean(nll - nll_full),
+        "top1": mean(top1),
+        "nll_full": mean(nll_full),
+        "tokens": n.tolist(),
+    }
 
 
 @dataclass
@@ -144,14 +161,20 @@ def prepare_reference(model: Any, continuations: Sequence[Continuation]) -> Outp
     targets = torch.zeros(len(continuations), T, dtype=torch.long, device=dev)
     valid = torch.zeros(len(continuations), T, dtype=torch.bool, device=dev)
     for b, c in enumerate(continuations):
-        targets[b, :len(c.target_ids)] = torch.tensor(c.target_ids, device=dev)
-        valid[b, 1:len(c.target_ids)] = True
+        targets[b, : len(c.target_ids)] = torch.tensor(c.target_ids, device=dev)
+        valid[b, 1 : len(c.target_ids)] = True
     full_lp = teacher_forced_logprobs(model, capture, capture.replay("full", 1), targets)
     return OutputReference(capture, targets, valid, full_lp, list(continuations))
 
 
-def measure_outputs(model: Any, ref: OutputReference, method: str | Method, budget: int | float | str,
-                    label: str | None = None, **hyperparameters) -> list[dict]:
+def measure_outputs(
+    model: Any,
+    ref: OutputReference,
+    method: str | Method,
+    budget: int | float | str,
+    label: str | None = None,
+    **hyperparameters,
+) -> list[dict]:
     """Rows ``{"method", "budget", "kind", "sample", "kl", "delta_nll", "top1", "nll_full", "tokens"}`` of one
     (method, budget) against the full cache, one per continuation."""
     from slake.methods.base import canonical_method_spec, make_method
@@ -162,9 +185,20 @@ def measure_outputs(model: Any, ref: OutputReference, method: str | Method, budg
     cache = ref.capture.replay(m, budget)
     lp = teacher_forced_logprobs(model, ref.capture, cache, ref.targets)
     d = distances(ref.full_lp, lp, ref.targets, ref.valid)
-    return [{"method": label, "budget": Budget(budget).value, "kind": c.kind, "sample": c.name,
-             "kl": d["kl"][b], "delta_nll": d["delta_nll"][b], "top1": d["top1"][b], "nll_full": d["nll_full"][b],
-             "tokens": d["tokens"][b]} for b, c in enumerate(ref.continuations)]
+    return [
+        {
+            "method": label,
+            "budget": Budget(budget).value,
+            "kind": c.kind,
+            "sample": c.name,
+            "kl": d["kl"][b],
+            "delta_nll": d["delta_nll"][b],
+            "top1": d["top1"][b],
+            "nll_full": d["nll_full"][b],
+            "tokens": d["tokens"][b],
+        }
+        for b, c in enumerate(ref.continuations)
+    ]
 
 
 def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -183,14 +217,20 @@ def mean_distance(rows: list[dict], key: str = "kl") -> float:
 def summary_table(rows: list[dict]) -> str:
     """Markdown: one line per (method, budget), token-weighted means per continuation kind and overall."""
     kinds = sorted({r["kind"] for r in rows})
-    head = ("| method | budget | " + " | ".join(f"KL {k}" for k in kinds)
-            + " | KL all | ΔNLL all (nats/token) | top-1 agreement |")
+    head = (
+        "| method | budget | "
+        + " | ".join(f"KL {k}" for k in kinds)
+        + " | KL all | ΔNLL all (nats/token) | top-1 agreement |"
+    )
     lines = [head, "|---|---:|" + "---:|" * (len(kinds) + 3)]
     for (m, b), rs in sorted(_groups(rows).items(), key=lambda kv: (kv[0][0], float(kv[0][1]))):
         per_kind = [mean_distance([r for r in rs if r["kind"] == k]) for k in kinds]
-        lines.append(f"| {m} | {b} | " + " | ".join(f"{x:.4f}" for x in per_kind)
-                     + f" | {mean_distance(rs):.4f} | {mean_distance(rs, 'delta_nll'):+.4f} | "
-                     f"{mean_distance(rs, 'top1'):.3f} |")
+        lines.append(
+            f"| {m} | {b} | "
+            + " | ".join(f"{x:.4f}" for x in per_kind)
+            + f" | {mean_distance(rs):.4f} | {mean_distance(rs, 'delta_nll'):+.4f} | "
+            f"{mean_distance(rs, 'top1'):.3f} |"
+        )
     return "\n".join(lines)
 
 

@@ -73,8 +73,9 @@ class RequestState:
 
     def metadata_bytes(self) -> int:
         """Bytes of the per-slot metadata kept between steps (positions, validity, scores), all layers."""
-        return sum(int(s.positions.nbytes + s.valid.nbytes + s.scores.nbytes) for s in self.cache.layers
-                   if s is not None)
+        return sum(
+            int(s.positions.nbytes + s.valid.nbytes + s.scores.nbytes) for s in self.cache.layers if s is not None
+        )
 
     def linear_state_bytes(self) -> int:
         """Bytes of the PTAA linear states (SLAKE), all layers; 0 for methods without one."""
@@ -121,8 +122,9 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             self.num_layers = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
             logger.info("slake: compressing the KV cache with %s", self.slake.describe())
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> CPUAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> CPUAttentionMetadata:
         global _CURRENT
         if self.slake is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -156,15 +158,18 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             if st is None:
                 continue
             if qlen != 1:
-                raise RuntimeError(f"slake: a compressed request was scheduled {qlen} tokens in one step; the plugin "
-                                   f"supports one token per decode step (no speculative decoding, no chunked prefill)")
-            plan.decodes.append((st, qs, table[i, :self.slake.blocks(bs, st.prompt_len)].clone()))
+                raise RuntimeError(
+                    f"slake: a compressed request was scheduled {qlen} tokens in one step; the plugin "
+                    f"supports one token per decode step (no speculative decoding, no chunked prefill)"
+                )
+            plan.decodes.append((st, qs, table[i, : self.slake.blocks(bs, st.prompt_len)].clone()))
             plan.masked_tokens.append(qs)
             seq_lens[i] = self.slake.slots(st.prompt_len)  # vLLM's kernel must not read past the request's blocks
             changed = True
         if changed:
-            cm = dataclasses.replace(cm, seq_lens=seq_lens.to(cm.seq_lens.device),
-                                     max_seq_len=int(seq_lens[: cm.num_reqs].max()))
+            cm = dataclasses.replace(
+                cm, seq_lens=seq_lens.to(cm.seq_lens.device), max_seq_len=int(seq_lens[: cm.num_reqs].max())
+            )
         md = super().build(common_prefix_len, cm, fast_build)
         md.slake_plan = plan
         _CURRENT = plan
@@ -192,8 +197,9 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             slot_mapping_[plan.masked_tokens] = -1  # compressed decode tokens are placed by the engine below
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping_)
 
-    def _write(self, layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               block_ids: torch.Tensor) -> None:
+    def _write(
+        self, layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor
+    ) -> None:
         """Write ``(Hkv, n, d)`` keys/values to the request's first ``n`` slots (vLLM's own cache-write op)."""
         global _LAYOUT_CHECKED
         bs = kv_cache.shape[2]
@@ -206,10 +212,12 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             check_layout(kv_cache, k.transpose(0, 1), v.transpose(0, 1), block_ids)
             _LAYOUT_CHECKED = True
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None) -> torch.Tensor:
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                              output_block_scale)
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ) -> torch.Tensor:
+        out = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
         plan: StepPlan | None = getattr(attn_metadata, "slake_plan", None)
         if plan is None or not (plan.prefills or plan.decodes):
             return out
@@ -225,8 +233,10 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             for pending_li, (impl, lay, cache, blk) in sorted(st.pending.items()):
                 store = st.cache.layers[pending_li]
                 if store.capacity > blk.numel() * cache.shape[2]:
-                    raise RuntimeError(f"slake: layer {pending_li} keeps {store.capacity} slots, more than the request's "
-                                       f"{blk.numel()} blocks hold")
+                    raise RuntimeError(
+                        f"slake: layer {pending_li} keeps {store.capacity} slots, more than the request's "
+                        f"{blk.numel()} blocks hold"
+                    )
                 impl._write(lay, cache, store.keys[0], store.values[0], blk)
                 store.keys = store.values = None  # the kept entries live in vLLM's blocks only
             st.pending.clear()
@@ -235,13 +245,16 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             cap = store.positions.shape[-1]
             k_old, v_old = read_slots(kv_cache, blocks, cap)
             store.keys, store.values = k_old.unsqueeze(0), v_old.unsqueeze(0)
-            st.cache.append(li, key[qi:qi + 1].transpose(0, 1).unsqueeze(0),
-                            value[qi:qi + 1].transpose(0, 1).unsqueeze(0))
-            o = st.cache.decode_attention(li, query[qi:qi + 1].transpose(0, 1).unsqueeze(0), self.scale)
+            st.cache.append(
+                li, key[qi : qi + 1].transpose(0, 1).unsqueeze(0), value[qi : qi + 1].transpose(0, 1).unsqueeze(0)
+            )
+            o = st.cache.decode_attention(li, query[qi : qi + 1].transpose(0, 1).unsqueeze(0), self.scale)
             output[qi] = o[0, :, 0].to(output.dtype).reshape(output[qi].shape)
             if store.capacity > blocks.numel() * kv_cache.shape[2]:
-                raise RuntimeError(f"slake: layer {li} grew to {store.capacity} slots, more than the request's "
-                                   f"{blocks.numel()} blocks hold")
+                raise RuntimeError(
+                    f"slake: layer {li} grew to {store.capacity} slots, more than the request's "
+                    f"{blocks.numel()} blocks hold"
+                )
             self._write(layer, kv_cache, store.keys[0], store.values[0], blocks)
             store.keys = store.values = None
         return out

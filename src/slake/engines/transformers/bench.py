@@ -32,22 +32,61 @@ def configs(plan: BenchPlan) -> list[BenchConfig]:
     for n in plan.lengths:
         for m in plan.methods:
             for kvd in plan.kv_dtypes:
-                for b in (plan.budgets[:1] if m == "full" else plan.budgets):
-                    out.append(BenchConfig(method=m, budget=getattr(b, "value", b), length=n, batch=plan.batch,
-                                           decode_steps=plan.decode_steps, warmup=plan.warmup,
-                                           prefill_chunk=plan.prefill_chunk, seed=plan.seed, kv_dtype=kvd))
+                for b in plan.budgets[:1] if m == "full" else plan.budgets:
+                    out.append(
+                        BenchConfig(
+                            method=m,
+                            budget=getattr(b, "value", b),
+                            length=n,
+                            batch=plan.batch,
+                            decode_steps=plan.decode_steps,
+                            warmup=plan.warmup,
+                            prefill_chunk=plan.prefill_chunk,
+                            seed=plan.seed,
+                            kv_dtype=kvd,
+                        )
+                    )
     return out
 
 
 def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
-    argv = [sys.executable, "-m", "slake.cli", "bench", "--methods", cfg.method, "--budget", str(cfg.budget),
-            "--lengths", str(cfg.length), "--batch", str(cfg.batch), "--decode-steps", str(cfg.decode_steps),
-            "--warmup", str(cfg.warmup), "--seed", str(plan.seed), "--no-plots", "--no-progress", "--json",
-            "--kv-dtype", cfg.kv_dtype or "auto", "--out", str(plan.out / "isolated")]
+    argv = [
+        sys.executable,
+        "-m",
+        "slake.cli",
+        "bench",
+        "--methods",
+        cfg.method,
+        "--budget",
+        str(cfg.budget),
+        "--lengths",
+        str(cfg.length),
+        "--batch",
+        str(cfg.batch),
+        "--decode-steps",
+        str(cfg.decode_steps),
+        "--warmup",
+        str(cfg.warmup),
+        "--seed",
+        str(plan.seed),
+        "--no-plots",
+        "--no-progress",
+        "--json",
+        "--kv-dtype",
+        cfg.kv_dtype or "auto",
+        "--out",
+        str(plan.out / "isolated"),
+    ]
     model = None if spec.random else spec.name
-    for flag, value in (("--prefill-chunk", plan.prefill_chunk), ("--model", model),
-                        ("--random-model", spec.random), ("--gguf-file", spec.gguf_file),
-                        ("--device", spec.device), ("--dtype", spec.dtype), ("--threads", plan.threads)):
+    for flag, value in (
+        ("--prefill-chunk", plan.prefill_chunk),
+        ("--model", model),
+        ("--random-model", spec.random),
+        ("--gguf-file", spec.gguf_file),
+        ("--device", spec.device),
+        ("--dtype", spec.dtype),
+        ("--threads", plan.threads),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     res = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -76,11 +115,16 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(cfgs), desc="slake bench", unit="config", file=sys.stderr)
-    env = {"model": model_name,
-           "device": str(model.device) if model is not None else (spec.device or "auto"),
-           "dtype": str(model.dtype).replace("torch.", "") if model is not None else (spec.dtype or "auto"),
-           "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-           "cpu_count": os.cpu_count(), "load_avg_1m": load_avg()}
+    env = {
+        "model": model_name,
+        "device": str(model.device) if model is not None else (spec.device or "auto"),
+        "dtype": str(model.dtype).replace("torch.", "") if model is not None else (spec.dtype or "auto"),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": load_avg(),
+    }
     interleave = interleaved_timing(plan, model)
     rows = []
     with open(out / "bench.jsonl", "a", encoding="utf-8") as f:
@@ -109,20 +153,29 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             rows += group_rows
     if bar is not None:
         bar.close()
-    notes = [f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
-             f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
-             f"batch {plan.batch}, {plan.decode_steps} timed decode steps after {plan.warmup} warm-up steps; "
-             "prompts are random token ids",
-             "decode ms/token: " + ("medians of steps timed in turn across the configurations of each length "
-                                    "(interleaved; the medians of each configuration's own run are "
-                                    "decode_ms_sequential in bench.jsonl); decode vs first: median over those "
-                                    "rounds of the step-time ratio to the length's first configuration, the "
-                                    "number to compare methods by" if interleave else
-                                    "medians of each configuration's own run (sequential)"),
-             "peak memory: " + ("CUDA max_memory_allocated (reset per configuration)" if rows and
-                                rows[0]["peak_mem_kind"].startswith("cuda") else
-                                "process RSS high-water mark (VmHWM, reset per configuration via "
-                                "/proc/self/clear_refs; includes the model weights)")]
+    notes = [
+        f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
+        f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
+        f"batch {plan.batch}, {plan.decode_steps} timed decode steps after {plan.warmup} warm-up steps; "
+        "prompts are random token ids",
+        "decode ms/token: "
+        + (
+            "medians of steps timed in turn across the configurations of each length "
+            "(interleaved; the medians of each configuration's own run are "
+            "decode_ms_sequential in bench.jsonl); decode vs first: median over those "
+            "rounds of the step-time ratio to the length's first configuration, the "
+            "number to compare methods by"
+            if interleave
+            else "medians of each configuration's own run (sequential)"
+        ),
+        "peak memory: "
+        + (
+            "CUDA max_memory_allocated (reset per configuration)"
+            if rows and rows[0]["peak_mem_kind"].startswith("cuda")
+            else "process RSS high-water mark (VmHWM, reset per configuration via "
+            "/proc/self/clear_refs; includes the model weights)"
+        ),
+    ]
     (out / "bench.md").write_text(markdown_table(rows, "slake bench", notes), encoding="utf-8")
     files = [out / "bench.jsonl", out / "bench.md"]
     if plan.plots and rows:
@@ -163,13 +216,19 @@ def apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
     ref = times[0]
     for row, t in zip(rows, times):
         row["decode_ms_sequential"] = row["decode_ms_per_token"]
-        row.update({"decode_ms_per_token": statistics.median(t), "decode_ms_min": min(t), "decode_ms_max": max(t),
-                    "decode_steps": len(t), "decode_timing": "interleaved",
-                    "decode_vs_first": statistics.median(a / b for a, b in zip(t, ref)),
-                    "decode_first": _label(rows[0])})
+        row.update(
+            {
+                "decode_ms_per_token": statistics.median(t),
+                "decode_ms_min": min(t),
+                "decode_ms_max": max(t),
+                "decode_steps": len(t),
+                "decode_timing": "interleaved",
+                "decode_vs_first": statistics.median(a / b for a, b in zip(t, ref)),
+                "decode_first": _label(rows[0]),
+            }
+        )
 
 
 def _label(row: dict) -> str:
     """``method[@budget][ kv_dtype]`` of a result row (names the reference of ``decode_vs_first``)."""
     return f"{row['method']}@{row['budget']}" + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
-

@@ -51,8 +51,7 @@ class TransformersEngine(Engine):
         ``config._name_or_path``."""
         engine = cls()
         engine._loaded = (model, tokenizer)
-        engine._name = name or str(getattr(getattr(model, "config", None), "_name_or_path", "")
-                                   or type(model).__name__)
+        engine._name = name or str(getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__)
         return engine
 
     def load(self) -> tuple[Any, Any]:
@@ -78,11 +77,20 @@ class TransformersEngine(Engine):
         model, tokenizer = self.load()
         return eos_token_ids(model, tokenizer)
 
-    def generate(self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True,
-                 **options: Any) -> GenerationResult:
+    def generate(
+        self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True, **options: Any
+    ) -> GenerationResult:
         model, tokenizer = self.load()
-        return generate(model, tokenizer, prompt, method=method, budget=budget, max_new_tokens=max_new_tokens,
-                        chat_template=chat_template, **options)
+        return generate(
+            model,
+            tokenizer,
+            prompt,
+            method=method,
+            budget=budget,
+            max_new_tokens=max_new_tokens,
+            chat_template=chat_template,
+            **options,
+        )
 
     def evaluate(self, requests: Sequence[EvalRequest], options: EvalOptions) -> Iterator[EvalOutput]:
         from slake.engines.transformers.evaluate import evaluate

@@ -39,8 +39,12 @@ def batches(requests: Sequence[EvalRequest], size: int) -> list[list[EvalRequest
     for req in requests:
         if out:
             head = out[-1][0]
-            if (len(out[-1]) < size and head.pairs == req.pairs and head.group == req.group
-                    and head.max_new_tokens == req.max_new_tokens):
+            if (
+                len(out[-1]) < size
+                and head.pairs == req.pairs
+                and head.group == req.group
+                and head.max_new_tokens == req.max_new_tokens
+            ):
                 out[-1].append(req)
                 continue
         out.append([req])
@@ -54,8 +58,7 @@ def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[An
     return resolve_method(method, budget, model)
 
 
-def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions,
-             eos: list[int]) -> Iterator[EvalOutput]:
+def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions, eos: list[int]) -> Iterator[EvalOutput]:
     """Every pending pair of every request (see the module docstring); one :class:`EvalOutput` each.
 
     Raises
@@ -64,8 +67,10 @@ def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions,
         For an empty prompt, or ``batch_size > 1`` with chunked prefill or question-agnostic prompts.
     """
     if options.batch_size > 1 and (options.prefill_chunk is not None or not options.query_aware):
-        raise ValueError("batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
-                         "question of a question-agnostic run and chunked prefill are fed per sample")
+        raise ValueError(
+            "batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
+            "question of a question-agnostic run and chunked prefill are fed per sample"
+        )
     for req in requests:
         if not req.prefill_ids:
             raise ValueError(f"request {req.key} has an empty prompt")
@@ -77,8 +82,9 @@ def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions,
             yield from _run_batch(model, batch, options, eos, device)
 
 
-def _run_batch(model: Any, batch: list[EvalRequest], options: EvalOptions, eos: list[int],
-               device: torch.device) -> Iterator[EvalOutput]:
+def _run_batch(
+    model: Any, batch: list[EvalRequest], options: EvalOptions, eos: list[int], device: torch.device
+) -> Iterator[EvalOutput]:
     """Prefill each request once, stack the captures, then decode every pair for the whole batch."""
     captures: list[PrefillCapture] = []
     for req in batch:
@@ -104,15 +110,26 @@ def _run_batch(model: Any, batch: list[EvalRequest], options: EvalOptions, eos: 
         _sync(device)
         decode_s = time.perf_counter() - start
         for i, req in enumerate(batch):
-            yield EvalOutput(key=req.key, method=method, budget=budget, tokens=all_tokens[i][:cap],
-                             prompt_tokens=len(req.prefill_ids), prefill_s=round(prefill_s[i], 5),
-                             decode_s=round(decode_s, 5), compressed=bool(compressed[i]),
-                             kv_bytes=kv_bytes[i], max_new_tokens=cap, batch_size=len(batch),
-                             profile=profile, extra={"compress_s": round(compress_s, 5)})
+            yield EvalOutput(
+                key=req.key,
+                method=method,
+                budget=budget,
+                tokens=all_tokens[i][:cap],
+                prompt_tokens=len(req.prefill_ids),
+                prefill_s=round(prefill_s[i], 5),
+                decode_s=round(decode_s, 5),
+                compressed=bool(compressed[i]),
+                kv_bytes=kv_bytes[i],
+                max_new_tokens=cap,
+                batch_size=len(batch),
+                profile=profile,
+                extra={"compress_s": round(compress_s, 5)},
+            )
 
 
-def _run_one(model: Any, req: EvalRequest, options: EvalOptions, eos: list[int],
-             device: torch.device) -> Iterator[EvalOutput]:
+def _run_one(
+    model: Any, req: EvalRequest, options: EvalOptions, eos: list[int], device: torch.device
+) -> Iterator[EvalOutput]:
     """Prefill one request once, then decode every pending pair from it."""
     ids = torch.tensor([req.prefill_ids], dtype=torch.long, device=device)
     extra = torch.tensor([req.question_ids], dtype=torch.long, device=device) if req.question_ids else None
@@ -122,16 +139,20 @@ def _run_one(model: Any, req: EvalRequest, options: EvalOptions, eos: list[int],
         chunk = None if budget is None else options.prefill_chunk
         built, profile = _method_for(model, method, budget)
         if chunk is None:
-            cache = capture.replay(built, len(req.prefill_ids) if budget is None else budget,
-                                   kv_dtype=options.kv_dtype)
+            cache = capture.replay(built, len(req.prefill_ids) if budget is None else budget, kv_dtype=options.kv_dtype)
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
             assert budget is not None  # the full cache is never chunked
-            cache = SlakeCache(built, budget, model.config.num_hidden_layers, prefill_chunk=chunk,
-                               kv_dtype=options.kv_dtype)
+            cache = SlakeCache(
+                built, budget, model.config.num_hidden_layers, prefill_chunk=chunk, kv_dtype=options.kv_dtype
+            )
             logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
-            source = PrefillCapture(records=[], attention_mask=torch.ones_like(ids), last_logits=logits.float(),
-                                    prefill_s=time.perf_counter() - start)
+            source = PrefillCapture(
+                records=[],
+                attention_mask=torch.ones_like(ids),
+                last_logits=logits.float(),
+                prefill_s=time.perf_counter() - start,
+            )
         _sync(device)
         compress_s = time.perf_counter() - start
         stats = cache.statistics()
@@ -139,10 +160,18 @@ def _run_one(model: Any, req: EvalRequest, options: EvalOptions, eos: list[int],
         tokens = greedy_decode(model, source, cache, req.max_new_tokens, eos, extra_ids=extra)[0]
         _sync(device)
         decode_s = time.perf_counter() - start
-        yield EvalOutput(key=req.key, method=method, budget=budget, tokens=tokens,
-                         prompt_tokens=len(req.prefill_ids) + len(req.question_ids),
-                         prefill_s=round(capture.prefill_s, 5), decode_s=round(decode_s, 5),
-                         compressed=bool(stats["compressed"]), kv_bytes=stats["kv_bytes"],
-                         max_new_tokens=req.max_new_tokens, prefill_chunk=chunk, profile=profile,
-                         extra={"compress_s": round(compress_s, 5)})
-
+        yield EvalOutput(
+            key=req.key,
+            method=method,
+            budget=budget,
+            tokens=tokens,
+            prompt_tokens=len(req.prefill_ids) + len(req.question_ids),
+            prefill_s=round(capture.prefill_s, 5),
+            decode_s=round(decode_s, 5),
+            compressed=bool(stats["compressed"]),
+            kv_bytes=stats["kv_bytes"],
+            max_new_tokens=req.max_new_tokens,
+            prefill_chunk=chunk,
+            profile=profile,
+            extra={"compress_s": round(compress_s, 5)},
+        )

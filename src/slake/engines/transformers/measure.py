@@ -59,8 +59,14 @@ def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
 
 
 def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
-    return SlakeCache(cfg.method, cfg.budget, model.config.num_hidden_layers, prefill_chunk=cfg.prefill_chunk,
-                      kv_dtype=cfg.kv_dtype, profile_model=model)
+    return SlakeCache(
+        cfg.method,
+        cfg.budget,
+        model.config.num_hidden_layers,
+        prefill_chunk=cfg.prefill_chunk,
+        kv_dtype=cfg.kv_dtype,
+        profile_model=model,
+    )
 
 
 def _step(model, cache: SlakeCache, tok: torch.Tensor) -> torch.Tensor:
@@ -95,7 +101,7 @@ def time_decode_interleaved(model, cfgs: list[BenchConfig], steps: int, warmup: 
         times: list[list[float]] = [[] for _ in cfgs]
         order = list(range(len(cfgs)))
         for r in range(steps):
-            for i in (order if r % 2 == 0 else order[::-1]):
+            for i in order if r % 2 == 0 else order[::-1]:
                 cache, tok = states[i]
                 _sync(device)
                 s = time.perf_counter()
@@ -136,16 +142,25 @@ def measure(model, cfg: BenchConfig) -> dict:
     kv = stats["kv_bytes"]
     del cache, logits
     return {
-        "method": cfg.method, "budget": cfg.budget, "length": cfg.length, "batch": cfg.batch,
+        "method": cfg.method,
+        "budget": cfg.budget,
+        "length": cfg.length,
+        "batch": cfg.batch,
         "kv_dtype": cfg.kv_dtype,
         "prefill_chunk": cfg.prefill_chunk,
-        "prefill_s": t1 - t0, "ttft_s": t2 - t0,
+        "prefill_s": t1 - t0,
+        "ttft_s": t2 - t0,
         "decode_ms_per_token": statistics.median(times) if times else 0.0,
-        "decode_ms_min": min(times) if times else 0.0, "decode_ms_max": max(times) if times else 0.0,
-        "decode_steps": len(times), "decode_timing": "sequential",
-        "peak_mem_bytes": int(peak), "peak_mem_baseline_bytes": int(meter.baseline),
-        "peak_mem_kind": meter.kind, "peak_mem_reset": meter.reset_ok,
-        "kv_bytes": int(sum(kv.values())), "kv_bytes_detail": {k: int(v) for k, v in kv.items()},
+        "decode_ms_min": min(times) if times else 0.0,
+        "decode_ms_max": max(times) if times else 0.0,
+        "decode_steps": len(times),
+        "decode_timing": "sequential",
+        "peak_mem_bytes": int(peak),
+        "peak_mem_baseline_bytes": int(meter.baseline),
+        "peak_mem_kind": meter.kind,
+        "peak_mem_reset": meter.reset_ok,
+        "kv_bytes": int(sum(kv.values())),
+        "kv_bytes_detail": {k: int(v) for k, v in kv.items()},
         "compressed": stats["compressed"],
         "kept_tokens_mean": (sum(stats["kept_tokens_per_layer"]) / max(len(stats["kept_tokens_per_layer"]), 1)),
     }

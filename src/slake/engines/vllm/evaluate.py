@@ -19,9 +19,15 @@ from slake.engines.base import EvalOutput, EvalRequest
 __all__ = ["evaluate"]
 
 
-def evaluate(requests: Sequence[EvalRequest], *, model_dir: str, dtype: str, stop: list[int],
-             plugin_method: Callable[[str, int | float], tuple[Any, dict | None]],
-             block_size: int = 32) -> Iterator[EvalOutput]:
+def evaluate(
+    requests: Sequence[EvalRequest],
+    *,
+    model_dir: str,
+    dtype: str,
+    stop: list[int],
+    plugin_method: Callable[[str, int | float], tuple[Any, dict | None]],
+    block_size: int = 32,
+) -> Iterator[EvalOutput]:
     """Every pending pair of every request (see the module docstring); one :class:`EvalOutput` each.
 
     ``model_dir`` is the folder vLLM loads, ``dtype`` its dtype, ``stop`` the end-of-sequence ids, and
@@ -48,16 +54,34 @@ def evaluate(requests: Sequence[EvalRequest], *, model_dir: str, dtype: str, sto
         for cap, group in groups.items():
             prompts = [req.prefill_ids for req in group]
             start = time.perf_counter()
-            run = run_vllm(model_dir, prompts, slake=cfg, max_new_tokens=cap, block_size=block_size,
-                           dtype=dtype, max_model_len=model_len(max(map(len, prompts)), cap),
-                           stop_token_ids=stop, max_num_seqs=max(len(prompts), 1))
+            run = run_vllm(
+                model_dir,
+                prompts,
+                slake=cfg,
+                max_new_tokens=cap,
+                block_size=block_size,
+                dtype=dtype,
+                max_model_len=model_len(max(map(len, prompts)), cap),
+                stop_token_ids=stop,
+                max_num_seqs=max(len(prompts), 1),
+            )
             wall = time.perf_counter() - start
             for i, req in enumerate(group):
                 steps = max(len(run.tokens[i]) - 1, 0)
                 ms = run.decode_ms_per_token[i]
-                yield EvalOutput(key=req.key, method=method, budget=budget, tokens=list(run.tokens[i]),
-                                 prompt_tokens=len(prompts[i]), prefill_s=run.prefill_s[i],
-                                 decode_s=None if math.isnan(ms) else round(ms * steps / 1000, 5),
-                                 compressed=bool(run.compressed[i]), kv_bytes=run.kv_bytes[i], max_new_tokens=cap,
-                                 batch_size=len(group), profile=profile, hyperparameters=hyper,
-                                 extra={"kv_blocks_end": run.blocks_end[i], "engine_wall_s": round(wall, 3)})
+                yield EvalOutput(
+                    key=req.key,
+                    method=method,
+                    budget=budget,
+                    tokens=list(run.tokens[i]),
+                    prompt_tokens=len(prompts[i]),
+                    prefill_s=run.prefill_s[i],
+                    decode_s=None if math.isnan(ms) else round(ms * steps / 1000, 5),
+                    compressed=bool(run.compressed[i]),
+                    kv_bytes=run.kv_bytes[i],
+                    max_new_tokens=cap,
+                    batch_size=len(group),
+                    profile=profile,
+                    hyperparameters=hyper,
+                    extra={"kv_blocks_end": run.blocks_end[i], "engine_wall_s": round(wall, 3)},
+                )

@@ -11,9 +11,19 @@ from slake.methods.base import Method
 __all__ = ["generate_vllm", "stop_token_ids"]
 
 
-def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: str | None, gguf_file: str | None,
-                  dtype: str | None, max_new_tokens: int, chat_template: bool = True,
-                  block_size: int = 32, **hyperparameters: Any) -> GenerationResult:
+def generate_vllm(
+    prompt: str,
+    *,
+    method: Method | str,
+    budget: Budget,
+    model: str | None,
+    gguf_file: str | None,
+    dtype: str | None,
+    max_new_tokens: int,
+    chat_template: bool = True,
+    block_size: int = 32,
+    **hyperparameters: Any,
+) -> GenerationResult:
     """Greedy generation of one prompt with vLLM and the slake plugin (in this process).
 
     The prompt is formatted and tokenized exactly as :func:`slake.hf.generate.generate` does, and generation stops
@@ -59,17 +69,39 @@ def generate_vllm(prompt: str, *, method: Method | str, budget: Budget, model: s
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
     stop = stop_token_ids(model_dir, tokenizer)
-    run = run_vllm(model_dir, [ids], slake=slake_cfg, max_new_tokens=max_new_tokens, block_size=block_size,
-                   dtype=dtype, max_model_len=model_len(len(ids), max_new_tokens), stop_token_ids=stop)
+    run = run_vllm(
+        model_dir,
+        [ids],
+        slake=slake_cfg,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+        dtype=dtype,
+        max_model_len=model_len(len(ids), max_new_tokens),
+        stop_token_ids=stop,
+    )
     toks = run.tokens[0]
     return GenerationResult(
-        texts=[str(tokenizer.decode(toks, skip_special_tokens=True))], prompt_tokens=[len(ids)], new_tokens=[len(toks)],
-        method=method.name, budget=budget.value, kv_bytes=run.kv_bytes[0],
-        kept_tokens_per_layer=run.kept_tokens_per_layer[0] or [], compressed=run.compressed[0],
-        prefill_s=run.prefill_s[0], decode_ms_per_token=run.decode_ms_per_token[0], layer_budgets=None,
-        hyperparameters=method.hyperparameters(), profile=profile, engine="vllm",
-        extra={"kv_blocks_after_prefill": run.blocks_after_prefill[0], "kv_blocks_end": run.blocks_end[0],
-               "kv_block_size": run.block_size, "model_dir": model_dir})
+        texts=[str(tokenizer.decode(toks, skip_special_tokens=True))],
+        prompt_tokens=[len(ids)],
+        new_tokens=[len(toks)],
+        method=method.name,
+        budget=budget.value,
+        kv_bytes=run.kv_bytes[0],
+        kept_tokens_per_layer=run.kept_tokens_per_layer[0] or [],
+        compressed=run.compressed[0],
+        prefill_s=run.prefill_s[0],
+        decode_ms_per_token=run.decode_ms_per_token[0],
+        layer_budgets=None,
+        hyperparameters=method.hyperparameters(),
+        profile=profile,
+        engine="vllm",
+        extra={
+            "kv_blocks_after_prefill": run.blocks_after_prefill[0],
+            "kv_blocks_end": run.blocks_end[0],
+            "kv_block_size": run.block_size,
+            "model_dir": model_dir,
+        },
+    )
 
 
 def stop_token_ids(model_dir: str, tokenizer: Any, *, union: bool = False) -> list[int]:

@@ -122,18 +122,40 @@ class VllmRun:
         return asdict(self)
 
 
-def engine_kwargs(model_dir: str, *, slake: dict | None, block_size: int, dtype: str, max_model_len: int,
-                  max_num_seqs: int = 16) -> dict:
+def engine_kwargs(
+    model_dir: str, *, slake: dict | None, block_size: int, dtype: str, max_model_len: int, max_num_seqs: int = 16
+) -> dict:
     """``vllm.LLM`` keyword arguments the plugin needs: whole-prompt prefill, no prefix caching, eager mode."""
-    return dict(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, block_size=block_size,
-                enable_prefix_caching=False, enable_chunked_prefill=False, max_model_len=max_model_len,
-                max_num_batched_tokens=max(max_model_len, 2048), max_num_seqs=max_num_seqs, disable_log_stats=False,
-                additional_config={"slake": slake} if slake else {})
+    return dict(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        enforce_eager=True,
+        block_size=block_size,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(max_model_len, 2048),
+        max_num_seqs=max_num_seqs,
+        disable_log_stats=False,
+        additional_config={"slake": slake} if slake else {},
+    )
 
 
-def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, max_new_tokens: int,
-             block_size: int = 32, dtype: str = "float32", max_model_len: int = 4096, stop_token_ids=None,
-             ignore_eos: bool = False, kv_cache_gib: int = 1, max_num_seqs: int = 16) -> VllmRun:
+def run_vllm(
+    model_dir: str,
+    prompts: list[list[int]],
+    *,
+    slake: dict | None,
+    max_new_tokens: int,
+    block_size: int = 32,
+    dtype: str = "float32",
+    max_model_len: int = 4096,
+    stop_token_ids=None,
+    ignore_eos: bool = False,
+    kv_cache_gib: int = 1,
+    max_num_seqs: int = 16,
+) -> VllmRun:
     """Generate greedily with vLLM in this process.
 
     Parameters
@@ -165,8 +187,16 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
     from slake.vllm import backend
     from slake.vllm.scheduler import BlockPolicy
 
-    llm = LLM(**engine_kwargs(model_dir, slake=slake, block_size=block_size, dtype=dtype,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs))
+    llm = LLM(
+        **engine_kwargs(
+            model_dir,
+            slake=slake,
+            block_size=block_size,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
+    )
     core = llm.llm_engine.engine_core.engine_core
     manager = core.scheduler.kv_cache_manager
     policy = getattr(manager, "slake_policy", None)
@@ -175,8 +205,13 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
     policy.stats = {}
     backend.RUN_LOG.clear()
     backend.RECORD_RUNS = True
-    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                        stop_token_ids=list(stop_token_ids or []), detokenize=False)
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        stop_token_ids=list(stop_token_ids or []),
+        detokenize=False,
+    )
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -186,10 +221,21 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype).replace("torch.", ""), 4)
     per_token = 2 * kv_heads * head_dim * itemsize  # one token of one layer, keys + values
     logs = list(backend.RUN_LOG)
-    run = VllmRun(tokens=[], prompt_tokens=[], blocks_after_prefill=[], blocks_end=[], block_size=block_size,
-                  compressed=[], kept_tokens_per_layer=[], kv_bytes=[], prefill_s=[], decode_ms_per_token=[],
-                  wall_s=wall, config=slake,
-                  model_info={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype)})
+    run = VllmRun(
+        tokens=[],
+        prompt_tokens=[],
+        blocks_after_prefill=[],
+        blocks_end=[],
+        block_size=block_size,
+        compressed=[],
+        kept_tokens_per_layer=[],
+        kv_bytes=[],
+        prefill_s=[],
+        decode_ms_per_token=[],
+        wall_s=wall,
+        config=slake,
+        model_info={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype)},
+    )
     for out in outs:
         toks = list(out.outputs[0].token_ids)
         n = len(out.prompt_token_ids)
@@ -208,14 +254,16 @@ def run_vllm(model_dir: str, prompts: list[list[int]], *, slake: dict | None, ma
         run.kept_tokens_per_layer.append(kept)
         held = stats.get("end")
         kept_bytes = int(sum(kept) * per_token)
-        run.kv_bytes.append({
-            "full": int((n + len(toks) - 1) * layers * per_token),
-            "kept": kept_bytes,
-            "padding": max(int(held * block_size * layers * per_token) - kept_bytes, 0) if held is not None else 0,
-            "metadata": state.metadata_bytes() if compressed else 0,
-            "linear_state": state.linear_state_bytes() if compressed else 0,
-            "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
-        })
+        run.kv_bytes.append(
+            {
+                "full": int((n + len(toks) - 1) * layers * per_token),
+                "kept": kept_bytes,
+                "padding": max(int(held * block_size * layers * per_token) - kept_bytes, 0) if held is not None else 0,
+                "metadata": state.metadata_bytes() if compressed else 0,
+                "linear_state": state.linear_state_bytes() if compressed else 0,
+                "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
+            }
+        )
         m = out.metrics
         if m is not None and getattr(m, "first_token_ts", None) and getattr(m, "scheduled_ts", None):
             run.prefill_s.append(round(m.first_token_ts - m.scheduled_ts, 4))
@@ -236,8 +284,9 @@ def _match_state(logs: list, prompt_len: int):
     return None
 
 
-def expected_blocks(prompt_len: int, new_tokens: int, budget: int | None, block_size: int,
-                    layer_tokens: int | None = None) -> tuple[int, int]:
+def expected_blocks(
+    prompt_len: int, new_tokens: int, budget: int | None, block_size: int, layer_tokens: int | None = None
+) -> tuple[int, int]:
     """Blocks a request holds (after prefill, at the end) with the plugin at ``budget`` or, for None, without it.
 
     After prefill means at the first decode step (its slot included); at the end, when the last token is
