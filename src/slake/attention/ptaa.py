@@ -84,7 +84,10 @@ def attend(
         x = x.to(cdt)
     v = values if values.dtype == cdt else values.to(cdt)
     fmin, tiny = _LIMITS[cdt]
-    own = overwrite_logits and x.data_ptr() == logits.data_ptr() and x.is_contiguous()
+    # (a traced graph cannot compare data pointers; there x is logits' view or this call's own copy, both writable)
+    own = overwrite_logits and (
+        torch.compiler.is_compiling() or (x.data_ptr() == logits.data_ptr() and x.is_contiguous())
+    )
     if state is None:
         m = (x.amax(-1, keepdim=True) if n > 0 else x.new_zeros(B, H, R, 1)).clamp_min_(fmin)
         e = (x.sub_(m) if own else x - m).exp_()  # all -inf row: e = 0, no NaN

@@ -45,6 +45,19 @@ class PrefillInfo:
     compress: torch.Tensor  # (B,) bool: real_len > budget
     preferences: list[torch.Tensor | None] = field(default_factory=list)
     layer_budgets: torch.Tensor | None = None  # (B, L) int64 selectable budgets (final)
+    #: host copies of ``compress.any()`` / ``compress.all()``, read at every decode step without a device read-back
+    compress_any: bool = False
+    compress_all: bool = False
+    #: device copies of ``real_len``, ``first_real`` and ``budget``, made once (the decode step reads them)
+    on_device: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def device_copy(self, name: str, device: torch.device) -> torch.Tensor:
+        """``getattr(self, name)`` on ``device``, copied once and reused (no host-to-device copy per step)."""
+        t = self.on_device.get(name)
+        if t is None or t.device != device:
+            t = getattr(self, name).to(device)
+            self.on_device[name] = t
+        return t
 
 
 class CompressedKV:
@@ -85,7 +98,17 @@ class CompressedKV:
                 f"budget {self.budget.value}; use a larger budget or a smaller window"
             )
         self.layers: list[LayerStore | None] = [None] * num_layers
+        #: tokens seen per layer (kept or evicted), on the host; in static mode (:meth:`prepare_static`) the device
+        #: counters :attr:`position` are the truth and :meth:`seen_tokens` reads them
         self.seen: list[int] = [0] * num_layers
+        #: per layer, the position of the next token as a 0-dim int64 device tensor (updated in place each step)
+        self.position: list[torch.Tensor | None] = [None] * num_layers
+        #: per layer, a host lower bound on the free slots of every row (eager decode; None: not yet known)
+        self._free: list[int | None] = [None] * num_layers
+        #: fixed-shape decode: every layer preallocated, no host bookkeeping per step (:meth:`prepare_static`)
+        self.static = False
+        #: enter static mode right after the prefill, with room for ``max_cache_len`` positions in append-only layers
+        self.max_cache_len: int | None = None
         self.info: PrefillInfo | None = None
         self.targets: list[torch.Tensor | None] = [None] * num_layers  # (B, Hkv) decode sizes per layer
         self._raw_scores: dict[int, torch.Tensor] = {}  # prefill scores kept until final (carry_protected_scores)
@@ -138,6 +161,8 @@ class CompressedKV:
             budget=budget,
             compress=compress,
             preferences=[None] * self.num_layers,
+            compress_any=bool(compress.any()),
+            compress_all=bool(compress.all()),
         )
 
     def prefill_layer(
@@ -162,17 +187,22 @@ class CompressedKV:
         elif self.info.prompt_len != S and not self.chunked_prefill:
             raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {self.info.prompt_len}")
         info = self.info
+        if self.static:
+            raise RuntimeError("this cache is in static decode mode; prefill a new cache")
         self.seen[layer_idx] = S
+        self.position[layer_idx] = torch.tensor(S, dtype=torch.int64, device=dev)
+        self._free[layer_idx] = None
         positions = torch.arange(S, device=dev).view(1, 1, S).expand(B, H, S).contiguous()
         valid = (~key_padding)[:, None, :].expand(B, H, S).contiguous()
         scores = torch.zeros(B, H, S, dtype=torch.float32, device=dev)
         # the linear state exists only when something will be evicted (an uncompressed cache never folds a token);
         # a cache without it takes the same attention path as with an empty one (see decode_attention)
-        linear = LinearState.empty(B, H, d, dev) if self.method.linear_cache and bool(info.compress.any()) else None
+        linear = LinearState.empty(B, H, d, dev) if self.method.linear_cache and info.compress_any else None
         store = LayerStore(keys, values, positions, valid, scores, linear, kv_dtype=self.kv_dtype)
         self.layers[layer_idx] = store
-        if not bool(info.compress.any()):
+        if not info.compress_any:
             self.targets[layer_idx] = None
+            self._prefill_done(layer_idx)
             return
         result = self._prefill_scores(
             layer_idx,
@@ -210,6 +240,12 @@ class CompressedKV:
             self._carry_protected(layer_idx)
             if info.layer_budgets is None:
                 info.layer_budgets = sel
+        self._prefill_done(layer_idx)
+
+    def _prefill_done(self, layer_idx: int) -> None:
+        """After the last layer's (whole-prompt) prefill: enter static mode when :attr:`max_cache_len` asks for it."""
+        if layer_idx == self.num_layers - 1 and not self.chunked_prefill and self.max_cache_len is not None:
+            self.prepare_static(self.max_cache_len - self.seen[layer_idx])
 
     def _selectable_total(self) -> torch.Tensor:
         """(B,) average selectable budget C - protected."""
@@ -259,14 +295,15 @@ class CompressedKV:
         scores = scores.masked_fill(self._protected_mask(positions, valid, newest), float("inf"))
         return scores.masked_fill(~valid, float("-inf"))
 
-    def _protected_mask(self, positions: torch.Tensor, valid: torch.Tensor, newest: int) -> torch.Tensor:
-        """``(B, H, n)`` bool: slots holding a sink or one of the ``window`` most recent tokens."""
+    def _protected_mask(self, positions: torch.Tensor, valid: torch.Tensor, newest: int | torch.Tensor) -> torch.Tensor:
+        """``(B, H, n)`` bool: slots holding a sink or one of the ``window`` most recent tokens (``newest``: the
+        newest position, an int or a 0-dim device tensor)."""
         m = self.method
         keep = None
         if m.window and not m.newest_evictable:
             keep = positions > newest - m.window
         if m.sinks:
-            first = self.info.first_real.to(positions.device).view(-1, 1, 1)
+            first = self.info.device_copy("first_real", positions.device).view(-1, 1, 1)
             sinks = (positions >= first) & (positions < first + m.sinks)
             keep = sinks if keep is None else keep | sinks
         return torch.zeros_like(valid) if keep is None else keep
@@ -294,24 +331,115 @@ class CompressedKV:
 
     # ================================================================== decode
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:
-        """Write new tokens of layer ``layer_idx`` into its store; returns the store."""
+        """Write new tokens of layer ``layer_idx`` into its store; returns the store.
+
+        A single new token (a decode step) goes into the row's first free slot without reading anything back from
+        the device: whether the layer has a free slot is known on the host (:attr:`_free`, set once after prefill:
+        a layer that evicts one token per step keeps its free slots, an append-only one uses one per step), and in
+        static mode (:meth:`prepare_static`) the room was preallocated. Several tokens at once (a prompt chunk, a
+        continuation) take the dynamic path.
+        """
         store = self.layers[layer_idx]
         if store is None:
             raise RuntimeError(f"layer {layer_idx} received decode tokens before its prefill")
         n_new = keys.shape[2]
+        counter = self.position[layer_idx]
+        if n_new == 1 and not self.chunked_prefill:
+            if not self.static:
+                free = self._free[layer_idx]
+                if free is None:
+                    free = self._free[layer_idx] = store.min_free()  # once per layer after prefill
+                if free < 1:
+                    growth = 1 if self._evicts(layer_idx) else _GROWTH
+                    store._grow(growth)
+                    free += growth
+                self._free[layer_idx] = free if self._evicts(layer_idx) else free - 1
+                self.seen[layer_idx] += 1
+            store.append_one(keys, values, counter.view(1))
+            counter.add_(1)
+            return store
+        if self.static:
+            raise RuntimeError(
+                "a static-mode cache decodes one token per step; a multi-token append needs the "
+                "dynamic cache (build the SlakeCache without max_cache_len)"
+            )
         start = self.seen[layer_idx]
         pos = torch.arange(start, start + n_new, device=keys.device)
+        evicting = self._evicts(layer_idx)
+        store.append(keys, values, pos, growth=1 if evicting else _GROWTH)
+        self.seen[layer_idx] = start + n_new
+        counter.add_(n_new)
+        self._free[layer_idx] = None
+        return store
+
+    def _evicts(self, layer_idx: int) -> bool:
+        """True when every row of the layer evicts one token per decode step (its size then stays fixed)."""
         info = self.info
-        evicting = (
+        return (
             self.targets[layer_idx] is not None
             and self.method.decode_eviction
             and info is not None
             and not self.method.keeps_everything
-            and bool(info.compress.all())
-        )  # compress is on the CPU
-        store.append(keys, values, pos, growth=1 if evicting else _GROWTH)
-        self.seen[layer_idx] = start + n_new
-        return store
+            and info.compress_all
+        )
+
+    def position_of(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s next position, a 0-dim int64 device tensor (the layer must be prefilled)."""
+        counter = self.position[layer_idx]
+        if counter is None:
+            raise RuntimeError(f"layer {layer_idx} has not been prefilled")
+        return counter
+
+    def seen_tokens(self, layer_idx: int) -> int:
+        """Tokens layer ``layer_idx`` has seen (its next position); in static mode a read of the device counter."""
+        if self.static and self.position[layer_idx] is not None:
+            return int(self.position[layer_idx])
+        return self.seen[layer_idx]
+
+    def prepare_static(self, decode_tokens: int) -> None:
+        """Enter static (fixed-shape) decode mode after the prefill: every later step has the same shapes.
+
+        A layer that evicts one token per step gets one free slot per row; an append-only layer (the full cache, a
+        prompt within its budget, ``decode_eviction=False``) gets ``decode_tokens`` free slots, allocated now. From
+        then on a decode step reads nothing back from the device and changes no host state, so it can be compiled
+        as one graph (``docs/compile.md``); more than ``decode_tokens`` steps on an append-only layer are not
+        supported (its last free slot would be overwritten), as with transformers' ``StaticCache``.
+        """
+        if self.chunked_prefill:
+            raise RuntimeError("prepare_static is called after the chunked prefill ended")
+        if decode_tokens < 1:
+            raise ValueError(f"max_cache_len leaves no room to decode: the prompt has {self.seen[0]} tokens")
+        if any(s is None for s in self.layers):
+            raise RuntimeError("prepare_static needs every layer prefilled")
+        for i, store in enumerate(self.layers):
+            store.reserve(1 if self._evicts(i) else max(int(decode_tokens), 1))
+            self._free[i] = None
+            self.position[i] = torch.tensor(self.seen[i], dtype=torch.int64, device=store.keys.device)
+            if store.linear is not None:
+                store.linear.attention_parts()  # made now: a lazily cached view would change the first step's guards
+        for name in ("real_len", "first_real", "budget"):
+            self.info.device_copy(name, self.layers[0].keys.device)
+        self.static = True
+        if not torch.compiler.is_compiling():
+            for t in self.static_tensors():
+                if t.is_cuda:  # fixed addresses: a CUDA graph replays over them without copying the cache
+                    torch._dynamo.mark_static_address(t)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a static decode step reads or updates in place (``torch._dynamo.mark_static_address``)."""
+        out: list[torch.Tensor] = [t for t in self.position if t is not None]
+        for s in self.layers:
+            if s is None:
+                continue
+            out += [getattr(s, n) for n in s._slot_tensors() + ("positions", "valid", "scores")]
+            if s.head_visible is not None:
+                out.append(s.head_visible)
+            if s.linear is not None:
+                out.append(s.linear.aug)
+        out += [t for t in self.targets if t is not None]
+        if self.info is not None:
+            out += list(self.info.on_device.values())
+        return out
 
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction.
@@ -332,19 +460,12 @@ class CompressedKV:
         """
         store = self.layers[layer_idx]
         B, Hq, nq, d = queries.shape
-        newest = self.seen[layer_idx] - 1
         target = self.targets[layer_idx]
         chunk = self.chunked_prefill
         scored = target is not None and self.method.decode_eviction and not self.method.keeps_everything
-        if (
-            nq == 1
-            and not chunk
-            and not scored
-            and store.linear is None
-            and not self.method.linear_cache
-            and store.head_visible is None
-        ):
-            return _sdpa_decode(store, queries, scaling)
+        if nq == 1 and not chunk:
+            return self._decode_one(layer_idx, queries, scaling, scored)
+        newest = self.seen[layer_idx] - 1
         qpos = None if nq == 1 else torch.arange(newest - nq + 1, newest + 1, device=queries.device)
         if chunk:
             # query blocks bound the transient logits to _CHUNK_QUERY_BLOCK x n, whatever the chunk size
@@ -384,6 +505,75 @@ class CompressedKV:
         store.free(mask, slots, chosen)
         return out.reshape(B, Hq, nq, d)
 
+    def _decode_one(self, layer_idx: int, queries: torch.Tensor, scaling: float, scored: bool) -> torch.Tensor:
+        """One decode step of one layer (one query per sequence): fixed shapes, no read-back to the host.
+
+        Every choice here is made from host facts fixed at prefill (the method, whether the layer has a budget, a
+        linear state, per-head visibility); per-sequence and per-head differences (a row within its budget, a
+        head that is not over it) live in the ``targets`` tensor and the masks. The layer holds at most one token
+        over its target (one is appended per step and one evicted), so eviction is one ``argmin`` per row, applied
+        through a mask that is empty where the row is not over its target (``docs/compile.md``).
+        """
+        store = self.layers[layer_idx]
+        m = self.method
+        B, Hq, nq, d = queries.shape
+        if not scored and store.linear is None and not m.linear_cache and store.head_visible is None:
+            return _sdpa_decode(store, queries, scaling)
+        qf, x = layer_logits(store, queries, None, scaling)
+        if not scored:
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+            return out.reshape(B, Hq, nq, d)
+        probs = _safe_softmax(x)  # (B, H, g, 1, n)
+        slots, chosen, mask = self._evict_one(layer_idx, probs, self.targets[layer_idx])
+        if m.evict_before_output:
+            store.free(mask, slots, chosen)
+            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
+            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
+        if store.linear is None:
+            out = _probs_values(probs, store.dense_values())
+        else:
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+        store.free(mask, slots, chosen)
+        return out.reshape(B, Hq, nq, d)
+
+    def _evict_one(
+        self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Score the slots with the method's decode rule and choose at most one slot per row to evict.
+
+        Returns ``(slots, chosen, mask)``: ``(B, Hkv, 1)`` the lowest-scored unprotected slot, ``(B, Hkv, 1)`` bool
+        (True where the row is over its target, so the slot is really evicted) and the dense ``(B, Hkv, n)`` mask.
+        Equals :meth:`_decode_evict` when no row is more than one token over its target, which holds at every
+        single-token step (prefill leaves each row at its target; each step adds one token and evicts one).
+        """
+        store = self.layers[layer_idx]
+        B, H, g, nq, n = probs.shape
+        info = self.info
+        dev = probs.device
+        # in place, so that the store's tensors keep their addresses from step to step (CUDA graphs)
+        store.scores.copy_(
+            self.method.decode_scores(
+                DecodeInputs(
+                    probs=probs.reshape(B, H * g, nq, n),
+                    positions=store.positions,
+                    valid=store.valid,
+                    stored=store.scores,
+                    prompt_len=info.device_copy("real_len", dev),
+                    budget=info.device_copy("budget", dev),
+                )
+            )
+        )
+        over = (store.counts() > target) & (target >= 0)  # (B, H)
+        newest = self.position_of(layer_idx) - 1
+        # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
+        scores = store.scores.masked_fill(
+            self._protected_mask(store.positions, store.valid, newest) | ~store.valid, float("inf")
+        )
+        lowest = scores.argmin(-1, keepdim=True)  # the first minimum, like a stable ascending sort
+        chosen = over[..., None] & store.valid.gather(-1, lowest)
+        mask = torch.zeros_like(store.valid).scatter_(-1, lowest, chosen)
+        return lowest, chosen, mask
+
     def attention(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor, scaling: float) -> torch.Tensor:
         """Read-only attention of queries at ``positions`` over the layer as it is now (no eviction).
 
@@ -413,8 +603,8 @@ class CompressedKV:
                 positions=store.positions,
                 valid=store.valid,
                 stored=store.scores,
-                prompt_len=info.real_len.to(probs.device),
-                budget=info.budget.to(probs.device),
+                prompt_len=info.device_copy("real_len", probs.device),
+                budget=info.device_copy("budget", probs.device),
             )
         ).float()
         counts = store.counts()
@@ -451,6 +641,8 @@ class CompressedKV:
     def end_chunked_prefill(self) -> None:
         """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction."""
         self.chunked_prefill = False
+        if self.max_cache_len is not None and all(s is not None for s in self.layers):
+            self.prepare_static(self.max_cache_len - self.seen[0])
 
     def _chunk_evict(self, layer_idx: int, x: torch.Tensor, newest: int) -> None:
         """Evict a layer back to its budget after a prompt chunk; ``x``: logits of the chunk's last queries.
@@ -532,6 +724,9 @@ class CompressedKV:
             )
             if i.layer_budgets is not None:
                 i.layer_budgets = fn(i.layer_budgets)
+            i.compress_any, i.compress_all = bool(i.compress.any()), bool(i.compress.all())
+            i.on_device.clear()
+        self._free = [None] * self.num_layers
 
 
 def layer_logits(
@@ -571,7 +766,7 @@ def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if b.dtype == torch.float32 or b.dtype == torch.float64:
         return torch.matmul(a.to(b.dtype) if a.dtype != b.dtype else a, b).float()
-    if b.is_cuda and _BMM_OUT_DTYPE[0]:
+    if b.is_cuda and _BMM_OUT_DTYPE[0] and not torch.compiler.is_compiling():  # a graph fuses the upcast
         try:
             lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
             aa = a.to(b.dtype).expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])

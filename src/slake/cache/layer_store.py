@@ -186,6 +186,36 @@ class LayerStore:
             self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
         return slots
 
+    def append_one(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Write one new token per row into the row's first free slot (a decode step); returns the ``(B, Hkv, 1)``
+        slots written.
+
+        ``keys, values``: ``(B, Hkv, 1, d)``; ``position``: ``(1,)`` int64 on the store's device. Fixed shapes and
+        no read-back: the caller guarantees a free slot in every row (:meth:`min_free`, :meth:`reserve`); a full row
+        would have its slot 0 overwritten.
+        """
+        B, H, _, d = keys.shape
+        slots = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # the first free slot (first maximum)
+        gi = slots[..., None].expand(-1, -1, -1, d)
+        if self.k_scale is not None:
+            keys, ks = quantize_rows(keys, self.kv_dtype)
+            values, vs = quantize_rows(values, self.kv_dtype)
+            self.k_scale.scatter_(2, slots[..., None], ks)
+            self.v_scale.scatter_(2, slots[..., None], vs)
+        self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
+        self.values.scatter_(2, gi, values.to(self.values.dtype))
+        self.positions.scatter_(-1, slots, position.view(1, 1, 1).expand(B, H, 1))
+        self.valid.scatter_(-1, slots, True)
+        self.scores.scatter_(-1, slots, 0.0)
+        if self.head_visible is not None:
+            g = self.head_visible.shape[2]
+            self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
+        return slots
+
+    def min_free(self) -> int:
+        """Free slots of the fullest row (one read-back; called once after prefill, not per step)."""
+        return int((~self.valid).sum(-1).min().item()) if self.valid.numel() else 0
+
     def free(
         self, evicted: torch.Tensor, slots: torch.Tensor | None = None, chosen: torch.Tensor | None = None
     ) -> None:

@@ -247,6 +247,13 @@ class LinearState:
                 f"fold_slots needs {aug.dtype} keys/values of width {d} and slots/chosen of one shape; "
                 f"got {keys.dtype} {tuple(keys.shape)}, {tuple(slots.shape)}, {tuple(chosen.shape)}"
             )
+        if torch.compiler.is_compiling():  # a graph fuses this anyway; the reused ``out=`` buffers cannot be traced
+            gi = slots[..., None].expand(-1, -1, -1, d)
+            c = chosen[..., None].to(aug.dtype)
+            kp = torch.cat([keys.gather(2, gi) * c, c], -1)  # [k c, c]
+            vp = torch.cat([values.gather(2, gi), torch.ones_like(c)], -1)  # [v, 1]
+            aug.add_(torch.matmul(kp.transpose(-1, -2), vp))
+            return
         buf = self._row_buffers
         if buf is None or buf[0].shape != (B, H, e, d1) or buf[0].device != aug.device:
             buf = (aug.new_empty(B, H, e, d1), aug.new_ones(B, H, e, d1))
@@ -265,6 +272,8 @@ class LinearState:
 
     def _ones(self, B: int, H: int, n: int, like: torch.Tensor) -> torch.Tensor:
         """A ``(B, H, n, 1)`` tensor of ones, reused between one-row decode folds (no allocation per step)."""
+        if torch.compiler.is_compiling():  # no cached state in a graph (it would change the next step's guards)
+            return like.new_ones(B, H, n, 1)
         o = self._ones_cache
         if o is None or o.shape != (B, H, n, 1) or o.device != like.device or o.dtype != like.dtype:
             o = like.new_ones(B, H, n, 1)

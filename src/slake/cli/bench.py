@@ -74,6 +74,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also measure every configuration with compiled decoding (one torch.compile graph per step, "
+        "fixed shapes; CUDA graphs on CUDA), paired with its eager run: decode_vs_eager and "
+        "compile_s in bench.jsonl (docs/compile.md)",
+    )
     p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
     p.add_argument(
         "--decode-timing",
@@ -126,11 +133,14 @@ def bench_plan(args: argparse.Namespace) -> Any:
         threads=args.threads,
         plots=not args.no_plots,
         progress=not args.no_progress,
+        compile=bool(getattr(args, "compile", False)),
     )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark on the chosen engine; print the table (or ``{"rows": [...]}`` with ``--json``)."""
+    from slake.methods.base import check_compileable, make_method
+
     engine = engine_from_args(args)
     plan = bench_plan(args)
     engine.check(
@@ -138,12 +148,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         isolate=plan.isolate,
         prefill_chunk=plan.prefill_chunk,
         decode_timing=plan.decode_timing,
+        compile=plan.compile,
         kv_dtype=None if set(plan.kv_dtypes) <= {None} else ",".join(map(str, plan.kv_dtypes)),
     )
     for m in plan.methods:
         for b in plan.budgets:
             if m != "full":
                 engine.check_pair(m, b.value)
+            if plan.compile:
+                check_compileable(make_method(m))
     report = engine.bench(plan)
     print(json.dumps({"rows": report.rows}) if args.json else report.table)
     return 0

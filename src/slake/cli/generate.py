@@ -65,6 +65,12 @@ def add_generate_parser(sub: Any) -> None:
         help="store kept keys/values in 8 bits: int8 or fp8_e4m3 (per-token "
         "scales, dequantised in attention); default: the model's dtype",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with fixed shapes and run every decode step as one compiled graph (torch.compile, "
+        "fullgraph; CUDA graphs on CUDA); the first step compiles (docs/compile.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arg(p, "generate")
     add_model_args(p)
@@ -88,6 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         charge_linear_state=args.charge_linear_state,
         linear_cache=args.linear_cache,
         kv_dtype=kv_dtype,
+        compile=args.compile,
     )
     engine.check_pair(make_method(args.method, **hyper), budget)
     res = engine.generate(
@@ -104,6 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         allow_long_context=args.allow_long_context,
         kv_dtype=kv_dtype,
+        **({"compile": True} if args.compile else {}),
         **hyper,
     )
     out = {

@@ -166,6 +166,8 @@ class BenchPlan:
     threads: int | None = None
     plots: bool = True
     progress: bool = True
+    #: also measure every configuration with compiled decoding (``--compile``), paired with its eager run
+    compile: bool = False
 
 
 @dataclass
@@ -190,6 +192,8 @@ class Engine(abc.ABC):
     name: ClassVar[str]
     #: options this engine cannot honour -> why (refused by :meth:`check`)
     unsupported: ClassVar[Mapping[str, str]] = {}
+    #: True when the engine can compile its decode step (``--compile``, ``docs/compile.md``)
+    supports_compile: ClassVar[bool] = False
 
     def __init__(self, model: ModelSpec | None = None) -> None:
         self.model_spec = model or ModelSpec()
@@ -202,8 +206,12 @@ class Engine(abc.ABC):
         their own environment checks (:meth:`check_environment`).
         """
         given = [k for k, v in options.items() if v not in (None, False, "auto") and k in self.unsupported]
+        if options.get("compile") and not self.supports_compile and "compile" not in given:
+            given.append("compile")
         if given:
-            why = "; ".join(f"{option_flag(k)}: {self.unsupported[k]}" for k in given)
+            why = "; ".join(
+                f"{option_flag(k)}: {self.unsupported.get(k, 'not available in this engine')}" for k in given
+            )
             raise ValueError(f"--engine {self.name} does not support {', '.join(map(option_flag, given))} ({why})")
         self.check_environment()
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
 from slake.hf.layer_layout import AttentionLayout, attention_layout
-from slake.methods.base import Method
+from slake.methods.base import Method, check_compileable
 
 _current = threading.local()
 
@@ -39,15 +39,18 @@ class SlakeCacheLayer(CacheLayerMixin):
     models, whose sliding-window layers are not compressed).
     """
 
-    is_compileable = False
+    is_compileable = False  # per instance: True in a SlakeCache built with max_cache_len (docs/compile.md)
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, compressor: CompressedKV, layer_idx: int, slot: int | None = None) -> None:
+    def __init__(
+        self, compressor: CompressedKV, layer_idx: int, slot: int | None = None, siblings: list | None = None
+    ) -> None:
         super().__init__()
         self.compressor = compressor
         self.layer_idx = layer_idx
         self.slot = layer_idx if slot is None else slot
+        self._all = siblings  # every compressed layer of the cache (shared list), or None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt K/V awaiting the attention function
 
     # ------------------------------------------------------------------ CacheLayerMixin
@@ -78,14 +81,26 @@ class SlakeCacheLayer(CacheLayerMixin):
         keys, values = self.pending
         self.pending = None
         self.compressor.prefill_layer(self.slot, queries, keys, values, key_padding, scaling)
-        store = self.compressor.layers[self.slot]
-        self.keys, self.values = store.keys, store.values
+        for layer in self._siblings():  # the cascade and static preallocation may replace earlier layers' tensors
+            store = self.compressor.layers[layer.slot]
+            if store is not None:
+                layer.keys, layer.values = store.keys, store.values
+
+    def _siblings(self) -> list:
+        return self._all if self._all is not None else [self]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        if self.compressor.static:
+            # the registered attention function does not read the mask at decode (padding and visibility live in
+            # the store's masks), so a fixed size keeps transformers' mask, built every step, fixed-shape
+            return query_length, 0
+        return self.compressor.seen[self.slot] + query_length, 0
 
-    def get_seq_length(self) -> int:
-        """Logical length: every token seen so far (kept or evicted), so positions stay absolute."""
+    def get_seq_length(self) -> int | torch.Tensor:  # type: ignore[override]
+        """Logical length: every token seen so far (kept or evicted), so positions stay absolute. In static mode a
+        0-dim device tensor (as transformers' ``StaticLayer`` returns): a compiled step reads no host value."""
+        if self.compressor.static:
+            return self.compressor.position_of(self.slot)
         return self.compressor.seen[self.slot]
 
     def get_max_length(self) -> int:
@@ -131,6 +146,13 @@ class SlakeCache(Cache):
         bounded independently of the prompt length (an explicit trade of exactness,
         ``docs/conventions.md#chunked-prefill``).
         Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
+    max_cache_len : int | None
+        Positions the cache must serve (prompt + new tokens), as transformers' ``StaticCache`` takes it. Given, the
+        cache decodes with fixed shapes and without reading anything back from the device once the prompt is
+        prefilled, and says so (``is_compileable``): layers that evict keep one free slot per row, append-only
+        layers (the full cache, a prompt within its budget) get room for ``max_cache_len - prompt`` tokens up front.
+        ``model.generate(..., compile_config=...)`` and ``torch.compile`` then run each decode step as one graph
+        (``docs/compile.md``). A method whose decode cannot be fixed-shape is refused (ValueError).
     config : PretrainedConfig | None
         The model's config (``model.config``), as transformers' own caches take it: the layer count and the layer
         types are read from it (in a hybrid model only the full-attention layers are compressed; sliding-window and
@@ -163,6 +185,7 @@ class SlakeCache(Cache):
         kv_dtype: str | None = None,
         *,
         config=None,
+        max_cache_len: int | None = None,
         profile_model=None,
         **hyperparameters,
     ) -> None:
@@ -184,11 +207,26 @@ class SlakeCache(Cache):
             m, budget, len(self.layout.compressed), charge_linear_state=charge_linear_state, kv_dtype=kv_dtype
         )
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
+        if max_cache_len is not None:
+            if isinstance(max_cache_len, bool) or int(max_cache_len) < 2:
+                raise ValueError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), got {max_cache_len!r}")
+            if self.layout.hybrid:
+                raise ValueError(
+                    "compiled decoding (max_cache_len) is not supported for hybrid models yet: their sliding-window "
+                    "layers keep transformers' dynamic cache"
+                )
+            check_compileable(m)
+            self.compressor.max_cache_len = int(max_cache_len)
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
+        compressed: list[SlakeCacheLayer] = []
         layers: list = []
         for i in range(num_layers):
             if i in slots:
-                layers.append(SlakeCacheLayer(self.compressor, i, slots[i]))
+                layer = SlakeCacheLayer(self.compressor, i, slots[i], compressed)
+                layer.is_compileable = self.max_cache_len is not None
+                compressed.append(layer)
+                layers.append(layer)
             else:
                 kind, kwargs = self.layout.bounded[i]
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
@@ -233,6 +271,14 @@ class SlakeCache(Cache):
                 f"this SlakeCache was built for {len(self.layers)} layers but the model has "
                 f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)"
             )
+        if self.compressor.static:
+            # a static-mode decode step (possibly compiled) reads no host counter; it must be one token
+            if query_length is not None and query_length != 1:
+                raise ValueError(
+                    f"a SlakeCache built with max_cache_len decodes one token per forward after the "
+                    f"prompt, got {query_length}"
+                )
+            return
         seen = self.compressor.seen[0]
         info = self.compressor.info
         if seen == 0 or query_length is None:
@@ -357,4 +403,4 @@ def _not_routed_error() -> RuntimeError:
     )
 
 
-__all__ = ["Budget", "SlakeCache", "SlakeCacheLayer", "current_layer"]
+__all__ = ["Budget", "SlakeCache", "SlakeCacheLayer", "check_compileable", "current_layer"]

@@ -203,6 +203,7 @@ def generate(
     prefill_chunk: int | None = None,
     allow_long_context: bool = False,
     kv_dtype: str | None = None,
+    compile: bool = False,
     **hyperparameters,
 ) -> GenerationResult:
     """Generate with a compressed KV cache.
@@ -235,6 +236,11 @@ def generate(
     kv_dtype : str | None
         ``"int8"`` or ``"fp8_e4m3"``: store the kept keys and values in 8 bits (:mod:`slake.cache.quant`);
         None (default): the model's dtype.
+    compile : bool
+        Decode with fixed shapes and no host read-back (a ``SlakeCache`` with ``max_cache_len``) and run every decode
+        step as one compiled graph (transformers' ``compile_config``: ``torch.compile(fullgraph=True)``, CUDA graphs
+        on CUDA; ``docs/compile.md``). The first step compiles (seconds to minutes); a method that cannot decode with
+        fixed shapes raises ValueError.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.methods.profiles`: a
@@ -258,6 +264,7 @@ def generate(
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
     check_context_length(model, enc["input_ids"].shape[1], max_new_tokens, allow_long_context)
+    max_len = enc["input_ids"].shape[1] + max_new_tokens + 1 if compile else None
     cache = SlakeCache(
         m,
         budget_obj,
@@ -265,6 +272,7 @@ def generate(
         charge_linear_state=charge_linear_state,
         prefill_chunk=prefill_chunk,
         kv_dtype=kv_dtype,
+        max_cache_len=max_len,
     )
     clock = _StepClock()
     gen_kwargs: dict = {
@@ -272,6 +280,10 @@ def generate(
         "do_sample": do_sample,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    if compile:
+        gen_kwargs["compile_config"] = compile_config(model.device)
+    else:
+        gen_kwargs["disable_compile"] = True  # never compiled behind the user's back
     if do_sample:
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
         if seed is not None:
@@ -321,6 +333,18 @@ def generate(
         hyperparameters=m.hyperparameters(),
         profile=profile,
     )
+
+
+def compile_config(device: torch.device):
+    """transformers' ``CompileConfig`` for compiled decoding with a static ``SlakeCache``: one graph per step
+    (``fullgraph=True``), fixed shapes, CUDA graphs on CUDA (``mode="reduce-overhead"``), and allowed on CPU."""
+    from transformers import CompileConfig
+
+    cfg = CompileConfig(
+        fullgraph=True, dynamic=False, mode="reduce-overhead" if torch.device(device).type == "cuda" else "default"
+    )
+    setattr(cfg, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers); CUDA only unless asked
+    return cfg
 
 
 def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_long_context: bool = False) -> None:

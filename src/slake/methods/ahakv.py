@@ -154,7 +154,13 @@ class AhaKV(Method):
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """``acc += mean_h softmax(c * A_t)`` over the cached slots (``docs/methods/ahakv.md#decode-rule``)."""
         prompt_len = inputs.prompt_len if inputs.prompt_len is not None else inputs.valid.sum(-1).amax(-1)
-        c = self.gain(prompt_len, inputs.budget).to(inputs.probs.device, torch.float32).view(-1, 1, 1, 1)
+        if inputs.budget is None:
+            c = torch.ones_like(prompt_len, dtype=torch.float32)
+        else:  # on the probabilities' device: no copy to the host at a decode step
+            c = ahakv_gain(
+                prompt_len.to(inputs.probs.device), inputs.budget.to(inputs.probs.device), self.gain_floor
+            ).to(torch.float32)
+        c = c.view(-1, 1, 1, 1)
         rows = torch.softmax(torch.log(inputs.probs.float()) * c, dim=-1).nan_to_num(0.0)
         add = self._group(rows.sum(2), inputs.positions.shape[1])
         stored = inputs.stored.masked_fill(~torch.isfinite(inputs.stored) & inputs.valid, 0.0)

@@ -172,6 +172,9 @@ class Method:
     #: True when :meth:`prefill_scores` reads ``inputs.budget``; False lets prefill-once replays of one capture
     #: reuse a layer's scores across budgets (worth it for costly scores such as H2O's full attention column sums)
     prefill_scores_use_budget: ClassVar[bool] = True
+    #: why the method's decode step cannot run with fixed shapes and no read-back (compiled decoding refuses it
+    #: with this reason), or None when it can: its decode rule is a pure tensor function of the step's inputs
+    decode_not_compileable: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:
@@ -315,6 +318,14 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
     return cls(**values)
 
 
+def check_compileable(method: Method) -> None:
+    """Raise ValueError when ``method``'s decode step cannot run with fixed shapes (compiled decoding,
+    ``docs/compile.md``)."""
+    reason = method.decode_not_compileable
+    if reason:
+        raise ValueError(f"{method.name} cannot decode with fixed shapes, so it cannot be compiled: {reason}")
+
+
 def parse_method_list(text: str) -> list[str]:
     """Split a command-line method list (:func:`split_method_list`) and validate every entry with
     :func:`slake.methods.make_method`, so a typo fails before any model is loaded.
@@ -353,6 +364,7 @@ __all__ = [
     "PrefillScores",
     "available_methods",
     "canonical_method_spec",
+    "check_compileable",
     "make_method",
     "parse_method_list",
     "register",

@@ -33,19 +33,21 @@ def configs(plan: BenchPlan) -> list[BenchConfig]:
         for m in plan.methods:
             for kvd in plan.kv_dtypes:
                 for b in plan.budgets[:1] if m == "full" else plan.budgets:
-                    out.append(
-                        BenchConfig(
-                            method=m,
-                            budget=getattr(b, "value", b),
-                            length=n,
-                            batch=plan.batch,
-                            decode_steps=plan.decode_steps,
-                            warmup=plan.warmup,
-                            prefill_chunk=plan.prefill_chunk,
-                            seed=plan.seed,
-                            kv_dtype=kvd,
+                    for compiled in (False, True) if plan.compile else (False,):  # eager and compiled, paired
+                        out.append(
+                            BenchConfig(
+                                method=m,
+                                budget=getattr(b, "value", b),
+                                length=n,
+                                batch=plan.batch,
+                                decode_steps=plan.decode_steps,
+                                warmup=plan.warmup,
+                                prefill_chunk=plan.prefill_chunk,
+                                seed=plan.seed,
+                                kv_dtype=kvd,
+                                compile=compiled,
+                            )
                         )
-                    )
     return out
 
 
@@ -59,6 +61,7 @@ def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
         cfg.method,
         "--budget",
         str(cfg.budget),
+        *(["--compile"] if cfg.compile else []),
         "--lengths",
         str(cfg.length),
         "--batch",
@@ -214,6 +217,7 @@ def apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
     ratio; a shorter one makes that round's ratio an outlier up or down, which the median ignores. On a noisy
     machine this ratio is far steadier than the ratio of two medians."""
     ref = times[0]
+    eager = {_label(r): t for r, t in zip(rows, times) if not r.get("compile")}
     for row, t in zip(rows, times):
         row["decode_ms_sequential"] = row["decode_ms_per_token"]
         row.update(
@@ -224,11 +228,18 @@ def apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
                 "decode_steps": len(t),
                 "decode_timing": "interleaved",
                 "decode_vs_first": statistics.median(a / b for a, b in zip(t, ref)),
-                "decode_first": _label(rows[0]),
+                "decode_first": _label_compiled(rows[0]),
+                "decode_ms_steps": [round(x, 4) for x in t],
             }
         )
+        if row.get("compile") and _label(row) in eager:  # the paired ratio: compiled step / eager step, per round
+            row["decode_vs_eager"] = statistics.median(a / b for a, b in zip(t, eager[_label(row)]))
 
 
 def _label(row: dict) -> str:
     """``method[@budget][ kv_dtype]`` of a result row (names the reference of ``decode_vs_first``)."""
     return f"{row['method']}@{row['budget']}" + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
+
+
+def _label_compiled(row: dict) -> str:
+    return _label(row) + (" compiled" if row.get("compile") else "")

@@ -38,6 +38,7 @@ class TransformersEngine(Engine):
     """
 
     name = "transformers"
+    supports_compile = True
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:
         super().__init__(model)

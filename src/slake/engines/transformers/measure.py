@@ -28,7 +28,7 @@ from slake.engines.transformers.memory import MemoryMeter
 from slake.hf.cache import SlakeCache
 from slake.hf.generate import prefill
 
-__all__ = ["BenchConfig", "measure", "time_decode_interleaved"]
+__all__ = ["BenchConfig", "compiled_step", "measure", "time_decode_interleaved"]
 
 
 @dataclass
@@ -44,6 +44,7 @@ class BenchConfig:
     prefill_chunk: int | None = None
     seed: int = 0
     kv_dtype: str | None = None
+    compile: bool = False  # decode steps through torch.compile(fullgraph=True) on a static SlakeCache
 
 
 def _sync(device: torch.device) -> None:
@@ -59,6 +60,8 @@ def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
 
 
 def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
+    # a compiled configuration preallocates its append-only layers for every step it will take
+    max_len = cfg.length + max(cfg.warmup, 2) + cfg.decode_steps + 2 if cfg.compile else None
     return SlakeCache(
         cfg.method,
         cfg.budget,
@@ -66,6 +69,7 @@ def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
         prefill_chunk=cfg.prefill_chunk,
         kv_dtype=cfg.kv_dtype,
         profile_model=model,
+        max_cache_len=max_len,
     )
 
 
@@ -73,6 +77,30 @@ def _step(model, cache: SlakeCache, tok: torch.Tensor) -> torch.Tensor:
     """One greedy decode step; returns the next tokens ``(batch, 1)``."""
     out = model(tok, past_key_values=cache, use_cache=True)
     return out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+_COMPILED: dict[str, Any] = {}  # mode -> the compiled step, shared by every cache (graphs reused when guards match)
+
+
+def compiled_step(model, cache: SlakeCache):
+    """``tok -> next tok`` for one cache, as one graph (``torch.compile(fullgraph=True, dynamic=False)``; CUDA graphs
+    on CUDA). The cache must be static (built with ``max_cache_len``, prefilled). Compilation happens at the first
+    call; every later call of the same cache runs the same graph, and a cache of the same configuration reuses it
+    (``docs/compile.md``)."""
+    mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+    # one graph per benchmark configuration: the limit guards a function whose shapes should not change, not this
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    fn = _COMPILED.get(mode)
+    if fn is None:
+        fn = _COMPILED[mode] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
+    return lambda tok: fn(model, cache, tok)
+
+
+def _stepper(model, cfg: BenchConfig, cache: SlakeCache):
+    if cfg.compile:
+        return compiled_step(model, cache)
+    return lambda tok: _step(model, cache, tok)
 
 
 def time_decode_interleaved(model, cfgs: list[BenchConfig], steps: int, warmup: int) -> list[list[float]]:
@@ -89,23 +117,24 @@ def time_decode_interleaved(model, cfgs: list[BenchConfig], steps: int, warmup: 
         Per configuration (in the order given), its ``steps`` step times in milliseconds.
     """
     device = model.device
-    states: list[list[Any]] = []  # [cache, last token] per configuration
+    states: list[list[Any]] = []  # [step function, last token, cache] per configuration
     with torch.inference_mode():
         for cfg in cfgs:
             cache = _new_cache(model, cfg)
             ids = _prompt(model, cfg)
             tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
-            for _ in range(warmup):
-                tok = _step(model, cache, tok)
-            states.append([cache, tok])
+            step = _stepper(model, cfg, cache)
+            for _ in range(max(warmup, 2 if cfg.compile else 0)):  # compiled: the first call compiles
+                tok = step(tok)
+            states.append([step, tok, cache])
         times: list[list[float]] = [[] for _ in cfgs]
         order = list(range(len(cfgs)))
         for r in range(steps):
             for i in order if r % 2 == 0 else order[::-1]:
-                cache, tok = states[i]
+                step, tok = states[i][0], states[i][1]
                 _sync(device)
                 s = time.perf_counter()
-                tok = _step(model, cache, tok)
+                tok = step(tok)
                 _sync(device)
                 times[i].append((time.perf_counter() - s) * 1e3)
                 states[i][1] = tok
@@ -126,16 +155,22 @@ def measure(model, cfg: BenchConfig) -> dict:
     logits = prefill(model, cache, ids, mask)
     _sync(device)
     t1 = time.perf_counter()
-    tok = logits.argmax(-1, keepdim=True)
+    with torch.inference_mode():  # an inference tensor like every later token (a compiled step guards on it)
+        tok = logits.argmax(-1, keepdim=True)
     tok.cpu()
     t2 = time.perf_counter()
     times = []
+    compile_s = None
+    stepper = _stepper(model, cfg, cache)
+    warmup = max(cfg.warmup, 2) if cfg.compile else cfg.warmup
     with torch.inference_mode():
-        for step in range(cfg.warmup + cfg.decode_steps):
+        for step in range(warmup + cfg.decode_steps):
             s = time.perf_counter()
-            tok = _step(model, cache, tok)
+            tok = stepper(tok)
             _sync(device)
-            if step >= cfg.warmup:
+            if step == 0 and cfg.compile:
+                compile_s = time.perf_counter() - s  # tracing, compiling and running the first step
+            if step >= warmup:
                 times.append((time.perf_counter() - s) * 1e3)
     peak = meter.peak()
     stats = cache.statistics()
@@ -147,6 +182,8 @@ def measure(model, cfg: BenchConfig) -> dict:
         "length": cfg.length,
         "batch": cfg.batch,
         "kv_dtype": cfg.kv_dtype,
+        "compile": cfg.compile,
+        "compile_s": compile_s,
         "prefill_chunk": cfg.prefill_chunk,
         "prefill_s": t1 - t0,
         "ttft_s": t2 - t0,

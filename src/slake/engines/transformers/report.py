@@ -12,6 +12,8 @@ _MIB = 1024 * 1024
 def series_label(row: dict, rows: list[dict]) -> str:
     """Legend label of a row: the method, plus budget / batch / chunk where the run has several."""
     label = row["method"] + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
+    if row.get("compile"):
+        label += " compiled"
     if len({r["budget"] for r in rows}) > 1 and row["method"] != "full":
         label += f"@{row['budget']}"
     if len({r["batch"] for r in rows}) > 1:
@@ -24,20 +26,28 @@ def series_label(row: dict, rows: list[dict]) -> str:
 def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] | None = None) -> str:
     """A markdown table of the rows, one line per configuration."""
     paired = any("decode_vs_first" in r for r in rows)
+    compiled = any(r.get("compile") for r in rows)
     head = (
         "| method | budget | length | batch | chunk | prefill s | TTFT s | decode ms/token (min-max) | "
         + ("decode vs first | " if paired else "")
+        + ("compiled vs eager | compile s | " if compiled else "")
         + "peak MiB | KV MiB (kept / padding / linear) |"
     )
     lines = [f"# {title}", ""] if title else []
-    lines += [head, "|" + "---|" * (11 if paired else 10)]
+    lines += [head, "|" + "---|" * (10 + paired + 2 * compiled)]
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         vs = ""
         if paired:
             vs = f"{r['decode_vs_first']:.3f} × {r['decode_first']} | " if "decode_vs_first" in r else "- | "
+        if compiled:
+            vs += f"{r['decode_vs_eager']:.3f} | " if r.get("decode_vs_eager") is not None else "- | "
+            vs += f"{r['compile_s']:.1f} | " if r.get("compile_s") is not None else "- | "
+        label = (
+            r["method"] + (f" {r['kv_dtype']}" if r.get("kv_dtype") else "") + (" compiled" if r.get("compile") else "")
+        )
         lines.append(
-            f"| {r['method']}{' ' + r['kv_dtype'] if r.get('kv_dtype') else ''} | {r['budget']} | {r['length']} | "
+            f"| {label} | {r['budget']} | {r['length']} | "
             f"{r['batch']} | {r.get('prefill_chunk') or '-'} | "
             f"{r['prefill_s']:.2f} | {r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
             f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {vs}{r['peak_mem_bytes'] / _MIB:.0f} | "

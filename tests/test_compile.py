@@ -1,0 +1,307 @@
+"""Compiled decoding (``docs/compile.md``): a static SlakeCache decodes with fixed shapes and no host read-back, so a
+decode step is one ``torch.compile(fullgraph=True)`` graph for every method, compiled once, and gives the eager
+tokens, bytes and kept counts.
+
+Most tests trace with dynamo and run the captured graph with a counting backend (``CompileCounter``), which checks
+exactly what compiled decoding needs (one graph, no break, no recompilation) at a fraction of inductor's compile time;
+one test runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from slake.hf.cache import SlakeCache
+from slake.hf.generate import prefill
+from slake.methods import available_methods
+from slake.methods.base import check_compileable, make_method
+from slake.methods.snapkv import SnapKV
+from tiny_models import random_ids, tiny_model
+
+METHODS = list(available_methods())
+PROMPT = 40
+BUDGET = 16
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama-gqa", layers=2)
+
+
+def _hyper(method: str) -> dict:
+    # tova and sagekv fix their own windows; the others get one small enough for a budget of 16
+    return {} if method in ("tova", "sagekv", "full") else {"window": 4}
+
+
+def _prompt(batch: int):
+    ids = random_ids(PROMPT, seed=1, batch=batch)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :9] = 0  # left padding: the second sequence is 9 tokens shorter
+    return ids, mask
+
+
+def _decode(
+    model,
+    method: str,
+    steps: int,
+    batch: int = 2,
+    backend=None,
+    static: bool = True,
+    kv_dtype=None,
+    budget: int = BUDGET,
+):
+    """Greedy decode ``steps`` tokens after the prompt; ``backend``: run each step through
+    ``torch.compile(fullgraph=True, dynamic=False, backend=backend)``. Returns (tokens, statistics, step fn)."""
+    ids, mask = _prompt(batch)
+    cache = SlakeCache(
+        method,
+        budget,
+        config=model.config,
+        kv_dtype=kv_dtype,
+        max_cache_len=PROMPT + steps + 1 if static else None,
+        **_hyper(method),
+    )
+    with torch.inference_mode():
+        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
+    first_real = (mask == 0).sum(-1, keepdim=True)
+
+    def step(tok, pos):
+        out = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    fn = step if backend is None else torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+    out = []
+    with torch.inference_mode():
+        for t in range(steps):
+            tok = fn(tok, PROMPT + t - first_real)
+            out.append(tok)
+    return torch.cat(out, 1), cache.statistics(), cache
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_decode_step_is_one_graph_without_breaks(model, method):
+    """Dynamo captures a whole decode step (model and cache: append, scores, eviction, fold, attention) as one
+    graph, for a left-padded batch."""
+    ids, mask = _prompt(2)
+    cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=PROMPT + 8, **_hyper(method))
+    with torch.inference_mode():
+        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
+    assert cache.is_compileable and cache.compressor.static
+    assert cache.statistics()["compressed"] == (method != "full")
+
+    def step(tok, pos):
+        return model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
+
+    with torch.inference_mode():
+        ex = torch._dynamo.explain(step)(tok, PROMPT - (mask == 0).sum(-1, keepdim=True))
+    assert ex.graph_break_count == 0, [b.reason for b in ex.break_reasons]
+    assert ex.graph_count == 1
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_decode_equals_eager(model, method):
+    """Same greedy tokens, kv_bytes and kept counts compiled as eager (static cache), and as the default dynamic
+    cache; one graph, compiled once."""
+    steps = 24
+    dynamic, dyn_stats, _ = _decode(model, method, steps, static=False)
+    eager, eager_stats, _ = _decode(model, method, steps)
+    counter = CompileCounter()
+    compiled, stats, _ = _decode(model, method, steps, backend=counter)
+    assert torch.equal(eager, dynamic)
+    assert torch.equal(compiled, eager)
+    assert counter.frame_count == 1
+    assert stats["kept_tokens_per_layer"] == eager_stats["kept_tokens_per_layer"]
+    assert stats["kv_bytes"] == eager_stats["kv_bytes"]
+    if method != "full":  # evicting layers preallocate one slot only: the same bytes as the dynamic cache
+        assert stats["kv_bytes"] == dyn_stats["kv_bytes"]
+    assert stats["kept_tokens_per_layer"] == dyn_stats["kept_tokens_per_layer"]
+
+
+@pytest.mark.parametrize("method,kv_dtype", [("slake", "int8"), ("cake", "fp8_e4m3")])
+def test_compiled_decode_with_8bit_storage(model, method, kv_dtype):
+    eager, eager_stats, _ = _decode(model, method, 12, kv_dtype=kv_dtype)
+    counter = CompileCounter()
+    compiled, stats, _ = _decode(model, method, 12, backend=counter, kv_dtype=kv_dtype)
+    assert torch.equal(compiled, eager) and counter.frame_count == 1
+    assert stats["kv_bytes"] == eager_stats["kv_bytes"]
+
+
+@pytest.mark.parametrize("method,batch", [("slake", 1), ("slake", 2), ("full", 1), ("h2o", 2)])
+def test_no_recompilation_over_500_steps(model, method, batch):
+    """500 decode steps run the graph captured at the first step: dynamo never recompiles (it would raise)."""
+    counter = CompileCounter()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        tokens, stats, cache = _decode(model, method, 500, batch=batch, backend=counter)
+    assert counter.frame_count == 1
+    assert tokens.shape == (batch, 500)
+    assert cache.compressor.seen_tokens(0) == PROMPT + 500
+    if method != "full":  # every layer stays at its post-prefill size
+        kept = stats["kept_tokens_per_layer"]
+        assert max(kept) <= BUDGET * 2
+
+
+def test_inductor_compiled_decode_equals_eager(model):
+    """The real compiler (inductor, C++ on CPU) gives the eager tokens and bytes."""
+    eager, eager_stats, _ = _decode(model, "slake", 6)
+    compiled, stats, _ = _decode(model, "slake", 6, backend="inductor")
+    assert torch.equal(compiled, eager)
+    assert stats["kv_bytes"] == eager_stats["kv_bytes"]
+
+
+def test_transformers_generate_with_compile_config(model):
+    """``model.generate(past_key_values=SlakeCache(max_cache_len=...), compile_config=...)`` compiles the decode
+    step once (fullgraph) and gives the eager tokens, for a padded batch."""
+    from transformers import CompileConfig
+
+    ids, mask = _prompt(2)
+    graphs = []
+
+    def backend(gm, example_inputs):  # transformers deep-copies the config: count with a plain function
+        graphs.append(gm)
+        return gm.forward
+
+    def run(compile_config):
+        cache = SlakeCache("slake", BUDGET, config=model.config, max_cache_len=PROMPT + 20, window=4)
+        kw = {"compile_config": compile_config} if compile_config else {"disable_compile": True}
+        with torch.inference_mode():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                past_key_values=cache,
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+                **kw,
+            )
+
+    cfg = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    cfg._compile_all_devices = True
+    assert torch.equal(run(cfg), run(None))
+    assert len(graphs) == 1
+
+
+def test_static_cache_refuses_what_it_cannot_serve(model):
+    ids, mask = _prompt(1)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        SlakeCache("snapkv", BUDGET, config=model.config, max_cache_len=1, window=4)
+    cache = SlakeCache("snapkv", BUDGET, config=model.config, max_cache_len=PROMPT + 4, window=4)
+    with torch.inference_mode():
+        prefill(model, cache, ids, mask)
+        with pytest.raises(ValueError, match="one token"):
+            model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
+    too_short = SlakeCache("full", BUDGET, config=model.config, max_cache_len=PROMPT)
+    with torch.inference_mode(), pytest.raises(ValueError, match="no room"):
+        prefill(model, too_short, ids, mask)
+
+
+def test_every_method_claims_compile_support_and_a_method_can_refuse():
+    for name in METHODS:
+        check_compileable(make_method(name))
+
+    class Dynamic(SnapKV):
+        decode_not_compileable = "its decode rule reads the number of kept tokens back to the host"
+
+    with pytest.raises(ValueError, match="cannot be compiled: its decode rule"):
+        SlakeCache(Dynamic(window=4), BUDGET, num_layers=2, max_cache_len=64)
+    SlakeCache(Dynamic(window=4), BUDGET, num_layers=2)  # the dynamic cache still serves it
+
+
+def test_eager_decode_reads_nothing_back(model, monkeypatch):
+    """The eager single-token step of the default (dynamic) cache makes no host read-back either: ``.item()``,
+    ``.tolist()``, ``bool()`` and ``int()`` of a tensor are refused during decode steps."""
+    ids, mask = _prompt(2)
+    cache = SlakeCache("slake", BUDGET, config=model.config, window=4)
+    with torch.inference_mode():
+        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
+        pos = PROMPT - (mask == 0).sum(-1, keepdim=True)
+        for t in range(2):  # the first step per layer learns its free slots once
+            tok = model(input_ids=tok, position_ids=pos + t, past_key_values=cache).logits[:, -1].argmax(-1, True)
+        compressor = cache.compressor
+        for layer in range(2):
+            store = compressor.layers[layer]
+            B, H, _, d = store.keys.shape
+            q = torch.randn(B, 4, 1, d)
+            k, v = torch.randn(B, H, 1, d), torch.randn(B, H, 1, d)
+
+            def refuse(*a, **k):
+                raise AssertionError("host read-back in a decode step")
+
+            with monkeypatch.context() as mp:
+                for name in ("item", "tolist", "__bool__", "__int__"):
+                    mp.setattr(torch.Tensor, name, refuse)
+                compressor.append(layer, k, v)
+                compressor.decode_attention(layer, q, d**-0.5)
+
+
+def test_bench_compile_pairs_each_configuration_with_its_eager_run(tmp_path, capsys, monkeypatch):
+    """``slake bench --compile``: every configuration eager and compiled, timed in turn, with the paired ratio and
+    the compile time (the compiled step is traced by dynamo and run by a counting backend to keep the test fast)."""
+    import json
+
+    from slake.cli import main
+    from slake.engines.transformers import measure
+
+    counter = CompileCounter()
+    monkeypatch.setitem(
+        measure._COMPILED, "default", torch.compile(measure._step, fullgraph=True, dynamic=False, backend=counter)
+    )
+    rc = main(
+        [
+            "bench",
+            "--methods",
+            "snapkv,slake",
+            "--budget",
+            "40",
+            "--lengths",
+            "96",
+            "--compile",
+            "--random-model",
+            "tiny:num_hidden_layers=2",
+            "--device",
+            "cpu",
+            "--decode-steps",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--json",
+            "--no-progress",
+            "--no-plots",
+        ]
+    )
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["method"], r["compile"]) for r in rows] == [
+        ("snapkv", False),
+        ("snapkv", True),
+        ("slake", False),
+        ("slake", True),
+    ]
+    for eager, compiled in (rows[0:2], rows[2:4]):
+        assert compiled["decode_vs_eager"] > 0 and compiled["compile_s"] > 0 and "decode_vs_eager" not in eager
+        assert compiled["kv_bytes"] == eager["kv_bytes"] and compiled["kept_tokens_mean"] == eager["kept_tokens_mean"]
+    assert counter.frame_count == 2  # one graph per configuration: its measured and timed runs share it
+    md = (tmp_path / "bench.md").read_text()
+    assert "| slake compiled | 40 | 96 |" in md and "compiled vs eager" in md
+
+
+def test_engines_without_compile_refuse_the_flag():
+    from types import SimpleNamespace
+
+    from slake.engines.base import Engine
+
+    engine = SimpleNamespace(unsupported={}, supports_compile=False, name="other", check_environment=lambda: None)
+    with pytest.raises(ValueError, match="--compile"):
+        Engine.check(engine, compile=True)
+    Engine.check(engine, compile=False)
