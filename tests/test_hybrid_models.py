@@ -195,3 +195,10 @@ def test_the_vllm_plugin_refuses_models_with_sliding_layers():
     ):
         with pytest.raises(ValueError, match="full-attention models only"):
             check_layer_types(cfg)
+
+
+def test_compiled_decoding_is_refused_on_hybrid_models_for_now(hybrid):
+    """Their sliding-window layers keep transformers' dynamic cache, so a fixed-shape decode cannot be promised."""
+    name, model = hybrid
+    with pytest.raises(ValueError, match="not supported for hybrid models"):
+        SlakeCache("snapkv", 40, config=model.config, max_cache_len=128)
