@@ -21,3 +21,6 @@ def register() -> None:
     scheduler.install()
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, "slake.vllm.backend.SlakeCPUAttentionBackend")
+        from slake.vllm.backend import install_runner_hook
+
+        install_runner_hook()  # worker side: finished / preempted requests, request ids of the step's rows

@@ -91,7 +91,10 @@ def markdown(rows: list[dict]) -> str:
 def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> BenchReport:
     """:func:`bench` per length and budget (plain vLLM once per length) on the model in ``model_dir``; rows appended
     to ``OUT/bench_vllm.jsonl``, this run's table in ``OUT/bench_vllm.md``. Each request generates
-    ``warmup + decode_steps`` tokens."""
+    ``warmup + decode_steps`` tokens. Each row also carries :func:`step_bench`'s step timings, measured before the
+    throughput run in the same process with plain vLLM first: the prefill step, the decode-only step (median of
+    ``decode_steps``), the mixed step (one prefill plus the batch's decode), each with its ratio to plain vLLM's
+    (``*_vs_plain``), and the plugin's own time per compressed request and layer."""
     methods = [m for m in plan.methods if m != "full"]  # plain vLLM is always measured
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,19 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
         for n in plan.lengths:
             for i, b in enumerate(plan.budgets):
                 print(f"slake bench (vllm): length {n}, budget {int(b.value)}", file=sys.stderr)
+                steps = {
+                    r["method"]: r
+                    for r in step_bench(
+                        model_dir,
+                        requests=plan.batch,
+                        prompt_len=n,
+                        decode_steps=max(plan.decode_steps, 2),
+                        methods=methods,
+                        budget=int(b.value),
+                        dtype=dtype,
+                        seed=plan.seed,
+                    )
+                }
                 for row in bench(
                     model_dir,
                     requests=plan.batch,
@@ -111,10 +127,378 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                     seed=plan.seed,
                     include_plain=i == 0,
                 ):
-                    row.update({"engine": "vllm", "model": model_name, "load_avg_1m": load_avg()})
+                    st = steps.get(row["method"], {})
+                    row.update({k: v for k, v in st.items() if k not in row and k != "load_avg_1m"})
+                    row.update(
+                        {
+                            "engine": "vllm",
+                            "model": model_name,
+                            "load_avg_1m": load_avg(),
+                            "steps_load_avg_1m": st.get("load_avg_1m"),
+                        }
+                    )
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
     table = markdown(rows)
     (out / "bench_vllm.md").write_text("# slake bench --engine vllm\n\n" + table + "\n", encoding="utf-8")
     return BenchReport(rows=rows, table=table, files=[out / "bench_vllm.jsonl", out / "bench_vllm.md"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step timing: decode-only and mixed steps of plain vLLM and the plugin, measured in one process, one after another.
+
+
+def _timed_steps(llm, n: int) -> list[float]:
+    """Run ``n`` engine steps, returning each one's wall time (seconds)."""
+    import time
+
+    eng = llm.llm_engine
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        eng.step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """KV bytes of one token, all layers (from the model's ``config.json``)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    c = getattr(c, "text_config", None) or c
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kvh = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kvh * d * (4 if dtype == "float32" else 2)
+
+
+def step_times(
+    model_dir: str,
+    prompts: list[list[int]],
+    extra: list[list[int]],
+    *,
+    slake: dict | None,
+    decode_steps: int,
+    block_size: int = 32,
+    dtype: str = "float32",
+) -> dict:
+    """Time an engine's steps directly (``LLMEngine.step``), for one configuration.
+
+    All of ``prompts`` are added at once and prefilled in one step (``max_num_batched_tokens`` holds them all);
+    then ``decode_steps`` decode-only steps at batch ``len(prompts)`` are timed one by one; then each prompt of
+    ``extra`` is added alone, so that the next step is a mixed one (its prefill plus the running requests' decode),
+    followed by two decode steps. Returns medians in milliseconds and the plugin's own time per compressed request
+    and layer (from :data:`slake.vllm.backend.STEP_TIMES`).
+    """
+    import math
+    import os
+    import statistics
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    from vllm import LLM, SamplingParams
+
+    from slake.engines.vllm.runner import engine_kwargs
+    from slake.vllm import backend
+
+    n, p = len(prompts), max(len(x) for x in prompts + extra)
+    total = decode_steps + 4 * (len(extra) + 1) + 8
+    kw = engine_kwargs(
+        model_dir,
+        slake=slake,
+        block_size=block_size,
+        dtype=dtype,
+        max_model_len=p + total + block_size,
+        max_num_seqs=n + len(extra),
+    )
+    kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], sum(len(x) for x in prompts))
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for every request's full prompt (plain vLLM), 1.5x
+        need = 1.5 * (n + len(extra)) * (p + total) * _kv_bytes_per_token(model_dir, dtype)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(need / 2**30)))
+    llm = LLM(**kw)
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True, detokenize=False)
+    # warm-up: one short request through prefill and a few decode steps (first-call costs stay out of the timings)
+    eng.add_request(
+        "warm",
+        {"prompt_token_ids": prompts[0][: min(len(prompts[0]), 4 * block_size)]},
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False),
+    )
+    while eng.has_unfinished_requests():
+        eng.step()
+    backend.TIMING, backend.STEP_TIMES[:] = True, []
+    try:
+        for i, x in enumerate(prompts):
+            eng.add_request(f"r{i}", {"prompt_token_ids": list(x)}, sp)
+        prefill = _timed_steps(llm, 1)[0]
+        decode = _timed_steps(llm, decode_steps)
+        plugin = [t for r, _, layers, t in backend.STEP_TIMES if r == n]
+        plugin_per = [t / (r * layers) for r, _, layers, t in backend.STEP_TIMES if r == n]
+        mixed = []
+        for j, x in enumerate(extra):
+            eng.add_request(f"x{j}", {"prompt_token_ids": list(x)}, sp)
+            mixed.append(_timed_steps(llm, 1)[0])
+            _timed_steps(llm, 2)
+    finally:
+        backend.TIMING = False
+        for rid in [f"r{i}" for i in range(n)] + [f"x{j}" for j in range(len(extra))]:
+            try:
+                eng.abort_request([rid])
+            except Exception:  # noqa: BLE001 - already finished
+                pass
+    del llm, eng
+    med = statistics.median
+    return {
+        "prefill_step_ms": round(prefill * 1000, 1),
+        "decode_step_ms": round(med(decode) * 1000, 2),
+        "decode_step_ms_min": round(min(decode) * 1000, 2),
+        "mixed_step_ms": round(med(mixed) * 1000, 1) if mixed else None,
+        "plugin_ms_per_step": round(med(plugin) * 1000, 2) if plugin else 0.0,
+        "plugin_us_per_request_layer": round(med(plugin_per) * 1e6, 1) if plugin_per else 0.0,
+    }
+
+
+def step_bench(
+    model_dir: str,
+    *,
+    requests: int,
+    prompt_len: int,
+    decode_steps: int,
+    methods: list[str],
+    budget: int,
+    mixed: int = 2,
+    block_size: int = 32,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> list[dict]:
+    """:func:`step_times` for plain vLLM and each method at ``budget``, in this process one after another, with
+    each step's ratio to plain vLLM's and the load average next to every row."""
+    import torch
+    from transformers import AutoConfig
+
+    from slake.engines.base import load_avg
+
+    hi = min(1000, int(AutoConfig.from_pretrained(model_dir).vocab_size))  # token ids every tokenizer of interest has
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
+    extra = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(mixed)]
+    rows, base = [], None
+    for method in ["full", *methods]:
+        cfg = None if method == "full" else {"method": method, "budget": budget}
+        print(f"slake bench (vllm steps): {method}, {requests} x {prompt_len}", file=sys.stderr)
+        before = load_avg()
+        t = step_times(
+            model_dir, prompts, extra, slake=cfg, decode_steps=decode_steps, block_size=block_size, dtype=dtype
+        )
+        row = {
+            "method": method,
+            "budget": None if cfg is None else budget,
+            "requests": requests,
+            "prompt_len": prompt_len,
+            **t,
+        }
+        if base is None:
+            base = t
+        for key in ("prefill_step_ms", "decode_step_ms", "mixed_step_ms"):
+            if t.get(key) and base.get(key):
+                row[key.replace("_ms", "_vs_plain")] = round(t[key] / base[key], 3)
+        row["load_avg_1m"] = [before, load_avg()]
+        rows.append(row)
+    return rows
+
+
+def pool_step_cpu_ms(
+    method: str,
+    *,
+    requests: int = 8,
+    budget: int = 128,
+    layers: int = 30,
+    kv_heads: int = 3,
+    group: int = 3,
+    head_dim: int = 64,
+    block_size: int = 32,
+    steps: int = 10,
+) -> float:
+    """CPU milliseconds (``time.process_time``, this process) of the plugin's batched decode work for one step of
+    ``requests`` compressed requests over ``layers`` layers, on random tensors in a paged cache (default: the shape
+    of SmolLM2-135M). No vLLM engine: the plugin's own cost, free of vLLM's scheduling and of other processes'
+    wall-clock noise (run with ``OMP_NUM_THREADS=1`` for a single core's cost)."""
+    import statistics
+    import time
+
+    import torch
+
+    from slake.budgets.budget import Budget
+    from slake.methods import make_method
+    from slake.vllm.batched import DecodePool
+    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
+    from slake.vllm.paged import slot_blocks
+
+    g = torch.Generator().manual_seed(0)
+    m = with_layer_cap(make_method(method), Budget(budget))
+    W = (2 * budget if method in PREFERENCE_METHODS else budget) + 1
+    nb = -(-W // block_size)
+    kv = [torch.randn(requests * nb + 1, kv_heads, block_size, 2 * head_dim, generator=g) for _ in range(layers)]
+    pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests)
+    rows = torch.tensor([pool.allocate(16 * budget, budget) for _ in range(requests)])
+    pool.valid[:, :, :, : W - 1] = True
+    pool.positions[:, :, :, : W - 1] = torch.arange(W - 1)
+    pool.scores[:, :, :, : W - 1] = torch.rand(layers, requests, kv_heads, W - 1, generator=g)
+    pool.target[:] = W - 1
+    table = torch.arange(1, requests * nb + 1).view(requests, nb)
+    blocks, offsets = slot_blocks(table, W, block_size)
+    q = torch.randn(requests, kv_heads * group, head_dim, generator=g)
+    k = torch.randn(requests, kv_heads, head_dim, generator=g)
+    v = torch.randn(requests, kv_heads, head_dim, generator=g)
+    times = []
+    for _ in range(steps + 2):
+        newest = pool.seen.index_select(0, rows).view(-1, 1, 1)
+        pool.seen.index_add_(0, rows, torch.ones_like(rows))
+        t0 = time.process_time()
+        for li in range(layers):
+            pool.decode_layer(li, rows, table, blocks, offsets, newest, q, k, v, kv[li], head_dim**-0.5)
+        times.append(time.process_time() - t0)
+    return statistics.median(times[2:]) * 1000
+
+
+def per_request_step_cpu_ms(
+    method: str,
+    *,
+    requests: int = 8,
+    budget: int = 128,
+    layers: int = 30,
+    kv_heads: int = 3,
+    group: int = 3,
+    head_dim: int = 64,
+    block_size: int = 32,
+    steps: int = 6,
+) -> float:
+    """Like :func:`pool_step_cpu_ms`, for the plugin's former decode path (up to commit 9429d85): per request and
+    layer, read the whole kept cache out of the paged blocks, ``CompressedKV.append`` + ``decode_attention``, and
+    write the whole kept cache back with vLLM's cache-write op. Kept so that the two are compared in one run."""
+    import statistics
+    import time
+
+    import torch
+    from vllm import _custom_ops as ops
+
+    from slake.budgets.budget import Budget
+    from slake.cache.compressed import CompressedKV
+    from slake.methods import make_method
+    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
+    from slake.vllm.paged import read_slots, slot_mapping
+
+    g = torch.Generator().manual_seed(0)
+    m = with_layer_cap(make_method(method), Budget(budget))
+    W = (2 * budget if method in PREFERENCE_METHODS else budget) + 1
+    nb = -(-W // block_size)
+    kv = [torch.zeros(requests * nb + 1, kv_heads, block_size, 2 * head_dim) for _ in range(layers)]
+    S = 4 * budget
+    caches, tables = [], []
+    for r in range(requests):
+        c = CompressedKV(m, budget, layers)
+        tbl = torch.arange(1 + r * nb, 1 + (r + 1) * nb)
+        for li in range(layers):
+            c.prefill_layer(
+                li,
+                torch.randn(1, kv_heads * group, S, head_dim, generator=g),
+                torch.randn(1, kv_heads, S, head_dim, generator=g),
+                torch.randn(1, kv_heads, S, head_dim, generator=g),
+                None,
+                head_dim**-0.5,
+            )
+        for li in range(layers):
+            st = c.layers[li]
+            assert st is not None
+            kc, vc = kv[li].view(kv[li].shape[0], kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(
+                st.keys[0].transpose(0, 1).contiguous(),
+                st.values[0].transpose(0, 1).contiguous(),
+                kc,
+                vc,
+                slot_mapping(tbl, st.capacity, block_size),
+                "vec",
+            )
+            st.keys = st.values = None  # type: ignore[assignment]
+        caches.append(c)
+        tables.append(tbl)
+    q = torch.randn(1, kv_heads * group, 1, head_dim, generator=g)
+    k = torch.randn(1, kv_heads, 1, head_dim, generator=g)
+    times = []
+    for _ in range(steps + 2):
+        t0 = time.process_time()
+        for li in range(layers):
+            kc, vc = kv[li].view(kv[li].shape[0], kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+            for c, tbl in zip(caches, tables):
+                st = c.layers[li]
+                assert st is not None
+                k_old, v_old = read_slots(kv[li], tbl, st.positions.shape[-1])
+                st.keys, st.values = k_old.unsqueeze(0), v_old.unsqueeze(0)
+                c.append(li, k, k)
+                c.decode_attention(li, q, head_dim**-0.5)
+                ops.cpu_attn_reshape_and_cache(
+                    st.keys[0].transpose(0, 1).contiguous(),
+                    st.values[0].transpose(0, 1).contiguous(),
+                    kc,
+                    vc,
+                    slot_mapping(tbl, st.capacity, block_size),
+                    "vec",
+                )
+                st.keys = st.values = None  # type: ignore[assignment]
+        times.append(time.process_time() - t0)
+    return statistics.median(times[2:]) * 1000
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m slake.engines.vllm.bench steps MODEL_DIR --requests 8 --prompt-len 2048 ...`` (JSON lines of
+    :func:`step_bench`) or ``python -m slake.engines.vllm.bench pool --methods snapkv,slake``
+    (:func:`pool_step_cpu_ms` against :func:`per_request_step_cpu_ms`)."""
+    import argparse
+
+    from slake.engines.base import load_avg
+
+    ap = argparse.ArgumentParser(prog="python -m slake.engines.vllm.bench")
+    ap.add_argument("what", choices=["steps", "pool"])
+    ap.add_argument("model_dir", nargs="?")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--methods", default="snapkv,slake")
+    ap.add_argument("--budget", type=int, default=128)
+    a = ap.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m and m != "full"]
+    if a.what == "steps":
+        for row in step_bench(
+            a.model_dir,
+            requests=a.requests,
+            prompt_len=a.prompt_len,
+            decode_steps=a.decode_steps,
+            methods=methods,
+            budget=a.budget,
+        ):
+            print(json.dumps(row), flush=True)
+        return
+    for m in methods:
+        old = per_request_step_cpu_ms(m, requests=a.requests, budget=a.budget)
+        ms = pool_step_cpu_ms(m, requests=a.requests, budget=a.budget)
+        print(
+            json.dumps(
+                {
+                    "method": m,
+                    "budget": a.budget,
+                    "requests": a.requests,
+                    "batched_cpu_ms_per_step": round(ms, 2),
+                    "per_request_cpu_ms_per_step": round(old, 2),
+                    "batched_us_per_request_layer": round(ms * 1000 / (a.requests * 30), 1),
+                    "per_request_us_per_request_layer": round(old * 1000 / (a.requests * 30), 1),
+                    "batched_vs_per_request": round(ms / old, 3),
+                    "load_avg_1m": load_avg(),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -111,6 +111,7 @@ class VllmRun:
     compressed: list[bool]
     kept_tokens_per_layer: list[list[float] | None]
     kv_bytes: list[dict]
+    preemptions: list[int]
     prefill_s: list[float]
     decode_ms_per_token: list[float]
     wall_s: float
@@ -123,10 +124,18 @@ class VllmRun:
 
 
 def engine_kwargs(
-    model_dir: str, *, slake: dict | None, block_size: int, dtype: str, max_model_len: int, max_num_seqs: int = 16
+    model_dir: str,
+    *,
+    slake: dict | None,
+    block_size: int,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int = 16,
+    num_blocks: int | None = None,
 ) -> dict:
-    """``vllm.LLM`` keyword arguments the plugin needs: whole-prompt prefill, no prefix caching, eager mode."""
-    return dict(
+    """``vllm.LLM`` keyword arguments the plugin needs: whole-prompt prefill, no prefix caching, eager mode.
+    ``num_blocks``: a fixed number of KV blocks (vLLM's ``num_gpu_blocks_override``), e.g. to force preemption."""
+    kw = dict(
         model=model_dir,
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -140,6 +149,9 @@ def engine_kwargs(
         disable_log_stats=False,
         additional_config={"slake": slake} if slake else {},
     )
+    if num_blocks is not None:
+        kw["num_gpu_blocks_override"] = int(num_blocks)
+    return kw
 
 
 def run_vllm(
@@ -155,6 +167,8 @@ def run_vllm(
     ignore_eos: bool = False,
     kv_cache_gib: int = 1,
     max_num_seqs: int = 16,
+    num_blocks: int | None = None,
+    max_tokens: list[int] | None = None,
 ) -> VllmRun:
     """Generate greedily with vLLM in this process.
 
@@ -178,6 +192,10 @@ def run_vllm(
         ``VLLM_CPU_KVCACHE_SPACE`` when it is not set.
     max_num_seqs : int
         Requests vLLM runs at once (the others wait in its queue).
+    num_blocks : int | None
+        A fixed number of KV blocks (small enough, it makes vLLM preempt requests).
+    max_tokens : list[int] | None
+        Tokens to generate per prompt, overriding ``max_new_tokens`` prompt by prompt.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
@@ -195,6 +213,7 @@ def run_vllm(
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            num_blocks=num_blocks,
         )
     )
     core = llm.llm_engine.engine_core.engine_core
@@ -213,7 +232,11 @@ def run_vllm(
         detokenize=False,
     )
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+    params = sp if max_tokens is None else [sp.clone() for _ in prompts]
+    if max_tokens is not None:
+        for p, n in zip(params, max_tokens):
+            p.max_tokens = int(n)
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     hf = llm.llm_engine.model_config.hf_text_config
     layers, kv_heads = int(hf.num_hidden_layers), int(hf.num_key_value_heads)
@@ -230,6 +253,7 @@ def run_vllm(
         compressed=[],
         kept_tokens_per_layer=[],
         kv_bytes=[],
+        preemptions=[],
         prefill_s=[],
         decode_ms_per_token=[],
         wall_s=wall,
@@ -251,6 +275,7 @@ def run_vllm(
         run.blocks_after_prefill.append(stats.get("after_prefill"))
         run.blocks_end.append(stats.get("end"))
         run.compressed.append(compressed)
+        run.preemptions.append(state.preemptions if compressed else 0)
         run.kept_tokens_per_layer.append(kept)
         held = stats.get("end")
         kept_bytes = int(sum(kept) * per_token)

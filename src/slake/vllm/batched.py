@@ -1,0 +1,296 @@
+"""The batched decode step of compressed requests: one computation per layer for all of them (worker side).
+
+After a compressed request's prefill (done per request by :class:`slake.cache.compressed.CompressedKV`), its
+per-slot metadata moves into one row of a :class:`DecodePool`: persistent per-layer tensors
+``(rows, Hkv, W)`` (positions, validity, scores), the layer's target size ``(rows, Hkv)`` and, for methods with a
+PTAA linear state (SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``. ``W`` is the most slots a
+compressed request holds (:meth:`slake.vllm.config.SlakeVllmConfig.slots`); a row's slots beyond its own are
+invalid. Keys and values stay in vLLM's paged blocks only.
+
+Each decode step, per layer, :meth:`DecodePool.decode_layer` runs the transformers engine's evict-one-insert-one
+step (:meth:`CompressedKV.append` + :meth:`CompressedKV.decode_attention`) for all ``R`` decoding compressed
+requests at once, with no loop over requests:
+
+1. the new token's key/value is written to each row's first free slot (per KV head: the slot evicted at the
+   previous step, or the one extra slot after prefill), straight into vLLM's blocks
+   (:func:`slake.vllm.paged.write_slot`);
+   nothing else of the cache is written;
+2. the rows' slots are gathered from the blocks into ``(R, Hkv, W, d)`` (:func:`slake.vllm.paged.gather_rows`),
+   logits of the scaled queries in group layout, ``-inf`` on invalid slots;
+3. softmax, the method's ``decode_scores``, the protected slots (window relative to each row's newest position,
+   sinks), one victim per row and KV head (``argmin``, the first minimum, as the transformers engine);
+4. SLAKE (evict before the output): fold the victim into the linear state and attend with PTAA; other methods:
+   output from the same softmax, then fold/evict;
+5. the rows' metadata is written back to the pool (``index_copy_``).
+
+The arithmetic per row is the transformers engine's (same slot choice, same operations over the same slots), so a
+request's tokens equal its batch-1 run there; the tests say so for every supported method.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slake.attention.ptaa import attend
+from slake.cache.compressed import _probs_values, _safe_softmax
+from slake.cache.linear_state import LinearState
+from slake.methods.base import DecodeInputs, Method
+from slake.vllm.paged import block_logits, gather_rows, write_slot
+
+
+class DecodePool:
+    """Per-layer decode metadata of the compressed requests of one worker, one row per request.
+
+    Parameters
+    ----------
+    method : Method
+        The engine's method (its ``decode_scores``, window, sinks, ``evict_before_output``, ``linear_cache``).
+    num_layers, kv_heads, head_dim : int
+        Model shape on this worker.
+    width : int
+        Slots per row (the most any compressed request holds).
+    block_size : int
+        vLLM's block size.
+    rows : int
+        Initial rows; the pool doubles when full (at a prefill, never inside a decode step).
+    """
+
+    def __init__(
+        self, method: Method, num_layers: int, kv_heads: int, head_dim: int, width: int, block_size: int, rows: int = 8
+    ) -> None:
+        self.method = method
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.width, self.block_size = width, block_size
+        self.linear_cache = bool(getattr(method, "linear_cache", False))
+        self.rows = 0
+        self.free_rows: list[int] = []
+        self._grow(max(int(rows), 1))
+
+    # ------------------------------------------------------------------ rows
+    def _grow(self, extra: int) -> None:
+        L, H, W, d = self.num_layers, self.kv_heads, self.width, self.head_dim
+
+        def new(shape, fill, dtype):
+            return torch.full(shape, fill, dtype=dtype)
+
+        def cat(old, t):  # per-layer tensors: rows on dim 1
+            return t if old is None else torch.cat([old, t], dim=1)
+
+        n = extra
+        self.positions = cat(getattr(self, "positions", None), new((L, n, H, W), -1, torch.int64))
+        self.valid = cat(getattr(self, "valid", None), new((L, n, H, W), False, torch.bool))
+        self.scores = cat(getattr(self, "scores", None), new((L, n, H, W), float("-inf"), torch.float32))
+        self.target = cat(getattr(self, "target", None), new((L, n, H), -1, torch.int64))
+        if self.linear_cache:
+            self.linear = cat(getattr(self, "linear", None), torch.zeros(L, n, H, d + 1, d + 1))
+        else:
+            self.linear = None
+        self.prompt_len = torch.cat(
+            [getattr(self, "prompt_len", torch.zeros(0, dtype=torch.int64)), torch.zeros(n, dtype=torch.int64)]
+        )
+        self.budget = torch.cat(
+            [getattr(self, "budget", torch.zeros(0, dtype=torch.int64)), torch.zeros(n, dtype=torch.int64)]
+        )
+        self.seen = torch.cat(
+            [getattr(self, "seen", torch.zeros(0, dtype=torch.int64)), torch.zeros(n, dtype=torch.int64)]
+        )
+        self.free_rows.extend(range(self.rows, self.rows + n))
+        self.rows += n
+
+    def allocate(self, prompt_len: int, budget: int) -> int:
+        """A free row for a request of ``prompt_len`` tokens (the pool doubles when none is free)."""
+        if not self.free_rows:
+            self._grow(self.rows)
+        row = self.free_rows.pop(0)
+        self.positions[:, row] = -1
+        self.valid[:, row] = False
+        self.scores[:, row] = float("-inf")
+        self.target[:, row] = -1
+        if self.linear is not None:
+            self.linear[:, row] = 0
+        self.prompt_len[row], self.budget[row], self.seen[row] = prompt_len, budget, prompt_len
+        return row
+
+    def release(self, row: int) -> None:
+        """Return a row to the free list (its contents are reset at the next :meth:`allocate`)."""
+        if row not in self.free_rows:
+            self.free_rows.append(row)
+
+    @property
+    def active_rows(self) -> int:
+        return self.rows - len(self.free_rows)
+
+    def load_layer(self, row: int, layer: int, store, target: torch.Tensor | None) -> None:
+        """Copy a prefilled layer's metadata (a batch-1 ``LayerStore``) into ``row``; slots keep their indices."""
+        n = store.positions.shape[-1]
+        if n > self.width:
+            raise RuntimeError(f"slake: layer {layer} keeps {n} slots, more than the {self.width} a request holds")
+        self.positions[layer, row, :, :n] = store.positions[0]
+        self.valid[layer, row, :, :n] = store.valid[0]
+        self.scores[layer, row, :, :n] = store.scores[0]
+        self.target[layer, row] = -1 if target is None else target[0]
+        if self.linear is not None and store.linear is not None:
+            self.linear[layer, row] = store.linear.aug[0]
+
+    def kept(self, row: int) -> list[float]:
+        """Mean kept tokens per KV head, per layer, of ``row``."""
+        return self.valid[:, row].sum(-1).float().mean(-1).tolist()
+
+    def row_state(self, row: int) -> dict:
+        """Copies of ``row``'s metadata (saved when its request is preempted)."""
+        out = {
+            "positions": self.positions[:, row].clone(),
+            "valid": self.valid[:, row].clone(),
+            "scores": self.scores[:, row].clone(),
+            "target": self.target[:, row].clone(),
+            "prompt_len": int(self.prompt_len[row]),
+            "budget": int(self.budget[row]),
+            "seen": int(self.seen[row]),
+        }
+        if self.linear is not None:
+            out["linear"] = self.linear[:, row].clone()
+        return out
+
+    def restore_row(self, row: int, saved: dict) -> None:
+        """Put metadata saved by :meth:`row_state` back into ``row``."""
+        for name in ("positions", "valid", "scores", "target"):
+            getattr(self, name)[:, row] = saved[name]
+        if self.linear is not None:
+            self.linear[:, row] = saved["linear"]
+        self.prompt_len[row], self.budget[row], self.seen[row] = saved["prompt_len"], saved["budget"], saved["seen"]
+
+    def row_bytes(self) -> tuple[int, int]:
+        """Bytes one row holds: (per-slot metadata, linear state), all layers."""
+        L, H, W = self.num_layers, self.kv_heads, self.width
+        meta = L * H * W * (8 + 1 + 4) + L * H * 8
+        lin = 0 if self.linear is None else L * H * (self.head_dim + 1) ** 2 * 4
+        return meta, lin
+
+    # ------------------------------------------------------------------ the step
+    def decode_layer(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        table: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        newest: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """One decode step of layer ``layer`` for ``R`` compressed requests.
+
+        Parameters
+        ----------
+        rows : torch.Tensor
+            ``(R,)`` int64 pool rows.
+        table : torch.Tensor
+            ``(R, ceil(W / block_size))`` int64 block ids of each row, in slot order.
+        blocks, offsets : torch.Tensor
+            ``(R, W)`` block id and ``(W,)`` in-block offset of every slot of each row
+            (:func:`slake.vllm.paged.slot_blocks`).
+        newest : torch.Tensor
+            ``(R, 1, 1)`` int64 position of each row's new token.
+        query, key, value : torch.Tensor
+            ``(R, Hq, d)`` / ``(R, Hkv, d)`` / ``(R, Hkv, d)`` the new tokens' post-RoPE projections.
+        kv_cache : torch.Tensor
+            vLLM's cache of this layer (the new key/value is written to it, nothing else).
+
+        Returns
+        -------
+        torch.Tensor
+            ``(R, Hq, d)`` float32 attention output.
+        """
+        m = self.method
+        R, Hq, d = query.shape
+        H = self.kv_heads
+        g = Hq // H
+        W = self.width
+        pos = self.positions[layer].index_select(0, rows)
+        valid = self.valid[layer].index_select(0, rows)
+        stored = self.scores[layer].index_select(0, rows)
+        target = self.target[layer].index_select(0, rows)
+        # 1. append: the first free slot of every row and head (argmax returns the first maximum)
+        free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)  # (R, H, 1)
+        slot = free[..., 0]
+        write_slot(kv_cache, blocks.gather(1, slot), offsets[slot], key, value)  # blocks/offsets are per slot
+        valid.scatter_(-1, free, True)
+        pos.scatter_(-1, free, newest.expand(R, H, 1))
+        stored.scatter_(-1, free, 0.0)
+        # 2. logits over the rows' slots
+        # whole blocks, W' >= W slots; the cache is allocated zeroed and holds only written keys/values, so the
+        # invalid slots' values are finite (their probability is 0, and 0 * x must stay 0)
+        keys_t, values = gather_rows(kv_cache, table)  # (R, nb, H, d, bs), (R, H, W', d)
+        values = values[:, :, :W]
+        qf = (query.float() * scaling).reshape(R, H, g, 1, d)
+        x = block_logits(qf.reshape(R, H, g, d), keys_t)[..., :W].reshape(R, H, g, 1, W)
+        x.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        # 3. scores and the victim of every row and head
+        probs = _safe_softmax(x)
+        scores = m.decode_scores(
+            DecodeInputs(
+                probs=probs.reshape(R, H * g, 1, W),
+                positions=pos,
+                valid=valid,
+                stored=stored,
+                prompt_len=self.prompt_len.index_select(0, rows),
+                budget=self.budget.index_select(0, rows),
+            )
+        ).float()
+        counts = valid.sum(-1)
+        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts))
+        protected = ~valid
+        if m.window and not m.newest_evictable:
+            protected = protected | (pos > newest - m.window)
+        if m.sinks:
+            protected = protected | ((pos >= 0) & (pos < m.sinks))  # vLLM prompts have no left padding
+        lowest = scores.masked_fill(protected, float("inf")).argmin(-1, keepdim=True)  # (R, H, 1)
+        chosen = (excess[..., None] > 0) & valid.gather(-1, lowest)
+        mask = torch.zeros_like(valid).scatter_(-1, lowest, chosen)
+        linear = None if self.linear is None else LinearState(self.linear[layer].index_select(0, rows))
+        # 4. output and eviction, in the method's order
+        if m.evict_before_output:
+            self._fold(linear, keys_t, values, lowest, chosen)
+            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))
+            out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
+        else:
+            if linear is None:
+                out = _probs_values(probs, values)
+            else:
+                out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
+            self._fold(linear, keys_t, values, lowest, chosen)
+        valid &= ~mask
+        pos.masked_fill_(mask, -1)
+        scores.masked_fill_(mask, float("-inf"))
+        # 5. write the rows back
+        self.positions[layer].index_copy_(0, rows, pos)
+        self.valid[layer].index_copy_(0, rows, valid)
+        self.scores[layer].index_copy_(0, rows, scores)
+        if linear is not None:
+            self.linear[layer].index_copy_(0, rows, linear.aug)
+        return out.reshape(R, Hq, d)
+
+    @staticmethod
+    def _fold(
+        linear: LinearState | None,
+        keys_t: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        chosen: torch.Tensor,
+    ) -> None:
+        """Fold the victims (``slots`` ``(R, H, 1)``) into the linear state, as ``LayerStore.free`` does."""
+        if linear is None:
+            return
+        R, nb, H, d, bs = keys_t.shape
+        s = slots[..., 0]
+        r = torch.arange(R).view(R, 1)
+        h = torch.arange(H).view(1, H)
+        k = keys_t[r, s // bs, h, :, s % bs].unsqueeze(2)  # (R, H, 1, d)
+        v = values.gather(2, slots[..., None].expand(-1, -1, -1, d))  # (R, H, 1, d)
+        if k.dtype == linear.dtype:
+            linear.fold_slots(k, v, torch.zeros_like(slots), chosen)
+        else:
+            linear.fold(k.to(linear.dtype), v.to(linear.dtype), chosen, finite=True)

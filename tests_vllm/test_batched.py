@@ -1,0 +1,91 @@
+"""The batched decode step (:class:`slake.vllm.batched.DecodePool`) equals the transformers engine's per-request
+step (:class:`slake.cache.compressed.CompressedKV`) on random tensors: the same kept slots (positions, validity, keys
+in the paged cache) and the same outputs and linear state up to float32 rounding, for several requests of different
+lengths decoding together in one paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slake.budgets.budget import Budget
+from slake.cache.compressed import CompressedKV
+from slake.methods import make_method
+from slake.vllm.batched import DecodePool
+from slake.vllm.config import SUPPORTED_METHODS, with_layer_cap
+from slake.vllm.paged import read_slots, slot_blocks
+
+BUDGET = 24
+BS = 8
+H, G, D = 2, 2, 16
+LAYERS = 2
+
+
+def _write(kv, blocks, keys, values):
+    from slake.vllm.paged import _views
+
+    keys_t, vals = _views(kv)
+    n = keys.shape[1]
+    i = torch.arange(n)
+    b, o = blocks[i // BS], i % BS
+    for h in range(keys.shape[0]):
+        keys_t[b, h, :, o] = keys[h]
+        vals[b, h, o, :] = values[h]
+
+
+@pytest.mark.parametrize("method", SUPPORTED_METHODS)
+def test_pool_step_equals_compressed_kv(method):
+    torch.manual_seed(0)
+    m = with_layer_cap(
+        make_method(method, **({} if method in ("streamingllm", "tova") else {"window": 4})), Budget(BUDGET)
+    )
+    lengths = [40, 57, 31]
+    width = (getattr(m, "max_layer_budget", None) or BUDGET) + 1 if m.layer_budgets == "preference" else BUDGET + 1
+    nb_req = -(-max(lengths) // BS) + 1
+    kv = [torch.randn(64, H, BS, 2 * D) * 0 for _ in range(LAYERS)]
+    pool = DecodePool(m, LAYERS, H, D, width, BS, rows=2)
+    refs, rows, tables = [], [], []
+    perm = torch.randperm(63)[: nb_req * len(lengths)] + 1
+    for r, n in enumerate(lengths):
+        ref = CompressedKV(m, BUDGET, LAYERS)
+        blocks = perm[r * nb_req : (r + 1) * nb_req]
+        for li in range(LAYERS):
+            q = torch.randn(1, H * G, n, D)
+            k = torch.randn(1, H, n, D)
+            v = torch.randn(1, H, n, D)
+            ref.prefill_layer(li, q, k, v, None, D**-0.5)
+        row = pool.allocate(n, BUDGET)
+        for li in range(LAYERS):
+            st = ref.layers[li]
+            _write(kv[li], blocks, st.keys[0], st.values[0])
+            pool.load_layer(row, li, st, ref.targets[li])
+        refs.append(ref)
+        rows.append(row)
+        tables.append(blocks)
+    rows_t = torch.tensor(rows)
+    blocks_t, offsets = slot_blocks(torch.stack(tables), width, BS)
+    for _ in range(12):
+        newest = pool.seen.index_select(0, rows_t).view(-1, 1, 1)
+        pool.seen.index_add_(0, rows_t, torch.ones_like(rows_t))
+        for li in range(LAYERS):
+            q = torch.randn(len(lengths), H * G, D)
+            k = torch.randn(len(lengths), H, D)
+            v = torch.randn(len(lengths), H, D)
+            out = pool.decode_layer(
+                li, rows_t, torch.stack(tables), blocks_t, offsets, newest, q, k, v, kv[li], D**-0.5
+            )
+            for r, ref in enumerate(refs):
+                ref.append(li, k[r : r + 1, :, None], v[r : r + 1, :, None])
+                o = ref.decode_attention(li, q[r : r + 1, :, None], D**-0.5)
+                # the logits come from vLLM's block layout (one matmul per block, another summation order over d
+                # than the engine's one matmul over the store): equal to float32 rounding, kept sets identical
+                torch.testing.assert_close(out[r], o[0, :, 0], rtol=1e-5, atol=1e-6)
+                st = ref.layers[li]
+                cap = st.capacity
+                assert torch.equal(pool.valid[li, rows[r], :, :cap], st.valid[0])
+                assert torch.equal(pool.positions[li, rows[r], :, :cap], st.positions[0])
+                assert not pool.valid[li, rows[r], :, cap:].any()
+                kk, vv = read_slots(kv[li], tables[r], cap)
+                assert torch.equal(kk[st.valid[0]], st.keys[0][st.valid[0]])
+                if st.linear is not None:
+                    torch.testing.assert_close(pool.linear[li, rows[r]], st.linear.aug[0], rtol=1e-5, atol=1e-6)
