@@ -305,3 +305,15 @@ def test_engines_without_compile_refuse_the_flag():
     with pytest.raises(ValueError, match="--compile"):
         Engine.check(engine, compile=True)
     Engine.check(engine, compile=False)
+
+
+def test_static_cache_builds_where_transformers_cache_has_a_read_only_max_cache_len(monkeypatch):
+    """transformers 5.19's ``Cache`` defines ``max_cache_len`` as a read-only property (5.23 does not); the static
+    cache must not assign to that name (it failed with "property ... has no setter" under vLLM's transformers)."""
+    from transformers.cache_utils import Cache
+
+    from slake import SlakeCache
+
+    monkeypatch.setattr(Cache, "max_cache_len", property(lambda self: -1), raising=False)
+    cache = SlakeCache("snapkv", 40, 2, max_cache_len=64)
+    assert cache.static_len == 64 and all(layer.is_compileable for layer in cache.layers)

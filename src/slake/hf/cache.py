@@ -217,14 +217,15 @@ class SlakeCache(Cache):
                 )
             check_compileable(m)
             self.compressor.max_cache_len = int(max_cache_len)
-        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
+        # not ``self.max_cache_len``: transformers' Cache has a read-only property of that name in some versions
+        self.static_len = None if max_cache_len is None else int(max_cache_len)
         slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
         compressed: list[SlakeCacheLayer] = []
         layers: list = []
         for i in range(num_layers):
             if i in slots:
                 layer = SlakeCacheLayer(self.compressor, i, slots[i], compressed)
-                layer.is_compileable = self.max_cache_len is not None
+                layer.is_compileable = self.static_len is not None
                 compressed.append(layer)
                 layers.append(layer)
             else:
