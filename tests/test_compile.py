@@ -136,7 +136,7 @@ def test_compiled_decode_with_8bit_storage(model, method, kv_dtype):
     assert stats["kv_bytes"] == eager_stats["kv_bytes"]
 
 
-@pytest.mark.parametrize("method,batch", [("slake", 1), ("slake", 2), ("full", 1), ("h2o", 2)])
+@pytest.mark.parametrize("method,batch", [(m, 1) for m in METHODS] + [("slake", 2), ("h2o", 2)])
 def test_no_recompilation_over_500_steps(model, method, batch):
     """500 decode steps run the graph captured at the first step: dynamo never recompiles (it would raise)."""
     counter = CompileCounter()
