@@ -494,16 +494,21 @@ class CompressedKV:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
         slots, chosen, mask = evict
+        return self._output_and_evict(store, qf, x, probs, slots, chosen, mask).reshape(B, Hq, nq, d)
+
+    def _output_and_evict(self, store, qf, x, probs, slots, chosen, mask) -> torch.Tensor:
+        """The step's attention output and its eviction, in the method's order: SLAKE evicts (and folds) first and
+        attends without the evicted slot (``docs/methods/slake.md#decode-step``); the others attend, then evict."""
         if self.method.evict_before_output:
             store.free(mask, slots, chosen)
             x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
-            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
         if store.linear is None:
             out = _probs_values(probs, store.dense_values())
         else:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
         store.free(mask, slots, chosen)
-        return out.reshape(B, Hq, nq, d)
+        return out
 
     def _decode_one(self, layer_idx: int, queries: torch.Tensor, scaling: float, scored: bool) -> torch.Tensor:
         """One decode step of one layer (one query per sequence): fixed shapes, no read-back to the host.
@@ -525,16 +530,7 @@ class CompressedKV:
             return out.reshape(B, Hq, nq, d)
         probs = _safe_softmax(x)  # (B, H, g, 1, n)
         slots, chosen, mask = self._evict_one(layer_idx, probs, self.targets[layer_idx])
-        if m.evict_before_output:
-            store.free(mask, slots, chosen)
-            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
-            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
-        if store.linear is None:
-            out = _probs_values(probs, store.dense_values())
-        else:
-            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
-        store.free(mask, slots, chosen)
-        return out.reshape(B, Hq, nq, d)
+        return self._output_and_evict(store, qf, x, probs, slots, chosen, mask).reshape(B, Hq, nq, d)
 
     def _evict_one(
         self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor
