@@ -18,7 +18,9 @@ def default_model():
         pytest.fail(str(e))
 
 
-@pytest.mark.parametrize("method", ["slake", "cake"])
+@pytest.mark.parametrize(
+    "method", ["slake"]
+)  # cake: tests/test_compile.py on tiny models (compiling 30 layers costs minutes)
 def test_compiled_generate_equals_eager_on_the_default_model(default_model, method):
     model, tokenizer = default_model
     prompt = (
