@@ -170,20 +170,7 @@ class LayerStore:
                 free = ~self.valid
             # the first n_new free slots of each row (stable sort puts free slots first in slot order)
             slots = torch.sort(free.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
-        gi = slots[..., None].expand(-1, -1, -1, d)
-        if self.k_scale is not None:
-            keys, ks = quantize_rows(keys, self.kv_dtype)
-            values, vs = quantize_rows(values, self.kv_dtype)
-            self.k_scale.scatter_(2, slots[..., None], ks)
-            self.v_scale.scatter_(2, slots[..., None], vs)
-        self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
-        self.values.scatter_(2, gi, values.to(self.values.dtype))
-        self.positions.scatter_(-1, slots, positions.view(1, 1, -1).expand(B, H, -1))
-        self.valid.scatter_(-1, slots, True)
-        self.scores.scatter_(-1, slots, score)
-        if self.head_visible is not None:
-            g = self.head_visible.shape[2]
-            self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
+        self._write(slots, keys, values, positions.view(1, 1, -1).expand(B, H, -1), score)
         return slots
 
     def append_one(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -196,7 +183,21 @@ class LayerStore:
         """
         B, H, _, d = keys.shape
         slots = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # the first free slot (first maximum)
-        gi = slots[..., None].expand(-1, -1, -1, d)
+        self._write(slots, keys, values, position.view(1, 1, 1).expand(B, H, 1), 0.0)
+        return slots
+
+    def _write(
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        score: torch.Tensor | float,
+    ) -> None:
+        """Store ``keys``/``values`` ``(B, Hkv, n, d)`` (8-bit codes and scales where the store is 8-bit), their
+        ``positions`` ``(B, Hkv, n)`` and ``score`` in ``slots`` ``(B, Hkv, n)``, and mark the slots valid (and
+        visible to every query head of the group)."""
+        gi = slots[..., None].expand(-1, -1, -1, keys.shape[-1])
         if self.k_scale is not None:
             keys, ks = quantize_rows(keys, self.kv_dtype)
             values, vs = quantize_rows(values, self.kv_dtype)
@@ -204,13 +205,12 @@ class LayerStore:
             self.v_scale.scatter_(2, slots[..., None], vs)
         self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
         self.values.scatter_(2, gi, values.to(self.values.dtype))
-        self.positions.scatter_(-1, slots, position.view(1, 1, 1).expand(B, H, 1))
+        self.positions.scatter_(-1, slots, positions)
         self.valid.scatter_(-1, slots, True)
-        self.scores.scatter_(-1, slots, 0.0)
+        self.scores.scatter_(-1, slots, score)
         if self.head_visible is not None:
             g = self.head_visible.shape[2]
             self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
-        return slots
 
     def min_free(self) -> int:
         """Free slots of the fullest row (one read-back; called once after prefill, not per step)."""
