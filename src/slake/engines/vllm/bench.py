@@ -308,6 +308,18 @@ def step_bench(
     return rows
 
 
+def _pool_shape(method: str, budget: int, block_size: int) -> tuple:
+    """The method as the plugin runs it (vLLM's layer cap), the slots ``W`` a request holds per layer (budget + 1;
+    CAKE/SLAKE: the cap + 1) and the blocks they take."""
+    from slake.budgets.budget import Budget
+    from slake.methods import make_method
+    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
+
+    m = with_layer_cap(make_method(method), Budget(budget))
+    W = (2 * budget if method in PREFERENCE_METHODS else budget) + 1
+    return m, W, -(-W // block_size)
+
+
 def pool_step_cpu_ms(
     method: str,
     *,
@@ -329,16 +341,11 @@ def pool_step_cpu_ms(
 
     import torch
 
-    from slake.budgets.budget import Budget
-    from slake.methods import make_method
     from slake.vllm.batched import DecodePool
-    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
     from slake.vllm.paged import slot_blocks
 
     g = torch.Generator().manual_seed(0)
-    m = with_layer_cap(make_method(method), Budget(budget))
-    W = (2 * budget if method in PREFERENCE_METHODS else budget) + 1
-    nb = -(-W // block_size)
+    m, W, nb = _pool_shape(method, budget, block_size)
     kv = [torch.randn(requests * nb + 1, kv_heads, block_size, 2 * head_dim, generator=g) for _ in range(layers)]
     pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests)
     rows = torch.tensor([pool.allocate(16 * budget, budget) for _ in range(requests)])
@@ -383,16 +390,11 @@ def per_request_step_cpu_ms(
     import torch
     from vllm import _custom_ops as ops
 
-    from slake.budgets.budget import Budget
     from slake.cache.compressed import CompressedKV
-    from slake.methods import make_method
-    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
     from slake.vllm.paged import read_slots, slot_mapping
 
     g = torch.Generator().manual_seed(0)
-    m = with_layer_cap(make_method(method), Budget(budget))
-    W = (2 * budget if method in PREFERENCE_METHODS else budget) + 1
-    nb = -(-W // block_size)
+    m, W, nb = _pool_shape(method, budget, block_size)
     kv = [torch.zeros(requests * nb + 1, kv_heads, block_size, 2 * head_dim) for _ in range(layers)]
     S = 4 * budget
     caches, tables = [], []
