@@ -33,8 +33,9 @@ def _write(kv, blocks, keys, values):
         vals[b, h, o, :] = values[h]
 
 
+@pytest.mark.parametrize("layer_widths", [False, True], ids=["whole-row", "layer-widths"])
 @pytest.mark.parametrize("method", SUPPORTED_METHODS)
-def test_pool_step_equals_compressed_kv(method):
+def test_pool_step_equals_compressed_kv(method, layer_widths):
     torch.manual_seed(0)
     m = with_layer_cap(
         make_method(method, **({} if method in ("streamingllm", "tova") else {"window": 4})), Budget(BUDGET)
@@ -64,6 +65,9 @@ def test_pool_step_equals_compressed_kv(method):
         tables.append(blocks)
     rows_t = torch.tensor(rows)
     blocks_t, offsets = slot_blocks(torch.stack(tables), width, BS)
+    widths = pool.layer_widths(rows) if layer_widths else [None] * LAYERS
+    if layer_widths and m.layer_budgets == "preference":  # the cascade gives layers different budgets
+        assert min(widths) < width, widths
     for _ in range(12):
         newest = pool.seen.index_select(0, rows_t).view(-1, 1, 1)
         pool.seen.index_add_(0, rows_t, torch.ones_like(rows_t))
@@ -72,7 +76,7 @@ def test_pool_step_equals_compressed_kv(method):
             k = torch.randn(len(lengths), H, D)
             v = torch.randn(len(lengths), H, D)
             out = pool.decode_layer(
-                li, rows_t, torch.stack(tables), blocks_t, offsets, newest, q, k, v, kv[li], D**-0.5
+                li, rows_t, torch.stack(tables), blocks_t, offsets, newest, q, k, v, kv[li], D**-0.5, widths[li]
             )
             for r, ref in enumerate(refs):
                 ref.append(li, k[r : r + 1, :, None], v[r : r + 1, :, None])

@@ -113,9 +113,10 @@ class StepPlan:
     #: written back into their new blocks before their last token decodes over it
     restores: list = field(default_factory=list)
     #: the batched decode of this step, or None: pool rows (R,), token indices (R,), block tables (R, nb),
-    #: slot blocks (R, W),
-    #: offsets (W,), the new tokens' positions (R, 1, 1)
+    #: slot blocks (R, W), offsets (W,), the new tokens' positions (R, 1, 1), and per layer the slots to read
+    #: (``DecodePool.layer_widths``)
     rows: torch.Tensor | None = None
+    widths: list[int] = field(default_factory=list)
     qidx: torch.Tensor | None = None
     table: torch.Tensor | None = None
     blocks: torch.Tensor | None = None
@@ -335,7 +336,9 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                     f"supports one token per decode step (no speculative decoding, no chunked prefill)"
                 )
             decodes.append((st, qs, i, self.slake.blocks(bs, st.prompt_len)))
-            seq_lens[i] = self.slake.slots(st.prompt_len)  # vLLM's kernel must not read past the request's blocks
+            # vLLM's kernel still runs over this row, but the pool's output replaces it: let it read one slot
+            # (never past the request's blocks, and no wasted pass over the kept cache)
+            seq_lens[i] = 1
         if decodes:
             pool = self._pool()
             W = pool.width
@@ -348,7 +351,9 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             tbl = torch.where(torch.arange(nb)[None, :] < held[:, None], tbl, tbl[:, :1])
             plan.table = tbl
             plan.blocks, plan.offsets = slot_blocks(tbl, W, bs)
-            plan.rows = torch.tensor([d[0].row for d in decodes], dtype=torch.int64)
+            rows = [d[0].row for d in decodes]
+            plan.rows = torch.tensor(rows, dtype=torch.int64)
+            plan.widths = pool.layer_widths(rows)
             plan.qidx = torch.tensor([d[1] for d in decodes], dtype=torch.int64)
             plan.newest = pool.seen.index_select(0, plan.rows).view(-1, 1, 1)
             pool.seen.index_add_(0, plan.rows, torch.ones_like(plan.rows))
@@ -454,6 +459,7 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             value.index_select(0, qidx),
             kv_cache,
             self.scale,
+            plan.widths[li],
         )
         output.index_copy_(0, qidx, o.to(output.dtype).reshape(qidx.numel(), *output.shape[1:]))
         if TIMING:

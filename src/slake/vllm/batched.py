@@ -64,6 +64,9 @@ class DecodePool:
         self.linear_cache = bool(getattr(method, "linear_cache", False))
         self.rows = 0
         self.free_rows: list[int] = []
+        #: host-side: per row, the slots each layer can occupy (see :meth:`load_layer`), read by :meth:`layer_widths`
+        #: when the step is planned, so that no device value is read in the step
+        self.row_widths: dict[int, list[int]] = {}
         self._grow(max(int(rows), 1))
 
     # ------------------------------------------------------------------ rows
@@ -109,6 +112,7 @@ class DecodePool:
         if self.linear is not None:
             self.linear[:, row] = 0
         self.prompt_len[row], self.budget[row], self.seen[row] = prompt_len, budget, prompt_len
+        self.row_widths[row] = [self.width] * self.num_layers
         return row
 
     def release(self, row: int) -> None:
@@ -129,8 +133,23 @@ class DecodePool:
         self.valid[layer, row, :, :n] = store.valid[0]
         self.scores[layer, row, :, :n] = store.scores[0]
         self.target[layer, row] = -1 if target is None else target[0]
+        # The slots this layer can occupy from now on: a step inserts into the first free slot and evicts down to
+        # the target, so the occupied slots stay below max(n, target + 1); without a target, the whole row.
+        # (A host read of the target, once per prefilled layer: never inside a decode step.)
+        top = -1 if target is None else int(target[0].min())
+        self.row_widths[row][layer] = self.width if top < 0 else min(self.width, max(n, int(target[0].max()) + 1))
         if self.linear is not None and store.linear is not None:
             self.linear[layer, row] = store.linear.aug[0]
+
+    def layer_widths(self, rows: list[int]) -> list[int]:
+        """Per layer, the slots a step over ``rows`` must read: the most any of them can occupy in that layer,
+        rounded up to whole blocks (so that a step has few distinct shapes), at most :attr:`width`.
+
+        CAKE's and SLAKE's layers keep different budgets (a few tokens to ``max_layer_budget``), so reading every
+        layer at the widest layer's width would read and score up to twice the slots a layer holds."""
+        bs = self.block_size
+        widths = [max(w) for w in zip(*(self.row_widths[r] for r in rows), strict=True)]
+        return [min(self.width, -(-w // bs) * bs) for w in widths]
 
     def kept(self, row: int) -> list[float]:
         """Mean kept tokens per KV head, per layer, of ``row``."""
@@ -146,6 +165,7 @@ class DecodePool:
             "prompt_len": int(self.prompt_len[row]),
             "budget": int(self.budget[row]),
             "seen": int(self.seen[row]),
+            "widths": list(self.row_widths[row]),
         }
         if self.linear is not None:
             out["linear"] = self.linear[:, row].clone()
@@ -158,6 +178,7 @@ class DecodePool:
         if self.linear is not None:
             self.linear[:, row] = saved["linear"]
         self.prompt_len[row], self.budget[row], self.seen[row] = saved["prompt_len"], saved["budget"], saved["seen"]
+        self.row_widths[row] = list(saved["widths"])
 
     def row_bytes(self) -> tuple[int, int]:
         """Bytes one row holds: (per-slot metadata, linear state), all layers."""
@@ -180,6 +201,7 @@ class DecodePool:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         scaling: float,
+        width: int | None = None,
     ) -> torch.Tensor:
         """One decode step of layer ``layer`` for ``R`` compressed requests.
 
@@ -198,6 +220,9 @@ class DecodePool:
             ``(R, Hq, d)`` / ``(R, Hkv, d)`` / ``(R, Hkv, d)`` the new tokens' post-RoPE projections.
         kv_cache : torch.Tensor
             vLLM's cache of this layer (the new key/value is written to it, nothing else).
+        width : int, optional
+            Slots to read and score in this layer (:meth:`layer_widths`; default :attr:`width`): no row occupies a
+            slot at or past it, so the result is the same as with the whole row, for less work.
 
         Returns
         -------
@@ -208,10 +233,13 @@ class DecodePool:
         R, Hq, d = query.shape
         H = self.kv_heads
         g = Hq // H
-        W = self.width
-        pos = self.positions[layer].index_select(0, rows)
-        valid = self.valid[layer].index_select(0, rows)
-        stored = self.scores[layer].index_select(0, rows)
+        W = self.width if width is None else width
+        nb = -(-W // self.block_size)
+        table, blocks, offsets = table[:, :nb], blocks[:, :W], offsets[:W]
+        positions_l, valid_l, scores_l = (t[layer][..., :W] for t in (self.positions, self.valid, self.scores))
+        pos = positions_l.index_select(0, rows)
+        valid = valid_l.index_select(0, rows)
+        stored = scores_l.index_select(0, rows)
         target = self.target[layer].index_select(0, rows)
         # 1. append: the first free slot of every row and head (argmax returns the first maximum)
         free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)  # (R, H, 1)
@@ -266,9 +294,9 @@ class DecodePool:
         pos.masked_fill_(mask, -1)
         scores.masked_fill_(mask, float("-inf"))
         # 5. write the rows back
-        self.positions[layer].index_copy_(0, rows, pos)
-        self.valid[layer].index_copy_(0, rows, valid)
-        self.scores[layer].index_copy_(0, rows, scores)
+        positions_l.index_copy_(0, rows, pos)
+        valid_l.index_copy_(0, rows, valid)
+        scores_l.index_copy_(0, rows, scores)
         if linear is not None:
             self.linear[layer].index_copy_(0, rows, linear.aug)
         return out.reshape(R, Hq, d)
