@@ -33,9 +33,11 @@ def _write(kv, blocks, keys, values):
         vals[b, h, o, :] = values[h]
 
 
-@pytest.mark.parametrize("layer_widths", [False, True], ids=["whole-row", "layer-widths"])
+@pytest.mark.parametrize(
+    "layer_widths, row_slice", [(False, False), (True, False), (True, True)], ids=["whole-row", "widths", "in-place"]
+)
 @pytest.mark.parametrize("method", SUPPORTED_METHODS)
-def test_pool_step_equals_compressed_kv(method, layer_widths):
+def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
     torch.manual_seed(0)
     m = with_layer_cap(
         make_method(method, **({} if method in ("streamingllm", "tova") else {"window": 4})), Budget(BUDGET)
@@ -66,6 +68,9 @@ def test_pool_step_equals_compressed_kv(method, layer_widths):
     rows_t = torch.tensor(rows)
     blocks_t, offsets = slot_blocks(torch.stack(tables), width, BS)
     widths = pool.layer_widths(rows) if layer_widths else [None] * LAYERS
+    # rows 0, 1, 2 in order: the step may update them in place through a slice
+    assert rows == [0, 1, 2]
+    index = slice(0, 3) if row_slice else rows_t
     if layer_widths and m.layer_budgets == "preference":  # the cascade gives layers different budgets
         assert min(widths) < width, widths
     for _ in range(12):
@@ -76,7 +81,7 @@ def test_pool_step_equals_compressed_kv(method, layer_widths):
             k = torch.randn(len(lengths), H, D)
             v = torch.randn(len(lengths), H, D)
             out = pool.decode_layer(
-                li, rows_t, torch.stack(tables), blocks_t, offsets, newest, q, k, v, kv[li], D**-0.5, widths[li]
+                li, index, torch.stack(tables), blocks_t, offsets, newest, q, k, v, kv[li], D**-0.5, widths[li]
             )
             for r, ref in enumerate(refs):
                 ref.append(li, k[r : r + 1, :, None], v[r : r + 1, :, None])

@@ -116,6 +116,8 @@ class StepPlan:
     #: slot blocks (R, W), offsets (W,), the new tokens' positions (R, 1, 1), and per layer the slots to read
     #: (``DecodePool.layer_widths``)
     rows: torch.Tensor | None = None
+    #: ``rows`` as the slice ``a:a+R`` when they are contiguous (the pool then updates them in place), else ``rows``
+    row_index: torch.Tensor | slice | None = None
     widths: list[int] = field(default_factory=list)
     qidx: torch.Tensor | None = None
     table: torch.Tensor | None = None
@@ -340,6 +342,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             # (never past the request's blocks, and no wasted pass over the kept cache)
             seq_lens[i] = 1
         if decodes:
+            decodes.sort(key=lambda d: d[0].row)  # row order: usually one contiguous run of the pool's rows
             pool = self._pool()
             W = pool.width
             nb = -(-W // bs)
@@ -353,6 +356,8 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             plan.blocks, plan.offsets = slot_blocks(tbl, W, bs)
             rows = [d[0].row for d in decodes]
             plan.rows = torch.tensor(rows, dtype=torch.int64)
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            plan.row_index = slice(rows[0], rows[0] + len(rows)) if contiguous else plan.rows
             plan.widths = pool.layer_widths(rows)
             plan.qidx = torch.tensor([d[1] for d in decodes], dtype=torch.int64)
             plan.newest = pool.seen.index_select(0, plan.rows).view(-1, 1, 1)
@@ -449,7 +454,7 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         qidx = plan.qidx
         o = _POOL.decode_layer(
             li,
-            plan.rows,
+            plan.row_index,
             plan.table,
             plan.blocks,
             plan.offsets,

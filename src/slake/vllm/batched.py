@@ -38,6 +38,21 @@ from slake.methods.base import DecodeInputs, Method
 from slake.vllm.paged import block_logits, gather_rows, write_slot
 
 
+def _take(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """``t``'s rows (dim 0): a view for a slice, a copy for an index tensor."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def _put(t: torch.Tensor, rows: torch.Tensor | slice, x: torch.Tensor) -> None:
+    """Write ``x`` into ``t``'s rows, unless ``x`` already is that view (:func:`_take` of a slice, updated in place)."""
+    if not isinstance(rows, slice):
+        t.index_copy_(0, rows, x)
+        return
+    view = t[rows]
+    if x.data_ptr() != view.data_ptr() or x.stride() != view.stride():
+        view.copy_(x)
+
+
 class DecodePool:
     """Per-layer decode metadata of the compressed requests of one worker, one row per request.
 
@@ -104,7 +119,8 @@ class DecodePool:
         """A free row for a request of ``prompt_len`` tokens (the pool doubles when none is free)."""
         if not self.free_rows:
             self._grow(self.rows)
-        row = self.free_rows.pop(0)
+        row = min(self.free_rows)  # the lowest: the running rows stay contiguous (see decode_layer's ``rows``)
+        self.free_rows.remove(row)
         self.positions[:, row] = -1
         self.valid[:, row] = False
         self.scores[:, row] = float("-inf")
@@ -191,7 +207,7 @@ class DecodePool:
     def decode_layer(
         self,
         layer: int,
-        rows: torch.Tensor,
+        rows: torch.Tensor | slice,
         table: torch.Tensor,
         blocks: torch.Tensor,
         offsets: torch.Tensor,
@@ -207,8 +223,11 @@ class DecodePool:
 
         Parameters
         ----------
-        rows : torch.Tensor
-            ``(R,)`` int64 pool rows.
+        rows : torch.Tensor or slice
+            ``(R,)`` int64 pool rows, or the slice ``a:a+R`` when they are contiguous and in order (the usual case:
+            rows are allocated lowest first and the step lists them in row order): the pool's rows are then updated
+            in place through views, instead of being gathered and written back (SLAKE's linear state alone is
+            ``(d + 1)^2`` floats per row and head).
         table : torch.Tensor
             ``(R, ceil(W / block_size))`` int64 block ids of each row, in slot order.
         blocks, offsets : torch.Tensor
@@ -237,10 +256,8 @@ class DecodePool:
         nb = -(-W // self.block_size)
         table, blocks, offsets = table[:, :nb], blocks[:, :W], offsets[:W]
         positions_l, valid_l, scores_l = (t[layer][..., :W] for t in (self.positions, self.valid, self.scores))
-        pos = positions_l.index_select(0, rows)
-        valid = valid_l.index_select(0, rows)
-        stored = scores_l.index_select(0, rows)
-        target = self.target[layer].index_select(0, rows)
+        pos, valid, stored = _take(positions_l, rows), _take(valid_l, rows), _take(scores_l, rows)
+        target = _take(self.target[layer], rows)
         # 1. append: the first free slot of every row and head (argmax returns the first maximum)
         free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)  # (R, H, 1)
         slot = free[..., 0]
@@ -264,8 +281,8 @@ class DecodePool:
                 positions=pos,
                 valid=valid,
                 stored=stored,
-                prompt_len=self.prompt_len.index_select(0, rows),
-                budget=self.budget.index_select(0, rows),
+                prompt_len=_take(self.prompt_len, rows),
+                budget=_take(self.budget, rows),
             )
         ).float()
         counts = valid.sum(-1)
@@ -278,7 +295,7 @@ class DecodePool:
         lowest = scores.masked_fill(protected, float("inf")).argmin(-1, keepdim=True)  # (R, H, 1)
         chosen = (excess[..., None] > 0) & valid.gather(-1, lowest)
         mask = torch.zeros_like(valid).scatter_(-1, lowest, chosen)
-        linear = None if self.linear is None else LinearState(self.linear[layer].index_select(0, rows))
+        linear = None if self.linear is None else LinearState(_take(self.linear[layer], rows))
         # 4. output and eviction, in the method's order
         if m.evict_before_output:
             self._fold(linear, keys_t, values, lowest, chosen)
@@ -294,11 +311,11 @@ class DecodePool:
         pos.masked_fill_(mask, -1)
         scores.masked_fill_(mask, float("-inf"))
         # 5. write the rows back
-        positions_l.index_copy_(0, rows, pos)
-        valid_l.index_copy_(0, rows, valid)
-        scores_l.index_copy_(0, rows, scores)
+        _put(positions_l, rows, pos)
+        _put(valid_l, rows, valid)
+        _put(scores_l, rows, scores)
         if linear is not None:
-            self.linear[layer].index_copy_(0, rows, linear.aug)
+            _put(self.linear[layer], rows, linear.aug)
         return out.reshape(R, Hq, d)
 
     @staticmethod

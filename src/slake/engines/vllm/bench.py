@@ -349,6 +349,7 @@ def pool_step_cpu_ms(
     kv = [torch.randn(requests * nb + 1, kv_heads, block_size, 2 * head_dim, generator=g) for _ in range(layers)]
     pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests)
     rows = torch.tensor([pool.allocate(16 * budget, budget) for _ in range(requests)])
+    index = slice(0, requests)  # rows 0..R-1, in order: the plugin's in-place case (``DecodePool.decode_layer``)
     pool.valid[:, :, :, : W - 1] = True
     pool.positions[:, :, :, : W - 1] = torch.arange(W - 1)
     pool.scores[:, :, :, : W - 1] = torch.rand(layers, requests, kv_heads, W - 1, generator=g)
@@ -364,7 +365,7 @@ def pool_step_cpu_ms(
         pool.seen.index_add_(0, rows, torch.ones_like(rows))
         t0 = time.process_time()
         for li in range(layers):
-            pool.decode_layer(li, rows, table, blocks, offsets, newest, q, k, v, kv[li], head_dim**-0.5)
+            pool.decode_layer(li, index, table, blocks, offsets, newest, q, k, v, kv[li], head_dim**-0.5)
         times.append(time.process_time() - t0)
     return statistics.median(times[2:]) * 1000
 
