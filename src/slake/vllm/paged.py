@@ -175,8 +175,9 @@ class FlashAttnLayout(PagedLayout):
     The tensor's strides follow vLLM's resolved ``KVCacheLayout`` (``LBNHC`` = NHD by default, ``LBHNC`` = HND,
     block-outermost variants); every operation here indexes the logical view, so it holds for all of them, and for
     FlashInfer's view of the same tensor (``kv_cache.permute(*layout.layer_view_order).split(d, dim=-1)``).
-    :meth:`gather` copies whole blocks with one ``index_select`` and lays them out slot-major ``(R, Hkv, slots,
-    2 * d)`` with one more copy; keys and values are views of it, and :meth:`logits` is one matmul over the slots
+    :meth:`gather` reads the rows' slots straight into slot-major order ``(R, Hkv, slots, 2 * d)`` with one gather
+    (one pass over the kept cache, the cheapest on a GPU; on CPU whole-block ``index_select`` is faster, which is why
+    :class:`CpuAttnLayout` uses it); keys and values are views of it, and :meth:`logits` is one matmul over the slots
     (the transformers engine's own product, :func:`slake.cache.compressed.matmul_f32`)."""
 
     name = "FLASH_ATTN"
@@ -185,9 +186,9 @@ class FlashAttnLayout(PagedLayout):
         """Keys and values ``(R, H, nb * block_size, d)``, slot-major views of one gathered copy."""
         _, H, bs, d2 = kv_cache.shape
         d = d2 // 2
-        R, nb = table.shape
-        blk = kv_cache.index_select(0, table.reshape(-1)).reshape(R, nb, H, bs, d2)
-        kv = blk.permute(0, 2, 1, 3, 4).reshape(R, H, nb * bs, d2)
+        blocks, offsets = slot_blocks(table, table.shape[1] * bs, bs)  # (R, slots), (slots,)
+        h = torch.arange(H, dtype=torch.int64, device=table.device).view(1, H, 1)
+        kv = kv_cache[blocks[:, None, :], h, offsets]  # (R, H, slots, 2d)
         return kv[..., :d], kv[..., d:]
 
     def logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
