@@ -1,7 +1,8 @@
 """The batched decode step (:class:`slake.vllm.batched.DecodePool`) equals the transformers engine's per-request
 step (:class:`slake.cache.compressed.CompressedKV`) on random tensors: the same kept slots (positions, validity, keys
 in the paged cache) and the same outputs and linear state up to float32 rounding, for several requests of different
-lengths decoding together in one paged cache."""
+lengths decoding together in one paged cache, in vLLM's CPU layout and in the FlashAttention layout (on CPU
+tensors)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
 from slake.vllm.batched import DecodePool
 from slake.vllm.config import SUPPORTED_METHODS, with_layer_cap
-from slake.vllm.paged import read_slots, slot_blocks
+from slake.vllm.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 
 BUDGET = 24
 BS = 8
@@ -21,23 +22,27 @@ H, G, D = 2, 2, 16
 LAYERS = 2
 
 
-def _write(kv, blocks, keys, values):
-    from slake.vllm.paged import _views
+def _cache(layout: PagedLayout) -> torch.Tensor:
+    """One layer's zeroed paged cache of 64 blocks in ``layout``'s tensor, as vLLM allocates it (FlashAttention:
+    its default NHD memory order, a strided ``(blocks, Hkv, block_size, 2d)`` view)."""
+    if isinstance(layout, FlashAttnLayout):
+        return torch.zeros(64, BS, H, 2 * D).permute(0, 2, 1, 3)
+    return torch.zeros(64, H, BS, 2 * D)
 
-    keys_t, vals = _views(kv)
+
+def _write(layout, kv, blocks, keys, values):
+    """A prefilled request's ``(H, n, d)`` kept keys/values to its first ``n`` slots (``n`` rows of the writer)."""
     n = keys.shape[1]
     i = torch.arange(n)
-    b, o = blocks[i // BS], i % BS
-    for h in range(keys.shape[0]):
-        keys_t[b, h, :, o] = keys[h]
-        vals[b, h, o, :] = values[h]
+    b, o = blocks[i // BS, None].expand(n, H), (i % BS)[:, None].expand(n, H)
+    layout.write(kv, b, o, keys.transpose(0, 1), values.transpose(0, 1))
 
 
-@pytest.mark.parametrize(
-    "layer_widths, row_slice", [(False, False), (True, False), (True, True)], ids=["whole-row", "widths", "in-place"]
-)
-@pytest.mark.parametrize("method", SUPPORTED_METHODS)
-def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
+def _pool_against_engine(method: str, layout: PagedLayout, layer_widths: bool = False, row_slice: bool = False) -> list:
+    """Three requests of different lengths prefilled by ``CompressedKV`` and decoded 12 steps by the pool in
+    ``layout``, checked step by step against ``CompressedKV``; returns each step's ``(outputs, positions, valid)``
+    per layer. ``layer_widths``: each layer reads only the slots :meth:`DecodePool.layer_widths` gives it;
+    ``row_slice``: the rows are passed as a slice and updated in place."""
     torch.manual_seed(0)
     m = with_layer_cap(
         make_method(method, **({} if method in ("streamingllm", "tova") else {"window": 4})), Budget(BUDGET)
@@ -45,8 +50,8 @@ def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
     lengths = [40, 57, 31]
     width = (getattr(m, "max_layer_budget", None) or BUDGET) + 1 if m.layer_budgets == "preference" else BUDGET + 1
     nb_req = -(-max(lengths) // BS) + 1
-    kv = [torch.randn(64, H, BS, 2 * D) * 0 for _ in range(LAYERS)]
-    pool = DecodePool(m, LAYERS, H, D, width, BS, rows=2)
+    kv = [_cache(layout) for _ in range(LAYERS)]
+    pool = DecodePool(m, LAYERS, H, D, width, BS, rows=2, layout=layout)
     refs, rows, tables = [], [], []
     perm = torch.randperm(63)[: nb_req * len(lengths)] + 1
     for r, n in enumerate(lengths):
@@ -60,7 +65,7 @@ def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
         row = pool.allocate(n, BUDGET)
         for li in range(LAYERS):
             st = ref.layers[li]
-            _write(kv[li], blocks, st.keys[0], st.values[0])
+            _write(layout, kv[li], blocks, st.keys[0], st.values[0])
             pool.load_layer(row, li, st, ref.targets[li])
         refs.append(ref)
         rows.append(row)
@@ -68,11 +73,11 @@ def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
     rows_t = torch.tensor(rows)
     blocks_t, offsets = slot_blocks(torch.stack(tables), width, BS)
     widths = pool.layer_widths(rows) if layer_widths else [None] * LAYERS
-    # rows 0, 1, 2 in order: the step may update them in place through a slice
-    assert rows == [0, 1, 2]
-    index = slice(0, 3) if row_slice else rows_t
     if layer_widths and m.layer_budgets == "preference":  # the cascade gives layers different budgets
         assert min(widths) < width, widths
+    assert rows == [0, 1, 2]  # in order: the step may update them in place through a slice
+    index = slice(0, 3) if row_slice else rows_t
+    trace = []
     for _ in range(12):
         newest = pool.seen.index_select(0, rows_t).view(-1, 1, 1)
         pool.seen.index_add_(0, rows_t, torch.ones_like(rows_t))
@@ -83,18 +88,40 @@ def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
             out = pool.decode_layer(
                 li, index, torch.stack(tables), blocks_t, offsets, newest, q, k, v, kv[li], D**-0.5, widths[li]
             )
+            trace.append((out, pool.positions[li, rows_t].clone(), pool.valid[li, rows_t].clone()))
             for r, ref in enumerate(refs):
                 ref.append(li, k[r : r + 1, :, None], v[r : r + 1, :, None])
                 o = ref.decode_attention(li, q[r : r + 1, :, None], D**-0.5)
-                # the logits come from vLLM's block layout (one matmul per block, another summation order over d
-                # than the engine's one matmul over the store): equal to float32 rounding, kept sets identical
+                # the CPU layout's logits are one matmul per block (another summation order than the engine's one
+                # matmul over the store): equal to float32 rounding, kept sets identical
                 torch.testing.assert_close(out[r], o[0, :, 0], rtol=1e-5, atol=1e-6)
                 st = ref.layers[li]
                 cap = st.capacity
                 assert torch.equal(pool.valid[li, rows[r], :, :cap], st.valid[0])
                 assert torch.equal(pool.positions[li, rows[r], :, :cap], st.positions[0])
                 assert not pool.valid[li, rows[r], :, cap:].any()
-                kk, vv = read_slots(kv[li], tables[r], cap)
+                kk, vv = layout.read(kv[li], tables[r], cap)
                 assert torch.equal(kk[st.valid[0]], st.keys[0][st.valid[0]])
                 if st.linear is not None:
                     torch.testing.assert_close(pool.linear[li, rows[r]], st.linear.aug[0], rtol=1e-5, atol=1e-6)
+    return trace
+
+
+@pytest.mark.parametrize(
+    "layer_widths, row_slice", [(False, False), (True, False), (True, True)], ids=["whole-row", "widths", "in-place"]
+)
+@pytest.mark.parametrize("method", SUPPORTED_METHODS)
+def test_pool_step_equals_compressed_kv(method, layer_widths, row_slice):
+    _pool_against_engine(method, CpuAttnLayout(), layer_widths, row_slice)
+
+
+@pytest.mark.parametrize("method", SUPPORTED_METHODS)
+def test_flash_layout_pool_equals_cpu_layout(method):
+    """The same requests through the FlashAttention layout (on CPU tensors, NHD strides): the engine's results, and
+    the CPU layout's: identical kept positions and validity, outputs equal to float32 rounding (the logits are one
+    matmul over slot-major keys there, one per block here)."""
+    flash = _pool_against_engine(method, FlashAttnLayout(), layer_widths=True, row_slice=True)
+    cpu = _pool_against_engine(method, CpuAttnLayout())
+    for (o_f, p_f, v_f), (o_c, p_c, v_c) in zip(flash, cpu, strict=True):
+        assert torch.equal(p_f, p_c) and torch.equal(v_f, v_c)
+        torch.testing.assert_close(o_f, o_c, rtol=1e-5, atol=1e-6)

@@ -58,7 +58,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from slake.cache.compressed import CompressedKV
 from slake.vllm.batched import DecodePool
 from slake.vllm.config import SlakeVllmConfig, parse_config
-from slake.vllm.paged import check_layout, read_slots, slot_blocks, slot_mapping
+from slake.vllm.paged import CpuAttnLayout, PagedLayout, slot_blocks, slot_mapping
 from slake.vllm.validate import validate_engine_config
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
@@ -149,6 +149,10 @@ _RUNNER = None
 #: the plan of the step being run (read by ``do_kv_cache_update``, which receives no metadata)
 _CURRENT: StepPlan | None = None
 _LAYOUT_CHECKED = False
+#: how this backend's cache tensors store keys and values (``CPU_ATTN``'s block-transposed keys); the decode pool and
+#: the preemption copy go through it. A GPU backend would pass :class:`slake.vllm.paged.FlashAttnLayout`
+#: (``docs/gpu.md``).
+LAYOUT: PagedLayout = CpuAttnLayout()
 #: compressed requests started in this process, newest last, recorded only while ``RECORD_RUNS`` is True (set by
 #: :func:`slake.engines.vllm.runner.run_vllm`, which reads them back; a server records nothing)
 RUN_LOG: list[RequestState] = []
@@ -208,7 +212,7 @@ def request_preempted(req_id: str, block_ids: list[int] | None) -> None:
         return
     held = torch.tensor(block_ids[: _CONFIG_BLOCKS(st.prompt_len)], dtype=torch.int64)
     n = min(_POOL.width, held.numel() * _POOL.block_size)
-    kv = {li: read_slots(cache, held, n) for li, cache in _CACHES.items()}
+    kv = {li: _POOL.layout.read(cache, held, n) for li, cache in _CACHES.items()}
     st.saved = {"meta": _POOL.row_state(st.row), "kv": kv}
     _release(st)
     _SAVED[req_id] = st
@@ -274,6 +278,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                 self.slake.slots(),
                 self.block_size,
                 rows=min(int(self.vllm_config.scheduler_config.max_num_seqs), 8),
+                layout=LAYOUT,
             )
         return _POOL
 
@@ -398,7 +403,8 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
     def _write(
         self, layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor
     ) -> None:
-        """Write ``(Hkv, n, d)`` keys/values to the request's first ``n`` slots (vLLM's own cache-write op)."""
+        """Write ``(Hkv, n, d)`` keys/values to the request's first ``n`` slots (vLLM's own cache-write op; the
+        first write of the process checks that :data:`LAYOUT` reads back exactly what the op stored)."""
         global _LAYOUT_CHECKED
         bs = kv_cache.shape[2]
         n = keys.shape[1]
@@ -407,7 +413,7 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         v = values.transpose(0, 1).contiguous().to(kv_cache.dtype)
         CPUAttentionBackendImpl.do_kv_cache_update(self, layer, k, v, kv_cache, slots)
         if not _LAYOUT_CHECKED:
-            check_layout(kv_cache, k.transpose(0, 1), v.transpose(0, 1), block_ids)
+            LAYOUT.check(kv_cache, k.transpose(0, 1), v.transpose(0, 1), block_ids)
             _LAYOUT_CHECKED = True
 
     def forward(

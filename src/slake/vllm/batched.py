@@ -12,11 +12,11 @@ step (:meth:`CompressedKV.append` + :meth:`CompressedKV.decode_attention`) for a
 requests at once, with no loop over requests:
 
 1. the new token's key/value is written to each row's first free slot (per KV head: the slot evicted at the
-   previous step, or the one extra slot after prefill), straight into vLLM's blocks
-   (:func:`slake.vllm.paged.write_slot`);
-   nothing else of the cache is written;
-2. the rows' slots are gathered from the blocks into ``(R, Hkv, W, d)`` (:func:`slake.vllm.paged.gather_rows`),
-   logits of the scaled queries in group layout, ``-inf`` on invalid slots;
+   previous step, or the one extra slot after prefill), straight into vLLM's blocks (the layout's
+   :meth:`~slake.vllm.paged.PagedLayout.write`); nothing else of the cache is written;
+2. the rows' slots are gathered from the blocks (:meth:`~slake.vllm.paged.PagedLayout.gather`, values
+   ``(R, Hkv, W, d)``), logits of the scaled queries in group layout (:meth:`~slake.vllm.paged.PagedLayout.logits`),
+   ``-inf`` on invalid slots;
 3. softmax, the method's ``decode_scores``, the protected slots (window relative to each row's newest position,
    sinks), one victim per row and KV head (``argmin``, the first minimum, as the transformers engine);
 4. SLAKE (evict before the output): fold the victim into the linear state and attend with PTAA; other methods:
@@ -25,6 +25,11 @@ requests at once, with no loop over requests:
 
 The arithmetic per row is the transformers engine's (same slot choice, same operations over the same slots), so a
 request's tokens equal its batch-1 run there; the tests say so for every supported method.
+
+The pool never indexes vLLM's cache tensor itself: a :class:`slake.vllm.paged.PagedLayout` reads and writes it
+(vLLM's ``CPU_ATTN`` layout by default; :class:`slake.vllm.paged.FlashAttnLayout` for a GPU backend,
+``docs/gpu.md``). The step is device-agnostic torch: its tensors live on the pool's ``device`` and the cache's, it
+reads nothing back to the host and branches on no tensor value, and its shapes depend only on ``R`` and ``W``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from slake.attention.ptaa import attend
 from slake.cache.compressed import _probs_values, _safe_softmax
 from slake.cache.linear_state import LinearState
 from slake.methods.base import DecodeInputs, Method
-from slake.vllm.paged import block_logits, gather_rows, write_slot
+from slake.vllm.paged import CpuAttnLayout, PagedLayout
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
@@ -68,12 +73,27 @@ class DecodePool:
         vLLM's block size.
     rows : int
         Initial rows; the pool doubles when full (at a prefill, never inside a decode step).
+    layout : PagedLayout | None
+        How vLLM's cache tensor stores keys and values (default: :class:`~slake.vllm.paged.CpuAttnLayout`).
+    device : torch.device | str | None
+        Where the pool's tensors live (default: CPU); the decode step's inputs must be there too.
     """
 
     def __init__(
-        self, method: Method, num_layers: int, kv_heads: int, head_dim: int, width: int, block_size: int, rows: int = 8
+        self,
+        method: Method,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        width: int,
+        block_size: int,
+        rows: int = 8,
+        layout: PagedLayout | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.method = method
+        self.layout = CpuAttnLayout() if layout is None else layout
+        self.device = torch.device("cpu" if device is None else device)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.width, self.block_size = width, block_size
         self.linear_cache = bool(getattr(method, "linear_cache", False))
@@ -89,7 +109,7 @@ class DecodePool:
         L, H, W, d = self.num_layers, self.kv_heads, self.width, self.head_dim
 
         def new(shape, fill, dtype):
-            return torch.full(shape, fill, dtype=dtype)
+            return torch.full(shape, fill, dtype=dtype, device=self.device)
 
         def cat(old, t):  # per-layer tensors: rows on dim 1
             return t if old is None else torch.cat([old, t], dim=1)
@@ -100,18 +120,12 @@ class DecodePool:
         self.scores = cat(getattr(self, "scores", None), new((L, n, H, W), float("-inf"), torch.float32))
         self.target = cat(getattr(self, "target", None), new((L, n, H), -1, torch.int64))
         if self.linear_cache:
-            self.linear = cat(getattr(self, "linear", None), torch.zeros(L, n, H, d + 1, d + 1))
+            self.linear = cat(getattr(self, "linear", None), new((L, n, H, d + 1, d + 1), 0.0, torch.float32))
         else:
             self.linear = None
-        self.prompt_len = torch.cat(
-            [getattr(self, "prompt_len", torch.zeros(0, dtype=torch.int64)), torch.zeros(n, dtype=torch.int64)]
-        )
-        self.budget = torch.cat(
-            [getattr(self, "budget", torch.zeros(0, dtype=torch.int64)), torch.zeros(n, dtype=torch.int64)]
-        )
-        self.seen = torch.cat(
-            [getattr(self, "seen", torch.zeros(0, dtype=torch.int64)), torch.zeros(n, dtype=torch.int64)]
-        )
+        self.prompt_len = torch.cat([getattr(self, "prompt_len", new((0,), 0, torch.int64)), new((n,), 0, torch.int64)])
+        self.budget = torch.cat([getattr(self, "budget", new((0,), 0, torch.int64)), new((n,), 0, torch.int64)])
+        self.seen = torch.cat([getattr(self, "seen", new((0,), 0, torch.int64)), new((n,), 0, torch.int64)])
         self.free_rows.extend(range(self.rows, self.rows + n))
         self.rows += n
 
@@ -232,13 +246,13 @@ class DecodePool:
             ``(R, ceil(W / block_size))`` int64 block ids of each row, in slot order.
         blocks, offsets : torch.Tensor
             ``(R, W)`` block id and ``(W,)`` in-block offset of every slot of each row
-            (:func:`slake.vllm.paged.slot_blocks`).
+            (:func:`slake.vllm.paged.slot_blocks`), for the layout's writer.
         newest : torch.Tensor
             ``(R, 1, 1)`` int64 position of each row's new token.
         query, key, value : torch.Tensor
             ``(R, Hq, d)`` / ``(R, Hkv, d)`` / ``(R, Hkv, d)`` the new tokens' post-RoPE projections.
         kv_cache : torch.Tensor
-            vLLM's cache of this layer (the new key/value is written to it, nothing else).
+            vLLM's cache of this layer, in the pool's layout (the new key/value is written to it, nothing else).
         width : int, optional
             Slots to read and score in this layer (:meth:`layer_widths`; default :attr:`width`): no row occupies a
             slot at or past it, so the result is the same as with the whole row, for less work.
@@ -249,6 +263,7 @@ class DecodePool:
             ``(R, Hq, d)`` float32 attention output.
         """
         m = self.method
+        layout = self.layout
         R, Hq, d = query.shape
         H = self.kv_heads
         g = Hq // H
@@ -261,17 +276,17 @@ class DecodePool:
         # 1. append: the first free slot of every row and head (argmax returns the first maximum)
         free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)  # (R, H, 1)
         slot = free[..., 0]
-        write_slot(kv_cache, blocks.gather(1, slot), offsets[slot], key, value)  # blocks/offsets are per slot
+        layout.write(kv_cache, blocks.gather(1, slot), offsets[slot], key, value)  # blocks/offsets are per slot
         valid.scatter_(-1, free, True)
         pos.scatter_(-1, free, newest.expand(R, H, 1))
         stored.scatter_(-1, free, 0.0)
         # 2. logits over the rows' slots
         # whole blocks, W' >= W slots; the cache is allocated zeroed and holds only written keys/values, so the
         # invalid slots' values are finite (their probability is 0, and 0 * x must stay 0)
-        keys_t, values = gather_rows(kv_cache, table)  # (R, nb, H, d, bs), (R, H, W', d)
+        keys, values = layout.gather(kv_cache, table)  # keys in the layout's form, values (R, H, W', d)
         values = values[:, :, :W]
         qf = (query.float() * scaling).reshape(R, H, g, 1, d)
-        x = block_logits(qf.reshape(R, H, g, d), keys_t)[..., :W].reshape(R, H, g, 1, W)
+        x = layout.logits(qf.reshape(R, H, g, d), keys)[..., :W].reshape(R, H, g, 1, W)
         x.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
         # 3. scores and the victim of every row and head
         probs = _safe_softmax(x)
@@ -298,7 +313,7 @@ class DecodePool:
         linear = None if self.linear is None else LinearState(_take(self.linear[layer], rows))
         # 4. output and eviction, in the method's order
         if m.evict_before_output:
-            self._fold(linear, keys_t, values, lowest, chosen)
+            self._fold(linear, layout, keys, values, lowest, chosen)
             x.masked_fill_(mask[:, :, None, None, :], float("-inf"))
             out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
         else:
@@ -306,7 +321,7 @@ class DecodePool:
                 out = _probs_values(probs, values)
             else:
                 out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
-            self._fold(linear, keys_t, values, lowest, chosen)
+            self._fold(linear, layout, keys, values, lowest, chosen)
         valid &= ~mask
         pos.masked_fill_(mask, -1)
         scores.masked_fill_(mask, float("-inf"))
@@ -321,7 +336,8 @@ class DecodePool:
     @staticmethod
     def _fold(
         linear: LinearState | None,
-        keys_t: torch.Tensor,
+        layout: PagedLayout,
+        keys: torch.Tensor,
         values: torch.Tensor,
         slots: torch.Tensor,
         chosen: torch.Tensor,
@@ -329,11 +345,8 @@ class DecodePool:
         """Fold the victims (``slots`` ``(R, H, 1)``) into the linear state, as ``LayerStore.free`` does."""
         if linear is None:
             return
-        R, nb, H, d, bs = keys_t.shape
-        s = slots[..., 0]
-        r = torch.arange(R).view(R, 1)
-        h = torch.arange(H).view(1, H)
-        k = keys_t[r, s // bs, h, :, s % bs].unsqueeze(2)  # (R, H, 1, d)
+        d = values.shape[-1]
+        k = layout.select_keys(keys, slots)  # (R, H, 1, d)
         v = values.gather(2, slots[..., None].expand(-1, -1, -1, d))  # (R, H, 1, d)
         if k.dtype == linear.dtype:
             linear.fold_slots(k, v, torch.zeros_like(slots), chosen)

@@ -1,114 +1,216 @@
-"""Reading and writing one request's slots in vLLM's paged CPU KV cache (``CPU_ATTN`` backend, vLLM 0.32).
+"""Reading and writing compressed requests' slots in vLLM's paged KV cache, behind one small interface.
 
-A layer's cache tensor is ``(num_blocks, Hkv, block_size, 2 * d)``. Inside a block and head, the values are stored
-row-major ``(block_size, d)`` and the keys transposed ``(d, block_size)`` (the layout vLLM's ``vec``/``vec16`` CPU
-kernels read). Writes go through vLLM's own ``cpu_attn_reshape_and_cache`` op; reads use that layout, and
-:func:`check_layout` verifies once per process that what the op wrote reads back bit-exactly, so a different layout
-(e.g. AMX's packed bf16 keys) fails loudly instead of corrupting the cache.
+The decode pool (:mod:`slake.vllm.batched`) and the backend never index a cache tensor themselves: they call a
+:class:`PagedLayout`, which knows how one layer's cache tensor stores a key and a value. Two layouts exist:
 
-A request's cache slot ``i`` lives in block ``block_ids[i // block_size]`` at offset ``i % block_size``.
+* :class:`CpuAttnLayout`: vLLM's ``CPU_ATTN`` backend, the one the plugin runs on. A layer's cache is
+  ``(num_blocks, Hkv, block_size, 2 * d)``; inside a block and head the keys are stored transposed
+  ``(d, block_size)`` and then the values row-major ``(block_size, d)`` (the layout of vLLM's ``vec``/``vec16`` CPU
+  kernels).
+* :class:`FlashAttnLayout`: vLLM 0.32's FlashAttention (and FlashInfer) per-layer view, the same logical shape
+  ``(num_blocks, Hkv, block_size, 2 * d)`` with the key in ``[..., :d]`` and the value in ``[..., d:]`` of every
+  (block, head, offset); its memory order is vLLM's resolved ``KVCacheLayout`` (``NHD`` by default: slot-major
+  inside a block), which only changes the strides. Tested on CPU tensors only; no GPU backend uses it yet
+  (``docs/gpu.md``).
+
+A request's cache slot ``i`` lives in block ``block_ids[i // block_size]`` at offset ``i % block_size``, whatever
+the layout. Every operation is device-agnostic torch: no host synchronisation and no Python branch on tensor values,
+so the decode step's calls can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 
+from slake.cache.compressed import matmul_f32
+
+__all__ = ["CpuAttnLayout", "FlashAttnLayout", "PagedLayout", "slot_blocks", "slot_mapping"]
+
 
 def slot_mapping(block_ids: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     """Global slot indices (``block * block_size + offset``) of a request's first ``n`` cache slots."""
-    i = torch.arange(n, dtype=torch.int64)
+    i = torch.arange(n, dtype=torch.int64, device=block_ids.device)
     return block_ids.to(torch.int64)[i // block_size] * block_size + i % block_size
-
-
-def read_slots(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of a request's first ``n`` slots, each ``(Hkv, n, d)`` (copies).
-
-    Parameters
-    ----------
-    kv_cache : torch.Tensor
-        One layer's cache, ``(num_blocks, Hkv, block_size, 2 * d)``.
-    block_ids : torch.Tensor
-        ``(>= ceil(n / block_size),)`` int block ids of the request, in slot order.
-    n : int
-        Number of slots to read.
-    """
-    nb, H, bs, d2 = kv_cache.shape
-    d = d2 // 2
-    flat = kv_cache.view(nb, H, 2 * bs * d)
-    keys_t = flat[:, :, : bs * d].view(nb, H, d, bs)
-    values = flat[:, :, bs * d :].view(nb, H, bs, d)
-    i = torch.arange(n, dtype=torch.int64)
-    blk = block_ids.to(torch.int64)[i // bs]
-    off = i % bs
-    k = keys_t[blk, :, :, off]  # (n, H, d): advanced indices split by slices go first
-    v = values[blk, :, off, :]  # (n, H, d)
-    return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-
-
-def check_layout(kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """Raise ``RuntimeError`` unless :func:`read_slots` returns exactly ``keys``/``values`` (``(Hkv, n, d)``),
-    the entries just written by vLLM's op to the request's first ``n`` slots."""
-    n = keys.shape[1]
-    k, v = read_slots(kv_cache, block_ids, n)
-    if not (torch.equal(k, keys) and torch.equal(v, values)):
-        raise RuntimeError(
-            "slake: this vLLM build stores the CPU KV cache in a layout the plugin cannot read "
-            "(e.g. AMX bf16); run the model in float32/float16 or without AMX"
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Batched access for the decode step (:mod:`slake.vllm.batched`): many requests' slots at once, one op each.
-
-
-def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``(nb, H, d, bs)`` (transposed inside a block) and values ``(nb, H, bs, d)`` views of one layer's cache."""
-    nb, H, bs, d2 = kv_cache.shape
-    d = d2 // 2
-    flat = kv_cache.view(nb, H, 2 * bs * d)
-    return flat[:, :, : bs * d].view(nb, H, d, bs), flat[:, :, bs * d :].view(nb, H, bs, d)
 
 
 def slot_blocks(table: torch.Tensor, width: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Block id ``(R, width)`` and in-block offset ``(width,)`` of every slot ``0..width-1`` of ``R`` requests whose
     block tables are the rows of ``table`` ``(R, >= ceil(width / block_size))``."""
-    i = torch.arange(width, dtype=torch.int64)
+    i = torch.arange(width, dtype=torch.int64, device=table.device)
     return table.to(torch.int64)[:, i // block_size], i % block_size
 
 
-def gather_rows(kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``R`` requests' first ``nb * block_size`` slots: keys block-wise transposed
-    ``(R, nb, H, d, block_size)`` (vLLM's layout, a view), values ``(R, H, nb * block_size, d)`` slot-major.
+class PagedLayout:
+    """How one layer's paged cache tensor stores keys and values: what the decode pool and the backend need.
 
-    ``table`` ``(R, nb)``: each request's block ids in slot order. Whole blocks are copied with one
-    ``index_select`` (contiguous rows of the cache); only the values are then laid out slot-major (one copy).
-    Several times faster on CPU than indexing single slots out of the transposed key layout."""
-    nb_all, H, bs, d2 = kv_cache.shape
-    d = d2 // 2
-    R, nb = table.shape
-    blk = kv_cache.index_select(0, table.reshape(-1)).view(R, nb, H, 2 * bs * d)
-    keys_t = blk[..., : bs * d].view(R, nb, H, d, bs)
-    values = blk[..., bs * d :].view(R, nb, H, bs, d).permute(0, 2, 1, 3, 4).reshape(R, H, nb * bs, d)
-    return keys_t, values
+    ``kv_cache`` is always one layer's ``(num_blocks, Hkv, block_size, 2 * d)`` tensor as vLLM hands it to the
+    attention backend; what the last two axes mean is the layout's business. Subclasses implement the five
+    operations below; :meth:`check` is shared.
+    """
+
+    name = "abstract"
+
+    def gather(self, kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``R`` requests' first ``nb * block_size`` slots, ``table`` ``(R, nb)`` their block
+        ids in slot order. Returns ``(keys, values)``: ``keys`` in the form this layout's :meth:`logits` and
+        :meth:`select_keys` take (layout-specific), ``values`` ``(R, Hkv, nb * block_size, d)`` in slot order (may
+        be a strided view)."""
+        raise NotImplementedError
+
+    def logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``queries`` ``(R, Hkv, g, d)`` float32 times the gathered ``keys``: ``(R, Hkv, g, nb * block_size)``
+        float32 in slot order (one batched matmul)."""
+        raise NotImplementedError
+
+    def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The gathered keys of ``slots`` ``(R, Hkv, k)`` (slot indices per request and head): ``(R, Hkv, k, d)``."""
+        raise NotImplementedError
+
+    def write(
+        self,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Write one key/value per row and KV head, each to its own slot: ``blocks``/``offsets`` ``(R, Hkv)``,
+        ``keys``/``values`` ``(R, Hkv, d)``. Unlike vLLM's cache-write ops (one slot per token for every head),
+        each head may take a different slot, as per-head eviction frees different slots per head. (``R`` rows
+        may as well be ``n`` slots of one request: ``blocks[i, h]``, ``offsets[i, h]`` of its slot ``i``.)"""
+        raise NotImplementedError
+
+    def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of a request's first ``n`` slots, each ``(Hkv, n, d)`` (copies); ``block_ids``
+        ``(>= ceil(n / block_size),)`` the request's block ids in slot order."""
+        raise NotImplementedError
+
+    def check(self, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Raise ``RuntimeError`` unless :meth:`read` returns exactly ``keys``/``values`` (``(Hkv, n, d)``), the
+        entries vLLM's own cache-write op just wrote to the request's first ``n`` slots. Run once per process, so
+        that a vLLM build storing another layout fails loudly instead of corrupting the cache (a host
+        synchronisation: never inside the decode step)."""
+        k, v = self.read(kv_cache, block_ids, keys.shape[1])
+        if not (torch.equal(k, keys) and torch.equal(v, values)):
+            raise RuntimeError(
+                f"slake: this vLLM build stores the KV cache in a layout the plugin cannot read as {self.name} "
+                "(e.g. AMX bf16 on CPU); run the model in float32/float16 or without AMX"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
-def block_logits(queries: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
-    """``queries`` ``(R, H, g, d)`` float32 times the block-wise transposed keys of :func:`gather_rows`:
-    logits ``(R, H, g, nb * block_size)`` in slot order (one batched matmul, no copy of the keys)."""
-    R, nb, H, d, bs = keys_t.shape
-    g = queries.shape[2]
-    x = torch.matmul(queries.unsqueeze(1), keys_t if keys_t.dtype == queries.dtype else keys_t.to(queries.dtype))
-    return x.permute(0, 2, 3, 1, 4).reshape(R, H, g, nb * bs)  # (R, nb, H, g, bs) -> slot order
+class CpuAttnLayout(PagedLayout):
+    """vLLM's ``CPU_ATTN`` layout: per (block, head), the keys transposed ``(d, block_size)``, then the values
+    ``(block_size, d)``.
+
+    :meth:`gather` copies whole blocks with one ``index_select`` (contiguous rows of the cache) and lays out only the
+    values slot-major; the keys stay block-transposed and :meth:`logits` multiplies them per block without a copy
+    (several times faster on CPU than indexing single slots out of the transposed key layout)."""
+
+    name = "CPU_ATTN"
+
+    @staticmethod
+    def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``(nb, H, d, bs)`` (transposed inside a block) and values ``(nb, H, bs, d)`` views of the cache."""
+        nb, H, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        flat = kv_cache.view(nb, H, 2 * bs * d)
+        return flat[:, :, : bs * d].view(nb, H, d, bs), flat[:, :, bs * d :].view(nb, H, bs, d)
+
+    def gather(self, kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys block-wise transposed ``(R, nb, H, d, block_size)`` (a view of the copied blocks), values
+        ``(R, H, nb * block_size, d)`` slot-major (one more copy)."""
+        _, H, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        R, nb = table.shape
+        blk = kv_cache.index_select(0, table.reshape(-1)).view(R, nb, H, 2 * bs * d)
+        keys_t = blk[..., : bs * d].view(R, nb, H, d, bs)
+        values = blk[..., bs * d :].view(R, nb, H, bs, d).permute(0, 2, 1, 3, 4).reshape(R, H, nb * bs, d)
+        return keys_t, values
+
+    def logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        R, nb, H, d, bs = keys.shape
+        g = queries.shape[2]
+        x = torch.matmul(queries.unsqueeze(1), keys if keys.dtype == queries.dtype else keys.to(queries.dtype))
+        return x.permute(0, 2, 3, 1, 4).reshape(R, H, g, nb * bs)  # (R, nb, H, g, bs) -> slot order
+
+    def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        R, nb, H, d, bs = keys.shape
+        r = torch.arange(R, device=slots.device).view(R, 1, 1)
+        h = torch.arange(H, device=slots.device).view(1, H, 1)
+        return keys[r, slots // bs, h, :, slots % bs]  # advanced indices split by a slice go first: (R, H, k, d)
+
+    def write(
+        self,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        keys_t, vals = self._views(kv_cache)
+        H = kv_cache.shape[1]
+        h = torch.arange(H, dtype=torch.int64, device=blocks.device).view(1, H)
+        keys_t[blocks, h, :, offsets] = keys.to(kv_cache.dtype)
+        vals[blocks, h, offsets, :] = values.to(kv_cache.dtype)
+
+    def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys_t, values = self._views(kv_cache)
+        bs = kv_cache.shape[2]
+        i = torch.arange(n, dtype=torch.int64, device=block_ids.device)
+        blk = block_ids.to(torch.int64)[i // bs]
+        off = i % bs
+        k = keys_t[blk, :, :, off]  # (n, H, d): advanced indices split by slices go first
+        v = values[blk, :, off, :]  # (n, H, d)
+        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
 
-def write_slot(
-    kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-) -> None:
-    """Write one key/value per request and KV head, each to its own slot: ``blocks``/``offsets`` ``(R, H)``,
-    ``keys``/``values`` ``(R, H, d)``. Unlike vLLM's cache-write op (one slot per token for every head), each head
-    may take a different slot, as per-head eviction frees different slots per head."""
-    keys_t, vals = _views(kv_cache)
-    H = kv_cache.shape[1]
-    h = torch.arange(H, dtype=torch.int64).view(1, H)
-    keys_t[blocks, h, :, offsets] = keys.to(kv_cache.dtype)
-    vals[blocks, h, offsets, :] = values.to(kv_cache.dtype)
+class FlashAttnLayout(PagedLayout):
+    """vLLM 0.32's FlashAttention layout: the key of (block ``b``, head ``h``, offset ``o``) is
+    ``kv_cache[b, h, o, :d]`` and its value ``kv_cache[b, h, o, d:]`` (FlashAttention's forward reads
+    ``kv_cache.transpose(1, 2).split(d, dim=-1)``, i.e. ``(num_blocks, block_size, Hkv, d)`` key and value caches).
+
+    The tensor's strides follow vLLM's resolved ``KVCacheLayout`` (``LBNHC`` = NHD by default, ``LBHNC`` = HND,
+    block-outermost variants); every operation here indexes the logical view, so it holds for all of them, and for
+    FlashInfer's view of the same tensor (``kv_cache.permute(*layout.layer_view_order).split(d, dim=-1)``).
+    :meth:`gather` reads the rows' slots straight into slot-major order ``(R, Hkv, slots, 2 * d)`` with one gather
+    (one pass over the kept cache, the cheapest on a GPU; on CPU whole-block ``index_select`` is faster, which is why
+    :class:`CpuAttnLayout` uses it); keys and values are views of it, and :meth:`logits` is one matmul over the slots
+    (the transformers engine's own product, :func:`slake.cache.compressed.matmul_f32`)."""
+
+    name = "FLASH_ATTN"
+
+    def gather(self, kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``(R, H, nb * block_size, d)``, slot-major views of one gathered copy."""
+        _, H, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        blocks, offsets = slot_blocks(table, table.shape[1] * bs, bs)  # (R, slots), (slots,)
+        h = torch.arange(H, dtype=torch.int64, device=table.device).view(1, H, 1)
+        kv = kv_cache[blocks[:, None, :], h, offsets]  # (R, H, slots, 2d)
+        return kv[..., :d], kv[..., d:]
+
+    def logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return matmul_f32(queries, keys.transpose(-1, -2))  # (R, H, g, d) @ (R, H, d, slots)
+
+    def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return keys.gather(2, slots[..., None].expand(-1, -1, -1, keys.shape[-1]))
+
+    def write(
+        self,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        H = kv_cache.shape[1]
+        h = torch.arange(H, dtype=torch.int64, device=blocks.device).view(1, H)
+        kv_cache[blocks, h, offsets] = torch.cat([keys, values], dim=-1).to(kv_cache.dtype)  # one scatter
+
+    def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2
+        i = torch.arange(n, dtype=torch.int64, device=block_ids.device)
+        x = kv_cache[block_ids.to(torch.int64)[i // bs], :, i % bs]  # (n, H, 2d): advanced indices go first
+        return x[..., :d].transpose(0, 1).contiguous(), x[..., d:].transpose(0, 1).contiguous()

@@ -392,9 +392,10 @@ def per_request_step_cpu_ms(
     from vllm import _custom_ops as ops
 
     from slake.cache.compressed import CompressedKV
-    from slake.vllm.paged import read_slots, slot_mapping
+    from slake.vllm.paged import CpuAttnLayout, slot_mapping
 
     g = torch.Generator().manual_seed(0)
+    layout = CpuAttnLayout()
     m, W, nb = _pool_shape(method, budget, block_size)
     kv = [torch.zeros(requests * nb + 1, kv_heads, block_size, 2 * head_dim) for _ in range(layers)]
     S = 4 * budget
@@ -436,7 +437,7 @@ def per_request_step_cpu_ms(
             for c, tbl in zip(caches, tables):
                 st = c.layers[li]
                 assert st is not None
-                k_old, v_old = read_slots(kv[li], tbl, st.positions.shape[-1])
+                k_old, v_old = layout.read(kv[li], tbl, st.positions.shape[-1])
                 st.keys, st.values = k_old.unsqueeze(0), v_old.unsqueeze(0)
                 c.append(li, k, k)
                 c.decode_attention(li, q, head_dim**-0.5)
