@@ -359,7 +359,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             tbl = torch.where(torch.arange(nb)[None, :] < held[:, None], tbl, tbl[:, :1])
             plan.table = tbl
             plan.blocks, plan.offsets = slot_blocks(tbl, W, bs)
-            rows = [d[0].row for d in decodes]
+            rows = [int(d[0].row) for d in decodes]
             plan.rows = torch.tensor(rows, dtype=torch.int64)
             contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
             plan.row_index = slice(rows[0], rows[0] + len(rows)) if contiguous else plan.rows

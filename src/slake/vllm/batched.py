@@ -166,8 +166,10 @@ class DecodePool:
         # The slots this layer can occupy from now on: a step inserts into the first free slot and evicts down to
         # the target, so the occupied slots stay below max(n, target + 1); without a target, the whole row.
         # (A host read of the target, once per prefilled layer: never inside a decode step.)
-        top = -1 if target is None else int(target[0].min())
-        self.row_widths[row][layer] = self.width if top < 0 else min(self.width, max(n, int(target[0].max()) + 1))
+        if target is None or int(target[0].min()) < 0:
+            self.row_widths[row][layer] = self.width
+        else:
+            self.row_widths[row][layer] = min(self.width, max(n, int(target[0].max()) + 1))
         if self.linear is not None and store.linear is not None:
             self.linear[layer, row] = store.linear.aug[0]
 
