@@ -262,11 +262,11 @@ def test_process_tree_and_rss_of_this_process():
 FAKE_SERVER = textwrap.dedent(
     """\
     # A stand-in for vLLM's API server: one child process (its "engine"), /health and /metrics on --port.
-    import http.server, subprocess, sys, time
+    import http.server, os, subprocess, sys, time
     args = sys.argv[1:]
     port = int(args[args.index("--port") + 1])
     mode = open(sys.argv[0] + ".mode").read().strip()
-    print("fake server starting", flush=True)
+    print("fake server starting", os.environ.get("SLAKE_TEST_ENV"), flush=True)
     if mode == "exit":
         print("boom: no KV memory", flush=True)
         sys.exit(3)
@@ -324,13 +324,13 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def test_server_is_ready_then_stopped_with_its_children(tmp_path, fake_python):
-    cfg = _cfg(tmp_path, python=fake_python("ok"))
+    cfg = _cfg(tmp_path, python=fake_python("ok"), env={"SLAKE_TEST_ENV": "set"})
     with VllmServer(cfg) as server:
         assert server.healthy() and server.get("/metrics")[0] == 200
         pid, kids = server.pid, _children_of_log(cfg.log_path)
         assert len(kids) == 1 and set(kids) <= set(process_tree(pid)) and server.rss_bytes() > 0
     assert server.proc is None and _gone(pid) and _gone(kids[0])
-    assert "fake server starting" in cfg.log_path.read_text()
+    assert "fake server starting set" in cfg.log_path.read_text()  # ServerConfig.env reaches the server
 
 
 @pytest.mark.parametrize("how", ["exception", "sigterm"])

@@ -70,6 +70,8 @@ class ServerConfig:
     skip_tokenizer_init: bool = False
     startup_timeout_s: float = 900.0
     python: str = sys.executable
+    #: environment variables set for the server on top of this process's (after :func:`server_env`)
+    env: dict[str, str] | None = None
 
 
 def has_tokenizer(model_dir: str) -> bool:
@@ -247,7 +249,7 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(),
+                env={**server_env(), **(self.cfg.env or {})},
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
