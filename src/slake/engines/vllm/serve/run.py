@@ -30,7 +30,9 @@ __all__ = ["model_limits", "prompt_set", "run_level_watched", "run_serve_bench"]
 
 #: ``(method, budget) -> the plugin's additional_config["slake"]`` (None for plain vLLM)
 PluginConfig = Callable[[str, int], "dict | None"]
-WARMUP_PROMPT, WARMUP_TOKENS = 64, 4
+#: the warm-up request: the first prompt cut to this many tokens (longer than the budgets people measure, so that
+#: the plugin's compression runs in it too), generating this many tokens
+WARMUP_PROMPT, WARMUP_TOKENS = 1024, 4
 
 
 def model_limits(model_dir: str) -> tuple[int, int | None]:
