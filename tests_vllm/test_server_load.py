@@ -38,7 +38,7 @@ SLAKE = {"method": "snapkv", "budget": 64}
 PROMPT_LENS = (24, 160, 480, 800)
 MAX_TOKENS = (8, 16, 32)
 #: how much the server's RSS (three processes) may grow over the measured load; see the test's docstring
-RSS_BOUND_MIB = 32
+RSS_BOUND_MIB = 48
 #: for the server: oneDNN's primitive cache (default 1024 primitives, one per matmul shape) kept small, so that the
 #: RSS measures what requests leave behind rather than how many step shapes the load happened to produce
 SERVER_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "4"}
@@ -223,12 +223,13 @@ def server(served_dir, tmp_path_factory):
 
 def test_mixed_load_with_disconnects_and_bad_inputs_leaves_the_server_up_answering_with_flat_memory(server):
     """The RSS bound: the RSS of the server's three processes (``VmRSS`` of ``/proc/PID/status``) is read after the
-    warm-up load and after the measured one, each time once no request runs. Plain vLLM's own worker drifts by
-    about 15 MiB over such 200 requests after 100 of warm-up (measured while writing this test, this server's
-    settings without the plugin; with the plugin: about 17 MiB). A leak of what a compressed request's prefill
-    handles (its prompt's keys and values: 0.25-1.2 MB here, about 100 compressed prefills in the measured load)
-    would add over 70 MB, above the 32 MiB bound; smaller per-request state (a compressed request's kept slots,
-    100 KB) is beyond this measurement and is checked in process (``test_serving.py``: rows and states released)."""
+    warm-up load and after the measured one, each time once no request runs. Plain vLLM's own worker grew by 19 MiB
+    over such 200 requests after 100 of warm-up (measured while writing this test, this server's settings without
+    the plugin), the plugin's runs by 10-21 MiB (five runs). A leak of what a compressed request's prefill handles
+    (its prompt's keys and values: 0.25-1.2 MB here, 0.74 MB on average, about 100 compressed prefills in the
+    measured load) would add over 70 MB, above the 48 MiB bound with room for that drift; smaller per-request state
+    (a compressed request's kept slots, 100 KB) is beyond this measurement and is checked in process
+    (``test_serving.py``: rows and states released)."""
     import aiohttp
 
     url, model = server.url, server.model_id()
