@@ -8,6 +8,12 @@ measures a randomly initialised model of that shape (:mod:`slake.hf.shapes`) ins
 vllm`` measures vLLM with the plugin: per length, ``--batch`` requests of random tokens submitted at once, each
 generating ``--warmup`` + ``--decode-steps`` tokens; throughput, decode time per step and KV blocks held
 (``bench_vllm.jsonl``, ``bench_vllm.md``; :mod:`slake.engines.vllm.bench`).
+
+``--serve`` is the load benchmark through the engine's OpenAI-compatible server (``--engine vllm``;
+:mod:`slake.engines.vllm.serve`, ``docs/serving-load.md``): per configuration a server with ``--kv-memory`` GiB of
+KV cache, per ``--concurrency`` level ``--requests`` streaming requests of random prompts (``--lengths LO-HI``)
+generating ``--max-tokens`` tokens each; requests/s, output tokens/s, TTFT and TPOT percentiles, the most requests
+running at once and the most KV blocks held (``bench_serve.jsonl``, ``bench_serve.md``, ``serve_throughput.png``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,35 @@ from typing import Any
 
 from slake.cli.options import add_engine_arg, engine_from_args, split_list
 
-__all__ = ["add_bench_parser", "bench_plan", "cmd_bench"]
+__all__ = ["add_bench_parser", "add_serve_args", "bench_lengths", "bench_plan", "check_serve_options", "cmd_bench"]
+
+
+DEFAULT_LENGTHS = "1024,2048,4096,8192"
+DEFAULT_SERVE_LENGTHS = "2048-6144"
+DEFAULT_CONCURRENCY = "1,4,16"
+DEFAULT_REQUESTS = 32
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_KV_GIB = 1.0
+#: options of the load benchmark only -> their flag
+SERVE_ONLY = {
+    "concurrency": "--concurrency",
+    "requests": "--requests",
+    "max_tokens": "--max-tokens",
+    "kv_memory": "--kv-memory",
+    "max_num_seqs": "--max-num-seqs",
+}
+#: options the load benchmark has no use for -> their flag (given with --serve: refused)
+NOT_SERVE = {
+    "batch": "--batch (use --concurrency)",
+    "decode_steps": "--decode-steps (use --max-tokens)",
+    "warmup": "--warmup",
+    "kv_dtype": "--kv-dtype",
+    "prefill_chunk": "--prefill-chunk",
+    "threads": "--threads (the server's threads are vLLM's)",
+    "random_model": "--random-model",
+    "compile": "--compile",
+    "isolate": "--isolate",
+}
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -42,16 +76,23 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="128",
         help="budget (or comma-separated budgets) in tokens per layer and KV head, or ratios in (0, 1)",
     )
-    p.add_argument("--lengths", default="1024,2048,4096,8192", help="comma-separated context lengths")
+    p.add_argument(
+        "--lengths",
+        default=None,
+        help=f"comma-separated context lengths (default {DEFAULT_LENGTHS}); with --serve the prompt lengths: one "
+        f"length or a range LO-HI, each request's length drawn uniformly from it (default {DEFAULT_SERVE_LENGTHS})",
+    )
     p.add_argument(
         "--kv-dtype",
         default=None,
         help="comma-separated storage of kept keys/values: auto (model "
         "dtype), int8, fp8_e4m3 (8-bit with per-token scales); e.g. auto,int8",
     )
-    p.add_argument("--batch", type=int, default=1, help="batch size (identical-length random prompts)")
-    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (after --warmup steps)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before timing")
+    p.add_argument("--batch", type=int, default=None, help="batch size (identical-length random prompts; default 1)")
+    p.add_argument(
+        "--decode-steps", type=int, default=None, help="timed decode steps (after --warmup steps; default 32)"
+    )
+    p.add_argument("--warmup", type=int, default=None, help="untimed decode steps before timing (default 3)")
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -93,11 +134,113 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "CPU, sequential on CUDA and with --isolate",
     )
     add_engine_arg(p, "measure")
+    add_serve_args(p)
     p.add_argument("--out", required=True, help="output directory (bench.jsonl, bench.md, PNG plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} to stdout')
     return p
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Add ``--serve`` and the load benchmark's options (they need ``--serve``) to the ``bench`` parser."""
+    g = p.add_argument_group("load benchmark through the OpenAI-compatible server (--serve; --engine vllm)")
+    g.add_argument(
+        "--serve",
+        action="store_true",
+        help="start the engine's OpenAI-compatible server per configuration and measure it under load: "
+        "requests/s, output tokens/s, TTFT and TPOT (p50, p99), most requests running, most KV blocks held",
+    )
+    g.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"comma-separated numbers of requests in flight, one level each (default {DEFAULT_CONCURRENCY})",
+    )
+    g.add_argument(
+        "--requests", type=int, default=None, help=f"requests per concurrency level (default {DEFAULT_REQUESTS})"
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens each request generates, end-of-sequence ignored (default {DEFAULT_MAX_TOKENS})",
+    )
+    g.add_argument(
+        "--kv-memory",
+        type=float,
+        default=None,
+        help=f"KV cache memory of the server in GiB, the same for every configuration (default {DEFAULT_KV_GIB})",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=None, help="requests the server runs at once (default: most --concurrency)"
+    )
+
+
+def bench_lengths(args: argparse.Namespace) -> tuple[int, ...]:
+    """The lengths of ``--lengths``: context lengths (each >= 2), or with ``--serve`` the prompt range
+    ``(low, high)`` of ``LO-HI`` or of one length (each >= 1)."""
+    text = getattr(args, "lengths", None)
+    if not getattr(args, "serve", False):
+        out = []
+        for n in split_list(text or DEFAULT_LENGTHS, "--lengths"):
+            try:
+                if int(n) < 2:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"--lengths: every length must be an integer >= 2, got {n!r}") from None
+            out.append(int(n))
+        return tuple(out)
+    text = str(text or DEFAULT_SERVE_LENGTHS).strip()
+    lo, sep, hi = text.partition("-")
+    try:
+        low, high = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ValueError(
+            f"--lengths with --serve: one length or a range LO-HI such as 2048-6144, got {text!r}"
+        ) from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--lengths with --serve: need 1 <= LO <= HI, got {text!r}")
+    return (low, high)
+
+
+def check_serve_options(args: argparse.Namespace) -> None:
+    """Refuse load-benchmark options without ``--serve`` and the options it has no use for with it (one line)."""
+    serve = bool(getattr(args, "serve", False))
+    if not serve:
+        given = [flag for k, flag in SERVE_ONLY.items() if getattr(args, k, None) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} belong(s) to the load benchmark: add --serve")
+        return
+    refused = [flag for k, flag in NOT_SERVE.items() if getattr(args, k, None) not in (None, False)]
+    if getattr(args, "decode_timing", "auto") != "auto":
+        refused.append("--decode-timing")
+    if refused:
+        raise ValueError(f"--serve does not use {', '.join(refused)}")
+
+
+def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
+    from slake.engines.base import ServePlan
+
+    concurrency = tuple(int(x) for x in split_list(args.concurrency or DEFAULT_CONCURRENCY, "--concurrency"))
+    requests = DEFAULT_REQUESTS if args.requests is None else args.requests
+    max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    kv = DEFAULT_KV_GIB if args.kv_memory is None else args.kv_memory
+    if min(concurrency) < 1:
+        raise ValueError(f"--concurrency: every level must be >= 1, got {args.concurrency!r}")
+    if requests < 1 or max_tokens < 1:
+        raise ValueError("--requests and --max-tokens must be >= 1")
+    if not kv > 0:
+        raise ValueError(f"--kv-memory must be > 0 GiB, got {kv}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise ValueError("--max-num-seqs must be >= 1")
+    return ServePlan(
+        concurrency=concurrency,
+        requests=requests,
+        prompt_lens=(lengths[0], lengths[-1]),
+        max_tokens=max_tokens,
+        kv_memory_gib=kv,
+        max_num_seqs=args.max_num_seqs,
+    )
 
 
 def bench_plan(args: argparse.Namespace) -> Any:
@@ -107,13 +250,15 @@ def bench_plan(args: argparse.Namespace) -> Any:
     from slake.engines.base import BenchPlan
     from slake.methods.base import parse_method_list
 
+    check_serve_options(args)
     methods = parse_method_list(args.methods)
     kv_dtypes = tuple(parse_kv_dtype(k) for k in split_list(getattr(args, "kv_dtype", None) or "auto", "--kv-dtype"))
     budgets = tuple(Budget(b) for b in split_list(args.budget, "--budget"))
-    lengths = tuple(int(x) for x in split_list(args.lengths, "--lengths"))
-    if any(n < 2 for n in lengths):
-        raise ValueError("--lengths must be >= 2")
-    if args.batch < 1 or args.decode_steps < 1 or args.warmup < 0:
+    lengths = bench_lengths(args)
+    batch = 1 if args.batch is None else args.batch
+    decode_steps = 32 if args.decode_steps is None else args.decode_steps
+    warmup = 3 if args.warmup is None else args.warmup
+    if batch < 1 or decode_steps < 1 or warmup < 0:
         raise ValueError("--batch and --decode-steps must be >= 1 and --warmup >= 0")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
@@ -122,9 +267,9 @@ def bench_plan(args: argparse.Namespace) -> Any:
         budgets=budgets,
         lengths=lengths,
         out=Path(args.out),
-        batch=args.batch,
-        decode_steps=args.decode_steps,
-        warmup=args.warmup,
+        batch=batch,
+        decode_steps=decode_steps,
+        warmup=warmup,
         seed=args.seed,
         prefill_chunk=args.prefill_chunk,
         kv_dtypes=kv_dtypes,
@@ -134,6 +279,7 @@ def bench_plan(args: argparse.Namespace) -> Any:
         plots=not args.no_plots,
         progress=not args.no_progress,
         compile=bool(getattr(args, "compile", False)),
+        serve=_serve_plan(args, lengths) if getattr(args, "serve", False) else None,
     )
 
 
@@ -150,6 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decode_timing=plan.decode_timing,
         compile=plan.compile,
         kv_dtype=None if set(plan.kv_dtypes) <= {None} else ",".join(map(str, plan.kv_dtypes)),
+        serve=plan.serve is not None,
     )
     for m in plan.methods:
         for b in plan.budgets:

@@ -117,18 +117,15 @@ def _check_fidelity(args: argparse.Namespace) -> None:
 
 def _check_bench(args: argparse.Namespace) -> None:
     from slake.budgets.budget import Budget
+    from slake.cli.bench import bench_lengths, check_serve_options
     from slake.methods.base import parse_method_list
 
     _at_least(args, "threads", 1)
     methods = parse_method_list(args.methods)
     budgets = [Budget(b).value for b in split_list(args.budget, "--budget")]
     _pairs([m for m in methods if m != "full"], budgets)
-    for n in split_list(args.lengths, "--lengths"):
-        try:
-            if int(n) < 2:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"--lengths: every length must be an integer >= 2, got {n!r}") from None
+    check_serve_options(args)
+    bench_lengths(args)
     if args.random_model:
         from slake.hf.shapes import parse_shape
 

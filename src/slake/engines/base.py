@@ -13,7 +13,8 @@ The operations:
 * :attr:`Engine.tokenizer` - the model's tokenizer (loads it, and for the transformers engine the model);
 * :meth:`Engine.generate` - one prompt, one method and budget, a :class:`slake.hf.generate.GenerationResult`;
 * :meth:`Engine.evaluate` - token-id prompts times (method, budget) pairs, one :class:`EvalOutput` each;
-* :meth:`Engine.bench` - a benchmark plan, its rows and a markdown table (files written under the plan's folder).
+* :meth:`Engine.bench` - a benchmark plan, its rows and a markdown table (files written under the plan's folder);
+  a plan with :attr:`BenchPlan.serve` is a load benchmark through the engine's server, where the engine has one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "EvalRequest",
     "ModelSpec",
     "Pair",
+    "ServePlan",
     "load_avg",
     "option_flag",
 ]
@@ -144,6 +146,25 @@ class EvalOutput:
 
 
 @dataclass(frozen=True)
+class ServePlan:
+    """A load benchmark through an OpenAI-compatible server (``slake bench --serve``).
+
+    For each configuration a server is started with ``kv_memory_gib`` of KV cache; at each level of ``concurrency``
+    ``requests`` streaming completion requests are sent with at most that many in flight, each a prompt of random
+    token ids with a length drawn uniformly from ``prompt_lens`` (low, high; inclusive) generating exactly
+    ``max_tokens`` tokens. ``max_num_seqs`` caps the requests the server runs at once (None: the largest
+    concurrency).
+    """
+
+    concurrency: tuple[int, ...]
+    requests: int
+    prompt_lens: tuple[int, int]
+    max_tokens: int
+    kv_memory_gib: float
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True)
 class BenchPlan:
     """A benchmark: every method x budget x context length (x 8-bit storage), on random token prompts.
 
@@ -168,6 +189,8 @@ class BenchPlan:
     progress: bool = True
     #: also measure every configuration with compiled decoding (``--compile``), paired with its eager run
     compile: bool = False
+    #: a load benchmark through the engine's server instead (``--serve``); ``lengths`` then holds its prompt range
+    serve: ServePlan | None = None
 
 
 @dataclass

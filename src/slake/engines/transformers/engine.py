@@ -39,6 +39,7 @@ class TransformersEngine(Engine):
 
     name = "transformers"
     supports_compile = True
+    unsupported = {"serve": "the load benchmark runs vLLM's OpenAI-compatible server: use --engine vllm"}
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:
         super().__init__(model)
@@ -101,4 +102,5 @@ class TransformersEngine(Engine):
     def bench(self, plan: BenchPlan) -> BenchReport:
         from slake.engines.transformers.bench import run_bench
 
+        self.check(serve=plan.serve is not None)
         return run_bench(plan, self.model_spec, self.model_name, lambda: self.model)

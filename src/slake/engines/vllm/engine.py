@@ -152,9 +152,27 @@ class VllmEngine(Engine):
             block_size=self.block_size,
         )
 
+    def plugin_config(self, method: str, budget: int | float) -> dict | None:
+        """The plugin's ``additional_config["slake"]`` for a pair (the model's profile applied, as
+        :meth:`plugin_method`); None for the full cache (plain vLLM)."""
+        from slake.vllm.config import plugin_config
+
+        if method == "full":
+            return None
+        return plugin_config(self.plugin_method(method, budget)[0], Budget(budget))
+
     def bench(self, plan: BenchPlan) -> BenchReport:
+        """The offline benchmark (:mod:`slake.engines.vllm.bench`), or with ``plan.serve`` the load benchmark
+        through vLLM's OpenAI-compatible server (:mod:`slake.engines.vllm.serve`)."""
         from slake.engines.vllm.bench import run_bench
 
+        if plan.serve is not None:
+            from slake.engines.vllm.serve.run import run_serve_bench
+
+            self.check(prefill_chunk=plan.prefill_chunk, isolate=plan.isolate, compile=plan.compile)
+            return run_serve_bench(
+                plan, self.model_dir, self.dtype, self.model_name, self.plugin_config, block_size=self.block_size
+            )
         self.check(
             prefill_chunk=plan.prefill_chunk,
             isolate=plan.isolate,
