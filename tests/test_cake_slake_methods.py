@@ -68,6 +68,33 @@ def test_cake_matches_spec_sketch():
     assert torch.equal(out.scores[..., 60 - w :], torch.zeros(1, 2, w))
 
 
+def test_row_variance_and_entropy_equal_the_plain_torch_formulas_bit_for_bit():
+    """``_row_var`` (float64 two-pass) and ``cake_entropy`` (in place) replace ``abar.var(-2)`` and
+    ``-(a * log(a + 1e-10)).sum()`` for speed; the indicator ranks tokens on them, so they must agree to the bit, on
+    softmax rows of any sharpness, tied columns, zeroed (padded) rows and 2..64 window rows."""
+    from slake.methods.cake import _row_var, cake_entropy
+
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        w = int(torch.randint(2, 65, (), generator=g))
+        S = int(torch.randint(w + 1, 700, (), generator=g))
+        x = torch.randn(2, 3, w, S, generator=g) * float(torch.rand((), generator=g) * 20)
+        if trial % 3 == 0:
+            x[..., :7] = 2.5  # tied columns
+        a = torch.softmax(x, -1)
+        if trial % 4 == 0:
+            a[1, :, : w // 2] = 0.0  # padded window rows
+        abar = a[..., : S - w]
+        assert torch.equal(_row_var(abar), abar.var(dim=-2, correction=1))
+        assert torch.equal(cake_entropy(abar), -(abar * torch.log(abar + 1e-10)).sum((1, 2, 3)))
+    one = torch.rand(1, 2, 1, 9)
+    assert torch.equal(_row_var(one), torch.zeros(1, 2, 9))
+    a64 = torch.rand(1, 2, 5, 9, dtype=torch.float64)
+    before = a64.clone()
+    torch.testing.assert_close(_row_var(a64), before.var(dim=-2), rtol=1e-12, atol=0.0)
+    assert torch.equal(a64, before)  # a float64 input is not updated in place
+
+
 def test_cake_padded_batch_equals_unpadded():
     w, S = 8, 70
     seqs = [_qkv(S=70), _qkv(S=45), _qkv(S=9)]

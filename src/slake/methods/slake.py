@@ -252,11 +252,16 @@ class Slake(Cake):
             )
 
     def layer_preference(
-        self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor, indicator: torch.Tensor
+        self,
+        inputs: PrefillInputs,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        indicator: torch.Tensor,
+        row_var: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """VABS score (or CAKE's preference when ``vabs=False``), ``(B,)``."""
         if not self.vabs:
-            return super().layer_preference(inputs, logits, probs, indicator)
+            return super().layer_preference(inputs, logits, probs, indicator, row_var=row_var)
         budget = self.budget_hint if self.budget_hint is not None else getattr(inputs, "budget", None)
         if budget is None:
             raise ValueError(
