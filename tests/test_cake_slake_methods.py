@@ -255,6 +255,33 @@ def test_vabs_in_row_blocks_equals_one_block(split, monkeypatch):
         torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=0.0)
 
 
+def test_vabs_full_taylor_fast_rows_equal_the_general_form_bit_for_bit():
+    """The full-Taylor split takes a shortcut (:func:`_taylor_rows`: no exponential, no finiteness masks, visible
+    counts from the padding); it must give the general PTAA-map form's numbers exactly, padded and tied rows
+    included."""
+    from slake.methods.slake import _taylor_rows, _vabs_rows
+
+    for seed, (S, w, lens) in enumerate([(40, 6, (40, 31, 12, 3)), (300, 32, (300, 20)), (97, 1, (97, 50))]):
+        g = torch.Generator().manual_seed(seed)
+        seqs = []
+        for n in lens:
+            q, k, v = (torch.randn(1, h, n, 16, generator=g) * sc for h, sc in ((6, 3.0), (2, 1.0), (2, 1.0)))
+            k[:, :, 2:9] = k[:, :, 2:3]  # tied keys
+            q[:, :, -2:] = 0.0  # uniform rows
+            seqs.append((q, k, v))
+        q, k, v, pad = _padded_batch(seqs, S)
+        x = window_logits(q, k, w, 0.25, pad)
+        a = torch.softmax(x, -1).masked_fill(pad[:, None, S - w :, None], 0.0)
+        B = len(lens)
+        x5, a5 = x.reshape(B, 2, 3, w, S), a.reshape(B, 2, 3, w, S)
+        omega = torch.rand(B, 2, 1, 1, S, generator=g)
+        visible = (~pad).cumsum(-1)[:, S - w :].clamp_min(1).float()[:, None, None, :]
+        fast = _taylor_rows(x5, a5, visible, omega, S - w, 0.1)
+        general = _vabs_rows(x5, a5, None, None, omega, S - w, 0.1)
+        for f, r in zip(fast, general):
+            assert torch.equal(f.nan_to_num(), r.nan_to_num()) and torch.equal(f.isnan(), r.isnan())
+
+
 def test_vabs_split_option_validated_and_changes_the_score():
     with pytest.raises(ValueError, match="vabs_split"):
         Slake(vabs_split="nosuch")
