@@ -112,6 +112,9 @@ class CompressedKV:
         self.info: PrefillInfo | None = None
         self.targets: list[torch.Tensor | None] = [None] * num_layers  # (B, Hkv) decode sizes per layer
         self._raw_scores: dict[int, torch.Tensor] = {}  # prefill scores kept until final (carry_protected_scores)
+        #: layers left in score order by an intermediate cascade stage (:meth:`_evict_to`): their valid and protected
+        #: counts per row, until the final stage re-packs them in position order
+        self._ranked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.chunked_prefill = False  # True between begin_chunked_prefill and end_chunked_prefill
         self._chunk_padding: torch.Tensor | None = None  # (B, S) padding of the whole prompt (chunked prefill)
         #: optional layer -> PrefillScores memo shared by replays of one recorded prefill with the same method
@@ -310,24 +313,35 @@ class CompressedKV:
 
     def _evict_to(self, layer_idx: int, selectable: torch.Tensor, final: bool = True) -> None:
         """Shrink a layer to its protected tokens plus the method's per-head split (:meth:`Method.head_budgets`,
-        uniform by default) of ``selectable * Hkv`` selectable tokens, for compressing sequences (top scores)."""
+        uniform by default) of ``selectable * Hkv`` selectable tokens, for compressing sequences (top scores).
+
+        ``final=False`` (an intermediate stage of the cascade) leaves the kept slots in score order (best first), so
+        that the next stage, whose budgets are never larger (``docs/methods/cake.md#cascading-prefill``), drops a
+        suffix of each row without sorting again; ``final=True`` re-packs them in position order. The kept sets are
+        the same either way (the top-scored slots, ties to the earlier position)."""
         store = self.layers[layer_idx]
         info = self.info
-        counts = store.counts()  # (B, H)
-        protected = (store.valid & torch.isposinf(store.scores)).sum(-1)
+        ranked = self._ranked.pop(layer_idx, None)  # (counts, protected) of a store left in score order
+        if ranked is None:
+            counts = store.counts()  # (B, H)
+            protected = (store.valid & torch.isposinf(store.scores)).sum(-1)
+        else:
+            counts, protected = ranked
         candidates = counts - protected
-        per_head = self.method.head_budgets(
-            store.scores, selectable.to(counts.device), budget=info.budget.to(counts.device), final=final
-        )
-        per_head = torch.minimum(per_head.to(counts.device, torch.int64).clamp_min(0), candidates)
-        want = per_head + protected
-        compress = info.compress.to(counts.device).view(-1, 1)
-        keep = torch.where(compress, torch.minimum(want, counts), counts)
-        self.targets[layer_idx] = torch.where(compress, keep, torch.full_like(keep, -1))
-        if bool((keep >= counts).all()):
+        dev = counts.device
+        per_head = self.method.head_budgets(store.scores, selectable.to(dev), budget=info.budget.to(dev), final=final)
+        per_head = torch.minimum(per_head.to(dev, torch.int64).clamp_min(0), candidates)
+        compress = info.compress.to(dev).view(-1, 1)
+        keep = torch.where(compress, torch.minimum(per_head + protected, counts), counts)
+        self.targets[layer_idx] = torch.where(compress, keep, -1)
+        if bool((keep >= counts).all()) and (ranked is None or not final):  # nothing to drop, no layout to change
+            if ranked is not None:
+                self._ranked[layer_idx] = ranked
             return
-        order = torch.sort(store.scores, dim=-1, descending=True, stable=True).indices
-        store.keep(order, keep)
+        order = None if ranked is not None else torch.sort(store.scores, dim=-1, descending=True, stable=True).indices
+        store.keep(order, keep, positional=final, valid_counts=counts)
+        if not final:
+            self._ranked[layer_idx] = (keep, protected)
 
     # ================================================================== decode
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:
