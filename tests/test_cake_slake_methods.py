@@ -68,12 +68,16 @@ def test_cake_matches_spec_sketch():
     assert torch.equal(out.scores[..., 60 - w :], torch.zeros(1, 2, w))
 
 
-def test_row_variance_and_entropy_equal_the_plain_torch_formulas_bit_for_bit():
-    """``_row_var`` (float64 two-pass) and ``cake_entropy`` (in place) replace ``abar.var(-2)`` and
-    ``-(a * log(a + 1e-10)).sum()`` for speed; the indicator ranks tokens on them, so they must agree to the bit, on
-    softmax rows of any sharpness, tied columns, zeroed (padded) rows and 2..64 window rows."""
+@pytest.mark.parametrize("block", [None, 7])
+def test_row_variance_and_entropy_equal_the_plain_torch_formulas_bit_for_bit(block, monkeypatch):
+    """``_row_var`` (float64 two-pass, by column blocks) and ``cake_entropy`` (in place) replace ``abar.var(-2)``
+    and ``-(a * log(a + 1e-10)).sum()`` for speed; the indicator ranks tokens on them, so they must agree to the bit,
+    on softmax rows of any sharpness, tied columns, zeroed (padded) rows and 2..64 window rows."""
+    from slake.methods import cake as cake_module
     from slake.methods.cake import _row_var, cake_entropy
 
+    if block is not None:
+        monkeypatch.setattr(cake_module, "_VAR_BLOCK", block)
     g = torch.Generator().manual_seed(11)
     for trial in range(60):
         w = int(torch.randint(2, 65, (), generator=g))

@@ -75,17 +75,25 @@ def cake_taus(model_family: str, budget: int) -> tuple[float, float]:
 def _row_var(abar: torch.Tensor) -> torch.Tensor:
     """Unbiased variance over the window-row axis (-2); zeros when there are fewer than two rows.
 
-    Two passes (mean, then the sum of squared deviations) in float64, rounded to float32 at the end: what
-    ``abar.var(dim=-2)`` returns for float32 input on CPU (its Welford reduction also accumulates in float64; the
-    two agree to the last bit on every float32 input we tried, ``tests/test_cake_slake_methods.py``), at a tenth of
-    its cost, which was most of CAKE's prefill scoring. Float64 keeps it exact where a float32 two-pass or
-    ``E[a^2] - E[a]^2`` would lose the small variances of stable columns.
+    Two passes (mean, then the sum of squared deviations) in float64, a block of columns at a time (the copy stays
+    in cache at long prompts), rounded to float32 at the end: what ``abar.var(dim=-2)`` returns for float32 input on
+    CPU (its Welford reduction also accumulates in float64; the two agree to the last bit on every float32 input we
+    tried, ``tests/test_cake_slake_methods.py``), at a tenth of its cost, which was most of CAKE's prefill scoring.
+    Float64 keeps it exact where a float32 two-pass or ``E[a^2] - E[a]^2`` would lose the small variances of stable
+    columns.
     """
-    w = abar.shape[-2]
-    if w < 2 or abar.shape[-1] == 0:
+    w, n = abar.shape[-2], abar.shape[-1]
+    if w < 2 or n == 0:
         return abar.new_zeros(abar.shape[:-2] + abar.shape[-1:])
-    a = abar.to(torch.float64, copy=True)
-    return a.sub_(a.sum(-2, keepdim=True).div_(w)).square_().sum(-2).div_(w - 1).to(abar.dtype)
+    out = abar.new_empty(abar.shape[:-2] + abar.shape[-1:])
+    step = max(1, _VAR_BLOCK // max(abar[..., 0].numel(), 1))  # columns per block: the float64 copy stays in cache
+    for j in range(0, n, step):
+        a = abar[..., j : j + step].to(torch.float64, copy=True)
+        out[..., j : j + step] = a.sub_(a.sum(-2, keepdim=True).div_(w)).square_().sum(-2).div_(w - 1)
+    return out
+
+
+_VAR_BLOCK = 1 << 17  # float64 elements (1 MiB) of one column block of _row_var
 
 
 def cake_entropy(abar: torch.Tensor) -> torch.Tensor:
