@@ -209,7 +209,13 @@ class LinearState:
         dt = aug.dtype
         k = keys if keys.dtype == dt else keys.to(dt)
         v = values if values.dtype == dt else values.to(dt)
-        if evicted is None:  # every row: [k, 1]^T [v, 1]
+        if evicted is None and n >= 128:  # many rows: [k, 1]^T [v, 1] by blocks, no concatenated copy of the rows
+            aug.view(B * H, d1, d1)[:, :d, :d].baddbmm_(k.reshape(B * H, n, d).transpose(1, 2), v.reshape(B * H, n, d))
+            aug[..., :d, d] += k.sum(2)
+            aug[..., d, :d] += v.sum(2)
+            aug[..., d, d] += n
+            return
+        if evicted is None:  # a few rows (a cascade stage): one product of the augmented rows
             ones = self._ones(B, H, n, v)
             kp = torch.cat([k, ones], -1).view(B * H, n, d1)
             vp = torch.cat([v, ones], -1).view(B * H, n, d1)
