@@ -57,17 +57,13 @@ def test_cascade_equals_a_one_shot_reference(name, hyper, kv_dtype):
     data = _data(1)
     eng = CompressedKV(method, 36, L, kv_dtype=kv_dtype)
     stage_sets: list[dict] = []
-    real_evict = eng._evict_to
-
-    def recording(layer, sel, final=True):
-        real_evict(layer, sel, final=final)
-        store = eng.layers[layer]
-        assert store.capacity == max(int(store.counts().max()), 1)  # dropped slots are released at every stage
-        stage_sets.append({(layer, b, h): _kept(store, b, h) for b in range(B) for h in range(HKV)})
-
-    eng._evict_to = recording
     for layer, (q, k, v) in enumerate(data):
         eng.prefill_layer(layer, q, k, v, pad, D**-0.5)
+        for store in eng.layers[: layer + 1]:  # dropped slots are released at every stage
+            assert store.capacity == max(int(store.counts().max()), 1)
+        stage_sets.append(
+            {(i, b, h): _kept(eng.layers[i], b, h) for i in range(layer + 1) for b in range(B) for h in range(HKV)}
+        )
     final = eng.info.layer_budgets
     for layer, (q, k, v) in enumerate(data):
         scores = _protected_scores(eng, method, q, k, v, pad, layer)
@@ -96,13 +92,17 @@ def test_cascade_equals_a_one_shot_reference(name, hyper, kv_dtype):
                 ref_aug[b, h] = kp.T @ vp
         if store.linear is not None:
             torch.testing.assert_close(store.linear.aug.double(), ref_aug, rtol=1e-5, atol=1e-4)
-    # every stage kept its layer's top-k: a later stage's set is a subset of an earlier one's (budgets only shrink)
+    # a later stage's kept set is a subset of an earlier one's (budgets only shrink), and some stage shrank a layer
+    # that an earlier stage had already evicted (the re-eviction of a layer left in score order is exercised)
     last: dict = {}
+    shrunk = 0
     for stage in stage_sets:
         for key, kept in stage.items():
             if key in last:
                 assert kept <= last[key], key
+                shrunk += len(kept) < len(last[key]) < S
             last[key] = kept
+    assert shrunk > 0
 
 
 def _kept(store: LayerStore, b: int, h: int) -> set[int]:
@@ -167,3 +167,37 @@ def test_keep_in_slot_order_equals_keep_after_a_sort(positional):
     if positional:
         pos = once.positions.masked_fill(~once.valid, 1 << 30)
         assert torch.equal(pos, pos.sort(-1).values)
+
+
+@pytest.mark.parametrize("name", ["cake", "slake"])
+def test_nan_scores_fall_back_to_the_general_re_eviction(name, monkeypatch):
+    """A NaN score sorts first and is not a candidate of the head split, so the candidate count the batched
+    re-eviction carries from stage to stage would be wrong for its layer: that layer is re-evicted through
+    ``Method.head_budgets`` on its scores, as every layer is when the compressor does not apply the split itself."""
+    data = _data(2)
+
+    def run(own_split: bool):
+        method = make_method(name)
+        real = method.prefill_scores
+
+        def scores(inputs):
+            out = real(inputs)
+            if inputs.layer_idx == 2:
+                out.scores[0, 1, 5:9] = float("nan")
+            return out
+
+        monkeypatch.setattr(method, "prefill_scores", scores)
+        monkeypatch.setattr(CompressedKV, "_uniform_head_split", lambda self: own_split)
+        eng = CompressedKV(method, 36, L)
+        for layer, (q, k, v) in enumerate(data):
+            eng.prefill_layer(layer, q, k, v, None, D**-0.5)
+        return eng
+
+    eng, ref = run(True), run(False)
+    assert torch.equal(eng.info.layer_budgets, ref.info.layer_budgets)
+    for layer in range(L):
+        for name_ in ("positions", "valid", "scores"):
+            a, b = getattr(eng.layers[layer], name_), getattr(ref.layers[layer], name_)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) if a.is_floating_point() else torch.equal(a, b)
+        assert torch.equal(eng.targets[layer], ref.targets[layer])
+    assert {5, 6, 7, 8} <= _kept(eng.layers[2], 0, 1)  # NaN sorts first: kept, as before

@@ -112,7 +112,7 @@ class LayerStore:
         keep_counts: torch.Tensor,
         *,
         positional: bool = True,
-        valid_counts: torch.Tensor | None = None,
+        host: tuple[list[int], list[int]] | None = None,
     ) -> None:
         """Keep, per row, the first ``keep_counts[b, h]`` slots listed in ``order``; drop every other slot, folding the
         dropped valid ones into the linear state when there is one.
@@ -129,33 +129,33 @@ class LayerStore:
             True (the layout everything else reads): kept slots are re-packed in position order, empty slots last.
             False: they stay in ``order``'s order, so that the next, smaller ``keep`` of the CAKE cascade
             (``docs/methods/cake.md#cascading-prefill``) is ``order=None``.
-        valid_counts : torch.Tensor | None
-            ``(B, Hkv)`` valid slots per row, when the caller has them (spares a reduction).
+        host : tuple[list[int], list[int]] | None
+            ``keep_counts`` and the valid slots per row, flattened, when the caller has read them back already.
 
         The kept set is the same whatever the layout: the first ``keep_counts`` valid slots of ``order``.
         """
         B, H, n = self.valid.shape
         dev = self.valid.device
-        counts = self.counts() if valid_counts is None else valid_counts
-        host = torch.stack([keep_counts.reshape(-1), counts.reshape(-1).to(keep_counts)]).tolist()  # one read-back
-        kmax = min(max(max(host[0], default=0), 1), n)
-        kmin = min(host[0], default=0)
-        uniform = len(set(host[0])) <= 1 and all(c == n for c in host[1])  # every slot valid, one count for all
+        if host is None:
+            host = torch.stack([keep_counts.reshape(-1), self.counts().reshape(-1).to(keep_counts)]).tolist()
+        keep_list, count_list = host
+        kmax = min(max(max(keep_list, default=0), 1), n)
+        kmin = min(keep_list, default=0)
+        # every slot valid and one keep count for all rows (a batch of one, no padding): no mask anywhere
+        uniform = all(c == n for c in count_list) and len(set(keep_list)) <= 1
         if order is not None:  # rows are picked from every slot: one contiguous copy of a strided engine buffer
             for name in self._slot_tensors():
                 setattr(self, name, getattr(self, name).contiguous())
-        ar = torch.arange(kmax, device=dev)
-        if order is None:
-            sel = None  # the identity: kept slots are each row's first ones
-            sel_valid = self.valid[..., :kmax] & (ar < keep_counts[..., None])
-        else:
-            sel = order[..., :kmax]
-            sel_valid = (ar < keep_counts[..., None]) & self.valid.gather(-1, sel)
+        sel = None if order is None else order[..., :kmax]  # None: the identity, each row's first slots
+        sel_valid = None  # None: every kept slot is valid
+        if not uniform:
+            first = torch.arange(kmax, device=dev) < keep_counts[..., None]
+            sel_valid = first & (self.valid[..., :kmax] if sel is None else self.valid.gather(-1, sel))
         if positional:  # position order for the kept slots, empty ones last
             pos = self.positions[..., :kmax] if sel is None else self.positions.gather(-1, sel)
-            perm = torch.where(sel_valid, pos, pos + (1 << 40)).argsort(-1)
+            perm = (pos if sel_valid is None else torch.where(sel_valid, pos, pos + (1 << 40))).argsort(-1)
             sel = perm if sel is None else sel.gather(-1, perm)
-            sel_valid = sel_valid.gather(-1, perm)
+            sel_valid = None if sel_valid is None else sel_valid.gather(-1, perm)
         if self.linear is not None and kmin < n:
             self._fold_dropped(order, keep_counts, kmin, uniform)
         if sel is None:  # a prefix of every row: slice (copied, so that the dropped slots' memory is released)
@@ -166,11 +166,16 @@ class LayerStore:
             take_last = lambda t: t.gather(-1, sel[:, :, None, :].expand(-1, -1, t.shape[2], -1))  # noqa: E731
         for name in self._slot_tensors():
             setattr(self, name, take(getattr(self, name)))
-        self.positions = take(self.positions).masked_fill_(~sel_valid, -1)
-        self.scores = take(self.scores).masked_fill_(~sel_valid, float("-inf"))
+        self.positions = take(self.positions)
+        self.scores = take(self.scores)
         if self.head_visible is not None:
             self.head_visible = take_last(self.head_visible)
-        self.valid = sel_valid
+        if sel_valid is None:
+            self.valid = torch.ones(B, H, kmax, dtype=torch.bool, device=dev)
+        else:
+            self.positions.masked_fill_(~sel_valid, -1)
+            self.scores.masked_fill_(~sel_valid, float("-inf"))
+            self.valid = sel_valid
 
     def _fold_dropped(self, order: torch.Tensor | None, keep_counts: torch.Tensor, kmin: int, uniform: bool) -> None:
         """Fold the valid slots past each row's ``keep_counts`` in ``order`` (None: slot order) into the linear state,
