@@ -286,6 +286,26 @@ def test_vabs_full_taylor_fast_rows_equal_the_general_form_bit_for_bit():
             assert torch.equal(f.nan_to_num(), r.nan_to_num()) and torch.equal(f.isnan(), r.isnan())
 
 
+@pytest.mark.parametrize("split", ["uniform", "window", "taylor"])
+def test_vabs_with_a_zero_exponent_skips_its_factor_and_matches_the_reference(split):
+    """alpha = 0 or beta = 0 makes a factor exactly 1 (its passes are skipped): the score still equals the loop
+    reference, and the other factor is the one computed with both exponents set."""
+    w, S = 6, 40
+    q, k, v, pad = _padded_batch([_qkv(S=40), _qkv(S=31), _qkv(S=12)], S)
+    logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
+    probs = torch.softmax(logits, -1)
+    ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
+    both = vabs_preference(logits, probs, v, ind, 4, w, 1.0, 1.0, split=split)
+    for alpha, beta in ((0.6, 0.0), (0.0, 0.5), (0.0, 0.0)):
+        out = vabs_preference(logits, probs, v, ind, 4, w, alpha, beta, split=split)
+        ref, _, _ = _vabs_reference(logits, probs, v, ind, 4, alpha, beta, 0.1, pad, split=split)
+        torch.testing.assert_close(out, ref.float(), rtol=2e-4, atol=1e-12)
+    err_only = vabs_preference(logits, probs, v, ind, 4, w, 1.0, 0.0, split=split)
+    ent_only = vabs_preference(logits, probs, v, ind, 4, w, 0.0, 1.0, split=split)
+    evicting = both > 1e-12
+    torch.testing.assert_close(err_only[evicting] * ent_only[evicting], both[evicting], rtol=1e-6, atol=0.0)
+
+
 def test_vabs_split_option_validated_and_changes_the_score():
     with pytest.raises(ValueError, match="vabs_split"):
         Slake(vabs_split="nosuch")

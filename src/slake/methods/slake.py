@@ -151,27 +151,22 @@ def vabs_preference(
     omega = (vn / vn.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))[:, :, None, None, :]
     n_fixed = None if split == "taylor" else (real_sel - k0).clamp_min(1).to(x_all.dtype)[:, None, None, None]
     rows = max(1, _VABS_BLOCK // max(B * Hq * S, 1))
-    if split == "taylor":
-        parts = [
-            _taylor_rows(
-                x_all[:, :, :, r0 : r0 + rows],
-                a_all[:, :, :, r0 : r0 + rows],
-                visible[..., r0 : r0 + rows],
-                omega,
-                sel,
-                gamma_v,
-            )
-            for r0 in range(0, w, rows)
-        ]
-    else:
-        parts = [
-            _vabs_rows(x_all[:, :, :, r0 : r0 + rows], a_all[:, :, :, r0 : r0 + rows], ev, n_fixed, omega, sel, gamma_v)
-            for r0 in range(0, w, rows)
-        ]
-    tv, va, ent = (torch.cat(t, dim=-1) for t in zip(*parts))  # each (B, Hkv, g, w)
+    # a factor with exponent 0 is exactly 1 whatever its base: its passes are skipped (the default model's profile
+    # has beta = 0)
+    need = (alpha != 0, beta != 0)
+    parts = []
+    for r0 in range(0, w, rows):
+        x, a = x_all[:, :, :, r0 : r0 + rows], a_all[:, :, :, r0 : r0 + rows]
+        if split == "taylor":
+            parts.append(_taylor_rows(x, a, visible[..., r0 : r0 + rows], omega, sel, gamma_v, need))
+        else:
+            parts.append(_vabs_rows(x, a, ev, n_fixed, omega, sel, gamma_v, need))
+    tv, va, ent = (torch.cat(t, dim=-1) if t[0] is not None else None for t in zip(*parts))  # each (B, Hkv, g, w)
     # 4) P = E[TV * VA]^alpha * E[Ent]^beta, means over heads and window rows of each sample
-    pref = (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha * ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
-    return torch.where(n0 > 0, pref, eps)
+    one = torch.ones(B, dtype=torch.float32, device=logits.device)
+    err_term = one if tv is None or va is None else (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha
+    ent_term = one if ent is None else ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
+    return torch.where(n0 > 0, err_term * ent_term, eps)
 
 
 _VABS_BLOCK = 1 << 19  # elements of one (B, Hq, rows, S) temporary of the VABS map (2 MiB in float32)
@@ -185,10 +180,15 @@ def _vabs_rows(
     omega: torch.Tensor,
     sel: int,
     gamma_v: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """TV, value-aware error and entropy of some window rows (``x``, ``a``: ``(B, Hkv, g, rows, S)`` logits and exact
     probabilities; ``ev``: the provisional evicted set, broadcastable, or ignored when ``n_ev`` is None, the
-    full-Taylor split where every visible key is linearised). Each returned tensor is ``(B, Hkv, g, rows)``."""
+    full-Taylor split where every visible key is linearised). Each returned tensor is ``(B, Hkv, g, rows)``.
+    ``need``: whether the error terms (TV, VA) and the entropy are wanted; those not wanted are None."""
+    ent = _row_entropy(a[..., :sel]) if need[1] else None
+    if not need[0]:
+        return None, None, ent
     if n_ev is None:  # "taylor": the row's evicted count is its visible count
         ev = torch.isfinite(x)
         n_ev = ev.sum(-1).clamp_min(1).to(x.dtype)
@@ -200,12 +200,18 @@ def _vabs_rows(
     err = wt.div_(wt.sum(-1, keepdim=True)).sub_(a).abs_()
     tv = 0.5 * err.sum(-1)
     va = err.mul_(omega).sum(-1).clamp_min(EPS) ** gamma_v
-    return tv, va, _row_entropy(a[..., :sel])
+    return tv, va, ent
 
 
 def _taylor_rows(
-    x: torch.Tensor, a: torch.Tensor, visible: torch.Tensor, omega: torch.Tensor, sel: int, gamma_v: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    a: torch.Tensor,
+    visible: torch.Tensor,
+    omega: torch.Tensor,
+    sel: int,
+    gamma_v: float,
+    need: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """:func:`_vabs_rows` of the full-Taylor split (every visible key linearised), in a third of its passes, with the
     same result to the bit (``tests/test_cake_slake_methods.py``).
 
@@ -214,12 +220,15 @@ def _taylor_rows(
     visible keys (at least 1), which are its finite logits; masked logits (``-inf``) are zeroed with ``nan_to_num``
     instead of a finiteness mask and ``where``, which cost ten times an arithmetic pass on CPU.
     """
+    ent = _row_entropy(a[..., :sel]) if need[1] else None
+    if not need[0]:
+        return None, None, ent
     mu = x.nan_to_num(neginf=0.0).sum(-1).div_(visible)
     wt = torch.add(x, 1).sub_(mu[..., None]).nan_to_num_(neginf=0.0)  # 1 + x - mu on visible keys, else 0
     err = wt.div_(wt.sum(-1, keepdim=True)).sub_(a).abs_()
     tv = 0.5 * err.sum(-1)
     va = err.mul_(omega).sum(-1).clamp_min(EPS) ** gamma_v
-    return tv, va, _row_entropy(a[..., :sel])
+    return tv, va, ent
 
 
 def _row_entropy(a: torch.Tensor) -> torch.Tensor:
