@@ -276,8 +276,12 @@ class CompressedKV:
         """
         info = self.info
         rows = []
+        prefs_l = info.preferences[: m + 1]
+        if len({p.device for p in prefs_l}) > 1:  # layers spread over devices (a model split over GPUs)
+            prefs_l = [p.cpu() for p in prefs_l]
+        every = torch.stack(prefs_l, -1).float().cpu()  # (B, m + 1), one copy to the host per stage
         for b in range(len(info.real_len)):
-            prefs = torch.stack([info.preferences[j][b].float().cpu() for j in range(m + 1)])
+            prefs = every[b]
             total = int(self._selectable_total()[b]) * self.num_layers
             cap = max(min(int(info.real_len[b]), self._layer_cap()) - self.method.protected, 0)
             rows.append(budget_rules.preference_budgets(prefs, total, cap, final=final))
