@@ -261,8 +261,8 @@ def test_vabs_in_row_blocks_equals_one_block(split, monkeypatch):
 
 def test_vabs_full_taylor_fast_rows_equal_the_general_form_bit_for_bit():
     """The full-Taylor split takes a shortcut (:func:`_taylor_rows`: no exponential, no finiteness masks, visible
-    counts from the padding); it must give the general PTAA-map form's numbers exactly, padded and tied rows
-    included."""
+    counts and masked keys from the padding and the causal block); it must give the general PTAA-map form's numbers
+    exactly, padded and tied rows included."""
     from slake.methods.slake import _taylor_rows, _vabs_rows
 
     for seed, (S, w, lens) in enumerate([(40, 6, (40, 31, 12, 3)), (300, 32, (300, 20)), (97, 1, (97, 50))]):
@@ -280,7 +280,8 @@ def test_vabs_full_taylor_fast_rows_equal_the_general_form_bit_for_bit():
         x5, a5 = x.reshape(B, 2, 3, w, S), a.reshape(B, 2, 3, w, S)
         omega = torch.rand(B, 2, 1, 1, S, generator=g)
         visible = (~pad).cumsum(-1)[:, S - w :].clamp_min(1).float()[:, None, None, :]
-        fast = _taylor_rows(x5, a5, visible, omega, S - w, 0.1)
+        hidden = (torch.ones(w, w, dtype=torch.bool).triu(1), pad[:, None, None, None, :])
+        fast = _taylor_rows(x5, a5, visible, hidden, omega, S - w, 0.1)
         general = _vabs_rows(x5, a5, None, None, omega, S - w, 0.1)
         for f, r in zip(fast, general):
             assert torch.equal(f.nan_to_num(), r.nan_to_num()) and torch.equal(f.isnan(), r.isnan())

@@ -88,7 +88,8 @@ def vabs_preference(
     Parameters
     ----------
     logits, probs : torch.Tensor
-        ``(B, Hq, w, S)`` window logits (``-inf`` where masked: causal block, padding) and their softmax.
+        ``(B, Hq, w, S)`` window logits (``-inf`` where masked: causal block, padding, and nowhere else, as
+        :func:`~slake.methods.common.window_logits` gives them) and their softmax.
     values : torch.Tensor
         ``(B, Hkv, S, d)`` the layer's values.
     indicator : torch.Tensor
@@ -140,6 +141,8 @@ def vabs_preference(
         ev = (~pad[:, None, :sel]).expand(B, Hkv, sel)
     if split == "taylor":  # every visible key: the real keys at or before the row's query, counted per window row
         visible = (~pad).cumsum(-1)[:, S - w :].clamp_min(1).to(torch.float32)[:, None, None, :]  # (B, 1, 1, w)
+        causal = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(1)  # the masked window keys per row
+        padded = bool(pad.any())
     else:
         ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
     # 2-3) per window row: PTAA weight map (group layout (B, Hkv, g, rows, S)), its total variation and value-aware
@@ -158,7 +161,8 @@ def vabs_preference(
     for r0 in range(0, w, rows):
         x, a = x_all[:, :, :, r0 : r0 + rows], a_all[:, :, :, r0 : r0 + rows]
         if split == "taylor":
-            parts.append(_taylor_rows(x, a, visible[..., r0 : r0 + rows], omega, sel, gamma_v, need))
+            hidden = (causal[r0 : r0 + rows], pad[:, None, None, None, :] if padded else None)
+            parts.append(_taylor_rows(x, a, visible[..., r0 : r0 + rows], hidden, omega, sel, gamma_v, need))
         else:
             parts.append(_vabs_rows(x, a, ev, n_fixed, omega, sel, gamma_v, need))
     tv, va, ent = (torch.cat(t, dim=-1) if t[0] is not None else None for t in zip(*parts))  # each (B, Hkv, g, w)
@@ -207,6 +211,7 @@ def _taylor_rows(
     x: torch.Tensor,
     a: torch.Tensor,
     visible: torch.Tensor,
+    hidden: tuple[torch.Tensor, torch.Tensor | None],
     omega: torch.Tensor,
     sel: int,
     gamma_v: float,
@@ -217,14 +222,20 @@ def _taylor_rows(
 
     With no kept key the general form's shift is ``m = mu`` and its weight ``exp(mu - m) (1 + x - mu)`` is
     ``1 + x - mu`` exactly, so no exponential is needed. ``visible``: ``(B, 1, 1, rows)`` float32 count of each row's
-    visible keys (at least 1), which are its finite logits; masked logits (``-inf``) are zeroed with ``nan_to_num``
+    visible keys (at least 1), which are its finite logits; ``hidden``: the masked keys, ``(rows, w)`` of the window
+    block (causal) and ``(B, 1, 1, 1, S)`` padding or None, which are exactly the ``-inf`` logits of
+    :func:`~slake.methods.common.window_logits`. The masked logits are zeroed with ``nan_to_num`` and these masks
     instead of a finiteness mask and ``where``, which cost ten times an arithmetic pass on CPU.
     """
     ent = _row_entropy(a[..., :sel]) if need[1] else None
     if not need[0]:
         return None, None, ent
-    mu = x.nan_to_num(neginf=0.0).sum(-1).div_(visible)
-    wt = torch.add(x, 1).sub_(mu[..., None]).nan_to_num_(neginf=0.0)  # 1 + x - mu on visible keys, else 0
+    wt = x.nan_to_num(neginf=0.0)  # visible logits, 0 elsewhere
+    mu = wt.sum(-1).div_(visible)
+    wt.add_(1).sub_(mu[..., None])  # 1 + x - mu on visible keys: zero the masked ones again
+    wt[..., x.shape[-1] - hidden[0].shape[-1] :].masked_fill_(hidden[0], 0.0)
+    if hidden[1] is not None:
+        wt.masked_fill_(hidden[1], 0.0)
     err = wt.div_(wt.sum(-1, keepdim=True)).sub_(a).abs_()
     tv = 0.5 * err.sum(-1)
     va = err.mul_(omega).sum(-1).clamp_min(EPS) ** gamma_v
