@@ -201,3 +201,21 @@ def test_nan_scores_fall_back_to_the_general_re_eviction(name, monkeypatch):
             assert torch.equal(a.nan_to_num(), b.nan_to_num()) if a.is_floating_point() else torch.equal(a, b)
         assert torch.equal(eng.targets[layer], ref.targets[layer])
     assert {5, 6, 7, 8} <= _kept(eng.layers[2], 0, 1)  # NaN sorts first: kept, as before
+
+
+def test_rows_are_picked_from_any_layout_without_copying_the_source():
+    """The compaction picks rows with one index_select over a flat view: head-major (contiguous), token-major (the
+    engines' ``(B, n, Hkv, d)`` buffers seen as ``(B, Hkv, n, d)``) and any other layout give ``gather``'s rows."""
+    from slake.cache.layer_store import _rows
+
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(40, generator=g)[:25] for _ in range(6)]).view(2, 3, 25)
+    layouts = [
+        torch.randn(2, 3, 40, 8, generator=g),
+        torch.randn(2, 40, 3, 8, generator=g).transpose(1, 2),
+        torch.randn(3, 2, 40, 8, generator=g).transpose(0, 1),
+        torch.randn(2, 3, 40, generator=g),
+    ]
+    for t in layouts:
+        expect = t.gather(2, idx.view(2, 3, 25, *([1] * (t.ndim - 3))).expand(2, 3, 25, *t.shape[3:]))
+        assert torch.equal(_rows(t, idx), expect)

@@ -26,13 +26,22 @@ _FOLD_ROWS = 1024  # dropped rows gathered and folded at once by a prefill compa
 def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``t[b, h, idx[b, h, i]]`` for a ``(B, Hkv, n, ...)`` tensor and ``(B, Hkv, k)`` slot indices.
 
-    One ``index_select`` over the flattened rows: on CPU a ``gather`` with an index expanded over the head dimension
-    is several times slower. A non-contiguous ``t`` (a transposed engine buffer) is made contiguous first.
+    One ``index_select`` over the rows of a flat view: on CPU a ``gather`` with an index expanded over the head
+    dimension is several times slower. A ``(B, n, Hkv, ...)`` buffer seen as ``(B, Hkv, n, ...)`` (the engines'
+    token-major keys and values) is read in place too; other layouts fall back to advanced indexing. Nothing is
+    copied but the picked rows.
     """
     B, H, n = t.shape[:3]
     rest = t.shape[3:]
-    flat = (torch.arange(B * H, device=idx.device).view(B, H, 1) * n + idx).reshape(-1)
-    return t.contiguous().view(B * H * n, *rest).index_select(0, flat).view(B, H, idx.shape[-1], *rest)
+    b = torch.arange(B, device=idx.device).view(B, 1, 1)
+    h = torch.arange(H, device=idx.device).view(1, H, 1)
+    if t.is_contiguous():
+        flat, src = (b * H + h) * n + idx, t.view(B * H * n, *rest)
+    elif t.transpose(1, 2).is_contiguous():
+        flat, src = (b * n + idx) * H + h, t.transpose(1, 2).view(B * n * H, *rest)
+    else:
+        return t[b, h, idx]
+    return src.index_select(0, flat.reshape(-1)).view(B, H, idx.shape[-1], *rest)
 
 
 class LayerStore:
@@ -143,9 +152,6 @@ class LayerStore:
         kmin = min(keep_list, default=0)
         # every slot valid and one keep count for all rows (a batch of one, no padding): no mask anywhere
         uniform = all(c == n for c in count_list) and len(set(keep_list)) <= 1
-        if order is not None:  # rows are picked from every slot: one contiguous copy of a strided engine buffer
-            for name in self._slot_tensors():
-                setattr(self, name, getattr(self, name).contiguous())
         sel = None if order is None else order[..., :kmax]  # None: the identity, each row's first slots
         sel_valid = None  # None: every kept slot is valid
         if not uniform:
