@@ -68,6 +68,37 @@ def test_cake_matches_spec_sketch():
     assert torch.equal(out.scores[..., 60 - w :], torch.zeros(1, 2, w))
 
 
+@pytest.mark.parametrize("block", [None, 7])
+def test_row_variance_and_entropy_equal_the_plain_torch_formulas_bit_for_bit(block, monkeypatch):
+    """``_row_var`` (float64 two-pass, by column blocks) and ``cake_entropy`` (in place) replace ``abar.var(-2)``
+    and ``-(a * log(a + 1e-10)).sum()`` for speed; the indicator ranks tokens on them, so they must agree to the bit,
+    on softmax rows of any sharpness, tied columns, zeroed (padded) rows and 2..64 window rows."""
+    from slake.methods import cake as cake_module
+    from slake.methods.cake import _row_var, cake_entropy
+
+    if block is not None:
+        monkeypatch.setattr(cake_module, "_VAR_BLOCK", block)
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        w = int(torch.randint(2, 65, (), generator=g))
+        S = int(torch.randint(w + 1, 700, (), generator=g))
+        x = torch.randn(2, 3, w, S, generator=g) * float(torch.rand((), generator=g) * 20)
+        if trial % 3 == 0:
+            x[..., :7] = 2.5  # tied columns
+        a = torch.softmax(x, -1)
+        if trial % 4 == 0:
+            a[1, :, : w // 2] = 0.0  # padded window rows
+        abar = a[..., : S - w]
+        assert torch.equal(_row_var(abar), abar.var(dim=-2, correction=1))
+        assert torch.equal(cake_entropy(abar), -(abar * torch.log(abar + 1e-10)).sum((1, 2, 3)))
+    one = torch.rand(1, 2, 1, 9)
+    assert torch.equal(_row_var(one), torch.zeros(1, 2, 9))
+    a64 = torch.rand(1, 2, 5, 9, dtype=torch.float64)
+    before = a64.clone()
+    torch.testing.assert_close(_row_var(a64), before.var(dim=-2), rtol=1e-12, atol=0.0)
+    assert torch.equal(a64, before)  # a float64 input is not updated in place
+
+
 def test_cake_padded_batch_equals_unpadded():
     w, S = 8, 70
     seqs = [_qkv(S=70), _qkv(S=45), _qkv(S=9)]
@@ -226,6 +257,54 @@ def test_vabs_in_row_blocks_equals_one_block(split, monkeypatch):
         outs.append(vabs_preference(logits, probs, v, ind, 4, w, 0.6, 0.5, 0.1, split=split))
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=0.0)
+
+
+def test_vabs_full_taylor_fast_rows_equal_the_general_form_bit_for_bit():
+    """The full-Taylor split takes a shortcut (:func:`_taylor_rows`: no exponential, no finiteness masks, visible
+    counts and masked keys from the padding and the causal block); it must give the general PTAA-map form's numbers
+    exactly, padded and tied rows included."""
+    from slake.methods.slake import _taylor_rows, _vabs_rows
+
+    for seed, (S, w, lens) in enumerate([(40, 6, (40, 31, 12, 3)), (300, 32, (300, 20)), (97, 1, (97, 50))]):
+        g = torch.Generator().manual_seed(seed)
+        seqs = []
+        for n in lens:
+            q, k, v = (torch.randn(1, h, n, 16, generator=g) * sc for h, sc in ((6, 3.0), (2, 1.0), (2, 1.0)))
+            k[:, :, 2:9] = k[:, :, 2:3]  # tied keys
+            q[:, :, -2:] = 0.0  # uniform rows
+            seqs.append((q, k, v))
+        q, k, v, pad = _padded_batch(seqs, S)
+        x = window_logits(q, k, w, 0.25, pad)
+        a = torch.softmax(x, -1).masked_fill(pad[:, None, S - w :, None], 0.0)
+        B = len(lens)
+        x5, a5 = x.reshape(B, 2, 3, w, S), a.reshape(B, 2, 3, w, S)
+        omega = torch.rand(B, 2, 1, 1, S, generator=g)
+        visible = (~pad).cumsum(-1)[:, S - w :].clamp_min(1).float()[:, None, None, :]
+        hidden = (torch.ones(w, w, dtype=torch.bool).triu(1), pad[:, None, None, None, :])
+        fast = _taylor_rows(x5, a5, visible, hidden, omega, S - w, 0.1)
+        general = _vabs_rows(x5, a5, None, None, omega, S - w, 0.1)
+        for f, r in zip(fast, general):
+            assert torch.equal(f.nan_to_num(), r.nan_to_num()) and torch.equal(f.isnan(), r.isnan())
+
+
+@pytest.mark.parametrize("split", ["uniform", "window", "taylor"])
+def test_vabs_with_a_zero_exponent_skips_its_factor_and_matches_the_reference(split):
+    """alpha = 0 or beta = 0 makes a factor exactly 1 (its passes are skipped): the score still equals the loop
+    reference, and the other factor is the one computed with both exponents set."""
+    w, S = 6, 40
+    q, k, v, pad = _padded_batch([_qkv(S=40), _qkv(S=31), _qkv(S=12)], S)
+    logits = window_logits(q, k, w, q.shape[-1] ** -0.5, pad)
+    probs = torch.softmax(logits, -1)
+    ind = cake_indicator(probs[..., : S - w], 200.0, 5, "avg", 2)
+    both = vabs_preference(logits, probs, v, ind, 4, w, 1.0, 1.0, split=split)
+    for alpha, beta in ((0.6, 0.0), (0.0, 0.5), (0.0, 0.0)):
+        out = vabs_preference(logits, probs, v, ind, 4, w, alpha, beta, split=split)
+        ref, _, _ = _vabs_reference(logits, probs, v, ind, 4, alpha, beta, 0.1, pad, split=split)
+        torch.testing.assert_close(out, ref.float(), rtol=2e-4, atol=1e-12)
+    err_only = vabs_preference(logits, probs, v, ind, 4, w, 1.0, 0.0, split=split)
+    ent_only = vabs_preference(logits, probs, v, ind, 4, w, 0.0, 1.0, split=split)
+    evicting = both > 1e-12
+    torch.testing.assert_close(err_only[evicting] * ent_only[evicting], both[evicting], rtol=1e-6, atol=0.0)
 
 
 def test_vabs_split_option_validated_and_changes_the_score():

@@ -50,7 +50,10 @@ def old_attend(query, logits, values, state=None, scaling=None, overwrite_logits
 
 
 def old_fold(self, keys, values, evicted, finite=False):
-    """``LinearState.fold`` before the augmented matrix (four separate in-place updates)."""
+    """``LinearState.fold`` before the augmented matrix (four separate in-place updates); ``evicted=None`` is the
+    later shorthand for every row."""
+    if evicted is None:
+        evicted = torch.ones(keys.shape[:3], dtype=torch.bool)
     m = evicted[..., None].to(self.k_sum.device)
     k = torch.where(m, keys.to(self.k_sum), 0.0)
     v = torch.where(m, values.to(self.v_sum), 0.0)
@@ -131,6 +134,15 @@ def test_engine_decode_step_equals_previous_implementation(method, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for a, b in zip(new_state, old_state):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_fold_without_a_mask_folds_every_row():
+    keys, values = torch.randn(2, 3, 1500, 8, generator=GEN), torch.randn(2, 3, 1500, 8, generator=GEN)
+    every, masked = LinearState.empty(2, 3, 8), LinearState.empty(2, 3, 8)
+    every.fold(keys, values, None)
+    masked.fold(keys, values, torch.ones(2, 3, 1500, dtype=torch.bool))
+    torch.testing.assert_close(every.aug, masked.aug, rtol=1e-6, atol=1e-4)
+    assert torch.equal(every.count, torch.full((2, 3), 1500.0))
 
 
 def test_linear_state_keeps_its_former_constructor():

@@ -174,7 +174,7 @@ def pyramid_budgets(
 
 def _candidates(scores: torch.Tensor) -> torch.Tensor:
     """Selectable slots: finite scores (``+inf`` = protected, ``-inf`` = empty)."""
-    return (scores > float("-inf")) & (scores < float("inf"))
+    return torch.isfinite(scores)
 
 
 def cross_head_counts(scores: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,9 @@ class CompressedKV:
         self.info: PrefillInfo | None = None
         self.targets: list[torch.Tensor | None] = [None] * num_layers  # (B, Hkv) decode sizes per layer
         self._raw_scores: dict[int, torch.Tensor] = {}  # prefill scores kept until final (carry_protected_scores)
+        #: layers left in score order by an intermediate cascade stage (:meth:`_evict_to`), until the final stage
+        #: re-packs them in position order: their valid, protected and (uniform head split) finite-score counts per row
+        self._ranked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.chunked_prefill = False  # True between begin_chunked_prefill and end_chunked_prefill
         self._chunk_padding: torch.Tensor | None = None  # (B, S) padding of the whole prompt (chunked prefill)
         #: optional layer -> PrefillScores memo shared by replays of one recorded prefill with the same method
@@ -228,8 +231,12 @@ class CompressedKV:
         if policy == "preference":
             last = layer_idx == self.num_layers - 1
             stage = self._preference_stage(layer_idx, final=last)
+            batched = [i for i in range(layer_idx) if i in self._ranked and self._ranked[i][2] is not None]
+            if batched:  # earlier layers left in score order, with the uniform head split: their keep counts at once
+                self._evict_ranked(batched, stage, final=last)
             for layer in range(layer_idx + 1):
-                self._evict_to(layer, stage[:, layer], final=last)
+                if layer not in batched:
+                    self._evict_to(layer, stage[:, layer], final=last)
             if last:
                 info.layer_budgets = stage
                 for layer in range(self.num_layers):
@@ -269,8 +276,12 @@ class CompressedKV:
         """
         info = self.info
         rows = []
+        prefs_l = info.preferences[: m + 1]
+        if len({p.device for p in prefs_l}) > 1:  # layers spread over devices (a model split over GPUs)
+            prefs_l = [p.cpu() for p in prefs_l]
+        every = torch.stack(prefs_l, -1).float().cpu()  # (B, m + 1), one copy to the host per stage
         for b in range(len(info.real_len)):
-            prefs = torch.stack([info.preferences[j][b].float().cpu() for j in range(m + 1)])
+            prefs = every[b]
             total = int(self._selectable_total()[b]) * self.num_layers
             cap = max(min(int(info.real_len[b]), self._layer_cap()) - self.method.protected, 0)
             rows.append(budget_rules.preference_budgets(prefs, total, cap, final=final))
@@ -310,24 +321,89 @@ class CompressedKV:
 
     def _evict_to(self, layer_idx: int, selectable: torch.Tensor, final: bool = True) -> None:
         """Shrink a layer to its protected tokens plus the method's per-head split (:meth:`Method.head_budgets`,
-        uniform by default) of ``selectable * Hkv`` selectable tokens, for compressing sequences (top scores)."""
+        uniform by default) of ``selectable * Hkv`` selectable tokens, for compressing sequences (top scores).
+
+        ``final=False`` (an intermediate stage of the cascade) leaves the kept slots in score order (best first), so
+        that the next stage, whose budgets are never larger (``docs/methods/cake.md#cascading-prefill``), drops a
+        suffix of each row without sorting again (:meth:`_evict_ranked`); ``final=True`` re-packs them in position
+        order. The kept sets are the same either way (the top-scored slots, ties to the earlier position)."""
         store = self.layers[layer_idx]
-        info = self.info
-        counts = store.counts()  # (B, H)
-        protected = (store.valid & torch.isposinf(store.scores)).sum(-1)
-        candidates = counts - protected
-        per_head = self.method.head_budgets(
-            store.scores, selectable.to(counts.device), budget=info.budget.to(counts.device), final=final
-        )
-        per_head = torch.minimum(per_head.to(counts.device, torch.int64).clamp_min(0), candidates)
-        want = per_head + protected
-        compress = info.compress.to(counts.device).view(-1, 1)
-        keep = torch.where(compress, torch.minimum(want, counts), counts)
-        self.targets[layer_idx] = torch.where(compress, keep, torch.full_like(keep, -1))
-        if bool((keep >= counts).all()):
+        ranked = self._ranked.pop(layer_idx, None)  # (counts, protected, finite) of a store left in score order
+        if ranked is None:
+            counts = store.counts()  # (B, H)
+            protected = (store.valid & torch.isposinf(store.scores)).sum(-1)
+        else:
+            counts, protected, _ = ranked
+        dev = counts.device
+        finite = None
+        if self._uniform_head_split():  # Method.head_budgets' own rule, with the candidate count kept for later
+            finite = torch.isfinite(store.scores).sum(-1)
+            per_head = torch.minimum(selectable.to(dev).view(-1, 1), finite)
+        else:
+            per_head = self.method.head_budgets(
+                store.scores, selectable.to(dev), budget=self.info.budget.to(dev), final=final
+            )
+        keep = self._keep_counts(layer_idx, per_head, counts, protected)
+        host = torch.stack([keep.reshape(-1), counts.reshape(-1)]).tolist()  # one read-back for the host decisions
+        if all(k >= c for k, c in zip(*host)) and (ranked is None or not final):  # nothing to drop, layout unchanged
+            if ranked is not None:
+                self._ranked[layer_idx] = ranked
             return
-        order = torch.sort(store.scores, dim=-1, descending=True, stable=True).indices
-        store.keep(order, keep)
+        order = None if ranked is not None else torch.sort(store.scores, dim=-1, descending=True, stable=True).indices
+        if finite is not None and not final and bool(torch.isnan(store.scores).any()):
+            finite = None  # NaN sorts first: the suffix rule below would not hold; re-evict with head_budgets
+        store.keep(order, keep, positional=final, host=(host[0], host[1]))
+        if not final:
+            self._ranked[layer_idx] = (
+                keep,
+                protected,
+                None if finite is None else torch.minimum(finite, keep - protected),
+            )
+
+    def _evict_ranked(self, layers: list[int], stage: torch.Tensor, final: bool) -> None:
+        """:meth:`_evict_to` for layers left in score order by an earlier stage, with the uniform head split: their
+        keep counts are computed at once, then each drops the suffix of its rows (folded into the linear state).
+
+        In score order the protected slots (``+inf``) come first, then the finite candidates, then empty or ``-inf``
+        ones, so after keeping ``keep`` slots a row has ``min(finite, keep - protected)`` finite candidates left: the
+        next stage's split needs no pass over the scores. ``stage``: ``(B, >= max(layers) + 1)`` selectable budgets.
+        """
+        states = [self._ranked.pop(i) for i in layers]
+        counts, protected, finite = (torch.stack([st[j] for st in states]) for j in range(3))  # (n, B, H)
+        dev = counts.device
+        per_head = torch.minimum(stage[:, layers].to(dev).T[:, :, None], finite)
+        keep = self._keep_counts(None, per_head, counts, protected)
+        targets = torch.where(self.info.compress.to(dev).view(1, -1, 1), keep, -1).unbind(0)
+        remaining = torch.minimum(finite, keep - protected).unbind(0)
+        host = torch.stack([keep, counts]).view(2, len(layers), -1).tolist()
+        for i, layer in enumerate(layers):
+            self.targets[layer] = targets[i]
+            kl, cl = host[0][i], host[1][i]
+            if not final and all(k >= c for k, c in zip(kl, cl)):
+                self._ranked[layer] = states[i]
+                continue
+            self.layers[layer].keep(None, keep[i], positional=final, host=(kl, cl))
+            if not final:
+                self._ranked[layer] = (keep[i], protected[i], remaining[i])
+
+    def _keep_counts(
+        self, layer_idx: int | None, per_head: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor
+    ) -> torch.Tensor:
+        """Slots kept per row from a head split: protected + split (clamped to the candidates) where the sequence is
+        compressed, everything elsewhere; also records the layer's decode targets (``layer_idx`` None: the caller
+        does)."""
+        dev = counts.device
+        per_head = torch.minimum(per_head.to(dev, torch.int64).clamp_min(0), counts - protected)
+        compress = self.info.compress.to(dev).view(*([1] * (counts.ndim - 2)), -1, 1)
+        keep = torch.where(compress, torch.minimum(per_head + protected, counts), counts)
+        if layer_idx is not None:
+            self.targets[layer_idx] = torch.where(compress, keep, -1)
+        return keep
+
+    def _uniform_head_split(self) -> bool:
+        """True when the method splits a layer's budget evenly over its KV heads (:meth:`Method.head_budgets` not
+        overridden), so the compressor may apply that rule itself."""
+        return type(self.method).head_budgets is Method.head_budgets
 
     # ================================================================== decode
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:

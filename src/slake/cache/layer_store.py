@@ -3,9 +3,9 @@
 Layout (``docs/design.md#storage-layout``, ``docs/conventions.md#memory-and-byte-accounting``): dense tensors
 ``(B, Hkv, capacity, d)`` padded to the longest head, with a validity mask. Each slot also records the absolute position
 of its token and a float32 score carried between eviction decisions. After a prefill compaction the kept tokens sit in
-position order at the front of each row; at decode, evicted slots are freed in place and the next token is written into
-a free slot, so no step reallocates the layer (the capacity only grows when a row has no free slot, e.g. with no decode
-eviction).
+position order at the front of each row (between the stages of CAKE's cascade, in score order: ``keep``); at decode,
+evicted slots are freed in place and the next token is written into a free slot, so no step reallocates the layer (the
+capacity only grows when a row has no free slot, e.g. with no decode eviction).
 
 Optionally a per-query-head visibility mask ``head_visible`` ``(B, Hkv, g, capacity)`` restricts which query heads of
 a GQA group see a slot (SAGE-KV's per-query-head selections stored once per KV head); slots written at decode are
@@ -20,6 +20,28 @@ from slake.cache.linear_state import LinearState
 from slake.cache.quant import dequantize_rows, parse_kv_dtype, quantize_rows, scale_bytes_per_row
 
 _GROWTH = 256  # slots added at once when a row runs out of free slots (amortises reallocation)
+_FOLD_ROWS = 1024  # dropped rows gathered and folded at once by a prefill compaction (bounds the transient copies)
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[b, h, idx[b, h, i]]`` for a ``(B, Hkv, n, ...)`` tensor and ``(B, Hkv, k)`` slot indices.
+
+    One ``index_select`` over the rows of a flat view: on CPU a ``gather`` with an index expanded over the head
+    dimension is several times slower. A ``(B, n, Hkv, ...)`` buffer seen as ``(B, Hkv, n, ...)`` (the engines'
+    token-major keys and values) is read in place too; other layouts fall back to advanced indexing. Nothing is
+    copied but the picked rows.
+    """
+    B, H, n = t.shape[:3]
+    rest = t.shape[3:]
+    b = torch.arange(B, device=idx.device).view(B, 1, 1)
+    h = torch.arange(H, device=idx.device).view(1, H, 1)
+    if t.is_contiguous():
+        flat, src = (b * H + h) * n + idx, t.view(B * H * n, *rest)
+    elif t.transpose(1, 2).is_contiguous():
+        flat, src = (b * n + idx) * H + h, t.transpose(1, 2).view(B * n * H, *rest)
+    else:
+        return t[b, h, idx]
+    return src.index_select(0, flat.reshape(-1)).view(B, H, idx.shape[-1], *rest)
 
 
 class LayerStore:
@@ -93,51 +115,102 @@ class LayerStore:
         return self.valid.sum(-1)
 
     # ------------------------------------------------------------------ prefill compaction
-    def keep(self, order: torch.Tensor, keep_counts: torch.Tensor) -> torch.Tensor:
-        """Keep, per row, the first ``keep_counts[b, h]`` slots listed in ``order``; drop every other slot.
+    def keep(
+        self,
+        order: torch.Tensor | None,
+        keep_counts: torch.Tensor,
+        *,
+        positional: bool = True,
+        host: tuple[list[int], list[int]] | None = None,
+    ) -> None:
+        """Keep, per row, the first ``keep_counts[b, h]`` slots listed in ``order``; drop every other slot, folding the
+        dropped valid ones into the linear state when there is one.
 
         Parameters
         ----------
-        order : torch.Tensor
-            ``(B, Hkv, k)`` slot indices in preference order (best first), ``k >= keep_counts.max()``.
+        order : torch.Tensor | None
+            ``(B, Hkv, n)`` every slot index in preference order (best first), or None when the store's slots already
+            are in that order (a store left by ``positional=False``): the kept slots are then a prefix of each row,
+            and dropping is a slice, with no sort and no gather.
         keep_counts : torch.Tensor
             ``(B, Hkv)`` int64 tokens to keep per row.
+        positional : bool
+            True (the layout everything else reads): kept slots are re-packed in position order, empty slots last.
+            False: they stay in ``order``'s order, so that the next, smaller ``keep`` of the CAKE cascade
+            (``docs/methods/cake.md#cascading-prefill``) is ``order=None``.
+        host : tuple[list[int], list[int]] | None
+            ``keep_counts`` and the valid slots per row, flattened, when the caller has read them back already.
 
-        Returns
-        -------
-        torch.Tensor
-            ``(B, Hkv, n_old)`` bool mask of the previously valid slots that were dropped (for the linear state,
-            which is folded here when present). Kept slots are re-packed in position order.
+        The kept set is the same whatever the layout: the first ``keep_counts`` valid slots of ``order``.
         """
-        kmax = int(keep_counts.max().item()) if keep_counts.numel() else 0
-        kmax = max(kmax, 1)
-        sel = order[..., :kmax]
-        sel_valid = torch.arange(kmax, device=sel.device) < keep_counts[..., None]
-        sel_valid &= self.valid.gather(-1, sel)
-        # positional order for the kept slots, invalid ones last
-        pos = self.positions.gather(-1, sel)
-        sort_key = torch.where(sel_valid, pos, pos + (1 << 40))
-        perm = sort_key.argsort(-1)
-        sel = sel.gather(-1, perm)
-        sel_valid = sel_valid.gather(-1, perm)
-        kept_mask = torch.zeros_like(self.valid)
-        kept_mask.scatter_(-1, sel, sel_valid)
-        dropped = self.valid & ~kept_mask
-        if self.linear is not None and bool(dropped.any()):
-            self.linear.fold(self.dense_keys(), self.dense_values(), dropped)
-        gi = sel[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, gi)
-        self.values = self.values.gather(2, gi)
-        if self.k_scale is not None:
-            self.k_scale = self.k_scale.gather(2, sel[..., None])
-            self.v_scale = self.v_scale.gather(2, sel[..., None])
-        self.positions = self.positions.gather(-1, sel).masked_fill(~sel_valid, -1)
-        self.scores = self.scores.gather(-1, sel).masked_fill(~sel_valid, float("-inf"))
+        B, H, n = self.valid.shape
+        dev = self.valid.device
+        if host is None:
+            host = torch.stack([keep_counts.reshape(-1), self.counts().reshape(-1).to(keep_counts)]).tolist()
+        keep_list, count_list = host
+        kmax = min(max(max(keep_list, default=0), 1), n)
+        kmin = min(keep_list, default=0)
+        # every slot valid and one keep count for all rows (a batch of one, no padding): no mask anywhere
+        uniform = all(c == n for c in count_list) and len(set(keep_list)) <= 1
+        sel = None if order is None else order[..., :kmax]  # None: the identity, each row's first slots
+        sel_valid = None  # None: every kept slot is valid
+        if not uniform:
+            first = torch.arange(kmax, device=dev) < keep_counts[..., None]
+            sel_valid = first & (self.valid[..., :kmax] if sel is None else self.valid.gather(-1, sel))
+        if positional:  # position order for the kept slots, empty ones last
+            pos = self.positions[..., :kmax] if sel is None else self.positions.gather(-1, sel)
+            perm = (pos if sel_valid is None else torch.where(sel_valid, pos, pos + (1 << 40))).argsort(-1)
+            sel = perm if sel is None else sel.gather(-1, perm)
+            sel_valid = None if sel_valid is None else sel_valid.gather(-1, perm)
+        if self.linear is not None and kmin < n:
+            self._fold_dropped(order, keep_counts, kmin, uniform)
+        if sel is None:  # a prefix of every row: slice (copied, so that the dropped slots' memory is released)
+            take = (lambda t: t[:, :, :kmax].clone()) if kmax < n else (lambda t: t)
+            take_last = take
+        else:
+            take = lambda t: _rows(t, sel)  # noqa: E731
+            take_last = lambda t: t.gather(-1, sel[:, :, None, :].expand(-1, -1, t.shape[2], -1))  # noqa: E731
+        for name in self._slot_tensors():
+            setattr(self, name, take(getattr(self, name)))
+        self.positions = take(self.positions)
+        self.scores = take(self.scores)
         if self.head_visible is not None:
-            hv = self.head_visible
-            self.head_visible = hv.gather(-1, sel[:, :, None, :].expand(-1, -1, hv.shape[2], -1))
-        self.valid = sel_valid
-        return dropped
+            self.head_visible = take_last(self.head_visible)
+        if sel_valid is None:
+            self.valid = torch.ones(B, H, kmax, dtype=torch.bool, device=dev)
+        else:
+            self.positions.masked_fill_(~sel_valid, -1)
+            self.scores.masked_fill_(~sel_valid, float("-inf"))
+            self.valid = sel_valid
+
+    def _fold_dropped(self, order: torch.Tensor | None, keep_counts: torch.Tensor, kmin: int, uniform: bool) -> None:
+        """Fold the valid slots past each row's ``keep_counts`` in ``order`` (None: slot order) into the linear state,
+        gathering only those rows (``_FOLD_ROWS`` at a time), not the whole layer. ``uniform``: every such slot is
+        valid and dropped (one keep count for all rows, no empty slot), so no mask is needed."""
+        n = self.valid.shape[-1]
+        for r0 in range(kmin, n, _FOLD_ROWS):
+            r1 = min(r0 + _FOLD_ROWS, n)
+            rows = None if order is None else order[..., r0:r1]
+            chosen = None
+            if not uniform:
+                valid = self.valid[..., r0:r1] if rows is None else self.valid.gather(-1, rows)
+                chosen = valid & (torch.arange(r0, r1, device=valid.device) >= keep_counts[..., None])
+                if not bool(chosen.any()):
+                    continue
+            k, v = self.dense_rows(rows, r0, r1)
+            self.linear.fold(k, v, chosen)
+
+    def dense_rows(
+        self, rows: torch.Tensor | None, r0: int = 0, r1: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the slots ``rows`` ``(B, Hkv, r)`` (None: slots ``r0:r1``), dequantised under 8-bit
+        storage, as :meth:`dense_keys` / :meth:`dense_values` would give them."""
+        pick = (lambda t: t[:, :, r0:r1]) if rows is None else (lambda t: _rows(t, rows))
+        k, v = pick(self.keys), pick(self.values)
+        if self.k_scale is not None:
+            k = dequantize_rows(k, pick(self.k_scale))
+            v = dequantize_rows(v, pick(self.v_scale))
+        return k, v
 
     # ------------------------------------------------------------------ decode
     def append(

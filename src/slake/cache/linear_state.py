@@ -159,7 +159,9 @@ class LinearState:
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def fold(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor, finite: bool = False) -> None:
+    def fold(
+        self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor | None, finite: bool = False
+    ) -> None:
         """Add the rows of ``keys``/``values`` marked in ``evicted`` to the state, in place.
 
         See ``docs/methods/slake.md#linear-state``.
@@ -168,8 +170,9 @@ class LinearState:
         ----------
         keys, values : torch.Tensor
             ``(B, Hkv, n, d)``, any float dtype; accumulated in the state's dtype (float32).
-        evicted : torch.Tensor
-            ``(B, Hkv, n)`` bool, True for the rows to fold in. Unmarked rows are ignored even if non-finite.
+        evicted : torch.Tensor | None
+            ``(B, Hkv, n)`` bool, True for the rows to fold in. Unmarked rows are ignored even if non-finite. None:
+            every row (no mask is applied).
         finite : bool
             The caller guarantees that every row is finite (the compressor's gathered decode rows): unmarked rows are
             then zeroed by a multiplication instead of two selects. Results are identical for finite rows.
@@ -188,7 +191,7 @@ class LinearState:
             raise ValueError(
                 f"keys/values must be (B={B}, Hkv={H}, n, d={d}); got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
-        if evicted.shape != keys.shape[:3] or evicted.dtype != torch.bool:
+        if evicted is not None and (evicted.shape != keys.shape[:3] or evicted.dtype != torch.bool):
             raise ValueError(
                 f"evicted must be a bool mask of shape {tuple(keys.shape[:3])}, got "
                 f"{evicted.dtype} {tuple(evicted.shape)}"
@@ -199,15 +202,27 @@ class LinearState:
                 self.fold(
                     keys[:, :, s : s + _FOLD_BLOCK],
                     values[:, :, s : s + _FOLD_BLOCK],
-                    evicted[:, :, s : s + _FOLD_BLOCK],
+                    None if evicted is None else evicted[:, :, s : s + _FOLD_BLOCK],
                     finite=finite,
                 )
             return
         dt = aug.dtype
-        m = (evicted if evicted.device == aug.device else evicted.to(aug.device)).unsqueeze(-1)
-        mf = m.to(dt)
         k = keys if keys.dtype == dt else keys.to(dt)
         v = values if values.dtype == dt else values.to(dt)
+        if evicted is None and n >= 128:  # many rows: [k, 1]^T [v, 1] by blocks, no concatenated copy of the rows
+            aug.view(B * H, d1, d1)[:, :d, :d].baddbmm_(k.reshape(B * H, n, d).transpose(1, 2), v.reshape(B * H, n, d))
+            aug[..., :d, d] += k.sum(2)
+            aug[..., d, :d] += v.sum(2)
+            aug[..., d, d] += n
+            return
+        if evicted is None:  # a few rows (a cascade stage): one product of the augmented rows
+            ones = self._ones(B, H, n, v)
+            kp = torch.cat([k, ones], -1).view(B * H, n, d1)
+            vp = torch.cat([v, ones], -1).view(B * H, n, d1)
+            aug.view(B * H, d1, d1).baddbmm_(kp.transpose(1, 2), vp)
+            return
+        m = (evicted if evicted.device == aug.device else evicted.to(aug.device)).unsqueeze(-1)
+        mf = m.to(dt)
         if finite:
             k = k * mf  # v needs no mask: the zero rows of k' cancel it
         else:

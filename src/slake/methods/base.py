@@ -239,8 +239,7 @@ class Method:
             ``(B, Hkv)`` int64 selectable tokens kept per head; the compressor clamps it to ``[0, candidates]`` and adds
             the protected slots. Default: the uniform split ``min(selectable, candidates)`` for every head.
         """
-        cand = (scores > float("-inf")) & (scores < float("inf"))
-        return torch.minimum(selectable.to(scores.device).view(-1, 1), cand.sum(-1))
+        return torch.minimum(selectable.to(scores.device).view(-1, 1), torch.isfinite(scores).sum(-1))
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
         """Selectable budget of every layer when ``layer_budgets == "pyramid"`` (``(L,)`` int64)."""

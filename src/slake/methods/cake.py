@@ -38,7 +38,7 @@ import torch
 from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import group_mean, pool1d, positional_pool, window_logits
 
-__all__ = ["Cake", "cake_indicator", "cake_preference", "cake_taus"]
+__all__ = ["Cake", "cake_entropy", "cake_indicator", "cake_preference", "cake_taus"]
 
 EPS = 1e-12
 LOG_EPS = 1e-10
@@ -73,39 +73,71 @@ def cake_taus(model_family: str, budget: int) -> tuple[float, float]:
 
 
 def _row_var(abar: torch.Tensor) -> torch.Tensor:
-    """Unbiased variance over the window-row axis (-2); zeros when there are fewer than two rows."""
-    if abar.shape[-2] < 2 or abar.shape[-1] == 0:
+    """Unbiased variance over the window-row axis (-2); zeros when there are fewer than two rows.
+
+    Two passes (mean, then the sum of squared deviations) in float64, a block of columns at a time (the copy stays
+    in cache at long prompts), rounded to float32 at the end: what ``abar.var(dim=-2)`` returns for float32 input on
+    CPU (its Welford reduction also accumulates in float64; the two agree to the last bit on every float32 input we
+    tried, ``tests/test_cake_slake_methods.py``), at a tenth of its cost, which was most of CAKE's prefill scoring.
+    Float64 keeps it exact where a float32 two-pass or ``E[a^2] - E[a]^2`` would lose the small variances of stable
+    columns.
+    """
+    w, n = abar.shape[-2], abar.shape[-1]
+    if w < 2 or n == 0:
         return abar.new_zeros(abar.shape[:-2] + abar.shape[-1:])
-    return abar.var(dim=-2, correction=1)
+    out = abar.new_empty(abar.shape[:-2] + abar.shape[-1:])
+    step = max(1, _VAR_BLOCK // max(abar[..., 0].numel(), 1))  # columns per block: the float64 copy stays in cache
+    for j in range(0, n, step):
+        a = abar[..., j : j + step].to(torch.float64, copy=True)
+        out[..., j : j + step] = a.sub_(a.sum(-2, keepdim=True).div_(w)).square_().sum(-2).div_(w - 1)
+    return out
 
 
-def cake_preference(abar: torch.Tensor, tau1: float, tau2: float) -> torch.Tensor:
+_VAR_BLOCK = 1 << 17  # float64 elements (1 MiB) of one column block of _row_var
+
+
+def cake_entropy(abar: torch.Tensor) -> torch.Tensor:
+    """``H = -sum a log(a + 1e-10)`` over heads, rows and columns of each sample, ``(B,)`` (the spatial dispersion of
+    ``docs/methods/cake.md#layer-preference``); one temporary, updated in place."""
+    a = abar.float()
+    t = torch.add(a, LOG_EPS).log_().mul_(a)
+    return -t.sum((1, 2, 3))
+
+
+def cake_preference(abar: torch.Tensor, tau1: float, tau2: float, row_var: torch.Tensor | None = None) -> torch.Tensor:
     """Layer preference ``P = H^(1/tau1) * V^(1/tau2)`` per batch element, ``(B,)`` float32.
 
     See ``docs/methods/cake.md#layer-preference``.
 
     ``abar``: ``(B, Hq, w, S - w)`` window attention over the non-window keys. ``H = -sum a log(a + 1e-10)`` and
     ``V = sum_j Var_i(a)`` are summed over heads, rows and columns of each sample, clamped at ``1e-12`` before the
-    powers.
+    powers. ``row_var``: ``Var_i(a)`` ``(B, Hq, S - w)`` when already computed (the indicator's, :func:`_row_var`).
     """
     a = abar.float()
-    ent = -(a * torch.log(a + LOG_EPS)).sum((1, 2, 3))
-    var = _row_var(a).sum((1, 2))
+    ent = cake_entropy(a)
+    var = (_row_var(a) if row_var is None else row_var).sum((1, 2))
     return ent.clamp_min(EPS) ** (1.0 / tau1) * var.clamp_min(EPS) ** (1.0 / tau2)
 
 
-def cake_indicator(abar: torch.Tensor, gamma: float, kernel: int, pooling: str, num_kv_heads: int) -> torch.Tensor:
+def cake_indicator(
+    abar: torch.Tensor,
+    gamma: float,
+    kernel: int,
+    pooling: str,
+    num_kv_heads: int,
+    row_var: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention-shift tolerant indicator ``G(pool(mean_i abar + gamma * Var_i abar))``.
 
     See ``docs/methods/cake.md#eviction-indicator``.
 
     ``abar``: ``(B, Hq, w, S - w)``; returns ``(B, Hkv, S - w)`` float32 (pool first, then group mean, as the
-    reference code).
+    reference code). ``row_var``: ``Var_i(abar)`` when already computed (:func:`_row_var`).
     """
     a = abar.float()
     if a.shape[-1] == 0:  # S <= w: nothing selectable
         return a.new_zeros(a.shape[0], num_kv_heads, 0)
-    raw = a.mean(-2) + gamma * _row_var(a)
+    raw = a.mean(-2) + gamma * (_row_var(a) if row_var is None else row_var)
     return group_mean(pool1d(raw, kernel, pooling), num_kv_heads)
 
 
@@ -169,18 +201,28 @@ class Cake(Method):
         logits = window_logits(inputs.queries, inputs.keys, inputs.window, inputs.scaling, inputs.key_padding)
         probs = torch.softmax(logits, dim=-1)
         B, _, w, S = probs.shape
-        if inputs.key_padding is not None:  # padded window rows (sample shorter than w) have no visible key
-            probs = probs.masked_fill(inputs.key_padding[:, None, S - w :, None], 0.0)
+        pad = inputs.key_padding
+        if pad is not None and bool(pad[:, S - w :].any()):  # padded window rows (sample shorter than w): no key
+            probs.masked_fill_(pad[:, None, S - w :, None], 0.0)
         abar = probs[..., : S - w]
-        ind = cake_indicator(abar, self.gamma, self.kernel, self.pooling, inputs.keys.shape[1])
+        row_var = _row_var(abar)  # shared by the indicator and CAKE's preference
+        ind = cake_indicator(abar, self.gamma, self.kernel, self.pooling, inputs.keys.shape[1], row_var=row_var)
         scores = torch.cat([ind, ind.new_zeros(B, ind.shape[1], w)], dim=-1)
-        return PrefillScores(scores=scores, preference=self.layer_preference(inputs, logits, probs, ind))
+        pref = self.layer_preference(inputs, logits, probs, ind, row_var=row_var)
+        return PrefillScores(scores=scores, preference=pref)
 
     def layer_preference(
-        self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor, indicator: torch.Tensor
+        self,
+        inputs: PrefillInputs,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        indicator: torch.Tensor,
+        row_var: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``(B,)`` layer preference; CAKE's ``H^(1/tau1) V^(1/tau2)`` (overridden by SLAKE's VABS)."""
-        return cake_preference(probs[..., : probs.shape[-1] - probs.shape[-2]], self.tau1, self.tau2)
+        """``(B,)`` layer preference; CAKE's ``H^(1/tau1) V^(1/tau2)`` (overridden by SLAKE's VABS). ``row_var``: the
+        indicator's ``Var_i(Abar)``, reused instead of computed again."""
+        abar = probs[..., : probs.shape[-1] - probs.shape[-2]]
+        return cake_preference(abar, self.tau1, self.tau2, row_var=row_var)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Pooled (positionally) group mean of the current queries' probabilities; ``(B, Hkv, n)``.

@@ -23,11 +23,11 @@ def window_logits(
     g = Hq // Hkv
     w = min(window, S)
     q = queries[:, :, S - w :].float().reshape(B, Hkv, g * w, d)
-    x = torch.matmul(q, keys.float().transpose(-1, -2)).reshape(B, Hq, w, S) * scaling
+    x = torch.matmul(q, keys.float().transpose(-1, -2)).reshape(B, Hq, w, S).mul_(scaling)  # x is ours: in place
     causal = torch.ones(w, w, dtype=torch.bool, device=x.device).triu(1)
-    x[..., S - w :] = x[..., S - w :].masked_fill(causal, float("-inf"))
+    x[..., S - w :].masked_fill_(causal, float("-inf"))
     if key_padding is not None and bool(key_padding.any()):
-        x = x.masked_fill(key_padding[:, None, None, :], float("-inf"))
+        x.masked_fill_(key_padding[:, None, None, :], float("-inf"))
     return x
 
 

@@ -88,7 +88,8 @@ def vabs_preference(
     Parameters
     ----------
     logits, probs : torch.Tensor
-        ``(B, Hq, w, S)`` window logits (``-inf`` where masked: causal block, padding) and their softmax.
+        ``(B, Hq, w, S)`` window logits (``-inf`` where masked: causal block, padding, and nowhere else, as
+        :func:`~slake.methods.common.window_logits` gives them) and their softmax.
     values : torch.Tensor
         ``(B, Hkv, S, d)`` the layer's values.
     indicator : torch.Tensor
@@ -135,10 +136,15 @@ def vabs_preference(
         order = torch.sort(ind, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sel, device=order.device).expand_as(order))
         ev = (rank >= k0[:, None, None]) & ~pad[:, None, :sel]
-    else:  # "window": every real non-window token (provisional budget 0)
+    elif split == "window":  # every real non-window token (provisional budget 0)
         k0 = torch.zeros_like(k0)
         ev = (~pad[:, None, :sel]).expand(B, Hkv, sel)
-    ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+    if split == "taylor":  # every visible key: the real keys at or before the row's query, counted per window row
+        visible = (~pad).cumsum(-1)[:, S - w :].clamp_min(1).to(torch.float32)[:, None, None, :]  # (B, 1, 1, w)
+        causal = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(1)  # the masked window keys per row
+        padded = bool(pad.any())
+    else:
+        ev = torch.cat([ev, ev.new_zeros(B, Hkv, w)], -1)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
     # 2-3) per window row: PTAA weight map (group layout (B, Hkv, g, rows, S)), its total variation and value-aware
     # error against the exact row, and the entropy of the exact row; rows are independent, so they are taken a few
     # at a time to bound the transient memory (at 8K tokens a whole window's map is ~9 MB per temporary)
@@ -148,14 +154,23 @@ def vabs_preference(
     omega = (vn / vn.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))[:, :, None, None, :]
     n_fixed = None if split == "taylor" else (real_sel - k0).clamp_min(1).to(x_all.dtype)[:, None, None, None]
     rows = max(1, _VABS_BLOCK // max(B * Hq * S, 1))
-    parts = [
-        _vabs_rows(x_all[:, :, :, r0 : r0 + rows], a_all[:, :, :, r0 : r0 + rows], ev, n_fixed, omega, sel, gamma_v)
-        for r0 in range(0, w, rows)
-    ]
-    tv, va, ent = (torch.cat(t, dim=-1) for t in zip(*parts))  # each (B, Hkv, g, w)
+    # a factor with exponent 0 is exactly 1 whatever its base: its passes are skipped (the default model's profile
+    # has beta = 0)
+    need = (alpha != 0, beta != 0)
+    parts = []
+    for r0 in range(0, w, rows):
+        x, a = x_all[:, :, :, r0 : r0 + rows], a_all[:, :, :, r0 : r0 + rows]
+        if split == "taylor":
+            hidden = (causal[r0 : r0 + rows], pad[:, None, None, None, :] if padded else None)
+            parts.append(_taylor_rows(x, a, visible[..., r0 : r0 + rows], hidden, omega, sel, gamma_v, need))
+        else:
+            parts.append(_vabs_rows(x, a, ev, n_fixed, omega, sel, gamma_v, need))
+    tv, va, ent = (torch.cat(t, dim=-1) if t[0] is not None else None for t in zip(*parts))  # each (B, Hkv, g, w)
     # 4) P = E[TV * VA]^alpha * E[Ent]^beta, means over heads and window rows of each sample
-    pref = (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha * ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
-    return torch.where(n0 > 0, pref, eps)
+    one = torch.ones(B, dtype=torch.float32, device=logits.device)
+    err_term = one if tv is None or va is None else (tv * va).mean((1, 2, 3)).clamp_min(EPS) ** alpha
+    ent_term = one if ent is None else ent.mean((1, 2, 3)).clamp_min(EPS) ** beta
+    return torch.where(n0 > 0, err_term * ent_term, eps)
 
 
 _VABS_BLOCK = 1 << 19  # elements of one (B, Hq, rows, S) temporary of the VABS map (2 MiB in float32)
@@ -169,10 +184,15 @@ def _vabs_rows(
     omega: torch.Tensor,
     sel: int,
     gamma_v: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    need: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """TV, value-aware error and entropy of some window rows (``x``, ``a``: ``(B, Hkv, g, rows, S)`` logits and exact
     probabilities; ``ev``: the provisional evicted set, broadcastable, or ignored when ``n_ev`` is None, the
-    full-Taylor split where every visible key is linearised). Each returned tensor is ``(B, Hkv, g, rows)``."""
+    full-Taylor split where every visible key is linearised). Each returned tensor is ``(B, Hkv, g, rows)``.
+    ``need``: whether the error terms (TV, VA) and the entropy are wanted; those not wanted are None."""
+    ent = _row_entropy(a[..., :sel]) if need[1] else None
+    if not need[0]:
+        return None, None, ent
     if n_ev is None:  # "taylor": the row's evicted count is its visible count
         ev = torch.isfinite(x)
         n_ev = ev.sum(-1).clamp_min(1).to(x.dtype)
@@ -184,9 +204,47 @@ def _vabs_rows(
     err = wt.div_(wt.sum(-1, keepdim=True)).sub_(a).abs_()
     tv = 0.5 * err.sum(-1)
     va = err.mul_(omega).sum(-1).clamp_min(EPS) ** gamma_v
-    ab = a[..., :sel]
-    ent = -(ab * torch.log(ab + LOG_EPS)).sum(-1)
     return tv, va, ent
+
+
+def _taylor_rows(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    visible: torch.Tensor,
+    hidden: tuple[torch.Tensor, torch.Tensor | None],
+    omega: torch.Tensor,
+    sel: int,
+    gamma_v: float,
+    need: tuple[bool, bool] = (True, True),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_vabs_rows` of the full-Taylor split (every visible key linearised), in a third of its passes, with the
+    same result to the bit (``tests/test_cake_slake_methods.py``).
+
+    With no kept key the general form's shift is ``m = mu`` and its weight ``exp(mu - m) (1 + x - mu)`` is
+    ``1 + x - mu`` exactly, so no exponential is needed. ``visible``: ``(B, 1, 1, rows)`` float32 count of each row's
+    visible keys (at least 1), which are its finite logits; ``hidden``: the masked keys, ``(rows, w)`` of the window
+    block (causal) and ``(B, 1, 1, 1, S)`` padding or None, which are exactly the ``-inf`` logits of
+    :func:`~slake.methods.common.window_logits`. The masked logits are zeroed with ``nan_to_num`` and these masks
+    instead of a finiteness mask and ``where``, which cost ten times an arithmetic pass on CPU.
+    """
+    ent = _row_entropy(a[..., :sel]) if need[1] else None
+    if not need[0]:
+        return None, None, ent
+    wt = x.nan_to_num(neginf=0.0)  # visible logits, 0 elsewhere
+    mu = wt.sum(-1).div_(visible)
+    wt.add_(1).sub_(mu[..., None])  # 1 + x - mu on visible keys: zero the masked ones again
+    wt[..., x.shape[-1] - hidden[0].shape[-1] :].masked_fill_(hidden[0], 0.0)
+    if hidden[1] is not None:
+        wt.masked_fill_(hidden[1], 0.0)
+    err = wt.div_(wt.sum(-1, keepdim=True)).sub_(a).abs_()
+    tv = 0.5 * err.sum(-1)
+    va = err.mul_(omega).sum(-1).clamp_min(EPS) ** gamma_v
+    return tv, va, ent
+
+
+def _row_entropy(a: torch.Tensor) -> torch.Tensor:
+    """``-sum_j a log(a + 1e-10)`` over the last axis, with one temporary updated in place."""
+    return -torch.add(a, LOG_EPS).log_().mul_(a).sum(-1)
 
 
 @register
@@ -252,11 +310,16 @@ class Slake(Cake):
             )
 
     def layer_preference(
-        self, inputs: PrefillInputs, logits: torch.Tensor, probs: torch.Tensor, indicator: torch.Tensor
+        self,
+        inputs: PrefillInputs,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        indicator: torch.Tensor,
+        row_var: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """VABS score (or CAKE's preference when ``vabs=False``), ``(B,)``."""
         if not self.vabs:
-            return super().layer_preference(inputs, logits, probs, indicator)
+            return super().layer_preference(inputs, logits, probs, indicator, row_var=row_var)
         budget = self.budget_hint if self.budget_hint is not None else getattr(inputs, "budget", None)
         if budget is None:
             raise ValueError(
