@@ -55,8 +55,16 @@ def prompt_set(n: int, lens: tuple[int, int], vocab: int, seed: int) -> list[lis
     return out
 
 
-async def _watch_metrics(server: VllmServer, watch: MetricsWatch, stop: asyncio.Event, interval: float) -> None:
-    """Sample ``/metrics`` into ``watch`` until ``stop`` is set, then once more (the counters' final values)."""
+async def _watch_metrics(
+    server: VllmServer,
+    watch: MetricsWatch,
+    stop: asyncio.Event,
+    interval: float,
+    started: asyncio.Event | None = None,
+) -> None:
+    """Sample ``/metrics`` into ``watch`` until ``stop`` is set, then once more (the counters' final values).
+    ``started`` is set once the first scrape has ended: the level's requests must wait for it, or the counters'
+    baseline may already include some of their tokens."""
     import httpx
 
     async with httpx.AsyncClient(timeout=10.0) as http:
@@ -68,6 +76,8 @@ async def _watch_metrics(server: VllmServer, watch: MetricsWatch, stop: asyncio.
                 watch.add(server_state(parse_prometheus(r.text)))
             except Exception as e:  # noqa: BLE001 - a failed scrape is counted, the level goes on
                 watch.errors.append(f"{type(e).__name__}: {e}")
+            if started is not None:
+                started.set()
             if last:
                 return
             try:
@@ -92,9 +102,11 @@ async def run_level_watched(
     (:func:`report.level_stats`) and the server's (:meth:`MetricsWatch.summary`)."""
     from slake.engines.vllm.serve.client import run_level
 
-    watch, stop = MetricsWatch(pool_blocks=pool_blocks), asyncio.Event()
-    sampler = asyncio.create_task(_watch_metrics(server, watch, stop, metrics_interval_s))
+    watch, stop, started = MetricsWatch(pool_blocks=pool_blocks), asyncio.Event(), asyncio.Event()
+    sampler = asyncio.create_task(_watch_metrics(server, watch, stop, metrics_interval_s, started))
     try:
+        # the counters' baseline before the first request (or the sampler's end, should it fail before scraping)
+        await asyncio.wait({asyncio.ensure_future(started.wait()), sampler}, return_when=asyncio.FIRST_COMPLETED)
         level = await run_level(client, model, prompts, concurrency=concurrency, max_tokens=max_tokens, on_done=on_done)
     finally:
         stop.set()
