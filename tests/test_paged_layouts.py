@@ -149,3 +149,9 @@ def test_decode_step_is_device_agnostic(layout, method):
         out = pool.decode_layer(1, rows, table, blocks, offsets, newest, q, k, v, kv, D**-0.5)
     assert out.shape == (R, H * G, D) and out.device == dev
     assert guard.off == []
+
+
+def test_layout_interface_is_abstract():
+    """A layout must implement every operation: the base class cannot be used as one."""
+    with pytest.raises(TypeError, match="abstract"):
+        PagedLayout()  # type: ignore[abstract]

@@ -20,6 +20,8 @@ so the decode step's calls can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from slake.cache.compressed import matmul_f32
@@ -40,7 +42,7 @@ def slot_blocks(table: torch.Tensor, width: int, block_size: int) -> tuple[torch
     return table.to(torch.int64)[:, i // block_size], i % block_size
 
 
-class PagedLayout:
+class PagedLayout(ABC):
     """How one layer's paged cache tensor stores keys and values: what the decode pool and the backend need.
 
     ``kv_cache`` is always one layer's ``(num_blocks, Hkv, block_size, 2 * d)`` tensor as vLLM hands it to the
@@ -50,22 +52,23 @@ class PagedLayout:
 
     name = "abstract"
 
+    @abstractmethod
     def gather(self, kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``R`` requests' first ``nb * block_size`` slots, ``table`` ``(R, nb)`` their block
         ids in slot order. Returns ``(keys, values)``: ``keys`` in the form this layout's :meth:`logits` and
         :meth:`select_keys` take (layout-specific), ``values`` ``(R, Hkv, nb * block_size, d)`` in slot order (may
         be a strided view)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``queries`` ``(R, Hkv, g, d)`` float32 times the gathered ``keys``: ``(R, Hkv, g, nb * block_size)``
         float32 in slot order (one batched matmul)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The gathered keys of ``slots`` ``(R, Hkv, k)`` (slot indices per request and head): ``(R, Hkv, k, d)``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write(
         self,
         kv_cache: torch.Tensor,
@@ -78,12 +81,11 @@ class PagedLayout:
         ``keys``/``values`` ``(R, Hkv, d)``. Unlike vLLM's cache-write ops (one slot per token for every head),
         each head may take a different slot, as per-head eviction frees different slots per head. (``R`` rows
         may as well be ``n`` slots of one request: ``blocks[i, h]``, ``offsets[i, h]`` of its slot ``i``.)"""
-        raise NotImplementedError
 
+    @abstractmethod
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of a request's first ``n`` slots, each ``(Hkv, n, d)`` (copies); ``block_ids``
         ``(>= ceil(n / block_size),)`` the request's block ids in slot order."""
-        raise NotImplementedError
 
     def check(self, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Raise ``RuntimeError`` unless :meth:`read` returns exactly ``keys``/``values`` (``(Hkv, n, d)``), the
