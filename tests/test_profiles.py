@@ -138,3 +138,35 @@ def test_find_entry_ignores_other_methods(profile_dir):
     profiles = load_profiles(model_identity(cfg))
     assert find_entry(profiles, make_method("cake"), 128) is None
     assert find_entry(profiles, make_method("slake"), 128)[1]["values"]["alpha"] == 0.9
+
+
+def test_the_default_models_shipped_profile_covers_budgets_64_to_2048(profile_dir):
+    """The shipped profile of SmolLM2-135M-Instruct has SLAKE entries at 128, 512 and 1024 and CAKE entries at 512 and
+    1024 (issue: users run budgets 512-1024), each applying at the nearest calibrated budget on a log scale."""
+    cfg = SimpleNamespace(
+        slake_model_name="smollm2",
+        model_type="llama",
+        num_hidden_layers=30,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
+    profiles = load_profiles(model_identity(cfg))
+    assert profiles and profiles[0][0].endswith("smollm2.json")  # the shipped file (the user folder is empty)
+    for name, budget, calibrated in [
+        ("slake", 64, 128),
+        ("slake", 300, 512),
+        ("slake", 700, 512),
+        ("slake", 800, 1024),
+        ("slake", 2048, 1024),
+        ("cake", 256, 512),
+        ("cake", 1500, 1024),
+    ]:
+        found = find_entry(profiles, make_method(name), budget)
+        assert found is not None and found[1]["budget"] == calibrated, (name, budget)
+    for name, budget in [("slake", 4096), ("cake", 200)]:
+        assert find_entry(profiles, make_method(name), budget) is None
+    m, applied = resolve_method("slake", 1024, cfg)
+    assert applied is not None and (m.alpha, m.beta) == (2.0, 0.7071)
