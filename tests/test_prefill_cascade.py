@@ -219,3 +219,45 @@ def test_rows_are_picked_from_any_layout_without_copying_the_source():
     for t in layouts:
         expect = t.gather(2, idx.view(2, 3, 25, *([1] * (t.ndim - 3))).expand(2, 3, 25, *t.shape[3:]))
         assert torch.equal(_rows(t, idx), expect)
+
+
+@pytest.mark.parametrize("name,hyper,kv_dtype", CASES)
+def test_deferred_cascade_equals_the_cascade(name, hyper, kv_dtype):
+    """``defer_cascade=True`` (the vLLM plugin's prefill) evicts each layer at its own stage and at the final one only,
+    and ends with the cascade's cache: the same slots, scores, keys, values, decode targets and layer budgets, and the
+    linear state of the same dropped tokens (folded in fewer groups: equal up to float rounding)."""
+    method = make_method(name, **hyper)
+    pad = _padding()
+    data = _data(3)
+    eager = CompressedKV(method, 36, L, kv_dtype=kv_dtype)
+    deferred = CompressedKV(method, 36, L, kv_dtype=kv_dtype, defer_cascade=True)
+    for layer, (q, k, v) in enumerate(data):
+        eager.prefill_layer(layer, q, k, v, pad, D**-0.5)
+        before = [None if s is None else s.counts().clone() for s in deferred.layers[:layer]]
+        deferred.prefill_layer(layer, q, k, v, pad, D**-0.5)
+        if layer < L - 1:  # the stages in between leave the earlier layers alone
+            for i, counts in enumerate(before):
+                assert torch.equal(deferred.layers[i].counts(), counts), (layer, i)
+    assert torch.equal(eager.info.layer_budgets, deferred.info.layer_budgets)
+    for layer in range(L):
+        a, b = eager.layers[layer], deferred.layers[layer]
+        for attr in ("positions", "valid", "scores"):
+            assert torch.equal(getattr(a, attr), getattr(b, attr)), (layer, attr)
+        kept = a.valid  # what empty slots hold is never read
+        assert torch.equal(a.dense_keys()[kept], b.dense_keys()[kept])
+        assert torch.equal(a.dense_values()[kept], b.dense_values()[kept])
+        assert torch.equal(eager.targets[layer], deferred.targets[layer])
+        if a.linear is not None:
+            torch.testing.assert_close(a.linear.aug, b.linear.aug, rtol=1e-5, atol=1e-4)
+
+
+def test_deferred_cascade_leaves_other_layer_policies_alone():
+    """Methods with static layer budgets evict every layer at its own prefill either way: the option changes nothing."""
+    data = _data(5)
+    for name in ("snapkv", "pyramidkv"):
+        a = CompressedKV(make_method(name), 36, L)
+        b = CompressedKV(make_method(name), 36, L, defer_cascade=True)
+        for layer, (q, k, v) in enumerate(data):
+            a.prefill_layer(layer, q, k, v, None, D**-0.5)
+            b.prefill_layer(layer, q, k, v, None, D**-0.5)
+            assert torch.equal(a.layers[layer].positions, b.layers[layer].positions)

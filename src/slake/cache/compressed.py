@@ -77,6 +77,15 @@ class CompressedKV:
     kv_dtype : str | None
         Storage of the kept keys and values: None (the model's dtype) or ``"int8"`` / ``"fp8_e4m3"`` (8-bit codes
         with a float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
+    defer_cascade : bool
+        Layer-preference methods (CAKE, SLAKE, LAVa): evict each layer at its own cascade stage and at the final
+        stage only, skipping the re-evictions of earlier layers at the stages in between. The kept sets are the
+        same (stage budgets never increase, so any subsequence of the stages ends in one-shot eviction with the final
+        budgets, ``docs/methods/cake.md#cascading-prefill``); the PTAA linear state sums the same evicted tokens in
+        fewer groups (equal up to float rounding). The cache then holds each layer at its first-stage budget (at most
+        the layer cap) until the last layer, not the cascade's bound of the budget plus one layer: for engines that
+        hold the whole prompt's KV during prefill anyway (the vLLM plugin), where the intermediate stages are only
+        work. Default False: the paper's cascade.
     """
 
     def __init__(
@@ -86,8 +95,10 @@ class CompressedKV:
         num_layers: int,
         charge_linear_state: bool = False,
         kv_dtype: str | None = None,
+        defer_cascade: bool = False,
     ) -> None:
         self.method = method
+        self.defer_cascade = defer_cascade
         self.kv_dtype = parse_kv_dtype(kv_dtype)
         self.budget = budget if isinstance(budget, Budget) else Budget(budget)
         self.num_layers = num_layers
@@ -231,6 +242,10 @@ class CompressedKV:
         if policy == "preference":
             last = layer_idx == self.num_layers - 1
             stage = self._preference_stage(layer_idx, final=last)
+            if self.defer_cascade and not last and not self.chunked_prefill:  # the new layer's own stage only
+                self._evict_to(layer_idx, stage[:, layer_idx], final=False)
+                self._prefill_done(layer_idx)
+                return
             batched = [i for i in range(layer_idx) if i in self._ranked and self._ranked[i][2] is not None]
             if batched:  # earlier layers left in score order, with the uniform head split: their keep counts at once
                 self._evict_ranked(batched, stage, final=last)

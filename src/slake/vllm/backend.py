@@ -7,8 +7,12 @@ It is vLLM's CPU backend plus compression, through vLLM's backend registry (``re
   path uses) scores and selects the kept tokens of that layer from the same post-RoPE queries/keys, and the kept
   keys/values are written, per KV head, to the request's first cache slots. The scheduler side
   (:mod:`slake.vllm.scheduler`) then returns the request's other blocks to vLLM's block pool. For CAKE/SLAKE (cascading
-  layer budgets, ``docs/methods/cake.md#cascading-prefill``) the engine re-evicts earlier layers as later ones are
-  prefilled, so every layer's kept entries stay in this process until the last layer's prefill and are written then;
+  layer budgets, ``docs/methods/cake.md#cascading-prefill``) a layer's budget is known only after the last layer's
+  preference, so every layer's kept entries stay in this process until the last layer's prefill and are written then.
+  The cascade is deferred (``CompressedKV(defer_cascade=True)``): each layer is evicted at its own stage and at the
+  final one, not re-evicted at every stage in between, which gives the same kept sets (the prompt's whole KV is in
+  vLLM's blocks for the step anyway, so the cascade's memory bound buys nothing here, and its hundreds of small
+  re-evictions per request made a 2K-token SLAKE prefill step 1.2x plain vLLM's);
   SLAKE's PTAA linear state (a fixed ``(d + 1)^2`` per layer and KV head) lives in this process, next to the metadata.
 * **Decode** of all compressed requests of a step is one batched computation per layer
   (:class:`slake.vllm.batched.DecodePool`): the new token's key/value goes straight into each request's free slot
@@ -323,7 +327,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                     decodes.append((st, qe - 1, i, held))  # the last token decodes over the restored cache
                     continue
                 if self.slake.compresses(slen):
-                    st = RequestState(rid, slen, CompressedKV(self.slake.method, self.slake.budget, self.num_layers))
+                    st = RequestState(rid, slen, CompressedKV(self.slake.method, self.slake.budget, self.num_layers, defer_cascade=True))
                     pool = self._pool()
                     st.row = pool.allocate(slen, self.slake.budget)
                     st.meta_bytes, st.lin_bytes = pool.row_bytes()
