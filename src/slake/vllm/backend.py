@@ -327,7 +327,8 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
                     decodes.append((st, qe - 1, i, held))  # the last token decodes over the restored cache
                     continue
                 if self.slake.compresses(slen):
-                    st = RequestState(rid, slen, CompressedKV(self.slake.method, self.slake.budget, self.num_layers, defer_cascade=True))
+                    cache = CompressedKV(self.slake.method, self.slake.budget, self.num_layers, defer_cascade=True)
+                    st = RequestState(rid, slen, cache)
                     pool = self._pool()
                     st.row = pool.allocate(slen, self.slake.budget)
                     st.meta_bytes, st.lin_bytes = pool.row_bytes()
