@@ -16,6 +16,24 @@ import sys
 from slake.engines.base import BenchPlan, BenchReport, load_avg
 
 
+def method_config(method: str, budget: int, model_dir: str, model_name: str | None) -> tuple[dict | None, dict | None]:
+    """The plugin configuration of ``method`` at ``budget`` as users get it (None for ``"full"``, plain vLLM): the
+    model's profile applied under ``model_name`` (default: ``model_dir``'s folder name up to its first dot,
+    ``SmolLM2-135M-Instruct`` for the converted default model), then vLLM's layer cap. Returns it and the profile
+    entry applied (None when none did)."""
+    import os
+
+    from slake.budgets.budget import Budget
+    from slake.engines.vllm.runner import model_config
+    from slake.vllm.config import plugin_config, resolve_plugin_method
+
+    if method == "full":
+        return None, None
+    name = model_name or os.path.basename(os.path.normpath(model_dir)).split(".")[0]
+    built, profile = resolve_plugin_method(method, Budget(budget), model_config(model_dir, name))
+    return plugin_config(built, Budget(budget)), profile
+
+
 def bench(
     model_dir: str,
     *,
@@ -28,9 +46,11 @@ def bench(
     dtype: str = "float32",
     seed: int = 0,
     include_plain: bool = True,
+    model_name: str | None = None,
 ) -> list[dict]:
     """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
-    for the columns. Every configuration gets the same random prompts."""
+    for the columns. Every configuration gets the same random prompts; each method runs with the model's profile
+    (:func:`method_config`)."""
     import torch
 
     from slake.engines.vllm.runner import run_vllm
@@ -40,7 +60,7 @@ def bench(
     prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
     rows = []
     for method in (["full"] if include_plain else []) + list(methods):
-        cfg = None if method == "full" else {"method": method, "budget": budget}
+        cfg, profile = method_config(method, budget, model_dir, model_name)
         run = run_vllm(
             model_dir,
             prompts,
@@ -62,6 +82,7 @@ def bench(
             {
                 "method": method,
                 "budget": None if cfg is None else budget,
+                "profile": profile,
                 "requests": requests,
                 "prompt_len": prompt_len,
                 "new_tokens": new_tokens,
@@ -82,7 +103,7 @@ def markdown(rows: list[dict]) -> str:
     """The rows of :func:`bench` as a markdown table (the columns of the first row)."""
     if not rows:
         return ""
-    cols = [c for c in rows[0] if c not in ("engine", "model", "load_avg_1m")]
+    cols = [c for c in rows[0] if c not in ("engine", "model", "load_avg_1m", "profile")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -114,6 +135,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                         budget=int(b.value),
                         dtype=dtype,
                         seed=plan.seed,
+                        model_name=model_name,
                     )
                 }
                 for row in bench(
@@ -126,6 +148,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                     dtype=dtype,
                     seed=plan.seed,
                     include_plain=i == 0,
+                    model_name=model_name,
                 ):
                     st = steps.get(row["method"], {})
                     row.update({k: v for k, v in st.items() if k not in row and k != "load_avg_1m"})
@@ -271,9 +294,14 @@ def step_bench(
     block_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
+    model_name: str | None = None,
 ) -> list[dict]:
     """:func:`step_times` for plain vLLM and each method at ``budget``, in this process one after another, with
-    each step's ratio to plain vLLM's and the load average next to every row."""
+    each step's ratio to plain vLLM's and the load average next to every row.
+
+    Each method runs as users get it, with the model's profile (:func:`method_config`); the row's ``profile`` says
+    which entry applied. ``mixed``: mixed steps
+    timed (the median is reported; one mixed step varies by about 5% on this CPU)."""
     import torch
     from transformers import AutoConfig
 
@@ -285,7 +313,7 @@ def step_bench(
     extra = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(mixed)]
     rows, base = [], None
     for method in ["full", *methods]:
-        cfg = None if method == "full" else {"method": method, "budget": budget}
+        cfg, profile = method_config(method, budget, model_dir, model_name)
         print(f"slake bench (vllm steps): {method}, {requests} x {prompt_len}", file=sys.stderr)
         before = load_avg()
         t = step_times(
@@ -296,6 +324,7 @@ def step_bench(
             "budget": None if cfg is None else budget,
             "requests": requests,
             "prompt_len": prompt_len,
+            "profile": profile,
             **t,
         }
         if base is None:
@@ -470,6 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--methods", default="snapkv,slake")
     ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--mixed", type=int, default=6, help="mixed steps timed (median reported)")
+    ap.add_argument("--model-name", default=None, help="name the profile is looked up under (default: the folder's)")
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m and m != "full"]
     if a.what == "steps":
@@ -480,6 +511,8 @@ def main(argv: list[str] | None = None) -> None:
             decode_steps=a.decode_steps,
             methods=methods,
             budget=a.budget,
+            mixed=a.mixed,
+            model_name=a.model_name,
         ):
             print(json.dumps(row), flush=True)
         return
