@@ -170,3 +170,26 @@ def test_the_default_models_shipped_profile_covers_budgets_64_to_2048(profile_di
         assert find_entry(profiles, make_method(name), budget) is None
     m, applied = resolve_method("slake", 1024, cfg)
     assert applied is not None and (m.alpha, m.beta) == (2.0, 0.7071)
+
+
+def test_gemma3_270m_ships_a_profile_for_slake_and_cake(profile_dir):
+    """Gemma 3 270M (the second packaged model) has a shipped profile: SLAKE and CAKE calibrated at 256 and 1024, found
+    under its packaged name and under the hub name ``google/gemma-3-270m`` (the organisation is dropped)."""
+    for name in ("gemma3-270m", "google/gemma-3-270m"):
+        cfg = SimpleNamespace(
+            slake_model_name=name,
+            model_type="gemma3_text",
+            num_hidden_layers=18,
+            hidden_size=640,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            intermediate_size=2048,
+            vocab_size=262144,
+        )
+        profiles = load_profiles(model_identity(cfg))
+        assert profiles and profiles[0][0].endswith("gemma3270m.json"), name
+        for method, budget, calibrated in [("slake", 200, 256), ("slake", 1500, 1024), ("cake", 300, 256)]:
+            found = find_entry(profiles, make_method(method), budget)
+            assert found is not None and found[1]["budget"] == calibrated, (name, method, budget)
+    wrong = SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 26})  # another Gemma 3 size: not this profile
+    assert not load_profiles(model_identity(wrong))
