@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from packaged_shapes import GEMMA3_270M, SMOLLM2
 from slake import SlakeCache
 from slake.methods import make_method
 from slake.methods.profiles import (
@@ -143,16 +144,7 @@ def test_find_entry_ignores_other_methods(profile_dir):
 def test_the_default_models_shipped_profile_covers_budgets_64_to_2048(profile_dir):
     """The shipped profile of SmolLM2-135M-Instruct has SLAKE entries at 128, 512 and 1024 and CAKE entries at 512 and
     1024 (issue: users run budgets 512-1024), each applying at the nearest calibrated budget on a log scale."""
-    cfg = SimpleNamespace(
-        slake_model_name="smollm2",
-        model_type="llama",
-        num_hidden_layers=30,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-    )
+    cfg = SimpleNamespace(slake_model_name="smollm2", model_type="llama", **SMOLLM2)
     profiles = load_profiles(model_identity(cfg))
     assert profiles and profiles[0][0].endswith("smollm2.json")  # the shipped file (the user folder is empty)
     for name, budget, calibrated in [
@@ -176,16 +168,7 @@ def test_gemma3_270m_ships_a_profile_for_slake_and_cake(profile_dir):
     """Gemma 3 270M (the second packaged model) has a shipped profile: SLAKE and CAKE calibrated at 256 and 1024, found
     under its packaged name and under the hub name ``google/gemma-3-270m`` (the organisation is dropped)."""
     for name in ("gemma3-270m", "google/gemma-3-270m"):
-        cfg = SimpleNamespace(
-            slake_model_name=name,
-            model_type="gemma3_text",
-            num_hidden_layers=18,
-            hidden_size=640,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            intermediate_size=2048,
-            vocab_size=262144,
-        )
+        cfg = SimpleNamespace(slake_model_name=name, model_type="gemma3_text", **GEMMA3_270M)
         profiles = load_profiles(model_identity(cfg))
         assert profiles and profiles[0][0].endswith("gemma3270m.json"), name
         for method, budget, calibrated in [("slake", 200, 256), ("slake", 1500, 1024), ("cake", 300, 256)]:

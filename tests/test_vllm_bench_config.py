@@ -4,20 +4,14 @@ from __future__ import annotations
 
 from transformers import LlamaConfig
 
+from packaged_shapes import SMOLLM2
 from slake.engines.vllm.bench import method_config
 
 
 def _converted_default_model(tmp_path):
     """A folder named as the converted default model, with SmolLM2-135M-Instruct's architecture (no weights)."""
     d = tmp_path / "SmolLM2-135M-Instruct.Q4_1-float32"
-    LlamaConfig(
-        num_hidden_layers=30,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-    ).save_pretrained(d)
+    LlamaConfig(**SMOLLM2).save_pretrained(d)
     return str(d)
 
 
