@@ -10,9 +10,8 @@ It is vLLM's CPU backend plus compression, through vLLM's backend registry (``re
   layer budgets, ``docs/methods/cake.md#cascading-prefill``) a layer's budget is known only after the last layer's
   preference, so every layer's kept entries stay in this process until the last layer's prefill and are written then.
   The cascade is deferred (``CompressedKV(defer_cascade=True)``): each layer is evicted at its own stage and at the
-  final one, not re-evicted at every stage in between, which gives the same kept sets (the prompt's whole KV is in
-  vLLM's blocks for the step anyway, so the cascade's memory bound buys nothing here, and its hundreds of small
-  re-evictions per request made a 2K-token SLAKE prefill step 1.2x plain vLLM's);
+  final one, not re-evicted at every stage in between: the same kept sets, without the cascade's hundreds of small
+  re-evictions per request, whose memory bound buys nothing here (vLLM's blocks hold the whole prompt for the step);
   SLAKE's PTAA linear state (a fixed ``(d + 1)^2`` per layer and KV head) lives in this process, next to the metadata.
 * **Decode** of all compressed requests of a step is one batched computation per layer
   (:class:`slake.vllm.batched.DecodePool`): the new token's key/value goes straight into each request's free slot

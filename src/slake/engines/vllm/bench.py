@@ -30,8 +30,9 @@ def method_config(method: str, budget: int, model_dir: str, model_name: str | No
     if method == "full":
         return None, None
     name = model_name or os.path.basename(os.path.normpath(model_dir)).split(".")[0]
-    built, profile = resolve_plugin_method(method, Budget(budget), model_config(model_dir, name))
-    return plugin_config(built, Budget(budget)), profile
+    b = Budget(budget)
+    built, profile = resolve_plugin_method(method, b, model_config(model_dir, name))
+    return plugin_config(built, b), profile
 
 
 def bench(
@@ -300,8 +301,7 @@ def step_bench(
     each step's ratio to plain vLLM's and the load average next to every row.
 
     Each method runs as users get it, with the model's profile (:func:`method_config`); the row's ``profile`` says
-    which entry applied. ``mixed``: mixed steps
-    timed (the median is reported; one mixed step varies by about 5% on this CPU)."""
+    which entry applied. ``mixed``: mixed steps timed (the median is reported; one varies by 5-10% on this CPU)."""
     import torch
     from transformers import AutoConfig
 

@@ -106,7 +106,9 @@ async def run_level_watched(
     sampler = asyncio.create_task(_watch_metrics(server, watch, stop, metrics_interval_s, started))
     try:
         # the counters' baseline before the first request (or the sampler's end, should it fail before scraping)
-        await asyncio.wait({asyncio.ensure_future(started.wait()), sampler}, return_when=asyncio.FIRST_COMPLETED)
+        waiter = asyncio.ensure_future(started.wait())
+        await asyncio.wait({waiter, sampler}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()  # still pending when the sampler ended first
         level = await run_level(client, model, prompts, concurrency=concurrency, max_tokens=max_tokens, on_done=on_done)
     finally:
         stop.set()
