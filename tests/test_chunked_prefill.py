@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slake.hf.cache import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.hf.generate import prefill
 from tiny_models import random_ids
 
@@ -19,7 +20,7 @@ def _greedy(model, cache: SlakeCache, ids: torch.Tensor, steps: int, chunk: int 
     out = [tok]
     with torch.inference_mode():
         for _ in range(steps - 1):
-            logits = model(tok, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(tok, **with_cache(model, cache), use_cache=True).logits[:, -1]
             tok = logits.argmax(-1, keepdim=True)
             out.append(tok)
     return torch.cat(out, -1).tolist(), first
@@ -103,7 +104,7 @@ def test_decode_reuses_storage_in_place(llama_gqa, method):
     ptrs = None
     with torch.inference_mode():
         for step in range(12):
-            tok = llama_gqa(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            tok = llama_gqa(tok, **with_cache(llama_gqa, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             now = [
                 (s.keys.data_ptr(), s.values.data_ptr(), s.positions.data_ptr(), s.valid.data_ptr())
                 + ((s.linear.kv.data_ptr(),) if s.linear is not None else ())
@@ -123,13 +124,13 @@ def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
     cache = SlakeCache("slake", 32, L, window=8)
     prefill(llama_gqa, cache, ids[:, :-1], prefill_chunk=24)
     with torch.inference_mode():
-        out = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+        out = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(llama_gqa, cache), **kw)
     assert out.shape == (1, 105)
     assert cache.compressor.seen == [104] * L and not cache.compressor.chunked_prefill
     # budget above the prompt: chunked + generate equals plain generate with the full cache
     ref_cache, big = SlakeCache("full", 1, L), SlakeCache("snapkv", 400, L, window=8)
     prefill(llama_gqa, big, ids[:, :-1], prefill_chunk=24)
     with torch.inference_mode():
-        ref = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=ref_cache, **kw)
-        got = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=big, **kw)
+        ref = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(llama_gqa, ref_cache), **kw)
+        got = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(llama_gqa, big), **kw)
     assert got.tolist() == ref.tolist()

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from slake.hf.cache import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.hf.generate import prefill
 from slake.methods import available_methods
 from slake.methods.base import check_compileable, make_method
@@ -76,7 +77,7 @@ def _decode(
     first_real = (mask == 0).sum(-1, keepdim=True)
 
     def step(tok, pos):
-        out = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tok, position_ids=pos, **with_cache(model, cache), use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     fn = step if backend is None else torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
@@ -100,7 +101,7 @@ def test_decode_step_is_one_graph_without_breaks(model, method):
     assert cache.statistics()["compressed"] == (method != "full")
 
     def step(tok, pos):
-        return model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
+        return model(input_ids=tok, position_ids=pos, **with_cache(model, cache), use_cache=True).logits
 
     with torch.inference_mode():
         ex = torch._dynamo.explain(step)(tok, PROMPT - (mask == 0).sum(-1, keepdim=True))
@@ -177,7 +178,7 @@ def test_transformers_generate_with_compile_config(model):
             return model.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                past_key_values=cache,
+                **with_cache(model, cache),
                 max_new_tokens=16,
                 do_sample=False,
                 pad_token_id=0,
@@ -198,7 +199,7 @@ def test_static_cache_refuses_what_it_cannot_serve(model):
     with torch.inference_mode():
         prefill(model, cache, ids, mask)
         with pytest.raises(ValueError, match="one token"):
-            model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :2], **with_cache(model, cache), use_cache=True)
     too_short = SlakeCache("full", BUDGET, config=model.config, max_cache_len=PROMPT)
     with torch.inference_mode(), pytest.raises(ValueError, match="no room"):
         prefill(model, too_short, ids, mask)
@@ -225,7 +226,7 @@ def test_eager_decode_reads_nothing_back(model, monkeypatch):
         tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
         pos = PROMPT - (mask == 0).sum(-1, keepdim=True)
         for t in range(2):  # the first step per layer learns its free slots once
-            tok = model(input_ids=tok, position_ids=pos + t, past_key_values=cache).logits[:, -1].argmax(-1, True)
+            tok = model(input_ids=tok, position_ids=pos + t, **with_cache(model, cache)).logits[:, -1].argmax(-1, True)
         compressor = cache.compressor
         for layer in range(2):
             store = compressor.layers[layer]

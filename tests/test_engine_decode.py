@@ -7,6 +7,7 @@ import torch
 
 import slake
 from slake import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from tiny_models import random_ids, tiny_model
 
 
@@ -15,7 +16,7 @@ def _generate(model, ids, cache, n, attention_mask=None, **kw):
         return model.generate(
             ids,
             attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -104,7 +105,7 @@ def test_sampling_and_num_return_sequences(llama_gqa):
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=8,
             do_sample=True,
             top_k=20,

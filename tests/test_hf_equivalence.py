@@ -7,6 +7,7 @@ import torch
 
 import slake
 from slake import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from tiny_models import ARCHS, random_ids, tiny_model
 
 METHODS = ["full", "streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "slake"]
@@ -36,12 +37,12 @@ def _ours(model, ids, method, budget, new_tokens):
     slake.prepare_model(model)
     L = model.config.num_hidden_layers
     with torch.no_grad():
-        logits = model(ids, past_key_values=SlakeCache(method, budget, L)).logits
+        logits = model(ids, **with_cache(model, SlakeCache(method, budget, L))).logits
         cache = SlakeCache(method, budget, L)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,

@@ -9,6 +9,7 @@ import torch
 import slake
 from hybrid_models import ALL_SLIDING, HYBRID, REFUSED, WINDOW, hybrid_model
 from slake import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
 from tiny_models import random_ids
 
@@ -34,7 +35,7 @@ def _generate(model, ids, cache, new_tokens, mask=None):
         return model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,

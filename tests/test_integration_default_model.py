@@ -11,6 +11,7 @@ import pytest
 
 import slake
 from slake.eval.needle import needle_sample
+from slake.hf.cache_kwarg import with_cache
 from slake.hf.generate import format_prompt
 from slake.hf.prefill_once import capture_prefill, greedy_decode
 from slake.methods.base import PrefillScores
@@ -197,7 +198,7 @@ def test_reused_cache_and_prompt_beyond_the_context_are_refused(default_model):
     first, _, _ = _needle_prompt(tok, 400, seed=1)
     second, _, _ = _needle_prompt(tok, 330, seed=2)
     cache = slake.SlakeCache("slake", 64, config=model.config)
-    kw = dict(past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=tok.eos_token_id)
+    kw = dict(**with_cache(model, cache), max_new_tokens=2, do_sample=False, pad_token_id=tok.eos_token_id)
     with torch.inference_mode():
         model.generate(**tok(first, return_tensors="pt", add_special_tokens=False), **kw)
         with pytest.raises(ValueError, match="of an earlier prompt"):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import slake
+from slake.hf.cache_kwarg import with_cache
 
 pytestmark = [
     pytest.mark.integration,
@@ -41,7 +42,7 @@ def test_only_the_global_layers_are_compressed(gemma3):
     res_cache = slake.SlakeCache("slake", 128, config=model.config)
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=res_cache, max_new_tokens=4, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), **with_cache(model, res_cache), max_new_tokens=4, do_sample=False
         )
     stats = res_cache.statistics()
     assert stats["compressed"] and stats["compressed_layers"] == GLOBAL
@@ -61,5 +62,5 @@ def test_budget_at_prompt_length_equals_plain_transformers(gemma3):
     finally:
         slake.prepare_model(model)
     with torch.no_grad():
-        ours = model.generate(ids, past_key_values=slake.SlakeCache("cake", n, config=model.config), **kwargs)
+        ours = model.generate(ids, **with_cache(model, slake.SlakeCache("cake", n, config=model.config)), **kwargs)
     assert torch.equal(ours, ref)

@@ -9,6 +9,7 @@ from slake.cache.compressed import CompressedKV
 from slake.cache.quant import dequantize_rows, parse_kv_dtype, quantize_rows
 from slake.cli import main
 from slake.hf.cache import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.methods import make_method
 from tiny_models import random_ids, tiny_model
 
@@ -97,7 +98,7 @@ def test_every_method_generates_with_8bit(kv_dtype):
     for name in available_methods():
         cache = SlakeCache(name, 48, model.config.num_hidden_layers, kv_dtype=kv_dtype)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=4, do_sample=False
         )
         stats = cache.statistics()
         assert out.shape[1] == ids.shape[1] + 4 and stats["kv_dtype"] == kv_dtype, name
@@ -105,7 +106,12 @@ def test_every_method_generates_with_8bit(kv_dtype):
     # beam search reorders / repeats batch rows: codes and scales move together
     cache = SlakeCache("slake", 48, model.config.num_hidden_layers, kv_dtype=kv_dtype)
     model.generate(
-        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **with_cache(model, cache),
+        max_new_tokens=3,
+        num_beams=2,
+        do_sample=False,
     )
     for s in cache.compressor.layers:
         assert s.k_scale.shape[:3] == s.keys.shape[:3] and s.v_scale.shape[:3] == s.values.shape[:3]

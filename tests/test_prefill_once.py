@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slake import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
 from tiny_models import random_ids
 
@@ -31,7 +32,7 @@ def test_replayed_capture_equals_live_compression(llama_gqa, method):
         live = model.generate(
             ids,
             attention_mask=mask,
-            past_key_values=live_cache,
+            **with_cache(model, live_cache),
             max_new_tokens=10,
             min_new_tokens=10,
             do_sample=False,

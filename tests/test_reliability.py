@@ -8,6 +8,7 @@ below give a clear exception.
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import weakref
 
@@ -20,6 +21,7 @@ from slake import SlakeCache
 from slake.cli import main
 from slake.eval.results import ResultsWriter, read_results, scan_results
 from slake.eval.summary import write_summary
+from slake.hf.cache_kwarg import with_cache
 from tiny_models import random_ids, tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -193,7 +195,7 @@ def _gen(model, ids, cache, n=4):
     return model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
+        **with_cache(model, cache),
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
@@ -358,8 +360,8 @@ def test_fp16_on_cpu_is_finite_and_equals_the_full_cache_at_a_full_budget():
     for method in ("slake", "cake", "snapkv", "h2o", "ada-snapkv", "sagekv"):
         cache = SlakeCache(method, 40, config=model.config)
         with torch.no_grad():
-            out = model(ids, past_key_values=cache, use_cache=True)
-            step = model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            out = model(ids, **with_cache(model, cache), use_cache=True)
+            step = model(ids[:, -1:], **with_cache(model, cache), use_cache=True)
         assert out.logits.dtype == torch.float16
         assert torch.isfinite(out.logits).all() and torch.isfinite(step.logits).all(), method
         assert cache.statistics()["compressed"] is True
@@ -434,3 +436,34 @@ def test_non_utf8_line_is_skipped_not_fatal(tmp_path):
     with ResultsWriter(tmp_path) as store:
         assert store.done and store.write({**ROW, "sample_id": "c"})
     assert len(read_results(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_the_forward_check_finds_the_cache_under_either_keyword(llama_gqa, name):
+    """transformers 5.24 passes the cache as ``cache=`` (``past_key_values=`` before): the input check must see it
+    under both names, or a mismatched cache goes unchecked."""
+    from slake.hf.attention import _check_slake_cache
+
+    kwargs = {name: SlakeCache("slake", 48, 2), "input_ids": random_ids(10, seed=1)}
+    with pytest.raises(ValueError, match="built for 2 layers but the model has 3"):
+        _check_slake_cache(llama_gqa.model, (), kwargs)
+
+
+def test_the_cache_keyword_follows_the_models_forward_signature(llama_gqa):
+    from slake.hf.cache_kwarg import cache_kwarg, with_cache
+
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None):
+            return cache
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    assert cache_kwarg(NewStyle()) == "cache"
+    assert cache_kwarg(OldStyle()) == "past_key_values"
+    marker = object()
+    assert NewStyle()(**with_cache(NewStyle(), marker)) is marker
+    assert OldStyle()(**with_cache(OldStyle(), marker)) is marker
+    installed = "cache" if "cache" in inspect.signature(type(llama_gqa).forward).parameters else "past_key_values"
+    assert cache_kwarg(llama_gqa) == installed

@@ -71,6 +71,7 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
 
     import slake
     from slake.hf.cache import SlakeCache
+    from slake.hf.cache_kwarg import with_cache
     from slake.methods import make_method
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -81,7 +82,7 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
         from slake.vllm.config import with_layer_cap
 
         built = with_layer_cap(make_method(method), Budget(budget))  # the cap vLLM uses for CAKE/SLAKE
-        kw["past_key_values"] = SlakeCache(built, budget, model.config.num_hidden_layers)
+        kw.update(with_cache(model, SlakeCache(built, budget, model.config.num_hidden_layers)))
     x = torch.tensor([ids])
     # exactly new_tokens, EOS included where it is the argmax, as vLLM's ignore_eos (min_new_tokens would mask EOS)
     model.generation_config.eos_token_id = None

@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from slake.hf.cache import SlakeCache, _set_current, current_layer
+from slake.hf.cache_kwarg import cache_from_kwargs
 from slake.hf.layer_layout import check_supported_attention
 
 ATTENTION_NAME = "slake"
@@ -112,7 +113,7 @@ def prepare_model(model) -> None:
 
 def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: validate a SlakeCache against the model and the new input before any layer runs."""
-    cache = kwargs.get("past_key_values")
+    cache = cache_from_kwargs(kwargs)
     if not isinstance(cache, SlakeCache):
         return
     ids = kwargs.get("input_ids", args[0] if args else None)

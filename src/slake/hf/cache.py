@@ -123,7 +123,10 @@ class SlakeCacheLayer(CacheLayerMixin):
 
 
 class SlakeCache(Cache):
-    """A compressed KV cache for ``model.generate(past_key_values=...)`` or a manual forward loop.
+    """A compressed KV cache for ``model.generate(cache=...)`` or a manual forward loop.
+
+    transformers before 5.24 takes it as ``past_key_values=``; :func:`slake.hf.cache_kwarg.with_cache` picks the
+    name the model declares.
 
     The model must use the registered attention implementation (:func:`slake.hf.attention.prepare_model`).
 

@@ -12,6 +12,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from slake.budgets.budget import Budget
 from slake.hf.attention import prepare_model
 from slake.hf.cache import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
@@ -151,7 +152,7 @@ def prefill(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=pos,
-                past_key_values=cache,
+                **with_cache(model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -164,7 +165,7 @@ def prefill(
                         input_ids=input_ids[:, start:end],
                         attention_mask=attention_mask[:, :end],
                         position_ids=pos[:, start:end],
-                        past_key_values=cache,
+                        **with_cache(model, cache),
                         use_cache=True,
                         logits_to_keep=1,
                     )
@@ -294,7 +295,8 @@ def generate(
     if prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
         prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], prefill_chunk=prefill_chunk)
     with torch.inference_mode():
-        out = model.generate(**enc, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen_kwargs)
+        processors = LogitsProcessorList([clock])
+        out = model.generate(**enc, **with_cache(model, cache), logits_processor=processors, **gen_kwargs)
     end = time.perf_counter()
     cache.check_routed()
     new = out[:, enc["input_ids"].shape[1] :]

@@ -23,6 +23,7 @@ from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
 from slake.hf.attention import prepare_model
 from slake.hf.cache import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.methods.base import Method, make_method
 
 
@@ -101,7 +102,7 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **with_cache(model, cache),
             position_ids=_positions(attention_mask),
             logits_to_keep=1,
         )
@@ -235,7 +236,7 @@ def greedy_decode(
             mask = torch.cat([mask, torch.ones_like(extra_ids)], 1)
             pos = real[:, None] + torch.arange(n, device=mask.device)[None]
             logits = model(
-                input_ids=extra_ids, attention_mask=mask, past_key_values=cache, position_ids=pos, logits_to_keep=1
+                input_ids=extra_ids, attention_mask=mask, **with_cache(model, cache), position_ids=pos, logits_to_keep=1
             ).logits[:, -1]
             real = real + n
         else:
@@ -252,8 +253,7 @@ def greedy_decode(
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=mask.device)], 1)
             pos = (real + step)[:, None]
-            logits = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=cache, position_ids=pos).logits[
-                :, -1
-            ]
+            step_out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, **with_cache(model, cache))
+            logits = step_out.logits[:, -1]
     cache.check_routed()
     return tokens

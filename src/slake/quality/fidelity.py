@@ -22,6 +22,7 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
+from slake.hf.cache_kwarg import with_cache
 from slake.methods.base import canonical_method_spec, make_method
 
 
@@ -78,7 +79,7 @@ def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
         model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            past_key_values=cache,
+            **with_cache(model, cache),
             max_new_tokens=steps + 1,
             min_new_tokens=steps + 1,
             do_sample=False,

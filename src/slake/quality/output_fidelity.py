@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from slake.budgets.budget import Budget
+from slake.hf.cache_kwarg import with_cache
 from slake.methods.base import Method
 
 __all__ = [
@@ -90,7 +91,7 @@ def teacher_forced_logprobs(model: Any, capture: Any, cache: Any, targets: torch
             logits = model(
                 input_ids=targets[:, t : t + 1],
                 attention_mask=mask,
-                past_key_values=cache,
+                **with_cache(model, cache),
                 position_ids=(real + t)[:, None],
             ).logits[:, -1]
             out.append(torch.log_softmax(logits.float(), -1))

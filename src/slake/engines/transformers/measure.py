@@ -26,6 +26,7 @@ import torch
 
 from slake.engines.transformers.memory import MemoryMeter
 from slake.hf.cache import SlakeCache
+from slake.hf.cache_kwarg import with_cache
 from slake.hf.generate import prefill
 
 __all__ = ["BenchConfig", "compiled_step", "measure", "time_decode_interleaved"]
@@ -75,7 +76,7 @@ def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
 
 def _step(model, cache: SlakeCache, tok: torch.Tensor) -> torch.Tensor:
     """One greedy decode step; returns the next tokens ``(batch, 1)``."""
-    out = model(tok, past_key_values=cache, use_cache=True)
+    out = model(tok, **with_cache(model, cache), use_cache=True)
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
