@@ -345,7 +345,7 @@ def _pool_shape(method: str, budget: int, block_size: int) -> tuple:
     from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
 
     m = with_layer_cap(make_method(method), Budget(budget))
-    W = (2 * budget if method in PREFERENCE_METHODS else budget) + 1
+    W = (2 * budget if m.name in PREFERENCE_METHODS else budget) + 1  # m.name: a spec "slake[...]" is slake
     return m, W, -(-W // block_size)
 
 
@@ -360,11 +360,20 @@ def pool_step_cpu_ms(
     head_dim: int = 64,
     block_size: int = 32,
     steps: int = 10,
+    kept: int | None = None,
+    cold: bool = False,
 ) -> float:
     """CPU milliseconds (``time.process_time``, this process) of the plugin's batched decode work for one step of
     ``requests`` compressed requests over ``layers`` layers, on random tensors in a paged cache (default: the shape
     of SmolLM2-135M). No vLLM engine: the plugin's own cost, free of vLLM's scheduling and of other processes'
-    wall-clock noise (run with ``OMP_NUM_THREADS=1`` for a single core's cost)."""
+    wall-clock noise (run with ``OMP_NUM_THREADS=1`` for a single core's cost).
+
+    ``method`` may be a spec (``"slake[linear_cache=false]"``). ``kept``: slots each layer holds (default: all but
+    one of the ``W`` a request can hold, the widest case; ``budget`` is a layer of average size), read at the
+    layer's width as the plugin does (:meth:`DecodePool.layer_widths`). ``cold``: before each layer, write a buffer
+    larger than this machine's last-level cache (outside the timed part), as the plugin finds its data inside vLLM,
+    where each layer's weights pass through the cache in between; otherwise the pool's data may stay cached from one
+    step to the next, which favours smaller pools."""
     import statistics
     import time
 
@@ -379,10 +388,17 @@ def pool_step_cpu_ms(
     pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests)
     rows = torch.tensor([pool.allocate(16 * budget, budget) for _ in range(requests)])
     index = slice(0, requests)  # rows 0..R-1, in order: the plugin's in-place case (``DecodePool.decode_layer``)
-    pool.valid[:, :, :, : W - 1] = True
-    pool.positions[:, :, :, : W - 1] = torch.arange(W - 1)
-    pool.scores[:, :, :, : W - 1] = torch.rand(layers, requests, kv_heads, W - 1, generator=g)
-    pool.target[:] = W - 1
+    n = W - 1 if kept is None else int(kept)
+    if not 1 <= n < W:
+        raise ValueError(f"kept must be in [1, {W - 1}] for {method} at budget {budget}, got {kept}")
+    pool.valid[:, :, :, :n] = True
+    pool.positions[:, :, :, :n] = torch.arange(n)
+    pool.scores[:, :, :, :n] = torch.rand(layers, requests, kv_heads, n, generator=g)
+    pool.target[:] = n
+    for r in rows.tolist():
+        pool.row_widths[r] = [n + 1] * layers
+    width = pool.layer_widths(rows.tolist())
+    flush = torch.zeros(64 * 2**20 // 4) if cold else None  # 64 MiB, twice this machine's 32 MiB L3
     table = torch.arange(1, requests * nb + 1).view(requests, nb)
     blocks, offsets = slot_blocks(table, W, block_size)
     q = torch.randn(requests, kv_heads * group, head_dim, generator=g)
@@ -392,10 +408,14 @@ def pool_step_cpu_ms(
     for _ in range(steps + 2):
         newest = pool.seen.index_select(0, rows).view(-1, 1, 1)
         pool.seen.index_add_(0, rows, torch.ones_like(rows))
-        t0 = time.process_time()
+        spent = 0.0
         for li in range(layers):
-            pool.decode_layer(li, index, table, blocks, offsets, newest, q, k, v, kv[li], head_dim**-0.5)
-        times.append(time.process_time() - t0)
+            if flush is not None:
+                flush.add_(1.0)
+            t0 = time.process_time()
+            pool.decode_layer(li, index, table, blocks, offsets, newest, q, k, v, kv[li], head_dim**-0.5, width[li])
+            spent += time.process_time() - t0
+        times.append(spent)
     return statistics.median(times[2:]) * 1000
 
 
@@ -501,6 +521,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--mixed", type=int, default=6, help="mixed steps timed (median reported)")
     ap.add_argument("--model-name", default=None, help="name the profile is looked up under (default: the folder's)")
+    ap.add_argument("--kept", type=int, default=None, help="pool: slots each layer holds (default: all but one)")
+    ap.add_argument("--cold", action="store_true", help="pool: evict the last-level cache before each layer")
+    ap.add_argument("--batched-only", action="store_true", help="pool: skip the former per-request path")
+    ap.add_argument("--steps", type=int, default=10, help="pool: steps timed (median reported)")
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m and m != "full"]
     if a.what == "steps":
@@ -517,8 +541,21 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
         return
     for m in methods:
+        ms = pool_step_cpu_ms(m, requests=a.requests, budget=a.budget, kept=a.kept, cold=a.cold, steps=a.steps)
+        row = {
+            "method": m,
+            "budget": a.budget,
+            "requests": a.requests,
+            "kept": a.kept,
+            "cold": a.cold,
+            "batched_cpu_ms_per_step": round(ms, 2),
+            "batched_us_per_request_layer": round(ms * 1000 / (a.requests * 30), 1),
+            "load_avg_1m": load_avg(),
+        }
+        if a.batched_only:
+            print(json.dumps(row), flush=True)
+            continue
         old = per_request_step_cpu_ms(m, requests=a.requests, budget=a.budget)
-        ms = pool_step_cpu_ms(m, requests=a.requests, budget=a.budget)
         print(
             json.dumps(
                 {
