@@ -157,6 +157,24 @@ def test_decode_scores_follow_spec_7_5():
     assert torch.equal(Slake(window=w).decode_scores(DecodeInputs(probs, positions, valid, s)), s)
 
 
+def test_decode_scores_with_the_callers_newest_position_are_the_same():
+    """A caller that knows the newest token's position (the vLLM pool) passes it; the scores are bit-identical to
+    those that take it from the largest valid position, with slots out of order and empty slots."""
+    B, Hq, Hkv, n, w = 2, 6, 3, 24, 5
+    probs = torch.softmax(torch.randn(B, Hq, 1, n, generator=GEN), -1)
+    positions = torch.stack([torch.randperm(40, generator=GEN)[:n] for _ in range(B * Hkv)]).view(B, Hkv, n)
+    valid = torch.rand(B, Hkv, n, generator=GEN) > 0.2
+    newest = torch.tensor([50, 61]).view(B, 1, 1)
+    slot = torch.randint(0, n, (B, Hkv, 1), generator=GEN)  # every head holds the newest token
+    positions.scatter_(-1, slot, newest.expand(B, Hkv, 1))
+    valid.scatter_(-1, slot, True)
+    positions.masked_fill_(~valid, -1)
+    for method in (Cake(window=w), Slake(window=w)):
+        base = DecodeInputs(probs, positions, valid, torch.zeros(B, Hkv, n))
+        given = DecodeInputs(probs, positions, valid, torch.zeros(B, Hkv, n), newest=newest)
+        assert torch.equal(method.decode_scores(given), method.decode_scores(base))
+
+
 # ---------------------------------------------------------------------------------------------- VABS
 def _vabs_reference(logits, probs, values, indicator, selectable, alpha, beta, gamma_v, pad, split="uniform"):
     """Loop-based VABS (spec 8.4, readings of 10-S3) per sample; returns (P, TV values, (Ã >= 0) flags)."""

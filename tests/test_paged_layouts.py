@@ -155,3 +155,29 @@ def test_layout_interface_is_abstract():
     """A layout must implement every operation: the base class cannot be used as one."""
     with pytest.raises(TypeError, match="abstract"):
         PagedLayout()  # type: ignore[abstract]
+
+
+@pytest.mark.parametrize("layout", [CpuAttnLayout(), FlashAttnLayout()], ids=["cpu", "flash"])
+def test_the_pools_fold_equals_the_linear_states_bit_for_bit(layout):
+    """The pool folds the victims through its own row buffers; the state must be exactly what
+    ``LinearState.fold_slots`` makes of the same rows (the transformers engine's fold), over several steps with rows
+    that are and are not over their budget."""
+    from slake.cache.linear_state import LinearState
+
+    R, W, nb = 3, 24, 3
+    g = torch.Generator().manual_seed(5)
+    pool = DecodePool(make_method("slake"), 1, H, D, W, BS, rows=R, layout=layout)
+    kv = _cache("cpu" if isinstance(layout, CpuAttnLayout) else "hnd")
+    tables = torch.arange(R * nb).view(R, nb)
+    _fill(layout, kv, tables, W, g)
+    keys, values = layout.gather(kv, tables)
+    ours = torch.rand(R, H, D + 1, D + 1, generator=g)
+    ref = ours.clone()
+    for _ in range(3):
+        slots = torch.randint(0, W, (R, H, 1), generator=g)
+        chosen = torch.rand(R, H, 1, generator=g) > 0.3
+        pool._fold(LinearState(ours), layout, keys, values, slots, chosen)
+        k = layout.select_keys(keys, slots)
+        v = values.gather(2, slots[..., None].expand(-1, -1, -1, D))
+        LinearState(ref).fold_slots(k, v, torch.zeros_like(slots), chosen)
+    assert torch.equal(ours, ref)

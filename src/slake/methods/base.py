@@ -111,6 +111,9 @@ class DecodeInputs:
         ``(B,)`` int64 real (unpadded) prompt length of each sequence, when the compressor knows it.
     budget : torch.Tensor | None
         ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, when known.
+    newest : torch.Tensor | None
+        ``(B, 1, 1)`` or ``(B, Hkv, 1)`` int64 position of the newest token, which every head holds (it was just
+        appended), when the caller knows it; otherwise methods that need it take the largest valid position.
     """
 
     probs: torch.Tensor
@@ -119,6 +122,7 @@ class DecodeInputs:
     stored: torch.Tensor
     prompt_len: torch.Tensor | None = None
     budget: torch.Tensor | None = None
+    newest: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:

@@ -231,7 +231,9 @@ class Cake(Method):
         """
         p = inputs.probs.float().mean(2)  # mean over query rows
         s = group_mean(p, inputs.positions.shape[1])
-        newest = inputs.positions.masked_fill(~inputs.valid, -1).amax(-1, keepdim=True)
+        newest = inputs.newest
+        if newest is None:
+            newest = inputs.positions.masked_fill(~inputs.valid, -1).amax(-1, keepdim=True)
         in_window = inputs.positions > newest - self.window  # protected: excluded from pooling
         s = s.masked_fill(in_window | ~inputs.valid, 0.0)
         return positional_pool(s, inputs.positions, inputs.valid, self.kernel, self.pooling)

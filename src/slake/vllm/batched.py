@@ -102,6 +102,7 @@ class DecodePool:
         #: host-side: per row, the slots each layer can occupy (see :meth:`load_layer`), read by :meth:`layer_widths`
         #: when the step is planned, so that no device value is read in the step
         self.row_widths: dict[int, list[int]] = {}
+        self._fold_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grow(max(int(rows), 1))
 
     # ------------------------------------------------------------------ rows
@@ -300,6 +301,7 @@ class DecodePool:
                 stored=stored,
                 prompt_len=_take(self.prompt_len, rows),
                 budget=_take(self.budget, rows),
+                newest=newest,
             )
         ).float()
         counts = valid.sum(-1)
@@ -335,8 +337,8 @@ class DecodePool:
             _put(self.linear[layer], rows, linear.aug)
         return out.reshape(R, Hq, d)
 
-    @staticmethod
     def _fold(
+        self,
         linear: LinearState | None,
         layout: PagedLayout,
         keys: torch.Tensor,
@@ -344,13 +346,35 @@ class DecodePool:
         slots: torch.Tensor,
         chosen: torch.Tensor,
     ) -> None:
-        """Fold the victims (``slots`` ``(R, H, 1)``) into the linear state, as ``LayerStore.free`` does."""
+        """Fold the victims (``slots`` ``(R, H, 1)``) into the linear state, as ``LayerStore.free`` does.
+
+        The same arithmetic as :meth:`LinearState.fold_slots` (``aug += [k c, c]^T [v, 1]``, ``c`` the chosen flag),
+        with the two ``(R, H, 1, d + 1)`` row buffers kept by the pool across steps and layers (the state object is
+        made anew each step) and the victims' rows written straight into them: half the operations."""
         if linear is None:
             return
         d = values.shape[-1]
         k = layout.select_keys(keys, slots)  # (R, H, 1, d)
-        v = values.gather(2, slots[..., None].expand(-1, -1, -1, d))  # (R, H, 1, d)
-        if k.dtype == linear.dtype:
-            linear.fold_slots(k, v, torch.zeros_like(slots), chosen)
-        else:
+        if k.dtype != linear.dtype or values.dtype != linear.dtype:
+            v = values.gather(2, slots[..., None].expand(-1, -1, -1, d))
             linear.fold(k.to(linear.dtype), v.to(linear.dtype), chosen, finite=True)
+            return
+        kb, vb = self._fold_rows(k.shape[0], k.shape[1], d, linear.dtype)
+        torch.gather(values, 2, slots[..., None].expand(-1, -1, -1, d), out=vb[..., :d])  # vb[..., d] stays 1
+        c = kb[..., d:]
+        c.copy_(chosen[..., None])
+        torch.mul(k, c, out=kb[..., :d])  # v needs no mask: the zero rows of [k c, c] cancel it
+        linear.aug.addcmul_(kb.transpose(-1, -2), vb)
+
+    def _fold_rows(self, R: int, H: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fold's ``[k c, c]`` and ``[v, 1]`` buffers ``(R, H, 1, d + 1)`` for ``R`` rows (made once per ``R``)."""
+        key = (R, H, d, dtype)
+        buf = self._fold_buffers.get(key)
+        if buf is None:
+            if len(self._fold_buffers) > 64:
+                self._fold_buffers.clear()
+            buf = self._fold_buffers[key] = (
+                torch.empty(R, H, 1, d + 1, dtype=dtype, device=self.device),
+                torch.ones(R, H, 1, d + 1, dtype=dtype, device=self.device),
+            )
+        return buf

@@ -28,6 +28,20 @@ from slake.cache.compressed import matmul_f32
 
 __all__ = ["CpuAttnLayout", "FlashAttnLayout", "PagedLayout", "slot_blocks", "slot_mapping"]
 
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` (int64) on ``device``, made once per ``(n, device)``: the step's constant index tensors
+    (request and head numbers), which cost an operation each time they are made. Never written to."""
+    key = (int(n), torch.device(device))
+    t = _ARANGES.get(key)
+    if t is None:
+        if len(_ARANGES) > 256:  # request counts vary; keep the cache bounded
+            _ARANGES.clear()
+        t = _ARANGES[key] = torch.arange(n, dtype=torch.int64, device=device)
+    return t
+
 
 def slot_mapping(block_ids: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     """Global slot indices (``block * block_size + offset``) of a request's first ``n`` cache slots."""
@@ -140,8 +154,8 @@ class CpuAttnLayout(PagedLayout):
 
     def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         R, nb, H, d, bs = keys.shape
-        r = torch.arange(R, device=slots.device).view(R, 1, 1)
-        h = torch.arange(H, device=slots.device).view(1, H, 1)
+        r = _arange(R, slots.device).view(R, 1, 1)
+        h = _arange(H, slots.device).view(1, H, 1)
         return keys[r, slots // bs, h, :, slots % bs]  # advanced indices split by a slice go first: (R, H, k, d)
 
     def write(
@@ -154,7 +168,7 @@ class CpuAttnLayout(PagedLayout):
     ) -> None:
         keys_t, vals = self._views(kv_cache)
         H = kv_cache.shape[1]
-        h = torch.arange(H, dtype=torch.int64, device=blocks.device).view(1, H)
+        h = _arange(H, blocks.device).view(1, H)
         keys_t[blocks, h, :, offsets] = keys.to(kv_cache.dtype)
         vals[blocks, h, offsets, :] = values.to(kv_cache.dtype)
 
@@ -189,7 +203,7 @@ class FlashAttnLayout(PagedLayout):
         _, H, bs, d2 = kv_cache.shape
         d = d2 // 2
         blocks, offsets = slot_blocks(table, table.shape[1] * bs, bs)  # (R, slots), (slots,)
-        h = torch.arange(H, dtype=torch.int64, device=table.device).view(1, H, 1)
+        h = _arange(H, table.device).view(1, H, 1)
         kv = kv_cache[blocks[:, None, :], h, offsets]  # (R, H, slots, 2d)
         return kv[..., :d], kv[..., d:]
 
@@ -208,7 +222,7 @@ class FlashAttnLayout(PagedLayout):
         values: torch.Tensor,
     ) -> None:
         H = kv_cache.shape[1]
-        h = torch.arange(H, dtype=torch.int64, device=blocks.device).view(1, H)
+        h = _arange(H, blocks.device).view(1, H)
         kv_cache[blocks, h, offsets] = torch.cat([keys, values], dim=-1).to(kv_cache.dtype)  # one scatter
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
