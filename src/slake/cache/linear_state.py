@@ -271,19 +271,46 @@ class LinearState:
             return
         buf = self._row_buffers
         if buf is None or buf[0].shape != (B, H, e, d1) or buf[0].device != aug.device:
-            buf = (aug.new_empty(B, H, e, d1), aug.new_ones(B, H, e, d1))
-            self._row_buffers = buf
+            buf = self._row_buffers = self.new_row_buffers(e)
         kb, vb = buf
         gi = slots[..., None].expand(-1, -1, -1, d)
         torch.gather(keys, 2, gi, out=kb[..., :d])
         torch.gather(values, 2, gi, out=vb[..., :d])  # vb[..., d] stays 1
+        self.fold_buffered(kb[..., :d], buf, chosen)
+
+    def new_row_buffers(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``(B, Hkv, e, d + 1)`` buffers for :meth:`fold_buffered`: scratch for ``[k c, c]``, and ``[v, 1]``
+        (the last column set to 1 once; callers write the values into ``[..., :d]``)."""
+        B, H, d1, _ = self.aug.shape
+        return self.aug.new_empty(B, H, e, d1), self.aug.new_ones(B, H, e, d1)
+
+    def fold_buffered(
+        self, keys: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor
+    ) -> None:
+        """``aug += [k c, c]^T [v, 1]`` for ``e`` rows per (batch, head), ``c`` the chosen flag: the fold of
+        :meth:`fold_slots` once its rows are in place, also used by callers that select the rows themselves (the
+        vLLM decode pool, from paged blocks).
+
+        Parameters
+        ----------
+        keys : torch.Tensor
+            ``(B, Hkv, e, d)`` the rows' keys in the state's dtype (may be ``buffers[0][..., :d]`` itself).
+        buffers : tuple of torch.Tensor
+            :meth:`new_row_buffers`' pair, the values already written into ``buffers[1][..., :d]``; the first is
+            overwritten.
+        chosen : torch.Tensor
+            ``(B, Hkv, e)`` bool: which rows are evicted (the others add nothing).
+        """
+        kb, vb = buffers
+        B, H, e, d1 = kb.shape
+        d = d1 - 1
         c = kb[..., d:]
         c.copy_(chosen[..., None])
-        kb[..., :d].mul_(c)  # v needs no mask: the zero rows of [k c, c] cancel it
+        torch.mul(keys, c, out=kb[..., :d])  # v needs no mask: the zero rows of [k c, c] cancel it
         if e == 1:
-            aug.addcmul_(kb.transpose(-1, -2), vb)
+            self.aug.addcmul_(kb.transpose(-1, -2), vb)
         else:
-            aug.view(B * H, d1, d1).baddbmm_(kb.view(B * H, e, d1).transpose(1, 2), vb.view(B * H, e, d1))
+            self.aug.view(B * H, d1, d1).baddbmm_(kb.view(B * H, e, d1).transpose(1, 2), vb.view(B * H, e, d1))
 
     def _ones(self, B: int, H: int, n: int, like: torch.Tensor) -> torch.Tensor:
         """A ``(B, H, n, 1)`` tensor of ones, reused between one-row decode folds (no allocation per step)."""

@@ -348,9 +348,9 @@ class DecodePool:
     ) -> None:
         """Fold the victims (``slots`` ``(R, H, 1)``) into the linear state, as ``LayerStore.free`` does.
 
-        The same arithmetic as :meth:`LinearState.fold_slots` (``aug += [k c, c]^T [v, 1]``, ``c`` the chosen flag),
-        with the two ``(R, H, 1, d + 1)`` row buffers kept by the pool across steps and layers (the state object is
-        made anew each step) and the victims' rows written straight into them: half the operations."""
+        :meth:`LinearState.fold_slots`' fold (:meth:`LinearState.fold_buffered`), with its two row buffers kept by
+        the pool across steps and layers (the state object is made anew each step) and the victims' rows written
+        straight into them from the gathered blocks."""
         if linear is None:
             return
         d = values.shape[-1]
@@ -359,22 +359,11 @@ class DecodePool:
             v = values.gather(2, slots[..., None].expand(-1, -1, -1, d))
             linear.fold(k.to(linear.dtype), v.to(linear.dtype), chosen, finite=True)
             return
-        kb, vb = self._fold_rows(k.shape[0], k.shape[1], d, linear.dtype)
-        torch.gather(values, 2, slots[..., None].expand(-1, -1, -1, d), out=vb[..., :d])  # vb[..., d] stays 1
-        c = kb[..., d:]
-        c.copy_(chosen[..., None])
-        torch.mul(k, c, out=kb[..., :d])  # v needs no mask: the zero rows of [k c, c] cancel it
-        linear.aug.addcmul_(kb.transpose(-1, -2), vb)
-
-    def _fold_rows(self, R: int, H: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fold's ``[k c, c]`` and ``[v, 1]`` buffers ``(R, H, 1, d + 1)`` for ``R`` rows (made once per ``R``)."""
-        key = (R, H, d, dtype)
+        key = tuple(k.shape[:2])
         buf = self._fold_buffers.get(key)
-        if buf is None:
-            if len(self._fold_buffers) > 64:
+        if buf is None or buf[0].dtype != linear.dtype:
+            if len(self._fold_buffers) > 64:  # one pair per number of rows decoding together
                 self._fold_buffers.clear()
-            buf = self._fold_buffers[key] = (
-                torch.empty(R, H, 1, d + 1, dtype=dtype, device=self.device),
-                torch.ones(R, H, 1, d + 1, dtype=dtype, device=self.device),
-            )
-        return buf
+            buf = self._fold_buffers[key] = linear.new_row_buffers(1)
+        torch.gather(values, 2, slots[..., None].expand(-1, -1, -1, d), out=buf[1][..., :d])  # [v, 1]
+        linear.fold_buffered(k, buf, chosen)
