@@ -95,7 +95,16 @@ def compiled_step(model, cache: SlakeCache):
     fn = _COMPILED.get(mode)
     if fn is None:
         fn = _COMPILED[mode] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
-    return lambda tok: fn(model, cache, tok)
+    if mode == "default":
+        return lambda tok: fn(model, cache, tok)
+
+    def graph_step(tok: torch.Tensor) -> torch.Tensor:
+        # CUDA graphs (inductor's cudagraph trees) overwrite a replay's outputs at the next replay, and the token
+        # is fed back as the next step's input: mark the step and take the token out of the graph's memory
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(model, cache, tok).clone()
+
+    return graph_step
 
 
 def _stepper(model, cfg: BenchConfig, cache: SlakeCache):
