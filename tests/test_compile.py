@@ -318,3 +318,41 @@ def test_static_cache_builds_where_transformers_cache_has_a_read_only_max_cache_
     monkeypatch.setattr(Cache, "max_cache_len", property(lambda self: -1), raising=False)
     cache = SlakeCache("snapkv", 40, 2, max_cache_len=64)
     assert cache.static_len == 64 and all(layer.is_compileable for layer in cache.layers)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_input_a_compiled_step_mutates_is_static(model, method):
+    """The condition for inductor's CUDA graphs (``mode="reduce-overhead"``), checked on the CPU: every graph input
+    the decode step updates in place is a static input (a parameter or a tensor marked with
+    ``mark_static_address``, as ``prepare_static`` marks the cache's tensors on CUDA); one mutated input that is not
+    makes inductor skip CUDA graphs for the whole step. SLAKE failed this on an H100: PTAA's cached views of the
+    linear state entered the graph as inputs aliasing the mutated state, and a graph with aliased mutated inputs
+    has no static inputs at all."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    ids, mask = _prompt(2)
+    cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=PROMPT + 8, **_hyper(method))
+    with torch.inference_mode():
+        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
+    for t in cache.compressor.static_tensors():
+        torch._dynamo.mark_static_address(t)
+    seen: dict = {}
+
+    def backend(gm, example_inputs):
+        def fw(g, inputs):
+            meta = torch._guards.TracingContext.get().fw_metadata
+            seen["mutated"] = set(meta.mutated_inp_runtime_indices)
+            seen["static"] = set(meta.static_input_indices)
+            seen["names"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            return g
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+    def step(tok, pos):
+        return model(input_ids=tok, position_ids=pos, **with_cache(model, cache), use_cache=True).logits
+
+    with torch.inference_mode():
+        torch.compile(step, fullgraph=True, dynamic=False, backend=backend)(tok, PROMPT - (mask == 0).sum(-1, True))
+    assert seen["mutated"], "the step updates the cache in place"
+    not_static = sorted(seen["names"][i] for i in seen["mutated"] - seen["static"])
+    assert not not_static, not_static

@@ -79,7 +79,15 @@ class LinearState:
 
     def attention_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views used by PTAA each step, made once per buffer: ``count`` ``(B, Hkv, 1, 1)``, ``[L, k_sum]``
-        ``(B, Hkv, d, d + 1)`` and ``v_sum`` ``(B, Hkv, 1, d)``."""
+        ``(B, Hkv, d, d + 1)`` and ``v_sum`` ``(B, Hkv, 1, d)``.
+
+        Inside a compiled graph the views are made from :attr:`aug` afresh: cached views would enter the graph as
+        inputs aliasing ``aug``, which the step mutates, and a graph with mutated aliased inputs loses its static
+        inputs (then inductor skips CUDA graphs; found on an H100, ``docs/compile.md``)."""
+        if torch.compiler.is_compiling():
+            a = self._aug
+            d = a.shape[-1] - 1
+            return a[..., d:, d:], a[..., :d, :], a[..., d:, :d]
         if self._parts is None:
             a = self._aug
             d = a.shape[-1] - 1
