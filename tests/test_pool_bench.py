@@ -23,3 +23,30 @@ def test_pool_step_runs_at_a_layers_average_size_with_a_cold_cache(method):
 def test_pool_step_refuses_more_kept_slots_than_a_request_holds():
     with pytest.raises(ValueError, match="kept must be in"):
         pool_step_cpu_ms("snapkv", requests=2, budget=48, layers=2, block_size=16, steps=1, kept=49)
+
+
+def test_gpu_pool_bench_refuses_a_machine_without_cuda(monkeypatch):
+    """``python -m slake.engines.vllm.pool_bench`` measures a GPU: without CUDA it says so in one line."""
+    import torch
+
+    from slake.engines.vllm import pool_bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        pool_bench.main(["--methods", "snapkv"])
+
+
+def test_random_pool_is_the_same_on_every_call():
+    """Two pools built from the same arguments hold the same cache and state (drawn on the CPU, then moved), which
+    the GPU benchmark's eager-against-graph check relies on."""
+    import torch
+
+    from slake.engines.vllm.pool_bench import random_pool
+    from slake.vllm.paged import FlashAttnLayout
+
+    kw: dict = dict(requests=2, budget=24, layers=2, kv_heads=2, group=2, head_dim=16, block_size=16)
+    kw["layout"] = FlashAttnLayout()
+    a, b = random_pool("slake", **kw), random_pool("slake", **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a.kv, b.kv, strict=True))
+    assert torch.equal(a.pool.scores, b.pool.scores) and torch.equal(a.query, b.query)
+    torch.testing.assert_close(a.step(), b.step(), rtol=0, atol=0)

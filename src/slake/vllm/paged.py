@@ -10,8 +10,8 @@ The decode pool (:mod:`slake.vllm.batched`) and the backend never index a cache 
 * :class:`FlashAttnLayout`: vLLM 0.32's FlashAttention (and FlashInfer) per-layer view, the same logical shape
   ``(num_blocks, Hkv, block_size, 2 * d)`` with the key in ``[..., :d]`` and the value in ``[..., d:]`` of every
   (block, head, offset); its memory order is vLLM's resolved ``KVCacheLayout`` (``NHD`` by default: slot-major
-  inside a block), which only changes the strides. Tested on CPU tensors only; no GPU backend uses it yet
-  (``docs/gpu.md``).
+  inside a block), which only changes the strides. Tested on CPU tensors, and on an H100 without vLLM; no GPU
+  backend uses it yet (``docs/gpu.md``).
 
 A request's cache slot ``i`` lives in block ``block_ids[i // block_size]`` at offset ``i % block_size``, whatever
 the layout. Every operation is device-agnostic torch: no host synchronisation and no Python branch on tensor values,

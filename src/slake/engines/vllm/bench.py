@@ -338,15 +338,10 @@ def step_bench(
 
 
 def _pool_shape(method: str, budget: int, block_size: int) -> tuple:
-    """The method as the plugin runs it (vLLM's layer cap), the slots ``W`` a request holds per layer (budget + 1;
-    CAKE/SLAKE: the cap + 1) and the blocks they take."""
-    from slake.budgets.budget import Budget
-    from slake.methods import make_method
-    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
+    """:func:`slake.engines.vllm.pool_bench.pool_shape`."""
+    from slake.engines.vllm.pool_bench import pool_shape
 
-    m = with_layer_cap(make_method(method), Budget(budget))
-    W = (2 * budget if m.name in PREFERENCE_METHODS else budget) + 1  # m.name: a spec "slake[...]" is slake
-    return m, W, -(-W // block_size)
+    return pool_shape(method, budget, block_size)
 
 
 def pool_step_cpu_ms(
@@ -379,41 +374,29 @@ def pool_step_cpu_ms(
 
     import torch
 
-    from slake.vllm.batched import DecodePool
-    from slake.vllm.paged import slot_blocks
+    from slake.engines.vllm.pool_bench import random_pool
 
-    g = torch.Generator().manual_seed(0)
-    m, W, nb = _pool_shape(method, budget, block_size)
-    kv = [torch.randn(requests * nb + 1, kv_heads, block_size, 2 * head_dim, generator=g) for _ in range(layers)]
-    pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests)
-    rows = torch.tensor([pool.allocate(16 * budget, budget) for _ in range(requests)])
-    index = slice(0, requests)  # rows 0..R-1, in order: the plugin's in-place case (``DecodePool.decode_layer``)
-    n = W - 1 if kept is None else int(kept)
-    if not 1 <= n < W:
-        raise ValueError(f"kept must be in [1, {W - 1}] for {method} at budget {budget}, got {kept}")
-    pool.valid[:, :, :, :n] = True
-    pool.positions[:, :, :, :n] = torch.arange(n)
-    pool.scores[:, :, :, :n] = torch.rand(layers, requests, kv_heads, n, generator=g)
-    pool.target[:] = n
-    for r in rows.tolist():
-        pool.row_widths[r] = [n + 1] * layers
-    width = pool.layer_widths(rows.tolist())
+    rp = random_pool(
+        method,
+        requests=requests,
+        budget=budget,
+        layers=layers,
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        kept=kept,
+    )
     flush = torch.zeros(64 * 2**20 // 4) if cold else None  # 64 MiB, twice this machine's 32 MiB L3
-    table = torch.arange(1, requests * nb + 1).view(requests, nb)
-    blocks, offsets = slot_blocks(table, W, block_size)
-    q = torch.randn(requests, kv_heads * group, head_dim, generator=g)
-    k = torch.randn(requests, kv_heads, head_dim, generator=g)
-    v = torch.randn(requests, kv_heads, head_dim, generator=g)
     times = []
     for _ in range(steps + 2):
-        newest = pool.seen.index_select(0, rows).view(-1, 1, 1)
-        pool.seen.index_add_(0, rows, torch.ones_like(rows))
+        newest = rp.newest()
         spent = 0.0
         for li in range(layers):
             if flush is not None:
                 flush.add_(1.0)
             t0 = time.process_time()
-            pool.decode_layer(li, index, table, blocks, offsets, newest, q, k, v, kv[li], head_dim**-0.5, width[li])
+            rp.layer(li, newest)
             spent += time.process_time() - t0
         times.append(spent)
     return statistics.median(times[2:]) * 1000
