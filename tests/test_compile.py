@@ -13,80 +13,25 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from compiled_decode import BUDGET, PROMPT
+from compiled_decode import decode as _decode
+from compiled_decode import hyper as _hyper
+from compiled_decode import prompt as _prompt
 from slake.hf.cache import SlakeCache
 from slake.hf.cache_kwarg import with_cache
 from slake.hf.generate import prefill
 from slake.methods import available_methods
 from slake.methods.base import check_compileable, make_method
 from slake.methods.snapkv import SnapKV
-from tiny_models import random_ids, tiny_model
+from tiny_models import tiny_model
 
 METHODS = list(available_methods())
-PROMPT = 40
-BUDGET = 16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama-gqa", layers=2)
-
-
-def _hyper(method: str) -> dict:
-    # tova and sagekv fix their own windows; the others get one small enough for a budget of 16
-    return {} if method in ("tova", "sagekv", "full") else {"window": 4}
-
-
-def _prompt(batch: int):
-    ids = random_ids(PROMPT, seed=1, batch=batch)
-    mask = torch.ones_like(ids)
-    if batch > 1:
-        mask[1, :9] = 0  # left padding: the second sequence is 9 tokens shorter
-    return ids, mask
-
-
-def _decode(
-    model,
-    method: str,
-    steps: int,
-    batch: int = 2,
-    backend=None,
-    static: bool = True,
-    kv_dtype=None,
-    budget: int = BUDGET,
-):
-    """Greedy decode ``steps`` tokens after the prompt; ``backend``: run each step through
-    ``torch.compile(fullgraph=True, dynamic=False, backend=backend)``. Returns (tokens, statistics, step fn)."""
-    ids, mask = _prompt(batch)
-    cache = SlakeCache(
-        method,
-        budget,
-        config=model.config,
-        kv_dtype=kv_dtype,
-        max_cache_len=PROMPT + steps + 1 if static else None,
-        **_hyper(method),
-    )
-    with torch.inference_mode():
-        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
-    first_real = (mask == 0).sum(-1, keepdim=True)
-
-    def step(tok, pos):
-        out = model(input_ids=tok, position_ids=pos, **with_cache(model, cache), use_cache=True)
-        return out.logits[:, -1].argmax(-1, keepdim=True)
-
-    fn = step if backend is None else torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
-    out = []
-    with torch.inference_mode():
-        for t in range(steps):
-            tok = fn(tok, PROMPT + t - first_real)
-            out.append(tok)
-    return torch.cat(out, 1), cache.statistics(), cache
 
 
 @pytest.mark.parametrize("method", METHODS)

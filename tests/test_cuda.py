@@ -9,48 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_decode import BUDGET, PROMPT, decode
 from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
 from slake.hf.generate import prefill
 from tiny_models import random_ids, tiny_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-PROMPT = 40
-BUDGET = 16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 
 def _decode(model, method: str, steps: int, compile_kw: dict | None) -> tuple[torch.Tensor, dict]:
-    """Greedy ``steps`` tokens after a left-padded batch of two prompts, on a static cache; ``compile_kw``: each
-    step through ``torch.compile(fullgraph=True, dynamic=False, **compile_kw)``."""
-    dev = model.device
-    ids = random_ids(PROMPT, seed=1, batch=2).to(dev)
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    hyper = {} if method in ("tova", "sagekv", "full") else {"window": 4}
-    cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=PROMPT + steps + 1, **hyper)
-    with torch.inference_mode():
-        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
-    first_real = (mask == 0).sum(-1, keepdim=True)
-
-    def step(tok, pos):
-        out = model(input_ids=tok, position_ids=pos, **with_cache(model, cache), use_cache=True)
-        return out.logits[:, -1].argmax(-1, keepdim=True)
-
-    fn = step if compile_kw is None else torch.compile(step, fullgraph=True, dynamic=False, **compile_kw)
-    out = []
-    with torch.inference_mode():
-        for t in range(steps):
-            tok = fn(tok, PROMPT + t - first_real).clone()  # a CUDA graph's output is overwritten by the next replay
-            out.append(tok)
-    return torch.cat(out, 1), cache.statistics()
+    """:func:`compiled_decode.decode` on a left-padded batch of two (``compile_kw``: its ``backend``/``mode``);
+    returns (tokens, statistics)."""
+    tokens, stats, _ = decode(model, method, steps, **(compile_kw or {}))
+    return tokens, stats
 
 
 @pytest.mark.parametrize("method", ["full", "snapkv", "h2o", "cake", "slake", "lava", "ahakv", "sagekv"])

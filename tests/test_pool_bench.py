@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from slake.engines.vllm.bench import _pool_shape, pool_step_cpu_ms
+from slake.engines.vllm.bench import pool_step_cpu_ms
+from slake.engines.vllm.pool_bench import pool_shape
 
 
 def test_a_method_spec_gets_its_methods_slots():
     """``slake[linear_cache=false]`` is SLAKE: a request holds the layer cap's 2 x budget + 1 slots, as ``slake``."""
-    assert _pool_shape("slake", 128, 32)[1:] == (257, 9)
-    assert _pool_shape("slake[linear_cache=false]", 128, 32)[1:] == (257, 9)
-    assert _pool_shape("snapkv", 128, 32)[1:] == (129, 5)
+    assert pool_shape("slake", 128, 32)[1:] == (257, 9)
+    assert pool_shape("slake[linear_cache=false]", 128, 32)[1:] == (257, 9)
+    assert pool_shape("snapkv", 128, 32)[1:] == (129, 5)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "slake", "slake[linear_cache=false]"])

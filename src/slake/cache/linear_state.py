@@ -85,14 +85,15 @@ class LinearState:
         inputs aliasing ``aug``, which the step mutates, and a graph with mutated aliased inputs loses its static
         inputs (then inductor skips CUDA graphs; found on an H100, ``docs/compile.md``)."""
         if torch.compiler.is_compiling():
-            a = self._aug
-            d = a.shape[-1] - 1
-            return a[..., d:, d:], a[..., :d, :], a[..., d:, :d]
+            return self._views()
         if self._parts is None:
-            a = self._aug
-            d = a.shape[-1] - 1
-            self._parts = (a[..., d:, d:], a[..., :d, :], a[..., d:, :d])
+            self._parts = self._views()
         return self._parts
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self._aug
+        d = a.shape[-1] - 1
+        return a[..., d:, d:], a[..., :d, :], a[..., d:, :d]
 
     @classmethod
     def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> LinearState:

@@ -337,38 +337,20 @@ def step_bench(
     return rows
 
 
-def _pool_shape(method: str, budget: int, block_size: int) -> tuple:
-    """:func:`slake.engines.vllm.pool_bench.pool_shape`."""
-    from slake.engines.vllm.pool_bench import pool_shape
-
-    return pool_shape(method, budget, block_size)
-
-
-def pool_step_cpu_ms(
-    method: str,
-    *,
-    requests: int = 8,
-    budget: int = 128,
-    layers: int = 30,
-    kv_heads: int = 3,
-    group: int = 3,
-    head_dim: int = 64,
-    block_size: int = 32,
-    steps: int = 10,
-    kept: int | None = None,
-    cold: bool = False,
-) -> float:
+def pool_step_cpu_ms(method: str, *, steps: int = 10, cold: bool = False, **shape) -> float:
     """CPU milliseconds (``time.process_time``, this process) of the plugin's batched decode work for one step of
-    ``requests`` compressed requests over ``layers`` layers, on random tensors in a paged cache (default: the shape
-    of SmolLM2-135M). No vLLM engine: the plugin's own cost, free of vLLM's scheduling and of other processes'
-    wall-clock noise (run with ``OMP_NUM_THREADS=1`` for a single core's cost).
+    compressed requests over all layers, on random tensors in a paged cache. No vLLM engine: the plugin's own cost,
+    free of vLLM's scheduling and of other processes' wall-clock noise (run with ``OMP_NUM_THREADS=1`` for a single
+    core's cost).
 
-    ``method`` may be a spec (``"slake[linear_cache=false]"``). ``kept``: slots each layer holds (default: all but
-    one of the ``W`` a request can hold, the widest case; ``budget`` is a layer of average size), read at the
-    layer's width as the plugin does (:meth:`DecodePool.layer_widths`). ``cold``: before each layer, write a buffer
-    larger than this machine's last-level cache (outside the timed part), as the plugin finds its data inside vLLM,
-    where each layer's weights pass through the cache in between; otherwise the pool's data may stay cached from one
-    step to the next, which favours smaller pools."""
+    ``shape``: :func:`slake.engines.vllm.pool_bench.random_pool`'s keyword arguments (``requests``, ``budget``,
+    ``layers``, ``kv_heads``, ``group``, ``head_dim``, ``block_size``, ``kept``; default: 8 requests at budget 128
+    in the shape of SmolLM2-135M, every layer at its widest). ``method`` may be a spec
+    (``"slake[linear_cache=false]"``). Each layer is read at its width as the plugin does
+    (:meth:`DecodePool.layer_widths`). ``cold``: before each layer, write a buffer larger than this machine's
+    last-level cache (outside the timed part), as the plugin finds its data inside vLLM, where each layer's weights
+    pass through the cache in between; otherwise the pool's data may stay cached from one step to the next, which
+    favours smaller pools."""
     import statistics
     import time
 
@@ -376,23 +358,13 @@ def pool_step_cpu_ms(
 
     from slake.engines.vllm.pool_bench import random_pool
 
-    rp = random_pool(
-        method,
-        requests=requests,
-        budget=budget,
-        layers=layers,
-        kv_heads=kv_heads,
-        group=group,
-        head_dim=head_dim,
-        block_size=block_size,
-        kept=kept,
-    )
+    rp = random_pool(method, **shape)
     flush = torch.zeros(64 * 2**20 // 4) if cold else None  # 64 MiB, twice this machine's 32 MiB L3
     times = []
     for _ in range(steps + 2):
         newest = rp.newest()
         spent = 0.0
-        for li in range(layers):
+        for li in range(len(rp.kv)):
             if flush is not None:
                 flush.add_(1.0)
             t0 = time.process_time()
@@ -424,11 +396,12 @@ def per_request_step_cpu_ms(
     from vllm import _custom_ops as ops
 
     from slake.cache.compressed import CompressedKV
+    from slake.engines.vllm.pool_bench import pool_shape
     from slake.vllm.paged import CpuAttnLayout, slot_mapping
 
     g = torch.Generator().manual_seed(0)
     layout = CpuAttnLayout()
-    m, W, nb = _pool_shape(method, budget, block_size)
+    m, W, nb = pool_shape(method, budget, block_size)
     kv = [torch.zeros(requests * nb + 1, kv_heads, block_size, 2 * head_dim) for _ in range(layers)]
     S = 4 * budget
     caches, tables = [], []
