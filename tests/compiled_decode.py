@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.generate import prefill
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.generate import prefill
 from tiny_models import random_ids
 
 PROMPT = 40

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slake.cli import main
-from slake.hf.shapes import SHAPES, parse_shape
+from slake.engines.transformers.shapes import SHAPES, parse_shape
 
 
 def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
@@ -143,7 +143,7 @@ def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tm
 def test_interleaved_timing_runs_each_configuration_in_alternating_order(monkeypatch):
     from slake.engines.transformers import measure as runner
     from slake.engines.transformers.measure import BenchConfig, time_decode_interleaved
-    from slake.hf.shapes import random_model
+    from slake.engines.transformers.shapes import random_model
 
     model = random_model("tiny:num_hidden_layers=2", device="cpu", dtype=torch.float32, seed=0)
     calls = []
@@ -203,7 +203,7 @@ def test_named_shapes_have_their_published_dimensions(name):
 def test_random_named_shape_builds_without_download():
     import torch
 
-    from slake.hf.shapes import random_model
+    from slake.engines.transformers.shapes import random_model
 
     model = random_model("smollm2-135m:num_hidden_layers=1,vocab_size=512", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slake.attention.linear_state import LinearState
 from slake.budgets.allocation import largest_remainder, preference_budgets, pyramid_budgets, uniform_budgets, waterfill
-from slake.cache.linear_state import LinearState
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.generate import prefill
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.generate import prefill
 from tiny_models import random_ids
 
 METHODS = ["snapkv", "cake", "slake", "h2o", "pyramidkv"]
@@ -87,7 +87,7 @@ def test_chunked_prefill_batch_with_padding_is_finite(llama_gqa):
 
 
 def test_slake_generate_accepts_prefill_chunk():
-    from slake.hf.cache import SlakeCache as C
+    from slake.engines.transformers.cache import SlakeCache as C
 
     with pytest.raises(ValueError):
         C("snapkv", 16, 2, prefill_chunk=0)

@@ -17,9 +17,9 @@ from compiled_decode import BUDGET, PROMPT
 from compiled_decode import decode as _decode
 from compiled_decode import hyper as _hyper
 from compiled_decode import prompt as _prompt
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.generate import prefill
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.generate import prefill
 from slake.methods import available_methods
 from slake.methods.base import check_compileable, make_method
 from slake.methods.snapkv import SnapKV

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from compiled_decode import BUDGET, PROMPT, decode
-from slake.hf.cache import SlakeCache
-from slake.hf.generate import prefill
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.generate import prefill
 from tiny_models import random_ids, tiny_model
 
 pytestmark = [

@@ -7,7 +7,7 @@ import torch
 
 import slake
 from slake import SlakeCache
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.cache_kwarg import with_cache
 from tiny_models import random_ids, tiny_model
 
 

@@ -409,13 +409,13 @@ def test_method_specs_are_validated():
 
 
 def test_engine_vllm_refuses_what_it_cannot_honour_before_loading(tmp_path, monkeypatch):
-    import slake.hf.models
+    import slake.engines.transformers.models
 
     def refuse(*a, **k):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(slake.hf.models, "load_tokenizer", refuse)
-    monkeypatch.setattr(slake.hf.models, "load_model", refuse)
+    monkeypatch.setattr(slake.engines.transformers.models, "load_tokenizer", refuse)
+    monkeypatch.setattr(slake.engines.transformers.models, "load_model", refuse)
     for extra, msg in [
         (("--kv-dtype", "int8"), "--kv-dtype"),
         (("--prefill-chunk", "64"), "--prefill-chunk"),

@@ -7,7 +7,7 @@ import torch
 
 import slake
 from slake import SlakeCache
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.cache_kwarg import with_cache
 from tiny_models import ARCHS, random_ids, tiny_model
 
 METHODS = ["full", "streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "cake", "slake"]

@@ -9,8 +9,8 @@ import torch
 import slake
 from hybrid_models import ALL_SLIDING, HYBRID, REFUSED, WINDOW, hybrid_model
 from slake import SlakeCache
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode, stack_captures
 from tiny_models import random_ids
 
 METHODS = [
@@ -186,7 +186,7 @@ def test_the_vllm_plugin_refuses_models_with_sliding_layers():
     transformers engine serves them); plain full-attention configs pass."""
     from types import SimpleNamespace
 
-    from slake.vllm.validate import check_layer_types
+    from slake.engines.vllm.plugin.validate import check_layer_types
 
     check_layer_types(SimpleNamespace(layer_types=["full_attention"] * 4, sliding_window=None))
     check_layer_types(SimpleNamespace(sliding_window=None))

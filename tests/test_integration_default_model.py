@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import pytest
 
 import slake
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.generate import format_prompt
+from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode
 from slake.eval.needle import needle_sample
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.generate import format_prompt
-from slake.hf.prefill_once import capture_prefill, greedy_decode
 from slake.methods.base import PrefillScores
 from slake.methods.snapkv import SnapKV
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import slake
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.cache_kwarg import with_cache
 
 pytestmark = [
     pytest.mark.integration,

@@ -8,8 +8,8 @@ import torch
 from slake.cache.compressed import CompressedKV
 from slake.cache.quant import dequantize_rows, parse_kv_dtype, quantize_rows
 from slake.cli import main
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods import make_method
 from tiny_models import random_ids, tiny_model
 

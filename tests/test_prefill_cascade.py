@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slake.attention.linear_state import LinearState
 from slake.cache.compressed import CompressedKV
 from slake.cache.layer_store import LayerStore
-from slake.cache.linear_state import LinearState
 from slake.methods import make_method
 from slake.methods.base import PrefillInputs
 

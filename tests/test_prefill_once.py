@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from slake import SlakeCache
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.prefill_once import capture_prefill, greedy_decode, stack_captures
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode, stack_captures
 from tiny_models import random_ids
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
-from slake.cache.linear_state import LinearState
 
 F64 = torch.float64
 GEN = torch.Generator().manual_seed(1)
@@ -211,7 +211,7 @@ def test_attend_validates_shapes():
 
 def test_long_folds_run_in_row_blocks_with_the_same_state(monkeypatch):
     """A prefill-sized fold runs 1024 rows at a time (bounded transient copies): same state as one product."""
-    from slake.cache import linear_state
+    from slake.attention import linear_state
 
     keys, values = torch.randn(2, 3, 2500, 8, generator=GEN), torch.randn(2, 3, 2500, 8, generator=GEN)
     evicted = torch.rand(2, 3, 2500, generator=GEN) < 0.8

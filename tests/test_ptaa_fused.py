@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from slake.attention import ptaa
+from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
 from slake.cache import compressed
 from slake.cache.compressed import CompressedKV
-from slake.cache.linear_state import LinearState
 from slake.methods import make_method
 
 GEN = torch.Generator().manual_seed(7)

@@ -19,9 +19,9 @@ from transformers import DynamicCache
 import slake
 from slake import SlakeCache
 from slake.cli import main
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.eval.results import ResultsWriter, read_results, scan_results
 from slake.eval.summary import write_summary
-from slake.hf.cache_kwarg import with_cache
 from tiny_models import random_ids, tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -164,12 +164,12 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the arguments were validated")
 
-    import slake.hf.models
-    import slake.hf.shapes
+    import slake.engines.transformers.models
+    import slake.engines.transformers.shapes
 
-    monkeypatch.setattr(slake.hf.models, "load_model", refuse)
-    monkeypatch.setattr(slake.hf.shapes, "random_model", refuse)
-    monkeypatch.setattr(slake.hf.models, "load_tokenizer", refuse)
+    monkeypatch.setattr(slake.engines.transformers.models, "load_model", refuse)
+    monkeypatch.setattr(slake.engines.transformers.shapes, "random_model", refuse)
+    monkeypatch.setattr(slake.engines.transformers.models, "load_tokenizer", refuse)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
@@ -321,8 +321,8 @@ def test_linear_state_is_allocated_when_something_is_evicted(llama_gqa):
 # ====================================================================== memory over repeated calls (item 8)
 def test_no_cache_survives_a_generate_call(llama_gqa, monkeypatch):
     """slake.generate keeps nothing alive between calls: no module-level reference to the cache or its layers."""
-    import slake.hf.generate as gen_mod
-    from slake.hf.cache import current_layer
+    import slake.engines.transformers.generate as gen_mod
+    from slake.engines.transformers.cache import current_layer
     from test_eval_runner import TinyTokenizer
 
     refs = []
@@ -442,7 +442,7 @@ def test_non_utf8_line_is_skipped_not_fatal(tmp_path):
 def test_the_forward_check_finds_the_cache_under_either_keyword(llama_gqa, name):
     """transformers 5.24 passes the cache as ``cache=`` (``past_key_values=`` before): the input check must see it
     under both names, or a mismatched cache goes unchecked."""
-    from slake.hf.attention import _check_slake_cache
+    from slake.engines.transformers.attention import _check_slake_cache
 
     kwargs = {name: SlakeCache("slake", 48, 2), "input_ids": random_ids(10, seed=1)}
     with pytest.raises(ValueError, match="built for 2 layers but the model has 3"):
@@ -450,7 +450,7 @@ def test_the_forward_check_finds_the_cache_under_either_keyword(llama_gqa, name)
 
 
 def test_the_cache_keyword_follows_the_models_forward_signature(llama_gqa):
-    from slake.hf.cache_kwarg import cache_kwarg, with_cache
+    from slake.engines.transformers.cache_kwarg import cache_kwarg, with_cache
 
     class NewStyle(torch.nn.Module):
         def forward(self, input_ids=None, cache=None):

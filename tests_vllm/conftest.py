@@ -21,7 +21,7 @@ NEW_TOKENS = 24
 #: one shorter than the budget (never compressed), and one of whole blocks below CAKE/SLAKE's layer cap (its first
 #: decode step needs one more block than its prefill)
 LENGTHS = (200, 120, 40, 300, 200, 96)
-#: vLLM's max_layer_budget of CAKE/SLAKE at BUDGET (slake.vllm.config.with_layer_cap)
+#: vLLM's max_layer_budget of CAKE/SLAKE at BUDGET (slake.engines.vllm.plugin.config.with_layer_cap)
 LAYER_CAP = 2 * BUDGET
 
 
@@ -70,8 +70,8 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
     from transformers import AutoModelForCausalLM
 
     import slake
-    from slake.hf.cache import SlakeCache
-    from slake.hf.cache_kwarg import with_cache
+    from slake.engines.transformers.cache import SlakeCache
+    from slake.engines.transformers.cache_kwarg import with_cache
     from slake.methods import make_method
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -79,7 +79,7 @@ def hf_generate(model_dir: str, ids: list[int], method: str | None, budget: int,
     kw = {}
     if method is not None:
         from slake.budgets.budget import Budget
-        from slake.vllm.config import with_layer_cap
+        from slake.engines.vllm.plugin.config import with_layer_cap
 
         built = with_layer_cap(make_method(method), Budget(budget))  # the cap vLLM uses for CAKE/SLAKE
         kw.update(with_cache(model, SlakeCache(built, budget, model.config.num_hidden_layers)))

@@ -1,4 +1,5 @@
-"""The batched decode step (:class:`slake.vllm.batched.DecodePool`) equals the transformers engine's per-request
+"""The batched decode step (:class:`slake.engines.vllm.plugin.decode_pool.DecodePool`) equals the transformers engine's
+per-request
 step (:class:`slake.cache.compressed.CompressedKV`) on random tensors: the same kept slots (positions, validity, keys
 in the paged cache) and the same outputs and linear state up to float32 rounding, for several requests of different
 lengths decoding together in one paged cache, in vLLM's CPU layout and in the FlashAttention layout (on CPU
@@ -11,10 +12,10 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
+from slake.engines.vllm.plugin.config import SUPPORTED_METHODS, with_layer_cap
+from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 from slake.methods import make_method
-from slake.vllm.batched import DecodePool
-from slake.vllm.config import SUPPORTED_METHODS, with_layer_cap
-from slake.vllm.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 
 BUDGET = 24
 BS = 8

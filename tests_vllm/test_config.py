@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slake.vllm.config import ENV_VAR, SUPPORTED_METHODS, parse_config
+from slake.engines.vllm.plugin.config import ENV_VAR, SUPPORTED_METHODS, parse_config
 
 
 def test_no_configuration_means_no_plugin(monkeypatch):

@@ -15,8 +15,8 @@ import pytest
 
 from slake.budgets.budget import Budget
 from slake.engines.vllm.generate import generate_vllm
+from slake.engines.vllm.plugin.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 from slake.methods import make_method
-from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 
 BUDGET = 128
 NEW_TOKENS = 16
@@ -49,11 +49,13 @@ def prompt(tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def transformers_results(prompt) -> dict:
     """The transformers engine's result per method (and the full cache), one model load."""
-    from slake.hf.generate import generate
-    from slake.hf.models import load_model
+    from slake.engines.transformers.generate import generate
+    from slake.engines.transformers.models import load_model
 
     model, tokenizer = load_model(None, device="cpu", dtype="float32")
-    cap = {"max_layer_budget": 2 * BUDGET}  # the layer cap vLLM gives CAKE/SLAKE (slake.vllm.config.with_layer_cap)
+    cap = {
+        "max_layer_budget": 2 * BUDGET
+    }  # the layer cap vLLM gives CAKE/SLAKE (slake.engines.vllm.plugin.config.with_layer_cap)
     return {
         m: generate(
             model,

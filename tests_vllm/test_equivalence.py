@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import BUDGET, LAYER_CAP, LENGTHS, NEW_TOKENS, hf_generate
+from slake.engines.vllm.plugin.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 from slake.engines.vllm.runner import expected_blocks, run_vllm
-from slake.vllm.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 
 BLOCK = 32
 

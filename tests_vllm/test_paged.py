@@ -7,7 +7,7 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 
-from slake.vllm.paged import CpuAttnLayout, FlashAttnLayout, slot_blocks, slot_mapping
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, slot_blocks, slot_mapping
 
 CPU = CpuAttnLayout()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import BUDGET, hf_generate
+from slake.engines.vllm.plugin import backend
 from slake.engines.vllm.runner import run_vllm
-from slake.vllm import backend
 
 BLOCK = 32
 

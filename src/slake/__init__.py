@@ -13,10 +13,11 @@ Public names: :func:`load_model`, :func:`generate`, :class:`SlakeCache`, :func:`
 
 from slake import methods  # noqa: F401  (registers every method)
 from slake.budgets.budget import Budget
-from slake.hf.attention import prepare_model
-from slake.hf.cache import SlakeCache
-from slake.hf.generate import GenerationResult, generate
-from slake.hf.models import DEFAULT_MODEL, load_model
+from slake.engines.result import GenerationResult
+from slake.engines.transformers.attention import prepare_model
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.generate import generate
+from slake.engines.transformers.models import DEFAULT_MODEL, load_model
 from slake.methods import Method, available_methods, make_method
 
 __version__ = "0.1.0"

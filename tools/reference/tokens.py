@@ -79,8 +79,8 @@ KVPRESS = {
 # ====================================================================== slake side
 def prepare(prompts: list[Path], work: Path) -> None:
     import slake
-    from slake.hf.generate import format_prompt
-    from slake.hf.models import default_gguf_path
+    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.transformers.models import default_gguf_path
     from slake.methods import make_method
 
     model, tokenizer = slake.load_model(device="cpu", dtype="float32")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from slake.cache.linear_state import LinearState
+from slake.attention.linear_state import LinearState
 
 __all__ = ["attend"]
 

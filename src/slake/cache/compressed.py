@@ -1,7 +1,8 @@
 """The compressor (:class:`CompressedKV`): prefill compression with layer budgets (uniform, pyramid or cascading), and
 decode over the compressed cache with decode-time eviction and the optional PTAA linear term.
 
-This module is engine-agnostic (no transformers import). ``slake.hf`` feeds it each layer's post-RoPE queries,
+This module is engine-agnostic (no transformers import). ``slake.engines.transformers`` feeds it each layer's post-RoPE
+queries,
 keys and values; it owns one :class:`~slake.cache.layer_store.LayerStore` per layer.
 
 Conventions (``docs/conventions.md``; ``docs/methods/README.md#observation-window-attention``):
@@ -18,18 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
+from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
 from slake.budgets import allocation as budget_rules
 from slake.budgets.budget import Budget
 from slake.cache.layer_store import _GROWTH, LayerStore
-from slake.cache.linear_state import LinearState
 from slake.cache.quant import parse_kv_dtype, scale_bytes_per_row
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, make_method
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores
+from slake.methods.budget_check import check_method_budget
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -97,17 +99,11 @@ class CompressedKV:
         kv_dtype: str | None = None,
         defer_cascade: bool = False,
     ) -> None:
-        self.method = method
+        self.method, self.budget = check_method_budget(method, budget)
         self.defer_cascade = defer_cascade
         self.kv_dtype = parse_kv_dtype(kv_dtype)
-        self.budget = budget if isinstance(budget, Budget) else Budget(budget)
         self.num_layers = num_layers
         self.charge_linear_state = charge_linear_state
-        if not self.budget.is_ratio and not method.keeps_everything and method.protected > self.budget.value:
-            raise ValueError(
-                f"{method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) exceed the "
-                f"budget {self.budget.value}; use a larger budget or a smaller window"
-            )
         self.layers: list[LayerStore | None] = [None] * num_layers
         #: tokens seen per layer (kept or evicted), on the host; in static mode (:meth:`prepare_static`) the device
         #: counters :attr:`position` are the truth and :meth:`seen_tokens` reads them
@@ -129,7 +125,8 @@ class CompressedKV:
         self.chunked_prefill = False  # True between begin_chunked_prefill and end_chunked_prefill
         self._chunk_padding: torch.Tensor | None = None  # (B, S) padding of the whole prompt (chunked prefill)
         #: optional layer -> PrefillScores memo shared by replays of one recorded prefill with the same method
-        #: configuration (see :meth:`slake.hf.prefill_once.PrefillCapture.replay`); used only when the method's
+        #: configuration (see :meth:`slake.engines.transformers.prefill_once.PrefillCapture.replay`); used only when
+        # the method's
         #: scores do not depend on the budget
         self.score_memo: dict[int, PrefillScores] | None = None
 
@@ -577,11 +574,11 @@ class CompressedKV:
         if not scored:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
-        probs = _safe_softmax(x)  # (B, H, g, nq, n)
+        probs = safe_softmax(x)  # (B, H, g, nq, n)
         evict = self._decode_evict(layer_idx, probs, target, newest)
         if evict is None:
             if store.linear is None:
-                return _probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
+                return probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
         slots, chosen, mask = evict
@@ -595,7 +592,7 @@ class CompressedKV:
             x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this step's own tensor
             return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
         if store.linear is None:
-            out = _probs_values(probs, store.dense_values())
+            out = probs_values(probs, store.dense_values())
         else:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
         store.free(mask, slots, chosen)
@@ -619,7 +616,7 @@ class CompressedKV:
         if not scored:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
-        probs = _safe_softmax(x)  # (B, H, g, 1, n)
+        probs = safe_softmax(x)  # (B, H, g, 1, n)
         slots, chosen, mask = self._evict_one(layer_idx, probs, self.targets[layer_idx])
         return self._output_and_evict(store, qf, x, probs, slots, chosen, mask).reshape(B, Hq, nq, d)
 
@@ -741,7 +738,7 @@ class CompressedKV:
         store = self.layers[layer_idx]
         info = self.info
         B, H, g, w, n = x.shape  # logits of the chunk's last ``w`` queries
-        probs = _safe_softmax(x)
+        probs = safe_softmax(x)
         store.scores = self.method.decode_scores(
             DecodeInputs(
                 probs=probs.reshape(B, H * g, w, n),
@@ -844,42 +841,6 @@ def layer_logits(
     return qf, x.masked_fill_(~visible, float("-inf"))
 
 
-def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in float32 without an fp32 copy of a low-precision ``b`` (the cache) where the backend allows.
-
-    ``a`` is float32. When ``b`` is float32 this is a plain matmul. For an fp16/bf16 ``b`` on CUDA, ``a`` is cast
-    to ``b``'s dtype and the product accumulates and is returned in float32 (``torch.bmm(..., out_dtype=)``);
-    elsewhere (CPU, older torch) ``b`` is upcast.
-    """
-    if b.dtype == torch.float32 or b.dtype == torch.float64:
-        return torch.matmul(a.to(b.dtype) if a.dtype != b.dtype else a, b).float()
-    if b.is_cuda and _BMM_OUT_DTYPE[0] and not torch.compiler.is_compiling():  # a graph fuses the upcast
-        try:
-            lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-            aa = a.to(b.dtype).expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-            bb = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-            out = torch.bmm(aa, bb, out_dtype=torch.float32)
-            return out.reshape(*lead, a.shape[-2], b.shape[-1])
-        except (RuntimeError, TypeError):
-            _BMM_OUT_DTYPE[0] = False
-    return torch.matmul(a.float(), b.float())
-
-
-_BMM_OUT_DTYPE = [True]  # torch.bmm(..., out_dtype=float32) usable on this CUDA build (cleared on first failure)
-
-
-def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis; a row with no visible slot (all ``-inf``) gives zeros, not NaN."""
-    return torch.softmax(x, dim=-1).nan_to_num_(0.0)
-
-
-def _probs_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``(B, H, g, nq, n)`` probabilities times ``(B, H, n, d)`` values -> ``(B, H, g, nq, d)`` float32."""
-    B, H, g, nq, n = probs.shape
-    out = matmul_f32(probs.reshape(B, H, g * nq, n), values)
-    return out.view(B, H, g, nq, -1)
-
-
 def _sdpa_decode(store: LayerStore, queries: torch.Tensor, scaling: float) -> torch.Tensor:
     """One new query per sequence over every valid slot: one SDPA call, no score, no copy of the cache.
 
@@ -899,9 +860,3 @@ def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
     linear state ``(d^2 + 2d)`` occupies, rounded up."""
     state_bytes = (head_dim * head_dim + 2 * head_dim) * 4
     return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))
-
-
-def check_method_budget(method: Any, budget: Any) -> None:
-    """Raise ValueError for a (method, budget) pair the compressor would refuse (an unknown method or
-    hyperparameter, a bad budget, a window or sink count larger than the budget), before any model work."""
-    CompressedKV(make_method(method), budget, 1)

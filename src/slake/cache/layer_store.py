@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from slake.cache.linear_state import LinearState
+from slake.attention.linear_state import LinearState
 from slake.cache.quant import dequantize_rows, parse_kv_dtype, quantize_rows, scale_bytes_per_row
 
 _GROWTH = 256  # slots added at once when a row runs out of free slots (amortises reallocation)

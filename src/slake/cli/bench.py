@@ -4,7 +4,8 @@ context length, measured by the engine ``--engine`` names.
 ``slake bench --methods full,snapkv,cake,slake --budget 128 --lengths 1024,2048,4096,8192 --out runs/bench`` writes
 ``runs/bench/bench.jsonl`` (one row per configuration, appended), ``bench.md`` (table of this run) and
 ``decode_latency.png`` / ``peak_memory.png`` (:mod:`slake.engines.transformers.bench`). ``--random-model llama3-8b``
-measures a randomly initialised model of that shape (:mod:`slake.hf.shapes`) instead of a checkpoint. ``--engine
+measures a randomly initialised model of that shape (:mod:`slake.engines.transformers.shapes`) instead of a checkpoint.
+``--engine
 vllm`` measures vLLM with the plugin: per length, ``--batch`` requests of random tokens submitted at once, each
 generating ``--warmup`` + ``--decode-steps`` tokens; throughput, decode time per step and KV blocks held
 (``bench_vllm.jsonl``, ``bench_vllm.md``; :mod:`slake.engines.vllm.bench`).

@@ -71,7 +71,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from slake import __version__
-    from slake.hf.models import load_model
+    from slake.engines.transformers.models import load_model
     from slake.methods.profiles import model_identity, write_entry
     from slake.quality.calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
 

@@ -61,8 +61,8 @@ def add_fidelity_parser(sub: Any) -> None:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from slake.hf.generate import format_prompt
-    from slake.hf.models import load_model
+    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.transformers.models import load_model
     from slake.methods.base import parse_method_list
     from slake.quality import fidelity
 

@@ -47,7 +47,7 @@ def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
         raise ValueError(f"--length must be >= 1, got {args.length}")
     if args.depth is not None and not 0.0 <= args.depth <= 100.0:
         raise ValueError(f"--depth must lie in [0, 100], got {args.depth}")
-    from slake.hf.models import load_tokenizer
+    from slake.engines.transformers.models import load_tokenizer
 
     tok = tokenizer if tokenizer is not None else load_tokenizer(args.model, args.gguf_file)
     if args.task == "needle":

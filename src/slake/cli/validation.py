@@ -6,8 +6,8 @@ written). Every problem is a ``ValueError`` whose message names the option (and 
 prints it as one line and exits with code 2.
 
 The checks it shares with the Python API live below the command line and are used by both, so that both report a
-bad device or a bad (method, budget) pair the same way: :func:`slake.hf.models.check_device` and
-:func:`slake.cache.compressed.check_method_budget`.
+bad device or a bad (method, budget) pair the same way: :func:`slake.engines.transformers.models.check_device` and
+:func:`slake.methods.budget_check.check_method_budget`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slake.cache.compressed import check_method_budget
 from slake.cli.options import parse_hyperparameters, split_list
-from slake.hf.models import check_device
+from slake.engines.transformers.models import check_device
+from slake.methods.budget_check import check_method_budget
 
 __all__ = ["read_prompt", "read_text", "validate_args"]
 
@@ -75,7 +75,7 @@ def _pairs(methods: list[str], budgets: list[Any]) -> None:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    from slake.hf.models import _parse_dtype, default_device
+    from slake.engines.transformers.models import _parse_dtype, default_device
 
     check_device(getattr(args, "device", None))
     if getattr(args, "dtype", None) is not None:
@@ -127,7 +127,7 @@ def _check_bench(args: argparse.Namespace) -> None:
     check_serve_options(args)
     bench_lengths(args)
     if args.random_model:
-        from slake.hf.shapes import parse_shape
+        from slake.engines.transformers.shapes import parse_shape
 
         parse_shape(args.random_model)
 

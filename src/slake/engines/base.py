@@ -11,7 +11,7 @@ The operations:
 * :meth:`Engine.check` - refuse unsupported options (and a missing installation) before any load;
 * :meth:`Engine.check_pair` - refuse a (method, budget) pair the engine cannot run;
 * :attr:`Engine.tokenizer` - the model's tokenizer (loads it, and for the transformers engine the model);
-* :meth:`Engine.generate` - one prompt, one method and budget, a :class:`slake.hf.generate.GenerationResult`;
+* :meth:`Engine.generate` - one prompt, one method and budget, a :class:`slake.engines.result.GenerationResult`;
 * :meth:`Engine.evaluate` - token-id prompts times (method, budget) pairs, one :class:`EvalOutput` each;
 * :meth:`Engine.bench` - a benchmark plan, its rows and a markdown table (files written under the plan's folder);
   a plan with :attr:`BenchPlan.serve` is a load benchmark through the engine's server, where the engine has one.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from slake.cache.compressed import check_method_budget
-from slake.hf.generate import GenerationResult
+from slake.engines.result import GenerationResult
+from slake.methods.budget_check import check_method_budget
 
 __all__ = [
     "BenchPlan",
@@ -65,7 +65,7 @@ class ModelSpec:
     """Which model an engine loads: ``--model``, ``--gguf-file``, ``--device``, ``--dtype``.
 
     ``name`` is ``"smollm2"`` (the packaged default), a hub id, a local directory or a ``.gguf`` file; ``random``
-    names a random model shape (:mod:`slake.hf.shapes`, benchmarks only).
+    names a random model shape (:mod:`slake.engines.transformers.shapes`, benchmarks only).
     """
 
     name: str | None = "smollm2"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -240,10 +239,6 @@ class ResultsWriter:
         self._fh.flush()
         self.done.add(key)
         return True
-
-    def write_all(self, rows: Iterable[dict[str, Any]]) -> int:
-        """Append several rows; returns how many were new."""
-        return sum(self.write(r) for r in rows)
 
     def close(self) -> None:
         """Close the file (rows are already flushed)."""

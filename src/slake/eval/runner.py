@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from slake.budgets.budget import Budget
-from slake.cache.compressed import check_method_budget
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest, Pair
 from slake.eval.metrics import score_prediction
 from slake.eval.prompts import build_prompt, has_chat_template
 from slake.eval.results import FULL_METHOD, ResultsWriter, check_engine_dir, row_key
 from slake.eval.sample import Sample
+from slake.methods.budget_check import check_method_budget
 
 if TYPE_CHECKING:
     from slake.engines.base import Engine

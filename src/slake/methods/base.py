@@ -1,7 +1,7 @@
 """The engine-agnostic method interface.
 
 A method is a small object holding hyperparameters and pure tensor functions. The compressor (``slake.cache`` and
-``slake.hf``) calls it at two moments:
+``slake.engines.transformers``) calls it at two moments:
 
 * **prefill**, once per layer right after the layer's exact attention: :meth:`Method.prefill_scores` receives the
   layer's post-RoPE queries, keys and values and returns a per-token eviction score per KV head and, for methods with

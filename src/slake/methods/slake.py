@@ -5,7 +5,7 @@ one-token-per-step decode eviction; :class:`slake.methods.cake.Cake`) plus
 
 * **PTAA** (``linear_cache=True``): every evicted token, at prefill (all cascade stages,
   ``docs/methods/slake.md#prefill-folding``) and at decode, is folded into a per-KV-head linear state and still
-  contributes through a first-order Taylor term (:mod:`slake.cache.linear_state`,
+  contributes through a first-order Taylor term (:mod:`slake.attention.linear_state`,
   :func:`slake.attention.ptaa.attend`). Decode eviction happens before the step's output (Algorithm 1 order,
   ``docs/methods/slake.md#decode-step``), hence ``evict_before_output = True``;
 * **VABS** (``vabs=True``): the layer preference is the value-aware score of :func:`vabs_preference` (paper Eqs. 15-18,

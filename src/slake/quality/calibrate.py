@@ -8,7 +8,8 @@ This search finds values for any model without touching the evaluation data:
    CPython, :func:`slake.quality.continuations.calibration_text`): ``samples`` text continuations and ``samples``
    question prompts answered by the full cache (:mod:`slake.quality.continuations`), each prefilled once;
 2. for each candidate value pair, the method replays every prefill (the prefill-once replay of
-   :mod:`slake.hf.prefill_once`, so no candidate pays for a prefill) and is scored by the output-level distance of
+   :mod:`slake.engines.transformers.prefill_once`, so no candidate pays for a prefill) and is scored by the
+   output-level distance of
    :mod:`slake.quality.output_fidelity`: the mean KL(full || compressed) of the next-token distributions over the
    teacher-forced continuations;
 3. a grid (:data:`GRIDS`), then a local refinement around the best point (each value x {1/sqrt 2, 1, sqrt 2});

@@ -111,8 +111,8 @@ def answer_continuations(
 ) -> list[Continuation]:
     """``samples`` prompts (about ``length`` tokens of ``text`` + a question, in the chat template), each continued
     by the full cache's greedy answer (at most ``target_tokens`` tokens, end-of-sequence included)."""
-    from slake.hf.generate import format_prompt
-    from slake.hf.prefill_once import capture_prefill, greedy_decode
+    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode
 
     if length < 64 or target_tokens < 2 or samples < 1 or not questions:
         raise ValueError(

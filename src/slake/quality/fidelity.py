@@ -22,7 +22,7 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import canonical_method_spec, make_method
 
 
@@ -66,8 +66,8 @@ class _Recorder(CompressedKV):
 def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
     """Run the prompt and ``steps`` greedy tokens with the full cache, recording every compressed layer's inputs
     (every layer, except the sliding-window layers of a hybrid model, which are never compressed)."""
-    from slake.hf.attention import prepare_model
-    from slake.hf.cache import SlakeCache
+    from slake.engines.transformers.attention import prepare_model
+    from slake.engines.transformers.cache import SlakeCache
 
     prepare_model(model)
     cache = SlakeCache("full", 1, config=model.config)  # hybrid models: the compressed (full-attention) layers

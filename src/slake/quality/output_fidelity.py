@@ -1,7 +1,8 @@
 """Output-level fidelity: how far a compressed cache moves the model's next-token distributions.
 
 ``slake fidelity`` measures attention outputs layer by layer (:mod:`slake.quality.fidelity`); this module measures what
-the user sees. A prompt is prefilled once (exactly, :func:`slake.hf.prefill_once.capture_prefill`), then for the full
+the user sees. A prompt is prefilled once (exactly, :func:`slake.engines.transformers.prefill_once.capture_prefill`),
+then for the full
 cache and for every (method, budget) the same continuation tokens are fed one decode step at a time (teacher-forced),
 and at each step the model's next-token distribution is compared with the full cache's:
 
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from slake.budgets.budget import Budget
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import Method
 
 __all__ = [
@@ -68,7 +69,7 @@ def teacher_forced_logprobs(model: Any, capture: Any, cache: Any, targets: torch
     ----------
     model : transformers model
         Prepared with :func:`slake.prepare_model`.
-    capture : slake.hf.prefill_once.PrefillCapture
+    capture : slake.engines.transformers.prefill_once.PrefillCapture
         The prompt's recorded prefill (batch ``B``, left-padded).
     cache : slake.SlakeCache
         A cache replayed from ``capture`` (``capture.replay(method, budget)``).
@@ -149,7 +150,7 @@ class OutputReference:
 
 def prepare_reference(model: Any, continuations: Sequence[Continuation]) -> OutputReference:
     """Prefill every prompt once (exactly), stack the captures, and compute the full cache's log-probabilities."""
-    from slake.hf.prefill_once import capture_prefill, stack_captures
+    from slake.engines.transformers.prefill_once import capture_prefill, stack_captures
 
     if not continuations:
         raise ValueError("no continuation to measure")

@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from slake.engines.base import BenchPlan, BenchReport, Engine, EvalOptions, EvalOutput, EvalRequest, ModelSpec
-from slake.hf.generate import GenerationResult, eos_token_ids, generate
+from slake.engines.result import GenerationResult
+from slake.engines.transformers.generate import eos_token_ids, generate
 
 __all__ = ["TransformersEngine"]
 
@@ -15,10 +16,10 @@ Loader = Callable[[ModelSpec], tuple[Any, Any]]
 
 def _load(spec: ModelSpec) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a model spec; a random model shape has no tokenizer (None)."""
-    from slake.hf.models import _parse_dtype, default_device, load_model
+    from slake.engines.transformers.models import _parse_dtype, default_device, load_model
 
     if spec.random:
-        from slake.hf.shapes import random_model
+        from slake.engines.transformers.shapes import random_model
 
         device = spec.device or default_device()
         return random_model(spec.random, device=device, dtype=_parse_dtype(spec.dtype, device), seed=spec.seed), None
@@ -31,7 +32,8 @@ class TransformersEngine(Engine):
     Parameters
     ----------
     model : ModelSpec, optional
-        The model to load on first use (:func:`slake.load_model`, or :func:`slake.hf.shapes.random_model` for a
+        The model to load on first use (:func:`slake.load_model`, or
+        :func:`slake.engines.transformers.shapes.random_model` for a
         random shape); the packaged default model when omitted.
     loader : callable, optional
         ``loader(spec) -> (model, tokenizer)`` in place of loading the spec (tests pass a tiny model).

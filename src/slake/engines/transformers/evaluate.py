@@ -1,13 +1,15 @@
 """The transformers engine's evaluation: each prompt prefilled once, every (method, budget) pair replayed from it.
 
-For each request the prompt is prefilled ONCE with :func:`slake.hf.prefill_once.capture_prefill`; every pair is then
+For each request the prompt is prefilled ONCE with :func:`slake.engines.transformers.prefill_once.capture_prefill`;
+every pair is then
 replayed from that capture and decoded greedily. Compression does not change prefill outputs, and cascading equals
 one-shot eviction, so the replayed cache is the cache live compression would have built (``docs/conventions.md``,
 "Prefill once, compress many"; a test compares the two). Chunked prefill (``prefill_chunk``) is measured live
 instead: each chunk attends over the compressed past, so it cannot be replayed.
 
 Batches (``batch_size > 1``): consecutive requests of one group, generation length and pending pairs are prefilled
-one by one, their captures left-padded into one batch (:func:`slake.hf.prefill_once.stack_captures`), and every
+one by one, their captures left-padded into one batch (:func:`slake.engines.transformers.prefill_once.stack_captures`),
+and every
 pair decodes the whole batch, which amortises a decode step's weight reads.
 """
 
@@ -20,9 +22,9 @@ from typing import Any
 import torch
 
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest
-from slake.hf.cache import SlakeCache
-from slake.hf.generate import prefill
-from slake.hf.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.generate import prefill
+from slake.engines.transformers.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
 from slake.methods.profiles import resolve_method
 
 __all__ = ["evaluate", "batches"]

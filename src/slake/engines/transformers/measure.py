@@ -1,8 +1,10 @@
 """Latency and memory of compressed-cache generation, one configuration at a time.
 
 A configuration is (method, budget, context length, batch). For each one :func:`measure` builds a fresh
-:class:`~slake.hf.cache.SlakeCache`, prefills a prompt of random token ids (latency does not depend on content) with
-:func:`slake.hf.generate.prefill` (exact or chunked), then decodes greedily: ``warmup`` steps that are not timed,
+:class:`~slake.engines.transformers.cache.SlakeCache`, prefills a prompt of random token ids (latency does not depend
+on content) with
+:func:`slake.engines.transformers.generate.prefill` (exact or chunked), then decodes greedily: ``warmup`` steps that
+are not timed,
 then ``decode_steps`` timed steps (each synchronised on CUDA). Reported: prefill time, time to first token (prefill +
 picking the first token), decode milliseconds per token (median, min, max over the timed steps), peak memory
 (:class:`~slake.engines.transformers.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding,
@@ -24,10 +26,10 @@ from typing import Any
 
 import torch
 
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.memory import MemoryMeter
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
-from slake.hf.generate import prefill
 
 __all__ = ["BenchConfig", "compiled_step", "measure", "time_decode_interleaved"]
 

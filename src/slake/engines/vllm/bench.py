@@ -24,8 +24,8 @@ def method_config(method: str, budget: int, model_dir: str, model_name: str | No
     import os
 
     from slake.budgets.budget import Budget
+    from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method
     from slake.engines.vllm.runner import model_config
-    from slake.vllm.config import plugin_config, resolve_plugin_method
 
     if method == "full":
         return None, None
@@ -213,7 +213,7 @@ def step_times(
     then ``decode_steps`` decode-only steps at batch ``len(prompts)`` are timed one by one; then each prompt of
     ``extra`` is added alone, so that the next step is a mixed one (its prefill plus the running requests' decode),
     followed by two decode steps. Returns medians in milliseconds and the plugin's own time per compressed request
-    and layer (from :data:`slake.vllm.backend.STEP_TIMES`).
+    and layer (from :data:`slake.engines.vllm.plugin.backend.STEP_TIMES`).
     """
     import math
     import os
@@ -223,8 +223,8 @@ def step_times(
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from vllm import LLM, SamplingParams
 
+    from slake.engines.vllm.plugin import backend
     from slake.engines.vllm.runner import engine_kwargs
-    from slake.vllm import backend
 
     n, p = len(prompts), max(len(x) for x in prompts + extra)
     total = decode_steps + 4 * (len(extra) + 1) + 8
@@ -396,8 +396,8 @@ def per_request_step_cpu_ms(
     from vllm import _custom_ops as ops
 
     from slake.cache.compressed import CompressedKV
+    from slake.engines.vllm.plugin.paged import CpuAttnLayout, slot_mapping
     from slake.engines.vllm.pool_bench import pool_shape
-    from slake.vllm.paged import CpuAttnLayout, slot_mapping
 
     g = torch.Generator().manual_seed(0)
     layout = CpuAttnLayout()

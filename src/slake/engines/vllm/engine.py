@@ -1,4 +1,5 @@
-"""The vLLM engine: vLLM, started in this process, with the slake plugin (:mod:`slake.vllm`) compressing the cache."""
+"""The vLLM engine: vLLM, started in this process, with the slake plugin (:mod:`slake.engines.vllm.plugin`) compressing
+the cache."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from slake.budgets.budget import Budget
 from slake.engines.base import BenchPlan, BenchReport, Engine, EvalOptions, EvalOutput, EvalRequest, ModelSpec
-from slake.hf.generate import GenerationResult
+from slake.engines.result import GenerationResult
 
 __all__ = ["VllmEngine"]
 
@@ -18,7 +19,8 @@ _GREEDY = "the plugin decodes greedily (vLLM's sampling is not wired to it)"
 class VllmEngine(Engine):
     """vLLM with the slake plugin, on vLLM's CPU backend (GPU platforms are refused until tested on one).
 
-    Greedy generation only; the methods the plugin supports (:mod:`slake.vllm.config`) at token budgets; GGUF
+    Greedy generation only; the methods the plugin supports (:mod:`slake.engines.vllm.plugin.config`) at token budgets;
+    GGUF
     models are converted once to a safetensors folder (:func:`slake.engines.vllm.runner.local_model_dir`). The
     tokens equal the transformers engine's for the same method and budget (``make test-vllm`` checks it).
     """
@@ -54,14 +56,14 @@ class VllmEngine(Engine):
     def check_pair(self, method: Any, budget: Any) -> None:
         super().check_pair(method, budget)
         if method != "full":
-            from slake.vllm.config import resolve_plugin_method
+            from slake.engines.vllm.plugin.config import resolve_plugin_method
 
             resolve_plugin_method(method, Budget(budget))  # raises for what the plugin cannot run
 
     @property
     def dtype(self) -> str:
         """vLLM's name of the model dtype (float32 unless ``--dtype`` says otherwise)."""
-        from slake.vllm.config import vllm_dtype
+        from slake.engines.vllm.plugin.config import vllm_dtype
 
         return vllm_dtype(self.model_spec.dtype)
 
@@ -78,7 +80,7 @@ class VllmEngine(Engine):
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from slake.hf.models import load_tokenizer
+            from slake.engines.transformers.models import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_spec.name or "smollm2", self.model_spec.gguf_file)
         return self._tokenizer
@@ -90,8 +92,8 @@ class VllmEngine(Engine):
 
     def plugin_method(self, method: str, budget: int | float) -> tuple[Any, dict | None]:
         """The method the plugin runs for a pair, with the model's profile applied, and the profile."""
+        from slake.engines.vllm.plugin.config import resolve_plugin_method
         from slake.engines.vllm.runner import model_config
-        from slake.vllm.config import resolve_plugin_method
 
         return resolve_plugin_method(method, Budget(budget), model_config(self.model_dir, self.model_spec.name))
 
@@ -155,7 +157,7 @@ class VllmEngine(Engine):
     def plugin_config(self, method: str, budget: int | float) -> dict | None:
         """The plugin's ``additional_config["slake"]`` for a pair (the model's profile applied, as
         :meth:`plugin_method`); None for the full cache (plain vLLM)."""
-        from slake.vllm.config import plugin_config
+        from slake.engines.vllm.plugin.config import plugin_config
 
         if method == "full":
             return None

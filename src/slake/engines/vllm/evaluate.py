@@ -33,8 +33,8 @@ def evaluate(
     ``model_dir`` is the folder vLLM loads, ``dtype`` its dtype, ``stop`` the end-of-sequence ids, and
     ``plugin_method(method, budget)`` the resolved method and profile of a pair
     (:meth:`slake.engines.vllm.VllmEngine.plugin_method`)."""
+    from slake.engines.vllm.plugin.config import plugin_config
     from slake.engines.vllm.runner import model_len, run_vllm
-    from slake.vllm.config import plugin_config
 
     by_pair: dict[tuple, list[EvalRequest]] = {}
     for req in requests:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from slake.budgets.budget import Budget
-from slake.hf.generate import GenerationResult
+from slake.engines.result import GenerationResult
 from slake.methods.base import Method
 
 __all__ = ["generate_vllm", "stop_token_ids"]
@@ -26,7 +26,8 @@ def generate_vllm(
 ) -> GenerationResult:
     """Greedy generation of one prompt with vLLM and the slake plugin (in this process).
 
-    The prompt is formatted and tokenized exactly as :func:`slake.hf.generate.generate` does, and generation stops
+    The prompt is formatted and tokenized exactly as :func:`slake.engines.transformers.generate.generate` does, and
+    generation stops
     on the model's EOS ids, so the text equals the transformers engine's for the same method and budget.
 
     Parameters
@@ -34,10 +35,12 @@ def generate_vllm(
     prompt : str
         The user prompt.
     method, budget :
-        What compresses the cache (see :mod:`slake.vllm.config` for what the plugin supports); ``full`` runs plain
+        What compresses the cache (see :mod:`slake.engines.vllm.plugin.config` for what the plugin supports); ``full``
+        runs plain
         vLLM. A name or spec is resolved as the transformers engine does it
         (:func:`slake.methods.profiles.resolve_method`: the model's profile fills what the user did not set);
-        CAKE/SLAKE then get vLLM's ``max_layer_budget`` (:func:`slake.vllm.config.with_layer_cap`) unless set.
+        CAKE/SLAKE then get vLLM's ``max_layer_budget`` (:func:`slake.engines.vllm.plugin.config.with_layer_cap`)
+        unless set.
     model, gguf_file, dtype :
         As ``slake generate --model/--gguf-file/--dtype``; GGUF models are converted once to safetensors
         (:func:`slake.engines.vllm.runner.local_model_dir`).
@@ -56,9 +59,9 @@ def generate_vllm(
     """
     from transformers import AutoTokenizer
 
+    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method, vllm_dtype
     from slake.engines.vllm.runner import local_model_dir, model_config, model_len, run_vllm
-    from slake.hf.generate import format_prompt
-    from slake.vllm.config import plugin_config, resolve_plugin_method, vllm_dtype
 
     budget = Budget(budget)
     dtype = vllm_dtype(dtype)
@@ -107,12 +110,12 @@ def generate_vllm(
 def stop_token_ids(model_dir: str, tokenizer: Any, *, union: bool = False) -> list[int]:
     """End-of-sequence ids as the transformers engine stops on them: the generation config's (one id or several),
     else the tokenizer's, as ``model.generate`` (``slake generate``); ``union=True``: both, as the evaluation
-    (:func:`slake.hf.generate.eos_token_ids`, which this calls)."""
+    (:func:`slake.engines.transformers.generate.eos_token_ids`, which this calls)."""
     from types import SimpleNamespace
 
     from transformers import GenerationConfig
 
-    from slake.hf.generate import eos_token_ids
+    from slake.engines.transformers.generate import eos_token_ids
 
     try:
         gen = GenerationConfig.from_pretrained(model_dir)

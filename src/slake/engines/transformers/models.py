@@ -199,7 +199,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slake.hf.attention import prepare_model
+    from slake.engines.transformers.attention import prepare_model
 
     check_device(device, "device")
     device = device or default_device()

@@ -6,7 +6,8 @@ It is vLLM's CPU backend plus compression, through vLLM's backend registry (``re
   attention over the whole prompt; then :class:`slake.cache.compressed.CompressedKV` (the engine the transformers
   path uses) scores and selects the kept tokens of that layer from the same post-RoPE queries/keys, and the kept
   keys/values are written, per KV head, to the request's first cache slots. The scheduler side
-  (:mod:`slake.vllm.scheduler`) then returns the request's other blocks to vLLM's block pool. For CAKE/SLAKE (cascading
+  (:mod:`slake.engines.vllm.plugin.scheduler`) then returns the request's other blocks to vLLM's block pool. For
+  CAKE/SLAKE (cascading
   layer budgets, ``docs/methods/cake.md#cascading-prefill``) a layer's budget is known only after the last layer's
   preference, so every layer's kept entries stay in this process until the last layer's prefill and are written then.
   The cascade is deferred (``CompressedKV(defer_cascade=True)``): each layer is evicted at its own stage and at the
@@ -14,13 +15,15 @@ It is vLLM's CPU backend plus compression, through vLLM's backend registry (``re
   re-evictions per request, whose memory bound buys nothing here (vLLM's blocks hold the whole prompt for the step);
   SLAKE's PTAA linear state (a fixed ``(d + 1)^2`` per layer and KV head) lives in this process, next to the metadata.
 * **Decode** of all compressed requests of a step is one batched computation per layer
-  (:class:`slake.vllm.batched.DecodePool`): the new token's key/value goes straight into each request's free slot
+  (:class:`slake.engines.vllm.plugin.decode_pool.DecodePool`): the new token's key/value goes straight into each
+  request's free slot
   in vLLM's blocks (the slot the previous step evicted, per KV head; vLLM's own write of it is masked), the rows'
   kept slots are gathered into one padded ``(requests, Hkv, W, d)`` tensor with a validity mask, and attention
   (SLAKE: exact softmax over the kept entries plus the linear term), the method's decode scores and the eviction
   of one slot per request and KV head run once for all of them, with the transformers engine's arithmetic. Only
   the new token's slot is written; the rest of the kept cache is only read. The cache of a compressed request never
-  holds more than :meth:`slake.vllm.config.SlakeVllmConfig.slots` slots per layer and KV head (``budget + 1``;
+  holds more than :meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots` slots per layer and KV head (``budget
+  + 1``;
   CAKE/SLAKE: ``min(max_layer_budget, prompt) + 1``).
 * Requests whose prompt fits in the budget, and every request when slake is not configured, run vLLM's kernel
   unchanged.
@@ -59,10 +62,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from slake.cache.compressed import CompressedKV
-from slake.vllm.batched import DecodePool
-from slake.vllm.config import SlakeVllmConfig, parse_config
-from slake.vllm.paged import CpuAttnLayout, PagedLayout, slot_blocks, slot_mapping
-from slake.vllm.validate import validate_engine_config
+from slake.engines.vllm.plugin.config import SlakeVllmConfig, parse_config
+from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout, slot_blocks, slot_mapping
+from slake.engines.vllm.plugin.validate import validate_engine_config
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 
@@ -153,7 +156,7 @@ _RUNNER = None
 _CURRENT: StepPlan | None = None
 _LAYOUT_CHECKED = False
 #: how this backend's cache tensors store keys and values (``CPU_ATTN``'s block-transposed keys); the decode pool and
-#: the preemption copy go through it. A GPU backend would pass :class:`slake.vllm.paged.FlashAttnLayout`
+#: the preemption copy go through it. A GPU backend would pass :class:`slake.engines.vllm.plugin.paged.FlashAttnLayout`
 #: (``docs/gpu.md``).
 LAYOUT: PagedLayout = CpuAttnLayout()
 #: compressed requests started in this process, newest last, recorded only while ``RECORD_RUNS`` is True (set by
@@ -486,7 +489,7 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
 
 class SlakeCPUAttentionBackend(CPUAttentionBackend):
-    """``CPU_ATTN`` with slake's compression (registered by :func:`slake.vllm.register`)."""
+    """``CPU_ATTN`` with slake's compression (registered by :func:`slake.engines.vllm.plugin.register`)."""
 
     @staticmethod
     def get_impl_cls() -> type[SlakeCPUAttentionBackendImpl]:

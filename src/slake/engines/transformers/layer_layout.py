@@ -9,7 +9,7 @@ does (``get_layer_types_and_kwargs``), so a bounded layer gets exactly the cache
 
 A model whose every layer is a sliding-window layer (Mistral or Phi-3 with ``sliding_window`` set) has no full layer
 to compress: slake compresses its layers as full-attention layers while the sequence fits in the window, where the
-two are the same, and refuses a longer sequence (:mod:`slake.hf.attention`).
+two are the same, and refuses a longer sequence (:mod:`slake.engines.transformers.attention`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The transformers cache class: a :class:`transformers.Cache` whose layers delegate to the compressor.
 
 Integration uses only official extension points (``docs/design.md#official-extension-points``): this cache-layer class
-and the attention function registered in :mod:`slake.hf.attention`. ``update`` hands the new keys/values to the
+and the attention function registered in :mod:`slake.engines.transformers.attention`. ``update`` hands the new
+keys/values to the
 compressor and records which layer was updated last, so that the registered attention function, called right after by
 the model's attention module, knows which compressed layer it serves.
 """
@@ -15,7 +16,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
-from slake.hf.layer_layout import AttentionLayout, attention_layout
+from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout
 from slake.methods.base import Method, check_compileable
 
 _current = threading.local()
@@ -125,10 +126,12 @@ class SlakeCacheLayer(CacheLayerMixin):
 class SlakeCache(Cache):
     """A compressed KV cache for ``model.generate(cache=...)`` or a manual forward loop.
 
-    transformers before 5.24 takes it as ``past_key_values=``; :func:`slake.hf.cache_kwarg.with_cache` picks the
+    transformers before 5.24 takes it as ``past_key_values=``;
+    :func:`slake.engines.transformers.cache_kwarg.with_cache` picks the
     name the model declares.
 
-    The model must use the registered attention implementation (:func:`slake.hf.attention.prepare_model`).
+    The model must use the registered attention implementation
+    (:func:`slake.engines.transformers.attention.prepare_model`).
 
     Parameters
     ----------
@@ -148,7 +151,8 @@ class SlakeCache(Cache):
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (an explicit trade of exactness,
         ``docs/conventions.md#chunked-prefill``).
-        Used by :func:`slake.hf.generate.prefill` / :func:`slake.generate`; None (default) = exact prefill.
+        Used by :func:`slake.engines.transformers.generate.prefill` / :func:`slake.generate`; None (default) = exact
+        prefill.
     max_cache_len : int | None
         Positions the cache must serve (prompt + new tokens), as transformers' ``StaticCache`` takes it. Given, the
         cache decodes with fixed shapes and without reading anything back from the device once the prompt is
@@ -159,7 +163,7 @@ class SlakeCache(Cache):
     config : PretrainedConfig | None
         The model's config (``model.config``), as transformers' own caches take it: the layer count and the layer
         types are read from it (in a hybrid model only the full-attention layers are compressed; sliding-window and
-        chunked layers get transformers' own bounded cache layers, :mod:`slake.hf.layer_layout`),
+        chunked layers get transformers' own bounded cache layers, :mod:`slake.engines.transformers.layer_layout`),
         and the model's hyperparameter profile applies (:mod:`slake.methods.profiles`): hyperparameters that ``method``
         (a name or spec) and ``hyperparameters`` leave unset come from the model's calibrated or shipped profile, or the
         papers' tables. The profile applied is ``cache.profile`` (None when none was).
@@ -311,7 +315,7 @@ class SlakeCache(Cache):
         """Enter chunked-prefill mode for a prompt with this ``(B, S)`` attention mask (1 = real token).
 
         Feed the prompt chunk by chunk through the model, then call :meth:`end_chunked_prefill`
-        (:func:`slake.hf.generate.prefill` does both).
+        (:func:`slake.engines.transformers.generate.prefill` does both).
         """
         self.compressor.begin_chunked_prefill(attention_mask == 0)
 

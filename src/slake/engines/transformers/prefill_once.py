@@ -21,9 +21,9 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
-from slake.hf.attention import prepare_model
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.transformers.attention import prepare_model
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import Method, make_method
 
 

@@ -192,7 +192,7 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         Qwen2ForCausalLM,
     )
 
-    from slake.hf.attention import prepare_model
+    from slake.engines.transformers.attention import prepare_model
 
     arch, kwargs = parse_shape(spec)
     config_cls, model_cls = {

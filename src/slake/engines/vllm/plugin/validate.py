@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slake.vllm.config import SlakeVllmConfig
+from slake.engines.vllm.plugin.config import SlakeVllmConfig
 
 #: the vLLM release whose scheduler, KV-cache manager and CPU backend internals the plugin was written against
 SUPPORTED_VLLM = "0.32."

@@ -96,11 +96,6 @@ class LinearState:
         return a[..., d:, d:], a[..., :d, :], a[..., d:, :d]
 
     @classmethod
-    def from_parts(cls, k_sum: torch.Tensor, v_sum: torch.Tensor, kv: torch.Tensor, count: torch.Tensor) -> LinearState:
-        """A state from the four separate accumulators (copied into one augmented tensor)."""
-        return cls(k_sum=k_sum, v_sum=v_sum, kv=kv, count=count)
-
-    @classmethod
     def empty(
         cls,
         batch: int,

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from slake.budgets.budget import Budget
-from slake.hf.attention import prepare_model
-from slake.hf.cache import SlakeCache
-from slake.hf.cache_kwarg import with_cache
+from slake.engines.result import GenerationResult
+from slake.engines.transformers.attention import prepare_model
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
@@ -28,70 +28,6 @@ class _StepClock(LogitsProcessor):
             torch.cuda.synchronize(scores.device)
         self.times.append(time.perf_counter())
         return scores
-
-
-@dataclass
-class GenerationResult:
-    """Output of :func:`generate`.
-
-    Attributes
-    ----------
-    texts : list[str]
-        Decoded continuations, one per prompt (without the prompt).
-    prompt_tokens : list[int]
-        Real (unpadded) prompt length of each prompt.
-    new_tokens : list[int]
-        Tokens generated for each prompt (up to and including EOS).
-    method, budget :
-        What compressed the cache.
-    kv_bytes : dict
-        ``full`` (what an uncompressed cache would hold for the same real tokens), ``kept``, ``padding``, ``metadata``,
-        ``linear_state``; bytes, at the end of generation.
-    kept_tokens_per_layer : list[float]
-        Mean kept tokens per KV head, per layer, at the end of generation.
-    compressed : bool
-        False when every prompt fit in the budget (no eviction happened; results equal the full cache).
-    prefill_s, decode_ms_per_token : float
-        Wall time of the prefill (prompt forward and compression) and mean time per decoded token.
-    hyperparameters : dict
-        Every hyperparameter of the method as used (profile values included).
-    profile : dict | None
-        ``{"source", "values", "budget"}`` of the model profile applied (:mod:`slake.methods.profiles`), None if none
-        was.
-    engine : str
-        The engine that generated (``transformers`` or ``vllm``).
-    extra : dict
-        Engine-specific accounting (the vLLM engine's KV blocks held, block size and converted model folder).
-    """
-
-    texts: list[str]
-    prompt_tokens: list[int]
-    new_tokens: list[int]
-    method: str
-    budget: int | float
-    kv_bytes: dict
-    kept_tokens_per_layer: list[float]
-    compressed: bool
-    prefill_s: float
-    decode_ms_per_token: float
-    layer_budgets: list | None = None
-    sequences: torch.Tensor | None = field(default=None, repr=False)
-    hyperparameters: dict = field(default_factory=dict)
-    profile: dict | None = None
-    engine: str = "transformers"
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def text(self) -> str:
-        """The first (or only) continuation."""
-        return self.texts[0]
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict (``sequences`` dropped)."""
-        d = asdict(self)
-        d.pop("sequences")
-        d["text"] = self.text
-        return d
 
 
 def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> str:

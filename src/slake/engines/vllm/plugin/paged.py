@@ -1,6 +1,7 @@
 """Reading and writing compressed requests' slots in vLLM's paged KV cache, behind one small interface.
 
-The decode pool (:mod:`slake.vllm.batched`) and the backend never index a cache tensor themselves: they call a
+The decode pool (:mod:`slake.engines.vllm.plugin.decode_pool`) and the backend never index a cache tensor themselves:
+they call a
 :class:`PagedLayout`, which knows how one layer's cache tensor stores a key and a value. Two layouts exist:
 
 * :class:`CpuAttnLayout`: vLLM's ``CPU_ATTN`` backend, the one the plugin runs on. A layer's cache is
@@ -24,7 +25,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from slake.cache.compressed import matmul_f32
+from slake.attention.softmax import matmul_f32
 
 __all__ = ["CpuAttnLayout", "FlashAttnLayout", "PagedLayout", "slot_blocks", "slot_mapping"]
 
@@ -194,7 +195,7 @@ class FlashAttnLayout(PagedLayout):
     :meth:`gather` reads the rows' slots straight into slot-major order ``(R, Hkv, slots, 2 * d)`` with one gather
     (one pass over the kept cache, the cheapest on a GPU; on CPU whole-block ``index_select`` is faster, which is why
     :class:`CpuAttnLayout` uses it); keys and values are views of it, and :meth:`logits` is one matmul over the slots
-    (the transformers engine's own product, :func:`slake.cache.compressed.matmul_f32`)."""
+    (the transformers engine's own product, :func:`slake.attention.softmax.matmul_f32`)."""
 
     name = "FLASH_ATTN"
 
