@@ -30,7 +30,7 @@ from slake.budgets import allocation as budget_rules
 from slake.budgets.budget import Budget
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.quant import parse_kv_dtype, scale_bytes_per_row
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores
+from slake.methods.base import DecodeInputs, LayerContext, Method, PrefillInputs, PrefillScores
 from slake.methods.budget_check import check_method_budget
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
@@ -129,6 +129,12 @@ class CompressedKV:
         # the method's
         #: scores do not depend on the budget
         self.score_memo: dict[int, PrefillScores] | None = None
+        #: per layer, what the engine knows about the model's layer (rotary embedding, output projection), for
+        #: methods whose ``layer_facts()`` name it (``PrefillInputs.layer``, ``DecodeInputs.layer``)
+        self.layer_context: list[LayerContext | None] = [None] * num_layers
+        #: ``(L, B, Hkv, S)`` scores of the method's second pass over the prompt (``Method.second_pass``), set by the
+        #: engine before the prefill (``PrefillInputs.pass_scores``)
+        self.pass_scores: torch.Tensor | None = None
 
     # ================================================================== prefill
     def _prefill_scores(self, layer_idx: int, inputs: PrefillInputs) -> PrefillScores:
@@ -200,6 +206,8 @@ class CompressedKV:
         info = self.info
         if self.static:
             raise RuntimeError("this cache is in static decode mode; prefill a new cache")
+        if info.compress_any:
+            self._check_engine_inputs(layer_idx)
         self.seen[layer_idx] = S
         self.position[layer_idx] = torch.tensor(S, dtype=torch.int64, device=dev)
         self._free[layer_idx] = None
@@ -227,6 +235,8 @@ class CompressedKV:
                 layer_idx=layer_idx,
                 num_layers=self.num_layers,
                 budget=info.budget.to(dev),
+                layer=self.layer_context[layer_idx],
+                pass_scores=self.pass_scores,
             ),
         )
         store.scores = self._protect(result.scores.float(), positions, valid, newest=S - 1)
@@ -260,6 +270,43 @@ class CompressedKV:
             if info.layer_budgets is None:
                 info.layer_budgets = sel
         self._prefill_done(layer_idx)
+
+    def _check_engine_inputs(self, layer_idx: int) -> None:
+        """Refuse a prefill that lacks what the engine must give the method: its layer facts (rotary embedding,
+        output projection) and its second pass's scores."""
+        m = self.method
+        if m.keeps_everything:
+            return
+        ctx = self.layer_context[layer_idx]
+        missing = [f for f in m.layer_facts() if ctx is None or getattr(ctx, f) is None]
+        if missing:
+            raise ValueError(
+                f"{m.name} needs the model's {' and '.join(missing)} of layer {layer_idx}, which this engine did not "
+                f"provide (the transformers engine reads them from the model at the first forward; a model without "
+                f"a rotary embedding or an output projection cannot run {m.name})"
+            )
+        if m.second_pass is not None and self.pass_scores is None:
+            raise ValueError(
+                f"{m.name} scores the prompt with a second pass ({m.second_pass}) before compressing it: prefill it "
+                f"with slake.generate or slake.engines.transformers.generate.prefill, not a plain model forward"
+            )
+        if m.second_pass is not None and self.chunked_prefill:
+            raise ValueError(f"{m.name} needs the whole prompt for its second pass; it cannot prefill in chunks")
+
+    def _decode_extras(self, layer_idx: int, store: LayerStore, queries: torch.Tensor | None) -> dict:
+        """``DecodeInputs`` fields a method asks for (``decode_reads_kv``, ``layer_facts``): the step's scaled queries
+        ``(B, Hq, n_q, d)`` float32, the slots' keys and values as float32, and the layer's facts."""
+        m = self.method
+        extras: dict = {}
+        if m.layer_facts():
+            extras["layer"] = self.layer_context[layer_idx]
+        if m.decode_reads_kv:
+            extras["keys"] = store.dense_keys().float()
+            extras["values"] = store.dense_values().float()
+            if queries is not None:
+                B, H, g, nq, d = queries.shape
+                extras["queries"] = queries.reshape(B, H * g, nq, d)
+        return extras
 
     def _prefill_done(self, layer_idx: int) -> None:
         """After the last layer's (whole-prompt) prefill: enter static mode when :attr:`max_cache_len` asks for it."""
@@ -565,17 +612,17 @@ class CompressedKV:
                 outs.append(out.reshape(B, Hq, b1 - b0, d))
             if target is not None and not self.method.keeps_everything:
                 w = max(min(self.method.window, nq), 1)
-                _, x = layer_logits(
+                qw, x = layer_logits(
                     store, queries[:, :, nq - w :], qpos[nq - w :] if qpos is not None else None, scaling
                 )
-                self._chunk_evict(layer_idx, x, newest)
+                self._chunk_evict(layer_idx, x, newest, qw)
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         qf, x = layer_logits(store, queries, qpos, scaling)
         if not scored:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
         probs = safe_softmax(x)  # (B, H, g, nq, n)
-        evict = self._decode_evict(layer_idx, probs, target, newest)
+        evict = self._decode_evict(layer_idx, probs, target, newest, qf)
         if evict is None:
             if store.linear is None:
                 return probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
@@ -617,11 +664,11 @@ class CompressedKV:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             return out.reshape(B, Hq, nq, d)
         probs = safe_softmax(x)  # (B, H, g, 1, n)
-        slots, chosen, mask = self._evict_one(layer_idx, probs, self.targets[layer_idx])
+        slots, chosen, mask = self._evict_one(layer_idx, probs, self.targets[layer_idx], qf)
         return self._output_and_evict(store, qf, x, probs, slots, chosen, mask).reshape(B, Hq, nq, d)
 
     def _evict_one(
-        self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor
+        self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor, queries: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Score the slots with the method's decode rule and choose at most one slot per row to evict.
 
@@ -644,6 +691,7 @@ class CompressedKV:
                     stored=store.scores,
                     prompt_len=info.device_copy("real_len", dev),
                     budget=info.device_copy("budget", dev),
+                    **self._decode_extras(layer_idx, store, queries),
                 )
             )
         )
@@ -671,7 +719,12 @@ class CompressedKV:
         return out.reshape(B, Hq, nq, d)
 
     def _decode_evict(
-        self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor, newest: int
+        self,
+        layer_idx: int,
+        probs: torch.Tensor,
+        target: torch.Tensor,
+        newest: int,
+        queries: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Score the slots with the method's decode rule and choose the slots to evict.
 
@@ -689,6 +742,7 @@ class CompressedKV:
                 stored=store.scores,
                 prompt_len=info.device_copy("real_len", probs.device),
                 budget=info.device_copy("budget", probs.device),
+                **self._decode_extras(layer_idx, store, queries),
             )
         ).float()
         counts = store.counts()
@@ -728,7 +782,7 @@ class CompressedKV:
         if self.max_cache_len is not None and all(s is not None for s in self.layers):
             self.prepare_static(self.max_cache_len - self.seen[0])
 
-    def _chunk_evict(self, layer_idx: int, x: torch.Tensor, newest: int) -> None:
+    def _chunk_evict(self, layer_idx: int, x: torch.Tensor, newest: int, queries: torch.Tensor | None = None) -> None:
         """Evict a layer back to its budget after a prompt chunk; ``x``: logits of the chunk's last queries.
 
         The method's decode rule scores the slots from the softmax of the chunk's last ``window`` queries (its
@@ -747,6 +801,7 @@ class CompressedKV:
                 stored=store.scores,
                 prompt_len=info.real_len.to(x.device),
                 budget=info.budget.to(x.device),
+                **self._decode_extras(layer_idx, store, queries),
             )
         ).float()
         store.scores = self._protect(store.scores, store.positions, store.valid, newest)
