@@ -23,7 +23,7 @@ from slake.engines.transformers.generate import prefill
 from slake.methods import available_methods
 from slake.methods.base import check_compileable, make_method
 from slake.methods.snapkv import SnapKV
-from tiny_models import tiny_model
+from tiny_models import second_pass_ready, tiny_model
 
 METHODS = list(available_methods())
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -40,6 +40,7 @@ def test_decode_step_is_one_graph_without_breaks(model, method):
     graph, for a left-padded batch."""
     ids, mask = _prompt(2)
     cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=PROMPT + 8, **_hyper(method))
+    second_pass_ready(model, cache)
     with torch.inference_mode():
         tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
     assert cache.is_compileable and cache.compressor.static
@@ -277,6 +278,7 @@ def test_every_input_a_compiled_step_mutates_is_static(model, method):
 
     ids, mask = _prompt(2)
     cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=PROMPT + 8, **_hyper(method))
+    second_pass_ready(model, cache)
     with torch.inference_mode():
         tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
     for t in cache.compressor.static_tensors():

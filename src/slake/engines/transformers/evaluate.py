@@ -25,6 +25,7 @@ from slake.engines.base import EvalOptions, EvalOutput, EvalRequest
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
+from slake.methods.base import make_method
 from slake.methods.profiles import resolve_method
 
 __all__ = ["evaluate", "batches"]
@@ -60,8 +61,26 @@ def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[An
     return resolve_method(method, budget, model)
 
 
-def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions, eos: list[int]) -> Iterator[EvalOutput]:
+def _second_pass(model: Any, capture: PrefillCapture, method: Any, reconstruction: Any) -> float | None:
+    """Run a second-pass method's pass (KVzip's reconstruction) on ``capture`` once per method configuration; the
+    replay picks its scores up. Returns the seconds it took (None when the method has no pass or it was done)."""
+    built = make_method(method)
+    if built.second_pass is None:
+        return None
+    from slake.engines.transformers.reconstruction import ReconstructionPrompt, run_second_pass
+
+    if reconstruction is None:
+        reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
+    return run_second_pass(model, capture, built, reconstruction)
+
+
+def evaluate(
+    model: Any, requests: Sequence[EvalRequest], options: EvalOptions, eos: list[int], reconstruction: Any = None
+) -> Iterator[EvalOutput]:
     """Every pending pair of every request (see the module docstring); one :class:`EvalOutput` each.
+
+    ``reconstruction``: the tokenizer's :class:`slake.engines.transformers.reconstruction.ReconstructionPrompt` for
+    second-pass methods (KVzip); without one, fixed token ids of the usual lengths stand in.
 
     Raises
     ------
@@ -79,13 +98,18 @@ def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions, 
     device = next(model.parameters()).device
     for batch in batches(requests, options.batch_size):
         if len(batch) == 1:
-            yield from _run_one(model, batch[0], options, eos, device)
+            yield from _run_one(model, batch[0], options, eos, device, reconstruction)
         else:
-            yield from _run_batch(model, batch, options, eos, device)
+            yield from _run_batch(model, batch, options, eos, device, reconstruction)
 
 
 def _run_batch(
-    model: Any, batch: list[EvalRequest], options: EvalOptions, eos: list[int], device: torch.device
+    model: Any,
+    batch: list[EvalRequest],
+    options: EvalOptions,
+    eos: list[int],
+    device: torch.device,
+    reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
     """Prefill each request once, stack the captures, then decode every pair for the whole batch."""
     captures: list[PrefillCapture] = []
@@ -99,6 +123,7 @@ def _run_batch(
     for method, budget in batch[0].pairs:
         start = time.perf_counter()
         built, profile = _method_for(model, method, budget)
+        second = _second_pass(model, capture, built, reconstruction)
         cache = capture.replay(built, capture.prompt_len if budget is None else budget, kv_dtype=options.kv_dtype)
         _sync(device)
         compress_s = time.perf_counter() - start
@@ -125,12 +150,24 @@ def _run_batch(
                 max_new_tokens=cap,
                 batch_size=len(batch),
                 profile=profile,
-                extra={"compress_s": round(compress_s, 5)},
+                extra=_extra(compress_s, second),
             )
 
 
+def _extra(compress_s: float, second_pass_s: float | None) -> dict:
+    out = {"compress_s": round(compress_s, 5)}
+    if second_pass_s is not None:
+        out["second_pass_s"] = round(second_pass_s, 5)
+    return out
+
+
 def _run_one(
-    model: Any, req: EvalRequest, options: EvalOptions, eos: list[int], device: torch.device
+    model: Any,
+    req: EvalRequest,
+    options: EvalOptions,
+    eos: list[int],
+    device: torch.device,
+    reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
     """Prefill one request once, then decode every pending pair from it."""
     ids = torch.tensor([req.prefill_ids], dtype=torch.long, device=device)
@@ -140,7 +177,9 @@ def _run_one(
         start = time.perf_counter()
         chunk = None if budget is None else options.prefill_chunk
         built, profile = _method_for(model, method, budget)
+        second = None
         if chunk is None:
+            second = _second_pass(model, capture, built, reconstruction)
             cache = capture.replay(built, len(req.prefill_ids) if budget is None else budget, kv_dtype=options.kv_dtype)
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
@@ -173,5 +212,5 @@ def _run_one(
             max_new_tokens=req.max_new_tokens,
             prefill_chunk=chunk,
             profile=profile,
-            extra={"compress_s": round(compress_s, 5)},
+            extra=_extra(compress_s, second),
         )
