@@ -30,9 +30,9 @@ def test_resolve_model_paths(tmp_path):
 def test_dtype_and_device_defaults():
     assert models.default_dtype("cpu") == torch.float32
     assert models.default_dtype("cuda:0") == torch.bfloat16
-    assert models._parse_dtype("bf16", "cpu") == torch.bfloat16
+    assert models.parse_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
-        models._parse_dtype("int3", "cpu")
+        models.parse_dtype("int3", "cpu")
 
 
 def test_local_directory_loads_offline(tmp_path):

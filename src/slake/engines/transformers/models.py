@@ -78,7 +78,9 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def _parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` value (``fp32``, ``bf16``, ``fp16`` and their long names; None or ``"auto"``:
+    the device's default, :func:`default_dtype`); ValueError for anything else."""
     if dtype is None or dtype == "auto":
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
@@ -203,7 +205,7 @@ def load_model(
 
     check_device(device, "device")
     device = device or default_device()
-    torch_dtype = _parse_dtype(dtype, device)
+    torch_dtype = parse_dtype(dtype, device)
     path, gguf = resolve_model(name, gguf_file)
     kwargs: dict = {}
     if gguf:

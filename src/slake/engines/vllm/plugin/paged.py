@@ -98,6 +98,14 @@ class PagedLayout(ABC):
         may as well be ``n`` slots of one request: ``blocks[i, h]``, ``offsets[i, h]`` of its slot ``i``.)"""
 
     @abstractmethod
+    def kernel_memory(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """Keys and values as the fused decode kernels address them (:class:`slake.cache.decode_step.KVMemory`):
+        ``(keys, values, key strides, value strides)``, views of ``kv_cache`` whose first element is element 0 of
+        block 0, head 0, offset 0, and the element strides of (block, head, offset, dim)."""
+
+    @abstractmethod
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of a request's first ``n`` slots, each ``(Hkv, n, d)`` (copies); ``block_ids``
         ``(>= ceil(n / block_size),)`` the request's block ids in slot order."""
@@ -173,6 +181,16 @@ class CpuAttnLayout(PagedLayout):
         keys_t[blocks, h, :, offsets] = keys.to(kv_cache.dtype)
         vals[blocks, h, offsets, :] = values.to(kv_cache.dtype)
 
+    def kernel_memory(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        _, _, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        sb, sh = kv_cache.stride(0), kv_cache.stride(1)
+        # the values follow the (d, block_size) keys of a block and head: a view starting there
+        values = kv_cache.as_strided((1,), (1,), kv_cache.storage_offset() + bs * d)
+        return kv_cache, values, (sb, sh, 1, bs), (sb, sh, d, 1)
+
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys_t, values = self._views(kv_cache)
         bs = kv_cache.shape[2]
@@ -225,6 +243,13 @@ class FlashAttnLayout(PagedLayout):
         H = kv_cache.shape[1]
         h = _arange(H, blocks.device).view(1, H)
         kv_cache[blocks, h, offsets] = torch.cat([keys, values], dim=-1).to(kv_cache.dtype)  # one scatter
+
+    def kernel_memory(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        d = kv_cache.shape[3] // 2
+        strides = tuple(kv_cache.stride())
+        return kv_cache, kv_cache[..., d:], strides, strides  # type: ignore[return-value]
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2
