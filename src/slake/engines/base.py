@@ -189,6 +189,8 @@ class BenchPlan:
     progress: bool = True
     #: also measure every configuration with compiled decoding (``--compile``), paired with its eager run
     compile: bool = False
+    #: the decode step's implementation (``--kernels``: ``auto``, ``torch`` or ``triton``)
+    kernels: str = "auto"
     #: a load benchmark through the engine's server instead (``--serve``); ``lengths`` then holds its prompt range
     serve: ServePlan | None = None
 

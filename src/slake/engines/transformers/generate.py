@@ -141,6 +141,7 @@ def generate(
     allow_long_context: bool = False,
     kv_dtype: str | None = None,
     compile: bool = False,
+    kernels: str = "auto",
     **hyperparameters,
 ) -> GenerationResult:
     """Generate with a compressed KV cache.
@@ -178,6 +179,9 @@ def generate(
         step as one compiled graph (transformers' ``compile_config``: ``torch.compile(fullgraph=True)``, CUDA graphs
         on CUDA; ``docs/compile.md``). The first step compiles (seconds to minutes); a method that cannot decode with
         fixed shapes raises ValueError.
+    kernels : str
+        The decode step's implementation (:class:`SlakeCache`'s ``kernels``): ``"auto"``, ``"torch"`` or
+        ``"triton"``; ``result.extra["kernels"]`` says which ran.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.methods.profiles`: a
@@ -210,6 +214,7 @@ def generate(
         prefill_chunk=prefill_chunk,
         kv_dtype=kv_dtype,
         max_cache_len=max_len,
+        kernels=kernels,
     )
     clock = _StepClock()
     gen_kwargs: dict = {
@@ -270,6 +275,7 @@ def generate(
         sequences=out,
         hyperparameters=m.hyperparameters(),
         profile=profile,
+        extra={"kernels": stats["kernels"]},
     )
 
 

@@ -48,6 +48,7 @@ class BenchConfig:
     seed: int = 0
     kv_dtype: str | None = None
     compile: bool = False  # decode steps through torch.compile(fullgraph=True) on a static SlakeCache
+    kernels: str = "auto"  # the decode step's implementation (SlakeCache's kernels)
 
 
 def _sync(device: torch.device) -> None:
@@ -73,6 +74,7 @@ def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
         kv_dtype=cfg.kv_dtype,
         profile_model=model,
         max_cache_len=max_len,
+        kernels=cfg.kernels,
     )
 
 
@@ -187,6 +189,8 @@ def measure(model, cfg: BenchConfig) -> dict:
     peak = meter.peak()
     stats = cache.statistics()
     kv = stats["kv_bytes"]
+    # which implementation ran the decode steps (a compiled step records nothing: the choice it was built with)
+    ran = stats["kernels"] if stats["kernels"] != "none" else cache.compressor.decoder.kernels
     del cache, logits
     return {
         "method": cfg.method,
@@ -195,6 +199,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "batch": cfg.batch,
         "kv_dtype": cfg.kv_dtype,
         "compile": cfg.compile,
+        "kernels": ran,
         "compile_s": compile_s,
         "prefill_chunk": cfg.prefill_chunk,
         "prefill_s": t1 - t0,

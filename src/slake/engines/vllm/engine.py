@@ -32,6 +32,7 @@ class VllmEngine(Engine):
         "charge_linear_state": "the plugin's budget counts kept entries only",
         "linear_cache": "the plugin keeps each method's own linear-state setting",
         "kv_dtype": "the plugin stores vLLM's own cache dtype",
+        "kernels": "the plugin runs on vLLM's CPU backend, where the decode step runs in torch",
         "question_agnostic": "the plugin compresses the whole prompt",
         "random_model": "vLLM loads checkpoints; save the random model to a folder and pass it as --model",
         "isolate": "vLLM runs every configuration in its own engine already",
