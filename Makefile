@@ -38,7 +38,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"
 
 # Lint (ruff), formatting (ruff format) and the static type check of src/ (mypy), as configured in pyproject.toml.
-LINTED := src tests tests_vllm
+LINTED := src tests tests_vllm benchmarks
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
