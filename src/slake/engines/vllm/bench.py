@@ -213,7 +213,8 @@ def step_times(
     then ``decode_steps`` decode-only steps at batch ``len(prompts)`` are timed one by one; then each prompt of
     ``extra`` is added alone, so that the next step is a mixed one (its prefill plus the running requests' decode),
     followed by two decode steps. Returns medians in milliseconds and the plugin's own time per compressed request
-    and layer (from :data:`slake.engines.vllm.plugin.backend.STEP_TIMES`).
+    and layer (the engine's step timings, read with ``LLM.collective_rpc``,
+    :func:`slake.engines.vllm.plugin.worker.report`).
     """
     import math
     import os
@@ -223,7 +224,7 @@ def step_times(
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from vllm import LLM, SamplingParams
 
-    from slake.engines.vllm.plugin import backend
+    from slake.engines.vllm.plugin import worker
     from slake.engines.vllm.runner import engine_kwargs
 
     n, p = len(prompts), max(len(x) for x in prompts + extra)
@@ -251,21 +252,23 @@ def step_times(
     )
     while eng.has_unfinished_requests():
         eng.step()
-    backend.TIMING, backend.STEP_TIMES[:] = True, []
+    llm.collective_rpc(worker.configure, kwargs={"timing": True, "clear": True})
     try:
         for i, x in enumerate(prompts):
             eng.add_request(f"r{i}", {"prompt_token_ids": list(x)}, sp)
         prefill = _timed_steps(llm, 1)[0]
         decode = _timed_steps(llm, decode_steps)
-        plugin = [t for r, _, layers, t in backend.STEP_TIMES if r == n]
-        plugin_per = [t / (r * layers) for r, _, layers, t in backend.STEP_TIMES if r == n]
+        reports = [r for r in llm.collective_rpc(worker.report) if r is not None]
+        times = reports[0]["step_times"] if reports else []
+        plugin = [t for r, _, layers, t in times if r == n]
+        plugin_per = [t / (r * layers) for r, _, layers, t in times if r == n]
         mixed = []
         for j, x in enumerate(extra):
             eng.add_request(f"x{j}", {"prompt_token_ids": list(x)}, sp)
             mixed.append(_timed_steps(llm, 1)[0])
             _timed_steps(llm, 2)
     finally:
-        backend.TIMING = False
+        llm.collective_rpc(worker.configure, kwargs={"timing": False})
         for rid in [f"r{i}" for i in range(n)] + [f"x{j}" for j in range(len(extra))]:
             try:
                 eng.abort_request([rid])

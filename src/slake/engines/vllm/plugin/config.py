@@ -15,6 +15,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from slake.budgets.budget import Budget
@@ -54,7 +55,7 @@ class SlakeVllmConfig:
         uniform methods, ``max_layer_budget`` for CAKE/SLAKE (vLLM's block table is shared by all layers, so a
         request holds the largest layer's slots in every layer)."""
         cap = getattr(self.method, "max_layer_budget", None)
-        return int(cap) if self.method.layer_budgets == "preference" else self.budget
+        return int(cap) if self.method.layer_budgets == "preference" and cap is not None else self.budget
 
     def compresses(self, prompt_len: int) -> bool:
         """True when a prompt of ``prompt_len`` tokens is compressed (longer than the budget), as in
@@ -139,7 +140,8 @@ def with_layer_cap(method: Method, budget: Budget) -> Method:
     times the budget (the cap binds only where a layer's preference share exceeds it; the transformers engine gives
     the same tokens with ``--set max_layer_budget=<that>``). Other methods are returned unchanged."""
     if method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None and not budget.is_ratio:
-        return replace(method, max_layer_budget=DEFAULT_LAYER_CAP_FACTOR * int(budget.value))
+        cap: dict[str, Any] = {"max_layer_budget": DEFAULT_LAYER_CAP_FACTOR * int(budget.value)}  # CAKE/SLAKE only
+        return replace(method, **cap)
     return method
 
 
@@ -179,12 +181,12 @@ def check_supported(method: Method, budget: Budget) -> None:
 
 
 #: ``--dtype`` spellings of the slake CLI -> vLLM dtype names (float32 when unset)
-_VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}
+_VLLM_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"})
 
 
 def vllm_dtype(dtype: str | None) -> str:
     """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None for float32)."""
-    return _VLLM_DTYPES.get(dtype, dtype)
+    return _VLLM_DTYPES.get(dtype) or str(dtype)
 
 
 def resolve_plugin_method(
