@@ -1,38 +1,37 @@
-"""Throughput and KV memory of vLLM with and without the plugin: ``slake bench --engine vllm``.
+"""Throughput, KV memory and step times of vLLM with and without the plugin: ``slake bench --engine vllm``.
 
-A batch of ``--requests`` prompts of ``--prompt-len`` random tokens is submitted at once (offline ``vllm.LLM``, as
-``vllm bench throughput`` does) and each request generates exactly ``--new-tokens`` tokens. For each configuration
-(plain vLLM, then each ``--methods`` at ``--budget``) it prints wall time, output tokens/s, total tokens/s, the KV
-blocks one request holds after prefill and at the end, and how many such requests one GiB of KV cache holds at
-once (blocks per GiB divided by the blocks a request holds at the end).
+Per length and budget (:func:`run_bench`): a batch of ``--batch`` prompts of random tokens is submitted at once
+(offline ``vllm.LLM``, as ``vllm bench throughput`` does) and each request generates exactly ``--warmup +
+--decode-steps`` tokens (:func:`bench`); for each configuration (plain vLLM, then each method at the budget) a row
+holds wall time, output tokens/s, total tokens/s, the KV blocks one request holds after prefill and at the end, and
+how many such requests one GiB of KV cache holds at once (blocks per GiB divided by the blocks a request holds at the
+end). Before that, in the same process and plain vLLM first, the engine's steps are timed one by one
+(:func:`step_bench`): the prefill step, decode-only steps and mixed steps, with their ratios to plain vLLM's and the
+plugin's own time per compressed request and layer.
+
+Each method runs as ``vllm serve`` users get it (``{"method", "budget"}``): the plugin applies the model's profile,
+and the rows' ``profile`` is the entry it reports it applied.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
 import sys
+import time
 
 from slake.engines.base import BenchPlan, BenchReport, load_avg
 
 
-def method_config(method: str, budget: int, model_dir: str, model_name: str | None) -> tuple[dict | None, dict | None]:
-    """The plugin configuration of ``method`` at ``budget`` as users get it (None for ``"full"``, plain vLLM): the
-    model's profile applied under ``model_name`` (default: ``model_dir``'s folder name up to its first dot,
-    ``SmolLM2-135M-Instruct`` for the converted default model), then vLLM's layer cap. Returns it and the profile
-    entry applied (None when none did)."""
-    import os
-
+def _plugin_config(method: str, budget: int) -> dict | None:
+    """The plugin configuration of ``method`` at ``budget`` as ``vllm serve`` users write it (None for ``"full"``,
+    plain vLLM): the plugin applies the model's profile itself, and reports the entry it applied."""
     from slake.budgets.budget import Budget
-    from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method
-    from slake.engines.vllm.runner import model_config
+    from slake.engines.vllm.plugin.config import plugin_config
 
-    if method == "full":
-        return None, None
-    name = model_name or os.path.basename(os.path.normpath(model_dir)).split(".")[0]
-    b = Budget(budget)
-    built, profile = resolve_plugin_method(method, b, model_config(model_dir, name))
-    return plugin_config(built, b), profile
+    return plugin_config(method, Budget(budget))
 
 
 def bench(
@@ -47,11 +46,10 @@ def bench(
     dtype: str = "float32",
     seed: int = 0,
     include_plain: bool = True,
-    model_name: str | None = None,
 ) -> list[dict]:
     """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
-    for the columns. Every configuration gets the same random prompts; each method runs with the model's profile
-    (:func:`method_config`)."""
+    for the columns. Every configuration gets the same random prompts; each method runs as ``vllm serve`` users get
+    it, with the model's profile (the row's ``profile`` is the entry the plugin applied)."""
     import torch
 
     from slake.engines.vllm.runner import run_vllm
@@ -61,7 +59,7 @@ def bench(
     prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
     rows = []
     for method in (["full"] if include_plain else []) + list(methods):
-        cfg, profile = method_config(method, budget, model_dir, model_name)
+        cfg = _plugin_config(method, budget)
         run = run_vllm(
             model_dir,
             prompts,
@@ -83,7 +81,7 @@ def bench(
             {
                 "method": method,
                 "budget": None if cfg is None else budget,
-                "profile": profile,
+                "profile": run.plugin["profile"] if run.plugin else None,
                 "requests": requests,
                 "prompt_len": prompt_len,
                 "new_tokens": new_tokens,
@@ -136,7 +134,6 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                         budget=int(b.value),
                         dtype=dtype,
                         seed=plan.seed,
-                        model_name=model_name,
                     )
                 }
                 for row in bench(
@@ -149,7 +146,6 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                     dtype=dtype,
                     seed=plan.seed,
                     include_plain=i == 0,
-                    model_name=model_name,
                 ):
                     st = steps.get(row["method"], {})
                     row.update({k: v for k, v in st.items() if k not in row and k != "load_avg_1m"})
@@ -175,8 +171,6 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
 
 def _timed_steps(llm, n: int) -> list[float]:
     """Run ``n`` engine steps, returning each one's wall time (seconds)."""
-    import time
-
     eng = llm.llm_engine
     out = []
     for _ in range(n):
@@ -212,14 +206,10 @@ def step_times(
     All of ``prompts`` are added at once and prefilled in one step (``max_num_batched_tokens`` holds them all);
     then ``decode_steps`` decode-only steps at batch ``len(prompts)`` are timed one by one; then each prompt of
     ``extra`` is added alone, so that the next step is a mixed one (its prefill plus the running requests' decode),
-    followed by two decode steps. Returns medians in milliseconds and the plugin's own time per compressed request
+    followed by two decode steps. Returns medians in milliseconds, the plugin's own time per compressed request
     and layer (the engine's step timings, read with ``LLM.collective_rpc``,
-    :func:`slake.engines.vllm.plugin.worker.report`).
+    :func:`slake.engines.vllm.plugin.worker.report`), and the profile entry the plugin applied.
     """
-    import math
-    import os
-    import statistics
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from vllm import LLM, SamplingParams
@@ -283,6 +273,7 @@ def step_times(
         "mixed_step_ms": round(med(mixed) * 1000, 1) if mixed else None,
         "plugin_ms_per_step": round(med(plugin) * 1000, 2) if plugin else 0.0,
         "plugin_us_per_request_layer": round(med(plugin_per) * 1e6, 1) if plugin_per else 0.0,
+        "profile": reports[0]["profile"] if reports else None,
     }
 
 
@@ -298,17 +289,14 @@ def step_bench(
     block_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
-    model_name: str | None = None,
 ) -> list[dict]:
     """:func:`step_times` for plain vLLM and each method at ``budget``, in this process one after another, with
     each step's ratio to plain vLLM's and the load average next to every row.
 
-    Each method runs as users get it, with the model's profile (:func:`method_config`); the row's ``profile`` says
+    Each method runs as users get it, with the model's profile (the plugin applies it); the row's ``profile`` says
     which entry applied. ``mixed``: mixed steps timed (the median is reported; one varies by 5-10% on this CPU)."""
     import torch
     from transformers import AutoConfig
-
-    from slake.engines.base import load_avg
 
     hi = min(1000, int(AutoConfig.from_pretrained(model_dir).vocab_size))  # token ids every tokenizer of interest has
     g = torch.Generator().manual_seed(seed)
@@ -316,7 +304,7 @@ def step_bench(
     extra = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(mixed)]
     rows, base = [], None
     for method in ["full", *methods]:
-        cfg, profile = method_config(method, budget, model_dir, model_name)
+        cfg = _plugin_config(method, budget)
         print(f"slake bench (vllm steps): {method}, {requests} x {prompt_len}", file=sys.stderr)
         before = load_avg()
         t = step_times(
@@ -327,7 +315,7 @@ def step_bench(
             "budget": None if cfg is None else budget,
             "requests": requests,
             "prompt_len": prompt_len,
-            "profile": profile,
+            "profile": t.pop("profile"),
             **t,
         }
         if base is None:

@@ -2,8 +2,8 @@
 
 :func:`run_vllm` starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that the scheduler's
 block statistics can be read back), generates greedily from token ids, and returns tokens, timings, KV blocks held
-after prefill and at the end, the kept tokens per layer, and the method the plugin ran (read from the worker with
-``LLM.collective_rpc``, :mod:`slake.engines.vllm.plugin.worker`).
+after prefill and at the end, the kept tokens per layer, and the method and profile the plugin ran (read from the
+worker with ``LLM.collective_rpc``, :mod:`slake.engines.vllm.plugin.worker`).
 :func:`local_model_dir` converts the packaged default model (a GGUF file) once to a safetensors directory that vLLM
 loads without the hub.
 """
@@ -84,18 +84,6 @@ def save_dequantized(hf_model, folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def model_config(model_dir: str, model: str | None):
-    """The transformers config of a converted model, named as :func:`slake.load_model` names ``model`` (so that
-    :mod:`slake.methods.profiles` finds the same profile as in the transformers engine)."""
-    from transformers import AutoConfig
-
-    from slake.engines.transformers.models import packaged_name
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.slake_model_name = packaged_name(model) or str(model)
-    return config
-
-
 def model_len(prompt_len: int, new_tokens: int) -> int:
     """``max_model_len`` for prompts of up to ``prompt_len`` tokens and ``new_tokens`` more, rounded up to 256."""
     return int(math.ceil((prompt_len + new_tokens + 1) / 256) * 256)
@@ -120,9 +108,9 @@ class VllmRun:
     config: dict | None = None
     model_info: dict = field(default_factory=dict)
     #: what the plugin reports of the engine (:meth:`slake.engines.vllm.plugin.state.PluginState.report`, without
-    #: its runs and step times): ``method``, ``budget`` and ``hyperparameters`` it ran with, ``counters``
-    #: (preempted requests saved and restored), ``pool_rows``, ``running`` and ``saved`` requests at the end; None
-    #: for plain vLLM
+    #: its runs and step times): ``method``, ``budget``, ``hyperparameters`` and ``profile`` (the model's profile
+    #: entry it applied) it ran with, ``counters`` (preempted requests saved and restored), ``pool_rows``,
+    #: ``running`` and ``saved`` requests at the end; None for plain vLLM
     plugin: dict | None = None
     #: with ``timing``: per step with compressed decodes, (compressed rows, requests in the step, layers, plugin
     #: seconds summed over layers)

@@ -96,7 +96,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         mc = vllm_config.model_config
-        cfg = parse_config(vllm_config.additional_config)
+        cfg = parse_config(vllm_config.additional_config, mc.hf_config)
         self.slake_state: PluginState | None = None
         if cfg is None:
             return
@@ -111,6 +111,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             layout=self.layout_cls(),
         )
         logger.info("slake: compressing the KV cache with %s", cfg.describe())
+        logger.info("slake: %s", cfg.describe_profile())
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

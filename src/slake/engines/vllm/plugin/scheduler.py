@@ -131,7 +131,7 @@ def _wrap_allocate(original):
 def _wrap_init(original):
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        cfg = parse_config(vllm_config.additional_config)
+        cfg = parse_config(vllm_config.additional_config, vllm_config.model_config.hf_config)
         if cfg is None:
             return
         validate_engine_config(cfg, vllm_config)
@@ -139,6 +139,7 @@ def _wrap_init(original):
             raise ValueError("slake: asynchronous scheduling is not supported; add --no-async-scheduling")
         self.kv_cache_manager.slake_policy = BlockPolicy(cfg)
         logger.info("slake: compressed requests keep %d KV slots per layer and head (%s)", cfg.slots(), cfg.describe())
+        logger.info("slake: %s", cfg.describe_profile())
 
     __init__.__wrapped__ = original
     return __init__

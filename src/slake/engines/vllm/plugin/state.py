@@ -112,7 +112,7 @@ class PluginState:
     Parameters
     ----------
     config : SlakeVllmConfig
-        The engine's configuration (method and budget).
+        The engine's configuration (method, budget, profile).
     num_layers, kv_heads, head_dim : int
         The model's attention layers and this worker's KV heads and head size.
     block_size : int
@@ -348,12 +348,13 @@ class PluginState:
 
     # ------------------------------------------------------------------ what drivers read
     def report(self) -> dict[str, Any]:
-        """What a driver reads back (plain data, so that it crosses vLLM's process boundary): the method the engine
-        runs, the recorded runs, the step timings, counters and the pool's size."""
+        """What a driver reads back (plain data, so that it crosses vLLM's process boundary): the method and profile
+        the engine runs, the recorded runs, the step timings, counters and the pool's size."""
         return {
             "method": self.config.method.name,
             "budget": self.config.budget,
             "hyperparameters": self.config.method.hyperparameters(),
+            "profile": self.config.profile,
             "runs": [
                 {
                     "req_id": st.req_id,
