@@ -18,6 +18,9 @@ from slake.engines.vllm.generate import generate_vllm
 from slake.engines.vllm.plugin.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 from slake.methods import make_method
 
+#: the real default model: the integration tier (`-m "not integration"` skips it)
+pytestmark = pytest.mark.integration
+
 BUDGET = 128
 NEW_TOKENS = 16
 
