@@ -356,11 +356,12 @@ def weights_cuda(
     reads that compression does not change."""
     layers, kv_heads, group, head_dim = shape.layers, shape.kv_heads, shape.group, shape.head_dim
     hidden, mlp, vocab = shape.hidden, shape.mlp, shape.vocab
-    qkv = hidden + 2 * kv_heads * head_dim
+    q_out = kv_heads * group * head_dim  # the hidden size for most shapes, not for all
+    qkv = q_out + 2 * kv_heads * head_dim
     w = [
         (
             torch.randn(hidden, qkv, device=device, dtype=dtype),
-            torch.randn(kv_heads * group * head_dim, hidden, device=device, dtype=dtype),
+            torch.randn(q_out, hidden, device=device, dtype=dtype),
             torch.randn(hidden, 2 * mlp, device=device, dtype=dtype),
             torch.randn(mlp, hidden, device=device, dtype=dtype),
         )
@@ -373,7 +374,7 @@ def weights_cuda(
         h = x
         for wq, wo, wu, wd in w:
             a = h @ wq
-            h = a[:, :hidden] @ wo
+            h = a[:, :q_out] @ wo
             u = h @ wu
             h = u[:, :mlp] @ wd
         return h @ head

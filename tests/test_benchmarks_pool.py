@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -71,3 +72,18 @@ def test_random_pool_is_the_same_on_every_call():
     assert all(torch.equal(x, y) for x, y in zip(a.kv, b.kv, strict=True))
     assert torch.equal(a.pool.scores, b.pool.scores) and torch.equal(a.query, b.query)
     torch.testing.assert_close(a.step(), b.step(), rtol=0, atol=0)
+
+
+def test_the_weights_step_takes_any_shape(monkeypatch):
+    """The weights' matrix products of ``pool-gpu`` follow the shape, also where query heads x head size is not the
+    hidden size (they used to slice the projection at the hidden size); run on the CPU, the CUDA graph and events
+    replaced by plain calls."""
+    import benchmarks.pool as bp
+
+    monkeypatch.setattr(bp, "_capture", lambda fn: (types.SimpleNamespace(replay=fn), fn()))
+    monkeypatch.setattr(bp, "_events_ms", lambda fn, n: (fn(), 1.0)[1])
+    spec = "llama3-8b:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=32"
+    shape = model_shape(spec + ",intermediate_size=96,vocab_size=50")
+    assert shape.kv_heads * shape.group * shape.head_dim == 128 != shape.hidden
+    row = bp.weights_cuda(shape, requests=3, device="cpu", dtype=torch.float32)  # raised a shape error before
+    assert row["what"] == "weights" and row["requests"] == 3 and row["graph_ms"] == 1.0
