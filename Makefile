@@ -41,7 +41,7 @@ test-integration: setup
 	$(BIN)/python -m pytest -q --durations=10 -m integration
 
 # Lint (ruff), formatting (ruff format) and the static type check of src/ (mypy), as configured in pyproject.toml.
-LINTED := src tests tests_vllm
+LINTED := src tests tests_vllm benchmarks
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)

@@ -110,7 +110,7 @@ def test_bench_compiled_step_feeds_its_token_back():
 def test_pool_step_replays_as_one_cuda_graph(method):
     """The vLLM plugin's batched decode step over all layers, captured once as a CUDA graph and replayed, computes
     exactly what the eager step computes (same kernels, same data) and keeps the same slots."""
-    from slake.engines.vllm.pool_bench import pool_step_cuda
+    from benchmarks.pool import pool_step_cuda
 
     row = pool_step_cuda(
         method, requests=3, budget=24, steps=2, check=6, layers=2, kv_heads=2, group=2, head_dim=16, block_size=16
