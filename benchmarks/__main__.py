@@ -28,6 +28,12 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--methods", default="snapkv,slake", help="comma-separated methods or specs")
     common.add_argument("--budget", type=int, default=128, help="tokens per layer and KV head")
+    common.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="the decode step's implementation (auto: the fused Triton kernels on CUDA, torch elsewhere)",
+    )
     shape_help = "a shape name of slake.engines.transformers.shapes (with overrides) or a model folder"
 
     cpu = sub.add_parser("pool-cpu", parents=[common], help="the plugin's decode step, CPU time")
@@ -74,6 +80,7 @@ def pool_cpu(a: argparse.Namespace) -> None:
             budget=a.budget,
             block_size=a.block_size,
             kept=a.kept,
+            kernels=a.kernels,
             **shape.attention(),
         )
         _emit(
@@ -84,6 +91,7 @@ def pool_cpu(a: argparse.Namespace) -> None:
                 "shape": a.shape,
                 "kept": a.kept,
                 "cold": a.cold,
+                "kernels": a.kernels,
                 "cpu_ms_per_step": round(ms, 2),
                 "us_per_request_layer": round(ms * 1000 / (a.requests * shape.layers), 1),
                 "load_avg_1m": load_avg(),
@@ -118,6 +126,7 @@ def pool_gpu(a: argparse.Namespace) -> None:
                     device=a.device,
                     dtype=dtype,
                     block_size=a.block_size,
+                    kernels=a.kernels,
                     **shape.attention(),
                 )
             )

@@ -151,6 +151,7 @@ def random_pool(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    kernels: str = "auto",
 ) -> RandomPool:
     """``requests`` compressed requests of ``method`` at ``budget`` in a model of ``layers`` layers, ``kv_heads`` KV
     heads of ``group`` query heads and head size ``head_dim`` (:meth:`ModelShape.attention`), each layer holding
@@ -176,7 +177,9 @@ def random_pool(
         return x.to(device=device, dtype=dtype)
 
     kv = [cache() for _ in range(layers)]
-    pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests, layout=layout, device=device)
+    pool = DecodePool(
+        m, layers, kv_heads, head_dim, W, block_size, rows=requests, layout=layout, device=device, kernels=kernels
+    )
     rows = [pool.allocate(16 * budget, budget) for _ in range(requests)]
     pool.valid[:, :, :, :n] = True
     pool.positions[:, :, :, :n] = torch.arange(n, device=device)
@@ -241,6 +244,7 @@ def pool_step_cuda(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
+    kernels: str = "auto",
 ) -> dict:
     """GPU milliseconds of one decode step of ``requests`` compressed requests over all layers, eager and replayed
     as one CUDA graph, and whether the graph computes what the eager step does.
@@ -261,6 +265,7 @@ def pool_step_cuda(
         layout=FlashAttnLayout(),
         device=device,
         dtype=dtype,
+        kernels=kernels,
     )
     eager, graphed = random_pool(method, **shape), random_pool(method, **shape)  # type: ignore[arg-type]
     with torch.inference_mode():
@@ -292,6 +297,7 @@ def pool_step_cuda(
         "kept_cache_mb": round(kept_bytes / 1e6, 1),
         "graph_max_abs_diff": diff,
         "graph_same_kept": same,
+        "kernels": eager.pool.report.summary(),
     }
 
 
