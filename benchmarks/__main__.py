@@ -21,6 +21,13 @@ def _split(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
+def _methods(text: str) -> list[str]:
+    """A method list whose specs may hold commas (``snapkv,slake[alpha=0.5,beta=0.4]``), each checked."""
+    from slake.methods.base import parse_method_list
+
+    return parse_method_list(text)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of every micro-benchmark."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
@@ -71,7 +78,7 @@ def pool_cpu(a: argparse.Namespace) -> None:
     from slake.engines.base import load_avg
 
     shape = model_shape(a.shape)
-    for m in _split(a.methods):
+    for m in _methods(a.methods):
         ms = pool_step_cpu_ms(
             m,
             steps=a.steps,
@@ -116,7 +123,7 @@ def pool_gpu(a: argparse.Namespace) -> None:
         for c in (int(x) for x in _split(a.contexts)):
             _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **shape.attention()))
             torch.cuda.empty_cache()
-        for m in _split(a.methods):
+        for m in _methods(a.methods):
             _emit(
                 pool_step_cuda(
                     m,
@@ -141,7 +148,7 @@ def vllm_steps(a: argparse.Namespace) -> None:
         requests=a.requests,
         prompt_len=a.prompt_len,
         decode_steps=a.decode_steps,
-        methods=[m for m in _split(a.methods) if m != "full"],
+        methods=[m for m in _methods(a.methods) if m != "full"],
         budget=a.budget,
         mixed=a.mixed,
     ):
