@@ -29,6 +29,7 @@ from slake.attention.softmax import matmul_f32
 
 __all__ = ["CpuAttnLayout", "FlashAttnLayout", "PagedLayout", "slot_blocks", "slot_mapping"]
 
+
 def slot_mapping(block_ids: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     """Global slot indices (``block * block_size + offset``) of a request's first ``n`` cache slots."""
     i = torch.arange(n, dtype=torch.int64, device=block_ids.device)
