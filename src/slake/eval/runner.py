@@ -231,7 +231,8 @@ def evaluate_suite(
     samples : sequence of Sample
         The suite; the row's ``length`` is the sample's target length (:func:`target_length`).
     methods : str or sequence of str
-        Method names or ``"all"`` (see :func:`resolve_methods`).
+        Method names or ``"all"`` (see :func:`resolve_methods`); ``"full"`` or an empty list runs the full-cache
+        reference alone.
     budgets : str or sequence
         Token budgets (int) or ratios (float in (0, 1)). A budget at or above the prompt length is still run; no
         eviction happens and the row says ``compressed: false``.
@@ -272,7 +273,8 @@ def evaluate_suite(
         batch_size=opts.batch_size,
         kv_dtype=parse_kv_dtype(opts.kv_dtype),
     )
-    method_names = resolve_methods(methods)
+    # an empty list is what resolve_methods returns for ``--methods full``: the reference alone
+    method_names = resolve_methods(methods) if isinstance(methods, str) or methods else []
     budget_values = parse_budgets(budgets) if method_names else []
     for m in method_names:
         for b in budget_values:
