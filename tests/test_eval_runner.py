@@ -245,11 +245,11 @@ def test_summary_and_json_rows(tmp_path):
     assert all(r["n"] == 2 for r in js)
     md, _ = write_summary(tmp_path, rows)
     lines = [ln for ln in md.read_text().splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| method | budget | a | b | average | n |"
-    assert lines[1:] == [
-        "| full | full | 100.0 | 100.0 | 100.0 | 4 |",
-        "| snapkv | 64 | 50.0 | 50.0 | 50.0 | 4 |",
-        "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | 4 |",
+    assert lines[0] == "| method | budget | a | b | average | 95% CI | n |"
+    assert lines[1:] == [  # every sample of a line scores alike: a zero-width interval
+        "| full | full | 100.0 | 100.0 | 100.0 | [100.0, 100.0] | 4 |",
+        "| snapkv | 64 | 50.0 | 50.0 | 50.0 | [50.0, 50.0] | 4 |",
+        "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | [0.0, 0.0] | 4 |",
     ]
 
 
