@@ -103,7 +103,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--model", default=None, help="'smollm2' (default), 'gemma3-270m', a hub id, a local directory or a .gguf file"
+        "--model",
+        default=None,
+        help="'smollm2' (default), 'gemma3-270m', 'qwen2.5-coder-0.5b', a hub id, a local directory or a .gguf file",
     )
     src.add_argument(
         "--random-model",

@@ -41,6 +41,8 @@ class TransformersEngine(Engine):
 
     name = "transformers"
     supports_compile = True
+    supports_prefill_cache = True
+    supports_fidelity = True
     unsupported = {"serve": "the load benchmark runs vLLM's OpenAI-compatible server: use --engine vllm"}
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:
