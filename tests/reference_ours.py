@@ -99,7 +99,7 @@ def ours_keep(
     layer=None,
     pass_scores: torch.Tensor | None = None,
 ):
-    """Our kept set of one layer, the way the engine selects it (``CompressedKV._evict_to``): the method's scores,
+    """Our kept set of one layer, the way the engine selects it (``PrefillCompressor.evict_to``): the method's scores,
     protected slots (sinks, window) at ``+inf``, the method's head split of ``selectable`` tokens per head on
     average (an int, or a per-head list that overrides the split), then a stable descending sort per head.
 

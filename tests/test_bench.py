@@ -56,6 +56,8 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     by = {(r["method"], r["length"]): r for r in rows}
     assert by[("slake", 96)]["compressed"] and by[("slake", 96)]["kv_bytes_detail"]["linear_state"] > 0
     assert by[("snapkv", 96)]["kv_bytes"] < by[("full", 96)]["kv_bytes"]
+    # which decode step ran (auto on the CPU: the torch step; the full cache's layers take one SDPA call each)
+    assert by[("slake", 96)]["kernels"] == "torch" and by[("snapkv", 96)]["kernels"] == "torch"
     lines = (out / "bench.jsonl").read_text().strip().splitlines()
     assert len(lines) == 6 and json.loads(lines[0])["method"] == "full"
     md = (out / "bench.md").read_text()
@@ -226,3 +228,13 @@ def test_paired_ratio_survives_drift_that_misleads_the_medians():
     assert rows[1]["decode_ms_per_token"] / rows[0]["decode_ms_per_token"] < 1.0
     assert abs(rows[1]["decode_vs_first"] - 1.05) < 1e-9 and rows[1]["decode_first"] == "cake@128"
     assert rows[0]["decode_vs_first"] == 1.0
+
+
+def test_bench_runs_the_fused_kernels_when_asked_and_records_them(tmp_path, capsys):
+    """``--kernels triton`` (on the CPU through Triton's interpreter) runs the fused decode step; the row says so."""
+    argv = ["bench", "--methods", "snapkv", "--budget", "40", "--lengths", "48", "--random-model", "tiny"]
+    argv += ["--device", "cpu", "--decode-steps", "2", "--warmup", "0", "--no-plots", "--no-progress", "--json"]
+    rc = main([*argv, "--kernels", "triton", "--out", str(tmp_path / "b")])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["kernels"] for r in rows] == ["triton"]

@@ -55,13 +55,13 @@ def test_cache_stays_bounded_during_chunked_prefill(llama_gqa, method):
     cache = SlakeCache(method, budget, L, window=8, prefill_chunk=chunk)
     sizes = []
     engine = cache.compressor
-    orig = engine._chunk_evict
+    orig = engine.chunks.evict
 
     def spy(layer_idx, x, newest, *rest):
         orig(layer_idx, x, newest, *rest)
         sizes.append(max(engine.layers[l].capacity for l in range(L) if engine.layers[l] is not None))
 
-    engine._chunk_evict = spy
+    engine.chunks.evict = spy
     tokens, logits = _greedy(llama_gqa, cache, random_ids(n, seed=3), 4, None)
     assert sizes, "later chunks must be evicted"
     assert torch.isfinite(logits).all()

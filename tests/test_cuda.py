@@ -20,11 +20,23 @@ pytestmark = [
 ]
 
 
-def _decode(model, method: str, steps: int, compile_kw: dict | None) -> tuple[torch.Tensor, dict]:
+def _decode(model, method: str, steps: int, compile_kw: dict | None, **kw) -> tuple[torch.Tensor, dict]:
     """:func:`compiled_decode.decode` on a left-padded batch of two (``compile_kw``: its ``backend``/``mode``);
     returns (tokens, statistics)."""
-    tokens, stats, _ = decode(model, method, steps, **(compile_kw or {}))
+    tokens, stats, _ = decode(model, method, steps, **(compile_kw or {}), **kw)
     return tokens, stats
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "cake", "slake", "lava", "ahakv", "sagekv"])
+def test_fused_kernels_give_the_torch_steps_tokens(method):
+    """On CUDA the decode step runs as the fused Triton kernels by default (``kernels="auto"``): compiled for the GPU,
+    not interpreted as in ``make test``. Eager, float32: the torch step's tokens and kept counts."""
+    model = tiny_model("llama-gqa", layers=2).cuda()
+    ref, ref_stats = _decode(model, method, 24, None, kernels="torch", static=False)
+    fused, stats = _decode(model, method, 24, None, kernels="triton", static=False)
+    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
+    assert torch.equal(fused, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
 
 
 @pytest.mark.parametrize("method", ["full", "snapkv", "h2o", "cake", "slake", "lava", "ahakv", "sagekv"])
@@ -98,7 +110,7 @@ def test_bench_compiled_step_feeds_its_token_back():
 def test_pool_step_replays_as_one_cuda_graph(method):
     """The vLLM plugin's batched decode step over all layers, captured once as a CUDA graph and replayed, computes
     exactly what the eager step computes (same kernels, same data) and keeps the same slots."""
-    from slake.engines.vllm.pool_bench import pool_step_cuda
+    from benchmarks.pool import pool_step_cuda
 
     row = pool_step_cuda(
         method, requests=3, budget=24, steps=2, check=6, layers=2, kv_heads=2, group=2, head_dim=16, block_size=16

@@ -245,11 +245,11 @@ def test_summary_and_json_rows(tmp_path):
     assert all(r["n"] == 2 for r in js)
     md, _ = write_summary(tmp_path, rows)
     lines = [ln for ln in md.read_text().splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| method | budget | a | b | average | n |"
-    assert lines[1:] == [
-        "| full | full | 100.0 | 100.0 | 100.0 | 4 |",
-        "| snapkv | 64 | 50.0 | 50.0 | 50.0 | 4 |",
-        "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | 4 |",
+    assert lines[0] == "| method | budget | a | b | average | 95% CI | n |"
+    assert lines[1:] == [  # every sample of a line scores alike: a zero-width interval
+        "| full | full | 100.0 | 100.0 | 100.0 | [100.0, 100.0] | 4 |",
+        "| snapkv | 64 | 50.0 | 50.0 | 50.0 | [50.0, 50.0] | 4 |",
+        "| snapkv | 0.5 | 0.0 | 0.0 | 0.0 | [0.0, 0.0] | 4 |",
     ]
 
 
@@ -455,3 +455,18 @@ def test_a_results_directory_serves_one_engine(llama_gqa, tok, needle_samples, t
     )
     with pytest.raises(ValueError, match="rows of the vllm engine"):
         run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, model_name="tiny", progress=False)
+
+
+def test_cmd_eval_methods_full_runs_the_reference_alone(llama_gqa, tok, tmp_path, monkeypatch):
+    """``--methods full`` (the full-cache reference only, e.g. to survey where a model can do a task) wrote nothing:
+    the CLI resolved it to an empty list, which the runner then refused as 'no method given'."""
+    from slake.eval import suites
+
+    real_build = suites.build_samples
+    monkeypatch.setattr(suites, "build_samples", lambda plan, tokenizer: real_build(plan, tokenizer, essays=ESSAYS))
+    out = tmp_path / "run"
+    args = _eval_args(out)
+    args.methods = "full"
+    assert cmd_eval(args, engine=TransformersEngine(loader=_loader(llama_gqa, tok))) == 0
+    rows = read_results(out)
+    assert len(rows) == 4 and {(r["method"], r["budget"]) for r in rows} == {("full", None)}

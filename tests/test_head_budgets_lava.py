@@ -134,8 +134,9 @@ def test_lava_keeps_the_global_top_k_of_its_scores():
 def _one_shot(name, budget, final, **hyper):
     method = make_method(name, **hyper)
     eng = CompressedKV(method, budget, L)
-    real_evict = eng._evict_to
-    eng._evict_to = lambda *a, **k: None  # store every layer at full length, then evict once with the final budgets
+    real_evict = eng.prefill.evict_to
+    # store every layer at full length, then evict once with the final budgets
+    eng.prefill.evict_to = lambda *a, **k: None
     for layer, (q, k, v) in enumerate(_qkv(3)):
         eng.prefill_layer(layer, q, k, v, None, D**-0.5)
     for layer in range(L):
@@ -148,13 +149,13 @@ def test_lava_cascade_equals_one_shot_and_stage_budgets_never_grow(floor_mode):
     method = make_method("lava", floor_mode=floor_mode)
     eng = CompressedKV(method, 40, L)
     stages: dict[int, list[list[int]]] = {}
-    real_evict = eng._evict_to
+    real_evict = eng.prefill.evict_to
 
     def recording(layer, sel, final=True):
         stages.setdefault(layer, []).append(sel.tolist())
         real_evict(layer, sel, final=final)
 
-    eng._evict_to = recording
+    eng.prefill.evict_to = recording
     for layer, (q, k, v) in enumerate(_qkv(3)):
         eng.prefill_layer(layer, q, k, v, None, D**-0.5)
     for layer, seq in stages.items():

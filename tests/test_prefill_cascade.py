@@ -1,4 +1,4 @@
-"""The prefill cascade's storage (``CompressedKV._evict_to``, ``LayerStore.keep``) against a plain reference.
+"""The prefill cascade's storage (``PrefillCompressor.evict_to``, ``LayerStore.keep``) against a plain reference.
 
 Intermediate cascade stages leave a layer's kept slots in score order and later stages drop a suffix of each row; the
 final stage re-packs them in position order (``docs/methods/cake.md#cascading-prefill``). Whatever the layout in
@@ -15,6 +15,7 @@ import torch
 from slake.attention.linear_state import LinearState
 from slake.cache.compressed import CompressedKV
 from slake.cache.layer_store import LayerStore
+from slake.cache.prefill import PrefillCompressor
 from slake.methods import make_method
 from slake.methods.base import PrefillInputs
 
@@ -112,7 +113,7 @@ def _kept(store: LayerStore, b: int, h: int) -> set[int]:
 def _protected_scores(eng, method, q, k, v, pad, layer):
     res = method.prefill_scores(PrefillInputs(q, k, v, pad, D**-0.5, method.window, layer, L, eng.info.budget))
     pos = torch.arange(S).view(1, 1, S).expand(B, HKV, S)
-    return eng._protect(res.scores.float(), pos, (~pad)[:, None, :].expand(B, HKV, S), newest=S - 1)
+    return eng.prefill.protect(res.scores.float(), pos, (~pad)[:, None, :].expand(B, HKV, S), newest=S - 1)
 
 
 def _reference_keep(scores: torch.Tensor, selectable: int, compress: bool) -> torch.Tensor:
@@ -187,7 +188,7 @@ def test_nan_scores_fall_back_to_the_general_re_eviction(name, monkeypatch):
             return out
 
         monkeypatch.setattr(method, "prefill_scores", scores)
-        monkeypatch.setattr(CompressedKV, "_uniform_head_split", lambda self: own_split)
+        monkeypatch.setattr(PrefillCompressor, "_uniform_head_split", lambda self: own_split)
         eng = CompressedKV(method, 36, L)
         for layer, (q, k, v) in enumerate(data):
             eng.prefill_layer(layer, q, k, v, None, D**-0.5)

@@ -13,7 +13,7 @@ import torch
 from slake.attention import ptaa
 from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
-from slake.cache import compressed
+from slake.cache import decode_step, decoding
 from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
 
@@ -124,7 +124,8 @@ def _run_engine(method: str, steps: int, seed: int) -> tuple[list[torch.Tensor],
 @pytest.mark.parametrize("method", ["slake", "snapkv[linear_cache=true]"])
 def test_engine_decode_step_equals_previous_implementation(method, monkeypatch):
     new_out, new_state = _run_engine(method, 20, seed=3)
-    monkeypatch.setattr(compressed, "attend", old_attend)
+    monkeypatch.setattr(decode_step, "attend", old_attend)
+    monkeypatch.setattr(decoding, "attend", old_attend)
     monkeypatch.setattr(ptaa, "attend", old_attend)
     monkeypatch.setattr(LinearState, "fold", old_fold)
     monkeypatch.setattr(LinearState, "fold_slots", old_fold_slots)

@@ -272,6 +272,8 @@ FAKE_SERVER = textwrap.dedent(
         sys.exit(3)
     if mode == "plugin":
         print("(Worker) slake: compressing the KV cache with snapkv@128", flush=True)
+        print("(Worker) slake: no profile entry applies to this model: the method's own values", flush=True)
+        print("(Worker) slake: compressing the KV cache with snapkv@128", flush=True)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"child {child.pid}", flush=True)
 
@@ -364,3 +366,8 @@ def test_a_plugin_configuration_needs_the_plugin_in_the_server_log(tmp_path, fak
     assert server.proc is None and _gone(int(_children_of_log(server.cfg.log_path)[0]))
     with VllmServer(_cfg(tmp_path, python=fake_python("plugin"), slake=slake)) as server:
         assert PLUGIN_LOG_LINE in server.log_tail()
+        # what the plugin logged at start-up, each line once, for the benchmark's rows
+        assert server.plugin_lines() == [
+            "slake: compressing the KV cache with snapkv@128",
+            "slake: no profile entry applies to this model: the method's own values",
+        ]

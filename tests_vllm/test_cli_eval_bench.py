@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+#: the real default model: the integration tier (`-m "not integration"` skips it)
+pytestmark = pytest.mark.integration
+
 #: one sample, SLAKE only (snapkv and the other uniform methods are compared through generate): every vLLM engine
 #: start costs tens of seconds of CI time
 EVAL = [

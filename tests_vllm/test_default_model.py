@@ -18,6 +18,9 @@ from slake.engines.vllm.generate import generate_vllm
 from slake.engines.vllm.plugin.config import PREFERENCE_METHODS, SUPPORTED_METHODS
 from slake.methods import make_method
 
+#: the real default model: the integration tier (`-m "not integration"` skips it)
+pytestmark = pytest.mark.integration
+
 BUDGET = 128
 NEW_TOKENS = 16
 
@@ -88,19 +91,32 @@ def test_plain_vllm_equals_full_cache(plain, transformers_results):
     assert not plain.compressed
 
 
+@pytest.fixture(scope="module")
+def vllm_result(prompt):
+    """``slake generate --engine vllm``'s result per method (made once per module)."""
+    done: dict = {}
+
+    def result(method: str):
+        if method not in done:
+            # a name, as `slake generate` passes it: the default model's profile applies (slake's alpha/beta)
+            done[method] = generate_vllm(
+                prompt[1],
+                method=method,
+                budget=Budget(BUDGET),
+                model=None,
+                gguf_file=None,
+                dtype="float32",
+                max_new_tokens=NEW_TOKENS,
+            )
+        return done[method]
+
+    return result
+
+
 @pytest.mark.parametrize("method", [m for m in SUPPORTED_METHODS if m != "snapkv"])  # snapkv: the CLI test below
-def test_default_model_vllm_text_equals_transformers(method, prompt, plain, transformers_results):
+def test_default_model_vllm_text_equals_transformers(method, plain, transformers_results, vllm_result):
     hf = transformers_results[method]
-    # a name, as `slake generate` passes it: the default model's profile applies in both engines (slake's alpha/beta)
-    vl = generate_vllm(
-        prompt[1],
-        method=method,
-        budget=Budget(BUDGET),
-        model=None,
-        gguf_file=None,
-        dtype="float32",
-        max_new_tokens=NEW_TOKENS,
-    )
+    vl = vllm_result(method)
     assert vl.hyperparameters == hf.hyperparameters and vl.profile == hf.profile
     assert vl.text == hf.text
     assert vl.prompt_tokens == hf.prompt_tokens and vl.prompt_tokens[0] > BUDGET
@@ -111,6 +127,36 @@ def test_default_model_vllm_text_equals_transformers(method, prompt, plain, tran
     assert extra["kv_blocks_end"] < plain.extra["kv_blocks_after_prefill"]
     assert (vl.kv_bytes["linear_state"] > 0) == (method == "slake")
     assert vl.kv_bytes["linear_state"] == hf.kv_bytes["linear_state"]
+
+
+def test_a_bare_plugin_configuration_runs_what_slake_generate_runs(prompt, transformers_results, vllm_result):
+    """``vllm serve --additional-config '{"slake": {"method": "slake", "budget": 128}}'`` gives the plugin a bare
+    configuration: the plugin applies the default model's profile itself (the shipped SLAKE alpha and beta), so its
+    tokens are ``slake generate --engine vllm``'s and the transformers engine's for the same method and budget."""
+    from transformers import AutoTokenizer
+
+    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.vllm.generate import stop_token_ids
+    from slake.engines.vllm.runner import local_model_dir, model_len, run_vllm
+
+    model_dir = local_model_dir(None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(format_prompt(tokenizer, prompt[1], True), add_special_tokens=False)["input_ids"]
+    run = run_vllm(
+        model_dir,
+        [ids],
+        slake={"method": "slake", "budget": BUDGET},
+        max_new_tokens=NEW_TOKENS,
+        max_model_len=model_len(len(ids), NEW_TOKENS),
+        stop_token_ids=stop_token_ids(model_dir, tokenizer),
+    )
+    hf, cli = transformers_results["slake"], vllm_result("slake")
+    assert run.plugin is not None and run.plugin["profile"] is not None
+    assert run.plugin["profile"]["values"] == {"alpha": 1.4142, "beta": 0.0}  # the shipped profile's entry
+    assert run.plugin["profile"] == hf.profile == cli.profile
+    assert run.plugin["hyperparameters"] == hf.hyperparameters == cli.hyperparameters
+    assert run.compressed == [True]
+    assert str(tokenizer.decode(run.tokens[0], skip_special_tokens=True)) == cli.text == hf.text
 
 
 def test_cli_generate_engine_vllm_json(prompt, transformers_results):

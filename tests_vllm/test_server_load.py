@@ -280,7 +280,9 @@ def test_bench_serve_command_end_to_end(served_dir, tmp_path, capsys):
     for r in rows:
         assert r["completed"] == 4 and r["failed"] == 0 and r["output_tok_s"] > 0
         assert r["server_generation_tokens"] == 4 * 6 and r["kv_pool_blocks"] > 0
-        assert r["slake_config"]["method"] == "snapkv" and r["ttft_p50_s"] > 0
+        assert r["slake_config"] == {"method": "snapkv", "budget": 64} and r["ttft_p50_s"] > 0  # as users write it
+        assert any(line.startswith("slake: compressing the KV cache with snapkv@64") for line in r["plugin_log"])
+        assert any(line.startswith("slake: no profile entry applies") for line in r["plugin_log"])  # a random model
     assert (out / "bench_serve.md").read_text().count("| snapkv@64 |") == 2
     assert (out / "serve_throughput.png").stat().st_size > 0
     assert len((out / "bench_serve.jsonl").read_text().splitlines()) == 2

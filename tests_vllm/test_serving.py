@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import BUDGET, hf_generate
-from slake.engines.vllm.plugin import backend
 from slake.engines.vllm.runner import run_vllm
 
 BLOCK = 32
@@ -22,12 +21,10 @@ def mixed_prompts():
 
 def test_compressed_and_uncompressed_requests_decode_in_one_step(tiny_dir, mixed_prompts):
     cfg = {"method": "snapkv", "budget": BUDGET}
-    backend.TIMING, backend.STEP_TIMES[:] = True, []
-    try:
-        run = run_vllm(tiny_dir, mixed_prompts, slake=cfg, max_new_tokens=16, ignore_eos=True, block_size=BLOCK)
-        steps = list(backend.STEP_TIMES)
-    finally:
-        backend.TIMING = False
+    run = run_vllm(
+        tiny_dir, mixed_prompts, slake=cfg, max_new_tokens=16, ignore_eos=True, block_size=BLOCK, timing=True
+    )
+    steps = run.step_times
     plain = run_vllm(tiny_dir, [mixed_prompts[1]], slake=None, max_new_tokens=16, ignore_eos=True, block_size=BLOCK)
     # one batched computation per layer held the three compressed requests while the short one decoded beside them
     assert any(r == 3 and n == 4 for r, n, _, _ in steps), steps
@@ -50,8 +47,8 @@ def test_finished_requests_release_their_rows(tiny_dir, mixed_prompts):
         max_num_seqs=2,
     )
     assert all(run.compressed)
-    assert backend._POOL is not None and backend._POOL.rows == 2  # never grew past max_num_seqs
-    assert len(backend._STATES) <= 2 and not backend._SAVED
+    assert run.plugin is not None and run.plugin["pool_rows"] == 2  # never grew past max_num_seqs
+    assert run.plugin["running"] <= 2 and run.plugin["saved"] == 0
     assert run.tokens[0] == run.tokens[3] and run.tokens[1] == run.tokens[4]  # a reused row carries nothing over
     assert all(k == [float(BUDGET)] * 3 for k in run.kept_tokens_per_layer)
 
@@ -65,7 +62,6 @@ def test_preempted_compressed_request_gives_the_unpreempted_tokens(tiny_dir, met
     a = torch.randint(3, 500, (40,), generator=g).tolist()
     b = torch.randint(3, 500, (100,), generator=g).tolist()
     cfg = {"method": method, "budget": BUDGET}
-    restored = backend.COUNTERS["restored"]
     small = run_vllm(
         tiny_dir,
         [a, b],
@@ -78,7 +74,8 @@ def test_preempted_compressed_request_gives_the_unpreempted_tokens(tiny_dir, met
         max_model_len=256,
     )
     assert small.preemptions[1] >= 1, "the KV memory was not small enough to preempt the compressed request"
-    assert backend.COUNTERS["restored"] > restored  # its kept cache was saved and written back, not recompressed
+    assert small.plugin is not None
+    assert small.plugin["counters"]["restored"] >= 1  # its kept cache was saved and written back, not recompressed
     alone = run_vllm(tiny_dir, [b], slake=cfg, max_new_tokens=150, ignore_eos=True, block_size=BLOCK, max_model_len=256)
     assert small.preemptions[0] == 0 and alone.preemptions == [0]
     assert len(small.tokens[1]) == 150

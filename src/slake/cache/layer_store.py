@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from slake.attention.linear_state import LinearState
+from slake.attention.softmax import matmul_f32
+from slake.cache.decode_step import KVMemory
 from slake.cache.quant import dequantize_rows, parse_kv_dtype, quantize_rows, scale_bytes_per_row
 
 _GROWTH = 256  # slots added at once when a row runs out of free slots (amortises reallocation)
@@ -91,6 +93,7 @@ class LayerStore:
         self.scores = scores
         self.linear = linear
         self.head_visible = head_visible
+        self._row_table: torch.Tensor | None = None  # (B, 1) row numbers: the fused kernels' block table
 
     # ------------------------------------------------------------------ shape
     @property
@@ -146,7 +149,8 @@ class LayerStore:
         B, H, n = self.valid.shape
         dev = self.valid.device
         if host is None:
-            host = torch.stack([keep_counts.reshape(-1), self.counts().reshape(-1).to(keep_counts)]).tolist()
+            both = torch.stack([keep_counts.reshape(-1), self.counts().reshape(-1).to(keep_counts)]).tolist()
+            host = (both[0], both[1])
         keep_list, count_list = host
         kmax = min(max(max(keep_list, default=0), 1), n)
         kmin = min(keep_list, default=0)
@@ -198,7 +202,8 @@ class LayerStore:
                 if not bool(chosen.any()):
                     continue
             k, v = self.dense_rows(rows, r0, r1)
-            self.linear.fold(k, v, chosen)
+            if self.linear is not None:
+                self.linear.fold(k, v, chosen)
 
     def dense_rows(
         self, rows: torch.Tensor | None, r0: int = 0, r1: int | None = None
@@ -270,20 +275,78 @@ class LayerStore:
         """Store ``keys``/``values`` ``(B, Hkv, n, d)`` (8-bit codes and scales where the store is 8-bit), their
         ``positions`` ``(B, Hkv, n)`` and ``score`` in ``slots`` ``(B, Hkv, n)``, and mark the slots valid (and
         visible to every query head of the group)."""
-        gi = slots[..., None].expand(-1, -1, -1, keys.shape[-1])
-        if self.k_scale is not None:
-            keys, ks = quantize_rows(keys, self.kv_dtype)
-            values, vs = quantize_rows(values, self.kv_dtype)
-            self.k_scale.scatter_(2, slots[..., None], ks)
-            self.v_scale.scatter_(2, slots[..., None], vs)
-        self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
-        self.values.scatter_(2, gi, values.to(self.values.dtype))
+        self.write_kv(slots, keys, values)
         self.positions.scatter_(-1, slots, positions)
         self.valid.scatter_(-1, slots, True)
         self.scores.scatter_(-1, slots, score)
         if self.head_visible is not None:
             g = self.head_visible.shape[2]
             self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
+
+    # ------------------------------------------------------------------ the decode step's view (SlotKV)
+    def write_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` ``(B, Hkv, n, d)`` in ``slots`` ``(B, Hkv, n)`` (quantised under 8-bit storage);
+        the slots' metadata is the caller's (:func:`slake.cache.decode_step.decode_step`)."""
+        gi = slots[..., None].expand(-1, -1, -1, keys.shape[-1])
+        if self.k_scale is not None and self.v_scale is not None and self.kv_dtype is not None:
+            keys, ks = quantize_rows(keys, self.kv_dtype)
+            values, vs = quantize_rows(values, self.kv_dtype)
+            self.k_scale.scatter_(2, slots[..., None], ks)
+            self.v_scale.scatter_(2, slots[..., None], vs)
+        self.keys.scatter_(2, gi, keys.to(self.keys.dtype))
+        self.values.scatter_(2, gi, values.to(self.values.dtype))
+
+    def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``(B, Hkv, n, d)`` for attention (:meth:`dense_keys`, :meth:`dense_values`)."""
+        return self.dense_keys(), self.dense_values()
+
+    def kv_logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``queries`` ``(B, Hkv, g, d)`` float32 times ``keys`` ``(B, Hkv, n, d)``: ``(B, Hkv, g, n)`` float32 (one
+        matmul per KV head for its ``g`` query rows; the cache is never expanded per query head)."""
+        return matmul_f32(queries, keys.transpose(-1, -2))
+
+    def kernel_memory(self) -> KVMemory:
+        """The store as the fused kernels address it: one block per row (:class:`slake.cache.decode_step.KVMemory`)."""
+        B, H, n, d = self.keys.shape
+        table = self._row_table
+        if table is None or table.shape[0] != B or table.device != self.keys.device:
+            table = self._row_table = torch.arange(B, device=self.keys.device).view(B, 1)
+        ks, vs = self.keys.stride(), self.values.stride()
+        scales = (
+            (0, 0, 0)
+            if self.k_scale is None
+            else (self.k_scale.stride(0), self.k_scale.stride(1), self.k_scale.stride(2))
+        )
+        return KVMemory(
+            self.keys,
+            self.values,
+            (ks[0], ks[1], ks[2], ks[3]),
+            (vs[0], vs[1], vs[2], vs[3]),
+            table,
+            n,
+            n,
+            self.kv_dtype,
+            self.k_scale,
+            self.v_scale,
+            scales,
+        )
+
+    def fold_kv(
+        self,
+        linear: LinearState,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        chosen: torch.Tensor,
+    ) -> None:
+        """Fold the rows ``slots`` ``(B, Hkv, 1)`` of :meth:`read_kv`'s ``keys``/``values`` where ``chosen`` into
+        ``linear`` (stored rows are finite: kept, freed or zero-grown slots)."""
+        if keys.dtype == linear.dtype and values.dtype == linear.dtype:  # fp32 or dequantised storage
+            linear.fold_slots(keys, values, slots, chosen)
+            return
+        gi = slots[..., None].expand(-1, -1, -1, keys.shape[-1])
+        k, v = keys.gather(2, gi), values.gather(2, gi)
+        linear.fold(k.to(linear.dtype), v.to(linear.dtype), chosen, finite=True)
 
     def min_free(self) -> int:
         """Free slots of the fullest row (one read-back; called once after prefill, not per step)."""
@@ -298,17 +361,9 @@ class LayerStore:
         same set as ``evicted``) let the linear state fold only those ``e`` rows instead of masking the whole layer.
         """
         if self.linear is not None:
-            rows = slots is not None and chosen is not None
-            if rows and self.k_scale is None and self.keys.dtype == self.linear.dtype:  # the usual decode step
-                self.linear.fold_slots(self.keys, self.values, slots, chosen)
-            elif rows:  # 8-bit or low-precision storage: gather, dequantise / upcast, then fold
-                gi = slots[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-                k, v = self.keys.gather(2, gi), self.values.gather(2, gi)
-                if self.k_scale is not None:
-                    k = dequantize_rows(k, self.k_scale.gather(2, slots[..., None]))
-                    v = dequantize_rows(v, self.v_scale.gather(2, slots[..., None]))
-                # stored rows are finite (kept, freed or zero-grown slots): fold by multiplication, not selects
-                self.linear.fold(k, v, chosen, finite=True)
+            if slots is not None and chosen is not None:
+                keys, values = self.read_kv()
+                self.fold_kv(self.linear, keys, values, slots, chosen)
             else:
                 self.linear.fold(self.dense_keys(), self.dense_values(), evicted)
         self.valid &= ~evicted

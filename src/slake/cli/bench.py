@@ -54,6 +54,7 @@ NOT_SERVE = {
     "random_model": "--random-model",
     "compile": "--compile",
     "isolate": "--isolate",
+    "kernels": "--kernels",
 }
 
 
@@ -102,7 +103,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--model", default=None, help="'smollm2' (default), 'gemma3-270m', a hub id, a local directory or a .gguf file"
+        "--model",
+        default=None,
+        help="'smollm2' (default), 'gemma3-270m', 'qwen2.5-coder-0.5b', a hub id, a local directory or a .gguf file",
     )
     src.add_argument(
         "--random-model",
@@ -122,6 +125,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="also measure every configuration with compiled decoding (one torch.compile graph per step, "
         "fixed shapes; CUDA graphs on CUDA), paired with its eager run: decode_vs_eager and "
         "compile_s in bench.jsonl (docs/compile.md)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default=None,
+        help="the decode step's implementation (default auto: Triton's fused kernels on CUDA, torch elsewhere); "
+        "the rows record which ran",
     )
     p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
     p.add_argument(
@@ -280,6 +290,7 @@ def bench_plan(args: argparse.Namespace) -> Any:
         plots=not args.no_plots,
         progress=not args.no_progress,
         compile=bool(getattr(args, "compile", False)),
+        kernels=getattr(args, "kernels", None) or "auto",
         serve=_serve_plan(args, lengths) if getattr(args, "serve", False) else None,
     )
 
@@ -297,6 +308,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decode_timing=plan.decode_timing,
         compile=plan.compile,
         kv_dtype=None if set(plan.kv_dtypes) <= {None} else ",".join(map(str, plan.kv_dtypes)),
+        kernels=None if plan.kernels == "auto" else plan.kernels,
         serve=plan.serve is not None,
     )
     for m in plan.methods:

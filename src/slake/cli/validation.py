@@ -75,11 +75,11 @@ def _pairs(methods: list[str], budgets: list[Any]) -> None:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    from slake.engines.transformers.models import _parse_dtype, default_device
+    from slake.engines.transformers.models import default_device, parse_dtype
 
     check_device(getattr(args, "device", None))
     if getattr(args, "dtype", None) is not None:
-        _parse_dtype(args.dtype, args.device or default_device())
+        parse_dtype(args.dtype, args.device or default_device())
     _at_least(args, "max_new_tokens", 1)
     _at_least(args, "prefill_chunk", 1)
 

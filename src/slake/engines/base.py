@@ -117,6 +117,11 @@ class EvalOptions:
     prefill_chunk: int | None = None
     batch_size: int = 1
     kv_dtype: str | None = None
+    #: folder of prefill captures kept across runs (``--prefill-cache``; engines with ``supports_prefill_cache``)
+    prefill_cache: str | None = None
+    #: also measure each compressed pair's output-level distance to the full cache (``--fidelity``; engines with
+    #: ``supports_fidelity``)
+    fidelity: bool = False
 
 
 @dataclass
@@ -189,6 +194,8 @@ class BenchPlan:
     progress: bool = True
     #: also measure every configuration with compiled decoding (``--compile``), paired with its eager run
     compile: bool = False
+    #: the decode step's implementation (``--kernels``: ``auto``, ``torch`` or ``triton``)
+    kernels: str = "auto"
     #: a load benchmark through the engine's server instead (``--serve``); ``lengths`` then holds its prompt range
     serve: ServePlan | None = None
 
@@ -217,6 +224,10 @@ class Engine(abc.ABC):
     unsupported: ClassVar[Mapping[str, str]] = {}
     #: True when the engine can compile its decode step (``--compile``, ``docs/compile.md``)
     supports_compile: ClassVar[bool] = False
+    #: True when the engine keeps prefill captures across evaluation runs (``--prefill-cache``)
+    supports_prefill_cache: ClassVar[bool] = False
+    #: True when the engine's evaluation can measure the output-level distance to the full cache (``--fidelity``)
+    supports_fidelity: ClassVar[bool] = False
 
     def __init__(self, model: ModelSpec | None = None) -> None:
         self.model_spec = model or ModelSpec()
@@ -225,12 +236,14 @@ class Engine(abc.ABC):
         """Refuse, before anything loads, the options this engine cannot honour.
 
         Every option given a value other than None, False or ``"auto"`` that is in :attr:`unsupported` is listed in
-        one ``ValueError``, spelled as on the command line (``prefill_chunk`` -> ``--prefill-chunk``). Engines add
-        their own environment checks (:meth:`check_environment`).
+        one ``ValueError``, spelled as on the command line (``prefill_chunk`` -> ``--prefill-chunk``), and so is
+        ``compile``, ``prefill_cache`` or ``fidelity`` given to an engine whose ``supports_*`` attribute is False.
+        Engines add their own environment checks (:meth:`check_environment`).
         """
         given = [k for k, v in options.items() if v not in (None, False, "auto") and k in self.unsupported]
-        if options.get("compile") and not self.supports_compile and "compile" not in given:
-            given.append("compile")
+        for option in ("compile", "prefill_cache", "fidelity"):
+            if options.get(option) and not getattr(self, f"supports_{option}", False) and option not in given:
+                given.append(option)
         if given:
             why = "; ".join(
                 f"{option_flag(k)}: {self.unsupported.get(k, 'not available in this engine')}" for k in given

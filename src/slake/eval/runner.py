@@ -13,6 +13,7 @@ Question-agnostic: the context alone is prefilled and compressed, then the quest
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from slake.budgets.budget import Budget
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest, Pair
 from slake.eval.metrics import score_prediction
+from slake.eval.progress import TimeLeft
 from slake.eval.prompts import build_prompt, has_chat_template
 from slake.eval.results import FULL_METHOD, ResultsWriter, check_engine_dir, row_key
 from slake.eval.sample import Sample
@@ -231,7 +233,8 @@ def evaluate_suite(
     samples : sequence of Sample
         The suite; the row's ``length`` is the sample's target length (:func:`target_length`).
     methods : str or sequence of str
-        Method names or ``"all"`` (see :func:`resolve_methods`).
+        Method names or ``"all"`` (see :func:`resolve_methods`); ``"full"`` or an empty list runs the full-cache
+        reference alone.
     budgets : str or sequence
         Token budgets (int) or ratios (float in (0, 1)). A budget at or above the prompt length is still run; no
         eviction happens and the row says ``compressed: false``.
@@ -250,11 +253,14 @@ def evaluate_suite(
     include_full : bool
         Run the full-cache reference row (method ``full``, budget None).
     progress : bool
-        Show a tqdm progress bar over the generations (with the time left).
+        Show a tqdm progress bar over the generations, with the estimated time left
+        (:class:`slake.eval.progress.TimeLeft`).
     options : EvalOptions, optional
-        Question-agnostic prompts, chunked prefill, batch size, 8-bit storage (:class:`EvalOptions`); the engine
-        refuses what it cannot honour (:meth:`slake.engines.base.Engine.check`). ``kv_dtype`` is not part of the
-        resume key: write runs with different ``kv_dtype`` to different directories.
+        Question-agnostic prompts, chunked prefill, batch size, 8-bit storage, a prefill cache, fidelity rows
+        (:class:`EvalOptions`); the engine refuses what it cannot honour
+        (:meth:`slake.engines.base.Engine.check`). ``kv_dtype`` and ``fidelity`` are not part of the resume key:
+        write runs with different ``kv_dtype`` to different directories, and rows resumed from a run without
+        ``fidelity`` have no distance fields.
 
     Returns
     -------
@@ -266,13 +272,9 @@ def evaluate_suite(
     from slake.cache.quant import parse_kv_dtype
 
     opts = options or EvalOptions()
-    opts = EvalOptions(
-        query_aware=opts.query_aware,
-        prefill_chunk=opts.prefill_chunk,
-        batch_size=opts.batch_size,
-        kv_dtype=parse_kv_dtype(opts.kv_dtype),
-    )
-    method_names = resolve_methods(methods)
+    opts = dataclasses.replace(opts, kv_dtype=parse_kv_dtype(opts.kv_dtype))
+    # an empty list is what resolve_methods returns for ``--methods full``: the reference alone
+    method_names = resolve_methods(methods) if isinstance(methods, str) or methods else []
     budget_values = parse_budgets(budgets) if method_names else []
     for m in method_names:
         for b in budget_values:
@@ -288,7 +290,15 @@ def evaluate_suite(
             "batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
             "question of a question-agnostic run and chunked prefill are fed per sample"
         )
-    engine.check(prefill_chunk=opts.prefill_chunk, question_agnostic=not opts.query_aware, kv_dtype=opts.kv_dtype)
+    if opts.fidelity and (opts.prefill_chunk is not None or not opts.query_aware):
+        raise ValueError("fidelity needs query-aware prompts and exact prefill (no prefill_chunk)")
+    engine.check(
+        prefill_chunk=opts.prefill_chunk,
+        question_agnostic=not opts.query_aware,
+        kv_dtype=opts.kv_dtype,
+        prefill_cache=opts.prefill_cache,
+        fidelity=opts.fidelity,
+    )
     pairs = _pairs(method_names, budget_values, include_full)
     name = model_name or engine.model_name
     tokenizer = engine.tokenizer
@@ -332,13 +342,17 @@ def evaluate_suite(
                     pairs=todo,
                 )
             )
+        left = TimeLeft(requests)
         bar = tqdm(
             total=sum(len(r.pairs) for r in requests),
             desc=f"eval {suite} ({engine.name})",
             unit="run",
             disable=not progress,
             dynamic_ncols=True,
+            # the time left comes from TimeLeft (work weighted by prompt tokens), not from tqdm's count of outputs
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} runs [{elapsed}{postfix}]",
         )
+        bar.set_postfix_str(left.describe(), refresh=True)
         for out in engine.evaluate(requests, opts):
             sample = samples[out.key]
             row = build_row(
@@ -354,7 +368,9 @@ def evaluate_suite(
             )
             if store.write(row):
                 written.append(row)
-            bar.set_postfix_str(f"{out.method} {'full' if out.budget is None else out.budget}", refresh=False)
+            left.update(out.key)
+            pair = f"{out.method} {'full' if out.budget is None else out.budget}"
+            bar.set_postfix_str(f"{left.describe()}, {pair}", refresh=False)
             bar.update(1)
         bar.close()
     return written
@@ -372,18 +388,26 @@ def run_suite(
     prefill_chunk: int | None = None,
     batch_size: int = 1,
     kv_dtype: str | None = None,
+    prefill_cache: str | os.PathLike[str] | None = None,
+    fidelity: bool = False,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """:func:`evaluate_suite` on a loaded transformers model (the Python API's shortcut).
 
     ``model`` is prepared for slake (:func:`slake.load_model` or :func:`slake.prepare_model`); the model name of the
     rows is ``model_name`` if given, else ``config._name_or_path``. ``query_aware``, ``prefill_chunk``,
-    ``batch_size`` and ``kv_dtype`` form the :class:`EvalOptions`; ``kwargs`` are those of :func:`evaluate_suite`.
+    ``batch_size``, ``kv_dtype``, ``prefill_cache`` and ``fidelity`` form the :class:`EvalOptions`; ``kwargs`` are
+    those of :func:`evaluate_suite`.
     """
     from slake.engines.transformers import TransformersEngine
 
     engine = TransformersEngine.from_model(model, tokenizer)
     options = EvalOptions(
-        query_aware=query_aware, prefill_chunk=prefill_chunk, batch_size=batch_size, kv_dtype=kv_dtype
+        query_aware=query_aware,
+        prefill_chunk=prefill_chunk,
+        batch_size=batch_size,
+        kv_dtype=kv_dtype,
+        prefill_cache=None if prefill_cache is None else str(prefill_cache),
+        fidelity=fidelity,
     )
     return evaluate_suite(engine, samples, methods, budgets, out_dir, options=options, **kwargs)

@@ -1,8 +1,13 @@
-"""Summaries derived from ``results.jsonl``: ``summary.md``, ``summary.csv`` and the ``--json`` rows.
+"""Summaries derived from ``results.jsonl``: ``summary.md``, ``summary.csv``, ``intervals.csv``, ``paired.csv``
+and the ``--json`` rows.
 
 A table per (model, suite, context length), plus one over all lengths when a suite has several: one line per
 (method, budget), the full-cache reference first, one column per task with the mean score in percent, then the
-average over tasks (the mean of the task columns) and ``n``, the number of rows behind the line.
+average over tasks (the mean of the task columns), its bootstrap confidence interval over samples
+(:mod:`slake.eval.stats`) and ``n``, the number of rows behind the line. Under each table, every method is compared
+with the best method at the same budget on the samples both were scored on (a paired bootstrap), and the
+differences whose interval excludes 0 are marked. ``intervals.csv`` holds the interval of every cell (each task and
+the average); ``paired.csv`` every paired comparison of two methods at one budget.
 """
 
 from __future__ import annotations
@@ -16,8 +21,25 @@ from pathlib import Path
 from typing import Any
 
 from slake.eval.results import FULL_METHOD, budget_label, read_results
+from slake.eval.stats import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_RESAMPLES,
+    Interval,
+    PairedDifference,
+    line_interval,
+    paired_difference,
+    score_table,
+)
 
-__all__ = ["SummaryTable", "summary_rows", "summary_tables", "write_summary", "method_budget_order", "task_order"]
+__all__ = [
+    "SummaryLine",
+    "SummaryTable",
+    "summary_rows",
+    "summary_tables",
+    "write_summary",
+    "method_budget_order",
+    "task_order",
+]
 
 ALL_LENGTHS = "all"
 
@@ -89,14 +111,45 @@ def summary_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @dataclass
+class SummaryLine:
+    """One (method, budget) of a table.
+
+    Attributes
+    ----------
+    method, budget
+        The line's method spec and budget (None for the full cache).
+    cells : dict
+        ``{task: (mean score %, rows)}``.
+    average : float
+        Mean of the task cells.
+    n : int
+        Rows behind the line.
+    interval : Interval
+        ``average`` with its bootstrap interval (:func:`slake.eval.stats.line_interval`).
+    task_intervals : dict
+        ``{task: Interval}``, each cell's interval.
+    """
+
+    method: str
+    budget: Any
+    cells: dict[str, tuple[float, int]]
+    average: float
+    n: int
+    interval: Interval
+    task_intervals: dict[str, Interval] = field(default_factory=dict)
+
+
+@dataclass
 class SummaryTable:
-    """One summary table: ``lines`` hold ``(method, budget, {task: (score %, n)}, average %, n)``."""
+    """One summary table: its lines, and each method's paired comparison with the best at the same budget."""
 
     model: str
     suite: str
     length: int | str
     tasks: list[str]
-    lines: list[tuple[str, Any, dict[str, tuple[float, int]], float, int]] = field(default_factory=list)
+    lines: list[SummaryLine] = field(default_factory=list)
+    against_best: list[PairedDifference] = field(default_factory=list)
+    paired: list[PairedDifference] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -105,22 +158,74 @@ class SummaryTable:
         return f"{self.suite or 'results'}, {length}, model {self.model}"
 
 
-def _table(model: str, suite: str, length: int | str, rows: list[dict[str, Any]]) -> SummaryTable:
+def _table(
+    model: str, suite: str, length: int | str, rows: list[dict[str, Any]], resamples: int, confidence: float
+) -> SummaryTable:
     tasks = task_order(rows)
     table = SummaryTable(model, suite, length, tasks)
-    scores: dict[tuple, list[float]] = defaultdict(list)
-    for r in rows:
-        scores[(r["method"], r.get("budget"), r["task"])].append(float(r["score"]))
+    scores = score_table(rows)
     for method, budget in method_budget_order(rows):
-        cells = {t: (100.0 * _mean(v), len(v)) for t in tasks if (v := scores.get((method, budget, t)))}
-        avg = _mean([c[0] for c in cells.values()])
-        table.lines.append((method, budget, cells, avg, sum(c[1] for c in cells.values())))
+        by_stratum = scores[(method, budget)]
+        cells: dict[str, tuple[float, int]] = {}
+        task_intervals: dict[str, Interval] = {}
+        for t in tasks:
+            strata = {s: v for s, v in by_stratum.items() if s[0] == t and v}
+            if strata:
+                values = [x for v in strata.values() for x in v.values()]
+                cells[t] = (100.0 * _mean(values), len(values))
+                task_intervals[t] = line_interval(strata, resamples=resamples, confidence=confidence)
+        interval = line_interval(by_stratum, resamples=resamples, confidence=confidence)
+        table.lines.append(SummaryLine(method, budget, cells, interval.mean, interval.n, interval, task_intervals))
+    table.paired, table.against_best = _comparisons(table, scores, resamples, confidence)
     return table
 
 
-def summary_tables(rows: Iterable[dict[str, Any]]) -> list[SummaryTable]:
+def _comparisons(
+    table: SummaryTable, scores: dict, resamples: int, confidence: float
+) -> tuple[list[PairedDifference], list[PairedDifference]]:
+    """Every pair of methods at one budget (``a - b`` in line order), and each method against the budget's best line
+    by average (``method - best``)."""
+    by_budget: dict[Any, list[SummaryLine]] = defaultdict(list)
+    for line in table.lines:
+        if line.method != FULL_METHOD:
+            by_budget[line.budget].append(line)
+    paired: list[PairedDifference] = []
+    against_best: list[PairedDifference] = []
+    for budget, lines in by_budget.items():
+        if len(lines) < 2:
+            continue
+        best = max(lines, key=lambda x: x.average)
+        for i, a in enumerate(lines):
+            for b in lines[i + 1 :]:
+                try:
+                    d = paired_difference(
+                        scores, (a.method, budget), (b.method, budget), resamples=resamples, confidence=confidence
+                    )
+                except ValueError:  # no common sample: nothing to compare
+                    continue
+                paired.append(d)
+                if best is a:  # stored as (method - best): a line's distance below the best
+                    against_best.append(_flipped(d))
+                elif best is b:
+                    against_best.append(d)
+    rank = {(line.method, line.budget): i for i, line in enumerate(table.lines)}
+    against_best.sort(key=lambda d: (_budget_sort(d.a[1]), rank[d.a]))
+    return paired, against_best
+
+
+def _flipped(d: PairedDifference) -> PairedDifference:
+    """``b - a`` from ``a - b``."""
+    return PairedDifference(d.b, d.a, 0.0 - d.diff, 0.0 - d.high, 0.0 - d.low, d.p_value, d.n, d.confidence)
+
+
+def summary_tables(
+    rows: Iterable[dict[str, Any]],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> list[SummaryTable]:
     """The tables of :func:`write_summary`, per (model, suite, length), plus an all-lengths table per suite with
-    several lengths."""
+    several lengths; intervals from ``resamples`` bootstrap replicates at ``confidence``."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[(str(r.get("model", "")), str(r.get("suite", "")))].append(r)
@@ -128,9 +233,10 @@ def summary_tables(rows: Iterable[dict[str, Any]]) -> list[SummaryTable]:
     for (model, suite), group in groups.items():
         lengths = sorted({int(r["length"]) for r in group})
         for length in lengths:
-            tables.append(_table(model, suite, length, [r for r in group if int(r["length"]) == length]))
+            subset = [r for r in group if int(r["length"]) == length]
+            tables.append(_table(model, suite, length, subset, resamples, confidence))
         if len(lengths) > 1:
-            tables.append(_table(model, suite, ALL_LENGTHS, group))
+            tables.append(_table(model, suite, ALL_LENGTHS, group, resamples, confidence))
     return tables
 
 
@@ -138,52 +244,161 @@ def _fmt(value: float) -> str:
     return "-" if value != value else f"{value:.1f}"  # NaN -> "-"
 
 
-def _markdown(tables: list[SummaryTable]) -> str:
+def _ci(i: Interval) -> str:
+    return f"[{i.low:.1f}, {i.high:.1f}]"
+
+
+def _line_name(pair: tuple[str, Any]) -> str:
+    return f"{pair[0]} @ {budget_label(pair[1])}"
+
+
+def _markdown(tables: list[SummaryTable], confidence: float) -> str:
+    level = f"{100 * confidence:g}%"
     out = [
         "# slake evaluation summary",
         "",
-        "Mean score in percent per task; `average` is the mean of the task columns; `n` counts the rows "
-        "(samples) behind each line. Budget `full` is the uncompressed reference.",
+        "Mean score in percent per task; `average` is the mean of the task columns, with its "
+        f"{level} bootstrap interval over samples (samples resampled within each task and length); `n` counts the "
+        "rows (samples) behind each line. Budget `full` is the uncompressed reference. Under each table, every "
+        "method is compared with the best method at its budget on the samples both have (paired bootstrap of the "
+        "difference of averages); **bold** differences have an interval that excludes 0. Few samples per task "
+        "make the intervals too narrow rather than too wide (see `slake.eval.stats`).",
         "",
     ]
     for t in tables:
         out += [f"## {t.title}", ""]
-        header = ["method", "budget", *t.tasks, "average", "n"]
+        header = ["method", "budget", *t.tasks, "average", f"{level} CI", "n"]
         out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "|".join(["---", "---:"] + ["---:"] * (len(t.tasks) + 2)) + "|")
-        for method, budget, cells, avg, n in t.lines:
-            vals = [_fmt(cells[task][0]) if task in cells else "" for task in t.tasks]
-            out.append("| " + " | ".join([method, budget_label(budget), *vals, _fmt(avg), str(n)]) + " |")
+        out.append("|" + "|".join(["---", "---:"] + ["---:"] * (len(t.tasks) + 3)) + "|")
+        for line in t.lines:
+            vals = [_fmt(line.cells[task][0]) if task in line.cells else "" for task in t.tasks]
+            out.append(
+                "| "
+                + " | ".join(
+                    [line.method, budget_label(line.budget), *vals, _fmt(line.average), _ci(line.interval), str(line.n)]
+                )
+                + " |"
+            )
         out.append("")
+        if t.against_best:
+            out += [
+                f"Paired against the best method at each budget ({t.title}):",
+                "",
+                f"| budget | method | best | difference (points) | {level} CI | p | common samples |",
+                "|---:|---|---|---:|---:|---:|---:|",
+            ]
+            for d in t.against_best:
+                out.append(
+                    f"| {budget_label(d.a[1])} | {d.a[0]} | {d.b[0]} | {_bold(f'{d.diff:+.1f}', d.significant)} | "
+                    f"[{d.low:+.1f}, {d.high:+.1f}] | {d.p_value:.3f} | {d.n} |"
+                )
+            out.append("")
     if not tables:
         out.append("No results yet.")
     return "\n".join(out) + "\n"
+
+
+def _bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
 
 
 def _csv_rows(tables: list[SummaryTable]) -> tuple[list[str], list[dict[str, Any]]]:
     tasks: list[str] = []
     for t in tables:
         tasks += [x for x in t.tasks if x not in tasks]
-    header = ["model", "suite", "length", "method", "budget", *tasks, "average", "n"]
+    header = ["model", "suite", "length", "method", "budget", *tasks, "average", "average_low", "average_high", "n"]
     body = []
     for t in tables:
-        for method, budget, cells, avg, n in t.lines:
-            line: dict[str, Any] = {
+        for line in t.lines:
+            row: dict[str, Any] = {
                 "model": t.model,
                 "suite": t.suite,
                 "length": t.length,
-                "method": method,
-                "budget": budget_label(budget),
-                "average": round(avg, 2),
-                "n": n,
+                "method": line.method,
+                "budget": budget_label(line.budget),
+                "average": round(line.average, 2),
+                "average_low": round(line.interval.low, 2),
+                "average_high": round(line.interval.high, 2),
+                "n": line.n,
             }
-            line.update({task: round(cells[task][0], 2) for task in cells})
-            body.append(line)
+            row.update({task: round(line.cells[task][0], 2) for task in line.cells})
+            body.append(row)
     return header, body
 
 
-def write_summary(out_dir: str | os.PathLike[str], rows: Iterable[dict[str, Any]] | None = None) -> tuple[Path, Path]:
-    """Write ``DIR/summary.md`` and ``DIR/summary.csv`` from ``rows`` (default: ``DIR/results.jsonl``).
+def _interval_rows(tables: list[SummaryTable]) -> list[dict[str, Any]]:
+    out = []
+    for t in tables:
+        for line in t.lines:
+            cells = [*line.task_intervals.items(), ("average", line.interval)]
+            for task, i in cells:
+                out.append(
+                    {
+                        "model": t.model,
+                        "suite": t.suite,
+                        "length": t.length,
+                        "method": line.method,
+                        "budget": budget_label(line.budget),
+                        "task": task,
+                        "mean": round(i.mean, 2),
+                        "low": round(i.low, 2),
+                        "high": round(i.high, 2),
+                        "n": i.n,
+                        "confidence": i.confidence,
+                    }
+                )
+    return out
+
+
+def _paired_rows(tables: list[SummaryTable]) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": t.model,
+            "suite": t.suite,
+            "length": t.length,
+            "budget": budget_label(d.a[1]),
+            "a": d.a[0],
+            "b": d.b[0],
+            "diff": round(d.diff, 2),
+            "low": round(d.low, 2),
+            "high": round(d.high, 2),
+            "p_value": round(d.p_value, 4),
+            "significant": d.significant,
+            "n": d.n,
+            "confidence": d.confidence,
+        }
+        for t in tables
+        for d in t.paired
+    ]
+
+
+def _write_csv(path: Path, header: list[str], body: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=header, restval="")
+        writer.writeheader()
+        writer.writerows(body)
+
+
+def write_summary(
+    out_dir: str | os.PathLike[str],
+    rows: Iterable[dict[str, Any]] | None = None,
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> tuple[Path, Path]:
+    """Write ``DIR/summary.md``, ``DIR/summary.csv``, ``DIR/intervals.csv`` and ``DIR/paired.csv`` from ``rows``
+    (default: ``DIR/results.jsonl``).
+
+    Parameters
+    ----------
+    out_dir : path-like
+        The results folder.
+    rows : iterable of dict, optional
+        The rows to summarise.
+    resamples : int
+        Bootstrap replicates of every interval.
+    confidence : float
+        Level of the intervals, in (0, 1).
 
     Returns
     -------
@@ -192,12 +407,15 @@ def write_summary(out_dir: str | os.PathLike[str], rows: Iterable[dict[str, Any]
     """
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    tables = summary_tables(read_results(directory) if rows is None else rows)
+    tables = summary_tables(
+        read_results(directory) if rows is None else rows, resamples=resamples, confidence=confidence
+    )
     md, csv_path = directory / "summary.md", directory / "summary.csv"
-    md.write_text(_markdown(tables), encoding="utf-8")
+    md.write_text(_markdown(tables, confidence), encoding="utf-8")
     header, body = _csv_rows(tables)
-    with open(csv_path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=header, restval="")
-        writer.writeheader()
-        writer.writerows(body)
+    _write_csv(csv_path, header, body)
+    intervals = _interval_rows(tables)
+    _write_csv(directory / "intervals.csv", list(intervals[0]) if intervals else ["model"], intervals)
+    paired = _paired_rows(tables)
+    _write_csv(directory / "paired.csv", list(paired[0]) if paired else ["model"], paired)
     return md, csv_path

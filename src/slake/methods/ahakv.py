@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import pool1d, window_logits
 
 __all__ = ["AhaKV", "ahakv_gain", "sg_rows", "value_prior"]
@@ -150,6 +150,10 @@ class AhaKV(Method):
             f = f * value_prior(inputs.values, inputs.key_padding, self.value_kernel)
         f = pool1d(f, self.kernel, self.pooling)
         return PrefillScores(scores=f.masked_fill(inputs.key_padding[:, None, :], 0.0))
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("sharpened_accumulation", group=self.gqa, gain_floor=self.gain_floor)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """``acc += mean_h softmax(c * A_t)`` over the cached slots (``docs/methods/ahakv.md#decode-rule``)."""

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.rotary import Rotary
 from slake.methods.spec import format_method_spec, parse_method_spec, split_method_list
 
@@ -283,6 +284,12 @@ class Method:
         """Return the ``(B, Hkv, n)`` float32 per-slot score used to pick the token evicted at this decode step."""
         raise TypeError(f"method {self.name!r} does not evict at decode")
 
+    def fused_rule(self) -> FusedDecodeRule | None:
+        """The decode rule in the terms of the fused decode kernels (:mod:`slake.methods.decode_rule`), or None when
+        it is none of their families (the step then runs in torch, and says so). Must describe
+        :meth:`decode_scores` exactly: the kernels' tests compare the two."""
+        return None
+
     def head_budgets(
         self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None, final: bool = True
     ) -> torch.Tensor:
@@ -427,6 +434,7 @@ def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
 __all__ = [
     "DecodeInputs",
     "LayerContext",
+    "FusedDecodeRule",
     "Method",
     "PrefillInputs",
     "PrefillScores",

@@ -35,7 +35,7 @@ from typing import ClassVar
 
 import torch
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import group_mean, pool1d, positional_pool, window_logits
 
 __all__ = ["Cake", "cake_entropy", "cake_indicator", "cake_preference", "cake_taus"]
@@ -223,6 +223,12 @@ class Cake(Method):
         indicator's ``Var_i(Abar)``, reused instead of computed again."""
         abar = probs[..., : probs.shape[-1] - probs.shape[-2]]
         return cake_preference(abar, self.tau1, self.tau2, row_var=row_var)
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule(
+            "pooled_attention", group="mean", kernel=self.kernel, pooling=self.pooling, zero_window=True
+        )
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Pooled (positionally) group mean of the current queries' probabilities; ``(B, Hkv, n)``.

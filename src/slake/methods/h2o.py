@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import group_mean
 
 
@@ -86,6 +86,10 @@ class H2O(Method):
         """Accumulated attention of every prompt query, group-mean per KV head."""
         acc = accumulated_attention(inputs.queries, inputs.keys, inputs.scaling, inputs.key_padding, self.chunk)
         return PrefillScores(scores=group_mean(acc, inputs.keys.shape[1]))
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("accumulated_attention", group="mean")
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """``acc += A_t`` (group-mean over the KV head's query heads, summed over the step's queries)."""

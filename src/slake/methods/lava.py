@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from slake.budgets.allocation import cross_head_counts
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import pool1d, positional_pool, window_attention
 
 __all__ = ["LAVa", "lava_entropy", "lava_scores"]
@@ -177,6 +177,10 @@ class LAVa(Method):
         floor = torch.floor(base.to(scores.device).double() * self.floor_alpha).view(-1, 1)
         cap = torch.round((1.0 - self.floor_alpha) * count.double() + floor).to(torch.int64)
         return cap if final else torch.maximum(cap, count)
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("pooled_attention", group=self.gqa, kernel=self.kernel, pooling=self.pooling)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Current queries' attention, group-reduced, pooled over positional neighbours (one eviction per head)."""

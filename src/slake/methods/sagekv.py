@@ -42,7 +42,7 @@ from typing import ClassVar
 
 import torch
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 
 __all__ = ["SageKV", "sagekv_partition"]
 
@@ -143,6 +143,10 @@ class SageKV(Method):
         """Per KV head: the sink, the union of its query heads' selections and the recent region (<= budget)."""
         cand = (scores >= RECENT) & (scores < float("inf"))
         return torch.minimum(cand.sum(-1), selectable.to(scores.device).view(-1, 1))
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("pinned_recency", pinned=STATIC)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Sink and selections never leave; among the rest (the recent region) the oldest position is evicted."""

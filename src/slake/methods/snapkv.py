@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import group_mean, pool1d, positional_pool, window_attention
 
 
@@ -62,6 +62,10 @@ class SnapKV(Method):
         if self.group_first:
             return PrefillScores(scores=pool1d(group_mean(s, Hkv), self.kernel, self.pooling))
         return PrefillScores(scores=group_mean(pool1d(s, self.kernel, self.pooling), Hkv))
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("pooled_attention", group="mean", kernel=self.kernel, pooling=self.pooling)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """CAKE's decode rule: positional pooling of the current queries' attention, group-mean."""

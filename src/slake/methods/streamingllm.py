@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 
 
 @register
@@ -43,6 +43,10 @@ class StreamingLLM(Method):
         B, H, S, _ = inputs.keys.shape
         pos = torch.arange(S, device=inputs.keys.device, dtype=torch.float32)
         return PrefillScores(scores=pos.view(1, 1, S).expand(B, H, S).contiguous())
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("recency")
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Recency score of every slot: the oldest non-sink token is evicted."""

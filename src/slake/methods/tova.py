@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import window_attention
 
 
@@ -40,6 +40,10 @@ class TOVA(Method):
         a = window_attention(inputs.queries, inputs.keys, 1, inputs.scaling, inputs.key_padding)  # (B,Hq,1,S)
         s = a[:, :, -1].mean(1, keepdim=True)  # (B,1,S)
         return PrefillScores(scores=s.expand(-1, inputs.keys.shape[1], -1).contiguous())
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("layer_attention")
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Current (last) query's attention, mean over all heads of the layer."""

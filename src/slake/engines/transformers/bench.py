@@ -46,6 +46,7 @@ def configs(plan: BenchPlan) -> list[BenchConfig]:
                                 seed=plan.seed,
                                 kv_dtype=kvd,
                                 compile=compiled,
+                                kernels=plan.kernels,
                             )
                         )
     return out
@@ -77,6 +78,8 @@ def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
         "--json",
         "--kv-dtype",
         cfg.kv_dtype or "auto",
+        "--kernels",
+        cfg.kernels,
         "--out",
         str(plan.out / "isolated"),
     ]

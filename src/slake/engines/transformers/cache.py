@@ -171,6 +171,10 @@ class SlakeCache(Cache):
     profile_model : model or config, optional
         Where the profile comes from when it should not be ``config`` (default: ``config``; with neither, the
         method's defaults).
+    kernels : str
+        The single-token decode step's implementation: ``"auto"`` (default: Triton's fused kernels on CUDA, the
+        torch step elsewhere), ``"torch"`` or ``"triton"`` (on the CPU through Triton's interpreter, for tests;
+        ``docs/gpu.md#fused-decode-step``). Which ran is ``cache.statistics()["kernels"]``.
     **hyperparameters
         Overrides of the method's hyperparameters (e.g. ``window=16``).
 
@@ -195,6 +199,7 @@ class SlakeCache(Cache):
         config=None,
         max_cache_len: int | None = None,
         profile_model=None,
+        kernels: str = "auto",
         **hyperparameters,
     ) -> None:
         from slake.methods.profiles import resolve_method
@@ -212,7 +217,12 @@ class SlakeCache(Cache):
             raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
         m, self.profile = resolve_method(method, budget, source, **hyperparameters)
         self.compressor = CompressedKV(
-            m, budget, len(self.layout.compressed), charge_linear_state=charge_linear_state, kv_dtype=kv_dtype
+            m,
+            budget,
+            len(self.layout.compressed),
+            charge_linear_state=charge_linear_state,
+            kv_dtype=kv_dtype,
+            kernels=kernels,
         )
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         if max_cache_len is not None:
@@ -386,6 +396,7 @@ class SlakeCache(Cache):
             "method": eng.method.name,
             "budget": eng.budget.value,
             "kv_dtype": eng.kv_dtype,
+            "kernels": eng.decoder.report.summary(),
             "compressed": bool(info is not None and bool(info.compress.any())),
             "kv_bytes": self.byte_counts(),
             "kept_tokens_per_layer": eng.kept_tokens_per_layer(),

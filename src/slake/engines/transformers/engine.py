@@ -16,13 +16,13 @@ Loader = Callable[[ModelSpec], tuple[Any, Any]]
 
 def _load(spec: ModelSpec) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a model spec; a random model shape has no tokenizer (None)."""
-    from slake.engines.transformers.models import _parse_dtype, default_device, load_model
+    from slake.engines.transformers.models import default_device, load_model, parse_dtype
 
     if spec.random:
         from slake.engines.transformers.shapes import random_model
 
         device = spec.device or default_device()
-        return random_model(spec.random, device=device, dtype=_parse_dtype(spec.dtype, device), seed=spec.seed), None
+        return random_model(spec.random, device=device, dtype=parse_dtype(spec.dtype, device), seed=spec.seed), None
     return load_model(spec.name, device=spec.device, dtype=spec.dtype, gguf_file=spec.gguf_file)
 
 
@@ -41,6 +41,8 @@ class TransformersEngine(Engine):
 
     name = "transformers"
     supports_compile = True
+    supports_prefill_cache = True
+    supports_fidelity = True
     unsupported = {"serve": "the load benchmark runs vLLM's OpenAI-compatible server: use --engine vllm"}
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:

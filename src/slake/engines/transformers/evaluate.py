@@ -11,12 +11,25 @@ Batches (``batch_size > 1``): consecutive requests of one group, generation leng
 one by one, their captures left-padded into one batch (:func:`slake.engines.transformers.prefill_once.stack_captures`),
 and every
 pair decodes the whole batch, which amortises a decode step's weight reads.
+
+``prefill_cache``: captures are read from and written to a
+:class:`~slake.engines.transformers.prefill_once.CaptureStore`, so a prompt prefilled by an earlier run (another
+method list, an interrupted run, a survey of the full cache) is not prefilled again; rows say ``prefill_cached``.
+
+``fidelity``: the full cache's greedy answer is the reference continuation of each prompt; every compressed pair is
+also replayed and teacher-forced along it, and its row gets the output-level distance to the full cache over the
+answer's tokens after the first (which the exact prefill predicts identically for every method): ``kl`` (mean
+KL(full ‖ method) in nats per token), ``delta_nll`` (mean change of the reference tokens' negative log-likelihood),
+``top1`` (share of steps with the same most likely token) and ``kl_tokens`` (how many steps count), as ``slake
+fidelity`` measures them (:mod:`slake.engines.transformers.teacher_forcing`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,11 +37,18 @@ import torch
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.generate import prefill
-from slake.engines.transformers.prefill_once import PrefillCapture, capture_prefill, greedy_decode, stack_captures
+from slake.engines.transformers.prefill_once import (
+    CaptureStore,
+    PrefillCapture,
+    capture_prefill,
+    greedy_decode,
+    stack_captures,
+)
+from slake.engines.transformers.teacher_forcing import distances, teacher_forced_logprobs
 from slake.methods.base import make_method
 from slake.methods.profiles import resolve_method
 
-__all__ = ["evaluate", "batches"]
+__all__ = ["batches", "check_options", "evaluate"]
 
 
 def _sync(device: torch.device) -> None:
@@ -74,6 +94,24 @@ def _second_pass(model: Any, capture: PrefillCapture, method: Any, reconstructio
     return run_second_pass(model, capture, built, reconstruction)
 
 
+def check_options(options: EvalOptions) -> None:
+    """Raise ValueError for options that cannot be combined (before any model work).
+
+    ``batch_size > 1`` and ``fidelity`` need query-aware prompts and exact prefill: the question of a
+    question-agnostic run and chunked prefill are fed per sample, and chunked prefill cannot be replayed.
+    """
+    if options.batch_size > 1 and (options.prefill_chunk is not None or not options.query_aware):
+        raise ValueError(
+            "batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
+            "question of a question-agnostic run and chunked prefill are fed per sample"
+        )
+    if options.fidelity and (options.prefill_chunk is not None or not options.query_aware):
+        raise ValueError(
+            "fidelity needs query-aware prompts and exact prefill (no prefill_chunk): the full cache's answer is "
+            "teacher-forced through a cache replayed from the prompt's prefill"
+        )
+
+
 def evaluate(
     model: Any, requests: Sequence[EvalRequest], options: EvalOptions, eos: list[int], reconstruction: Any = None
 ) -> Iterator[EvalOutput]:
@@ -85,22 +123,80 @@ def evaluate(
     Raises
     ------
     ValueError
-        For an empty prompt, or ``batch_size > 1`` with chunked prefill or question-agnostic prompts.
+        For an empty prompt, or options that cannot be combined (:func:`check_options`).
     """
-    if options.batch_size > 1 and (options.prefill_chunk is not None or not options.query_aware):
-        raise ValueError(
-            "batch_size > 1 needs query-aware prompts and exact prefill (no prefill_chunk): the "
-            "question of a question-agnostic run and chunked prefill are fed per sample"
-        )
+    check_options(options)
     for req in requests:
         if not req.prefill_ids:
             raise ValueError(f"request {req.key} has an empty prompt")
     device = next(model.parameters()).device
+    store = CaptureStore(options.prefill_cache, model) if options.prefill_cache else None
     for batch in batches(requests, options.batch_size):
         if len(batch) == 1:
-            yield from _run_one(model, batch[0], options, eos, device, reconstruction)
+            yield from _run_one(model, batch[0], options, eos, device, store, reconstruction)
         else:
-            yield from _run_batch(model, batch, options, eos, device, reconstruction)
+            yield from _run_batch(model, batch, options, eos, device, store, reconstruction)
+
+
+def _capture(model: Any, ids: list[int], device: torch.device, store: CaptureStore | None) -> PrefillCapture:
+    """The prefill capture of one prompt: from the store when it holds it, else prefilled (and stored)."""
+    capture = store.load(ids) if store is not None else None
+    if capture is None:
+        t = torch.tensor([ids], dtype=torch.long, device=device)
+        capture = capture_prefill(model, t, torch.ones_like(t))
+        if store is not None:
+            store.save(ids, capture)
+    return capture
+
+
+@dataclass
+class _Reference:
+    """The full cache's greedy answers of a batch, and the log-probabilities each token was chosen from."""
+
+    tokens: list[list[int]]
+    decode_s: float
+    targets: torch.Tensor  # (B, T) the answers, padded
+    valid: torch.Tensor  # (B, T) positions 1.. of each answer
+    full_lp: torch.Tensor  # (B, T, vocab)
+
+
+def _reference(model: Any, capture: PrefillCapture, cap: int, eos: list[int], device: torch.device) -> _Reference:
+    start = time.perf_counter()
+    lps: list[torch.Tensor] = []
+    tokens = greedy_decode(model, capture, capture.replay("full", capture.prompt_len), cap, eos, logprobs=lps)
+    _sync(device)
+    decode_s = time.perf_counter() - start
+    tokens = [t[:cap] for t in tokens]
+    T = max(len(t) for t in tokens)
+    targets = torch.zeros(len(tokens), T, dtype=torch.long, device=device)
+    valid = torch.zeros(len(tokens), T, dtype=torch.bool, device=device)
+    for b, t in enumerate(tokens):
+        targets[b, : len(t)] = torch.tensor(t, dtype=torch.long, device=device)
+        valid[b, 1 : len(t)] = True
+    return _Reference(tokens, decode_s, targets, valid, torch.stack(lps[:T], 1))
+
+
+def _fidelity(model: Any, capture: PrefillCapture, ref: _Reference, method: Any, budget: Any, kv_dtype) -> list[dict]:
+    """Per sequence: the output-level distance of (method, budget) to the full cache along the reference answers."""
+    cache = capture.replay(method, budget, kv_dtype=kv_dtype)
+    lp = teacher_forced_logprobs(model, capture, cache, ref.targets)
+    d = distances(ref.full_lp, lp, ref.targets, ref.valid)
+    out = []
+    for b in range(len(ref.tokens)):
+        n = int(d["tokens"][b])
+        out.append(
+            {
+                "kl": _finite(d["kl"][b]) if n else None,
+                "delta_nll": _finite(d["delta_nll"][b]) if n else None,
+                "top1": _finite(d["top1"][b]) if n else None,
+                "kl_tokens": n,
+            }
+        )
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return round(float(x), 6) if math.isfinite(x) else None
 
 
 def _run_batch(
@@ -109,17 +205,17 @@ def _run_batch(
     options: EvalOptions,
     eos: list[int],
     device: torch.device,
+    store: CaptureStore | None,
     reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
     """Prefill each request once, stack the captures, then decode every pair for the whole batch."""
-    captures: list[PrefillCapture] = []
-    for req in batch:
-        ids = torch.tensor([req.prefill_ids], dtype=torch.long, device=device)
-        captures.append(capture_prefill(model, ids, torch.ones_like(ids)))
+    captures = [_capture(model, req.prefill_ids, device, store) for req in batch]
     prefill_s = [c.prefill_s for c in captures]
+    cached = [c.cached for c in captures]
     capture = stack_captures(captures, release=True)  # peak memory: one batch of records, not two
     captures.clear()
     cap = batch[0].max_new_tokens
+    ref = _reference(model, capture, cap, eos, device) if _wants_reference(options, batch[0]) else None
     for method, budget in batch[0].pairs:
         start = time.perf_counter()
         built, profile = _method_for(model, method, budget)
@@ -132,11 +228,25 @@ def _run_batch(
         assert compressor.info is not None  # set by the replay's prefill
         compressed = compressor.info.compress.tolist()
         kv_bytes = [cache.byte_counts(i) for i in range(len(batch))]  # after compression, before decoding
-        start = time.perf_counter()
-        all_tokens = greedy_decode(model, capture, cache, cap, eos)
-        _sync(device)
-        decode_s = time.perf_counter() - start
+        if budget is None and ref is not None:  # the reference is the full cache's own greedy decode
+            all_tokens, decode_s = ref.tokens, ref.decode_s
+        else:
+            start = time.perf_counter()
+            all_tokens = greedy_decode(model, capture, cache, cap, eos)
+            _sync(device)
+            decode_s = time.perf_counter() - start
+        del cache
+        fid = (
+            _fidelity(model, capture, ref, built, budget, options.kv_dtype)
+            if ref is not None and budget is not None
+            else None
+        )
         for i, req in enumerate(batch):
+            extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": cached[i]}
+            if second is not None:
+                extra["second_pass_s"] = round(second, 5)
+            if fid is not None:
+                extra.update(fid[i])
             yield EvalOutput(
                 key=req.key,
                 method=method,
@@ -150,15 +260,13 @@ def _run_batch(
                 max_new_tokens=cap,
                 batch_size=len(batch),
                 profile=profile,
-                extra=_extra(compress_s, second),
+                extra=extra,
             )
 
 
-def _extra(compress_s: float, second_pass_s: float | None) -> dict:
-    out = {"compress_s": round(compress_s, 5)}
-    if second_pass_s is not None:
-        out["second_pass_s"] = round(second_pass_s, 5)
-    return out
+def _wants_reference(options: EvalOptions, req: EvalRequest) -> bool:
+    """Fidelity rows are asked for and some pair is compressed (the full pair alone needs no reference)."""
+    return options.fidelity and any(budget is not None for _, budget in req.pairs)
 
 
 def _run_one(
@@ -167,12 +275,14 @@ def _run_one(
     options: EvalOptions,
     eos: list[int],
     device: torch.device,
+    store: CaptureStore | None,
     reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
     """Prefill one request once, then decode every pending pair from it."""
     ids = torch.tensor([req.prefill_ids], dtype=torch.long, device=device)
-    extra = torch.tensor([req.question_ids], dtype=torch.long, device=device) if req.question_ids else None
-    capture = capture_prefill(model, ids, torch.ones_like(ids))
+    extra_ids = torch.tensor([req.question_ids], dtype=torch.long, device=device) if req.question_ids else None
+    capture = _capture(model, req.prefill_ids, device, store)
+    ref = _reference(model, capture, req.max_new_tokens, eos, device) if _wants_reference(options, req) else None
     for method, budget in req.pairs:
         start = time.perf_counter()
         chunk = None if budget is None else options.prefill_chunk
@@ -195,10 +305,19 @@ def _run_one(
         _sync(device)
         compress_s = time.perf_counter() - start
         stats = cache.statistics()
-        start = time.perf_counter()
-        tokens = greedy_decode(model, source, cache, req.max_new_tokens, eos, extra_ids=extra)[0]
-        _sync(device)
-        decode_s = time.perf_counter() - start
+        if budget is None and ref is not None:  # the reference is the full cache's own greedy decode
+            tokens, decode_s = ref.tokens[0], ref.decode_s
+        else:
+            start = time.perf_counter()
+            tokens = greedy_decode(model, source, cache, req.max_new_tokens, eos, extra_ids=extra_ids)[0]
+            _sync(device)
+            decode_s = time.perf_counter() - start
+        del cache
+        extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": capture.cached}
+        if second is not None:
+            extra["second_pass_s"] = round(second, 5)
+        if ref is not None and budget is not None:
+            extra.update(_fidelity(model, capture, ref, built, budget, options.kv_dtype)[0])
         yield EvalOutput(
             key=req.key,
             method=method,
@@ -212,5 +331,5 @@ def _run_one(
             max_new_tokens=req.max_new_tokens,
             prefill_chunk=chunk,
             profile=profile,
-            extra=_extra(compress_s, second),
+            extra=extra,
         )

@@ -151,6 +151,7 @@ def generate(
     allow_long_context: bool = False,
     kv_dtype: str | None = None,
     compile: bool = False,
+    kernels: str = "auto",
     **hyperparameters,
 ) -> GenerationResult:
     """Generate with a compressed KV cache.
@@ -188,6 +189,9 @@ def generate(
         step as one compiled graph (transformers' ``compile_config``: ``torch.compile(fullgraph=True)``, CUDA graphs
         on CUDA; ``docs/compile.md``). The first step compiles (seconds to minutes); a method that cannot decode with
         fixed shapes raises ValueError.
+    kernels : str
+        The decode step's implementation (:class:`SlakeCache`'s ``kernels``): ``"auto"``, ``"torch"`` or
+        ``"triton"``; ``result.extra["kernels"]`` says which ran.
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.methods.profiles`: a
@@ -220,6 +224,7 @@ def generate(
         prefill_chunk=prefill_chunk,
         kv_dtype=kv_dtype,
         max_cache_len=max_len,
+        kernels=kernels,
     )
     last_read_after = m.second_pass is not None  # read the last prompt token over the compressed cache
     if last_read_after:
@@ -288,7 +293,8 @@ def generate(
         sequences=out,
         hyperparameters=m.hyperparameters(),
         profile=profile,
-        extra={} if cache.second_pass_s is None else {"second_pass_s": round(cache.second_pass_s, 5)},
+        extra={"kernels": stats["kernels"]}
+        | ({} if cache.second_pass_s is None else {"second_pass_s": round(cache.second_pass_s, 5)}),
     )
 
 

@@ -48,6 +48,7 @@ class BenchConfig:
     seed: int = 0
     kv_dtype: str | None = None
     compile: bool = False  # decode steps through torch.compile(fullgraph=True) on a static SlakeCache
+    kernels: str = "auto"  # the decode step's implementation (SlakeCache's kernels)
 
 
 def _sync(device: torch.device) -> None:
@@ -73,6 +74,7 @@ def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
         kv_dtype=cfg.kv_dtype,
         profile_model=model,
         max_cache_len=max_len,
+        kernels=cfg.kernels,
     )
     if cache.method.second_pass is not None:  # random prompts: the pass's cost depends on lengths only
         from slake.engines.transformers.reconstruction import ReconstructionPrompt
@@ -193,6 +195,8 @@ def measure(model, cfg: BenchConfig) -> dict:
     stats = cache.statistics()
     kv = stats["kv_bytes"]
     second_pass_s = cache.second_pass_s
+    # which implementation ran the decode steps (a compiled step records nothing: the choice it was built with)
+    ran = stats["kernels"] if stats["kernels"] != "none" else cache.compressor.decoder.kernels
     del cache, logits
     return {
         "method": cfg.method,
@@ -201,6 +205,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "batch": cfg.batch,
         "kv_dtype": cfg.kv_dtype,
         "compile": cfg.compile,
+        "kernels": ran,
         "compile_s": compile_s,
         "prefill_chunk": cfg.prefill_chunk,
         "prefill_s": t1 - t0,

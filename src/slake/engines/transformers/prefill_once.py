@@ -9,12 +9,23 @@ then continues from each replayed cache with a plain greedy loop.
 Hybrid models: the sliding-window (and chunked) layers are not compressed; their prefill keys and values are
 recorded too and replayed into a fresh bounded layer of transformers' own class, which keeps exactly what it kept in
 the live prefill.
+
+A capture can be kept on disk across runs (:class:`CaptureStore`): it is saved exactly (the same tensors, bit for
+bit), under a key made of the prompt's token ids and a fingerprint of the model (its configuration, dtype, device
+type and a checksum of some weights), so a later run on the same prompt and model replays it instead of prefilling
+again, with the same results.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +70,8 @@ class PrefillCapture:
     #: second-pass scores already computed on this capture, by ``Method.second_pass_key()``
     pass_scores: dict = field(default_factory=dict)
     num_layers: int = field(init=False)
+    #: True when the capture was read from a :class:`CaptureStore` instead of prefilled in this run
+    cached: bool = field(init=False, default=False)
     _score_memos: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +156,118 @@ def capture_prefill(
         layer_context=layer_contexts(model, cache.layout.compressed, cache.layout.layer_types),
         input_ids=input_ids,
     )
+
+
+def _layer_contexts(model) -> list:
+    """The model facts of every compressed layer (a stored capture holds none: they are the model's own tensors)."""
+    from slake.engines.transformers.layer_facts import layer_contexts
+
+    layout = SlakeCache("full", 1, config=model.config).layout
+    return layer_contexts(model, layout.compressed, layout.layer_types)
+
+
+def model_fingerprint(model) -> str:
+    """A digest of what makes a model's prefill what it is: its configuration, dtype, device type, and the sums of its
+    first and last parameters (so that two checkpoints of one architecture under one name differ)."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        sums = [float(p.double().sum()) for p in (params[0], params[len(params) // 2], params[-1])]
+    config = model.config.to_dict()
+    for transient in (
+        "_attn_implementation_autoset",
+        "_attn_implementation",
+        "slake_model_name",
+        "transformers_version",
+    ):
+        config.pop(transient, None)
+    blob = json.dumps(
+        {"config": config, "dtype": str(params[0].dtype), "device": params[0].device.type, "sums": sums},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class CaptureStore:
+    """Prefill captures of single prompts kept in a folder across runs (``slake eval --prefill-cache DIR``).
+
+    One file per (model fingerprint, prompt token ids), written atomically. A capture of an ``S``-token prompt holds
+    every layer's queries, keys and values in the model's dtype: for Qwen2.5-0.5B in fp32 about 50 KB per token
+    (0.8 GB at 8K tokens), so the folder is the user's to clear.
+
+    Parameters
+    ----------
+    folder : path-like
+        Created when missing.
+    model : transformers model
+        The model whose captures are stored (its :func:`model_fingerprint` is part of every key).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], model) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.model = model
+        self.fingerprint = model_fingerprint(model)
+
+    def path(self, ids: list[int]) -> Path:
+        """The file of one prompt's capture."""
+        digest = hashlib.sha256(self.fingerprint.encode())
+        digest.update(json.dumps(list(ids)).encode())
+        return self.folder / f"{digest.hexdigest()[:32]}.pt"
+
+    def load(self, ids: list[int]) -> PrefillCapture | None:
+        """The stored capture of ``ids``, or None. A file that cannot be read is treated as missing (and replaced
+        by the next :meth:`save`)."""
+        path = self.path(ids)
+        if not path.is_file():
+            return None
+        try:
+            data = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+            return None
+        if data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint:
+            return None  # a hash collision, or a file from elsewhere
+        capture = PrefillCapture(
+            records=[tuple(r) for r in data["records"]],
+            attention_mask=data["attention_mask"],
+            last_logits=data["last_logits"],
+            prefill_s=float(data["prefill_s"]),
+            config=self.model.config if data["hybrid"] else None,
+            bounded={int(k): tuple(v) for k, v in data["bounded"].items()},
+            layer_context=_layer_contexts(self.model),
+            input_ids=torch.tensor([list(ids)], dtype=torch.long, device=data["attention_mask"].device),
+        )
+        capture.cached = True
+        return capture
+
+    def save(self, ids: list[int], capture: PrefillCapture) -> Path:
+        """Write ``capture`` (of the single prompt ``ids``) atomically; returns its path."""
+        path = self.path(ids)
+        data = {
+            "ids": list(ids),
+            "fingerprint": self.fingerprint,
+            "records": [tuple(_compact(x) for x in r) for r in capture.records],
+            "attention_mask": capture.attention_mask,
+            "last_logits": _compact(capture.last_logits),
+            "prefill_s": capture.prefill_s,
+            "hybrid": capture.config is not None,
+            "bounded": {k: tuple(_compact(x) for x in v) for k, v in capture.bounded.items()},
+        }
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".part", dir=self.folder)
+        os.close(fd)
+        try:
+            torch.save(data, tmp)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return path
+
+
+def _compact(x: Any) -> Any:
+    """A tensor that owns exactly its elements (``torch.save`` writes a view's whole storage), else ``x`` itself."""
+    if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() != x.numel() * x.element_size():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def _recording_update(update, bounded: dict, layer: int):
@@ -253,11 +378,13 @@ def greedy_decode(
     max_new_tokens: int,
     eos_token_ids: list[int] | None = None,
     extra_ids: torch.Tensor | None = None,
+    logprobs: list[torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of a replayed cache; returns the new token ids of each sequence (EOS included).
 
     ``extra_ids`` (``(B, n)``) are fed as one chunk before generating: the question of a question-agnostic run
     (compress the context, then ask). Without it the first token comes from the recorded prefill logits.
+    ``logprobs``, when given, receives the ``(B, vocab)`` float32 log-probabilities each token was chosen from.
     """
     eos = set(eos_token_ids or [])
     mask = capture.attention_mask
@@ -277,6 +404,8 @@ def greedy_decode(
         tokens: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         for step in range(max_new_tokens):
+            if logprobs is not None:
+                logprobs.append(torch.log_softmax(logits.float(), -1))
             nxt = logits.argmax(-1)
             for b in range(B):
                 if not done[b]:

@@ -1,38 +1,37 @@
-"""Throughput and KV memory of vLLM with and without the plugin: ``slake bench --engine vllm``.
+"""Throughput, KV memory and step times of vLLM with and without the plugin: ``slake bench --engine vllm``.
 
-A batch of ``--requests`` prompts of ``--prompt-len`` random tokens is submitted at once (offline ``vllm.LLM``, as
-``vllm bench throughput`` does) and each request generates exactly ``--new-tokens`` tokens. For each configuration
-(plain vLLM, then each ``--methods`` at ``--budget``) it prints wall time, output tokens/s, total tokens/s, the KV
-blocks one request holds after prefill and at the end, and how many such requests one GiB of KV cache holds at
-once (blocks per GiB divided by the blocks a request holds at the end).
+Per length and budget (:func:`run_bench`): a batch of ``--batch`` prompts of random tokens is submitted at once
+(offline ``vllm.LLM``, as ``vllm bench throughput`` does) and each request generates exactly ``--warmup +
+--decode-steps`` tokens (:func:`bench`); for each configuration (plain vLLM, then each method at the budget) a row
+holds wall time, output tokens/s, total tokens/s, the KV blocks one request holds after prefill and at the end, and
+how many such requests one GiB of KV cache holds at once (blocks per GiB divided by the blocks a request holds at the
+end). Before that, in the same process and plain vLLM first, the engine's steps are timed one by one
+(:func:`step_bench`): the prefill step, decode-only steps and mixed steps, with their ratios to plain vLLM's and the
+plugin's own time per compressed request and layer.
+
+Each method runs as ``vllm serve`` users get it (``{"method", "budget"}``): the plugin applies the model's profile,
+and the rows' ``profile`` is the entry it reports it applied.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
 import sys
+import time
 
 from slake.engines.base import BenchPlan, BenchReport, load_avg
 
 
-def method_config(method: str, budget: int, model_dir: str, model_name: str | None) -> tuple[dict | None, dict | None]:
-    """The plugin configuration of ``method`` at ``budget`` as users get it (None for ``"full"``, plain vLLM): the
-    model's profile applied under ``model_name`` (default: ``model_dir``'s folder name up to its first dot,
-    ``SmolLM2-135M-Instruct`` for the converted default model), then vLLM's layer cap. Returns it and the profile
-    entry applied (None when none did)."""
-    import os
-
+def _plugin_config(method: str, budget: int) -> dict | None:
+    """The plugin configuration of ``method`` at ``budget`` as ``vllm serve`` users write it (None for ``"full"``,
+    plain vLLM): the plugin applies the model's profile itself, and reports the entry it applied."""
     from slake.budgets.budget import Budget
-    from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method
-    from slake.engines.vllm.runner import model_config
+    from slake.engines.vllm.plugin.config import plugin_config
 
-    if method == "full":
-        return None, None
-    name = model_name or os.path.basename(os.path.normpath(model_dir)).split(".")[0]
-    b = Budget(budget)
-    built, profile = resolve_plugin_method(method, b, model_config(model_dir, name))
-    return plugin_config(built, b), profile
+    return plugin_config(method, Budget(budget))
 
 
 def bench(
@@ -47,11 +46,10 @@ def bench(
     dtype: str = "float32",
     seed: int = 0,
     include_plain: bool = True,
-    model_name: str | None = None,
 ) -> list[dict]:
     """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
-    for the columns. Every configuration gets the same random prompts; each method runs with the model's profile
-    (:func:`method_config`)."""
+    for the columns. Every configuration gets the same random prompts; each method runs as ``vllm serve`` users get
+    it, with the model's profile (the row's ``profile`` is the entry the plugin applied)."""
     import torch
 
     from slake.engines.vllm.runner import run_vllm
@@ -61,7 +59,7 @@ def bench(
     prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
     rows = []
     for method in (["full"] if include_plain else []) + list(methods):
-        cfg, profile = method_config(method, budget, model_dir, model_name)
+        cfg = _plugin_config(method, budget)
         run = run_vllm(
             model_dir,
             prompts,
@@ -83,7 +81,7 @@ def bench(
             {
                 "method": method,
                 "budget": None if cfg is None else budget,
-                "profile": profile,
+                "profile": run.plugin["profile"] if run.plugin else None,
                 "requests": requests,
                 "prompt_len": prompt_len,
                 "new_tokens": new_tokens,
@@ -136,7 +134,6 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                         budget=int(b.value),
                         dtype=dtype,
                         seed=plan.seed,
-                        model_name=model_name,
                     )
                 }
                 for row in bench(
@@ -149,7 +146,6 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                     dtype=dtype,
                     seed=plan.seed,
                     include_plain=i == 0,
-                    model_name=model_name,
                 ):
                     st = steps.get(row["method"], {})
                     row.update({k: v for k, v in st.items() if k not in row and k != "load_avg_1m"})
@@ -175,8 +171,6 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
 
 def _timed_steps(llm, n: int) -> list[float]:
     """Run ``n`` engine steps, returning each one's wall time (seconds)."""
-    import time
-
     eng = llm.llm_engine
     out = []
     for _ in range(n):
@@ -212,18 +206,15 @@ def step_times(
     All of ``prompts`` are added at once and prefilled in one step (``max_num_batched_tokens`` holds them all);
     then ``decode_steps`` decode-only steps at batch ``len(prompts)`` are timed one by one; then each prompt of
     ``extra`` is added alone, so that the next step is a mixed one (its prefill plus the running requests' decode),
-    followed by two decode steps. Returns medians in milliseconds and the plugin's own time per compressed request
-    and layer (from :data:`slake.engines.vllm.plugin.backend.STEP_TIMES`).
+    followed by two decode steps. Returns medians in milliseconds, the plugin's own time per compressed request
+    and layer (the engine's step timings, read with ``LLM.collective_rpc``,
+    :func:`slake.engines.vllm.plugin.worker.report`), and the profile entry the plugin applied.
     """
-    import math
-    import os
-    import statistics
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from vllm import LLM, SamplingParams
 
-    from slake.engines.vllm.plugin import backend
+    from slake.engines.vllm.plugin import worker
     from slake.engines.vllm.runner import engine_kwargs
 
     n, p = len(prompts), max(len(x) for x in prompts + extra)
@@ -251,21 +242,23 @@ def step_times(
     )
     while eng.has_unfinished_requests():
         eng.step()
-    backend.TIMING, backend.STEP_TIMES[:] = True, []
+    llm.collective_rpc(worker.configure, kwargs={"timing": True, "clear": True})
     try:
         for i, x in enumerate(prompts):
             eng.add_request(f"r{i}", {"prompt_token_ids": list(x)}, sp)
         prefill = _timed_steps(llm, 1)[0]
         decode = _timed_steps(llm, decode_steps)
-        plugin = [t for r, _, layers, t in backend.STEP_TIMES if r == n]
-        plugin_per = [t / (r * layers) for r, _, layers, t in backend.STEP_TIMES if r == n]
+        reports = [r for r in llm.collective_rpc(worker.report) if r is not None]
+        times = reports[0]["step_times"] if reports else []
+        plugin = [t for r, _, layers, t in times if r == n]
+        plugin_per = [t / (r * layers) for r, _, layers, t in times if r == n]
         mixed = []
         for j, x in enumerate(extra):
             eng.add_request(f"x{j}", {"prompt_token_ids": list(x)}, sp)
             mixed.append(_timed_steps(llm, 1)[0])
             _timed_steps(llm, 2)
     finally:
-        backend.TIMING = False
+        llm.collective_rpc(worker.configure, kwargs={"timing": False})
         for rid in [f"r{i}" for i in range(n)] + [f"x{j}" for j in range(len(extra))]:
             try:
                 eng.abort_request([rid])
@@ -280,6 +273,7 @@ def step_times(
         "mixed_step_ms": round(med(mixed) * 1000, 1) if mixed else None,
         "plugin_ms_per_step": round(med(plugin) * 1000, 2) if plugin else 0.0,
         "plugin_us_per_request_layer": round(med(plugin_per) * 1e6, 1) if plugin_per else 0.0,
+        "profile": reports[0]["profile"] if reports else None,
     }
 
 
@@ -295,17 +289,14 @@ def step_bench(
     block_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
-    model_name: str | None = None,
 ) -> list[dict]:
     """:func:`step_times` for plain vLLM and each method at ``budget``, in this process one after another, with
     each step's ratio to plain vLLM's and the load average next to every row.
 
-    Each method runs as users get it, with the model's profile (:func:`method_config`); the row's ``profile`` says
+    Each method runs as users get it, with the model's profile (the plugin applies it); the row's ``profile`` says
     which entry applied. ``mixed``: mixed steps timed (the median is reported; one varies by 5-10% on this CPU)."""
     import torch
     from transformers import AutoConfig
-
-    from slake.engines.base import load_avg
 
     hi = min(1000, int(AutoConfig.from_pretrained(model_dir).vocab_size))  # token ids every tokenizer of interest has
     g = torch.Generator().manual_seed(seed)
@@ -313,7 +304,7 @@ def step_bench(
     extra = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(mixed)]
     rows, base = [], None
     for method in ["full", *methods]:
-        cfg, profile = method_config(method, budget, model_dir, model_name)
+        cfg = _plugin_config(method, budget)
         print(f"slake bench (vllm steps): {method}, {requests} x {prompt_len}", file=sys.stderr)
         before = load_avg()
         t = step_times(
@@ -324,7 +315,7 @@ def step_bench(
             "budget": None if cfg is None else budget,
             "requests": requests,
             "prompt_len": prompt_len,
-            "profile": profile,
+            "profile": t.pop("profile"),
             **t,
         }
         if base is None:
@@ -335,200 +326,3 @@ def step_bench(
         row["load_avg_1m"] = [before, load_avg()]
         rows.append(row)
     return rows
-
-
-def pool_step_cpu_ms(method: str, *, steps: int = 10, cold: bool = False, **shape) -> float:
-    """CPU milliseconds (``time.process_time``, this process) of the plugin's batched decode work for one step of
-    compressed requests over all layers, on random tensors in a paged cache. No vLLM engine: the plugin's own cost,
-    free of vLLM's scheduling and of other processes' wall-clock noise (run with ``OMP_NUM_THREADS=1`` for a single
-    core's cost).
-
-    ``shape``: :func:`slake.engines.vllm.pool_bench.random_pool`'s keyword arguments (``requests``, ``budget``,
-    ``layers``, ``kv_heads``, ``group``, ``head_dim``, ``block_size``, ``kept``; default: 8 requests at budget 128
-    in the shape of SmolLM2-135M, every layer at its widest). ``method`` may be a spec
-    (``"slake[linear_cache=false]"``). Each layer is read at its width as the plugin does
-    (:meth:`DecodePool.layer_widths`). ``cold``: before each layer, write a buffer larger than this machine's
-    last-level cache (outside the timed part), as the plugin finds its data inside vLLM, where each layer's weights
-    pass through the cache in between; otherwise the pool's data may stay cached from one step to the next, which
-    favours smaller pools."""
-    import statistics
-    import time
-
-    import torch
-
-    from slake.engines.vllm.pool_bench import random_pool
-
-    rp = random_pool(method, **shape)
-    flush = torch.zeros(64 * 2**20 // 4) if cold else None  # 64 MiB, twice this machine's 32 MiB L3
-    times = []
-    for _ in range(steps + 2):
-        newest = rp.newest()
-        spent = 0.0
-        for li in range(len(rp.kv)):
-            if flush is not None:
-                flush.add_(1.0)
-            t0 = time.process_time()
-            rp.layer(li, newest)
-            spent += time.process_time() - t0
-        times.append(spent)
-    return statistics.median(times[2:]) * 1000
-
-
-def per_request_step_cpu_ms(
-    method: str,
-    *,
-    requests: int = 8,
-    budget: int = 128,
-    layers: int = 30,
-    kv_heads: int = 3,
-    group: int = 3,
-    head_dim: int = 64,
-    block_size: int = 32,
-    steps: int = 6,
-) -> float:
-    """Like :func:`pool_step_cpu_ms`, for the plugin's former decode path (up to commit 9429d85): per request and
-    layer, read the whole kept cache out of the paged blocks, ``CompressedKV.append`` + ``decode_attention``, and
-    write the whole kept cache back with vLLM's cache-write op. Kept so that the two are compared in one run."""
-    import statistics
-    import time
-
-    import torch
-    from vllm import _custom_ops as ops
-
-    from slake.cache.compressed import CompressedKV
-    from slake.engines.vllm.plugin.paged import CpuAttnLayout, slot_mapping
-    from slake.engines.vllm.pool_bench import pool_shape
-
-    g = torch.Generator().manual_seed(0)
-    layout = CpuAttnLayout()
-    m, W, nb = pool_shape(method, budget, block_size)
-    kv = [torch.zeros(requests * nb + 1, kv_heads, block_size, 2 * head_dim) for _ in range(layers)]
-    S = 4 * budget
-    caches, tables = [], []
-    for r in range(requests):
-        c = CompressedKV(m, budget, layers)
-        tbl = torch.arange(1 + r * nb, 1 + (r + 1) * nb)
-        for li in range(layers):
-            c.prefill_layer(
-                li,
-                torch.randn(1, kv_heads * group, S, head_dim, generator=g),
-                torch.randn(1, kv_heads, S, head_dim, generator=g),
-                torch.randn(1, kv_heads, S, head_dim, generator=g),
-                None,
-                head_dim**-0.5,
-            )
-        for li in range(layers):
-            st = c.layers[li]
-            assert st is not None
-            kc, vc = kv[li].view(kv[li].shape[0], kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                st.keys[0].transpose(0, 1).contiguous(),
-                st.values[0].transpose(0, 1).contiguous(),
-                kc,
-                vc,
-                slot_mapping(tbl, st.capacity, block_size),
-                "vec",
-            )
-            st.keys = st.values = None  # type: ignore[assignment]
-        caches.append(c)
-        tables.append(tbl)
-    q = torch.randn(1, kv_heads * group, 1, head_dim, generator=g)
-    k = torch.randn(1, kv_heads, 1, head_dim, generator=g)
-    times = []
-    for _ in range(steps + 2):
-        t0 = time.process_time()
-        for li in range(layers):
-            kc, vc = kv[li].view(kv[li].shape[0], kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-            for c, tbl in zip(caches, tables):
-                st = c.layers[li]
-                assert st is not None
-                k_old, v_old = layout.read(kv[li], tbl, st.positions.shape[-1])
-                st.keys, st.values = k_old.unsqueeze(0), v_old.unsqueeze(0)
-                c.append(li, k, k)
-                c.decode_attention(li, q, head_dim**-0.5)
-                ops.cpu_attn_reshape_and_cache(
-                    st.keys[0].transpose(0, 1).contiguous(),
-                    st.values[0].transpose(0, 1).contiguous(),
-                    kc,
-                    vc,
-                    slot_mapping(tbl, st.capacity, block_size),
-                    "vec",
-                )
-                st.keys = st.values = None  # type: ignore[assignment]
-        times.append(time.process_time() - t0)
-    return statistics.median(times[2:]) * 1000
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m slake.engines.vllm.bench steps MODEL_DIR --requests 8 --prompt-len 2048 ...`` (JSON lines of
-    :func:`step_bench`) or ``python -m slake.engines.vllm.bench pool --methods snapkv,slake``
-    (:func:`pool_step_cpu_ms` against :func:`per_request_step_cpu_ms`)."""
-    import argparse
-
-    from slake.engines.base import load_avg
-
-    ap = argparse.ArgumentParser(prog="python -m slake.engines.vllm.bench")
-    ap.add_argument("what", choices=["steps", "pool"])
-    ap.add_argument("model_dir", nargs="?")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--methods", default="snapkv,slake")
-    ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--mixed", type=int, default=6, help="mixed steps timed (median reported)")
-    ap.add_argument("--model-name", default=None, help="name the profile is looked up under (default: the folder's)")
-    ap.add_argument("--kept", type=int, default=None, help="pool: slots each layer holds (default: all but one)")
-    ap.add_argument("--cold", action="store_true", help="pool: evict the last-level cache before each layer")
-    ap.add_argument("--batched-only", action="store_true", help="pool: skip the former per-request path")
-    ap.add_argument("--steps", type=int, default=10, help="pool: steps timed (median reported)")
-    a = ap.parse_args(argv)
-    methods = [m for m in a.methods.split(",") if m and m != "full"]
-    if a.what == "steps":
-        for row in step_bench(
-            a.model_dir,
-            requests=a.requests,
-            prompt_len=a.prompt_len,
-            decode_steps=a.decode_steps,
-            methods=methods,
-            budget=a.budget,
-            mixed=a.mixed,
-            model_name=a.model_name,
-        ):
-            print(json.dumps(row), flush=True)
-        return
-    for m in methods:
-        ms = pool_step_cpu_ms(m, requests=a.requests, budget=a.budget, kept=a.kept, cold=a.cold, steps=a.steps)
-        row = {
-            "method": m,
-            "budget": a.budget,
-            "requests": a.requests,
-            "kept": a.kept,
-            "cold": a.cold,
-            "batched_cpu_ms_per_step": round(ms, 2),
-            "batched_us_per_request_layer": round(ms * 1000 / (a.requests * 30), 1),
-            "load_avg_1m": load_avg(),
-        }
-        if a.batched_only:
-            print(json.dumps(row), flush=True)
-            continue
-        old = per_request_step_cpu_ms(m, requests=a.requests, budget=a.budget)
-        print(
-            json.dumps(
-                {
-                    "method": m,
-                    "budget": a.budget,
-                    "requests": a.requests,
-                    "batched_cpu_ms_per_step": round(ms, 2),
-                    "per_request_cpu_ms_per_step": round(old, 2),
-                    "batched_us_per_request_layer": round(ms * 1000 / (a.requests * 30), 1),
-                    "per_request_us_per_request_layer": round(old * 1000 / (a.requests * 30), 1),
-                    "batched_vs_per_request": round(ms / old, 3),
-                    "load_avg_1m": load_avg(),
-                }
-            ),
-            flush=True,
-        )
-
-
-if __name__ == "__main__":
-    main()

@@ -32,6 +32,7 @@ class VllmEngine(Engine):
         "charge_linear_state": "the plugin's budget counts kept entries only",
         "linear_cache": "the plugin keeps each method's own linear-state setting",
         "kv_dtype": "the plugin stores vLLM's own cache dtype",
+        "kernels": "the plugin runs on vLLM's CPU backend, where the decode step runs in torch",
         "question_agnostic": "the plugin compresses the whole prompt",
         "random_model": "vLLM loads checkpoints; save the random model to a folder and pass it as --model",
         "isolate": "vLLM runs every configuration in its own engine already",
@@ -90,13 +91,6 @@ class VllmEngine(Engine):
 
         return stop_token_ids(self.model_dir, self.tokenizer, union=True)
 
-    def plugin_method(self, method: str, budget: int | float) -> tuple[Any, dict | None]:
-        """The method the plugin runs for a pair, with the model's profile applied, and the profile."""
-        from slake.engines.vllm.plugin.config import resolve_plugin_method
-        from slake.engines.vllm.runner import model_config
-
-        return resolve_plugin_method(method, Budget(budget), model_config(self.model_dir, self.model_spec.name))
-
     def generate(
         self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True, **options: Any
     ) -> GenerationResult:
@@ -150,18 +144,15 @@ class VllmEngine(Engine):
             model_dir=self.model_dir,
             dtype=self.dtype,
             stop=self.eos_token_ids(),
-            plugin_method=self.plugin_method,
             block_size=self.block_size,
         )
 
     def plugin_config(self, method: str, budget: int | float) -> dict | None:
-        """The plugin's ``additional_config["slake"]`` for a pair (the model's profile applied, as
-        :meth:`plugin_method`); None for the full cache (plain vLLM)."""
+        """The plugin's ``additional_config["slake"]`` for a pair, as ``vllm serve`` users write it (the plugin
+        applies the model's profile itself); None for the full cache (plain vLLM)."""
         from slake.engines.vllm.plugin.config import plugin_config
 
-        if method == "full":
-            return None
-        return plugin_config(self.plugin_method(method, budget)[0], Budget(budget))
+        return plugin_config(method, Budget(budget))
 
     def bench(self, plan: BenchPlan) -> BenchReport:
         """The offline benchmark (:mod:`slake.engines.vllm.bench`), or with ``plan.serve`` the load benchmark

@@ -2,16 +2,16 @@
 
 One vLLM engine is started per pair with that plugin configuration (plain vLLM for the full cache), and every
 pending prompt of the pair is submitted at once (vLLM schedules them as a batch; prompts with different generation
-caps go in separate calls), greedy, stopping on the model's end-of-sequence ids. Outputs carry vLLM's block
-accounting (``kv_blocks_end``) and the hyperparameters the plugin ran with.
+caps go in separate calls), greedy, stopping on the model's end-of-sequence ids. The plugin gets the pair as
+``vllm serve`` users write it and applies the model's profile itself; outputs carry vLLM's block accounting
+(``kv_blocks_end``) and the hyperparameters and profile the plugin reports it ran with.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 from slake.budgets.budget import Budget
 from slake.engines.base import EvalOutput, EvalRequest
@@ -25,14 +25,11 @@ def evaluate(
     model_dir: str,
     dtype: str,
     stop: list[int],
-    plugin_method: Callable[[str, int | float], tuple[Any, dict | None]],
     block_size: int = 32,
 ) -> Iterator[EvalOutput]:
     """Every pending pair of every request (see the module docstring); one :class:`EvalOutput` each.
 
-    ``model_dir`` is the folder vLLM loads, ``dtype`` its dtype, ``stop`` the end-of-sequence ids, and
-    ``plugin_method(method, budget)`` the resolved method and profile of a pair
-    (:meth:`slake.engines.vllm.VllmEngine.plugin_method`)."""
+    ``model_dir`` is the folder vLLM loads, ``dtype`` its dtype, ``stop`` the end-of-sequence ids."""
     from slake.engines.vllm.plugin.config import plugin_config
     from slake.engines.vllm.runner import model_len, run_vllm
 
@@ -43,11 +40,7 @@ def evaluate(
     if not by_pair:
         return
     for (method, budget), todo in by_pair.items():
-        if budget is None:
-            cfg, hyper, profile = None, None, None
-        else:
-            built, profile = plugin_method(method, budget)
-            hyper, cfg = built.hyperparameters(), plugin_config(built, Budget(budget))
+        cfg = None if budget is None else plugin_config(method, Budget(budget))
         groups: dict[int, list[EvalRequest]] = {}
         for req in todo:  # one generation length per vLLM call
             groups.setdefault(req.max_new_tokens, []).append(req)
@@ -66,6 +59,7 @@ def evaluate(
                 max_num_seqs=max(len(prompts), 1),
             )
             wall = time.perf_counter() - start
+            ran = run.plugin or {}
             for i, req in enumerate(group):
                 steps = max(len(run.tokens[i]) - 1, 0)
                 ms = run.decode_ms_per_token[i]
@@ -81,7 +75,7 @@ def evaluate(
                     kv_bytes=run.kv_bytes[i],
                     max_new_tokens=cap,
                     batch_size=len(group),
-                    profile=profile,
-                    hyperparameters=hyper,
+                    profile=ran.get("profile"),
+                    hyperparameters=ran.get("hyperparameters"),
                     extra={"kv_blocks_end": run.blocks_end[i], "engine_wall_s": round(wall, 3)},
                 )

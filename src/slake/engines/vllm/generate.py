@@ -36,11 +36,11 @@ def generate_vllm(
         The user prompt.
     method, budget :
         What compresses the cache (see :mod:`slake.engines.vllm.plugin.config` for what the plugin supports); ``full``
-        runs plain
-        vLLM. A name or spec is resolved as the transformers engine does it
+        runs plain vLLM. A name or spec goes to the plugin as ``vllm serve --additional-config`` gives it (with the
+        user's ``hyperparameters`` in ``set``), and the plugin resolves it as the transformers engine does
         (:func:`slake.methods.profiles.resolve_method`: the model's profile fills what the user did not set);
         CAKE/SLAKE then get vLLM's ``max_layer_budget`` (:func:`slake.engines.vllm.plugin.config.with_layer_cap`)
-        unless set.
+        unless set. The result's ``hyperparameters`` and ``profile`` are what the plugin reports it ran.
     model, gguf_file, dtype :
         As ``slake generate --model/--gguf-file/--dtype``; GGUF models are converted once to safetensors
         (:func:`slake.engines.vllm.runner.local_model_dir`).
@@ -61,13 +61,13 @@ def generate_vllm(
 
     from slake.engines.transformers.generate import format_prompt
     from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method, vllm_dtype
-    from slake.engines.vllm.runner import local_model_dir, model_config, model_len, run_vllm
+    from slake.engines.vllm.runner import local_model_dir, model_len, run_vllm
 
     budget = Budget(budget)
     dtype = vllm_dtype(dtype)
+    built, _ = resolve_plugin_method(method, budget, **hyperparameters)  # refuse what the plugin cannot run, early
     model_dir = local_model_dir(model, gguf_file, dtype)
-    method, profile = resolve_plugin_method(method, budget, model_config(model_dir, model), **hyperparameters)
-    slake_cfg = plugin_config(method, budget)
+    slake_cfg = plugin_config(method, budget, **hyperparameters)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
@@ -83,11 +83,12 @@ def generate_vllm(
         stop_token_ids=stop,
     )
     toks = run.tokens[0]
+    ran = run.plugin or {"method": built.name, "hyperparameters": built.hyperparameters(), "profile": None}
     return GenerationResult(
         texts=[str(tokenizer.decode(toks, skip_special_tokens=True))],
         prompt_tokens=[len(ids)],
         new_tokens=[len(toks)],
-        method=method.name,
+        method=ran["method"],
         budget=budget.value,
         kv_bytes=run.kv_bytes[0],
         kept_tokens_per_layer=run.kept_tokens_per_layer[0] or [],
@@ -95,8 +96,8 @@ def generate_vllm(
         prefill_s=run.prefill_s[0],
         decode_ms_per_token=run.decode_ms_per_token[0],
         layer_budgets=None,
-        hyperparameters=method.hyperparameters(),
-        profile=profile,
+        hyperparameters=ran["hyperparameters"],
+        profile=ran["profile"],
         engine="vllm",
         extra={
             "kv_blocks_after_prefill": run.blocks_after_prefill[0],

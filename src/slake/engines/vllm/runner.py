@@ -1,8 +1,9 @@
 """Running vLLM in-process with (or without) the plugin: ``slake generate --engine vllm`` and the vLLM tests.
 
 :func:`run_vllm` starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so that the scheduler's
-block statistics and the worker's compressed states can be read back), generates greedily from token ids, and
-returns tokens, timings, KV blocks held after prefill and at the end, and the kept tokens per layer.
+block statistics can be read back), generates greedily from token ids, and returns tokens, timings, KV blocks held
+after prefill and at the end, the kept tokens per layer, and the method and profile the plugin ran (read from the
+worker with ``LLM.collective_rpc``, :mod:`slake.engines.vllm.plugin.worker`).
 :func:`local_model_dir` converts the packaged default model (a GGUF file) once to a safetensors directory that vLLM
 loads without the hub.
 """
@@ -83,18 +84,6 @@ def save_dequantized(hf_model, folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def model_config(model_dir: str, model: str | None):
-    """The transformers config of a converted model, named as :func:`slake.load_model` names ``model`` (so that
-    :mod:`slake.methods.profiles` finds the same profile as in the transformers engine)."""
-    from transformers import AutoConfig
-
-    from slake.engines.transformers.models import packaged_name
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.slake_model_name = packaged_name(model) or str(model)
-    return config
-
-
 def model_len(prompt_len: int, new_tokens: int) -> int:
     """``max_model_len`` for prompts of up to ``prompt_len`` tokens and ``new_tokens`` more, rounded up to 256."""
     return int(math.ceil((prompt_len + new_tokens + 1) / 256) * 256)
@@ -118,6 +107,14 @@ class VllmRun:
     wall_s: float
     config: dict | None = None
     model_info: dict = field(default_factory=dict)
+    #: what the plugin reports of the engine (:meth:`slake.engines.vllm.plugin.state.PluginState.report`, without
+    #: its runs and step times): ``method``, ``budget``, ``hyperparameters`` and ``profile`` (the model's profile
+    #: entry it applied) it ran with, ``counters`` (preempted requests saved and restored), ``pool_rows``,
+    #: ``running`` and ``saved`` requests at the end; None for plain vLLM
+    plugin: dict | None = None
+    #: with ``timing``: per step with compressed decodes, (compressed rows, requests in the step, layers, plugin
+    #: seconds summed over layers)
+    step_times: list[tuple[int, int, int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready dict."""
@@ -170,6 +167,7 @@ def run_vllm(
     max_num_seqs: int = 16,
     num_blocks: int | None = None,
     max_tokens: list[int] | None = None,
+    timing: bool = False,
 ) -> VllmRun:
     """Generate greedily with vLLM in this process.
 
@@ -197,13 +195,15 @@ def run_vllm(
         A fixed number of KV blocks (small enough, it makes vLLM preempt requests).
     max_tokens : list[int] | None
         Tokens to generate per prompt, overriding ``max_new_tokens`` prompt by prompt.
+    timing : bool
+        Record the plugin's time in each step (``VllmRun.step_times``).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
     from vllm import LLM, SamplingParams
 
-    from slake.engines.vllm.plugin import backend
+    from slake.engines.vllm.plugin import worker
     from slake.engines.vllm.plugin.scheduler import BlockPolicy
 
     llm = LLM(
@@ -223,8 +223,7 @@ def run_vllm(
     if policy is None:  # plain vLLM: record the blocks held, change nothing else
         policy = manager.slake_policy = BlockPolicy(None)
     policy.stats = {}
-    backend.RUN_LOG.clear()
-    backend.RECORD_RUNS = True
+    llm.collective_rpc(worker.configure, kwargs={"record_runs": True, "timing": timing, "clear": True})
     sp = SamplingParams(
         temperature=0.0,
         max_tokens=max_new_tokens,
@@ -244,7 +243,10 @@ def run_vllm(
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype).replace("torch.", ""), 4)
     per_token = 2 * kv_heads * head_dim * itemsize  # one token of one layer, keys + values
-    logs = list(backend.RUN_LOG)
+    reports = [r for r in llm.collective_rpc(worker.report) if r is not None]
+    plugin = reports[0] if reports else None
+    runs = plugin.pop("runs") if plugin is not None else []
+    step_times = plugin.pop("step_times") if plugin is not None else []
     run = VllmRun(
         tokens=[],
         prompt_tokens=[],
@@ -260,15 +262,17 @@ def run_vllm(
         wall_s=wall,
         config=slake,
         model_info={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype)},
+        plugin=plugin,
+        step_times=step_times,
     )
     for out in outs:
         toks = list(out.outputs[0].token_ids)
         n = len(out.prompt_token_ids)
         stats = policy.stats_for(out.request_id)
-        state = _match_state(logs, n)
-        compressed = state is not None
-        if compressed:
-            kept = state.kept_tokens_per_layer()
+        rec = _match_run(runs, out.request_id)
+        compressed = rec is not None
+        if rec is not None:
+            kept = rec["kept_tokens_per_layer"]
         else:
             kept = [float(n + len(toks) - 1)] * layers  # the last token's K/V is never written
         run.tokens.append(toks)
@@ -276,7 +280,7 @@ def run_vllm(
         run.blocks_after_prefill.append(stats.get("after_prefill"))
         run.blocks_end.append(stats.get("end"))
         run.compressed.append(compressed)
-        run.preemptions.append(state.preemptions if compressed else 0)
+        run.preemptions.append(rec["preemptions"] if rec is not None else 0)
         run.kept_tokens_per_layer.append(kept)
         held = stats.get("end")
         kept_bytes = int(sum(kept) * per_token)
@@ -285,8 +289,8 @@ def run_vllm(
                 "full": int((n + len(toks) - 1) * layers * per_token),
                 "kept": kept_bytes,
                 "padding": max(int(held * block_size * layers * per_token) - kept_bytes, 0) if held is not None else 0,
-                "metadata": state.metadata_bytes() if compressed else 0,
-                "linear_state": state.linear_state_bytes() if compressed else 0,
+                "metadata": rec["metadata_bytes"] if rec is not None else 0,
+                "linear_state": rec["linear_state_bytes"] if rec is not None else 0,
                 "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
             }
         )
@@ -302,12 +306,15 @@ def run_vllm(
     return run
 
 
-def _match_state(logs: list, prompt_len: int):
-    """The worker state logged for a prompt of ``prompt_len`` tokens (first unclaimed one), or None."""
-    for i, st in enumerate(logs):
-        if st.prompt_len == prompt_len:
-            return logs.pop(i)
-    return None
+def _match_run(runs: list[dict], output_request_id: str) -> dict | None:
+    """The plugin's record of a request by the id its ``RequestOutput`` carries (the engine core appends
+    ``-<suffix>`` to it), the latest one when a request was compressed twice; None for an uncompressed request."""
+    found = None
+    for run in runs:
+        rid = run["req_id"]
+        if rid == output_request_id or rid.startswith(output_request_id + "-"):
+            found = run
+    return found
 
 
 def expected_blocks(

@@ -6,6 +6,11 @@ through the environment variable ``SLAKE_VLLM`` holding the same JSON object (``
 128}``). Keys: ``method`` (a name or spec such as ``snapkv[window=16]``), ``budget`` (an absolute token count),
 ``set`` (optional hyperparameter overrides). Without either, the plugin changes nothing.
 
+The plugin applies the model's hyperparameter profile itself (:func:`slake.methods.profiles.resolve_method`, from
+the config of the model vLLM loads, as the transformers engine does from its model), so ``vllm serve`` with a bare
+``{"method": "slake", "budget": 128}`` runs what ``slake generate --engine vllm`` runs; values in ``set`` (or in a
+method spec) override the profile's.
+
 This module imports nothing of vLLM so that it can be tested and used by the CLI without it.
 """
 
@@ -15,6 +20,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from slake.budgets.budget import Budget
@@ -47,6 +53,9 @@ class SlakeVllmConfig:
 
     method: Method
     budget: int
+    #: the profile entry applied (``{"source", "values", "budget"}``, :func:`slake.methods.profiles.resolve_method`),
+    #: or None when none applied
+    profile: dict | None = None
 
     @property
     def layer_tokens(self) -> int:
@@ -54,7 +63,7 @@ class SlakeVllmConfig:
         uniform methods, ``max_layer_budget`` for CAKE/SLAKE (vLLM's block table is shared by all layers, so a
         request holds the largest layer's slots in every layer)."""
         cap = getattr(self.method, "max_layer_budget", None)
-        return int(cap) if self.method.layer_budgets == "preference" else self.budget
+        return int(cap) if self.method.layer_budgets == "preference" and cap is not None else self.budget
 
     def compresses(self, prompt_len: int) -> bool:
         """True when a prompt of ``prompt_len`` tokens is compressed (longer than the budget), as in
@@ -77,6 +86,13 @@ class SlakeVllmConfig:
         hp = ", ".join(f"{k}={v}" for k, v in self.method.hyperparameters().items())
         return f"{self.method.name}@{self.budget} ({hp})"
 
+    def describe_profile(self) -> str:
+        """One line for logs: which profile entry set which hyperparameters, or that none applied."""
+        if self.profile is None:
+            return "no profile entry applies to this model: the method's own values"
+        values = ", ".join(f"{k}={v}" for k, v in self.profile["values"].items())
+        return f"profile {self.profile['source']} (entry at budget {self.profile['budget']}): {values}"
+
 
 def _raw_from(additional_config: Any) -> dict | None:
     if isinstance(additional_config, dict) and additional_config.get("slake") is not None:
@@ -95,13 +111,17 @@ def _raw_from(additional_config: Any) -> dict | None:
     return None
 
 
-def parse_config(additional_config: Any) -> SlakeVllmConfig | None:
+def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig | None:
     """The plugin configuration of an engine, or None when slake is not configured.
 
     Parameters
     ----------
     additional_config : dict | Any
         vLLM's ``VllmConfig.additional_config``; its ``"slake"`` entry wins over the ``SLAKE_VLLM`` variable.
+    model : transformers config, optional
+        The config of the model the engine loads (vLLM's ``model_config.hf_config``): its profile fills the
+        hyperparameters that the configuration does not set (:func:`slake.methods.profiles.resolve_method`). None
+        applies no profile.
 
     Raises
     ------
@@ -124,14 +144,16 @@ def parse_config(additional_config: Any) -> SlakeVllmConfig | None:
     overrides = raw.get("set") or {}
     if not isinstance(overrides, dict):
         raise ValueError('slake: "set" must be an object of hyperparameters, e.g. {"window": 16}')
+    from slake.methods.profiles import resolve_method
+
     try:
-        method = make_method(str(raw["method"]), **overrides)
         budget = Budget(raw["budget"])
+        method, profile = resolve_method(str(raw["method"]), budget, model, **overrides)
     except ValueError as exc:
         raise ValueError(f"slake: {exc}") from None
     method = with_layer_cap(method, budget)
     check_supported(method, budget)
-    return SlakeVllmConfig(method=method, budget=int(budget.value))
+    return SlakeVllmConfig(method=method, budget=int(budget.value), profile=profile)
 
 
 def with_layer_cap(method: Method, budget: Budget) -> Method:
@@ -139,7 +161,8 @@ def with_layer_cap(method: Method, budget: Budget) -> Method:
     times the budget (the cap binds only where a layer's preference share exceeds it; the transformers engine gives
     the same tokens with ``--set max_layer_budget=<that>``). Other methods are returned unchanged."""
     if method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None and not budget.is_ratio:
-        return replace(method, max_layer_budget=DEFAULT_LAYER_CAP_FACTOR * int(budget.value))
+        cap: dict[str, Any] = {"max_layer_budget": DEFAULT_LAYER_CAP_FACTOR * int(budget.value)}  # CAKE/SLAKE only
+        return replace(method, **cap)
     return method
 
 
@@ -179,23 +202,24 @@ def check_supported(method: Method, budget: Budget) -> None:
 
 
 #: ``--dtype`` spellings of the slake CLI -> vLLM dtype names (float32 when unset)
-_VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"}
+_VLLM_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"})
 
 
 def vllm_dtype(dtype: str | None) -> str:
     """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None for float32)."""
-    return _VLLM_DTYPES.get(dtype, dtype)
+    return _VLLM_DTYPES.get(dtype) or str(dtype)
 
 
 def resolve_plugin_method(
-    method: Method | str, budget: Budget, model_config: Any = None, **hyperparameters: Any
+    method: Method | str, budget: Budget, model: Any = None, **hyperparameters: Any
 ) -> tuple[Method, dict | None]:
-    """The method the plugin runs for ``method`` at ``budget``: the model's profile applied as in the transformers
-    engine (:func:`slake.methods.profiles.resolve_method`), then vLLM's layer cap (:func:`with_layer_cap`), checked
-    (:func:`check_supported`; the full cache needs no check). Returns the method and the profile applied."""
+    """The method the plugin runs for ``method`` at ``budget``: the profile of ``model`` (a model config; None: no
+    profile) applied as in the transformers engine (:func:`slake.methods.profiles.resolve_method`), then vLLM's layer
+    cap (:func:`with_layer_cap`), checked (:func:`check_supported`; the full cache needs no check). Returns the method
+    and the profile applied. Drivers call it to refuse a configuration before starting vLLM."""
     from slake.methods.profiles import resolve_method
 
-    built, profile = resolve_method(method, budget, model_config, **hyperparameters)
+    built, profile = resolve_method(method, budget, model, **hyperparameters)
     if built.keeps_everything:
         return built, profile
     built = with_layer_cap(built, budget)
@@ -203,11 +227,20 @@ def resolve_plugin_method(
     return built, profile
 
 
-def plugin_config(method: Method, budget: Budget) -> dict | None:
-    """The engine's ``additional_config["slake"]`` for a resolved method (None, plain vLLM, for the full cache):
-    the method name, the budget and the hyperparameters that differ from the method's defaults."""
-    if method.keeps_everything:
+def plugin_config(method: Method | str, budget: Budget, **overrides: Any) -> dict | None:
+    """The engine's ``additional_config["slake"]`` for ``method`` at ``budget`` (None, plain vLLM, for the full
+    cache), as a user of ``vllm serve`` writes it: the method (name or spec), the budget, and in ``set`` only what
+    the caller sets (``overrides``), so that the plugin applies the model's profile itself. A built
+    :class:`~slake.methods.base.Method` is used exactly as given: all its hyperparameters go into ``set``."""
+    if isinstance(method, Method):
+        if method.keeps_everything:
+            return None
+        if overrides:
+            raise ValueError("pass hyperparameters either on the Method object or as overrides, not both")
+        return {"method": method.name, "budget": int(budget.value), "set": method.hyperparameters()}
+    if make_method(method).keeps_everything:
         return None
-    defaults = type(method)().hyperparameters()
-    overrides = {k: v for k, v in method.hyperparameters().items() if v != defaults.get(k)}
-    return {"method": method.name, "budget": int(budget.value), "set": overrides}
+    cfg: dict[str, Any] = {"method": str(method), "budget": int(budget.value)}
+    if overrides:
+        cfg["set"] = dict(overrides)
+    return cfg

@@ -1,38 +1,21 @@
 """The batched decode step of compressed requests: one computation per layer for all of them (worker side).
 
 After a compressed request's prefill (done per request by :class:`slake.cache.compressed.CompressedKV`), its
-per-slot metadata moves into one row of a :class:`DecodePool`: persistent per-layer tensors
-``(rows, Hkv, W)`` (positions, validity, scores), the layer's target size ``(rows, Hkv)`` and, for methods with a
-PTAA linear state (SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``. ``W`` is the most slots a
-compressed request holds (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots`); a row's slots beyond its own
-are
-invalid. Keys and values stay in vLLM's paged blocks only.
+per-slot metadata moves into one row of a :class:`DecodePool`: persistent per-layer tensors ``(rows, Hkv, W)``
+(positions, validity, scores), the layer's target size ``(rows, Hkv)`` and, for methods with a PTAA linear state
+(SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``. ``W`` is the most slots a compressed request
+holds (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots`); a row's slots beyond its own are invalid.
+Keys and values stay in vLLM's paged blocks only.
 
-Each decode step, per layer, :meth:`DecodePool.decode_layer` runs the transformers engine's evict-one-insert-one
-step (:meth:`CompressedKV.append` + :meth:`CompressedKV.decode_attention`) for all ``R`` decoding compressed
-requests at once, with no loop over requests:
-
-1. the new token's key/value is written to each row's first free slot (per KV head: the slot evicted at the
-   previous step, or the one extra slot after prefill), straight into vLLM's blocks (the layout's
-   :meth:`~slake.engines.vllm.plugin.paged.PagedLayout.write`); nothing else of the cache is written;
-2. the rows' slots are gathered from the blocks (:meth:`~slake.engines.vllm.plugin.paged.PagedLayout.gather`, values
-   ``(R, Hkv, W, d)``), logits of the scaled queries in group layout
-   (:meth:`~slake.engines.vllm.plugin.paged.PagedLayout.logits`),
-   ``-inf`` on invalid slots;
-3. softmax, the method's ``decode_scores``, the protected slots (window relative to each row's newest position,
-   sinks), one victim per row and KV head (``argmin``, the first minimum, as the transformers engine);
-4. SLAKE (evict before the output): fold the victim into the linear state and attend with PTAA; other methods:
-   output from the same softmax, then fold/evict;
-5. the rows' metadata is written back to the pool (``index_copy_``).
-
-The arithmetic per row is the transformers engine's (same slot choice, same operations over the same slots), so a
-request's tokens equal its batch-1 run there; the tests say so for every supported method.
-
-The pool never indexes vLLM's cache tensor itself: a :class:`slake.engines.vllm.plugin.paged.PagedLayout` reads and
-writes it
-(vLLM's ``CPU_ATTN`` layout by default; :class:`slake.engines.vllm.plugin.paged.FlashAttnLayout` for a GPU backend,
-``docs/gpu.md``). The step is device-agnostic torch: its tensors live on the pool's ``device`` and the cache's, it
-reads nothing back to the host and branches on no tensor value, and its shapes depend only on ``R`` and ``W``.
+Each decode step, per layer, :meth:`DecodePool.decode_layer` runs the decode step the transformers engine runs
+(:func:`slake.cache.decode_step.decode_step`: append into each row's free slot, attention with the linear term,
+the method's decode scores, one victim per row and KV head, fold, eviction) for all ``R`` decoding compressed
+requests at once, with no loop over requests; on CUDA its fused Triton kernels (:mod:`slake.kernels`). The two
+engines differ only in how a step reads and writes slots: here :class:`PagedSlots`, through a
+:class:`slake.engines.vllm.plugin.paged.PagedLayout` (vLLM's ``CPU_ATTN`` layout by default;
+:class:`slake.engines.vllm.plugin.paged.FlashAttnLayout` for a GPU backend, ``docs/gpu.md``). Only the new token's
+slot is written; the rest of the kept cache is only read. A request's tokens equal its batch-1 run in the
+transformers engine; the tests say so for every supported method.
 """
 
 from __future__ import annotations
@@ -40,25 +23,11 @@ from __future__ import annotations
 import torch
 
 from slake.attention.linear_state import LinearState
-from slake.attention.ptaa import attend
-from slake.attention.softmax import probs_values, safe_softmax
+from slake.cache.compressed import resolve_kernels
+from slake.cache.decode_step import KVMemory, StepSlots
+from slake.cache.fused_step import KernelReport, run_step
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout
-from slake.methods.base import DecodeInputs, Method
-
-
-def _take(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-    """``t``'s rows (dim 0): a view for a slice, a copy for an index tensor."""
-    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
-
-
-def _put(t: torch.Tensor, rows: torch.Tensor | slice, x: torch.Tensor) -> None:
-    """Write ``x`` into ``t``'s rows, unless ``x`` already is that view (:func:`_take` of a slice, updated in place)."""
-    if not isinstance(rows, slice):
-        t.index_copy_(0, rows, x)
-        return
-    view = t[rows]
-    if x.data_ptr() != view.data_ptr() or x.stride() != view.stride():
-        view.copy_(x)
+from slake.methods.base import Method
 
 
 class DecodePool:
@@ -81,6 +50,9 @@ class DecodePool:
         :class:`~slake.engines.vllm.plugin.paged.CpuAttnLayout`).
     device : torch.device | str | None
         Where the pool's tensors live (default: CPU); the decode step's inputs must be there too.
+    kernels : str
+        The decode step's implementation: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton's fused kernels on CUDA,
+        torch elsewhere; :func:`slake.cache.compressed.resolve_kernels`).
     """
 
     def __init__(
@@ -94,10 +66,14 @@ class DecodePool:
         rows: int = 8,
         layout: PagedLayout | None = None,
         device: torch.device | str | None = None,
+        kernels: str = "auto",
     ) -> None:
         self.method = method
         self.layout = CpuAttnLayout() if layout is None else layout
         self.device = torch.device("cpu" if device is None else device)
+        self.kernels = resolve_kernels(kernels, self.device)
+        #: which implementation ran the decode steps (and why a requested fused step did not)
+        self.report = KernelReport()
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.width, self.block_size = width, block_size
         self.linear_cache = bool(getattr(method, "linear_cache", False))
@@ -236,7 +212,8 @@ class DecodePool:
         scaling: float,
         width: int | None = None,
     ) -> torch.Tensor:
-        """One decode step of layer ``layer`` for ``R`` compressed requests.
+        """One decode step of layer ``layer`` for ``R`` compressed requests: the shared decode step
+        (:func:`slake.cache.decode_step.decode_step`, or its fused kernels) over the rows' slots in vLLM's blocks.
 
         Parameters
         ----------
@@ -265,96 +242,32 @@ class DecodePool:
         torch.Tensor
             ``(R, Hq, d)`` float32 attention output.
         """
-        m = self.method
-        layout = self.layout
-        R, Hq, d = query.shape
-        H = self.kv_heads
-        g = Hq // H
         W = self.width if width is None else width
         nb = -(-W // self.block_size)
-        table, blocks, offsets = table[:, :nb], blocks[:, :W], offsets[:W]
-        positions_l, valid_l, scores_l = (t[layer][..., :W] for t in (self.positions, self.valid, self.scores))
-        pos, valid, stored = _take(positions_l, rows), _take(valid_l, rows), _take(scores_l, rows)
-        target = _take(self.target[layer], rows)
-        # 1. append: the first free slot of every row and head (argmax returns the first maximum)
-        free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)  # (R, H, 1)
-        slot = free[..., 0]
-        layout.write(kv_cache, blocks.gather(1, slot), offsets[slot], key, value)  # blocks/offsets are per slot
-        valid.scatter_(-1, free, True)
-        pos.scatter_(-1, free, newest.expand(R, H, 1))
-        stored.scatter_(-1, free, 0.0)
-        # 2. logits over the rows' slots
-        # whole blocks, W' >= W slots; the cache is allocated zeroed and holds only written keys/values, so the
-        # invalid slots' values are finite (their probability is 0, and 0 * x must stay 0)
-        keys, values = layout.gather(kv_cache, table)  # keys in the layout's form, values (R, H, W', d)
-        values = values[:, :, :W]
-        qf = (query.float() * scaling).reshape(R, H, g, 1, d)
-        x = layout.logits(qf.reshape(R, H, g, d), keys)[..., :W].reshape(R, H, g, 1, W)
-        x.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-        # 3. scores and the victim of every row and head
-        probs = safe_softmax(x)
-        scores = m.decode_scores(
-            DecodeInputs(
-                probs=probs.reshape(R, H * g, 1, W),
-                positions=pos,
-                valid=valid,
-                stored=stored,
-                prompt_len=_take(self.prompt_len, rows),
-                budget=_take(self.budget, rows),
-                newest=newest,
-            )
-        ).float()
-        counts = valid.sum(-1)
-        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts))
-        protected = ~valid
-        if m.window and not m.newest_evictable:
-            protected = protected | (pos > newest - m.window)
-        if m.sinks:
-            protected = protected | ((pos >= 0) & (pos < m.sinks))  # vLLM prompts have no left padding
-        lowest = scores.masked_fill(protected, float("inf")).argmin(-1, keepdim=True)  # (R, H, 1)
-        chosen = (excess[..., None] > 0) & valid.gather(-1, lowest)
-        mask = torch.zeros_like(valid).scatter_(-1, lowest, chosen)
-        linear = None if self.linear is None else LinearState(_take(self.linear[layer], rows))
-        # 4. output and eviction, in the method's order
-        if m.evict_before_output:
-            self._fold(linear, layout, keys, values, lowest, chosen)
-            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))
-            out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
-        else:
-            if linear is None:
-                out = probs_values(probs, values)
-            else:
-                out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
-            self._fold(linear, layout, keys, values, lowest, chosen)
-        valid &= ~mask
-        pos.masked_fill_(mask, -1)
-        scores.masked_fill_(mask, float("-inf"))
-        # 5. write the rows back
-        _put(positions_l, rows, pos)
-        _put(valid_l, rows, valid)
-        _put(scores_l, rows, scores)
-        if linear is not None:
-            _put(self.linear[layer], rows, linear.aug)
-        return out.reshape(R, Hq, d)
+        slots = StepSlots(
+            positions=self.positions[layer][..., :W],
+            valid=self.valid[layer][..., :W],
+            scores=self.scores[layer][..., :W],
+            target=self.target[layer],
+            newest=newest,
+            prompt_len=self.prompt_len,
+            budget=self.budget,
+            linear=None if self.linear is None else LinearState(self.linear[layer]),
+            rows=rows,
+        )
+        kv = PagedSlots(self, kv_cache, table[:, :nb], blocks[:, :W], offsets[:W], W)
+        return run_step(self.kernels, self.method, slots, kv, query, key, value, scaling, report=self.report)
 
-    def _fold(
-        self,
-        linear: LinearState | None,
-        layout: PagedLayout,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        slots: torch.Tensor,
-        chosen: torch.Tensor,
+    def fold(
+        self, linear: LinearState, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor
     ) -> None:
-        """Fold the victims (``slots`` ``(R, H, 1)``) into the linear state, as ``LayerStore.free`` does.
+        """Fold the victims (``slots`` ``(R, H, 1)``, gathered ``keys`` in the layout's form) into the linear state.
 
         :meth:`LinearState.fold_slots`' fold (:meth:`LinearState.fold_buffered`), with its two row buffers kept by
         the pool across steps and layers (the state object is made anew each step) and the victims' rows written
         straight into them from the gathered blocks."""
-        if linear is None:
-            return
         d = values.shape[-1]
-        k = layout.select_keys(keys, slots)  # (R, H, 1, d)
+        k = self.layout.select_keys(keys, slots)  # (R, H, 1, d)
         if k.dtype != linear.dtype or values.dtype != linear.dtype:
             v = values.gather(2, slots[..., None].expand(-1, -1, -1, d))
             linear.fold(k.to(linear.dtype), v.to(linear.dtype), chosen, finite=True)
@@ -367,3 +280,52 @@ class DecodePool:
             buf = self._fold_buffers[key] = linear.new_row_buffers(1)
         torch.gather(values, 2, slots[..., None].expand(-1, -1, -1, d), out=buf[1][..., :d])  # [v, 1]
         linear.fold_buffered(k, buf, chosen)
+
+
+class PagedSlots:
+    """The slots of a decode step's rows in vLLM's paged blocks, as :func:`slake.cache.decode_step.decode_step`
+    reads and writes them (:class:`slake.cache.decode_step.SlotKV`), through the pool's
+    :class:`~slake.engines.vllm.plugin.paged.PagedLayout`."""
+
+    def __init__(
+        self,
+        pool: DecodePool,
+        kv_cache: torch.Tensor,
+        table: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        width: int,
+    ) -> None:
+        self.pool, self.kv_cache, self.table, self.blocks, self.offsets, self.width = (
+            pool,
+            kv_cache,
+            table,
+            blocks,
+            offsets,
+            width,
+        )
+
+    def write_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        slot = slots[..., 0]  # (R, H): each head its own slot (the one it evicted at the previous step)
+        self.pool.layout.write(
+            self.kv_cache, self.blocks.gather(1, slot), self.offsets[slot], keys[:, :, 0], values[:, :, 0]
+        )
+
+    def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # whole blocks, W' >= W slots; the cache is allocated zeroed and holds only written keys/values, so the
+        # invalid slots' values are finite (their probability is 0, and 0 * x must stay 0)
+        keys, values = self.pool.layout.gather(self.kv_cache, self.table)
+        return keys, values[:, :, : self.width]
+
+    def kv_logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return self.pool.layout.logits(queries, keys)[..., : self.width]
+
+    def fold_kv(
+        self, linear: LinearState, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor
+    ) -> None:
+        self.pool.fold(linear, keys, values, slots, chosen)
+
+    def kernel_memory(self) -> KVMemory:
+        """The blocks as the fused kernels address them (:meth:`PagedLayout.kernel_memory`)."""
+        keys, values, k_strides, v_strides = self.pool.layout.kernel_memory(self.kv_cache)
+        return KVMemory(keys, values, k_strides, v_strides, self.table, self.kv_cache.shape[2], self.width)

@@ -29,20 +29,6 @@ from slake.attention.softmax import matmul_f32
 
 __all__ = ["CpuAttnLayout", "FlashAttnLayout", "PagedLayout", "slot_blocks", "slot_mapping"]
 
-_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``torch.arange(n)`` (int64) on ``device``, made once per ``(n, device)``: the step's constant index tensors
-    (request and head numbers), which cost an operation each time they are made. Never written to."""
-    key = (int(n), torch.device(device))
-    t = _ARANGES.get(key)
-    if t is None:
-        if len(_ARANGES) > 256:  # request counts vary; keep the cache bounded
-            _ARANGES.clear()
-        t = _ARANGES[key] = torch.arange(n, dtype=torch.int64, device=device)
-    return t
-
 
 def slot_mapping(block_ids: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     """Global slot indices (``block * block_size + offset``) of a request's first ``n`` cache slots."""
@@ -66,6 +52,20 @@ class PagedLayout(ABC):
     """
 
     name = "abstract"
+
+    def __init__(self) -> None:
+        #: ``torch.arange(n)`` per ``(n, device)``: the step's constant index tensors (request and head numbers),
+        #: made once per layout (one per engine) instead of once per operation; never written to
+        self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        key = (int(n), torch.device(device))
+        t = self._aranges.get(key)
+        if t is None:
+            if len(self._aranges) > 256:  # request counts vary; keep the memo bounded
+                self._aranges.clear()
+            t = self._aranges[key] = torch.arange(n, dtype=torch.int64, device=device)
+        return t
 
     @abstractmethod
     def gather(self, kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +96,14 @@ class PagedLayout(ABC):
         ``keys``/``values`` ``(R, Hkv, d)``. Unlike vLLM's cache-write ops (one slot per token for every head),
         each head may take a different slot, as per-head eviction frees different slots per head. (``R`` rows
         may as well be ``n`` slots of one request: ``blocks[i, h]``, ``offsets[i, h]`` of its slot ``i``.)"""
+
+    @abstractmethod
+    def kernel_memory(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """Keys and values as the fused decode kernels address them (:class:`slake.cache.decode_step.KVMemory`):
+        ``(keys, values, key strides, value strides)``, views of ``kv_cache`` whose first element is element 0 of
+        block 0, head 0, offset 0, and the element strides of (block, head, offset, dim)."""
 
     @abstractmethod
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +163,8 @@ class CpuAttnLayout(PagedLayout):
 
     def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         R, nb, H, d, bs = keys.shape
-        r = _arange(R, slots.device).view(R, 1, 1)
-        h = _arange(H, slots.device).view(1, H, 1)
+        r = self._arange(R, slots.device).view(R, 1, 1)
+        h = self._arange(H, slots.device).view(1, H, 1)
         return keys[r, slots // bs, h, :, slots % bs]  # advanced indices split by a slice go first: (R, H, k, d)
 
     def write(
@@ -169,9 +177,19 @@ class CpuAttnLayout(PagedLayout):
     ) -> None:
         keys_t, vals = self._views(kv_cache)
         H = kv_cache.shape[1]
-        h = _arange(H, blocks.device).view(1, H)
+        h = self._arange(H, blocks.device).view(1, H)
         keys_t[blocks, h, :, offsets] = keys.to(kv_cache.dtype)
         vals[blocks, h, offsets, :] = values.to(kv_cache.dtype)
+
+    def kernel_memory(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        _, _, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        sb, sh = kv_cache.stride(0), kv_cache.stride(1)
+        # the values follow the (d, block_size) keys of a block and head: a view starting there
+        values = kv_cache.as_strided((1,), (1,), kv_cache.storage_offset() + bs * d)
+        return kv_cache, values, (sb, sh, 1, bs), (sb, sh, d, 1)
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys_t, values = self._views(kv_cache)
@@ -204,7 +222,7 @@ class FlashAttnLayout(PagedLayout):
         _, H, bs, d2 = kv_cache.shape
         d = d2 // 2
         blocks, offsets = slot_blocks(table, table.shape[1] * bs, bs)  # (R, slots), (slots,)
-        h = _arange(H, table.device).view(1, H, 1)
+        h = self._arange(H, table.device).view(1, H, 1)
         kv = kv_cache[blocks[:, None, :], h, offsets]  # (R, H, slots, 2d)
         return kv[..., :d], kv[..., d:]
 
@@ -223,8 +241,15 @@ class FlashAttnLayout(PagedLayout):
         values: torch.Tensor,
     ) -> None:
         H = kv_cache.shape[1]
-        h = _arange(H, blocks.device).view(1, H)
+        h = self._arange(H, blocks.device).view(1, H)
         kv_cache[blocks, h, offsets] = torch.cat([keys, values], dim=-1).to(kv_cache.dtype)  # one scatter
+
+    def kernel_memory(
+        self, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        d = kv_cache.shape[3] // 2
+        strides = tuple(kv_cache.stride())
+        return kv_cache, kv_cache[..., d:], strides, strides  # type: ignore[return-value]
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2

@@ -28,7 +28,6 @@ from slake.engines.vllm.plugin.config import SlakeVllmConfig, parse_config
 from slake.engines.vllm.plugin.validate import validate_engine_config
 
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
-_INSTALLED = False
 
 
 class BlockPolicy:
@@ -55,20 +54,24 @@ class BlockPolicy:
         """True when the request holds fewer blocks than its decoding needs (``slots(prompt_len)``): a CAKE/SLAKE
         prompt of at most ``max_layer_budget`` tokens may keep every token in a layer, plus the newest token's slot,
         as plain vLLM at its first decode step."""
+        cfg = self.config
+        assert cfg is not None  # only compressed requests are asked about
         for mgr in manager.coordinator.single_type_managers:
             held = len(mgr.req_to_blocks.get(request.request_id, ()))
-            if held < self.config.blocks(mgr.block_size, int(request.num_prompt_tokens)):
+            if held < cfg.blocks(mgr.block_size, int(request.num_prompt_tokens)):
                 return True
         return False
 
     def trim(self, manager, request) -> int:
         """Return the request's blocks beyond what its ``slots(prompt_len)`` need to the pool; returns blocks freed."""
+        cfg = self.config
+        assert cfg is not None  # only compressed requests are trimmed
         freed = 0
         for mgr in manager.coordinator.single_type_managers:
             blocks = mgr.req_to_blocks.get(request.request_id)
             if not blocks:
                 continue
-            keep = self.config.blocks(mgr.block_size, int(request.num_prompt_tokens))
+            keep = cfg.blocks(mgr.block_size, int(request.num_prompt_tokens))
             if len(blocks) > keep:
                 extra = blocks[keep:]
                 del blocks[keep:]
@@ -119,6 +122,7 @@ def _wrap_allocate(original):
             policy.record(self, request)
         return out
 
+    allocate_slots._slake = True
     allocate_slots.__wrapped__ = original
     allocate_slots.__doc__ = original.__doc__
     return allocate_slots
@@ -127,7 +131,7 @@ def _wrap_allocate(original):
 def _wrap_init(original):
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        cfg = parse_config(vllm_config.additional_config)
+        cfg = parse_config(vllm_config.additional_config, vllm_config.model_config.hf_config)
         if cfg is None:
             return
         validate_engine_config(cfg, vllm_config)
@@ -135,19 +139,18 @@ def _wrap_init(original):
             raise ValueError("slake: asynchronous scheduling is not supported; add --no-async-scheduling")
         self.kv_cache_manager.slake_policy = BlockPolicy(cfg)
         logger.info("slake: compressed requests keep %d KV slots per layer and head (%s)", cfg.slots(), cfg.describe())
+        logger.info("slake: %s", cfg.describe_profile())
 
     __init__.__wrapped__ = original
     return __init__
 
 
 def install() -> None:
-    """Wrap ``Scheduler.__init__`` and ``KVCacheManager.allocate_slots`` (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
+    """Wrap ``Scheduler.__init__`` and ``KVCacheManager.allocate_slots`` (idempotent: the wrapper is marked)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    if getattr(KVCacheManager.allocate_slots, "_slake", False):
+        return
     KVCacheManager.allocate_slots = _wrap_allocate(KVCacheManager.allocate_slots)
     Scheduler.__init__ = _wrap_init(Scheduler.__init__)
-    _INSTALLED = True

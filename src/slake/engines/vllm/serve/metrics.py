@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 __all__ = [
     "MetricsWatch",
@@ -33,7 +34,7 @@ CACHE_INFO = "vllm:cache_config_info"
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_UNESCAPE = MappingProxyType({"\\\\": "\\", '\\"': '"', "\\n": "\n"})
 
 
 @dataclass(frozen=True)

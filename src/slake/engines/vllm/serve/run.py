@@ -225,7 +225,9 @@ def run_serve_bench(
     block_size: int = 32,
 ) -> BenchReport:
     """Run the sweep (module docstring) for every configuration of ``plan`` (``plan.serve`` set);
-    ``plugin_config(method, budget)`` gives the plugin's configuration of a pair (the model's profile applied)."""
+    ``plugin_config(method, budget)`` gives the plugin's configuration of a pair as ``vllm serve`` users write it
+    (the server's plugin applies the model's profile; each row's ``plugin_log`` holds what the plugin logged at
+    start-up: the method it runs and the profile entry it applied)."""
     sp = plan.serve
     if sp is None:
         raise ValueError("run_serve_bench needs a plan with serve settings (--serve)")
@@ -251,30 +253,27 @@ def run_serve_bench(
                 skip_tokenizer_init=not tokenizer,
             )
             print(f"slake bench (vllm serve): {label}: starting the server (log: {log})", file=sys.stderr)
-            emit = functools.partial(
-                _emit,
-                f,
-                rows,
-                {
-                    "engine": "vllm",
-                    "bench": "serve",
-                    "model": model_name,
-                    "label": label,
-                    "method": method,
-                    "budget": budget,
-                    "max_tokens": sp.max_tokens,
-                    "prompt_lens": list(sp.prompt_lens),
-                    "kv_memory_gib": sp.kv_memory_gib,
-                    "max_num_seqs": settings["max_num_seqs"],
-                    "max_model_len": settings["max_model_len"],
-                    "block_size": block_size,
-                    "dtype": dtype,
-                    "slake_config": slake_cfg,
-                    "server_log": str(log),
-                    "seed": plan.seed,
-                },
-            )
+            fixed = {
+                "engine": "vllm",
+                "bench": "serve",
+                "model": model_name,
+                "label": label,
+                "method": method,
+                "budget": budget,
+                "max_tokens": sp.max_tokens,
+                "prompt_lens": list(sp.prompt_lens),
+                "kv_memory_gib": sp.kv_memory_gib,
+                "max_num_seqs": settings["max_num_seqs"],
+                "max_model_len": settings["max_model_len"],
+                "block_size": block_size,
+                "dtype": dtype,
+                "slake_config": slake_cfg,
+                "server_log": str(log),
+                "seed": plan.seed,
+            }
             with VllmServer(cfg) as server:
+                fixed["plugin_log"] = server.plugin_lines()
+                emit = functools.partial(_emit, f, rows, fixed)
                 asyncio.run(_sweep(server, plan, sp, prompts, label, emit))
     table = report.markdown_table(rows)
     lo, hi = sp.prompt_lens

@@ -304,6 +304,16 @@ class VllmServer:
                 "is slake installed in vLLM's environment (pip install -e . there)?"
             )
 
+    def plugin_lines(self) -> list[str]:
+        """What the plugin logged at start-up (lines from ``slake:`` on, each once): the method it runs and the
+        model's profile entry it applied (:mod:`slake.engines.vllm.plugin.backend`); empty for plain vLLM."""
+        try:
+            text = self.cfg.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+        found = [line[line.index(" slake: ") + 1 :] for line in text.splitlines() if " slake: " in line]
+        return list(dict.fromkeys(found))
+
     def model_id(self) -> str:
         """The name the server serves the model under (``/v1/models``)."""
         status, body = self.get("/v1/models")

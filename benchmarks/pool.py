@@ -1,43 +1,84 @@
-"""The plugin's batched decode step on random tensors: a pool of compressed requests (any device), and its GPU timing.
+"""The vLLM plugin's batched decode step on random tensors, without vLLM: a pool of compressed requests in a paged
+cache (:func:`random_pool`, any device), and what its step costs on a CPU (:func:`pool_step_cpu_ms`) and on a GPU
+(:func:`pool_step_cuda`, with :func:`full_attention_cuda` and :func:`weights_cuda`, the parts of a plain step that
+compression does or does not change). The commands are ``python -m benchmarks pool-cpu`` and ``python -m benchmarks
+pool-gpu`` (:mod:`benchmarks.__main__`); ``docs/serving.md`` and ``docs/gpu.md`` report what they measured.
 
-:func:`random_pool` builds the decode pool of ``R`` compressed requests in a paged cache, with no vLLM engine; the
-CPU benchmark (:func:`slake.engines.vllm.bench.pool_step_cpu_ms`) and the GPU one below time its step.
-
-``python -m slake.engines.vllm.pool_bench --methods snapkv,slake --requests 8,32 --contexts 2048,8192,32768``
-measures, on random tensors and without vLLM (``docs/gpu.md``, "Measured on an H100"):
-
-* the compressed requests' decode work of one step over all layers
-  (:meth:`slake.engines.vllm.plugin.decode_pool.DecodePool.decode_layer`
-  in vLLM's FlashAttention layout, :class:`slake.engines.vllm.plugin.paged.FlashAttnLayout`), launched eagerly and
-  replayed as one
-  CUDA graph captured over the whole step; the graph's outputs and kept slots are checked against the eager run's;
-* what a full cache's decode costs per step at the same batch: one fused attention call per layer
-  (``torch.nn.functional.scaled_dot_product_attention``, FlashAttention or memory-efficient kernel) over a dense cache
-  of ``context`` tokens, also replayed as a CUDA graph: a lower bound for vLLM's paged kernel, which reads the same
-  bytes through a block table;
-* the step's weight reads, as the model's matrix products at this batch (``weights_ms``), the part of a decode step
-  that compression does not change.
-
-The default shape is Llama-3-8B's (32 layers, 32 query and 8 KV heads of dimension 128, bf16, vLLM's GPU block size
-of 16). Nothing here is used by the plugin; the CPU counterpart is
-:func:`slake.engines.vllm.bench.pool_step_cpu_ms`.
+A model's shape (layers, query and KV heads, head size; for the weights, hidden, MLP and vocabulary sizes) comes from
+:func:`model_shape`: a shape name of :mod:`slake.engines.transformers.shapes` (``smollm2-135m``, ``llama3-8b``, with
+overrides such as ``llama3-8b:num_hidden_layers=2``) or a model folder's ``config.json``.
 """
 
 from __future__ import annotations
 
-import json
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from slake.budgets.budget import Budget
+from slake.engines.vllm.plugin.config import SlakeVllmConfig, with_layer_cap
 from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
+from slake.methods import Method, make_method
 
-__all__ = ["RandomPool", "full_attention_cuda", "pool_step_cuda", "random_pool", "weights_cuda"]
+__all__ = [
+    "ModelShape",
+    "RandomPool",
+    "full_attention_cuda",
+    "model_shape",
+    "pool_shape",
+    "pool_step_cpu_ms",
+    "pool_step_cuda",
+    "random_pool",
+    "weights_cuda",
+]
 
-#: Llama-3-8B: layers, query heads per KV head, KV heads, head dimension, hidden and MLP sizes, vocabulary
-LLAMA3_8B = dict(layers=32, group=4, kv_heads=8, head_dim=128, hidden=4096, mlp=14336, vocab=128256)
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the benchmarks need of a model's shape."""
+
+    layers: int
+    kv_heads: int
+    #: query heads per KV head
+    group: int
+    head_dim: int
+    hidden: int
+    mlp: int
+    vocab: int
+
+    def attention(self) -> dict[str, int]:
+        """The keyword arguments of :func:`random_pool` that describe the attention (layers, heads, head size)."""
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "group": self.group, "head_dim": self.head_dim}
+
+
+def model_shape(spec: str) -> ModelShape:
+    """The shape of a model: ``spec`` is a model folder (its ``config.json``) or a shape name of
+    :data:`slake.engines.transformers.shapes.SHAPES` with optional overrides (``"llama3-8b:num_hidden_layers=2"``)."""
+    if Path(spec, "config.json").is_file():
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(spec)
+        cfg = (getattr(c, "text_config", None) or c).to_dict()
+    else:
+        from slake.engines.transformers.shapes import parse_shape
+
+        cfg = parse_shape(spec)[1]
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return ModelShape(
+        layers=int(cfg["num_hidden_layers"]),
+        kv_heads=kv_heads,
+        group=heads // kv_heads,
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        hidden=int(cfg["hidden_size"]),
+        mlp=int(cfg["intermediate_size"]),
+        vocab=int(cfg["vocab_size"]),
+    )
 
 
 @dataclass
@@ -87,37 +128,36 @@ class RandomPool:
         return torch.stack([self.layer(li, newest) for li in range(len(self.kv))])
 
 
-def pool_shape(method: str, budget: int, block_size: int) -> tuple:
-    """The method as the plugin runs it (vLLM's layer cap), the slots ``W`` a request holds per layer (budget + 1;
-    CAKE/SLAKE: the cap + 1) and the blocks they take."""
-    from slake.budgets.budget import Budget
-    from slake.engines.vllm.plugin.config import PREFERENCE_METHODS, with_layer_cap
-    from slake.methods import make_method
-
+def pool_shape(method: str, budget: int, block_size: int) -> tuple[Method, int, int]:
+    """The method as the plugin runs it (vLLM's layer cap), the slots ``W`` a request holds per layer
+    (:meth:`SlakeVllmConfig.slots`: budget + 1; CAKE/SLAKE: the cap + 1) and the blocks they take."""
     m = with_layer_cap(make_method(method), Budget(budget))
-    W = (2 * budget if m.name in PREFERENCE_METHODS else budget) + 1  # m.name: a spec "slake[...]" is slake
+    W = SlakeVllmConfig(method=m, budget=budget).slots()
     return m, W, -(-W // block_size)
 
 
 def random_pool(
     method: str,
     *,
+    layers: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
     requests: int = 8,
     budget: int = 128,
-    layers: int = 30,
-    kv_heads: int = 3,
-    group: int = 3,
-    head_dim: int = 64,
     block_size: int = 32,
     kept: int | None = None,
     layout: PagedLayout | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    kernels: str = "auto",
 ) -> RandomPool:
-    """``requests`` compressed requests of ``method`` at ``budget``, each layer holding ``kept`` slots (default: all
-    but one of the ``W`` a request can hold, the widest case) with random keys, values and scores, in a paged cache of
-    ``layout`` (default vLLM's CPU layout; :class:`FlashAttnLayout` in its default NHD memory order) on ``device``.
+    """``requests`` compressed requests of ``method`` at ``budget`` in a model of ``layers`` layers, ``kv_heads`` KV
+    heads of ``group`` query heads and head size ``head_dim`` (:meth:`ModelShape.attention`), each layer holding
+    ``kept`` slots (default: all but one of the ``W`` a request can hold, the widest case) with random keys, values
+    and scores, in a paged cache of ``layout`` (default vLLM's CPU layout; :class:`FlashAttnLayout` in its default NHD
+    memory order) on ``device``.
 
     Every random tensor is drawn on the CPU from ``seed`` and then moved, so two calls with the same arguments give
     the same pool on any device."""
@@ -137,7 +177,9 @@ def random_pool(
         return x.to(device=device, dtype=dtype)
 
     kv = [cache() for _ in range(layers)]
-    pool = DecodePool(m, layers, kv_heads, head_dim, W, block_size, rows=requests, layout=layout, device=device)
+    pool = DecodePool(
+        m, layers, kv_heads, head_dim, W, block_size, rows=requests, layout=layout, device=device, kernels=kernels
+    )
     rows = [pool.allocate(16 * budget, budget) for _ in range(requests)]
     pool.valid[:, :, :, :n] = True
     pool.positions[:, :, :, :n] = torch.arange(n, device=device)
@@ -190,6 +232,10 @@ def _capture(fn: Callable[[], torch.Tensor], warmup: int = 2) -> tuple[torch.cud
 def pool_step_cuda(
     method: str,
     *,
+    layers: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
     requests: int = 8,
     budget: int = 128,
     steps: int = 50,
@@ -198,10 +244,7 @@ def pool_step_cuda(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
-    layers: int = LLAMA3_8B["layers"],
-    kv_heads: int = LLAMA3_8B["kv_heads"],
-    group: int = LLAMA3_8B["group"],
-    head_dim: int = LLAMA3_8B["head_dim"],
+    kernels: str = "auto",
 ) -> dict:
     """GPU milliseconds of one decode step of ``requests`` compressed requests over all layers, eager and replayed
     as one CUDA graph, and whether the graph computes what the eager step does.
@@ -222,6 +265,7 @@ def pool_step_cuda(
         layout=FlashAttnLayout(),
         device=device,
         dtype=dtype,
+        kernels=kernels,
     )
     eager, graphed = random_pool(method, **shape), random_pool(method, **shape)  # type: ignore[arg-type]
     with torch.inference_mode():
@@ -253,20 +297,21 @@ def pool_step_cuda(
         "kept_cache_mb": round(kept_bytes / 1e6, 1),
         "graph_max_abs_diff": diff,
         "graph_same_kept": same,
+        "kernels": eager.pool.report.summary(),
     }
 
 
 def full_attention_cuda(
     *,
+    layers: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
     requests: int = 8,
     context: int = 2048,
     steps: int = 20,
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
-    layers: int = LLAMA3_8B["layers"],
-    kv_heads: int = LLAMA3_8B["kv_heads"],
-    group: int = LLAMA3_8B["group"],
-    head_dim: int = LLAMA3_8B["head_dim"],
     memory_gb: float = 24.0,
 ) -> dict:
     """GPU milliseconds of a full cache's decode attention for one step over all layers: one
@@ -304,28 +349,25 @@ def full_attention_cuda(
 
 
 def weights_cuda(
+    shape: ModelShape,
     *,
     requests: int = 8,
     steps: int = 20,
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
-    layers: int = LLAMA3_8B["layers"],
-    kv_heads: int = LLAMA3_8B["kv_heads"],
-    group: int = LLAMA3_8B["group"],
-    head_dim: int = LLAMA3_8B["head_dim"],
-    hidden: int = LLAMA3_8B["hidden"],
-    mlp: int = LLAMA3_8B["mlp"],
-    vocab: int = LLAMA3_8B["vocab"],
 ) -> dict:
-    """GPU milliseconds of a decode step's matrix products at batch ``requests`` (per layer: the fused query/key/value
-    projection, the output projection, the fused gate/up projection and the down projection; then the output
-    head), captured as one CUDA graph, on distinct random weights per layer: the weight reads that compression does
-    not change."""
-    qkv = hidden + 2 * kv_heads * head_dim
+    """GPU milliseconds of a decode step's matrix products at batch ``requests`` for a model of ``shape`` (per layer:
+    the fused query/key/value projection, the output projection, the fused gate/up projection and the down
+    projection; then the output head), captured as one CUDA graph, on distinct random weights per layer: the weight
+    reads that compression does not change."""
+    layers, kv_heads, group, head_dim = shape.layers, shape.kv_heads, shape.group, shape.head_dim
+    hidden, mlp, vocab = shape.hidden, shape.mlp, shape.vocab
+    q_out = kv_heads * group * head_dim  # the hidden size for most shapes, not for all
+    qkv = q_out + 2 * kv_heads * head_dim
     w = [
         (
             torch.randn(hidden, qkv, device=device, dtype=dtype),
-            torch.randn(kv_heads * group * head_dim, hidden, device=device, dtype=dtype),
+            torch.randn(q_out, hidden, device=device, dtype=dtype),
             torch.randn(hidden, 2 * mlp, device=device, dtype=dtype),
             torch.randn(mlp, hidden, device=device, dtype=dtype),
         )
@@ -338,7 +380,7 @@ def weights_cuda(
         h = x
         for wq, wo, wu, wd in w:
             a = h @ wq
-            h = a[:, :hidden] @ wo
+            h = a[:, :q_out] @ wo
             u = h @ wu
             h = u[:, :mlp] @ wd
         return h @ head
@@ -356,34 +398,29 @@ def weights_cuda(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print one JSON line per measurement (:func:`weights_cuda`, :func:`full_attention_cuda` per batch and context,
-    :func:`pool_step_cuda` per batch and method)."""
-    import argparse
+def pool_step_cpu_ms(method: str, *, steps: int = 10, cold: bool = False, **pool: object) -> float:
+    """CPU milliseconds (``time.process_time``, this process) of the plugin's batched decode work for one step of
+    compressed requests over all layers, on random tensors in vLLM's CPU layout: the plugin's own cost, free of
+    vLLM's scheduling and of other processes' wall-clock noise (run with ``OMP_NUM_THREADS=1`` for one core's cost).
 
-    ap = argparse.ArgumentParser(prog="python -m slake.engines.vllm.pool_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default="snapkv,cake,slake")
-    ap.add_argument("--budget", type=int, default=128)
-    ap.add_argument("--requests", default="8,32", help="comma-separated batch sizes")
-    ap.add_argument("--contexts", default="2048,8192,32768", help="full cache: comma-separated context lengths")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--device", default="cuda")
-    a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("pool_bench: CUDA is not available (this benchmark measures a GPU; see docs/gpu.md)")
-    info = {"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__}
-    print(json.dumps(info), flush=True)
-    for r in (int(x) for x in a.requests.split(",")):
-        print(json.dumps(weights_cuda(requests=r, device=a.device)), flush=True)
-        torch.cuda.empty_cache()
-        for c in (int(x) for x in a.contexts.split(",")):
-            print(json.dumps(full_attention_cuda(requests=r, context=c, device=a.device)), flush=True)
-            torch.cuda.empty_cache()
-        for m in a.methods.split(","):
-            row = pool_step_cuda(m, requests=r, budget=a.budget, steps=a.steps, device=a.device)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    main()
+    ``pool``: :func:`random_pool`'s keyword arguments (the model's :meth:`ModelShape.attention`, ``requests``,
+    ``budget``, ``block_size``, ``kept``). ``method`` may be a spec (``"slake[linear_cache=false]"``). Each layer is
+    read at its width as the plugin does (:meth:`DecodePool.layer_widths`). ``cold``: before each layer, write a
+    buffer larger than a server's last-level cache (outside the timed part), as the plugin finds its data inside
+    vLLM, where each layer's weights pass through the cache in between; otherwise the pool's data may stay cached
+    from one step to the next, which favours smaller pools. The median of ``steps`` steps, after two warm-up steps.
+    """
+    rp = random_pool(method, **pool)  # type: ignore[arg-type]
+    flush = torch.zeros(64 * 2**20 // 4) if cold else None  # 64 MiB
+    times = []
+    for _ in range(steps + 2):
+        newest = rp.newest()
+        spent = 0.0
+        for li in range(len(rp.kv)):
+            if flush is not None:
+                flush.add_(1.0)
+            t0 = time.process_time()
+            rp.layer(li, newest)
+            spent += time.process_time() - t0
+        times.append(spent)
+    return statistics.median(times[2:]) * 1000

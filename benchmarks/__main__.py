@@ -1,0 +1,165 @@
+"""``python -m benchmarks COMMAND ...``: the micro-benchmarks' one command line (see :mod:`benchmarks`).
+
+* ``pool-cpu``: CPU milliseconds of the plugin's batched decode step for ``--requests`` compressed requests over all
+  layers of ``--shape`` (:func:`benchmarks.pool.pool_step_cpu_ms`), per method;
+* ``pool-gpu``: on a CUDA device, per batch size, the weights' matrix products and a full cache's attention per
+  ``--contexts`` length, then the plugin's step per method, eager and replayed as one CUDA graph
+  (:func:`benchmarks.pool.pool_step_cuda`; ``docs/gpu.md``);
+* ``vllm-steps``: vLLM's engine steps (prefill, decode-only, mixed) for plain vLLM and each method, in one process
+  (:func:`slake.engines.vllm.bench.step_bench`; ``docs/serving.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+
+def _split(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def _methods(text: str) -> list[str]:
+    """A method list whose specs may hold commas (``snapkv,slake[alpha=0.5,beta=0.4]``), each checked."""
+    from slake.methods.base import parse_method_list
+
+    return parse_method_list(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of every micro-benchmark."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--methods", default="snapkv,slake", help="comma-separated methods or specs")
+    common.add_argument("--budget", type=int, default=128, help="tokens per layer and KV head")
+    common.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="the decode step's implementation (auto: the fused Triton kernels on CUDA, torch elsewhere)",
+    )
+    shape_help = "a shape name of slake.engines.transformers.shapes (with overrides) or a model folder"
+
+    cpu = sub.add_parser("pool-cpu", parents=[common], help="the plugin's decode step, CPU time")
+    cpu.add_argument("--shape", default="smollm2-135m", help=shape_help)
+    cpu.add_argument("--requests", type=int, default=8)
+    cpu.add_argument("--block-size", type=int, default=32)
+    cpu.add_argument("--kept", type=int, default=None, help="slots each layer holds (default: all but one)")
+    cpu.add_argument("--cold", action="store_true", help="evict the last-level cache before each layer")
+    cpu.add_argument("--steps", type=int, default=10, help="steps timed (median reported)")
+
+    gpu = sub.add_parser("pool-gpu", parents=[common], help="the plugin's decode step on a GPU, eager and graphed")
+    gpu.add_argument("--shape", default="llama3-8b", help=shape_help)
+    gpu.add_argument("--requests", default="8,32", help="comma-separated batch sizes")
+    gpu.add_argument("--contexts", default="2048,8192,32768", help="full cache: comma-separated context lengths")
+    gpu.add_argument("--block-size", type=int, default=16, help="vLLM's GPU block size")
+    gpu.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    gpu.add_argument("--steps", type=int, default=50)
+    gpu.add_argument("--device", default="cuda")
+
+    steps = sub.add_parser("vllm-steps", parents=[common], help="vLLM's engine steps, plain and with the plugin")
+    steps.add_argument("model_dir", help="a model folder vLLM loads")
+    steps.add_argument("--requests", type=int, default=8)
+    steps.add_argument("--prompt-len", type=int, default=2048)
+    steps.add_argument("--decode-steps", type=int, default=16)
+    steps.add_argument("--mixed", type=int, default=6, help="mixed steps timed (median reported)")
+    return ap
+
+
+def _emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def pool_cpu(a: argparse.Namespace) -> None:
+    from benchmarks.pool import model_shape, pool_step_cpu_ms
+    from slake.engines.base import load_avg
+
+    shape = model_shape(a.shape)
+    for m in _methods(a.methods):
+        ms = pool_step_cpu_ms(
+            m,
+            steps=a.steps,
+            cold=a.cold,
+            requests=a.requests,
+            budget=a.budget,
+            block_size=a.block_size,
+            kept=a.kept,
+            kernels=a.kernels,
+            **shape.attention(),
+        )
+        _emit(
+            {
+                "method": m,
+                "budget": a.budget,
+                "requests": a.requests,
+                "shape": a.shape,
+                "kept": a.kept,
+                "cold": a.cold,
+                "kernels": a.kernels,
+                "cpu_ms_per_step": round(ms, 2),
+                "us_per_request_layer": round(ms * 1000 / (a.requests * shape.layers), 1),
+                "load_avg_1m": load_avg(),
+            }
+        )
+
+
+def pool_gpu(a: argparse.Namespace) -> None:
+    import torch
+
+    from benchmarks.pool import full_attention_cuda, model_shape, pool_step_cuda, weights_cuda
+
+    if not torch.cuda.is_available():
+        raise SystemExit("pool-gpu: CUDA is not available (this benchmark measures a GPU; see docs/gpu.md)")
+    shape = model_shape(a.shape)
+    dtype = getattr(torch, a.dtype)
+    _emit({"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__})
+    _emit({"what": "shape", "shape": a.shape, **asdict(shape)})
+    for r in (int(x) for x in _split(a.requests)):
+        _emit(weights_cuda(shape, requests=r, device=a.device, dtype=dtype))
+        torch.cuda.empty_cache()
+        for c in (int(x) for x in _split(a.contexts)):
+            _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **shape.attention()))
+            torch.cuda.empty_cache()
+        for m in _methods(a.methods):
+            _emit(
+                pool_step_cuda(
+                    m,
+                    requests=r,
+                    budget=a.budget,
+                    steps=a.steps,
+                    device=a.device,
+                    dtype=dtype,
+                    block_size=a.block_size,
+                    kernels=a.kernels,
+                    **shape.attention(),
+                )
+            )
+            torch.cuda.empty_cache()
+
+
+def vllm_steps(a: argparse.Namespace) -> None:
+    from slake.engines.vllm.bench import step_bench
+
+    for row in step_bench(
+        a.model_dir,
+        requests=a.requests,
+        prompt_len=a.prompt_len,
+        decode_steps=a.decode_steps,
+        methods=[m for m in _methods(a.methods) if m != "full"],
+        budget=a.budget,
+        mixed=a.mixed,
+    ):
+        _emit(row)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` and run the command."""
+    a = parser().parse_args(argv)
+    {"pool-cpu": pool_cpu, "pool-gpu": pool_gpu, "vllm-steps": vllm_steps}[a.command](a)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

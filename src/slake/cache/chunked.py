@@ -1,0 +1,122 @@
+"""Chunked prefill: a prompt fed in chunks, each layer evicted back to its budget after every chunk, so that the
+cache never holds more than the budget plus one chunk (``docs/conventions.md#chunked-prefill``).
+
+This trades the exactness of the prefill for bounded memory: the first chunk is prefilled exactly and compressed
+(:class:`slake.cache.prefill.PrefillCompressor`, budgets and cascade computed from it, with the whole prompt's
+lengths); every later chunk attends over the compressed past plus itself, causally by position, and the method's
+decode rule, fed the chunk's last ``window`` queries, scores the slots for the eviction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slake.attention.ptaa import attend
+from slake.attention.softmax import safe_softmax
+from slake.cache.decode_step import decode_extras
+from slake.cache.decoding import Decoder, layer_logits
+from slake.cache.layer_store import _GROWTH
+from slake.cache.prefill import PrefillCompressor
+from slake.cache.state import CacheState
+from slake.methods.base import DecodeInputs
+
+__all__ = ["ChunkedPrefill"]
+
+_CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
+
+
+class ChunkedPrefill:
+    """The chunked-prefill phase (between :meth:`begin` and :meth:`end`).
+
+    Attributes
+    ----------
+    padding : torch.Tensor | None
+        ``(B, S)`` padding of the whole prompt while a chunked prefill is under way, else None.
+    """
+
+    def __init__(self, state: CacheState, prefill: PrefillCompressor, decoder: Decoder) -> None:
+        self.state = state
+        self.prefill = prefill
+        self.decoder = decoder
+        self.padding: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        """True between :meth:`begin` and :meth:`end`."""
+        return self.padding is not None
+
+    def begin(self, key_padding: torch.Tensor) -> None:
+        """Start a chunked prefill of a prompt whose full ``(B, S)`` padding mask (True = padded) is known."""
+        if self.state.info is not None or any(s is not None for s in self.state.layers):
+            raise RuntimeError("begin_chunked_prefill must be called before the first prefill chunk")
+        self.padding = key_padding.bool()
+
+    def end(self) -> None:
+        """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction."""
+        self.padding = None
+
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a later chunk's keys/values into the layer (growing it by what is missing)."""
+        state = self.state
+        store = state.store(layer_idx)
+        start, n_new = state.seen[layer_idx], keys.shape[2]
+        pos = torch.arange(start, start + n_new, device=keys.device)
+        store.append(keys, values, pos, growth=1 if state.evicts(layer_idx) else _GROWTH)
+        state.seen[layer_idx] = start + n_new
+        self.decoder.position_of(layer_idx).add_(n_new)
+        self.decoder.reset_layer(layer_idx)
+
+    def attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The chunk's attention over the compressed past (plus the linear term) and the chunk itself, causal by
+        position, in query blocks that bound the transient logits to ``_CHUNK_QUERY_BLOCK x n``; then the layer is
+        evicted back to its budget (:meth:`evict`). Returns ``(B, Hq, n_q, d)`` float32."""
+        state = self.state
+        store = state.store(layer_idx)
+        B, Hq, nq, d = queries.shape
+        newest = state.seen[layer_idx] - 1
+        qpos = torch.arange(newest - nq + 1, newest + 1, device=queries.device)
+        outs = []
+        for b0 in range(0, nq, _CHUNK_QUERY_BLOCK):
+            b1 = min(b0 + _CHUNK_QUERY_BLOCK, nq)
+            qf, x = layer_logits(store, queries[:, :, b0:b1], qpos[b0:b1], scaling)
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+            outs.append(out.reshape(B, Hq, b1 - b0, d))
+        if state.targets[layer_idx] is not None and not state.method.keeps_everything:
+            w = max(min(state.method.window, nq), 1)
+            qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
+            self.evict(layer_idx, x, newest, qw)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def evict(self, layer_idx: int, x: torch.Tensor, newest: int, queries: torch.Tensor | None = None) -> None:
+        """Evict a layer back to its budget after a prompt chunk; ``x``: logits of the chunk's last queries.
+
+        The method's decode rule scores the slots from the softmax of the chunk's last ``window`` queries (its
+        observation window; all of them when the chunk is shorter); protected tokens are the last ``window``
+        positions and the sinks; the layer's per-head budgets come from :meth:`Method.head_budgets` as at prefill.
+        """
+        state = self.state
+        store = state.store(layer_idx)
+        info = state.prefill_info()
+        B, H, g, w, n = x.shape  # logits of the chunk's last ``w`` queries
+        probs = safe_softmax(x)
+        store.scores = state.method.decode_scores(
+            DecodeInputs(
+                probs=probs.reshape(B, H * g, w, n),
+                positions=store.positions,
+                valid=store.valid,
+                stored=store.scores,
+                prompt_len=info.real_len.to(x.device),
+                budget=info.budget.to(x.device),
+                **decode_extras(
+                    state.method,
+                    state.layer_context[layer_idx],
+                    store.dense_keys(),
+                    store.dense_values(),
+                    None if queries is None else queries.reshape(B, H * g, w, -1),
+                ),
+            )
+        ).float()
+        store.scores = self.prefill.protect(store.scores, store.positions, store.valid, newest)
+        if info.layer_budgets is None:
+            raise RuntimeError("the first chunk's prefill did not set the layer budgets")
+        self.prefill.evict_to(layer_idx, info.layer_budgets[:, layer_idx])

@@ -1,0 +1,341 @@
+"""The decode phase of a compressed cache: new tokens, attention over the compressed layers, decode-time eviction,
+and the fixed-shape (static) mode that compiled decoding needs.
+
+A single new token per sequence (a decode step) goes through the one decode step shared with the vLLM plugin
+(:func:`slake.cache.decode_step.decode_step`, or its fused Triton kernels, :mod:`slake.kernels`):
+:meth:`Decoder.append` stages the token (after making room for it on the host), :meth:`Decoder.decode_attention`
+runs the step. Several tokens at once (a continuation prompt of a multi-turn chat) take the general path here:
+appended first, attended causally by position, then evicted back to the targets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slake.attention.ptaa import attend
+from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
+from slake.cache.decode_step import StepSlots, decode_extras, protected_slots, sdpa_step
+from slake.cache.fused_step import KernelReport, run_step
+from slake.cache.layer_store import _GROWTH, LayerStore
+from slake.cache.state import CacheState
+from slake.methods.base import DecodeInputs
+
+__all__ = ["Decoder", "layer_logits"]
+
+
+class Decoder:
+    """Decoding over the layers of a :class:`~slake.cache.state.CacheState`.
+
+    Attributes
+    ----------
+    static : bool
+        Fixed-shape mode (:meth:`prepare_static`): every layer preallocated, no host bookkeeping per step.
+    kernels : str
+        ``"torch"`` (the reference step) or ``"triton"`` (the fused kernels, :mod:`slake.kernels`; steps the kernels
+        do not cover run the torch step and say so once, :attr:`report`).
+    """
+
+    def __init__(self, state: CacheState, kernels: str = "torch") -> None:
+        self.state = state
+        self.static = False
+        self.kernels = kernels
+        #: which implementation ran the single-token steps, and why a requested fused step did not
+        self.report = KernelReport()
+        #: per layer, a host lower bound on the free slots of every row (eager decode; None: not yet known)
+        self._free: list[int | None] = [None] * state.num_layers
+        #: per layer, the single new token appended and not yet attended ``(keys, values)`` (``(B, Hkv, 1, d)``)
+        self._staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * state.num_layers
+
+    def reset_all(self) -> None:
+        """Forget the host bookkeeping of every layer (after the batch was reordered or repeated)."""
+        for i in range(self.state.num_layers):
+            self.reset_layer(i)
+
+    def reset_layer(self, layer_idx: int) -> None:
+        """Forget what the decoder knew of a layer whose slots changed outside a decode step (a prefill, a chunk)."""
+        self._free[layer_idx] = None
+        self._staged[layer_idx] = None
+
+    # ------------------------------------------------------------------ new tokens
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:
+        """Add new tokens of layer ``layer_idx``; returns the store.
+
+        A single new token (a decode step) is staged for :meth:`decode_attention`, which writes it into the row's
+        first free slot inside the shared decode step; room for it is made here, without reading anything back from
+        the device: whether the layer has a free slot is known on the host (:attr:`_free`, set once after prefill: a
+        layer that evicts one token per step keeps its free slots, an append-only one uses one per step), and in
+        static mode (:meth:`prepare_static`) the room was preallocated. Several tokens at once are written now.
+        """
+        state = self.state
+        store = state.store(layer_idx)
+        if self._staged[layer_idx] is not None:
+            raise RuntimeError(f"layer {layer_idx}: a new token was appended before the previous one was attended")
+        n_new = keys.shape[2]
+        if n_new == 1:
+            if not self.static:
+                self._make_room(layer_idx, store)
+                state.seen[layer_idx] += 1
+            self._staged[layer_idx] = (keys, values)
+            return store
+        if self.static:
+            raise RuntimeError(
+                "a static-mode cache decodes one token per step; a multi-token append needs the "
+                "dynamic cache (build the SlakeCache without max_cache_len)"
+            )
+        start = state.seen[layer_idx]
+        pos = torch.arange(start, start + n_new, device=keys.device)
+        store.append(keys, values, pos, growth=1 if state.evicts(layer_idx) else _GROWTH)
+        state.seen[layer_idx] = start + n_new
+        self.position_of(layer_idx).add_(n_new)
+        self._free[layer_idx] = None
+        return store
+
+    def _make_room(self, layer_idx: int, store: LayerStore) -> None:
+        """Make sure every row of an eager layer has a free slot for one new token (host bookkeeping only)."""
+        free = self._free[layer_idx]
+        evicts = self.state.evicts(layer_idx)
+        if free is None:
+            free = store.min_free()  # once per layer after prefill
+        if free < 1:
+            growth = 1 if evicts else _GROWTH
+            store._grow(growth)
+            free += growth
+        self._free[layer_idx] = free if evicts else free - 1
+
+    def position_of(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s next position, a 0-dim int64 device tensor (the layer must be prefilled)."""
+        counter = self.state.position[layer_idx]
+        if counter is None:
+            raise RuntimeError(f"layer {layer_idx} has not been prefilled")
+        return counter
+
+    def seen_tokens(self, layer_idx: int) -> int:
+        """Tokens layer ``layer_idx`` has seen (its next position); in static mode a read of the device counter."""
+        counter = self.state.position[layer_idx]
+        if self.static and counter is not None:
+            return int(counter)
+        return self.state.seen[layer_idx]
+
+    # ------------------------------------------------------------------ attention
+    def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction; returns
+        ``(B, Hq, n_q, d)`` float32.
+
+        One query after a staged token is the shared decode step (:func:`~slake.cache.decode_step.decode_step`).
+        Several queries (after a multi-token :meth:`append`) attend causally by position; if the layer is then over
+        its budget, the method's decode rule scores the slots from the softmax and the lowest-scored unprotected
+        slots are evicted, before the output (SLAKE, Algorithm 1) or after it (CAKE's reference code, H2O, TOVA).
+        """
+        staged = self._staged[layer_idx]
+        if staged is not None:
+            self._staged[layer_idx] = None
+            B, Hq, _, d = queries.shape
+            return self.step(layer_idx, queries.view(B, Hq, d), *staged, scaling).view(B, Hq, 1, d)
+        state = self.state
+        store = state.store(layer_idx)
+        B, Hq, nq, d = queries.shape
+        newest = state.seen[layer_idx] - 1
+        qpos = torch.arange(newest - nq + 1, newest + 1, device=queries.device)
+        qf, x = layer_logits(store, queries, qpos, scaling)
+        target = state.targets[layer_idx]
+        if target is None or not state.scored(layer_idx):
+            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
+        probs = safe_softmax(x)  # (B, H, g, nq, n)
+        evict = self.evict(layer_idx, probs, target, newest, qf)
+        if evict is None:
+            if store.linear is None:
+                return probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
+            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
+        slots, chosen, mask = evict
+        if state.method.evict_before_output:
+            store.free(mask, slots, chosen)
+            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this call's own tensor
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+        else:
+            if store.linear is None:
+                out = probs_values(probs, store.dense_values())
+            else:
+                out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+            store.free(mask, slots, chosen)
+        return out.reshape(B, Hq, nq, d)
+
+    def step(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """The shared single-token decode step of one layer (``query`` ``(B, Hq, d)``, ``key``/``value``
+        ``(B, Hkv, 1, d)``); returns ``(B, Hq, d)`` float32 and advances the layer's position counter.
+
+        Every choice here is made from host facts fixed at prefill (the method, whether the layer has targets, a
+        linear state, per-head visibility); per-sequence and per-head differences live in the ``targets`` tensor
+        and the masks, so a step reads nothing back from the device (``docs/compile.md``)."""
+        state = self.state
+        store = state.store(layer_idx)
+        counter = self.position_of(layer_idx)
+        m = state.method
+        scored = state.scored(layer_idx)
+        B, Hq, d = query.shape
+        if not scored and store.linear is None and not m.linear_cache and store.head_visible is None:
+            # no score, no linear term: write the token, then one SDPA call over the store
+            slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
+            store._write(slots, key, value, counter.view(1, 1, 1).expand(B, store.valid.shape[1], 1), 0.0)
+            out = sdpa_step(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
+            counter.add_(1)
+            return out
+        info = state.prefill_info()
+        dev = store.valid.device
+        slots_ = StepSlots(
+            positions=store.positions,
+            valid=store.valid,
+            scores=store.scores,
+            target=state.targets[layer_idx] if scored else None,
+            newest=counter,
+            prompt_len=info.device_copy("real_len", dev),
+            budget=info.device_copy("budget", dev),
+            first_real=info.device_copy("first_real", dev) if m.sinks else None,
+            head_visible=store.head_visible,
+            linear=store.linear,
+            layer=state.layer_context[layer_idx],
+        )
+        B, H = store.valid.shape[:2]
+        kv = key.view(B, H, d), value.view(B, H, d)
+        return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
+
+    def evict(
+        self,
+        layer_idx: int,
+        probs: torch.Tensor,
+        target: torch.Tensor,
+        newest: int,
+        queries: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Score a layer's slots with the method's decode rule from ``probs`` ``(B, Hkv, g, n_q, n)`` and choose the
+        slots to evict (the general path: rows may be several tokens over their targets).
+
+        Returns None when no row is over its target, else ``(slots, chosen, mask)``: ``(B, Hkv, e)`` slot indices,
+        ``(B, Hkv, e)`` bool (which of them are really evicted) and the dense ``(B, Hkv, n)`` bool mask.
+        """
+        state = self.state
+        store = state.store(layer_idx)
+        info = state.prefill_info()
+        B, H, g, nq, n = probs.shape
+        store.scores = state.method.decode_scores(
+            DecodeInputs(
+                probs=probs.reshape(B, H * g, nq, n),
+                positions=store.positions,
+                valid=store.valid,
+                stored=store.scores,
+                prompt_len=info.device_copy("real_len", probs.device),
+                budget=info.device_copy("budget", probs.device),
+                **decode_extras(
+                    state.method,
+                    state.layer_context[layer_idx],
+                    store.dense_keys(),
+                    store.dense_values(),
+                    None if queries is None else queries.reshape(B, H * g, nq, -1),
+                ),
+            )
+        ).float()
+        counts = store.counts()
+        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
+        emax = int(excess.max())  # one host sync per layer and call (the general path only)
+        if emax == 0:
+            return None
+        first = info.device_copy("first_real", probs.device) if state.method.sinks else None
+        # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
+        guard = protected_slots(state.method, store.positions, store.valid, newest, first) | ~store.valid
+        scores = store.scores.masked_fill(guard, float("inf"))
+        if emax == 1:  # argmin returns the first minimum, like a stable ascending sort
+            lowest = scores.argmin(-1, keepdim=True)
+        else:
+            lowest = torch.sort(scores, dim=-1, stable=True).indices[..., :emax]
+        chosen = (torch.arange(emax, device=probs.device) < excess[..., None]) & store.valid.gather(-1, lowest)
+        mask = torch.zeros_like(store.valid).scatter_(-1, lowest, chosen)
+        return lowest, chosen, mask
+
+    def attention(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Read-only attention of queries at ``positions`` over the layer as it is now (no eviction).
+
+        Kept entries at or before each query's position are visible; the linear term (if any) is included. Used by
+        ``slake fidelity`` to compare against full attention. Returns ``(B, Hq, n_q, d)`` float32.
+        """
+        store = self.state.store(layer_idx)
+        B, Hq, nq, d = queries.shape
+        qf, x = layer_logits(store, queries, positions, scaling)
+        out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+        return out.reshape(B, Hq, nq, d)
+
+    # ------------------------------------------------------------------ fixed shapes
+    def prepare_static(self, decode_tokens: int) -> None:
+        """Enter static (fixed-shape) decode mode after the prefill: every later step has the same shapes.
+
+        A layer that evicts one token per step gets one free slot per row; an append-only layer (the full cache, a
+        prompt within its budget, ``decode_eviction=False``) gets ``decode_tokens`` free slots, allocated now. From
+        then on a decode step reads nothing back from the device and changes no host state, so it can be compiled
+        as one graph (``docs/compile.md``); more than ``decode_tokens`` steps on an append-only layer are not
+        supported (its last free slot would be overwritten), as with transformers' ``StaticCache``.
+        """
+        state = self.state
+        if decode_tokens < 1:
+            raise ValueError(f"max_cache_len leaves no room to decode: the prompt has {state.seen[0]} tokens")
+        if any(s is None for s in state.layers):
+            raise RuntimeError("prepare_static needs every layer prefilled")
+        for i in range(state.num_layers):
+            store = state.store(i)
+            store.reserve(1 if state.evicts(i) else max(int(decode_tokens), 1))
+            self._free[i] = None
+            state.position[i] = torch.tensor(state.seen[i], dtype=torch.int64, device=store.keys.device)
+            if store.linear is not None:
+                store.linear.attention_parts()  # made now: a lazily cached view would change the first step's guards
+        info = state.prefill_info()
+        for name in ("real_len", "first_real", "budget"):
+            info.device_copy(name, state.store(0).keys.device)
+        self.static = True
+        if not torch.compiler.is_compiling():
+            for t in self.static_tensors():
+                if t.is_cuda:  # fixed addresses: a CUDA graph replays over them without copying the cache
+                    torch._dynamo.mark_static_address(t)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a static decode step reads or updates in place (``torch._dynamo.mark_static_address``)."""
+        state = self.state
+        out: list[torch.Tensor] = [t for t in state.position if t is not None]
+        for s in state.layers:
+            if s is None:
+                continue
+            out += [getattr(s, n) for n in s._slot_tensors() + ("positions", "valid", "scores")]
+            if s.head_visible is not None:
+                out.append(s.head_visible)
+            if s.linear is not None:
+                out.append(s.linear.aug)
+        out += [t for t in state.targets if t is not None]
+        if state.info is not None:
+            out += list(state.info.on_device.values())
+        return out
+
+
+def layer_logits(
+    store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled queries ``scaling * q`` in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's
+    slots (pass the queries to :func:`~slake.attention.ptaa.attend` with ``scaling=1.0``).
+
+    Logits are ``(scaling * q) . k`` in fp32, ``-inf`` for empty slots and for keys after the query's position.
+    ``positions=None`` means one query at the newest position, which sees every stored token (no causal test).
+    The ``g * n_q`` query rows of a KV head share one matmul against its keys (no per-query-head expansion or
+    copy of the cache); an fp32 cache is used as is, a low-precision one through :func:`matmul_f32`.
+    """
+    B, Hq, nq, d = queries.shape
+    H = store.keys.shape[1]
+    g = Hq // H
+    qf = (queries.float() * scaling).reshape(B, H, g, nq, d)
+    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2))  # (B, H, g*nq, n)
+    x = x.view(B, H, g, nq, -1)
+    if positions is None:
+        visible = store.valid[:, :, None, None, :]
+    else:
+        visible = store.valid[:, :, None, None, :] & (
+            store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1)
+        )
+    if store.head_visible is not None:  # per-query-head visibility (SAGE-KV)
+        visible = visible & store.head_visible[:, :, :, None, :]
+    return qf, x.masked_fill_(~visible, float("-inf"))

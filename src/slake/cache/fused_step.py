@@ -1,0 +1,203 @@
+"""The decode step through the fused Triton kernels where they cover it, the torch step elsewhere.
+
+:func:`run_step` is what both engines call for a single-token step: with ``kernels="triton"`` it hands the step to
+:func:`slake.kernels.triton_decode.fused_step_op` (two launches per layer) when the method's decode rule has a fused
+form (:meth:`slake.methods.base.Method.fused_rule`) and the storage is one the kernels address
+(:class:`KVMemory`); otherwise it runs :func:`slake.cache.decode_step.decode_step` and records why in a
+:class:`KernelReport` (logged once per reason), never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
+from slake.methods.base import Method
+
+__all__ = ["MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "run_step"]
+
+logger = logging.getLogger("slake.kernels")
+
+#: the most slots per row the fused step takes (a row's scores are one vector of a program; wider rows, e.g. an
+#: uncompressed sequence in a batch with compressed ones, run the torch step)
+MAX_FUSED_SLOTS = 16384
+
+_QUANT = {None: 0, "int8": 1, "fp8_e4m3": 2}
+
+
+@dataclass
+class KernelReport:
+    """Which implementation ran the decode steps of one cache or pool: ``steps`` counts layer-steps per
+    implementation (``"triton"``, ``"torch"``), ``fallbacks`` why a requested fused step ran in torch."""
+
+    steps: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def record(self, kind: str, reason: str | None = None) -> None:
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        if reason is not None:
+            if reason not in self.fallbacks:
+                logger.warning("slake: the fused decode kernels do not cover this step (%s); it runs in torch", reason)
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def summary(self) -> str:
+        """``"triton"``, ``"torch"``, or ``"torch (fallback: reason; ...)"`` for the steps recorded."""
+        if not self.steps:
+            return "none"
+        kinds = "+".join(sorted(self.steps))
+        if self.fallbacks:
+            return f"{kinds} (fallback: {'; '.join(sorted(self.fallbacks))})"
+        return kinds
+
+
+def _why_not(method: Method, slots: StepSlots, mem: KVMemory | None) -> str | None:
+    """Why the fused kernels cannot run this step (None when they can). Facts of the step only (shapes, dtypes, the
+    method): whether Triton can run at all was settled when the kernels were chosen
+    (:func:`slake.cache.compressed.resolve_kernels`)."""
+    if method.fused_rule() is None:
+        return f"{method.name}'s decode rule has no fused form"
+    if slots.target is None:
+        return "a layer that does not evict at decode"
+    if mem is None:
+        return "a storage layout the kernels do not address"
+    if mem.width > MAX_FUSED_SLOTS:
+        return f"rows wider than {MAX_FUSED_SLOTS} slots"
+    if mem.quant not in _QUANT:
+        return f"{mem.quant} storage"
+    if slots.linear is not None and slots.linear.dtype != torch.float32:
+        return "a linear state that is not float32"
+    return None
+
+
+def fused_decode_step(
+    method: Method,
+    slots: StepSlots,
+    kv: SlotKV,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    counter: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, str | None]:
+    """:func:`~slake.cache.decode_step.decode_step` through the fused kernels: ``(output, None)``, or
+    ``(None, reason)`` when they do not cover the step. ``counter`` (a 0-dim int64 tensor holding the new token's
+    position, as ``slots.newest``) is advanced by one by the kernels."""
+    memory = getattr(kv, "kernel_memory", None)
+    mem = memory() if memory is not None else None
+    reason = _why_not(method, slots, mem)
+    if reason is not None or mem is None:
+        return None, reason
+    from slake.kernels.triton_decode import RULE_CODES, fused_step_op  # loaded by resolve_kernels
+
+    rule = method.fused_rule()
+    assert rule is not None and slots.target is not None
+    dev = query.device
+    empty_f = torch.empty(0, dtype=torch.float32, device=dev)
+    empty_i = torch.empty(0, dtype=torch.int64, device=dev)
+    rows = slots.rows
+    row_index = empty_i
+    if isinstance(rows, slice):  # a contiguous run of rows: views of the per-row tensors, no index needed
+        slots = StepSlots(
+            positions=slots.positions[rows],
+            valid=slots.valid[rows],
+            scores=slots.scores[rows],
+            target=slots.target[rows],
+            newest=slots.newest,
+            prompt_len=slots.prompt_len[rows],
+            budget=slots.budget[rows],
+            first_real=None if slots.first_real is None else slots.first_real[rows],
+            head_visible=None if slots.head_visible is None else slots.head_visible[rows],
+            linear=None if slots.linear is None else type(slots.linear)(slots.linear.aug[rows]),
+        )
+    elif rows is not None:
+        row_index = rows
+    low_dot = dev.type == "cuda" and mem.keys.dtype in (torch.float16, torch.bfloat16)
+    flags = [
+        _QUANT[mem.quant],
+        int(low_dot),
+        int(rows is not None and not isinstance(rows, slice)),
+        int(slots.head_visible is not None),
+        int(slots.first_real is not None),
+        int(slots.linear is not None),
+        RULE_CODES[rule.kind],
+        int(rule.group == "max"),
+        int(rule.kernel),
+        int(rule.pooling == "max"),
+        int(rule.zero_window),
+        int(rule.gain_floor),
+        int(bool(method.window) and not method.newest_evictable),
+        int(method.evict_before_output),
+        int(counter is not None),
+    ]
+    out = fused_step_op(
+        query,
+        key,
+        value,
+        mem.keys,
+        mem.values,
+        list(mem.k_strides),
+        list(mem.v_strides),
+        empty_f if mem.k_scale is None else mem.k_scale,
+        empty_f if mem.v_scale is None else mem.v_scale,
+        list(mem.scale_strides),
+        mem.table,
+        int(mem.block_size),
+        row_index,
+        slots.positions,
+        slots.valid,
+        slots.scores,
+        torch.empty(0, dtype=torch.bool, device=dev) if slots.head_visible is None else slots.head_visible,
+        slots.newest,
+        slots.target,
+        slots.prompt_len,
+        slots.budget,
+        empty_i if slots.first_real is None else slots.first_real,
+        empty_f if slots.linear is None else slots.linear.aug,
+        empty_i if counter is None else counter,
+        int(mem.width),
+        float(scaling),
+        int(method.window),
+        int(method.sinks),
+        float(rule.pinned),
+        flags,
+        torch.float32,
+    )
+    return out, None
+
+
+def run_step(
+    kernels: str,
+    method: Method,
+    slots: StepSlots,
+    kv: SlotKV,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    *,
+    counter: torch.Tensor | None = None,
+    report: KernelReport | None = None,
+) -> torch.Tensor:
+    """The single-token decode step with the chosen kernels (``"torch"`` or ``"triton"``); returns ``(R, Hq, d)``
+    float32. ``counter``: the layer's 0-dim position counter, advanced by one after the step (transformers
+    engine). Where ``"triton"`` was asked for and the kernels do not cover the step, the torch step runs and
+    ``report`` records why (a warning is logged the first time)."""
+    if report is not None and torch.compiler.is_compiling():
+        report = None  # a compiled step records nothing (a side effect per step would break the graph)
+    if kernels == "triton":
+        out, reason = fused_decode_step(method, slots, kv, query, key, value, scaling, counter)
+        if out is not None:
+            if report is not None:
+                report.record("triton")
+            return out
+        if report is not None:
+            report.record("torch", reason)
+    elif report is not None:
+        report.record("torch")
+    out = decode_step(method, slots, kv, query, key, value, scaling)
+    if counter is not None:
+        counter.add_(1)
+    return out

@@ -1,0 +1,374 @@
+"""The plugin's worker-side state of one engine, in one object owned by that engine's attention-metadata builder.
+
+vLLM's v1 attention backends keep no module globals: the metadata builder is made once per engine (per KV-cache
+group) and its :meth:`build` makes, every step, the metadata object that carries the step's state to every layer's
+``Impl.forward``. The plugin follows that shape:
+
+* :class:`PluginState` holds everything that lives across steps for one engine: the configuration, the compressed
+  requests running and the preempted ones saved, the decode pool (:class:`DecodePool`), the cache tensor of each
+  layer, the paged layout, and what drivers read back (the run log, step timings, counters). The builder
+  (:class:`slake.engines.vllm.plugin.backend.SlakeCPUAttentionMetadataBuilder`) creates it and owns it; two engines
+  in one process have two, and share nothing.
+* :class:`StepPlan` is what one step does (made by :meth:`PluginState.plan_step` inside the builder's ``build``),
+  attached to the step's metadata (``metadata.slake``) with a reference to its :class:`PluginState`; the backend's
+  ``forward`` and ``do_kv_cache_update`` reach the state only through it.
+
+Request lifecycle events that vLLM gives only to its model runner (finished and preempted requests, the request ids
+of the step's rows) reach the state through :mod:`slake.engines.vllm.plugin.worker`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from slake.cache.compressed import CompressedKV
+from slake.engines.vllm.plugin.config import SlakeVllmConfig
+from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.paged import PagedLayout, slot_blocks
+
+__all__ = ["DecodeBatch", "PluginState", "RequestState", "StepPlan"]
+
+logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
+
+
+@dataclass
+class RequestState:
+    """One compressed request in this worker.
+
+    ``cache`` is the engine object of its prefill (dropped once every layer is in the decode pool); ``row`` its
+    :class:`DecodePool` row while it runs; ``saved`` its row's metadata and kept keys/values while it is preempted.
+    """
+
+    req_id: str
+    prompt_len: int
+    cache: CompressedKV | None
+    row: int | None = None
+    #: layer -> (backend impl, layer, kv_cache, block ids) of layers whose kept entries are written at the end of the
+    #: prefill step (CAKE's cascade re-evicts earlier layers while later ones are prefilled)
+    pending: dict[int, tuple[Any, Any, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    layers_loaded: int = 0
+    saved: dict[str, Any] | None = None
+    final_kept: list[float] | None = None
+    meta_bytes: int = 0
+    lin_bytes: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class DecodeBatch:
+    """The batched decode of one step: the compressed requests that decode a token, in pool-row order."""
+
+    #: (R,) pool rows
+    rows: torch.Tensor
+    #: ``rows`` as the slice ``a:a+R`` when they are contiguous (the pool then updates them in place), else ``rows``
+    row_index: torch.Tensor | slice
+    #: per layer, the slots to read (``DecodePool.layer_widths``)
+    widths: list[int]
+    #: (R,) the rows' token indices in the step's batch
+    qidx: torch.Tensor
+    #: (R, nb) block tables, (R, W) the block of every slot, (W,) in-block offsets
+    table: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    #: (R, 1, 1) the new tokens' positions
+    newest: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    """What the plugin does in one forward step (built once per step by the metadata builder)."""
+
+    #: the engine's state (the step's layers read and update it)
+    state: PluginState
+    #: (state, query start, query end, block ids) of compressed requests whose prefill runs in this step
+    prefills: list[tuple[RequestState, int, int, torch.Tensor]] = field(default_factory=list)
+    #: (state, block ids) of preempted compressed requests recomputed in this step: their saved kept cache is
+    #: written back into their new blocks before their last token decodes over it
+    restores: list[tuple[RequestState, torch.Tensor]] = field(default_factory=list)
+    #: the step's batched decode, or None
+    decode: DecodeBatch | None = None
+    #: token indices whose K/V vLLM must not write (the decode tokens of compressed requests)
+    masked_tokens: torch.Tensor | None = None
+    #: requests in the step (all kinds), and the plugin's decode time of this step summed over layers (timing on)
+    num_reqs: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        """True when the step has compressed prefills or decodes (otherwise the layers run vLLM's kernel only)."""
+        return bool(self.prefills) or self.decode is not None
+
+
+class PluginState:
+    """Everything the plugin keeps across steps for one engine in this worker process.
+
+    Parameters
+    ----------
+    config : SlakeVllmConfig
+        The engine's configuration (method, budget, profile).
+    num_layers, kv_heads, head_dim : int
+        The model's attention layers and this worker's KV heads and head size.
+    block_size : int
+        vLLM's KV block size.
+    max_rows : int
+        Decode-pool rows made at first (the pool doubles when more compressed requests run at once).
+    layout : PagedLayout
+        How this backend's cache tensors store keys and values (the decode pool and the preemption copy read and
+        write through it).
+    """
+
+    #: most preempted requests whose kept cache is saved (each a few MB: kept keys/values of every layer)
+    save_max = 64
+    #: most requests kept in the run log, and step timings kept
+    run_log_max = 256
+    step_times_max = 4096
+
+    def __init__(
+        self,
+        config: SlakeVllmConfig,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        max_rows: int,
+        layout: PagedLayout,
+    ) -> None:
+        self.config = config
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.block_size = block_size
+        self.max_rows = max_rows
+        self.layout = layout
+        #: whether the layout was checked against what vLLM's cache-write op stores (at the first write)
+        self.layout_checked = False
+        #: request id -> state of the running compressed requests
+        self.requests: dict[str, RequestState] = {}
+        #: preempted compressed requests waiting to be recomputed: request id -> state with ``saved``
+        self.saved: dict[str, RequestState] = {}
+        self.pool: DecodePool | None = None
+        #: layer index -> its KV cache tensor (recorded by the backend; read when a request is preempted)
+        self.caches: dict[int, torch.Tensor] = {}
+        #: request ids of the step's batch rows, in row order (set by the model runner's hook before each step)
+        self.step_req_ids: list[str] = []
+        #: preempted requests saved, and recomputed requests restored
+        self.counters = {"saved": 0, "restored": 0}
+        #: when True, every compressed request started is appended to :attr:`runs` (drivers turn it on)
+        self.record_runs = False
+        self.runs: list[RequestState] = []
+        #: when True, every step with compressed decode rows appends ``(compressed decode rows, requests in the
+        #: step, layers, plugin seconds summed over layers)`` to :attr:`step_times`
+        self.timing = False
+        self.step_times: list[tuple[int, int, int, float]] = []
+
+    # ------------------------------------------------------------------ requests
+    def decode_pool(self) -> DecodePool:
+        """The engine's decode pool (made at the first compressed request)."""
+        if self.pool is None:
+            self.pool = DecodePool(
+                self.config.method,
+                self.num_layers,
+                self.kv_heads,
+                self.head_dim,
+                self.config.slots(),
+                self.block_size,
+                rows=self.max_rows,
+                layout=self.layout,
+            )
+        return self.pool
+
+    def kept_tokens_per_layer(self, st: RequestState) -> list[float]:
+        """Mean kept tokens per KV head, per layer (valid slots), now or when the request finished."""
+        if st.row is not None and self.pool is not None:
+            return self.pool.kept(st.row)
+        if st.final_kept is not None:
+            return list(st.final_kept)
+        if st.cache is None:
+            return []
+        return [float(s.valid.sum(-1).float().mean()) if s is not None else 0.0 for s in st.cache.layers]
+
+    def release(self, st: RequestState) -> None:
+        """Give a request's pool row back, remembering what it kept (for the run log)."""
+        if st.row is not None and self.pool is not None:
+            st.final_kept = self.pool.kept(st.row)
+            self.pool.release(st.row)
+        st.row = None
+
+    def request_finished(self, req_id: str) -> None:
+        """Drop a finished (or aborted) request's state: its pool row and any saved preemption copy."""
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            self.release(st)
+        st = self.saved.pop(req_id, None)
+        if st is not None:
+            st.saved = None
+
+    def request_preempted(self, req_id: str, block_ids: list[int] | None) -> None:
+        """Save a preempted request's row and kept keys/values (its blocks are still intact: no step has run since
+        the scheduler freed them), and release its row."""
+        st = self.requests.pop(req_id, None)
+        if st is None:
+            return
+        st.preemptions += 1
+        pool = self.pool
+        full = len(self.saved) >= self.save_max
+        if st.row is None or pool is None or st.pending or full or not block_ids or not self.caches:
+            if st.row is not None:
+                logger.warning("slake: preempted request %s will be compressed afresh when recomputed", req_id)
+            self.release(st)
+            return
+        held = torch.tensor(block_ids[: self.config.blocks(self.block_size, st.prompt_len)], dtype=torch.int64)
+        n = min(pool.width, held.numel() * pool.block_size)
+        kv = {li: pool.layout.read(cache, held, n) for li, cache in self.caches.items()}
+        st.saved = {"meta": pool.row_state(st.row), "kv": kv}
+        self.release(st)
+        self.saved[req_id] = st
+        self.counters["saved"] += 1
+
+    def record_step_time(self, plan: StepPlan) -> None:
+        """Append a step's plugin time (timing on) to :attr:`step_times`."""
+        if plan.decode is None:
+            return
+        self.step_times.append((int(plan.decode.qidx.numel()), plan.num_reqs, self.num_layers, plan.decode_s))
+        del self.step_times[: -self.step_times_max]
+
+    # ------------------------------------------------------------------ the step
+    def plan_step(self, cm: CommonAttentionMetadata) -> tuple[StepPlan, CommonAttentionMetadata]:
+        """The step's plan, and vLLM's common metadata with each compressed decode row's sequence length set to one
+        slot (vLLM's kernel still runs over that row, but the pool's output replaces it).
+
+        A row whose query starts at position 0 is a prefill: a new request (compressed when longer than the budget)
+        or a preempted one recomputed (its saved kept cache is restored, and its last token decodes over it). A row
+        of one token of a running compressed request is a decode.
+        """
+        cfg, bs = self.config, self.block_size
+        plan = StepPlan(state=self, num_reqs=int(cm.num_reqs))
+        qsl = cm.query_start_loc_cpu.tolist() if cm.query_start_loc_cpu is not None else cm.query_start_loc.tolist()
+        seq_lens = cm.seq_lens.cpu().clone()
+        table = cm.block_table_tensor
+        req_ids = self.step_req_ids
+        decodes: list[tuple[RequestState, int, int, int]] = []  # (state, token index, batch row, blocks held)
+        for i in range(cm.num_reqs):
+            qs, qe = qsl[i], qsl[i + 1]
+            qlen, slen = qe - qs, int(seq_lens[i])
+            if qlen == 0:
+                continue
+            first = int(table[i, 0])
+            if first == 0:  # vLLM's null block: dummy/profiling rows
+                continue
+            rid = req_ids[i] if i < len(req_ids) else f"block-{first}"
+            if qlen == slen:  # a prefill from position 0: a new or recomputed request
+                old = self.requests.pop(rid, None)
+                if old is not None:
+                    self.release(old)
+                st = self.saved.pop(rid, None)
+                if st is not None and st.saved is not None:  # recomputed after preemption: restore
+                    pool = self.decode_pool()
+                    st.row = pool.allocate(st.prompt_len, cfg.budget)
+                    pool.restore_row(st.row, st.saved["meta"])
+                    held = cfg.blocks(bs, st.prompt_len)
+                    plan.restores.append((st, table[i, :held].clone()))
+                    self.counters["restored"] += 1
+                    self.requests[rid] = st
+                    decodes.append((st, qe - 1, i, held))  # the last token decodes over the restored cache
+                    continue
+                if cfg.compresses(slen):
+                    st = RequestState(
+                        rid, slen, CompressedKV(cfg.method, cfg.budget, self.num_layers, defer_cascade=True)
+                    )
+                    pool = self.decode_pool()
+                    st.row = pool.allocate(slen, cfg.budget)
+                    st.meta_bytes, st.lin_bytes = pool.row_bytes()
+                    self.requests[rid] = st
+                    if self.record_runs:
+                        self.runs.append(st)
+                        del self.runs[: -self.run_log_max]
+                    held = min(cfg.blocks(bs, slen), math.ceil(slen / bs))  # kept entries fit the prompt's blocks
+                    plan.prefills.append((st, qs, qe, table[i, :held].clone()))
+                continue
+            running = self.requests.get(rid)
+            if running is None:
+                continue
+            if qlen != 1:
+                raise RuntimeError(
+                    f"slake: a compressed request was scheduled {qlen} tokens in one step; the plugin "
+                    f"supports one token per decode step (no speculative decoding, no chunked prefill)"
+                )
+            decodes.append((running, qs, i, cfg.blocks(bs, running.prompt_len)))
+            # vLLM's kernel still runs over this row, but the pool's output replaces it: let it read one slot
+            # (never past the request's blocks, and no wasted pass over the kept cache)
+            seq_lens[i] = 1
+        if decodes:
+            self._plan_decodes(plan, decodes, table)
+            cm = dataclasses.replace(
+                cm, seq_lens=seq_lens.to(cm.seq_lens.device), max_seq_len=int(seq_lens[: cm.num_reqs].max())
+            )
+        return plan, cm
+
+    def _plan_decodes(
+        self, plan: StepPlan, decodes: list[tuple[RequestState, int, int, int]], table: torch.Tensor
+    ) -> None:
+        """Fill ``plan``'s batched decode: the rows in pool-row order, their block tables and slots."""
+        bs = self.block_size
+        decodes = sorted(decodes, key=lambda d: d[0].row or 0)  # row order: usually one contiguous run of rows
+        pool = self.decode_pool()
+        W = pool.width
+        nb = -(-W // bs)
+        idx = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
+        held = torch.tensor([d[3] for d in decodes], dtype=torch.int64)
+        tbl = table[idx, :nb].to(torch.int64)
+        # slots past a request's own blocks (CAKE/SLAKE prompts below the layer cap) are never valid: point them at
+        # its first block so that the gather stays inside its own data
+        tbl = torch.where(torch.arange(nb)[None, :] < held[:, None], tbl, tbl[:, :1])
+        blocks, offsets = slot_blocks(tbl, W, bs)
+        rows = [int(d[0].row or 0) for d in decodes]  # every decoding request holds a row
+        row_tensor = torch.tensor(rows, dtype=torch.int64)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        newest = pool.seen.index_select(0, row_tensor).view(-1, 1, 1)
+        pool.seen.index_add_(0, row_tensor, torch.ones_like(row_tensor))
+        plan.decode = DecodeBatch(
+            rows=row_tensor,
+            row_index=slice(rows[0], rows[0] + len(rows)) if contiguous else row_tensor,
+            widths=pool.layer_widths(rows),
+            qidx=torch.tensor([d[1] for d in decodes], dtype=torch.int64),
+            table=tbl,
+            blocks=blocks,
+            offsets=offsets,
+            newest=newest,
+        )
+        restored = {id(st) for st, _ in plan.restores}
+        masked = [d[1] for d in decodes if id(d[0]) not in restored]
+        plan.masked_tokens = torch.tensor(masked, dtype=torch.int64) if masked else None
+
+    # ------------------------------------------------------------------ what drivers read
+    def report(self) -> dict[str, Any]:
+        """What a driver reads back (plain data, so that it crosses vLLM's process boundary): the method and profile
+        the engine runs, the recorded runs, the step timings, counters and the pool's size."""
+        return {
+            "method": self.config.method.name,
+            "budget": self.config.budget,
+            "hyperparameters": self.config.method.hyperparameters(),
+            "profile": self.config.profile,
+            "runs": [
+                {
+                    "req_id": st.req_id,
+                    "prompt_len": st.prompt_len,
+                    "kept_tokens_per_layer": self.kept_tokens_per_layer(st),
+                    "metadata_bytes": st.meta_bytes,
+                    "linear_state_bytes": st.lin_bytes,
+                    "preemptions": st.preemptions,
+                }
+                for st in self.runs
+            ],
+            "step_times": list(self.step_times),
+            "counters": dict(self.counters),
+            "pool_rows": 0 if self.pool is None else self.pool.rows,
+            "running": len(self.requests),
+            "saved": len(self.saved),
+        }

@@ -1,0 +1,117 @@
+"""The plugin in vLLM's worker outside the attention backend: the model runner's request events, and what drivers
+read back.
+
+**Request events.** The plugin's per-request state (:class:`slake.engines.vllm.plugin.state.PluginState`) is keyed
+by vLLM's request id, and must hear when a request finishes (to free its pool row) or is preempted (to save its
+kept cache while its blocks are still intact). vLLM 0.32 gives these events, and the request ids of a step's batch
+rows, only to the model runner (``GPUModelRunner._update_states(scheduler_output)``, which the CPU runner
+inherits): the attention-metadata builder sees block tables and lengths, not request ids. The only other worker-side
+channel is a KV connector, which the user configures (``--kv-transfer-config``), of which an engine has one (it
+would take the place of the connectors that serving users run, such as LMCache or NIXL), and which changes the
+runner's path. So :func:`install` wraps that one method, and nothing else of the runner:
+
+* before vLLM updates its batch: the scheduler's ``finished_req_ids`` and ``preempted_req_ids`` go to the states of
+  the runner's slake builders (a preempted request's block ids are read from the runner's request table, which
+  still holds them);
+* after: the request ids of the step's rows (``input_batch.req_ids``, in the order the builder sees the rows).
+
+The wrapper holds no state of its own: it finds the runner's states through the runner's attention groups
+(:func:`runner_states`), so it does nothing for a runner without a slake configuration, and two engines in one
+process each update their own. ``tests_vllm/`` runs it against the pinned vLLM.
+
+**Drivers** read a worker's state with vLLM's ``LLM.collective_rpc``, which calls a function with the worker in
+every worker process (:func:`configure`, :func:`report`); only plain data crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from slake.engines.vllm.plugin.state import PluginState
+
+__all__ = ["configure", "install", "report", "runner_states"]
+
+
+def runner_states(runner: Any) -> list[PluginState]:
+    """The plugin states of a model runner's attention-metadata builders (empty without a slake configuration).
+
+    Raises
+    ------
+    RuntimeError
+        When the runner has more than one slake builder (several KV-cache groups or micro-batches): the plugin's
+        cascade and decode pool span all the model's layers, so it needs one builder per engine.
+    """
+    out: list[PluginState] = []
+    for groups in getattr(runner, "attn_groups", None) or ():
+        for group in groups:
+            for builder in group.metadata_builders:
+                st = getattr(builder, "slake_state", None)
+                if st is not None and all(st is not o for o in out):
+                    out.append(st)
+    if len(out) > 1:
+        raise RuntimeError(
+            "slake: this engine has several attention-metadata builders (KV-cache groups or micro-batches); the "
+            "plugin needs one for all layers"
+        )
+    return out
+
+
+def _wrap_update_states(original: Callable) -> Callable:
+    def _update_states(self, scheduler_output):
+        states = runner_states(self)
+        for st in states:
+            for rid in scheduler_output.finished_req_ids:
+                st.request_finished(rid)
+            for rid in scheduler_output.preempted_req_ids or ():
+                req = self.requests.get(rid)
+                st.request_preempted(rid, list(req.block_ids[0]) if req is not None and req.block_ids else None)
+        out = original(self, scheduler_output)
+        if states:
+            req_ids = list(self.input_batch.req_ids)
+            for st in states:
+                st.step_req_ids = req_ids
+        return out
+
+    _update_states._slake = True  # type: ignore[attr-defined]
+    _update_states.__wrapped__ = original  # type: ignore[attr-defined]
+    _update_states.__doc__ = original.__doc__
+    return _update_states
+
+
+def install() -> None:
+    """Wrap ``GPUModelRunner._update_states`` (idempotent: vLLM may load the plugin several times per process)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner._update_states, "_slake", False):
+        return
+    GPUModelRunner._update_states = _wrap_update_states(GPUModelRunner._update_states)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# For LLM.collective_rpc: each receives the worker (vLLM's worker wrapper, which forwards to the worker).
+
+
+def _worker_states(worker: Any) -> list[PluginState]:
+    return runner_states(getattr(worker, "model_runner", None))
+
+
+def configure(worker: Any, *, record_runs: bool | None = None, timing: bool | None = None, clear: bool = False) -> int:
+    """Turn the run log (``record_runs``) and the step timings (``timing``) on or off, and with ``clear`` empty
+    both, in this worker's engine. Returns the number of plugin states changed (0 for plain vLLM)."""
+    states = _worker_states(worker)
+    for st in states:
+        if record_runs is not None:
+            st.record_runs = record_runs
+        if timing is not None:
+            st.timing = timing
+        if clear:
+            st.runs.clear()
+            st.step_times.clear()
+    return len(states)
+
+
+def report(worker: Any) -> dict | None:
+    """This worker's :meth:`PluginState.report`, or None for plain vLLM."""
+    states = _worker_states(worker)
+    return states[0].report() if states else None

@@ -1,0 +1,64 @@
+"""The time left in an evaluation, for its progress bar.
+
+An evaluation's outputs do not cost alike: a prompt's prefill comes before its first output, long prompts cost more
+than short ones, and a batch of pairs then comes out quickly. Counting outputs (what a progress bar does by itself)
+therefore swings between far too pessimistic and far too optimistic. :class:`TimeLeft` counts *work* instead: each
+prompt weighs its number of tokens, shared equally by its pending (method, budget) pairs, and the time left is the
+elapsed time scaled by the work left over the work done. Prompts of one length cost about alike, so on a run of one
+length the estimate converges once a few prompts are done; across lengths it underestimates long prompts (attention
+grows faster than the token count), which is why it is an estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from slake.engines.base import EvalRequest
+
+__all__ = ["TimeLeft", "format_duration"]
+
+
+class TimeLeft:
+    """Work done and time left of an evaluation (see the module docstring).
+
+    Parameters
+    ----------
+    requests : sequence of EvalRequest
+        The pending prompts, with their pending pairs.
+    clock : callable
+        Seconds, monotonic (tests pass a fake).
+    """
+
+    def __init__(self, requests: Sequence[EvalRequest], clock: Callable[[], float] = time.perf_counter) -> None:
+        self._share = {r.key: (len(r.prefill_ids) + len(r.question_ids)) / max(len(r.pairs), 1) for r in requests}
+        self.total = float(sum(self._share[r.key] * len(r.pairs) for r in requests))
+        self.done = 0.0
+        self._clock = clock
+        self._start = clock()
+
+    def update(self, key: int) -> None:
+        """One output of request ``key`` is done."""
+        self.done += self._share.get(key, 0.0)
+
+    def seconds_left(self) -> float | None:
+        """Estimated seconds left, or None before any work is done."""
+        if self.done <= 0.0:
+            return None
+        elapsed = self._clock() - self._start
+        return max(0.0, elapsed * (self.total - self.done) / self.done)
+
+    def describe(self) -> str:
+        """``"~1h02m left"``, or ``"time left: after the first prompt"`` before any output."""
+        left = self.seconds_left()
+        return "time left: after the first prompt" if left is None else f"~{format_duration(left)} left"
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``12m05s`` or ``3h07m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"

@@ -1,0 +1,48 @@
+"""Fused Triton kernels for the single-token decode step (:mod:`slake.kernels.triton_decode`).
+
+Nothing here imports Triton until the kernels are asked for (:func:`load`), so slake runs without it. On a machine
+without CUDA the kernels run through Triton's interpreter: :func:`load` sets ``TRITON_INTERPRET=1`` before it
+imports them (unless the variable is already set), which is how ``make test`` checks them against the torch step on
+the CPU. The adapter from a layer's slots to the kernels' arguments, and the choice between them and the torch step,
+is :mod:`slake.cache.fused_step`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+__all__ = ["interpreted", "load", "triton_available"]
+
+
+def triton_available() -> bool:
+    """True when Triton is installed."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run through its interpreter (``TRITON_INTERPRET=1``), i.e. on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def load() -> ModuleType:
+    """The kernel module, imported on first use (ImportError without Triton).
+
+    Without CUDA the interpreter is switched on first (``TRITON_INTERPRET=1``): Triton decides when a function is
+    defined whether it is compiled or interpreted, its own library functions included, so this works only before
+    ``triton.language`` is imported (``torch._dynamo`` imports it); otherwise RuntimeError says to set the variable
+    before Python starts."""
+    import torch
+
+    if not interpreted() and not torch.cuda.is_available():
+        if "triton.language" in sys.modules:
+            raise RuntimeError(
+                "Triton kernels on the CPU run through Triton's interpreter, which must be switched on before Triton "
+                "is imported: set TRITON_INTERPRET=1 in the environment before starting Python"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+    from slake.kernels import triton_decode
+
+    return triton_decode

@@ -1,0 +1,532 @@
+"""The single-token decode step of one compressed layer as two Triton kernels (``docs/gpu.md#fused-decode-step``).
+
+:func:`slake.cache.decode_step.decode_step` is the reference; these kernels compute the same step, one program per
+(row, KV head), with the row's slots addressed through a block table (a dense ``(B, Hkv, n, d)`` store is one block
+per row; vLLM's paged cache is its own block table) and arbitrary strides for keys and values:
+
+1. :func:`_append_logits_kernel`: write the new key/value into the row's first free slot (quantised for 8-bit
+   storage) and its metadata; the logits of the row's ``g`` query heads over every slot (``-inf`` where a slot is
+   empty or hidden), written to a scratch buffer, with each query head's softmax maximum and normaliser.
+2. :func:`_evict_attend_kernel`: the method's decode scores (:class:`slake.methods.decode_rule.FusedDecodeRule`,
+   positional pooling through an in-program sort), the protected slots, the victim (the first minimum, as
+   ``argmin``), the fold of the victim into the PTAA linear state, the eviction, and the attention output with the
+   linear term, before or after the eviction as the method says; optionally the layer's position counter.
+
+Two launches per layer and step, whatever the method; nothing is read back to the host and every buffer address is
+an argument, so the pair is graph-safe. The launcher is a custom operator (``torch.library.custom_op``,
+``slake::fused_decode_step``, with a fake implementation) so that ``torch.compile`` captures it as one opaque node
+with declared mutations instead of breaking the graph (an opaque op rather than ``triton_op``: tracing into the
+kernels is what Triton's interpreter cannot do, and there is nothing for inductor to fuse around them). On a machine
+without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by :mod:`slake.kernels` before
+this module is imported), which is how the tests check them against the torch step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import custom_op
+
+__all__ = ["RULE_CODES", "fused_step_op"]
+
+#: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
+RULE_CODES = {
+    "pooled_attention": 0,
+    "accumulated_attention": 1,
+    "sharpened_accumulation": 2,
+    "layer_attention": 3,
+    "recency": 4,
+    "pinned_recency": 5,
+}
+
+_FMIN = -3.4028234663852886e38  # torch.finfo(torch.float32).min: the shift of a row with no visible slot
+_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+_BIG_POS = 1 << 40  # sort key of an empty slot (after every real position)
+
+
+@triton.jit
+def _round_half_even(y):
+    """``torch.round``: to the nearest integer, ties to even."""
+    f = tl.floor(y)
+    diff = y - f
+    f_even = (f - 2.0 * tl.floor(f * 0.5)) == 0.0
+    return tl.where(diff > 0.5, f + 1.0, tl.where(diff < 0.5, f, tl.where(f_even, f, f + 1.0)))
+
+
+@triton.jit
+def _round_e4m3(y):
+    """``y`` (within +-448) rounded to the nearest float8 e4m3 value, ties to even, in float32 arithmetic: 3 mantissa
+    bits, so the step is ``2^(e - 3)`` in the binade ``2^e`` (``e >= -6``; below, the subnormal step ``2^-9``).
+    The conversion of the exact result to e4m3 then needs no rounding (Triton's interpreter rounds some ties across
+    a binade down, triton-lang/triton's numpy emulation of the cast)."""
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1.0e-30))), -6.0)
+    step = tl.exp2(e - 3.0)
+    return _round_half_even(y / step) * step
+
+
+@triton.jit
+def _store_row(ptr, scale_ptr, x, dd, dmask, QUANT: tl.constexpr):
+    """Store one key or value row ``x`` (float32, ``(DP,)``): as is, or as 8-bit codes plus a float32 scale
+    (:func:`slake.cache.quant.quantize_rows`: ``scale = max|x| / qmax``, codes ``round(x / scale)`` for int8, the
+    e4m3 conversion for fp8)."""
+    if QUANT == 0:
+        tl.store(ptr + dd, x.to(ptr.dtype.element_ty), mask=dmask)
+    else:
+        qmax = 127.0 if QUANT == 1 else 448.0
+        scale = tl.max(tl.abs(x), 0) / qmax
+        y = x / tl.maximum(scale, 1.1754943508222875e-38)
+        y = tl.minimum(tl.maximum(y, -qmax), qmax)
+        if QUANT == 1:
+            code = _round_half_even(y).to(tl.int8)
+            tl.store(ptr + dd, code, mask=dmask)
+        else:
+            code = _round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            tl.store(ptr + dd, code, mask=dmask)
+        tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _load_rows(ptr, addr, dd, mask2, scale_ptr, saddr, smask, QUANT: tl.constexpr):
+    """Rows at ``addr`` ``(N,)`` (+ ``dd`` along the head dimension) as float32 ``(N, DP)``, dequantised for
+    8-bit storage (``codes * scale``)."""
+    x = tl.load(ptr + addr[:, None] + dd[None, :], mask=mask2, other=0)
+    if QUANT == 0:
+        return x.to(tl.float32)
+    if QUANT == 2:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    s = tl.load(scale_ptr + saddr, mask=smask, other=0.0)
+    return x.to(tl.float32) * s[:, None]
+
+
+@triton.jit
+def _load_row(ptr, addr, dd, dmask, scale_ptr, saddr, QUANT: tl.constexpr):
+    """One row at ``addr`` as float32 ``(DP,)`` (:func:`_load_rows` for a single slot)."""
+    x = tl.load(ptr + addr + dd, mask=dmask, other=0)
+    if QUANT == 0:
+        return x.to(tl.float32)
+    if QUANT == 2:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float32) * tl.load(scale_ptr + saddr)
+
+
+@triton.jit
+def _append_logits_kernel(
+    q_ptr, q_sr, q_sh, q_sd,
+    kn_ptr, kn_sr, kn_sh, kn_sd,
+    vn_ptr, vn_sr, vn_sh, vn_sd,
+    k_ptr, k_sb, k_sh, k_so, k_sd,
+    v_ptr, v_sb, v_sh, v_so, v_sd,
+    ks_ptr, vs_ptr, s_sb, s_sh, s_so,
+    table_ptr, t_sr, block_size,
+    rows_ptr,
+    pos_ptr, valid_ptr, score_ptr, m_sr, m_sh, m_ss,
+    hv_ptr, hv_sr, hv_sh, hv_sg, hv_ss,
+    newest_ptr, newest_sr,
+    x_ptr, stat_ptr, newslot_ptr,
+    W, H, scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    mr = tl.load(rows_ptr + r).to(tl.int64) if HAS_ROWS else r.to(tl.int64)
+    meta = mr * m_sr + h * m_sh
+    dd = tl.arange(0, DP)
+    dmask = dd < D
+    # 1. the first free slot of the row (the lowest empty index)
+    free = W
+    for s0 in range(0, W, BLOCK_N):
+        s = s0 + tl.arange(0, BLOCK_N)
+        ok = s < W
+        v = tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=1)
+        free = tl.minimum(free, tl.min(tl.where(ok & (v == 0), s, W), 0))
+    # 2. the new token's key and value into it, and its metadata (score 0, visible to every query head)
+    blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
+    off = (free % block_size).to(tl.int64)
+    kn = tl.load(kn_ptr + r * kn_sr + h * kn_sh + dd * kn_sd, mask=dmask, other=0.0).to(tl.float32)
+    vn = tl.load(vn_ptr + r * vn_sr + h * vn_sh + dd * vn_sd, mask=dmask, other=0.0).to(tl.float32)
+    sbase = blk * s_sb + h * s_sh + off * s_so
+    _store_row(k_ptr + blk * k_sb + h * k_sh + off * k_so, ks_ptr + sbase, kn, dd * k_sd, dmask, QUANT)
+    _store_row(v_ptr + blk * v_sb + h * v_sh + off * v_so, vs_ptr + sbase, vn, dd * v_sd, dmask, QUANT)
+    newest = tl.load(newest_ptr + r * newest_sr)
+    tl.store(pos_ptr + meta + free * m_ss, newest)
+    tl.store(valid_ptr + meta + free * m_ss, 1)
+    tl.store(score_ptr + meta + free * m_ss, 0.0)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    if HAS_HV:
+        tl.store(hv_ptr + mr * hv_sr + h * hv_sh + g * hv_sg + free * hv_ss, 1, mask=gmask)
+    tl.store(newslot_ptr + r * H + h, free)
+    tl.debug_barrier()
+    # 3. logits of the scaled queries over every slot, each query head's max and normaliser (online)
+    q = tl.load(
+        q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + dd[None, :] * q_sd,
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * scale
+    m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
+    l_run = tl.zeros([GP], tl.float32)
+    xbase = (r * H + h).to(tl.int64) * G * W
+    for s0 in range(0, W, BLOCK_N):
+        s = s0 + tl.arange(0, BLOCK_N)
+        ok = s < W
+        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+        o = (s % block_size).to(tl.int64)
+        kt = _load_rows(
+            k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
+            ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+        )  # fmt: skip
+        if LOW_DOT:
+            x = tl.dot(q.to(k_ptr.dtype.element_ty), tl.trans(kt.to(k_ptr.dtype.element_ty)))
+        else:
+            x = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        vis = tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0
+        vis2 = vis[None, :] & gmask[:, None]
+        if HAS_HV:
+            hv = tl.load(
+                hv_ptr + mr * hv_sr + h * hv_sh + g[:, None] * hv_sg + s[None, :] * hv_ss,
+                mask=gmask[:, None] & ok[None, :],
+                other=0,
+            )
+            vis2 = vis2 & (hv != 0)
+        x = tl.where(vis2, x, float("-inf"))
+        tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x, mask=gmask[:, None] & ok[None, :])
+        m_new = tl.maximum(m_run, tl.max(x, 1))
+        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
+        m_run = m_new
+    sb = ((r * H + h) * G + g) * 2
+    tl.store(stat_ptr + sb, m_run, mask=gmask)
+    tl.store(stat_ptr + sb + 1, l_run, mask=gmask)
+
+
+@triton.jit
+def _head_signal(x_ptr, stat_ptr, r, hh, H, W, sw, wmask, c, G: tl.constexpr, BW: tl.constexpr,
+                 RULE: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
+    """The attention a KV head's ``G`` query heads give each slot this step, reduced over them (mean or max);
+    AhaKV's sharpened rule normalises ``softmax(c * logits)`` instead of the softmax."""
+    if GROUP_MAX:
+        acc = tl.full([BW], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BW], tl.float32)
+    xbase = (r * H + hh).to(tl.int64) * G * W
+    for gi in tl.static_range(G):
+        x = tl.load(x_ptr + xbase + gi * W + sw, mask=wmask, other=float("-inf"))
+        sb = ((r * H + hh) * G + gi) * 2
+        m = tl.load(stat_ptr + sb)
+        if RULE == 2:
+            t = tl.exp(c * (x - m))
+            tot = tl.sum(t, 0)
+            p = tl.where(tot > 0, t / tot, 0.0)
+        else:
+            lsum = tl.load(stat_ptr + sb + 1)
+            p = tl.where(lsum > 0, tl.exp(x - m) / lsum, 0.0)
+        if GROUP_MAX:
+            acc = tl.maximum(acc, p)
+        else:
+            acc = acc + p
+    if GROUP_MAX:
+        return tl.where(wmask, acc, 0.0)
+    return acc / G
+
+
+@triton.jit
+def _evict_attend_kernel(
+    q_ptr, q_sr, q_sh, q_sd,
+    k_ptr, k_sb, k_sh, k_so, k_sd,
+    v_ptr, v_sb, v_sh, v_so, v_sd,
+    ks_ptr, vs_ptr, s_sb, s_sh, s_so,
+    table_ptr, t_sr, block_size,
+    rows_ptr,
+    pos_ptr, valid_ptr, score_ptr, m_sr, m_sh, m_ss,
+    target_ptr, tg_sr, tg_sh,
+    plen_ptr, budget_ptr, first_ptr,
+    aug_ptr, a_sr, a_sh, a_si, a_sj,
+    x_ptr, stat_ptr, newslot_ptr, pool_ptr,
+    out_ptr, o_sr, o_sh, o_sd,
+    counter_ptr,
+    W, H, scale, window, sinks, pinned,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BW: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_FIRST: tl.constexpr, HAS_LINEAR: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr,
+    POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
+    PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    mr = tl.load(rows_ptr + r).to(tl.int64) if HAS_ROWS else r.to(tl.int64)
+    meta = mr * m_sr + h * m_sh
+    sw = tl.arange(0, BW)
+    wmask = sw < W
+    pos = tl.load(pos_ptr + meta + sw * m_ss, mask=wmask, other=-1)
+    valid = (tl.load(valid_ptr + meta + sw * m_ss, mask=wmask, other=0) != 0) & wmask
+    stored = tl.load(score_ptr + meta + sw * m_ss, mask=wmask, other=float("-inf"))
+    newslot = tl.load(newslot_ptr + r * H + h)
+    newest = tl.load(pos_ptr + meta + newslot * m_ss)
+    # 1. the method's decode score of every slot
+    c = 1.0
+    if RULE == 2:  # AhaKV's gain c = sqrt(2 ln(max(N, B + 1) / B)) from the row's prompt length and budget
+        n = tl.load(plen_ptr + mr).to(tl.float32)
+        bb = tl.maximum(tl.load(budget_ptr + mr).to(tl.float32), 1.0)
+        c = tl.sqrt(2.0 * tl.log(tl.maximum(n, bb + 1.0) / bb))
+        if GAIN_FLOOR:
+            c = tl.maximum(c, 1.0)
+    if RULE == 3:  # TOVA: the mean over every query head of the layer
+        sig = tl.zeros([BW], tl.float32)
+        for hh in range(0, H):
+            sig += _head_signal(x_ptr, stat_ptr, r, hh, H, W, sw, wmask, c, G, BW, RULE, False)
+        new = sig / H
+    elif RULE <= 2:
+        sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, sw, wmask, c, G, BW, RULE, GROUP_MAX)
+        if RULE == 0:
+            new = sig
+            if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
+                new = tl.where((pos > newest - window) | (~valid), 0.0, new)
+        elif RULE == 1:  # H2O: accumulate onto the stored score (0 where it is not finite)
+            finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+            new = tl.where(finite, stored, 0.0) + sig
+        else:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
+            finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+            new = tl.where((~finite) & valid, 0.0, stored) + sig
+    elif RULE == 4:
+        new = pos.to(tl.float32)
+    else:
+        finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+        new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
+    if RULE == 0 and POOL_K > 1:
+        # positional pooling: sort the slots by position (empty ones last, score 0), pool, scatter back
+        key = tl.where(valid, pos, 1 << 40)
+        key = tl.where(wmask, key, (1 << 40) + 1) * BW + sw
+        order = (tl.sort(key, 0) % BW).to(tl.int32)
+        base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+        tl.store(base + sw, tl.where(valid, new, 0.0))
+        tl.debug_barrier()
+        ranked = tl.load(base + order, mask=order < W, other=0.0)
+        tl.store(base + BW + sw, ranked)
+        tl.debug_barrier()
+        if POOL_MAX:
+            pooled = tl.full([BW], float("-inf"), tl.float32)
+        else:
+            pooled = tl.zeros([BW], tl.float32)
+        for t in tl.static_range(POOL_K):
+            j = sw + (t - POOL_K // 2)
+            inside = (j >= 0) & (j < W)
+            if POOL_MAX:
+                pooled = tl.maximum(pooled, tl.load(base + BW + j, mask=inside, other=float("-inf")))
+            else:
+                pooled += tl.load(base + BW + j, mask=inside, other=0.0)
+        if not POOL_MAX:
+            pooled = pooled / POOL_K
+        tl.debug_barrier()
+        tl.store(base + order, pooled, mask=order < W)
+        tl.debug_barrier()
+        new = tl.load(base + sw, mask=wmask, other=0.0)
+    # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
+    guard = ~valid
+    if PROTECT_WINDOW:
+        guard = guard | (pos > newest - window)
+    if HAS_FIRST:
+        first = tl.load(first_ptr + mr)
+    else:
+        first = 0
+    guard = guard | ((pos >= first) & (pos < first + sinks))
+    victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
+    count = tl.sum(valid.to(tl.int32), 0)
+    target = tl.load(target_ptr + mr * tg_sr + h * tg_sh)
+    hit = sw == victim
+    chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)
+    gone = hit & chosen
+    tl.store(score_ptr + meta + sw * m_ss, tl.where(gone, float("-inf"), new), mask=wmask)
+    tl.store(valid_ptr + meta + sw * m_ss, valid & (~gone), mask=wmask)
+    tl.store(pos_ptr + meta + sw * m_ss, tl.where(gone, -1, pos), mask=wmask)
+    # 3. the fold of the victim into the linear state
+    dd = tl.arange(0, DP)
+    dmask = dd < D
+    g = tl.arange(0, GP)
+    gmask = g < G
+    q = tl.load(
+        q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + dd[None, :] * q_sd,
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * scale
+    vb = tl.load(table_ptr + r * t_sr + victim // block_size).to(tl.int64)
+    vo = (victim % block_size).to(tl.int64)
+    vs = vb * s_sb + h * s_sh + vo * s_so
+    kv_k = _load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, dd * k_sd, dmask, ks_ptr, vs, QUANT)
+    kv_v = _load_row(v_ptr, vb * v_sb + h * v_sh + vo * v_so, dd * v_sd, dmask, vs_ptr, vs, QUANT)
+    if HAS_LINEAR:
+        abase = aug_ptr + mr * a_sr + h * a_sh
+        lmask = dmask[:, None] & dmask[None, :]
+        lmat = tl.load(abase + dd[:, None] * a_si + dd[None, :] * a_sj, mask=lmask, other=0.0)
+        ksum = tl.load(abase + dd * a_si + D * a_sj, mask=dmask, other=0.0)
+        vsum = tl.load(abase + D * a_si + dd * a_sj, mask=dmask, other=0.0)
+        cnt = tl.load(abase + D * a_si + D * a_sj)
+        cf = chosen.to(tl.float32)
+        kc = kv_k * cf  # [k c, c]^T [v, 1] (LinearState.fold_buffered)
+        lmat2 = lmat + kc[:, None] * kv_v[None, :]
+        ksum2 = ksum + kc
+        vsum2 = vsum + cf * kv_v
+        cnt2 = cnt + cf
+        tl.store(abase + dd[:, None] * a_si + dd[None, :] * a_sj, lmat2, mask=lmask & chosen)
+        tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
+        tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
+        tl.store(abase + D * a_si + D * a_sj, cnt2, mask=chosen)
+        if EVICT_FIRST:  # SLAKE (Algorithm 1): the output sees the state with the victim folded in
+            lmat, ksum, vsum, cnt = lmat2, ksum2, vsum2, cnt2
+    # 4. the output: softmax over the slots (without the victim when it is evicted first) plus the linear term
+    m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    xbase = (r * H + h).to(tl.int64) * G * W
+    for s0 in range(0, W, BLOCK_N):
+        s = s0 + tl.arange(0, BLOCK_N)
+        ok = s < W
+        x = tl.load(x_ptr + xbase + g[:, None] * W + s[None, :], mask=gmask[:, None] & ok[None, :], other=float("-inf"))
+        if EVICT_FIRST:
+            x = tl.where(((s == victim) & chosen)[None, :], float("-inf"), x)
+        m_new = tl.maximum(m_run, tl.max(x, 1))
+        alpha = tl.exp(m_run - m_new)
+        e = tl.exp(x - m_new[:, None])
+        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+        o = (s % block_size).to(tl.int64)
+        vt = _load_rows(
+            v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
+            vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+        )  # fmt: skip
+        if LOW_DOT:
+            pv = tl.dot(e.to(v_ptr.dtype.element_ty), vt.to(v_ptr.dtype.element_ty))
+        else:
+            pv = tl.dot(e, vt, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        den = den * alpha + tl.sum(e, 1)
+        m_run = m_new
+    if HAS_LINEAR:
+        lin = tl.dot(q, lmat, input_precision="ieee")  # s q^T L
+        qk = tl.sum(q * ksum[None, :], 1)  # s q . k_sum
+        mu = tl.where(cnt > 0, qk / cnt, -3.4028234663852886e38)
+        lin = lin + (1.0 - mu)[:, None] * vsum[None, :]
+        m = tl.maximum(m_run, mu)
+        alpha = tl.exp(m_run - m)
+        lam = tl.exp(mu - m)
+        acc = acc * alpha[:, None] + lam[:, None] * lin
+        den = den * alpha + lam * cnt
+    out = acc / tl.maximum(den, 1.1754943508222875e-38)[:, None]
+    tl.store(
+        out_ptr + r * o_sr + (h * G + g)[:, None] * o_sh + dd[None, :] * o_sd,
+        out.to(out_ptr.dtype.element_ty),
+        mask=gmask[:, None] & dmask[None, :],
+    )
+    if ADVANCE:  # the layer's position counter (read by no program of this kernel: the new slot holds it)
+        if (r == 0) & (h == 0):
+            tl.store(counter_ptr, newest + 1)
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(int(n) - 1, 0).bit_length())
+
+
+_MUTATED = ("k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter")
+
+
+@custom_op("slake::fused_decode_step", mutates_args=_MUTATED)
+def fused_step_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_mem: torch.Tensor,
+    v_mem: torch.Tensor,
+    k_strides: list[int],
+    v_strides: list[int],
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    s_strides: list[int],
+    table: torch.Tensor,
+    block_size: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    scores: torch.Tensor,
+    head_visible: torch.Tensor,
+    newest: torch.Tensor,
+    target: torch.Tensor,
+    prompt_len: torch.Tensor,
+    budget: torch.Tensor,
+    first_real: torch.Tensor,
+    aug: torch.Tensor,
+    counter: torch.Tensor,
+    width: int,
+    scaling: float,
+    window: int,
+    sinks: int,
+    pinned: float,
+    flags: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One decode step of one layer for ``R`` rows (:mod:`slake.kernels.triton_decode`); returns ``(R, Hq, d)``.
+
+    ``flags``: ``[quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_kernel, pool_max,
+    zero_window, gain_floor, protect_window, evict_first, advance]`` (the kernels' constexprs). Tensors a flag turns
+    off are passed as empty placeholders. The metadata tensors ``(P, Hkv, >= width)`` share their strides."""
+    (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
+     gain_floor, protect_window, evict_first, advance) = flags  # fmt: skip
+    R, Hq, d = query.shape
+    H = key.shape[1]
+    G = Hq // H
+    W = int(width)
+    GP, DP, BW = _pow2(G, 16), _pow2(d, 16), _pow2(W, 16)
+    BLOCK_N = min(64, BW)
+    dev = query.device
+    out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
+    x = torch.empty(R, H, G, W, dtype=torch.float32, device=dev)
+    stat = torch.empty(R, H, G, 2, dtype=torch.float32, device=dev)
+    newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
+    pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if pool_k > 1 else x
+    m_sr, m_sh, m_ss = positions.stride()
+    hv_strides = head_visible.stride() if has_hv else (0, 0, 0, 0)
+    a_strides = aug.stride() if has_linear else (0, 0, 0, 0)
+    newest_sr = newest.stride(0) if newest.ndim else 0
+    common = dict(G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, QUANT=quant, LOW_DOT=bool(low_dot), HAS_ROWS=bool(has_rows))
+    _append_logits_kernel[(R, H)](
+        query, *query.stride(),
+        key, *key.stride(),
+        value, *value.stride(),
+        k_mem, *k_strides,
+        v_mem, *v_strides,
+        k_scale, v_scale, *s_strides,
+        table, table.stride(0), block_size,
+        rows,
+        positions, valid, scores, m_sr, m_sh, m_ss,
+        head_visible, *hv_strides,
+        newest, newest_sr,
+        x, stat, newslot,
+        W, H, float(scaling),
+        HAS_HV=bool(has_hv), **common,
+    )  # fmt: skip
+    _evict_attend_kernel[(R, H)](
+        query, *query.stride(),
+        k_mem, *k_strides,
+        v_mem, *v_strides,
+        k_scale, v_scale, *s_strides,
+        table, table.stride(0), block_size,
+        rows,
+        positions, valid, scores, m_sr, m_sh, m_ss,
+        target, target.stride(0), target.stride(1),
+        prompt_len, budget, first_real,
+        aug, *a_strides,
+        x, stat, newslot, pool,
+        out, *out.stride(),
+        counter,
+        W, H, float(scaling), int(window), int(sinks), float(pinned),
+        BW=BW, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule, GROUP_MAX=bool(group_max),
+        POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
+        PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance), **common,
+    )  # fmt: skip
+    return out
+
+
+@fused_step_op.register_fake
+def _(query, key, value, *args) -> torch.Tensor:
+    """The op's output for tracing (``torch.compile``): ``(R, Hq, d)`` in ``out_dtype``."""
+    return query.new_empty(query.shape, dtype=args[-1])

@@ -1,0 +1,62 @@
+"""A method's decode rule in the terms the fused decode kernels implement (:mod:`slake.kernels`).
+
+Every evicting method defines its decode rule as plain torch in :meth:`~slake.methods.base.Method.decode_scores`;
+that is the reference. Most rules are one of a few families over the step's attention probabilities, and a method
+that belongs to one says so with :meth:`~slake.methods.base.Method.fused_rule`, so that the fused kernels can run
+its step on a GPU. The kernels' tests run each method's step both ways and require the same victims, so a
+description that drifted from its ``decode_scores`` fails there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RULE_KINDS", "FusedDecodeRule"]
+
+#: the families of decode rules the fused kernels implement
+RULE_KINDS = (
+    "pooled_attention",  # this step's attention, reduced over the KV head's query heads, pooled over positional
+    #                      neighbours (SnapKV, PyramidKV, AdaKV, CAKE, SLAKE, LAVa)
+    "accumulated_attention",  # stored score (0 if not finite) + this step's group-mean attention (H2O)
+    "sharpened_accumulation",  # stored score + the reduced softmax(c * logits) with AhaKV's gain c
+    "layer_attention",  # this step's attention averaged over every query head of the layer (TOVA)
+    "recency",  # the slot's position: the oldest unprotected token goes (StreamingLLM)
+    "pinned_recency",  # pinned slots (stored score >= PINNED / 2) keep PINNED, the others their position (SAGE-KV)
+)
+
+
+@dataclass(frozen=True)
+class FusedDecodeRule:
+    """The parameters of a decode rule of one of the :data:`RULE_KINDS`.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`RULE_KINDS`.
+    group : str
+        How the ``g`` query heads of a KV head are reduced: ``"mean"`` or ``"max"``.
+    kernel : int
+        Pooling kernel over positional neighbours (``pooled_attention``; 1: no pooling).
+    pooling : str
+        ``"avg"`` (zero padding, divided by ``kernel``) or ``"max"`` (``-inf`` padding).
+    zero_window : bool
+        ``pooled_attention``: the protected window's slots contribute 0 to their neighbours' pooling (CAKE).
+    gain_floor : bool
+        ``sharpened_accumulation``: AhaKV's gain ``c`` is clamped at 1.
+    pinned : float
+        ``pinned_recency``: the score of a pinned slot.
+    """
+
+    kind: str
+    group: str = "mean"
+    kernel: int = 1
+    pooling: str = "avg"
+    zero_window: bool = False
+    gain_floor: bool = False
+    pinned: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in RULE_KINDS:
+            raise ValueError(f"unknown fused decode rule {self.kind!r}; expected one of {', '.join(RULE_KINDS)}")
+        if self.group not in ("mean", "max") or self.pooling not in ("avg", "max") or self.kernel < 1:
+            raise ValueError(f"bad fused decode rule parameters: {self}")

@@ -1,0 +1,89 @@
+"""The micro-benchmarks of ``benchmarks/`` (``python -m benchmarks ...``): they run without vLLM."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from benchmarks.__main__ import main
+from benchmarks.pool import model_shape, pool_shape, pool_step_cpu_ms, random_pool
+from packaged_shapes import SMOLLM2
+
+#: a small attention shape for the pool's tests
+SMALL = dict(layers=2, kv_heads=2, group=2, head_dim=16)
+
+
+def test_a_method_spec_gets_its_methods_slots():
+    """``slake[linear_cache=false]`` is SLAKE: a request holds the layer cap's 2 x budget + 1 slots, as ``slake``."""
+    assert pool_shape("slake", 128, 32)[1:] == (257, 9)
+    assert pool_shape("slake[linear_cache=false]", 128, 32)[1:] == (257, 9)
+    assert pool_shape("snapkv", 128, 32)[1:] == (129, 5)
+
+
+def test_model_shape_from_a_shape_name_and_from_a_model_folder(tmp_path):
+    from transformers import LlamaConfig
+
+    named = model_shape("smollm2-135m")
+    assert (named.layers, named.kv_heads, named.group, named.head_dim) == (30, 3, 3, 64)
+    assert model_shape("llama3-8b:num_hidden_layers=2").attention() == dict(layers=2, kv_heads=8, group=4, head_dim=128)
+    LlamaConfig(**SMOLLM2).save_pretrained(tmp_path)
+    assert model_shape(str(tmp_path)) == named
+    with pytest.raises(ValueError, match="unknown model shape"):
+        model_shape("no-such-shape")
+
+
+@pytest.mark.parametrize("method", ["snapkv", "slake", "slake[linear_cache=false]"])
+def test_pool_step_runs_at_a_layers_average_size_with_a_cold_cache(method):
+    ms = pool_step_cpu_ms(method, requests=2, budget=48, block_size=16, steps=1, kept=48, cold=True, **SMALL)
+    assert ms > 0
+
+
+def test_pool_step_refuses_more_kept_slots_than_a_request_holds():
+    with pytest.raises(ValueError, match="kept must be in"):
+        pool_step_cpu_ms("snapkv", requests=2, budget=48, block_size=16, steps=1, kept=49, **SMALL)
+
+
+def test_pool_cpu_command_prints_one_row_per_method_per_request_and_layer_of_the_shape(capsys):
+    shape = "llama3-8b:num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,hidden_size=64"
+    main(["pool-cpu", "--shape", shape, "--methods", "snapkv,h2o", "--budget", "48", "--requests", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["method"] for r in rows] == ["snapkv", "h2o"]
+    for r in rows:  # per request and layer: the shape's 2 layers, not a fixed count
+        assert r["us_per_request_layer"] * (2 * 2) / 1000 == pytest.approx(r["cpu_ms_per_step"], abs=0.006)
+
+
+def test_gpu_pool_bench_refuses_a_machine_without_cuda(monkeypatch):
+    """``python -m benchmarks pool-gpu`` measures a GPU: without CUDA it says so in one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        main(["pool-gpu", "--methods", "snapkv"])
+
+
+def test_random_pool_is_the_same_on_every_call():
+    """Two pools built from the same arguments hold the same cache and state (drawn on the CPU, then moved), which
+    the GPU benchmark's eager-against-graph check relies on."""
+    from slake.engines.vllm.plugin.paged import FlashAttnLayout
+
+    kw: dict = dict(requests=2, budget=24, block_size=16, layout=FlashAttnLayout(), **SMALL)
+    a, b = random_pool("slake", **kw), random_pool("slake", **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a.kv, b.kv, strict=True))
+    assert torch.equal(a.pool.scores, b.pool.scores) and torch.equal(a.query, b.query)
+    torch.testing.assert_close(a.step(), b.step(), rtol=0, atol=0)
+
+
+def test_the_weights_step_takes_any_shape(monkeypatch):
+    """The weights' matrix products of ``pool-gpu`` follow the shape, also where query heads x head size is not the
+    hidden size (they used to slice the projection at the hidden size); run on the CPU, the CUDA graph and events
+    replaced by plain calls."""
+    import benchmarks.pool as bp
+
+    monkeypatch.setattr(bp, "_capture", lambda fn: (types.SimpleNamespace(replay=fn), fn()))
+    monkeypatch.setattr(bp, "_events_ms", lambda fn, n: (fn(), 1.0)[1])
+    spec = "llama3-8b:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=32"
+    shape = model_shape(spec + ",intermediate_size=96,vocab_size=50")
+    assert shape.kv_heads * shape.group * shape.head_dim == 128 != shape.hidden
+    row = bp.weights_cuda(shape, requests=3, device="cpu", dtype=torch.float32)  # raised a shape error before
+    assert row["what"] == "weights" and row["requests"] == 3 and row["graph_ms"] == 1.0

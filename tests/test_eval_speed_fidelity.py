@@ -1,0 +1,168 @@
+"""What makes long evaluations practical without changing their results (prefill captures kept on disk across runs,
+the time left in the progress bar) and the output-level fidelity rows of ``slake eval --fidelity``; on a tiny random
+model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slake.engines import make_engine
+from slake.engines.base import EvalRequest
+from slake.engines.transformers import TransformersEngine
+from slake.engines.transformers import evaluate as engine_eval
+from slake.engines.transformers.prefill_once import CaptureStore, capture_prefill
+from slake.eval.needle import needle_grid
+from slake.eval.progress import TimeLeft, format_duration
+from slake.eval.results import row_key
+from slake.eval.runner import encode_sample, run_suite
+from slake.quality.output_fidelity import Continuation, measure_outputs, prepare_reference
+from test_eval_runner import ESSAYS, TinyTokenizer
+from tiny_models import tiny_model
+
+FIELDS = ("prediction", "score", "kv_bytes", "compressed", "new_tokens", "prompt_tokens", "prefill_s")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TinyTokenizer()
+
+
+@pytest.fixture(scope="module")
+def samples(tok):
+    return needle_grid(tok, [200, 280], [0, 100], seed=1, essays=ESSAYS, max_new_tokens=4)
+
+
+def _count_prefills(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = engine_eval.capture_prefill
+    monkeypatch.setattr(engine_eval, "capture_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_prefill_cache_gives_the_same_rows_without_prefilling_again(
+    llama_gqa, tok, samples, tmp_path, monkeypatch, batch_size
+):
+    """A second run over the same prompts (here into a new results folder, as a new method list would) reads every
+    capture from the cache: no prefill, and every row as the first run wrote it (the recorded prefill time too)."""
+    calls = _count_prefills(monkeypatch)
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=4, progress=False, batch_size=batch_size)
+    cache = tmp_path / "captures"
+    methods = ["snapkv", "h2o", "cake", "slake"]
+    first = run_suite(llama_gqa, tok, samples, methods, [40], tmp_path / "a", prefill_cache=cache, **kw)
+    assert len(calls) == len(samples) and len(list(cache.glob("*.pt"))) == len(samples)
+    assert not any(r["prefill_cached"] for r in first)
+    calls.clear()
+    second = run_suite(llama_gqa, tok, samples, methods, [40], tmp_path / "b", prefill_cache=cache, **kw)
+    assert calls == [] and all(r["prefill_cached"] for r in second)
+    by_key = {row_key(r): r for r in first}
+    assert len(second) == len(first)
+    for row in second:
+        ref = by_key[row_key(row)]
+        assert {f: row[f] for f in FIELDS} == {f: ref[f] for f in FIELDS}, (row["method"], row["budget"])
+
+
+def test_a_stored_capture_is_bit_identical_and_bound_to_its_model_and_prompt(llama_gqa, tmp_path):
+    ids = list(range(5, 70))
+    capture = capture_prefill(llama_gqa, torch.tensor([ids]))
+    store = CaptureStore(tmp_path, llama_gqa)
+    path = store.save(ids, capture)
+    # a view's whole storage is not written: the file holds about the records' own bytes
+    own = sum(t.numel() * t.element_size() for r in capture.records for t in r[:3])
+    assert path.stat().st_size < 1.5 * own + 200_000
+    loaded = store.load(ids)
+    assert loaded is not None and loaded.cached and not capture.cached
+    for a, b in zip(capture.records, loaded.records):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or (isinstance(x, float) and x == y) or torch.equal(x, y)
+    assert torch.equal(capture.last_logits, loaded.last_logits)
+    assert store.load(ids[:-1]) is None  # another prompt
+    other = tiny_model("llama-gqa", seed=1)
+    assert CaptureStore(tmp_path, other).load(ids) is None  # same shape, other weights
+    path.write_bytes(b"not a capture")
+    assert store.load(ids) is None  # unreadable: prefilled again, then replaced
+
+
+def test_fidelity_rows_equal_slake_fidelity_on_the_same_answer(llama_gqa, tok, samples, tmp_path):
+    """--fidelity teacher-forces the full cache's answer through each compressed cache: the distances equal those
+    ``slake fidelity``'s output level (measure_outputs) computes for the same prompt and continuation, a budget at
+    the prompt length is at distance 0, and the rows keep their predictions."""
+    sample = samples[0]
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=6, progress=False)
+    plain = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40, 4096], tmp_path / "plain", **kw)
+    rows = run_suite(llama_gqa, tok, [sample], ["snapkv", "slake"], [40, 4096], tmp_path / "fid", fidelity=True, **kw)
+    by_key = {row_key(r): r for r in plain}
+    for r in rows:
+        assert r["prediction"] == by_key[row_key(r)]["prediction"]
+    full = next(r for r in rows if r["method"] == "full")
+    assert "kl" not in full
+    ids = encode_sample(sample, tok)[0]
+    eos = TransformersEngine.from_model(llama_gqa, tok).eos_token_ids()
+    capture = capture_prefill(llama_gqa, torch.tensor([ids]))
+    ref_tokens = engine_eval.greedy_decode(llama_gqa, capture, capture.replay("full", len(ids)), 4, eos)[0]
+    assert len(ref_tokens) == full["new_tokens"] == 4  # the sample's own cap
+    ref = prepare_reference(llama_gqa, [Continuation("answer", "s", ids, ref_tokens)])
+    for r in rows:
+        if r["method"] == "full":
+            continue
+        assert r["kl_tokens"] == 3  # the first answer token comes from the exact prefill: not counted
+        (expected,) = measure_outputs(llama_gqa, ref, r["method"], r["budget"])
+        for key in ("kl", "delta_nll", "top1"):
+            assert r[key] == pytest.approx(expected[key], abs=1e-5), (r["method"], r["budget"], key)
+        if r["budget"] == 4096:
+            assert r["kl"] == pytest.approx(0.0, abs=1e-6) and r["top1"] == 1.0
+
+
+def test_fidelity_rows_in_batches_equal_single_rows(llama_gqa, tok, samples, tmp_path):
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=4, progress=False, fidelity=True)
+    single = run_suite(llama_gqa, tok, samples, ["cake"], [40], tmp_path / "one", **kw)
+    batched = run_suite(llama_gqa, tok, samples, ["cake"], [40], tmp_path / "four", batch_size=4, **kw)
+    by_key = {row_key(r): r for r in single}
+    for r in batched:
+        ref = by_key[row_key(r)]
+        assert r["prediction"] == ref["prediction"] and r.get("kl_tokens") == ref.get("kl_tokens")
+        if r["method"] != "full":
+            assert r["kl"] == pytest.approx(ref["kl"], rel=1e-4, abs=1e-6)
+
+
+def test_fidelity_and_the_prefill_cache_are_refused_where_they_cannot_work(llama_gqa, tok, samples, tmp_path):
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="fidelity"):
+        run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [40], tmp_path, fidelity=True, prefill_chunk=32, **kw)
+    with pytest.raises(ValueError, match="fidelity"):
+        run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [40], tmp_path, fidelity=True, query_aware=False, **kw)
+
+    # the vLLM engine does not say it supports them: refused before anything loads
+    with pytest.raises(ValueError, match="--engine vllm does not support --prefill-cache, --fidelity"):
+        make_engine("vllm").check(prefill_cache="dir", fidelity=True)
+    make_engine("transformers").check(prefill_cache="dir", fidelity=True)
+
+
+def test_time_left_weighs_prompts_by_their_tokens():
+    now = [0.0]
+    reqs = [
+        EvalRequest(
+            key=0, prefill_ids=[1] * 100, question_ids=[], max_new_tokens=1, group="a", pairs=(("full", None),)
+        ),
+        EvalRequest(
+            key=1,
+            prefill_ids=[1] * 300,
+            question_ids=[],
+            max_new_tokens=1,
+            group="a",
+            pairs=(("full", None), ("snapkv", 64), ("snapkv", 128)),
+        ),
+    ]
+    left = TimeLeft(reqs, clock=lambda: now[0])
+    assert left.seconds_left() is None and "after the first prompt" in left.describe()
+    now[0] = 10.0
+    left.update(0)  # 100 of 400 tokens in 10 s: 300 left, 30 s
+    assert left.seconds_left() == pytest.approx(30.0)
+    now[0] = 40.0
+    left.update(1)
+    left.update(1)  # 300 of 400 done in 40 s
+    assert left.seconds_left() == pytest.approx(40.0 / 300 * 100)
+    left.update(1)
+    assert left.seconds_left() == 0.0
+    assert [format_duration(x) for x in (5, 725, 11220)] == ["5s", "12m05s", "3h07m"]

@@ -1,0 +1,323 @@
+"""The fused decode kernels (:mod:`slake.kernels.triton_decode`, through Triton's interpreter on the CPU) against
+the torch step (:func:`slake.cache.decode_step.decode_step`): the same victims, kept slots, keys and values, and the
+same outputs, scores and linear state within float32 rounding, for every method with decode eviction, in the
+transformers engine's dense store (padded batches, GQA and MHA, per-head budgets, 8-bit and bf16 storage) and in
+the vLLM pool's paged layouts; and the number of launches of one step of one layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from slake.cache.compressed import CompressedKV, resolve_kernels
+from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, slot_blocks
+from slake.methods import available_methods, make_method
+from slake.methods.base import DecodeInputs, Method
+
+FUSED = [n for n in available_methods() if make_method(n).fused_rule() is not None]
+#: where the kernels run: a GPU's compiled kernels where there is one, else the interpreter on CPU tensors
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_WINDOW = {"window": 4}
+
+
+def _method(name: str, **hyper) -> Method:
+    base = make_method(name)
+    extra = dict(SMALL_WINDOW) if base.window > 4 else {}
+    return make_method(name, **{**extra, **hyper})
+
+
+def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, steps=3, layers=2, pad=True,
+         kv_dtype=None, dtype=torch.float32, seed=0):  # fmt: skip
+    """Prefill ``layers`` random layers, then decode ``steps`` tokens; the engine and every step's outputs."""
+    g = torch.Generator().manual_seed(seed)
+    eng = CompressedKV(method, budget, layers, kv_dtype=kv_dtype, kernels=kernels)
+    padding = torch.zeros(B, S, dtype=torch.bool)
+    if pad and B > 1:
+        padding[0, :7] = True
+    padding = padding.to(DEVICE)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    for li in range(layers):
+        eng.prefill_layer(li, rnd(B, H * G, S, D), rnd(B, H, S, D), rnd(B, H, S, D), padding, D**-0.5)
+    outs = []
+    for _ in range(steps):
+        for li in range(layers):
+            eng.append(li, rnd(B, H, 1, D), rnd(B, H, 1, D))
+            outs.append(eng.decode_attention(li, rnd(B, H * G, 1, D), D**-0.5))
+    return eng, outs
+
+
+def _assert_same(ref, ref_out, fused, fused_out, tol: float) -> None:
+    assert fused.decoder.report.summary() == "triton"
+    for a, b in zip(ref_out, fused_out, strict=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol)
+    for sa, sb in zip(ref.layers, fused.layers, strict=True):
+        assert torch.equal(sa.valid, sb.valid), "the kept slots differ"
+        assert torch.equal(sa.positions, sb.positions)
+        assert torch.equal(sa.keys, sb.keys) and torch.equal(sa.values, sb.values)
+        if sa.k_scale is not None:
+            assert torch.equal(sa.k_scale, sb.k_scale) and torch.equal(sa.v_scale, sb.v_scale)
+        torch.testing.assert_close(sb.scores[sb.valid], sa.scores[sa.valid], rtol=tol, atol=tol)
+        if sa.head_visible is not None:
+            assert torch.equal(sa.head_visible, sb.head_visible)
+        if sa.linear is not None:
+            torch.testing.assert_close(sb.linear.aug, sa.linear.aug, rtol=tol, atol=tol)
+    for a, b in zip(ref.position, fused.position, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_step_equals_the_torch_step_for_every_method(name):
+    """A padded GQA batch of two sequences, two layers (CAKE/SLAKE give them different budgets), three steps."""
+    method = _method(name)
+    ref, ref_out = _run(method, "torch")
+    fused, fused_out = _run(method, "triton")
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("slake", {"G": 1, "H": 3}),  # MHA
+        ("tova", {"G": 1, "H": 3}),
+        ("h2o", {"G": 4, "H": 1, "pad": False, "B": 1}),
+        ("slake", {"kv_dtype": "int8"}),
+        ("snapkv", {"kv_dtype": "fp8_e4m3"}),
+        ("slake[linear_cache=false]", {}),  # evicts before the output, without the linear term
+        ("cake[linear_cache=true]", {}),  # the linear term, evicting after the output
+        ("ada-snapkv", {"budget": 20}),  # per-head budgets
+    ],
+)
+def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options):
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", **options)
+    fused, fused_out = _run(method, "triton", **options)
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["slake", "h2o"])
+def test_fused_step_with_a_bfloat16_cache(name):
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", dtype=torch.bfloat16)
+    fused, fused_out = _run(method, "triton", dtype=torch.bfloat16)
+    _assert_same(ref, ref_out, fused, fused_out, 2e-2)
+
+
+def test_the_new_token_is_quantised_as_the_torch_step_quantises_it():
+    """int8 codes round half to even (``torch.round``) and fp8 codes round to nearest even across binades: the
+    kernels' codes and scales are bit-identical (checked in ``_assert_same`` through ``keys``/``k_scale``) on rows
+    built to hit those ties."""
+    for kv_dtype in ("int8", "fp8_e4m3"):
+        method = _method("snapkv")
+        ref, ref_out = _run(method, "torch", kv_dtype=kv_dtype, steps=2, seed=3)
+        fused, fused_out = _run(method, "triton", kv_dtype=kv_dtype, steps=2, seed=3)
+        _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- the vLLM pool
+BS, H, G, D, BUDGET = 8, 2, 2, 16, 24
+
+
+def _pool_run(name: str, kernels: str, layout, row_slice: bool):
+    """Three requests of different lengths in one paged cache, decoded 4 steps by a :class:`DecodePool`."""
+    torch.manual_seed(0)
+    method = _method(name)
+    lengths = [40, 57, 31]
+    width = BUDGET + 1
+    nb = -(-max(lengths) // BS) + 1
+    if isinstance(layout, FlashAttnLayout):
+        cache = torch.zeros(64, BS, H, 2 * D, device=DEVICE).permute(0, 2, 1, 3)
+    else:
+        cache = torch.zeros(64, H, BS, 2 * D, device=DEVICE)
+    pool = DecodePool(method, 1, H, D, width, BS, rows=2, layout=layout, kernels=kernels, device=DEVICE)
+    rows, tables = [], []
+    perm = torch.randperm(63)[: nb * len(lengths)] + 1
+    for r, n in enumerate(lengths):
+        ref = CompressedKV(method, BUDGET, 1, kernels="torch")
+        ref.prefill_layer(0, torch.randn(1, H * G, n, D), torch.randn(1, H, n, D), torch.randn(1, H, n, D), None, 0.25)
+        blocks = perm[r * nb : (r + 1) * nb]
+        st = ref.layers[0]
+        i = torch.arange(st.capacity)
+        b, o = blocks[i // BS, None].expand(-1, H), (i % BS)[:, None].expand(-1, H)
+        k0, v0 = st.keys[0].transpose(0, 1), st.values[0].transpose(0, 1)
+        layout.write(cache, b.to(DEVICE), o.to(DEVICE), k0.to(DEVICE), v0.to(DEVICE))
+        row = pool.allocate(n, BUDGET)
+        pool.load_layer(row, 0, st, ref.targets[0])
+        rows.append(row)
+        tables.append(blocks)
+    rows_t = torch.tensor(rows, device=DEVICE)
+    table = torch.stack(tables).to(DEVICE)
+    blocks_t, offsets = slot_blocks(table, width, BS)
+    outs = []
+    for _ in range(4):
+        newest = pool.seen.index_select(0, rows_t).view(-1, 1, 1)
+        pool.seen.index_add_(0, rows_t, torch.ones_like(rows_t))
+        q, k, v = (torch.randn(3, n, D).to(DEVICE) for n in (H * G, H, H))
+        index = slice(0, 3) if row_slice else rows_t
+        outs.append(pool.decode_layer(0, index, table, blocks_t, offsets, newest, q, k, v, cache, D**-0.5))
+    return pool, cache, outs
+
+
+@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "streamingllm"])
+@pytest.mark.parametrize(
+    "layout, row_slice", [(CpuAttnLayout(), False), (FlashAttnLayout(), True)], ids=["cpu", "flash"]
+)
+def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice):
+    ref, ref_cache, ref_out = _pool_run(name, "torch", layout, row_slice)
+    fused, cache, out = _pool_run(name, "triton", layout, row_slice)
+    assert fused.report.summary() == "triton" and ref.report.summary() == "torch"
+    for a, b in zip(ref_out, out, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref.valid, fused.valid) and torch.equal(ref.positions, fused.positions)
+    assert torch.equal(ref_cache, cache)
+    if ref.linear is not None:
+        torch.testing.assert_close(fused.linear, ref.linear, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- launches
+class _Launches(TorchDispatchMode):
+    """Counts the torch operations that launch work (not views, not allocations); the fused op itself is counted
+    through its Triton kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if not (func.is_view or "empty" in name or name.startswith("slake::") or name == "aten::lift_fresh"):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _counted_kernels(monkeypatch) -> list:
+    """The Triton kernels launched from now on (each launch appends its kernel)."""
+    from slake.kernels import triton_decode
+
+    launched: list = []
+
+    class Counting:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.kernel)
+            return self.kernel[grid]
+
+    for kernel in ("_append_logits_kernel", "_evict_attend_kernel"):
+        monkeypatch.setattr(triton_decode, kernel, Counting(getattr(triton_decode, kernel)))
+    return launched
+
+
+def _count_one_step(name: str, kernels: str, monkeypatch) -> int:
+    launched = _counted_kernels(monkeypatch)
+    method = _method(name)
+    eng, _ = _run(method, kernels, steps=1, layers=1)
+    q, k, v = (torch.randn(2, n, 1, D, device=DEVICE) for n in (H * G, H, H))
+    eng.append(0, k, v)
+    launched.clear()
+    with _Launches() as mode:
+        eng.decode_attention(0, q, D**-0.5)
+    return len(mode.ops) + len(launched)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "slake", "tova", "ahakv"])
+def test_one_fused_step_of_one_layer_is_at_most_four_launches(name, monkeypatch):
+    assert _count_one_step(name, "triton", monkeypatch) <= 4
+    # the counter sees the torch step's operations (a count that cannot pass by accident)
+    assert _count_one_step(name, "torch", monkeypatch) > 20
+
+
+def test_one_fused_pool_step_of_one_layer_is_at_most_four_launches(monkeypatch):
+    """The vLLM pool's ``decode_layer`` for three requests: the two kernels, nothing else (the rows are a slice)."""
+    pool, cache, _ = _pool_run("slake", "triton", FlashAttnLayout(), True)
+    launched = _counted_kernels(monkeypatch)
+    rows = torch.arange(3, device=DEVICE)
+    table = torch.stack([torch.arange(8, device=DEVICE) + 1 + 8 * r for r in range(3)])
+    blocks, offsets = slot_blocks(table, BUDGET + 1, BS)
+    newest = pool.seen.index_select(0, rows).view(-1, 1, 1)
+    q, k, v = (torch.randn(3, n, D, device=DEVICE) for n in (H * G, H, H))
+    with _Launches() as mode:
+        pool.decode_layer(0, slice(0, 3), table, blocks, offsets, newest, q, k, v, cache, D**-0.5)
+    assert len(mode.ops) + len(launched) == 2, mode.ops
+    assert pool.report.steps == {"triton": 5}
+
+
+# ---------------------------------------------------------------------------------------------- choosing kernels
+def test_a_step_the_kernels_do_not_cover_runs_in_torch_and_says_why(caplog):
+    """A method whose decode rule has no fused form (here, a subclass with its own rule) runs the torch step; the
+    report names the reason and a warning is logged once."""
+    from dataclasses import dataclass
+
+    from slake.methods.snapkv import SnapKV
+
+    @dataclass
+    class Reversed(SnapKV):
+        def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
+            return -super().decode_scores(inputs)
+
+        def fused_rule(self):
+            return None
+
+    method = Reversed(window=4)
+    with caplog.at_level("WARNING", logger="slake.kernels"):
+        eng, _ = _run(method, "triton", steps=2, layers=1)
+    assert eng.decoder.report.steps == {"torch": 2}
+    assert "no fused form" in eng.decoder.report.summary()
+    assert sum("fused decode kernels do not cover" in r.message for r in caplog.records) == 1
+
+
+def test_kernel_choice_is_checked():
+    with pytest.raises(ValueError, match="unknown kernels"):
+        CompressedKV("snapkv", 64, 2, kernels="cuda")
+    assert resolve_kernels("auto", "cpu") == "torch"
+    assert resolve_kernels("torch", "cpu") == "torch"
+
+
+def test_torch_compile_captures_the_fused_step_as_one_operator():
+    """A static cache's decode step with the fused kernels compiles to one graph (``fullgraph=True``): the kernels
+    are one opaque operator with declared mutations, so nothing breaks the graph; the compiled step (run through
+    ``aot_eager``, which executes the operator, here in Triton's interpreter) equals the torch step and advances the
+    layer's position counter."""
+    B, H, G, D, S = 2, 2, 2, 16, 40
+
+    def build(kernels):
+        eng = CompressedKV(_method("slake"), 16, 1, kernels=kernels)
+        eng.max_cache_len = S + 8
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, n, S, D, generator=g).to(DEVICE) for n in (H * G, H, H))
+        eng.prefill_layer(0, q, k, v, None, D**-0.5)
+        return eng
+
+    def step(eng, q, k, v):
+        eng.append(0, k, v)
+        return eng.decode_attention(0, q, D**-0.5)
+
+    torch._dynamo.reset()
+    ref, fused = build("torch"), build("triton")
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for t in range(3):
+        q, k, v = (torch.randn(B, n, 1, D, generator=g).to(DEVICE) for n in (H * G, H, H))
+        torch.testing.assert_close(compiled(fused, q, k, v), step(ref, q, k, v), rtol=1e-5, atol=1e-5)
+        assert torch.equal(fused.layers[0].valid, ref.layers[0].valid)
+        assert int(fused.position[0]) == int(ref.position[0]) == S + t + 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["slake", "tova"])
+def test_a_tiny_model_decodes_the_same_tokens_with_the_fused_kernels(name, llama_gqa):
+    """End to end through transformers (the registered attention function, the cache's update, a padded batch of
+    two): greedy tokens and kept counts equal the torch step's, and the cache reports which implementation ran."""
+    from compiled_decode import decode
+
+    model = llama_gqa.to(DEVICE)
+    ref, ref_stats, _ = decode(model, name, 6, static=False, kernels="torch")
+    fused, stats, _ = decode(model, name, 6, static=False, kernels="triton")
+    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
+    assert torch.equal(fused, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
