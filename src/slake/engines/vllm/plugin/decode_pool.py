@@ -311,7 +311,7 @@ class PagedSlots:
     def write_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         slot = slots[..., 0]  # (R, H): each head its own slot (the one it evicted at the previous step)
         self.pool.layout.write(
-            self.kv_cache, self.blocks.gather(1, slot), self.offsets[slot], keys[:, :, 0], values[:, :, 0]
+            self.kv_cache, self.blocks.gather(1, slot), self.offsets.take(slot), keys[:, :, 0], values[:, :, 0]
         )
 
     def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

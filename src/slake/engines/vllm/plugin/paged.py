@@ -173,7 +173,8 @@ class CpuAttnLayout(PagedLayout):
         R, H, nb, d, bs = keys.shape
         r = self._arange(R, slots.device).view(R, 1, 1)
         h = self._arange(H, slots.device).view(1, H, 1)
-        return keys[r, h, slots // bs, :, slots % bs]  # advanced indices split by a slice go first: (R, H, k, d)
+        blk, off = torch.floor_divide(slots, bs), torch.remainder(slots, bs)
+        return keys[r, h, blk, :, off]  # advanced indices split by a slice go first: (R, H, k, d)
 
     def write(
         self,
