@@ -241,8 +241,13 @@ def decode_step(
     H = valid.shape[1]
     g = Hq // H
     newest = _newest(slots)
-    # 1. append: the first free slot of every row and head (the first minimum of the validity read as bytes)
-    free = valid.view(torch.uint8).argmin(-1, keepdim=True)  # (R, H, 1)
+    # 1. append: the first free slot of every row and head: the first minimum of the validity read as bytes (one
+    # operation), or in a compiled graph the first maximum of the cast emptiness (with the argmin of the validity
+    # as uint8, viewed or cast, inductor's C++ step aborted, tests/test_compile.py; a graph fuses the cast anyway)
+    if torch.compiler.is_compiling():
+        free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)
+    else:
+        free = valid.view(torch.uint8).argmin(-1, keepdim=True)  # (R, H, 1)
     kv.write_kv(free, key.view(R, H, 1, d), value.view(R, H, 1, d))
     valid.scatter_(-1, free, True)
     positions.scatter_(-1, free, newest.expand(R, H, 1))
