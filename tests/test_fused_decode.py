@@ -232,6 +232,16 @@ def test_one_fused_step_of_one_layer_is_at_most_four_launches(name, monkeypatch)
     assert _count_one_step(name, "torch", monkeypatch) > 20
 
 
+#: torch operations of one torch step of one layer in the transformers engine (docs/gpu.md's table): on a CPU each
+#: costs a few microseconds whatever its size, so the step costs its count; a change that adds operations fails here
+TORCH_STEP_OPS = {"tova": 30, "h2o": 40, "snapkv": 39, "cake": 42, "ahakv": 55, "slake": 65}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_STEP_OPS))
+def test_the_torch_step_of_one_layer_stays_within_its_operation_count(name, monkeypatch):
+    assert _count_one_step(name, "torch", monkeypatch) <= TORCH_STEP_OPS[name]
+
+
 def test_one_fused_pool_step_of_one_layer_is_at_most_four_launches(monkeypatch):
     """The vLLM pool's ``decode_layer`` for three requests: the two kernels, nothing else (the rows are a slice)."""
     pool, cache, _ = _pool_run("slake", "triton", FlashAttnLayout(), True)

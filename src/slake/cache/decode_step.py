@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
-from slake.attention.softmax import probs_values, safe_softmax
+from slake.attention.softmax import probs_values
 from slake.methods.base import DecodeInputs, LayerContext, Method
 
 __all__ = ["KVMemory", "SlotKV", "StepSlots", "decode_extras", "decode_step", "protected_slots", "sdpa_step"]
@@ -237,15 +237,25 @@ def decode_step(
         out = decode_step(method, own, kv, query, key, value, scaling)
         slots.put_rows(own)
         return out
+    # On a CPU every torch operation here costs ~2-10 us whatever its size (the tensors are a few KB), so the step
+    # costs its operation count: each value below is computed once and shared (``tests/test_fused_decode.py`` counts
+    # them).
     R, Hq, d = query.shape
-    H = slots.valid.shape[1]
+    valid, positions, scores = slots.valid, slots.positions, slots.scores
+    H = valid.shape[1]
     g = Hq // H
-    # 1. append: the first free slot of every row and head (argmax returns the first maximum)
-    free = (~slots.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (R, H, 1)
+    newest = _newest(slots)
+    # 1. append: the first free slot of every row and head: the first minimum of the validity read as bytes (one
+    # operation), or in a compiled graph the first maximum of the cast emptiness (with the argmin of the validity
+    # as uint8, viewed or cast, inductor's C++ step aborted, tests/test_compile.py; a graph fuses the cast anyway)
+    if torch.compiler.is_compiling():
+        free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)
+    else:
+        free = valid.view(torch.uint8).argmin(-1, keepdim=True)  # (R, H, 1)
     kv.write_kv(free, key.view(R, H, 1, d), value.view(R, H, 1, d))
-    slots.valid.scatter_(-1, free, True)
-    slots.positions.scatter_(-1, free, _newest(slots).expand(R, H, 1))
-    slots.scores.scatter_(-1, free, 0.0)
+    valid.scatter_(-1, free, True)
+    positions.scatter_(-1, free, newest.expand(R, H, 1))
+    scores.scatter_(-1, free, 0.0)
     if slots.head_visible is not None:
         slots.head_visible.scatter_(-1, free[:, :, None, :].expand(-1, -1, g, -1), True)
     # 2. logits of the scaled queries in group layout, -inf where a slot is empty or hidden from the query head
@@ -253,35 +263,38 @@ def decode_step(
     W = values.shape[2]
     qf = (query.float() * scaling).reshape(R, H, g, 1, d)
     x = kv.kv_logits(qf.view(R, H, g, d), keys).reshape(R, H, g, 1, W)
-    visible = slots.valid[:, :, None, None, :]
+    empty = ~valid
+    hidden = empty[:, :, None, None, :]
     if slots.head_visible is not None:
-        visible = visible & slots.head_visible[:, :, :, None, :]
-    x.masked_fill_(~visible, float("-inf"))
+        hidden = hidden | ~slots.head_visible[:, :, :, None, :]
+    x.masked_fill_(hidden, float("-inf"))
     linear = slots.linear
     if slots.target is None:  # no eviction in this layer: attend only
         return attend(qf, x, values, linear, 1.0, overwrite_logits=True).view(R, Hq, d)
-    # 3. the method's scores and the victim of every row and KV head
-    probs = safe_softmax(x)  # (R, H, g, 1, W)
+    # 3. the method's scores and the victim of every row and KV head. Every row sees its new token, so no row of
+    # the softmax is all -inf and it needs no NaN guard (``safe_softmax``).
+    probs = torch.softmax(x, dim=-1)  # (R, H, g, 1, W)
     new_scores = method.decode_scores(
         DecodeInputs(
             probs=probs.view(R, H * g, 1, W),
-            positions=slots.positions,
-            valid=slots.valid,
-            stored=slots.scores,
+            positions=positions,
+            valid=valid,
+            stored=scores,
             prompt_len=slots.prompt_len,
             budget=slots.budget,
-            newest=_newest(slots),
+            newest=newest,
             **decode_extras(method, slots.layer, keys, values, qf.view(R, Hq, 1, d)),
         )
     )
-    slots.scores.copy_(new_scores)  # in place: the tensors keep their addresses from step to step (CUDA graphs)
+    scores.copy_(new_scores)  # in place: the tensors keep their addresses from step to step (CUDA graphs)
+    # rows over their target; a negative target (-1: no eviction) becomes the dtype's largest value, never exceeded
     target = slots.target
-    over = (slots.valid.sum(-1) > target) & (target >= 0)  # (R, H)
+    over = valid.sum(-1) > target.bitwise_and(torch.iinfo(target.dtype).max)  # (R, H)
     # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
-    guard = protected_slots(method, slots.positions, slots.valid, _newest(slots), slots.first_real) | ~slots.valid
-    lowest = slots.scores.masked_fill(guard, float("inf")).argmin(-1, keepdim=True)  # the first minimum
-    chosen = over[..., None] & slots.valid.gather(-1, lowest)  # (R, H, 1)
-    mask = torch.zeros_like(slots.valid).scatter_(-1, lowest, chosen)
+    guard = _unselectable(method, positions, empty, newest, slots.first_real)
+    lowest = scores.masked_fill(guard, float("inf")).argmin(-1, keepdim=True)  # the first minimum
+    chosen = over[..., None] & valid.gather(-1, lowest)  # (R, H, 1)
+    mask = torch.zeros_like(valid).scatter_(-1, lowest, chosen)
     # 4. output and eviction, in the method's order
     if method.evict_before_output:
         if linear is not None:
@@ -294,10 +307,28 @@ def decode_step(
         else:
             out = attend(qf, x, values, linear, 1.0, overwrite_logits=True)
             kv.fold_kv(linear, keys, values, lowest, chosen)
-    slots.valid &= ~mask
-    slots.positions.masked_fill_(mask, -1)
-    slots.scores.masked_fill_(mask, float("-inf"))
+    valid.masked_fill_(mask, False)
+    positions.masked_fill_(mask, -1)
+    scores.masked_fill_(mask, float("-inf"))
     return out.view(R, Hq, d)
+
+
+def _unselectable(
+    method: Method,
+    positions: torch.Tensor,
+    empty: torch.Tensor,
+    newest: torch.Tensor,
+    first_real: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(R, Hkv, W)`` bool: :func:`protected_slots` or ``empty`` (``~valid``), in as few operations as the
+    method's protection needs."""
+    guard = empty
+    if method.window and not method.newest_evictable:
+        guard = guard | (positions > newest - method.window)
+    if method.sinks:
+        first = 0 if first_real is None else first_real.view(-1, 1, 1)
+        guard = guard | ((positions >= first) & (positions < first + method.sinks))
+    return guard
 
 
 def decode_extras(

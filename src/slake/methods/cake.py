@@ -235,11 +235,14 @@ class Cake(Method):
 
         See ``docs/methods/cake.md#decode-rule``.
         """
-        p = inputs.probs.float().mean(2)  # mean over query rows
+        probs = inputs.probs.float()
+        # mean over query rows (one row, a decode step: the row itself, which is what the mean gives to the bit)
+        p = probs[:, :, 0] if probs.shape[2] == 1 else probs.mean(2)
         s = group_mean(p, inputs.positions.shape[1])
+        empty = ~inputs.valid
         newest = inputs.newest
         if newest is None:
-            newest = inputs.positions.masked_fill(~inputs.valid, -1).amax(-1, keepdim=True)
+            newest = inputs.positions.masked_fill(empty, -1).amax(-1, keepdim=True)
         in_window = inputs.positions > newest - self.window  # protected: excluded from pooling
-        s = s.masked_fill(in_window | ~inputs.valid, 0.0)
-        return positional_pool(s, inputs.positions, inputs.valid, self.kernel, self.pooling)
+        s = s.masked_fill(in_window | empty, 0.0)
+        return positional_pool(s, inputs.positions, inputs.valid, self.kernel, self.pooling, empty=empty, zeroed=True)

@@ -70,18 +70,32 @@ def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def positional_pool(
-    scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int, kind: str = "avg"
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    kernel: int,
+    kind: str = "avg",
+    *,
+    empty: torch.Tensor | None = None,
+    zeroed: bool = False,
 ) -> torch.Tensor:
     """Pool per-slot scores over *positional* neighbours when slots are not stored in position order.
 
     Decode-time storage overwrites evicted slots in place, so slot order is not token order. This sorts the slots by
     position (empty slots last, with score 0), pools, and scatters back. ``scores, positions, valid``:
     ``(B, Hkv, n)``. See ``docs/methods/README.md#eviction-and-positional-order``.
+
+    ``empty``: ``~valid`` when the caller has it already; ``zeroed``: the caller guarantees that ``scores`` is 0 on
+    every empty slot (the mask is then skipped). Both only save operations (a decode step's cost on CPU is its
+    operation count). The sort is stable, so the empty slots, whose positions tie, keep their slot order (the fused
+    kernels' order); the pooled scores of the valid slots do not depend on that order.
     """
     if kernel <= 1:
         return scores
-    key = torch.where(valid, positions, torch.iinfo(positions.dtype).max)
-    order = key.argsort(dim=-1)
-    s_sorted = scores.masked_fill(~valid, 0.0).gather(-1, order)
+    if empty is None:
+        empty = ~valid
+    key = positions.masked_fill(empty, torch.iinfo(positions.dtype).max)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    s_sorted = (scores if zeroed else scores.masked_fill(empty, 0.0)).gather(-1, order)
     pooled_sorted = pool1d(s_sorted, kernel, kind)
     return torch.empty_like(pooled_sorted).scatter_(-1, order, pooled_sorted)

@@ -69,5 +69,9 @@ class SnapKV(Method):
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """CAKE's decode rule: positional pooling of the current queries' attention, group-mean."""
-        p = group_mean(inputs.probs.mean(2), inputs.positions.shape[1])
+        probs, H = inputs.probs, inputs.positions.shape[1]
+        # mean over query rows; one row (a decode step) with a group to reduce: the row itself (to the bit), as the
+        # group mean makes a new tensor anyway
+        one = probs.shape[2] == 1 and probs.shape[1] > H
+        p = group_mean(probs[:, :, 0] if one else probs.mean(2), H)
         return positional_pool(p, inputs.positions, inputs.valid, self.kernel, self.pooling)

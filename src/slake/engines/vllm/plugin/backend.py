@@ -246,7 +246,11 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             self._write(state, layer, kv_cache, k_saved, v_saved, blocks)
             if li == len(st.saved["kv"]) - 1:
                 st.saved = None
-        qidx = batch.qidx
+        qidx, qs = batch.qidx, batch.qslice
+
+        def take(t: torch.Tensor) -> torch.Tensor:  # the rows' tokens: a view when they are contiguous
+            return t[qs] if qs is not None and t.is_contiguous() else t.index_select(0, qidx)
+
         o = pool.decode_layer(
             li,
             batch.row_index,
@@ -254,14 +258,17 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             batch.blocks,
             batch.offsets,
             batch.newest,
-            query.index_select(0, qidx),
-            key.index_select(0, qidx),
-            value.index_select(0, qidx),
+            take(query),
+            take(key),
+            take(value),
             kv_cache,
             self.scale,
             batch.widths[li],
         )
-        output.index_copy_(0, qidx, o.to(output.dtype).reshape(qidx.numel(), *output.shape[1:]))
+        if qs is not None:
+            output[qs] = o.reshape(qidx.numel(), *output.shape[1:])
+        else:
+            output.index_copy_(0, qidx, o.to(output.dtype).reshape(qidx.numel(), *output.shape[1:]))
         if state.timing:
             plan.decode_s += time.perf_counter() - t0
             if li == pool.num_layers - 1:

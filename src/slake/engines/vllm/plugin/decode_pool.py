@@ -244,16 +244,19 @@ class DecodePool:
         """
         W = self.width if width is None else width
         nb = -(-W // self.block_size)
+        # a slice of rows (the usual case) is taken here as views of the pool's tensors, once; an index tensor is
+        # left to the step (:meth:`StepSlots.take_rows`), which gathers the rows and writes them back
+        r = rows if isinstance(rows, slice) else slice(None)
         slots = StepSlots(
-            positions=self.positions[layer][..., :W],
-            valid=self.valid[layer][..., :W],
-            scores=self.scores[layer][..., :W],
-            target=self.target[layer],
+            positions=self.positions[layer, r, :, :W],
+            valid=self.valid[layer, r, :, :W],
+            scores=self.scores[layer, r, :, :W],
+            target=self.target[layer, r],
             newest=newest,
-            prompt_len=self.prompt_len,
-            budget=self.budget,
-            linear=None if self.linear is None else LinearState(self.linear[layer]),
-            rows=rows,
+            prompt_len=self.prompt_len[r],
+            budget=self.budget[r],
+            linear=None if self.linear is None else LinearState(self.linear[layer, r]),
+            rows=None if isinstance(rows, slice) else rows,
         )
         kv = PagedSlots(self, kv_cache, table[:, :nb], blocks[:, :W], offsets[:W], W)
         return run_step(self.kernels, self.method, slots, kv, query, key, value, scaling, report=self.report)
@@ -308,7 +311,7 @@ class PagedSlots:
     def write_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         slot = slots[..., 0]  # (R, H): each head its own slot (the one it evicted at the previous step)
         self.pool.layout.write(
-            self.kv_cache, self.blocks.gather(1, slot), self.offsets[slot], keys[:, :, 0], values[:, :, 0]
+            self.kv_cache, self.blocks.gather(1, slot), self.offsets.take(slot), keys[:, :, 0], values[:, :, 0]
         )
 
     def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,8 +130,9 @@ class CpuAttnLayout(PagedLayout):
     """vLLM's ``CPU_ATTN`` layout: per (block, head), the keys transposed ``(d, block_size)``, then the values
     ``(block_size, d)``.
 
-    :meth:`gather` copies whole blocks with one ``index_select`` (contiguous rows of the cache) and lays out only the
-    values slot-major; the keys stay block-transposed and :meth:`logits` multiplies them per block without a copy
+    :meth:`gather` copies whole (block, head) rows with two ``index_select`` calls, one over the keys' half of the
+    cache and one over the values' half, ordered by request, head and block, so that the values come out slot-major
+    with no further copy; the keys stay block-transposed and :meth:`logits` multiplies them per block without a copy
     (several times faster on CPU than indexing single slots out of the transposed key layout)."""
 
     name = "CPU_ATTN"
@@ -145,27 +146,35 @@ class CpuAttnLayout(PagedLayout):
         return flat[:, :, : bs * d].view(nb, H, d, bs), flat[:, :, bs * d :].view(nb, H, bs, d)
 
     def gather(self, kv_cache: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys block-wise transposed ``(R, nb, H, d, block_size)`` (a view of the copied blocks), values
-        ``(R, H, nb * block_size, d)`` slot-major (one more copy)."""
-        _, H, bs, d2 = kv_cache.shape
+        """Keys block-wise transposed ``(R, H, nb, d, block_size)``, values ``(R, H, nb * block_size, d)``
+        slot-major: each one ``index_select`` of its half of the (block, head) rows (the cache is read once, and
+        nothing is copied twice)."""
+        nblk, H, bs, d2 = kv_cache.shape
         d = d2 // 2
         R, nb = table.shape
-        blk = kv_cache.index_select(0, table.reshape(-1)).view(R, nb, H, 2 * bs * d)
-        keys_t = blk[..., : bs * d].view(R, nb, H, d, bs)
-        values = blk[..., bs * d :].view(R, nb, H, bs, d).permute(0, 2, 1, 3, 4).reshape(R, H, nb * bs, d)
-        return keys_t, values
+        if kv_cache.stride(0) != H * kv_cache.stride(1):  # blocks not evenly spaced: whole blocks, then the values
+            blk = kv_cache.index_select(0, table.reshape(-1)).view(R, nb, H, 2 * bs * d)
+            keys = blk[..., : bs * d].view(R, nb, H, d, bs).transpose(1, 2)
+            return keys, blk[..., bs * d :].view(R, nb, H, bs, d).transpose(1, 2).reshape(R, H, nb * bs, d)
+        rows = kv_cache.view(nblk * H, 2 * bs * d)  # one row per (block, head): its keys, then its values
+        # row ``block * H + head`` of every (request, head, block), in that order
+        index = torch.add(self._arange(H, table.device).view(1, H, 1), table[:, None, :], alpha=H).view(-1)
+        keys = rows[:, : bs * d].index_select(0, index).view(R, H, nb, d, bs)
+        values = rows[:, bs * d :].index_select(0, index).view(R, H, nb * bs, d)
+        return keys, values
 
     def logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        R, nb, H, d, bs = keys.shape
+        R, H, nb, d, bs = keys.shape
         g = queries.shape[2]
-        x = torch.matmul(queries.unsqueeze(1), keys if keys.dtype == queries.dtype else keys.to(queries.dtype))
-        return x.permute(0, 2, 3, 1, 4).reshape(R, H, g, nb * bs)  # (R, nb, H, g, bs) -> slot order
+        x = torch.matmul(queries.unsqueeze(2), keys if keys.dtype == queries.dtype else keys.to(queries.dtype))
+        return x.transpose(2, 3).reshape(R, H, g, nb * bs)  # (R, H, nb, g, bs) -> slot order
 
     def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        R, nb, H, d, bs = keys.shape
+        R, H, nb, d, bs = keys.shape
         r = self._arange(R, slots.device).view(R, 1, 1)
         h = self._arange(H, slots.device).view(1, H, 1)
-        return keys[r, slots // bs, h, :, slots % bs]  # advanced indices split by a slice go first: (R, H, k, d)
+        blk, off = torch.floor_divide(slots, bs), torch.remainder(slots, bs)
+        return keys[r, h, blk, :, off]  # advanced indices split by a slice go first: (R, H, k, d)
 
     def write(
         self,

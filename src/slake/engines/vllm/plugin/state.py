@@ -79,6 +79,9 @@ class DecodeBatch:
     offsets: torch.Tensor
     #: (R, 1, 1) the new tokens' positions
     newest: torch.Tensor
+    #: ``qidx`` as the slice ``a:a+R`` when the tokens are contiguous and in order (the usual case: every request
+    #: of a decode-only step is compressed), else None; the layers then read and write the tokens through views
+    qslice: slice | None = None
 
 
 @dataclass
@@ -330,17 +333,20 @@ class PluginState:
         rows = [int(d[0].row or 0) for d in decodes]  # every decoding request holds a row
         row_tensor = torch.tensor(rows, dtype=torch.int64)
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        tokens = [d[1] for d in decodes]  # the rows' token indices in the step's batch
+        qslice = slice(tokens[0], tokens[0] + len(tokens)) if tokens == list(range(tokens[0], tokens[-1] + 1)) else None
         newest = pool.seen.index_select(0, row_tensor).view(-1, 1, 1)
         pool.seen.index_add_(0, row_tensor, torch.ones_like(row_tensor))
         plan.decode = DecodeBatch(
             rows=row_tensor,
             row_index=slice(rows[0], rows[0] + len(rows)) if contiguous else row_tensor,
             widths=pool.layer_widths(rows),
-            qidx=torch.tensor([d[1] for d in decodes], dtype=torch.int64),
+            qidx=torch.tensor(tokens, dtype=torch.int64),
             table=tbl,
             blocks=blocks,
             offsets=offsets,
             newest=newest,
+            qslice=qslice,
         )
         restored = {id(st) for st, _ in plan.restores}
         masked = [d[1] for d in decodes if id(d[0]) not in restored]
