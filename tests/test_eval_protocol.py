@@ -284,9 +284,16 @@ def test_merge_resumes_and_one_summary_and_table_hold_both(tmp_path):
     snap = next(line for line in table.splitlines() if line.startswith("| kvpress:snapkv |"))
     assert snap.split("|")[2].strip().startswith("100.0") and snap.split("|")[4].strip().startswith("0.0")
     csv_lines = paths[1].read_text().splitlines()
-    assert csv_lines[0] == "model,method,compression_ratio,budget,average,low,high,n"
-    assert any(line.startswith("tiny,kvpress:snapkv,0.875,0.125,0.00") for line in csv_lines)
+    assert csv_lines[0] == "samples,model,method,compression_ratio,budget,average,low,high,n"
+    assert any(line.startswith("all,tiny,kvpress:snapkv,0.875,0.125,0.00") for line in csv_lines)
     assert paths[2].name == "score_vs_ratio_kvpress.png" and paths[2].stat().st_size > 0
+    # our methods on a sample kvpress's side did not run: the table first compares every line on the common samples
+    extra = {**ours[1], "sample_id": "niah_single_1-4096-9", "score": 0.0}
+    table = write_protocol_report(tmp_path, [*rows, extra], KVPRESS, plots=False)[0].read_text()
+    assert table.index("the samples both sides ran") < table.index("every sample")
+    assert table.count("| snapkv |") == 2
+    common, every = (t.split("| snapkv |")[1].split("|")[0] for t in table.split("## model")[1:3])
+    assert common.strip().startswith("100.0") and not every.strip().startswith("100.0")
 
 
 # ---------------------------------------------------------------------------------------------- end to end

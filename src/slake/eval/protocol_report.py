@@ -24,7 +24,7 @@ from slake.eval.protocol_outputs import KVPRESS_PREFIX
 from slake.eval.results import FULL_METHOD
 from slake.eval.summary import SummaryLine, summary_tables
 
-__all__ = ["protocol_lines", "protocol_rows", "write_protocol_report"]
+__all__ = ["common_rows", "protocol_lines", "protocol_rows", "write_protocol_report"]
 
 
 def protocol_rows(rows: Iterable[dict[str, Any]], protocol: Protocol) -> list[dict[str, Any]]:
@@ -41,6 +41,19 @@ def protocol_rows(rows: Iterable[dict[str, Any]], protocol: Protocol) -> list[di
             continue
         out.append(r)
     return out
+
+
+def common_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the samples kvpress's side ran, per model (all rows of a model without kvpress rows).
+
+    kvpress's presses may have run on fewer samples than our methods (they cost one more prefill per sample, and KVzip
+    a reconstruction pass); the table and plot then compare every line on the same samples first.
+    """
+    theirs: dict[str, set[str]] = {}
+    for r in rows:
+        if str(r["method"]).startswith(KVPRESS_PREFIX):
+            theirs.setdefault(str(r.get("model", "")), set()).add(str(r["sample_id"]))
+    return [r for r in rows if str(r.get("model", "")) not in theirs or str(r["sample_id"]) in theirs[str(r["model"])]]
 
 
 def protocol_lines(rows: list[dict[str, Any]]) -> dict[str, tuple[list[str], list[SummaryLine]]]:
@@ -76,7 +89,10 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
-def _markdown(protocol: Protocol, per_model: dict[str, tuple[list[str], list[SummaryLine]]]) -> str:
+PerModel = dict[str, tuple[list[str], list[SummaryLine]]]
+
+
+def _markdown(protocol: Protocol, sections: list[tuple[str, PerModel]]) -> str:
     ratios = list(protocol.compression_ratios)
     out = [
         f"# Protocol `{protocol.name}`",
@@ -89,10 +105,19 @@ def _markdown(protocol: Protocol, per_model: dict[str, tuple[list[str], list[Sum
         "run by kvpress in its own environment on the same token ids.",
         "",
     ]
+    for heading, per_model in sections:
+        out += _section(protocol, heading, per_model, ratios)
+    if not sections or not any(per_model for _, per_model in sections):
+        out.append("No results yet.")
+    return "\n".join(out) + "\n"
+
+
+def _section(protocol: Protocol, heading: str, per_model: PerModel, ratios: list[float]) -> list[str]:
+    out = []
     for model, (tasks, lines) in per_model.items():
         by_pair = {(line.method, line.budget): line for line in lines}
         n_samples = max((line.n for line in lines), default=0)
-        out += [f"## model {model}", "", f"Tasks: {', '.join(tasks)}; up to {n_samples} samples per line.", ""]
+        out += [f"## model {model}{heading}", "", f"Tasks: {', '.join(tasks)}; up to {n_samples} samples per line.", ""]
         out.append("| method | " + " | ".join(f"{r:g}" for r in ratios) + " | n |")
         out.append("|---|" + "---:|" * (len(ratios) + 1))
         for method in _methods(lines):
@@ -106,31 +131,33 @@ def _markdown(protocol: Protocol, per_model: dict[str, tuple[list[str], list[Sum
                 n = max((x.n for x in found if x is not None), default=0)
             out.append(f"| {method} | " + " | ".join(cells) + f" | {n} |")
         out.append("")
-    if not per_model:
-        out.append("No results yet.")
-    return "\n".join(out) + "\n"
+    return out
 
 
-def _csv(path: Path, per_model: dict[str, tuple[list[str], list[SummaryLine]]]) -> None:
+def _csv(path: Path, sections: list[tuple[str, PerModel]]) -> None:
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
-        w.writerow(["model", "method", "compression_ratio", "budget", "average", "low", "high", "n"])
-        for model, (_, lines) in per_model.items():
-            for line in lines:
-                ratio = "" if line.budget is None else f"{ratio_of_budget(line.budget):g}"
-                budget = "full" if line.budget is None else f"{line.budget:g}"
-                w.writerow(
-                    [
-                        model,
-                        line.method,
-                        ratio,
-                        budget,
-                        f"{line.average:.2f}",
-                        f"{line.interval.low:.2f}",
-                        f"{line.interval.high:.2f}",
-                        line.n,
-                    ]
-                )
+        w.writerow(["samples", "model", "method", "compression_ratio", "budget", "average", "low", "high", "n"])
+        for (_, per_model), label in zip(sections, ("common", "all"), strict=False):
+            if len(sections) == 1:
+                label = "all"
+            for model, (_, lines) in per_model.items():
+                for line in lines:
+                    ratio = "" if line.budget is None else f"{ratio_of_budget(line.budget):g}"
+                    budget = "full" if line.budget is None else f"{line.budget:g}"
+                    w.writerow(
+                        [
+                            label,
+                            model,
+                            line.method,
+                            ratio,
+                            budget,
+                            f"{line.average:.2f}",
+                            f"{line.interval.low:.2f}",
+                            f"{line.interval.high:.2f}",
+                            line.n,
+                        ]
+                    )
 
 
 def _plot(path: Path, protocol: Protocol, model: str, tasks: list[str], lines: list[SummaryLine]) -> Path:
@@ -202,11 +229,18 @@ def write_protocol_report(
     """
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    per_model = protocol_lines(protocol_rows(rows, protocol))
+    selected = protocol_rows(rows, protocol)
+    common = common_rows(selected)
+    per_model = protocol_lines(selected)
+    sections: list[tuple[str, PerModel]] = [("", per_model)]
+    if len(common) < len(selected):
+        both = protocol_lines(common)
+        sections = [(", the samples both sides ran", both), (", every sample (our methods on more samples)", per_model)]
+        per_model = both
     md = directory / f"protocol_{protocol.name}.md"
-    md.write_text(_markdown(protocol, per_model), encoding="utf-8")
+    md.write_text(_markdown(protocol, sections), encoding="utf-8")
     csv_path = directory / f"protocol_{protocol.name}.csv"
-    _csv(csv_path, per_model)
+    _csv(csv_path, sections)
     paths = [md, csv_path]
     if plots:
         for model, (tasks, lines) in per_model.items():
