@@ -8,7 +8,7 @@ import torch
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.generate import prefill
-from tiny_models import random_ids
+from tiny_models import random_ids, second_pass_ready
 
 PROMPT = 40
 BUDGET = 16
@@ -53,6 +53,7 @@ def decode(
         kernels=kernels,
         **hyper(method),
     )
+    second_pass_ready(model, cache)
     with torch.inference_mode():
         tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
     first_real = (mask == 0).sum(-1, keepdim=True)

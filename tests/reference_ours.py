@@ -14,8 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from slake.cache.compressed import CompressedKV
 from slake.methods import make_method
-from slake.methods.base import PrefillInputs
+from slake.methods.base import LayerContext, PrefillInputs
+from slake.methods.kvzip import reconstruction_attention
+from slake.methods.rotary import Rotary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 
@@ -51,7 +54,20 @@ PAIRS: dict[str, tuple[str, str]] = {
     "lava#default": ("lava[window={w}]", "ref"),
     "lava#value_norm_candidates": ("lava[window={w},value_norm=candidates]", "ref"),
     "lava#floor_reference": ("lava[window={w},floor_mode=reference]", "ref"),
+    # issue 34: the 2025 presses, as kvpress's registry configures them
+    "kvpress.keydiff": ("keydiff", "uniform"),
+    "kvpress.expected_attention_plain": ("expected-attention", "uniform"),
+    "kvpress.expected_attention": ("ada-expected-attention", "uniform"),
+    "kvpress.expected_attention#scoring": ("ada-expected-attention", "ref_heads"),
+    "kvpress.critical_snapkv": ("criticalkv[window={w},kernel=5,pooling=avg]", "uniform"),
+    "kvpress.critical_adakv_snapkv": ("ada-criticalkv[window={w},kernel=5,pooling=avg,group_first=false]", "uniform"),
+    "kvpress.critical_expected_attention": ("criticalkv[scorer=expected-attention,window=0,sinks=4]", "uniform"),
+    "kvzip": ("kvzip", "ref"),
+    "kvzip#scoring": ("kvzip", "ref_heads"),
 }
+
+#: pairs whose method needs the model's layer facts (rotary embedding, output projection) from the case
+NEEDS_LAYER = ("expected", "critical")
 
 #: single-layer cases are scored as layer 3 of 8 by pyramid schedules (see tools/reference/reference_side.py)
 PYRAMID_SINGLE = (3, 8)
@@ -80,10 +96,15 @@ def ours_keep(
     budget: int,
     layer_idx: int = 0,
     num_layers: int = 1,
+    layer=None,
+    pass_scores: torch.Tensor | None = None,
 ):
     """Our kept set of one layer, the way the engine selects it (``PrefillCompressor.evict_to``): the method's scores,
     protected slots (sinks, window) at ``+inf``, the method's head split of ``selectable`` tokens per head on
     average (an int, or a per-head list that overrides the split), then a stable descending sort per head.
+
+    ``layer``: the :class:`~slake.methods.base.LayerContext` (rotary embedding, output projection) for methods that
+    need one; ``pass_scores``: a second pass's ``(L, 1, Hkv, S)`` scores (KVzip).
 
     Returns ``(mask (Hkv, S) bool, per-head selectable counts (Hkv,) int64, preference or None, scores (Hkv, S)
     with protected slots at +inf)``.
@@ -100,6 +121,8 @@ def ours_keep(
         layer_idx=layer_idx,
         num_layers=num_layers,
         budget=torch.tensor([budget]),
+        layer=layer,
+        pass_scores=pass_scores,
     )
     res = method.prefill_scores(inputs)
     s = res.scores.float().clone()
@@ -119,6 +142,43 @@ def ours_keep(
     for h in range(Hkv):
         mask[h, order[h, : int(protected[h] + counts[h])]] = True
     return mask, counts, (None if res.preference is None else float(res.preference[0])), s[0]
+
+
+def layer_context(inv_freq, rope_scaling: float, o_proj=None) -> LayerContext:
+    """The :class:`LayerContext` of a captured layer: its RoPE frequencies and scaling, and ``W_o`` when recorded."""
+    out = None if o_proj is None else torch.as_tensor(np.asarray(o_proj, dtype=np.float32))
+    return LayerContext(
+        rotary=Rotary(torch.as_tensor(np.asarray(inv_freq, dtype=np.float32)), rope_scaling), out_proj=out
+    )
+
+
+def kvzip_pass_scores(keys: torch.Tensor, chunks: list[dict], scaling: float) -> torch.Tensor:
+    """Our KVzip scores ``(L, 1, Hkv, S)`` of a recorded reconstruction pass: :func:`reconstruction_attention` on
+    every (chunk, layer); the template prefix past the sinks keeps 0 (kvpress's and our default)."""
+    L, H, S, _ = keys.shape
+    out = torch.zeros(L, 1, H, S)
+    for ch in chunks:
+        s, e = int(ch["start"]), int(ch["end"])
+        for layer in range(L):
+            q, k = ch["queries"][layer : layer + 1], ch["keys"][layer : layer + 1]
+            out[layer, :, :, s:e] = reconstruction_attention(q, k, int(ch["sink"]), s, e, scaling)
+    return out
+
+
+def ours_kvzip(spec: str, keys: torch.Tensor, values: torch.Tensor, pass_scores: torch.Tensor, budget: int, hq: int):
+    """Our whole-model KVzip on a recorded pass, through the compressor itself (its cascade and head split): the
+    kept masks ``(L, Hkv, S)`` and the per-layer kept counts (protected included)."""
+    L, H, S, d = keys.shape
+    eng = CompressedKV(make_method(spec), budget, num_layers=L)
+    eng.pass_scores = pass_scores
+    for layer in range(L):
+        k, v = keys[layer : layer + 1], values[layer : layer + 1]
+        eng.prefill_layer(layer, torch.zeros(1, hq, S, d), k, v, None, d**-0.5)
+    kept = torch.zeros(L, H, S, dtype=torch.bool)
+    for layer, store in enumerate(eng.layers):
+        for h in range(H):
+            kept[layer, h, store.positions[0, h][store.valid[0, h]]] = True
+    return kept, [int(x) for x in kept.sum((1, 2))]
 
 
 def set_metrics(ours: torch.Tensor, ref: torch.Tensor) -> dict:

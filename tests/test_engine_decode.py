@@ -8,11 +8,12 @@ import torch
 import slake
 from slake import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
-from tiny_models import random_ids, tiny_model
+from tiny_models import prefill_for_generate, random_ids, tiny_model
 
 
 def _generate(model, ids, cache, n, attention_mask=None, **kw):
-    with torch.no_grad():
+    prefill_for_generate(model, cache, ids, attention_mask)  # KVzip's second pass, as slake.generate runs it
+    with torch.inference_mode():
         return model.generate(
             ids,
             attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,

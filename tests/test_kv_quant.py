@@ -11,7 +11,7 @@ from slake.cli import main
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods import make_method
-from tiny_models import random_ids, tiny_model
+from tiny_models import prefill_for_generate, random_ids, tiny_model
 
 GEN = torch.Generator().manual_seed(11)
 
@@ -97,9 +97,11 @@ def test_every_method_generates_with_8bit(kv_dtype):
     ids = random_ids(120)
     for name in available_methods():
         cache = SlakeCache(name, 48, model.config.num_hidden_layers, kv_dtype=kv_dtype)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=4, do_sample=False
-        )
+        prefill_for_generate(model, cache, ids)  # KVzip's second pass, as slake.generate runs it
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=4, do_sample=False
+            )
         stats = cache.statistics()
         assert out.shape[1] == ids.shape[1] + 4 and stats["kv_dtype"] == kv_dtype, name
         assert all(layer.keys.element_size() == 1 for layer in cache.compressor.layers), name

@@ -35,6 +35,7 @@ def test_tokens_fixture_is_consistent():
     assert all(TOKENS["chat_template_ids_equal"].values())
     presses = {r["press"] for r in TOKENS["rows"]}
     assert {"full", "snapkv", "streamingllm", "tova", "observed", "pyramidkv", "adakv_snapkv"} <= presses
+    assert {"keydiff", "expected_attention", "critical_snapkv", "kvzip"} <= presses  # issue 34
     for prompt in TOKENS["prompts"]:
         assert {p for (c, p) in ROWS if c == prompt} == presses
     for r in TOKENS["rows"]:

@@ -58,3 +58,27 @@ def tiny_model(arch: str, layers: int = 3, seed: int = 0):
 def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 250, (batch, n), generator=g)
+
+
+def second_pass_ready(model, cache) -> bool:
+    """Give a cache whose method has a second pass (KVzip) a reconstruction prompt of fixed token ids (tiny models
+    have no tokenizer); True when the method has one."""
+    if cache.method.second_pass is None:
+        return False
+    from slake.engines.transformers.reconstruction import ReconstructionPrompt
+
+    cache.reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
+    return True
+
+
+def prefill_for_generate(model, cache, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    """What ``slake.generate`` does before ``model.generate`` for a second-pass method: prefill every prompt token
+    but the last through slake's prefill (exact prefill, second pass, compression), so that ``model.generate`` reads
+    the last one over the compressed cache. Nothing for other methods. Generate under ``torch.inference_mode``."""
+    if not second_pass_ready(model, cache):
+        return
+    from slake.engines.transformers.generate import prefill
+
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    with torch.inference_mode():
+        prefill(model, cache, ids[:, :-1], mask[:, :-1])

@@ -43,6 +43,10 @@ def test_preference_methods_get_a_layer_cap_and_hold_its_slots():
     [
         ({"method": "pyramidkv", "budget": 128}, "not supported by the vLLM plugin"),
         ({"method": "ada-snapkv", "budget": 128}, "not supported by the vLLM plugin"),
+        ({"method": "kvzip", "budget": 128}, "second pass (reconstruction)"),
+        ({"method": "expected-attention", "budget": 128}, "needs the model's rotary"),
+        ({"method": "criticalkv", "budget": 128}, "needs the model's out_proj"),
+        ({"method": "keydiff", "budget": 128}, "reads the kept keys and values"),
         ({"method": "cake[max_layer_budget=100]", "budget": 128}, "max_layer_budget >= the budget"),
         ({"method": "slake[decode_eviction=false]", "budget": 128}, "decode_eviction=false"),
         ({"method": "snapkv", "budget": 0.25}, "absolute budget"),

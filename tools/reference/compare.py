@@ -25,8 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from reference_ours import (FIXTURES, PAIRS, PYRAMID_SINGLE, diff_beyond_ties, ours_keep,  # noqa: E402
-                            output_diff, pack, pairs_for, ref_key, set_metrics, spec_for)
+from reference_ours import (FIXTURES, NEEDS_LAYER, PAIRS, PYRAMID_SINGLE, diff_beyond_ties,  # noqa: E402
+                            kvzip_pass_scores, layer_context, ours_keep, ours_kvzip, output_diff, pack, pairs_for,
+                            ref_key, set_metrics, spec_for)
 from slake.budgets import preference_budgets  # noqa: E402
 from slake.methods import make_method  # noqa: E402
 
@@ -46,6 +47,63 @@ def budget_metrics(ours: list[int], ref: list[int]) -> dict:
             "ours_total": int(o.sum()), "ref_total": int(r.sum())}
 
 
+def compare_kvzip(case: dict, res: dict, stem: str, kind: str, agg, fixtures: dict) -> None:
+    """KVzip against kvpress on one recorded reconstruction pass (whole model: budgets are global): our scores of the
+    recorded (chunk, layer) tensors; our kept sets through the compressor (its cascade rounds each layer to a
+    multiple of its heads) and at kvpress's own per-head counts (the scores alone); kvpress's layer counts."""
+    K, V = case["keys"], case["values"]
+    L, H, S, d = K.shape
+    b = res["budget"]
+    src = res["kvzip"]
+    ours_scores = kvzip_pass_scores(K, case["kvzip"]["chunks"], case["scaling"])
+    sinks = make_method("kvzip").sinks  # kvpress gives its sinks amax + 1; ours are protected by the compressor
+    agg[(kind, "kvzip")]["score_max_abs_diff"].append(
+        float((ours_scores[:, 0, :, sinks:] - src["scores"][..., sinks:]).abs().max()))
+    kept, counts = ours_kvzip("kvzip", K, V, ours_scores, b, case["queries"].shape[1])
+    ref_counts = [int(x) for x in src["layer_budgets"]]
+    for layer in range(L):
+        ref_mask = src["kept"][layer]
+        sc = ours_scores[layer, 0].clone()
+        sc[:, : make_method("kvzip").sinks] = float("inf")
+        m = set_metrics(kept[layer], ref_mask)
+        m["diff_beyond_ties"] = diff_beyond_ties(kept[layer], ref_mask, sc)
+        for name, val in m.items():
+            agg[(kind, "kvzip")][name].append(val)
+        heads = (ref_mask.sum(-1) - make_method("kvzip").sinks).tolist()
+        q = torch.zeros(1, case["queries"].shape[1], S, d)
+        mask, _, _, sc2 = ours_keep("kvzip", q, K[layer:layer + 1], V[layer:layer + 1], case["scaling"], heads, b,
+                                    layer, L, pass_scores=ours_scores)
+        m2 = set_metrics(mask, ref_mask)
+        m2["diff_beyond_ties"] = diff_beyond_ties(mask, ref_mask, sc2)
+        for name, val in m2.items():
+            agg[(kind, "kvzip#scoring")][name].append(val)
+    bm = budget_metrics(counts, ref_counts)
+    agg[(kind, "kvzip")]["layer_budget_equal"].append(bm["equal_layers"])
+    agg[(kind, "kvzip")]["layer_budget_abs_diff_frac"].append(bm["abs_diff_frac"])
+    agg[(kind, "kvzip")]["layer_budget_max_abs_diff"].append(
+        float(max(abs(a - r) for a, r in zip(counts, ref_counts))))
+    if not (stem.startswith("kvzip_") or stem == FIXTURE_MODEL[0]):  # fixtures: the random case and model_731
+        return
+    fx = fixtures.setdefault(stem, {"arrays": {}, "meta": {"S": S, "scaling": case["scaling"], "num_layers": L,
+                                                            "layer": None, "source": case["source"], "budgets": {}}})
+    fx["meta"].setdefault("kvzip", {})[str(b)] = {
+        "ref_layer_counts": ref_counts, "ours_layer_counts": counts,
+        "diff_frac": float(set_metrics(kept, torch.stack(src["kept"]))["diff_frac"]),
+        "jaccard": float(set_metrics(kept, torch.stack(src["kept"]))["jaccard"])}
+    fx["arrays"][f"kvzip_b{b}__ref"] = pack(torch.stack(src["kept"]))
+    if stem.startswith("kvzip_"):  # the random case: everything to recompute our scores in the test
+        kz = case["kvzip"]
+        fx["arrays"].update(kvzip_keys=K.numpy().astype(np.float16), kvzip_values=V.numpy().astype(np.float16))
+        fx["meta"]["kvzip_chunks"] = [{"start": c["start"], "end": c["end"], "sink": c["sink"]} for c in kz["chunks"]]
+        fx["meta"]["hq"] = int(case["queries"].shape[1])
+        for i, c in enumerate(kz["chunks"]):
+            fx["arrays"][f"kvzip_chunk{i}_queries"] = c["queries"].numpy().astype(np.float16)
+            fx["arrays"][f"kvzip_chunk{i}_keys"] = c["keys"].numpy().astype(np.float16)
+    else:  # the model: our scores (the test checks the selection on them) and the model's keys for the shapes
+        fx["arrays"]["kvzip_scores"] = ours_scores[:, 0].numpy().astype(np.float32)
+        fx["meta"]["hq"] = int(case["queries"].shape[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=Path, required=True)
@@ -60,6 +118,10 @@ def main() -> None:
         stem, btag = case_key.split("/")
         kind = "model" if stem.startswith("model_") else stem.rsplit("_", 1)[0]
         case = torch.load(args.cases / f"{stem}.pt")
+        if "kvzip" in res:
+            compare_kvzip(case, res, stem, kind, agg, fixtures)
+        if stem.startswith("kvzip_"):
+            continue
         Q, K, V, scaling = case["queries"], case["keys"], case["values"], case["scaling"]
         w, b, L = res["window"], res["budget"], res["num_layers"]
         S = Q.shape[2]
@@ -72,6 +134,10 @@ def main() -> None:
             q, k, v = lay(fix_layer)
             fx["arrays"].update(queries=q.numpy().astype(np.float16), keys=k.numpy().astype(np.float16),
                                 values=v.numpy().astype(np.float16))
+            if "o_proj" in case:
+                fx["arrays"]["o_proj"] = case["o_proj"][fix_layer].numpy().astype(np.float16)
+            if "inv_freq" in case:
+                fx["meta"].update(inv_freq=case["inv_freq"].tolist(), rope_scaling=case["rope_scaling"])
             fmeta = fx["meta"]["budgets"].setdefault(str(b), {"window": w, "pairs": {}})
         # ---------------- per-layer references
         for l, per in res["layers"].items():
@@ -88,7 +154,11 @@ def main() -> None:
                     else:
                         sel = (ref_mask.sum(-1) - method.protected).tolist()
                     pl, pL = layer_position(l, L, key)
-                    mask, counts, _, sc = ours_keep(spec, q, k, v, scaling, sel, b, pl, pL)
+                    ctx = None
+                    if any(n in key for n in NEEDS_LAYER):
+                        ctx = layer_context(case["inv_freq"], case["rope_scaling"],
+                                            case["o_proj"][l] if "o_proj" in case else None)
+                    mask, counts, _, sc = ours_keep(spec, q, k, v, scaling, sel, b, pl, pL, layer=ctx)
                     m = set_metrics(mask, ref_mask)
                     m["out_diff"] = output_diff(q, k, v, scaling, mask, ref_mask)
                     m["ours_err"] = output_diff(q, k, v, scaling, mask, torch.ones_like(mask))
@@ -167,13 +237,13 @@ def main() -> None:
         np.savez_compressed(args.out / f"{stem}.npz", **fx["arrays"])
         (args.out / f"{stem}.json").write_text(json.dumps(fx["meta"], indent=1, sort_keys=True) + "\n")
     for key, d in summary["pairs"].items():
-        for kind in ("model", "random_gqa", "random_mha"):
+        for kind in ("model", "random_gqa", "random_mha", "kvzip_random"):
             if kind in d:
                 x = d[kind]
                 print(f"{key:24s} {kind:6s} J={x['jaccard']['mean']:.4f} eq={x['equal_heads']['mean']:.3f} "
                       f"diff={x['diff_frac']['mean']:.4f} nt={x['diff_beyond_ties']['mean']:.4f} "
-                      f"out={x['out_diff']['mean']:.2e} "
-                      f"err ours/ref={x['ours_err']['mean']:.3e}/{x['ref_err']['mean']:.3e}"
+                      + (f"out={x['out_diff']['mean']:.2e} err ours/ref={x['ours_err']['mean']:.3e}/"
+                         f"{x['ref_err']['mean']:.3e}" if "out_diff" in x else "")
                       + (f" lb_eq={x['layer_budget_equal']['mean']:.3f}" if "layer_budget_equal" in x else "")
                       + (f" hb_eq={x['head_budget_equal']['mean']:.3f}" if "head_budget_equal" in x else ""))
 

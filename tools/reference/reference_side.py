@@ -104,40 +104,89 @@ class KvpressRunner:
 
     def __init__(self):
         import kvpress
+        import kvpress.presses.expected_attention_press as ea_mod
+        import kvpress.presses.kvzip_press as kvzip_mod
         import kvpress.presses.snapkv_press as snap_mod
         from importlib.metadata import version
         self.kvpress = kvpress
         self.version = version("kvpress")
         self._queries = None
+        self._pre_queries = None
         # kvpress recomputes the window queries from hidden states (q_proj + RoPE); we hand it the captured
         # post-RoPE queries instead (identity RoPE below), so it scores exactly our tensors.
         snap_mod.get_prerope_query_states = lambda module, h: self._window_queries(h)
+        # ExpectedAttentionPress wants the queries before RoPE (it rotates their statistics itself with the module's
+        # rotary embedding): the captured post-RoPE queries rotated back with transformers' own cos/sin
+        ea_mod.get_prerope_query_states = lambda module, h: self._pre_queries[:, :, -h.shape[1]:]
+        # KVzipPress: the repeat input's post-RoPE queries of the layer being scored (identity RoPE in kwargs)
+        kvzip_mod.get_prerope_query_states = lambda module, h: self._queries
+        self.kvzip_mod = kvzip_mod
 
     def _window_queries(self, h):
         n = h.shape[1]
         return self._queries[:, :, -n:]
 
-    def module(self, q, k, layer_idx, num_layers):
+    def module(self, q, k, layer_idx, num_layers, rope=None, o_proj=None):
         m = nn.Module()
-        m.config = SimpleNamespace(num_attention_heads=q.shape[1], num_key_value_heads=k.shape[1],
-                                   num_hidden_layers=num_layers, _attn_implementation="sdpa")
-        m.head_dim = q.shape[-1]
+        Hq, d = q.shape[1], q.shape[-1]
+        hidden = o_proj.shape[0] if o_proj is not None else Hq * d
+        m.config = SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=k.shape[1], head_dim=d,
+                                   hidden_size=hidden, num_hidden_layers=num_layers, _attn_implementation="sdpa")
+        m.head_dim = d
         m.layer_idx = layer_idx
+        m.num_key_value_groups = Hq // k.shape[1]
+        if rope is not None:
+            m.rotary_emb = rope
+        if o_proj is not None:
+            m.o_proj = nn.Linear(Hq * d, hidden, bias=False)
+            m.o_proj.weight.data = o_proj.float().clone()
         return m
 
-    def run(self, press, q, k, v, layer_idx, num_layers, attentions=None):
+    def run(self, press, q, k, v, layer_idx, num_layers, attentions=None, rope=None, o_proj=None,
+            read="values"):
+        """Kept mask ``(Hkv, S)`` of ``press`` on one layer. ``read="values"``: the press's own ``compress`` on values
+        marked with their index (presses that do not score with the values); ``"scores"``: the press's ``score``
+        then ``ScorerPress.compress``'s own selection (``compute_n_kept``, ``topk``), for presses that read the
+        values (Expected Attention's value norms, CriticalKV's ``W_o v``); AdaKV-style presses (masked indices)
+        get the true values."""
+        from kvpress.utils import compute_n_kept
         B, Hq, S, d = q.shape
         self._queries = q
-        mod = self.module(q, k, layer_idx, num_layers)
+        if rope is not None:
+            cos, sin = rope(q, torch.arange(S).view(1, -1))
+            self._pre_queries = rope_back(q, cos, sin, getattr(rope, "attention_scaling", 1.0))
+        mod = self.module(q, k, layer_idx, num_layers, rope, o_proj)
         hidden = torch.zeros(B, S, Hq * d)
         kwargs = {"position_embeddings": (torch.ones(B, S, d), torch.zeros(B, S, d))}
-        keys, values = press.compress(mod, hidden, k, marked(v), attentions, kwargs)
+        if read == "scores":
+            scores = press.score(mod, hidden, k, v, attentions, kwargs)
+            idx = scores.topk(compute_n_kept(S, press.compression_ratio), dim=-1).indices
+            return mask_from_index(idx[0].float(), S)
+        keys, values = press.compress(mod, hidden, k, marked(v) if read == "values" else v, attentions, kwargs)
         if hasattr(mod, "masked_key_indices"):  # AdaKVPress: full-length cache + masked indices
             b, h, s = mod.masked_key_indices
             keep = torch.ones(k.shape[1], S, dtype=torch.bool)
             keep[h, s] = False
             return keep
         return mask_from_index(values[0, :, :, 0], S)
+
+
+def rope_back(q, cos, sin, scaling):
+    """Queries before RoPE from post-RoPE ones, with transformers' ``(cos, sin)`` (which carry the scaling)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    c, s = cos[:, None].float(), sin[:, None].float()
+    return (q * c - rotate_half(q) * s) / (scaling * scaling)
+
+
+def rotary_module(inv_freq: torch.Tensor, scaling: float, d: int):
+    """transformers' own ``LlamaRotaryEmbedding`` (what a model's ``rotary_emb`` is) with the case's frequencies."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    rope = LlamaRotaryEmbedding(LlamaConfig(hidden_size=4 * d, num_attention_heads=4, head_dim=d))
+    rope.inv_freq = inv_freq.float().clone()
+    rope.original_inv_freq = inv_freq.float().clone()
+    rope.attention_scaling = scaling
+    return rope
 
 
 def kvpress_cases(R: KvpressRunner, q, k, v, scaling, b, w, layer_idx, num_layers):
@@ -158,6 +207,64 @@ def kvpress_cases(R: KvpressRunner, q, k, v, scaling, b, w, layer_idx, num_layer
     out["adakv_snapkv"] = R.run(AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=w, kernel_size=5),
                                            alpha_safeguard=0.2), q, k, v, layer_idx, num_layers)
     return out
+
+
+def kvpress_leader_cases(R: KvpressRunner, q, k, v, b, w, layer_idx, num_layers, rope, o_proj):
+    """The 2025 presses of issue 34, as kvpress's registry configures them (``evaluation/evaluate_registry.py``),
+    SnapKV-based ones with our window and kernel 5 as above."""
+    from kvpress import (AdaKVPress, CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress,
+                         SnapKVPress)
+    S = q.shape[2]
+    ratio = 1.0 - (b + 0.5) / S
+    out = {}
+    out["keydiff"] = R.run(KeyDiffPress(compression_ratio=ratio), q, k, v, layer_idx, num_layers)
+    out["expected_attention_plain"] = R.run(ExpectedAttentionPress(compression_ratio=ratio), q, k, v, layer_idx,
+                                            num_layers, rope=rope, read="scores")
+    out["expected_attention"] = R.run(AdaKVPress(ExpectedAttentionPress(compression_ratio=ratio, epsilon=1e-2)), q, k,
+                                      v, layer_idx, num_layers, rope=rope, read="true values")
+    if o_proj is not None:
+        snap = SnapKVPress(compression_ratio=ratio, window_size=w, kernel_size=5)
+        out["critical_snapkv"] = R.run(CriticalKVPress(snap), q, k, v, layer_idx, num_layers, o_proj=o_proj,
+                                       read="scores")
+        out["critical_adakv_snapkv"] = R.run(
+            CriticalAdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=w, kernel_size=5)), q, k, v,
+            layer_idx, num_layers, o_proj=o_proj, read="true values")
+        out["critical_expected_attention"] = R.run(
+            CriticalKVPress(ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)), q, k, v, layer_idx,
+            num_layers, rope=rope, o_proj=o_proj, read="scores")
+    return out
+
+
+def kvzip_model(R: KvpressRunner, case: dict, b: int):
+    """Whole-model KVzip in kvpress: ``KVzipPress.score_kvzip`` on every (chunk, layer) of the recorded reconstruction
+    pass (queries handed over through the patched ``get_prerope_query_states``, identity RoPE), then
+    ``compress_post``'s global selection over a stand-in of the model's layers; read back from the masked indices."""
+    from kvpress import KVzipPress
+    K = case["keys"]
+    L, Hkv, S, d = K.shape
+    Hq = case["queries"].shape[1]
+    kz = case["kvzip"]
+    numel = L * Hkv * S
+    press = KVzipPress(compression_ratio=(L * Hkv * (S - b) + 0.5) / numel, chunk_size=kz["chunk_size"])
+    press.context_length, press.prefix_length = S, kz["prefix"]
+    press.score_val = torch.zeros(L, 1, Hkv, S)
+    modules = [R.module(case["queries"][l:l + 1], K[l:l + 1], l, L) for l in range(L)]
+    for ch in kz["chunks"]:
+        press.start_idx, press.end_idx = ch["start"], ch["end"]
+        n = ch["queries"].shape[2]
+        kwargs = {"position_embeddings": (torch.ones(1, n, d), torch.zeros(1, n, d))}
+        for l in range(L):
+            R._queries = ch["queries"][l:l + 1]
+            keys = ch["keys"][l:l + 1]
+            press.score_kvzip(modules[l], torch.zeros(1, n, Hq * d), keys, torch.zeros_like(keys), None, kwargs)
+    press.compress_post(SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=m) for m in modules])))
+    kept = []
+    for m in modules:
+        keep = torch.ones(Hkv, S, dtype=torch.bool)
+        _, h, s = m.masked_key_indices
+        keep[h, s] = False
+        kept.append(keep)
+    return {"kept": kept, "layer_budgets": [int(x.sum()) for x in kept], "scores": press.score_val[:, 0].clone()}
 
 
 # ====================================================================== KVCache-Factory
@@ -338,6 +445,19 @@ def main() -> None:
             continue
         case = torch.load(path)
         Q, K, V = case["queries"], case["keys"], case["values"]
+        if path.name.startswith("kvzip_"):  # KVzip's multi-layer random case: that reference only
+            S = K.shape[2]
+            for b in (S // 3, S // 2):
+                key = f"{path.stem}/b{b}"
+                print(key, flush=True)
+                res = {"window": 0, "budget": b, "num_layers": K.shape[0], "layers": {}}
+                if "kvpress" in refs:
+                    res["kvzip"] = kvzip_model(refs["kvpress"], case, b)
+                results["cases"][key] = res
+            continue
+        rope = o_proj = None
+        if "kvpress" in refs and "inv_freq" in case:
+            rope = rotary_module(case["inv_freq"], case["rope_scaling"], Q.shape[-1])
         if Q.dim() == 4 and Q.shape[0] > 1 or path.name.startswith("model_"):
             layers = [(Q[l:l + 1], K[l:l + 1], V[l:l + 1]) for l in range(Q.shape[0])]
             w, budgets = 32, (128, 256)
@@ -355,6 +475,10 @@ def main() -> None:
                 if "kvpress" in refs:
                     per.update({f"kvpress.{n}": m for n, m in
                                 kvpress_cases(refs["kvpress"], q, k, v, case["scaling"], b, w, l, L).items()})
+                    if rope is not None:
+                        wo = case["o_proj"][l] if "o_proj" in case else None
+                        per.update({f"kvpress.{n}": m for n, m in
+                                    kvpress_leader_cases(refs["kvpress"], q, k, v, b, w, l, L, rope, wo).items()})
                 if "kvcf" in refs:
                     per.update({f"kvcf.{n}": m for n, m in kvcf_cases(refs["kvcf"], q, k, v, b, w, l, L).items()})
                 if "adakv" in refs:
@@ -370,6 +494,11 @@ def main() -> None:
                     res["lava"] = lava_model(refs["lava"], layers, b, w, alpha=0.2)
                 except Exception:  # noqa: BLE001
                     failures[f"lava {key}"] = traceback.format_exc(limit=3)
+            if "kvpress" in refs and "kvzip" in case:
+                try:
+                    res["kvzip"] = kvzip_model(refs["kvpress"], case, b)
+                except Exception:  # noqa: BLE001
+                    failures[f"kvzip {key}"] = traceback.format_exc(limit=3)
             results["cases"][key] = res
     torch.save(results, args.out)
     print("failures:", failures or "none")

@@ -59,6 +59,11 @@ OURS = {
     "pyramidkv": f"pyramidkv[window={WINDOW},kernel=5,pooling=avg,sinks=0,decode_eviction=false]",
     "pyramidkv@our_schedule": f"pyramidkv[window={WINDOW},kernel=5,pooling=avg,sinks=0,decode_eviction=false]",
     "adakv_snapkv": f"ada-snapkv[window={WINDOW},kernel=5,pooling=avg,sinks=0,decode_eviction=false]",
+    # issue 34
+    "keydiff": "keydiff[window=0,sinks=0,decode_eviction=false]",
+    "expected_attention": "ada-expected-attention[window=0,sinks=4,epsilon=0.01,decode_eviction=false]",
+    "critical_snapkv": f"criticalkv[window={WINDOW},kernel=5,pooling=avg,sinks=0,decode_eviction=false]",
+    "kvzip": "kvzip[window=0,sinks=4,chunk_size=2048,keep_prefix=false,decode_eviction=false]",
 }
 
 #: press key -> how kvpress is called (documentation, stored in the fixture)
@@ -73,6 +78,13 @@ KVPRESS = {
                               f"slake's pyramidkv selectable count of the layer",
     "adakv_snapkv": f"AdaKVPress(SnapKVPress(compression_ratio=1-(b+0.5)/S, window_size={WINDOW}, kernel_size=5), "
                     f"alpha_safeguard=0.2)",
+    "keydiff": "KeyDiffPress(compression_ratio=1-(b+0.5)/S)",
+    "expected_attention": "AdaKVPress(ExpectedAttentionPress(compression_ratio=1-(b+0.5)/S, epsilon=1e-2)) "
+                          "(kvpress's registry entry expected_attention)",
+    "critical_snapkv": f"CriticalKVPress(SnapKVPress(compression_ratio=1-(b+0.5)/S, window_size={WINDOW}, "
+                       f"kernel_size=5))",
+    "kvzip": "KVzipPress(compression_ratio=(LH(S-b)+0.5)/(LH S)) (kvpress's own reconstruction pass over the whole prompt, its "
+             "tokenizer's chat template; the first token from the exact prefill's logits)",
 }
 
 
@@ -101,9 +113,24 @@ def prepare(prompts: list[Path], work: Path) -> None:
 
 
 def ours_tokens(model, tokenizer, prompt: str, spec: str, budget: int, max_new_tokens: int) -> tuple[list, list]:
-    """Our greedy tokens (prompt ids, new ids) for one case, through ``slake.generate``."""
+    """Our greedy tokens (prompt ids, new ids) for one case, through ``slake.generate``; a second-pass method (KVzip)
+    through the engine's prefill-once path instead, which compresses the whole prompt after its pass and takes the
+    first token from the exact prefill's logits, as kvpress's pipeline does (``slake.generate`` reads the prompt's
+    last token after the compression)."""
     import slake
 
+    if slake.make_method(spec).second_pass is not None:
+        import torch
+
+        from slake.engines.transformers.generate import eos_token_ids, format_prompt
+        from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode
+        from slake.engines.transformers.reconstruction import ReconstructionPrompt, run_second_pass
+
+        ids = tokenizer(format_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        cap = capture_prefill(model, torch.tensor([ids]))
+        run_second_pass(model, cap, slake.make_method(spec), ReconstructionPrompt.from_tokenizer(tokenizer))
+        new = greedy_decode(model, cap, cap.replay(spec, budget), max_new_tokens, eos_token_ids(model, tokenizer))
+        return ids, new[0]
     res = slake.generate(model, tokenizer, prompt, method=spec, budget=budget, max_new_tokens=max_new_tokens)
     S = res.prompt_tokens[0]
     seq = res.sequences[0].tolist()
@@ -172,9 +199,11 @@ def compare(work: Path, out: Path) -> None:
 
 
 # ====================================================================== kvpress side (no slake imports)
-def make_presses(case: dict) -> dict:
-    """press key -> (kvpress press, attention implementation) for one prompt (see ``KVPRESS``)."""
-    from kvpress import AdaKVPress, ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress
+def make_presses(case: dict, layer_heads: int) -> dict:
+    """press key -> (kvpress press, attention implementation) for one prompt (see ``KVPRESS``); ``layer_heads``:
+    layers x KV heads (KVzip prunes ``int(layer_heads * S * ratio)`` entries over all of them)."""
+    from kvpress import (AdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress, KVzipPress,
+                         ObservedAttentionPress, PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress)
     S, b, w = case["S"], case["budget"], case["window"]
     ratio = 1.0 - (b + 0.5) / S
     sched = case["our_pyramid_selectable"]
@@ -190,6 +219,12 @@ def make_presses(case: dict) -> dict:
         "pyramidkv@our_schedule": (ours_sched, "sdpa"),
         "adakv_snapkv": (AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=w, kernel_size=5),
                                     alpha_safeguard=0.2), "sdpa"),
+        "keydiff": (KeyDiffPress(compression_ratio=ratio), "sdpa"),
+        "expected_attention": (AdaKVPress(ExpectedAttentionPress(compression_ratio=ratio, epsilon=1e-2)), "sdpa"),
+        "critical_snapkv": (CriticalKVPress(SnapKVPress(compression_ratio=ratio, window_size=w, kernel_size=5)),
+                            "sdpa"),
+        # global over layers and heads: the numbers of entries kept, b per layer and head, fix the ratio
+        "kvzip": (KVzipPress(compression_ratio=(layer_heads * (S - b) + 0.5) / (layer_heads * S)), "sdpa"),
     }
 
 
@@ -208,6 +243,10 @@ def kvpress_side(work: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     models = {impl: AutoModelForCausalLM.from_pretrained(gguf.parent, attn_implementation=impl, **kw).eval()
               for impl in ("sdpa", "eager")}
+    # KVzipPress reloads the tokenizer from config.name_or_path, which a GGUF file does not serve: a saved copy does
+    tok.save_pretrained(work / "tokenizer")
+    for m in models.values():
+        m.config._name_or_path = str(work / "tokenizer")
     eos = models["sdpa"].generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
 
@@ -244,7 +283,8 @@ def kvpress_side(work: Path) -> None:
         templ = tok.apply_chat_template([{"role": "user", "content": case["prompt"]}], add_generation_prompt=True,
                                         tokenize=False)
         ids_equal[case["name"]] = tok.encode(templ, add_special_tokens=False) == ids
-        presses = make_presses(case)
+        cfg = models["sdpa"].config
+        presses = make_presses(case, cfg.num_hidden_layers * cfg.num_key_value_heads)
         res = results[case["name"]] = {}
         for key, (press, impl) in presses.items():
             gen, kept = generate(models[impl], ids, press)

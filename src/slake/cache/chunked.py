@@ -13,6 +13,7 @@ import torch
 
 from slake.attention.ptaa import attend
 from slake.attention.softmax import safe_softmax
+from slake.cache.decode_step import decode_extras
 from slake.cache.decoding import Decoder, layer_logits
 from slake.cache.layer_store import _GROWTH
 from slake.cache.prefill import PrefillCompressor
@@ -82,11 +83,11 @@ class ChunkedPrefill:
             outs.append(out.reshape(B, Hq, b1 - b0, d))
         if state.targets[layer_idx] is not None and not state.method.keeps_everything:
             w = max(min(state.method.window, nq), 1)
-            _, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
-            self.evict(layer_idx, x, newest)
+            qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
+            self.evict(layer_idx, x, newest, qw)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def evict(self, layer_idx: int, x: torch.Tensor, newest: int) -> None:
+    def evict(self, layer_idx: int, x: torch.Tensor, newest: int, queries: torch.Tensor | None = None) -> None:
         """Evict a layer back to its budget after a prompt chunk; ``x``: logits of the chunk's last queries.
 
         The method's decode rule scores the slots from the softmax of the chunk's last ``window`` queries (its
@@ -106,6 +107,13 @@ class ChunkedPrefill:
                 stored=store.scores,
                 prompt_len=info.real_len.to(x.device),
                 budget=info.budget.to(x.device),
+                **decode_extras(
+                    state.method,
+                    state.layer_context[layer_idx],
+                    store.dense_keys(),
+                    store.dense_values(),
+                    None if queries is None else queries.reshape(B, H * g, w, -1),
+                ),
             )
         ).float()
         store.scores = self.prefill.protect(store.scores, store.positions, store.valid, newest)

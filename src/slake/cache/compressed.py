@@ -26,7 +26,7 @@ from slake.cache.layer_store import LayerStore
 from slake.cache.prefill import PrefillCompressor, linear_state_slots
 from slake.cache.quant import parse_kv_dtype
 from slake.cache.state import CacheState, PrefillInfo
-from slake.methods.base import Method, PrefillScores
+from slake.methods.base import LayerContext, Method, PrefillScores
 from slake.methods.budget_check import check_method_budget
 
 __all__ = ["KERNELS", "CompressedKV", "PrefillInfo", "linear_state_slots"]
@@ -182,6 +182,26 @@ class CompressedKV:
     def chunked_prefill(self) -> bool:
         """True between :meth:`begin_chunked_prefill` and :meth:`end_chunked_prefill`."""
         return self.chunks.active
+
+    @property
+    def layer_context(self) -> list[LayerContext | None]:
+        """Per layer, the model facts the engine gives methods that ask for them (see :class:`CacheState`)."""
+        return self.state.layer_context
+
+    @layer_context.setter
+    def layer_context(self, context: list[LayerContext | None]) -> None:
+        if len(context) != self.num_layers:
+            raise ValueError(f"{len(context)} layer contexts for {self.num_layers} layers")
+        self.state.layer_context = list(context)
+
+    @property
+    def pass_scores(self) -> torch.Tensor | None:
+        """``(L, B, Hkv, S)`` scores of the method's second pass, set by the engine before the prefill."""
+        return self.state.pass_scores
+
+    @pass_scores.setter
+    def pass_scores(self, scores: torch.Tensor | None) -> None:
+        self.state.pass_scores = scores
 
     @property
     def score_memo(self) -> dict[int, PrefillScores] | None:

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from slake.attention.linear_state import LinearState
 from slake.attention.ptaa import attend
 from slake.attention.softmax import probs_values, safe_softmax
-from slake.methods.base import DecodeInputs, Method
+from slake.methods.base import DecodeInputs, LayerContext, Method
 
-__all__ = ["KVMemory", "SlotKV", "StepSlots", "decode_step", "protected_slots", "sdpa_step"]
+__all__ = ["KVMemory", "SlotKV", "StepSlots", "decode_extras", "decode_step", "protected_slots", "sdpa_step"]
 
 
 @dataclass
@@ -64,6 +64,8 @@ class StepSlots:
         When set, every per-row tensor above (all but ``newest``) holds more rows than the step (a pool of
         requests), and the step's row ``i`` is their row ``rows[i]``: ``(R,)`` int64 indices, or a slice
         ``a:a+R`` (the usual case: the step's rows are contiguous and in order, so they are updated through views).
+    layer : LayerContext | None
+        The layer's model facts (rotary embedding, output projection) for methods whose ``layer_facts()`` name them.
     """
 
     positions: torch.Tensor
@@ -77,6 +79,7 @@ class StepSlots:
     head_visible: torch.Tensor | None = None
     linear: LinearState | None = None
     rows: torch.Tensor | slice | None = None
+    layer: LayerContext | None = None
 
     def take_rows(self) -> StepSlots:
         """The step's own rows (views for a slice, copies for an index tensor; see :meth:`put_rows`)."""
@@ -101,6 +104,7 @@ class StepSlots:
             first_real=maybe(self.first_real),
             head_visible=maybe(self.head_visible),
             linear=None if self.linear is None else LinearState(take(self.linear.aug)),
+            layer=self.layer,
         )
 
     def put_rows(self, taken: StepSlots) -> None:
@@ -267,6 +271,7 @@ def decode_step(
             prompt_len=slots.prompt_len,
             budget=slots.budget,
             newest=_newest(slots),
+            **decode_extras(method, slots.layer, keys, values, qf.view(R, Hq, 1, d)),
         )
     )
     slots.scores.copy_(new_scores)  # in place: the tensors keep their addresses from step to step (CUDA graphs)
@@ -293,6 +298,30 @@ def decode_step(
     slots.positions.masked_fill_(mask, -1)
     slots.scores.masked_fill_(mask, float("-inf"))
     return out.view(R, Hq, d)
+
+
+def decode_extras(
+    method: Method,
+    layer: LayerContext | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+) -> dict[str, Any]:
+    """The :class:`~slake.methods.base.DecodeInputs` fields a method asks for beyond the probabilities: the layer's
+    facts (``layer_facts()``) and, for ``decode_reads_kv``, the step's scaled queries ``(R, Hq, n_q, d)`` float32 and
+    the slots' keys and values as ``(R, Hkv, W, d)`` float32 (dequantised). ``keys`` must then be dense: the paged
+    storage of the vLLM plugin is not (the plugin refuses such methods)."""
+    extras: dict[str, Any] = {}
+    if method.layer_facts():
+        extras["layer"] = layer
+    if method.decode_reads_kv:
+        if keys.dim() != 4 or keys.shape[:2] != values.shape[:2]:
+            raise ValueError(f"{method.name} reads the slots' keys at decode: they must be dense (R, Hkv, W, d)")
+        extras["keys"] = keys.float()
+        extras["values"] = values.float()
+        if queries is not None:
+            extras["queries"] = queries
+    return extras
 
 
 def _newest(slots: StepSlots) -> torch.Tensor:

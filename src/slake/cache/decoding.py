@@ -14,7 +14,7 @@ import torch
 
 from slake.attention.ptaa import attend
 from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
-from slake.cache.decode_step import StepSlots, protected_slots, sdpa_step
+from slake.cache.decode_step import StepSlots, decode_extras, protected_slots, sdpa_step
 from slake.cache.fused_step import KernelReport, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
@@ -141,7 +141,7 @@ class Decoder:
         if target is None or not state.scored(layer_idx):
             return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
         probs = safe_softmax(x)  # (B, H, g, nq, n)
-        evict = self.evict(layer_idx, probs, target, newest)
+        evict = self.evict(layer_idx, probs, target, newest, qf)
         if evict is None:
             if store.linear is None:
                 return probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
@@ -194,13 +194,19 @@ class Decoder:
             first_real=info.device_copy("first_real", dev) if m.sinks else None,
             head_visible=store.head_visible,
             linear=store.linear,
+            layer=state.layer_context[layer_idx],
         )
         B, H = store.valid.shape[:2]
         kv = key.view(B, H, d), value.view(B, H, d)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
 
     def evict(
-        self, layer_idx: int, probs: torch.Tensor, target: torch.Tensor, newest: int
+        self,
+        layer_idx: int,
+        probs: torch.Tensor,
+        target: torch.Tensor,
+        newest: int,
+        queries: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Score a layer's slots with the method's decode rule from ``probs`` ``(B, Hkv, g, n_q, n)`` and choose the
         slots to evict (the general path: rows may be several tokens over their targets).
@@ -220,6 +226,13 @@ class Decoder:
                 stored=store.scores,
                 prompt_len=info.device_copy("real_len", probs.device),
                 budget=info.device_copy("budget", probs.device),
+                **decode_extras(
+                    state.method,
+                    state.layer_context[layer_idx],
+                    store.dense_keys(),
+                    store.dense_values(),
+                    None if queries is None else queries.reshape(B, H * g, nq, -1),
+                ),
             )
         ).float()
         counts = store.counts()

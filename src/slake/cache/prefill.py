@@ -136,6 +136,8 @@ class PrefillCompressor:
         info = self.state.info
         if info.prompt_len != S and not chunked:
             raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {info.prompt_len}")
+        if info.compress_any:  # before the layer's state changes
+            self.state.check_engine_inputs(layer_idx, chunked)
         self.state.seen[layer_idx] = S
         self.state.position[layer_idx] = torch.tensor(S, dtype=torch.int64, device=dev)
         positions = torch.arange(S, device=dev).view(1, 1, S).expand(B, H, S).contiguous()
@@ -162,6 +164,8 @@ class PrefillCompressor:
                 layer_idx=layer_idx,
                 num_layers=self.state.num_layers,
                 budget=info.budget.to(dev),
+                layer=self.state.layer_context[layer_idx],
+                pass_scores=self.state.pass_scores,
             ),
         )
         store.scores = self.protect(result.scores.float(), positions, valid, newest=S - 1)

@@ -15,7 +15,7 @@ import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.layer_store import LayerStore
-from slake.methods.base import Method
+from slake.methods.base import LayerContext, Method
 
 __all__ = ["CacheState", "PrefillInfo"]
 
@@ -78,6 +78,12 @@ class CacheState:
         Per layer, the position of the next token as a 0-dim int64 device tensor (updated in place each step).
     info : PrefillInfo | None
         The per-sequence facts, from the first prefilled layer on.
+    layer_context : list[LayerContext | None]
+        Per layer, what the engine knows about the model's layer (rotary embedding, output projection), for methods
+        whose ``layer_facts()`` name it (``PrefillInputs.layer``, ``DecodeInputs.layer``).
+    pass_scores : torch.Tensor | None
+        ``(L, B, Hkv, S)`` scores of the method's second pass over the prompt (``Method.second_pass``), set by the
+        engine before the prefill (``PrefillInputs.pass_scores``).
     """
 
     def __init__(self, method: Method, budget: Budget, num_layers: int, kv_dtype: str | None) -> None:
@@ -90,6 +96,30 @@ class CacheState:
         self.seen: list[int] = [0] * num_layers
         self.position: list[torch.Tensor | None] = [None] * num_layers
         self.info: PrefillInfo | None = None
+        self.layer_context: list[LayerContext | None] = [None] * num_layers
+        self.pass_scores: torch.Tensor | None = None
+
+    def check_engine_inputs(self, layer_idx: int, chunked: bool) -> None:
+        """Refuse a prefill that lacks what the engine must give the method: its layer facts (rotary embedding,
+        output projection) and its second pass's scores (ValueError, before anything is compressed)."""
+        m = self.method
+        if m.keeps_everything:
+            return
+        ctx = self.layer_context[layer_idx]
+        missing = [f for f in m.layer_facts() if ctx is None or getattr(ctx, f) is None]
+        if missing:
+            raise ValueError(
+                f"{m.name} needs the model's {' and '.join(missing)} of layer {layer_idx}, which this engine did not "
+                f"provide (the transformers engine reads them from the model at the first forward; a model without "
+                f"a rotary embedding or an output projection cannot run {m.name})"
+            )
+        if m.second_pass is not None and chunked:
+            raise ValueError(f"{m.name} needs the whole prompt for its second pass; it cannot prefill in chunks")
+        if m.second_pass is not None and self.pass_scores is None:
+            raise ValueError(
+                f"{m.name} scores the prompt with a second pass ({m.second_pass}) before compressing it: prefill it "
+                f"with slake.generate or slake.engines.transformers.generate.prefill, not a plain model forward"
+            )
 
     def store(self, layer_idx: int) -> LayerStore:
         """Layer ``layer_idx``'s store (RuntimeError before its prefill)."""

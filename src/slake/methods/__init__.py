@@ -5,8 +5,12 @@ from slake.methods import (  # noqa: F401  (registration)  # noqa: F401  (regist
     ada_snapkv,
     ahakv,
     cake,
+    criticalkv,
+    expected_attention,
     full,
     h2o,
+    keydiff,
+    kvzip,
     lava,
     pyramidkv,
     sagekv,
@@ -17,6 +21,7 @@ from slake.methods import (  # noqa: F401  (registration)  # noqa: F401  (regist
 )
 from slake.methods.base import (
     DecodeInputs,
+    LayerContext,
     Method,
     PrefillInputs,
     PrefillScores,
@@ -30,6 +35,7 @@ from slake.methods.spec import format_method_spec, parse_method_spec, split_meth
 
 __all__ = [
     "DecodeInputs",
+    "LayerContext",
     "Method",
     "PrefillInputs",
     "PrefillScores",

@@ -26,9 +26,33 @@ from typing import Any, ClassVar
 import torch
 
 from slake.methods.decode_rule import FusedDecodeRule
+from slake.methods.rotary import Rotary
 from slake.methods.spec import format_method_spec, parse_method_spec, split_method_list
 
 LAYER_BUDGET_POLICIES = ("uniform", "pyramid", "preference")
+#: what an engine can tell a method about a layer of the model (:class:`LayerContext` fields)
+LAYER_FACTS = ("rotary", "out_proj")
+#: second passes an engine can run for a method before compressing (:attr:`Method.second_pass`)
+SECOND_PASSES = ("reconstruction",)
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What the engine tells a method about one layer of the model, for methods that ask (:meth:`Method.layer_facts`).
+
+    Attributes
+    ----------
+    rotary : Rotary | None
+        The layer's rotary position embedding (inverse frequencies and attention scaling), for methods that move
+        queries between positions (Expected Attention).
+    out_proj : torch.Tensor | None
+        ``(hidden, Hq * d)`` weight of the layer's output projection ``W_o`` (model dtype), for methods that weigh a
+        token by what it writes into the residual stream (CriticalKV). Query head ``h`` owns columns
+        ``h*d .. (h+1)*d``.
+    """
+
+    rotary: Rotary | None = None
+    out_proj: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,6 +75,12 @@ class PrefillInputs:
         Position of the layer in the model.
     budget : torch.Tensor | None
         ``(B,)`` int64 average per-layer budget ``C`` (window included) of each sequence, as resolved by the compressor.
+    layer : LayerContext | None
+        Facts about the layer (rotary embedding, output projection) that the engine fills for methods whose
+        :meth:`Method.layer_facts` name them; None otherwise.
+    pass_scores : torch.Tensor | None
+        ``(L, B, Hkv, S)`` float32 per-token scores of *every* layer from the method's second pass over the prompt
+        (:attr:`Method.second_pass`, e.g. KVzip's context reconstruction), filled by the engine; None otherwise.
     """
 
     queries: torch.Tensor
@@ -62,6 +92,8 @@ class PrefillInputs:
     layer_idx: int
     num_layers: int
     budget: torch.Tensor | None = None
+    layer: LayerContext | None = None
+    pass_scores: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -115,6 +147,14 @@ class DecodeInputs:
     newest : torch.Tensor | None
         ``(B, 1, 1)`` or ``(B, Hkv, 1)`` int64 position of the newest token, which every head holds (it was just
         appended), when the caller knows it; otherwise methods that need it take the largest valid position.
+    queries : torch.Tensor | None
+        ``(B, Hq, n_q, d)`` float32 post-RoPE queries of the step, already multiplied by the model's softmax scale
+        (so ``queries . k`` is the logit); filled for methods with :attr:`Method.decode_reads_kv`.
+    keys, values : torch.Tensor | None
+        ``(B, Hkv, n, d)`` float32 keys and values of the slots (dequantised under 8-bit storage; empty slots hold
+        finite values, masked by ``valid``); filled for methods with :attr:`Method.decode_reads_kv`.
+    layer : LayerContext | None
+        The layer's facts, as at prefill (:attr:`PrefillInputs.layer`); filled for methods that name them.
     """
 
     probs: torch.Tensor
@@ -124,6 +164,10 @@ class DecodeInputs:
     prompt_len: torch.Tensor | None = None
     budget: torch.Tensor | None = None
     newest: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    layer: LayerContext | None = None
 
     @property
     def group_size(self) -> int:
@@ -180,6 +224,14 @@ class Method:
     #: why the method's decode step cannot run with fixed shapes and no read-back (compiled decoding refuses it
     #: with this reason), or None when it can: its decode rule is a pure tensor function of the step's inputs
     decode_not_compileable: ClassVar[str | None] = None
+    #: True when :meth:`decode_scores` reads the slots' keys/values and the step's queries (``DecodeInputs.keys``,
+    #: ``values``, ``queries``), which the compressor then fills (KeyDiff, Expected Attention, CriticalKV)
+    decode_reads_kv: ClassVar[bool] = False
+    #: facts about each layer the method needs from the engine (:data:`LAYER_FACTS`; see :meth:`layer_facts`)
+    needs_layer: ClassVar[tuple[str, ...]] = ()
+    #: a second pass the engine must run over the prompt before compressing it (:data:`SECOND_PASSES`), whose
+    #: per-token scores reach :meth:`prefill_scores` as ``PrefillInputs.pass_scores``; None for single-pass methods
+    second_pass: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:
@@ -188,6 +240,8 @@ class Method:
             )
         if self.layer_budgets not in LAYER_BUDGET_POLICIES:
             raise ValueError(f"{self.name}: unknown layer budget policy {self.layer_budgets!r}")
+        if not set(self.layer_facts()) <= set(LAYER_FACTS) or self.second_pass not in (None, *SECOND_PASSES):
+            raise ValueError(f"{self.name}: unknown layer facts {self.layer_facts()} or second pass {self.second_pass}")
         for f in fields(self):  # rules every method shares, so no method can forget one
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -206,6 +260,16 @@ class Method:
     def protected(self) -> int:
         """Tokens per KV head that every layer keeps no matter what (sinks + window)."""
         return self.sinks + (0 if self.newest_evictable else self.window)
+
+    def layer_facts(self) -> tuple[str, ...]:
+        """The :class:`LayerContext` fields this configuration needs (default :attr:`needs_layer`; a method whose
+        needs depend on a hyperparameter overrides it)."""
+        return self.needs_layer
+
+    def second_pass_key(self) -> str:
+        """What identifies this configuration's second-pass scores (:attr:`second_pass`): configurations with the same
+        key share them (a replay at another budget, or with the linear cache). Default: every hyperparameter."""
+        return repr(self)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The method's hyperparameters as a plain dict (for results rows and ``slake methods --json``)."""
@@ -369,6 +433,7 @@ def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
 
 __all__ = [
     "DecodeInputs",
+    "LayerContext",
     "FusedDecodeRule",
     "Method",
     "PrefillInputs",

@@ -9,6 +9,10 @@ plain SDPA.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -19,6 +23,22 @@ from slake.engines.transformers.cache_kwarg import cache_from_kwargs
 from slake.engines.transformers.layer_layout import check_supported_attention
 
 ATTENTION_NAME = "slake"
+
+_observer = threading.local()
+
+
+@contextmanager
+def observe_attention(fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, float], None]) -> Iterator[None]:
+    """Within the block, every attention call that does not serve a :class:`SlakeCache` first calls
+    ``fn(module, query, key, scaling)`` with the post-RoPE queries ``(B, Hq, q, d)`` and every key the module attends
+    to ``(B, Hkv, n, d)`` (a second pass over a plain transformers cache: KVzip's reconstruction,
+    :mod:`slake.engines.transformers.reconstruction`). The attention itself is unchanged."""
+    previous = getattr(_observer, "fn", None)
+    _observer.fn = fn
+    try:
+        yield
+    finally:
+        _observer.fn = previous
 
 
 def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
@@ -46,6 +66,9 @@ def slake_attention_forward(
     """Registered attention function; returns ``(B, n_q, Hq, d)`` like transformers' own functions."""
     layer = current_layer()
     if layer is None or key is not layer.keys or layer.layer_idx != getattr(module, "layer_idx", layer.layer_idx):
+        observer = getattr(_observer, "fn", None)
+        if observer is not None:
+            observer(module, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -126,6 +149,7 @@ def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> No
     cache.check_forward(
         getattr(text, "num_hidden_layers", None), q, kwargs.get("attention_mask"), kwargs.get("position_ids")
     )
+    cache.bind_model(module)
 
 
 def _install_input_check(model) -> None:

@@ -10,6 +10,7 @@ the model's attention module, knows which compressed layer it serves.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
@@ -236,6 +237,10 @@ class SlakeCache(Cache):
             self.compressor.max_cache_len = int(max_cache_len)
         # not ``self.max_cache_len``: transformers' Cache has a read-only property of that name in some versions
         self.static_len = None if max_cache_len is None else int(max_cache_len)
+        #: a second-pass method's task prompt (KVzip: :class:`slake.engines.transformers.reconstruction.
+        #: ReconstructionPrompt`), set by the caller that has the tokenizer; and the seconds its pass took
+        self.reconstruction: Any = None
+        self.second_pass_s: float | None = None
         slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
         compressed: list[SlakeCacheLayer] = []
         layers: list = []
@@ -320,6 +325,18 @@ class SlakeCache(Cache):
                 f"continue it; a cache serves one conversation: create a new SlakeCache for a new prompt, or pass the "
                 f"whole conversation (cached tokens + new ones) to continue it"
             )
+
+    def bind_model(self, model) -> None:
+        """Give the compressor what the method needs to know about the model's layers (rotary embedding, output
+        projection: :mod:`slake.engines.transformers.layer_facts`), once, before the first prefill. Called by the
+        model's input check (:func:`slake.prepare_model`) at every forward; it does nothing for methods that need
+        nothing or once bound."""
+        eng = self.compressor
+        if not eng.method.layer_facts() or any(c is not None for c in eng.layer_context):
+            return
+        from slake.engines.transformers.layer_facts import layer_contexts
+
+        eng.layer_context = layer_contexts(model, self.layout.compressed, self.layout.layer_types)
 
     def begin_chunked_prefill(self, attention_mask: torch.Tensor) -> None:
         """Enter chunked-prefill mode for a prompt with this ``(B, S)`` attention mask (1 = real token).

@@ -100,8 +100,11 @@ class TransformersEngine(Engine):
 
     def evaluate(self, requests: Sequence[EvalRequest], options: EvalOptions) -> Iterator[EvalOutput]:
         from slake.engines.transformers.evaluate import evaluate
+        from slake.engines.transformers.reconstruction import ReconstructionPrompt
 
-        return evaluate(self.model, requests, options, self.eos_token_ids())
+        tok = self.tokenizer
+        prompt = ReconstructionPrompt.from_tokenizer(tok) if tok is not None else None
+        return evaluate(self.model, requests, options, self.eos_token_ids(), reconstruction=prompt)
 
     def bench(self, plan: BenchPlan) -> BenchReport:
         from slake.engines.transformers.bench import run_bench

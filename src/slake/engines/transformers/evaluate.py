@@ -45,6 +45,7 @@ from slake.engines.transformers.prefill_once import (
     stack_captures,
 )
 from slake.engines.transformers.teacher_forcing import distances, teacher_forced_logprobs
+from slake.methods.base import make_method
 from slake.methods.profiles import resolve_method
 
 __all__ = ["batches", "check_options", "evaluate"]
@@ -80,6 +81,19 @@ def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[An
     return resolve_method(method, budget, model)
 
 
+def _second_pass(model: Any, capture: PrefillCapture, method: Any, reconstruction: Any) -> float | None:
+    """Run a second-pass method's pass (KVzip's reconstruction) on ``capture`` once per method configuration; the
+    replay picks its scores up. Returns the seconds it took (None when the method has no pass or it was done)."""
+    built = make_method(method)
+    if built.second_pass is None:
+        return None
+    from slake.engines.transformers.reconstruction import ReconstructionPrompt, run_second_pass
+
+    if reconstruction is None:
+        reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
+    return run_second_pass(model, capture, built, reconstruction)
+
+
 def check_options(options: EvalOptions) -> None:
     """Raise ValueError for options that cannot be combined (before any model work).
 
@@ -98,8 +112,13 @@ def check_options(options: EvalOptions) -> None:
         )
 
 
-def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions, eos: list[int]) -> Iterator[EvalOutput]:
+def evaluate(
+    model: Any, requests: Sequence[EvalRequest], options: EvalOptions, eos: list[int], reconstruction: Any = None
+) -> Iterator[EvalOutput]:
     """Every pending pair of every request (see the module docstring); one :class:`EvalOutput` each.
+
+    ``reconstruction``: the tokenizer's :class:`slake.engines.transformers.reconstruction.ReconstructionPrompt` for
+    second-pass methods (KVzip); without one, fixed token ids of the usual lengths stand in.
 
     Raises
     ------
@@ -114,9 +133,9 @@ def evaluate(model: Any, requests: Sequence[EvalRequest], options: EvalOptions, 
     store = CaptureStore(options.prefill_cache, model) if options.prefill_cache else None
     for batch in batches(requests, options.batch_size):
         if len(batch) == 1:
-            yield from _run_one(model, batch[0], options, eos, device, store)
+            yield from _run_one(model, batch[0], options, eos, device, store, reconstruction)
         else:
-            yield from _run_batch(model, batch, options, eos, device, store)
+            yield from _run_batch(model, batch, options, eos, device, store, reconstruction)
 
 
 def _capture(model: Any, ids: list[int], device: torch.device, store: CaptureStore | None) -> PrefillCapture:
@@ -187,6 +206,7 @@ def _run_batch(
     eos: list[int],
     device: torch.device,
     store: CaptureStore | None,
+    reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
     """Prefill each request once, stack the captures, then decode every pair for the whole batch."""
     captures = [_capture(model, req.prefill_ids, device, store) for req in batch]
@@ -199,6 +219,7 @@ def _run_batch(
     for method, budget in batch[0].pairs:
         start = time.perf_counter()
         built, profile = _method_for(model, method, budget)
+        second = _second_pass(model, capture, built, reconstruction)
         cache = capture.replay(built, capture.prompt_len if budget is None else budget, kv_dtype=options.kv_dtype)
         _sync(device)
         compress_s = time.perf_counter() - start
@@ -222,6 +243,8 @@ def _run_batch(
         )
         for i, req in enumerate(batch):
             extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": cached[i]}
+            if second is not None:
+                extra["second_pass_s"] = round(second, 5)
             if fid is not None:
                 extra.update(fid[i])
             yield EvalOutput(
@@ -253,6 +276,7 @@ def _run_one(
     eos: list[int],
     device: torch.device,
     store: CaptureStore | None,
+    reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
     """Prefill one request once, then decode every pending pair from it."""
     ids = torch.tensor([req.prefill_ids], dtype=torch.long, device=device)
@@ -263,7 +287,9 @@ def _run_one(
         start = time.perf_counter()
         chunk = None if budget is None else options.prefill_chunk
         built, profile = _method_for(model, method, budget)
+        second = None
         if chunk is None:
+            second = _second_pass(model, capture, built, reconstruction)
             cache = capture.replay(built, len(req.prefill_ids) if budget is None else budget, kv_dtype=options.kv_dtype)
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
@@ -288,6 +314,8 @@ def _run_one(
             decode_s = time.perf_counter() - start
         del cache
         extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": capture.cached}
+        if second is not None:
+            extra["second_pass_s"] = round(second, 5)
         if ref is not None and budget is not None:
             extra.update(_fidelity(model, capture, ref, built, budget, options.kv_dtype)[0])
         yield EvalOutput(

@@ -68,7 +68,9 @@ def prefill(
         prefill. Otherwise the first chunk is prefilled exactly and compressed, and every later chunk attends over
         the compressed past (plus the linear term) and itself, after which each layer is evicted back to its budget
         with the method's scores from the chunk's last ``window`` queries
-        (:meth:`slake.cache.compressed.CompressedKV.begin_chunked_prefill`).
+        (:meth:`slake.cache.compressed.CompressedKV.begin_chunked_prefill`). A method with a second pass over the
+        prompt (KVzip) is prefilled exactly, scored by its pass, then compressed
+        (:func:`slake.engines.transformers.reconstruction.prefill_with_second_pass`); it cannot be chunked.
 
     Returns
     -------
@@ -78,6 +80,14 @@ def prefill(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     chunk = prefill_chunk if prefill_chunk is not None else getattr(cache, "prefill_chunk", None)
+    if cache.method.second_pass is not None:
+        if chunk is not None and chunk < input_ids.shape[1]:
+            raise ValueError(
+                f"{cache.method.name} scores the whole prompt in a second pass; it cannot prefill in chunks"
+            )
+        from slake.engines.transformers.reconstruction import prefill_with_second_pass
+
+        return prefill_with_second_pass(model, cache, input_ids, attention_mask)
     S = input_ids.shape[1]
     pos = prefill_position_ids(attention_mask)
     if chunk is not None and int(chunk) < 1:
@@ -216,6 +226,11 @@ def generate(
         max_cache_len=max_len,
         kernels=kernels,
     )
+    last_read_after = m.second_pass is not None  # read the last prompt token over the compressed cache
+    if last_read_after:
+        from slake.engines.transformers.reconstruction import ReconstructionPrompt
+
+        cache.reconstruction = ReconstructionPrompt.from_tokenizer(tokenizer)
     clock = _StepClock()
     gen_kwargs: dict = {
         "max_new_tokens": max_new_tokens,
@@ -233,7 +248,10 @@ def generate(
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
     start = time.perf_counter()
-    if prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
+    if last_read_after and enc["input_ids"].shape[1] > 1:
+        # the context is compressed after its second pass; model.generate then reads the last prompt token over it
+        prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1])
+    elif prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
         prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], prefill_chunk=prefill_chunk)
     with torch.inference_mode():
         processors = LogitsProcessorList([clock])
@@ -275,7 +293,8 @@ def generate(
         sequences=out,
         hyperparameters=m.hyperparameters(),
         profile=profile,
-        extra={"kernels": stats["kernels"]},
+        extra={"kernels": stats["kernels"]}
+        | ({} if cache.second_pass_s is None else {"second_pass_s": round(cache.second_pass_s, 5)}),
     )
 
 

@@ -39,14 +39,17 @@ from slake.methods.base import Method, make_method
 
 
 class _RecordingKV(CompressedKV):
-    """A full-cache compressor that also records each layer's prefill inputs."""
+    """A full-cache compressor that also records each layer's prefill inputs (``keep_queries=False``: only the last
+    query row, for replays whose method reads no prefill query)."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, keep_queries: bool = True) -> None:
         super().__init__(make_method("full"), 1, num_layers)
         self.records: list[tuple] = [None] * num_layers
+        self.keep_queries = keep_queries
 
     def prefill_layer(self, layer_idx, queries, keys, values, key_padding, scaling) -> None:
-        self.records[layer_idx] = (queries, keys, values, key_padding, scaling)
+        kept = queries if self.keep_queries else queries[:, :, -1:]
+        self.records[layer_idx] = (kept, keys, values, key_padding, scaling)
         super().prefill_layer(layer_idx, queries, keys, values, key_padding, scaling)
 
 
@@ -60,6 +63,12 @@ class PrefillCapture:
     prefill_s: float
     config: Any = None  # the model's config (its layer types); None: every layer compressed
     bounded: dict = field(default_factory=dict)  # model layer index -> (keys, values) of a sliding/chunked layer
+    #: per compressed layer, the model facts methods may ask for (rotary embedding, output projection)
+    layer_context: list = field(default_factory=list)
+    #: ``(B, S)`` the prompt's token ids (a second pass, KVzip's reconstruction, reads them)
+    input_ids: torch.Tensor | None = None
+    #: second-pass scores already computed on this capture, by ``Method.second_pass_key()``
+    pass_scores: dict = field(default_factory=dict)
     num_layers: int = field(init=False)
     #: True when the capture was read from a :class:`CaptureStore` instead of prefilled in this run
     cached: bool = field(init=False, default=False)
@@ -88,21 +97,38 @@ class PrefillCapture:
             cache = SlakeCache(method, budget, self.num_layers, kv_dtype=kv_dtype)
         if not method.prefill_scores_use_budget:
             cache.compressor.score_memo = self._score_memos.setdefault(repr(method), {})
+        return self.replay_into(cache)
+
+    def replay_into(self, cache: SlakeCache, pass_scores: torch.Tensor | None = None) -> SlakeCache:
+        """Prefill an empty ``cache`` (any method, budget and options, static or not) from the records, as live
+        compression would have; ``pass_scores``: the method's second-pass scores (``Method.second_pass``), else
+        those computed on this capture for the method's configuration."""
+        eng = cache.compressor
+        if self.layer_context:
+            eng.layer_context = list(self.layer_context)
+        if pass_scores is None and eng.method.second_pass is not None:
+            pass_scores = self.pass_scores.get(eng.method.second_pass_key())
+        eng.pass_scores = pass_scores
         for slot, (q, k, v, pad, scaling) in enumerate(self.records):
-            cache.compressor.prefill_layer(slot, q, k, v, pad, scaling)
+            eng.prefill_layer(slot, q, k, v, pad, scaling)
             cache.layers[cache.layout.compressed[slot]].lazy_initialization(k, v)
         for layer, (k, v) in self.bounded.items():
             cache.layers[layer].update(k, v)
         return cache
 
 
-def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillCapture:
-    """Run one exact prefill of ``input_ids`` (left-padded) and record what compression needs."""
+def capture_prefill(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, keep_queries: bool = True
+) -> PrefillCapture:
+    """Run one exact prefill of ``input_ids`` (left-padded) and record what compression needs (``keep_queries=False``:
+    every layer's keys and values but only the last query row, for methods that read no prefill query)."""
+    from slake.engines.transformers.layer_facts import layer_contexts
+
     prepare_model(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     cache = SlakeCache("full", 1, config=model.config)
-    recorder = _RecordingKV(len(cache.layout.compressed))
+    recorder = _RecordingKV(len(cache.layout.compressed), keep_queries=keep_queries)
     cache.compressor = recorder
     bounded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, layer in enumerate(cache.layers):
@@ -127,7 +153,17 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         prefill_s=time.perf_counter() - start,
         config=model.config if cache.layout.hybrid else None,
         bounded=bounded,
+        layer_context=layer_contexts(model, cache.layout.compressed, cache.layout.layer_types),
+        input_ids=input_ids,
     )
+
+
+def _layer_contexts(model) -> list:
+    """The model facts of every compressed layer (a stored capture holds none: they are the model's own tensors)."""
+    from slake.engines.transformers.layer_facts import layer_contexts
+
+    layout = SlakeCache("full", 1, config=model.config).layout
+    return layer_contexts(model, layout.compressed, layout.layer_types)
 
 
 def model_fingerprint(model) -> str:
@@ -198,6 +234,8 @@ class CaptureStore:
             prefill_s=float(data["prefill_s"]),
             config=self.model.config if data["hybrid"] else None,
             bounded={int(k): tuple(v) for k, v in data["bounded"].items()},
+            layer_context=_layer_contexts(self.model),
+            input_ids=torch.tensor([list(ids)], dtype=torch.long, device=data["attention_mask"].device),
         )
         capture.cached = True
         return capture
@@ -313,6 +351,9 @@ def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> 
         for c in captures:
             c.bounded = {}
     masks = [torch.cat([c.attention_mask.new_zeros(1, S - c.prompt_len), c.attention_mask], 1) for c in captures]
+    ids = None
+    if all(c.input_ids is not None for c in captures):
+        ids = torch.cat([torch.cat([c.input_ids.new_zeros(1, S - c.prompt_len), c.input_ids], 1) for c in captures])
     return PrefillCapture(
         records=records,
         attention_mask=torch.cat(masks),
@@ -320,6 +361,8 @@ def stack_captures(captures: list[PrefillCapture], *, release: bool = False) -> 
         prefill_s=sum(c.prefill_s for c in captures),
         config=captures[0].config,
         bounded=bounded,
+        layer_context=captures[0].layer_context,
+        input_ids=ids,
     )
 
 

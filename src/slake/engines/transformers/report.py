@@ -27,14 +27,17 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
     """A markdown table of the rows, one line per configuration."""
     paired = any("decode_vs_first" in r for r in rows)
     compiled = any(r.get("compile") for r in rows)
+    second = any(r.get("second_pass_s") is not None for r in rows)  # KVzip's reconstruction pass, inside prefill s
     head = (
-        "| method | budget | length | batch | chunk | prefill s | TTFT s | decode ms/token (min-max) | "
+        "| method | budget | length | batch | chunk | prefill s | "
+        + ("of which 2nd pass s | " if second else "")
+        + "TTFT s | decode ms/token (min-max) | "
         + ("decode vs first | " if paired else "")
         + ("compiled vs eager | compile s | " if compiled else "")
         + "peak MiB | KV MiB (kept / padding / linear) |"
     )
     lines = [f"# {title}", ""] if title else []
-    lines += [head, "|" + "---|" * (10 + paired + 2 * compiled)]
+    lines += [head, "|" + "---|" * (10 + second + paired + 2 * compiled)]
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         vs = ""
@@ -46,10 +49,13 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
         label = (
             r["method"] + (f" {r['kv_dtype']}" if r.get("kv_dtype") else "") + (" compiled" if r.get("compile") else "")
         )
+        pass_s = ""
+        if second:
+            pass_s = f"{r['second_pass_s']:.2f} | " if r.get("second_pass_s") is not None else "- | "
         lines.append(
             f"| {label} | {r['budget']} | {r['length']} | "
             f"{r['batch']} | {r.get('prefill_chunk') or '-'} | "
-            f"{r['prefill_s']:.2f} | {r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
+            f"{r['prefill_s']:.2f} | {pass_s}{r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
             f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {vs}{r['peak_mem_bytes'] / _MIB:.0f} | "
             f"{r['kv_bytes'] / _MIB:.2f} ({kv.get('kept', 0) / _MIB:.2f} / {kv.get('padding', 0) / _MIB:.2f} / "
             f"{kv.get('linear_state', 0) / _MIB:.2f}) |"

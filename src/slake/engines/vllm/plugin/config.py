@@ -166,13 +166,24 @@ def with_layer_cap(method: Method, budget: Budget) -> Method:
     return method
 
 
+def _unsupported_reason(method: Method) -> str:
+    """Why the plugin's paged pool cannot run ``method`` (the first of its needs that the pool lacks)."""
+    if method.second_pass is not None:
+        return f"it scores the prompt with a second pass ({method.second_pass}), which the plugin does not run"
+    if method.layer_facts():
+        return f"it needs the model's {' and '.join(method.layer_facts())}, which the plugin does not read from vLLM"
+    if method.decode_reads_kv:
+        return "its decode rule reads the kept keys and values, which the paged pool does not hand to decode rules"
+    return "it needs per-layer or per-head budgets or a linear state"
+
+
 def check_supported(method: Method, budget: Budget) -> None:
     """Raise a one-line ``ValueError`` when the vLLM plugin cannot run ``method`` at ``budget`` faithfully."""
     name = method.name
     if name not in SUPPORTED_METHODS:
         raise ValueError(
-            f"slake: method {name!r} is not supported by the vLLM plugin (it needs per-layer or "
-            f"per-head budgets or a linear state); supported: {', '.join(SUPPORTED_METHODS)}"
+            f"slake: method {name!r} is not supported by the vLLM plugin ({_unsupported_reason(method)}); "
+            f"supported: {', '.join(SUPPORTED_METHODS)}"
         )
     if getattr(method, "linear_cache", False) and name not in PREFERENCE_METHODS:
         raise ValueError(

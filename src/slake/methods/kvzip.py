@@ -1,0 +1,166 @@
+"""KVzip: query-agnostic scores from a context-reconstruction pass (``docs/methods/kvzip.md``).
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", NeurIPS 2025
+(arXiv 2505.23416). After the prompt is prefilled, the model is asked to repeat it ("Repeat the previous context
+exactly.", teacher-forced: the repeat input holds the context itself). Each KV pair of the context scores the largest
+attention it receives from the repeat input's queries, over the query heads of its KV head (Sec. 3.2):
+
+    S[l, h, j] = max_{g in group(h), i} softmax_i(q_{g,i} . [k_sink, k_chunk, k_repeat] * s)[j]
+
+The softmax runs over the attention sinks, the chunk being reconstructed and the repeat input itself (causal), not
+over the whole cache, so that long contexts are scored chunk by chunk (Sec. 3.3: chunks of 2K tokens, each later
+chunk's prompt ending with the last 8 tokens of the previous chunk). The pairs with the lowest scores across **all
+layers and KV heads** are evicted (non-uniform head budgets, Sec. 3.1). The pass itself runs in the engine
+(:mod:`slake.engines.transformers.reconstruction`); this module holds the scoring and the budget rule.
+
+Choices and deviations (``docs/methods/kvzip.md#deviations``):
+
+* Budgets: the global top-k over layers and heads gives layer ``l`` ``n_l`` pairs. A layer keeps a multiple of its
+  ``Hkv`` heads here (``C_l`` tokens per head on average): the layers' preferences are ``n_l / Hkv`` and the
+  compressor's cascade rounds them by largest remainder (total exact; at most ``Hkv - 1`` pairs per layer move).
+  Inside a layer the heads split by one top-k over the layer (no safeguard, as the paper and kvpress).
+* Sinks and template prefix: kvpress keeps ``n_sink = 4`` first tokens and scores the chat template's prefix tokens
+  after them 0 (evicted first); the authors' code keeps the whole prefix and puts it in the softmax
+  (``keep_prefix=True``). Default: kvpress's, which its leaderboard numbers use.
+* Decode (the paper never evicts while decoding): one eviction per step and KV head by the same idea, a slot's score
+  being the largest attention it has received, from the reconstruction or from any later query (running max).
+* Scores in float32 (the authors' code and kvpress keep the model's dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from slake.budgets.allocation import cross_head_counts
+from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+
+__all__ = ["KVzip", "global_layer_counts", "reconstruction_attention"]
+
+
+def reconstruction_attention(
+    queries: torch.Tensor, keys: torch.Tensor, sink: int, start: int, end: int, scaling: float
+) -> torch.Tensor:
+    """KVzip's chunk scores: ``(B, Hkv, end - start)`` float32 max attention each context key of ``[start, end)``
+    receives from the repeat input.
+
+    Parameters
+    ----------
+    queries : torch.Tensor
+        ``(B, Hq, q, d)`` post-RoPE queries of the repeat input (its ``q`` tokens).
+    keys : torch.Tensor
+        ``(B, Hkv, n + q, d)`` post-RoPE keys: the ``n`` cached prompt tokens, then the repeat input's ``q``.
+    sink : int
+        The first ``sink`` keys join the softmax (attention sinks / template prefix) but are not scored.
+    start, end : int
+        The chunk of context keys being reconstructed.
+    scaling : float
+        The model's softmax scale.
+    """
+    B, Hq, q, d = queries.shape
+    Hkv = keys.shape[1]
+    sub = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, keys.shape[2] - q :]], dim=2).float()
+    x = torch.matmul(queries.float().reshape(B, Hkv, (Hq // Hkv) * q, d), sub.transpose(-1, -2)) * scaling
+    x = x.view(B, Hkv, Hq // Hkv, q, -1)
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).triu(1)
+    x[..., -q:].masked_fill_(causal, float("-inf"))
+    p = torch.softmax(x, dim=-1)[..., sink : sink + end - start]
+    return p.amax(dim=(2, 3))
+
+
+def global_layer_counts(scores: torch.Tensor, candidates: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Pairs of each layer among the ``keep`` best candidates of all layers and heads (KVzip's global top-k).
+
+    ``scores``: ``(L, B, H, S)``; ``candidates``: ``(B, S)`` bool (selectable positions); ``keep``: ``(B,)`` int64.
+    Returns ``(B, L)`` int64 summing to ``min(keep, L * H * candidates)``; ties at the threshold go to the lower
+    (layer, head, position) first, as a stable sort would.
+    """
+    L, B, H, S = scores.shape
+    out = torch.zeros(B, L, dtype=torch.int64)
+    for b in range(B):
+        s = scores[:, b].float().masked_fill(~candidates[b].view(1, 1, S), float("-inf")).reshape(L, -1)
+        n = int(candidates[b].sum()) * L * H
+        k = min(int(keep[b]), n)
+        if k <= 0:
+            continue
+        flat = s.reshape(-1)
+        tau = -torch.kthvalue(-flat, k).values  # the k-th largest score
+        above = (s > tau).sum(-1)
+        ties = (s == tau).sum(-1)
+        need = k - int(above.sum())
+        before = torch.cumsum(ties, 0) - ties  # ties of the lower layers, taken first
+        out[b] = (above + torch.clamp(need - before, min=0).minimum(ties)).cpu()
+    return out
+
+
+@register
+@dataclass
+class KVzip(Method):
+    """Context-reconstruction scores, global (cross-layer, cross-head) budgets.
+
+    Parameters
+    ----------
+    window : int
+        Recent tokens always kept (0: KVzip scores every context token by reconstruction).
+    sinks : int
+        First tokens always kept and put in every chunk's softmax (4, kvpress's ``n_sink``).
+    chunk_size : int
+        Context tokens reconstructed per pass (2048, kvpress; the paper's 2K).
+    keep_prefix : bool
+        Keep the chat template's prefix (system prompt) and put it in the softmax, as the authors' code does; False
+        (default, kvpress): only the ``sinks`` first tokens, the rest of the prefix scores 0.
+    """
+
+    window: int = 0
+    sinks: int = 4
+    chunk_size: int = 2048
+    keep_prefix: bool = False
+
+    name: ClassVar[str] = "kvzip"
+    summary: ClassVar[str] = "max attention from a context-reconstruction pass; global top-k over layers and heads"
+    paper: ClassVar[str] = (
+        "Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction, NeurIPS 2025"
+    )
+    layer_budgets: ClassVar[str] = "preference"
+    second_pass: ClassVar[str | None] = "reconstruction"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chunk_size < 1:
+            raise ValueError(f"{self.name}: chunk_size must be >= 1, got {self.chunk_size}")
+
+    def second_pass_key(self) -> str:
+        """The reconstruction depends on the sinks, the chunk size and the template prefix only."""
+        return f"kvzip[chunk_size={self.chunk_size},keep_prefix={self.keep_prefix},sinks={self.sinks}]"
+
+    def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
+        """The layer's reconstruction scores; the preference is the layer's share of the global top-k, per KV head."""
+        scores = inputs.pass_scores
+        if scores is None:
+            raise ValueError("kvzip: no reconstruction scores (the engine runs the second pass before the prefill)")
+        L, B, H, S = scores.shape
+        pad = inputs.key_padding.to(scores.device)
+        first = pad.sum(-1, keepdim=True)  # left padding: the first real position
+        pos = torch.arange(S, device=scores.device).view(1, -1)
+        candidates = ~pad & ((pos >= first + self.sinks) & (pos < S - self.window))
+        assert inputs.budget is not None
+        keep = (inputs.budget.cpu() - self.protected).clamp_min(0) * L * H
+        counts = global_layer_counts(scores, candidates.cpu(), keep)
+        pref = counts[:, inputs.layer_idx].double() / H
+        return PrefillScores(scores=scores[inputs.layer_idx].float().clone(), preference=pref.to(scores.device))
+
+    def head_budgets(
+        self, scores: torch.Tensor, selectable: torch.Tensor, *, budget: torch.Tensor | None = None, final: bool = True
+    ) -> torch.Tensor:
+        """One top-``Hkv * selectable`` over the layer's heads (KVzip's non-uniform head budgets, no safeguard)."""
+        return cross_head_counts(scores, selectable.to(scores.device) * scores.shape[1])
+
+    def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Running max of the attention a slot receives (max over the KV head's query heads and the step's
+        queries)."""
+        B, Hq, nq, n = inputs.probs.shape
+        H = inputs.positions.shape[1]
+        now = inputs.probs.float().reshape(B, H, Hq // H, nq, n).amax(dim=(2, 3))
+        return torch.maximum(inputs.stored.float(), now)
