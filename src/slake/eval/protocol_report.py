@@ -65,6 +65,22 @@ def protocol_lines(rows: list[dict[str, Any]]) -> dict[str, tuple[list[str], lis
     return out
 
 
+#: our method -> kvpress's matching press (same algorithm; one colour in the plot, solid and dashed)
+COUNTERPARTS: dict[str, str] = {
+    "snapkv": "kvpress:snapkv",
+    "pyramidkv": "kvpress:pyramidkv",
+    "tova": "kvpress:tova",
+    "streamingllm": "kvpress:streaming_llm",
+    "ada-snapkv": "kvpress:adakv_snapkv",
+    "keydiff": "kvpress:keydiff",
+    "ada-expected-attention": "kvpress:expected_attention",
+    "expected-attention": "kvpress:expected_attention_plain",
+    "criticalkv": "kvpress:critical_snapkv",
+    "ada-criticalkv": "kvpress:critical_adakv_snapkv",
+    "kvzip": "kvpress:kvzip",
+}
+
+
 def _methods(lines: list[SummaryLine]) -> list[str]:
     """Methods in table order: the full cache, our methods, then kvpress's presses (``no_press`` first)."""
     names = list(dict.fromkeys(line.method for line in lines))
@@ -168,10 +184,14 @@ def _plot(path: Path, protocol: Protocol, model: str, tasks: list[str], lines: l
 
     by_pair = {(line.method, line.budget): line for line in lines}
     fig, ax = plt.subplots(figsize=(7.6, 4.8), dpi=120)
-    colours = [plt.get_cmap("tab20")(i) for i in range(20)]
+    palette = [plt.get_cmap("tab20")(i) for i in range(0, 20, 2)] + [plt.get_cmap("tab20")(i) for i in range(1, 20, 2)]
+    colours: dict[str, Any] = {}
     ours = [m for m in _methods(lines) if m != FULL_METHOD and not m.startswith(KVPRESS_PREFIX)]
     theirs = [m for m in _methods(lines) if m.startswith(KVPRESS_PREFIX) and m != KVPRESS_PREFIX + "no_press"]
     for i, method in enumerate(ours + theirs):
+        twin = COUNTERPARTS.get(method) or {v: k for k, v in COUNTERPARTS.items()}.get(method)
+        colour = colours.get(twin or "", palette[len(colours) % len(palette)])  # a method and its press share one
+        colours[method] = colour
         pts = [
             (r, by_pair[(method, b)].average)
             for r, b in zip(protocol.compression_ratios, protocol.budgets, strict=True)
@@ -184,7 +204,7 @@ def _plot(path: Path, protocol: Protocol, model: str, tasks: list[str], lines: l
             [p[1] for p in pts],
             marker="osD^v<>pPhX*"[i % 11],
             linestyle="--" if method in theirs else "-",
-            color=colours[i % len(colours)],
+            color=colour,
             label=method,
         )
     full = by_pair.get((FULL_METHOD, None))
