@@ -17,6 +17,7 @@ from slake.cli.options import add_engine_arg, add_model_args, engine_from_args, 
 
 if TYPE_CHECKING:
     from slake.engines.base import Engine
+    from slake.eval.protocol import Protocol
 
 __all__ = ["add_eval_parser", "cmd_eval"]
 
@@ -30,7 +31,19 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(the transformers engine prefills each sample once and replays it into every cache). Rows go to "
         "OUT/results.jsonl (a rerun resumes); summary.md, summary.csv and PNG plots are written to OUT.",
     )
-    p.add_argument("--suite", required=True, choices=("needle", "ruler", "longbench"))
+    p.add_argument(
+        "--protocol",
+        default=None,
+        choices=("kvpress",),
+        help="a leaderboard's protocol in one flag: 'kvpress' is NVIDIA kvpress's (RULER at 4096 tokens, "
+        "question-agnostic compression, compression ratios 0.25/0.5/0.75/0.875 removed, i.e. budgets "
+        "0.75/0.5/0.25/0.125 kept, scored as kvpress scores it); sets --suite, --lengths, --budgets and "
+        "--question-agnostic, writes the token ids for kvpress's side (tools/kvpress_protocol/) and merges its "
+        "outputs found in --out; see docs/kvpress-protocol.md",
+    )
+    p.add_argument(
+        "--suite", default=None, choices=("needle", "ruler", "longbench"), help="required without --protocol"
+    )
     p.add_argument(
         "--tasks",
         default=None,
@@ -46,8 +59,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--budgets",
-        required=True,
-        help="comma-separated budgets: tokens per layer and KV head (e.g. 128,256) or ratios in (0, 1)",
+        default=None,
+        help="comma-separated budgets: tokens per layer and KV head (e.g. 128,256) or ratios in (0, 1) of the "
+        "prompt kept; required without --protocol",
     )
     p.add_argument(
         "--lengths",
@@ -138,11 +152,13 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     """
     from slake.cache.quant import parse_kv_dtype
     from slake.engines.base import EvalOptions
+    from slake.eval.protocol import resolve_protocol_args
     from slake.eval.results import read_results, row_key, scan_results
     from slake.eval.runner import evaluate_suite, parse_budgets, resolve_methods
     from slake.eval.suites import build_samples, parse_floats, parse_ints, plan_suite
     from slake.eval.summary import summary_rows, write_summary
 
+    protocol = resolve_protocol_args(args)  # fills --suite, --lengths, --budgets, --question-agnostic
     engine = engine or engine_from_args(args)
     methods = resolve_methods(args.methods)
     budgets = parse_budgets(args.budgets) if methods else []
@@ -178,6 +194,8 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     if previous.skipped:
         print(f"slake eval: {previous.describe_skipped()}", file=sys.stderr)
     samples = build_samples(plan, engine.tokenizer)
+    if protocol is not None:
+        samples = _protocol_start(args, protocol, samples, engine, out)
     options = EvalOptions(
         query_aware=not args.question_agnostic,
         prefill_chunk=args.prefill_chunk,
@@ -200,9 +218,17 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         progress=not args.no_progress,
         options=options,
     )
+    if protocol is not None:
+        from slake.eval.protocol_outputs import merge_outputs
+
+        merged = merge_outputs(out)
+        if merged:
+            print(f"slake eval: merged {merged} rows of kvpress's side", file=sys.stderr)
     all_rows = read_results(out)
     md, csv_path = write_summary(out, all_rows)
     plots = _plots(out, all_rows, args.no_plots)
+    if protocol is not None:
+        plots += _protocol_report(out, all_rows, protocol, args.no_plots)
     wanted = {
         (
             s.task,
@@ -231,6 +257,37 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     for p in plots:
         print(f"plot: {p}", file=sys.stderr)
     return 0
+
+
+def _protocol_start(args: argparse.Namespace, protocol: Protocol, samples: list, engine: Engine, out: Path) -> list:
+    """The samples scored as ``protocol`` scores them; their token ids written for the kvpress side."""
+    from slake.eval.protocol import model_location, protocol_samples, write_requests
+
+    samples = protocol_samples(samples, protocol, max_new_tokens=args.max_new_tokens)
+    path = write_requests(
+        out,
+        samples,
+        engine.tokenizer,
+        protocol=protocol,
+        model_name=args.model,
+        model_location=model_location(args.model, getattr(args, "gguf_file", None)),
+        eos_token_ids=engine.eos_token_ids(),
+        seed=args.seed,
+    )
+    print(f"slake eval: token ids for kvpress's side in {path}", file=sys.stderr)
+    return samples
+
+
+def _protocol_report(out: Path, rows: list[dict[str, Any]], protocol: Protocol, skip_plots: bool) -> list[Path]:
+    from slake.eval.protocol_report import write_protocol_report
+
+    try:
+        paths = write_protocol_report(out, rows, protocol, plots=not skip_plots)
+    except ImportError as e:  # matplotlib is an optional dependency (slake[eval])
+        print(f"slake eval: no protocol plot ({e})", file=sys.stderr)
+        paths = write_protocol_report(out, rows, protocol, plots=False)
+    print(f"protocol table: {paths[0]}", file=sys.stderr)
+    return [p for p in paths if p.suffix == ".png"]
 
 
 def _plots(out: Path, rows: list[dict[str, Any]], skip: bool) -> list[Path]:

@@ -44,6 +44,8 @@ __all__ = [
     "string_match_all",
     "string_match_part",
     "ruler_score",
+    "kvpress_clean",
+    "kvpress_ruler_metric",
     "needle_score",
     "score_sample",
     "score_prediction",
@@ -269,6 +271,23 @@ def string_match_part(prediction: str, answers: Sequence[str]) -> float:
     return max((1.0 if a.lower() in pred else 0.0 for a in answers), default=0.0)
 
 
+#: what kvpress's RULER scorer removes from a prediction before matching (``evaluation/benchmarks/ruler/
+#: calculate_metrics.py``: ``re.compile(r"[\x00-\x1f]")``, newlines and tabs included)
+_KVPRESS_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def kvpress_clean(prediction: str) -> str:
+    """A prediction as kvpress's RULER scorer reads it: stripped, control characters (``\\x00``-``\\x1f``, newlines
+    included) removed, stripped again."""
+    return _KVPRESS_CONTROL.sub("", prediction.strip()).strip()
+
+
+def kvpress_ruler_metric(task: str) -> str:
+    """The metric name kvpress's RULER scorer gives a task: ``kvpress:part`` (string_match_part) when the task's
+    category, the part of its name before the first ``_``, is ``qa``; ``kvpress:all`` (string_match_all) otherwise."""
+    return "kvpress:part" if task.split("_")[0] == "qa" else "kvpress:all"
+
+
 def needle_score(prediction: str, answers: Sequence[str]) -> float:
     """Needle retrieval: 1.0 if the (any) answer is contained in the prediction, case-insensitive."""
     return string_match_part(prediction, answers)
@@ -286,7 +305,8 @@ def ruler_score(predictions: Sequence[str], answers: Sequence[Sequence[str]], me
 def score_sample(metric: str, prediction: str, answers: Sequence[str], **kwargs: Any) -> float:
     """Score one prediction in ``[0, 1]`` by a :attr:`Sample.metric` name.
 
-    ``"all"``/``"part"`` (RULER), ``"contains"`` (needle), or a LongBench dataset name (with
+    ``"all"``/``"part"`` (RULER), ``"kvpress:all"``/``"kvpress:part"`` (RULER as kvpress scores it:
+    :func:`kvpress_clean` first), ``"contains"`` (needle), or a LongBench dataset name (with
     ``all_classes`` passed as a keyword when needed).
     """
     if metric == "all":
@@ -295,6 +315,9 @@ def score_sample(metric: str, prediction: str, answers: Sequence[str], **kwargs:
         return string_match_part(prediction, answers)
     if metric == "contains":
         return needle_score(prediction, answers)
+    if metric in ("kvpress:all", "kvpress:part"):  # the leaderboard protocol: kvpress's cleaning, then RULER's match
+        match = string_match_all if metric == "kvpress:all" else string_match_part
+        return match(kvpress_clean(prediction), answers)
     if _base_dataset(metric) in DATASET2METRIC:
         return longbench_sample_score(metric, prediction, answers, kwargs.get("all_classes"))
     raise KeyError(f"unknown metric {metric!r}")

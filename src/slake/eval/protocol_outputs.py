@@ -1,0 +1,128 @@
+"""kvpress's generations as result rows: what ``tools/kvpress_protocol/kvpress_side.py`` writes, merged into
+``results.jsonl`` beside our methods' rows (one summary, one table, one plot hold both).
+
+The kvpress side writes one JSON object per (sample, press, compression ratio) to ``DIR/kvpress_outputs.jsonl``:
+``sample_id``, ``press`` (kvpress's registry name: ``snapkv``, ``expected_attention``, ``no_press``...),
+``compression_ratio`` (None for ``no_press``), ``tokens`` (the generated ids, EOS included), ``text`` (decoded with
+``skip_special_tokens=True``) and its accounting (``prefill_s``, ``compress_s``, ``decode_s``, ``kept``: the mean
+number of context entries a layer and KV head attends to, ``held``: the mean it stores, larger for the presses that
+mask instead of evicting, ``kv_bytes``, ``press_repr``, ``versions``).
+
+Each becomes a row of method ``kvpress:<press>`` at budget ``1 - compression_ratio`` (None for ``no_press``),
+scored with the request's metric by :func:`slake.eval.metrics.score_sample`, the function that scores our rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from slake.eval.metrics import score_sample
+from slake.eval.protocol import REQUESTS_FILE, budget_of_ratio
+from slake.eval.results import ResultsWriter
+
+__all__ = ["KVPRESS_PREFIX", "OUTPUTS_FILE", "kvpress_rows", "merge_outputs", "read_outputs"]
+
+#: the file the kvpress side writes into the results folder
+OUTPUTS_FILE = "kvpress_outputs.jsonl"
+
+#: the method prefix of kvpress's rows
+KVPRESS_PREFIX = "kvpress:"
+
+_ACCOUNTING = ("compress_s", "kept", "held", "press_repr", "versions")
+
+
+def read_outputs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete lines of a kvpress outputs file (a last line cut by an interrupted write is skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def kvpress_rows(requests: dict[str, Any], outputs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Result rows (:data:`slake.eval.results.ROW_FIELDS` and more) of the kvpress side's outputs.
+
+    Parameters
+    ----------
+    requests : dict
+        The requests file's content (:func:`slake.eval.protocol.write_requests`): model, protocol, samples.
+    outputs : iterable of dict
+        The kvpress side's outputs (see the module docstring).
+
+    Returns
+    -------
+    list of dict
+        One row per output whose sample is in ``requests`` (others are skipped: another run's samples).
+    """
+    by_id = {r["sample_id"]: r for r in requests["requests"]}
+    rows = []
+    for o in outputs:
+        req = by_id.get(o["sample_id"])
+        if req is None:
+            continue
+        ratio = o.get("compression_ratio")
+        prediction = str(o["text"]).strip()
+        row: dict[str, Any] = {
+            "suite": "ruler",
+            "task": req["task"],
+            "sample_id": req["sample_id"],
+            "model": requests["model"],
+            "method": KVPRESS_PREFIX + str(o["press"]),
+            "budget": None if ratio is None else budget_of_ratio(ratio),
+            "length": int(req["length"]),
+            "prompt_tokens": len(req["prefill_ids"]) + len(req["question_ids"]),
+            "prediction": prediction,
+            "answers": list(req["answers"]),
+            "score": float(score_sample(req["metric"], prediction, req["answers"])),
+            "prefill_s": o.get("prefill_s"),
+            "decode_s": o.get("decode_s"),
+            "seed": requests.get("seed", 0),
+            "query_aware": False,
+            "compressed": ratio is not None,
+            "new_tokens": len(o["tokens"]),
+            "max_new_tokens": int(req["max_new_tokens"]),
+            "depth": req.get("depth"),
+            "metric": req["metric"],
+            "kv_bytes": o.get("kv_bytes"),
+            "prefill_chunk": None,
+            "batch_size": 1,
+            "profile": None,
+            "kv_dtype": None,
+            # kvpress runs on transformers too; the row key names the method, so the rows share a folder with ours
+            "engine": "transformers",
+            "runner": "kvpress",
+            "compression_ratio": ratio,
+            "protocol": requests.get("protocol"),
+        }
+        row.update({k: o[k] for k in _ACCOUNTING if k in o})
+        rows.append(row)
+    return rows
+
+
+def merge_outputs(out_dir: str | os.PathLike[str]) -> int:
+    """Append the rows of ``DIR/kvpress_outputs.jsonl`` that ``DIR/results.jsonl`` lacks; returns how many.
+
+    Nothing happens (0) when either the requests or the outputs file is absent.
+    """
+    directory = Path(out_dir)
+    req_path = directory / REQUESTS_FILE
+    outputs = read_outputs(directory / OUTPUTS_FILE)
+    if not req_path.is_file() or not outputs:
+        return 0
+    requests = json.loads(req_path.read_text(encoding="utf-8"))
+    written = 0
+    with ResultsWriter(directory) as store:
+        for row in kvpress_rows(requests, outputs):
+            written += int(store.write(row))
+    return written
