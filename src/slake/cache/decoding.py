@@ -286,6 +286,10 @@ class Decoder:
             state.position[i] = torch.tensor(state.seen[i], dtype=torch.int64, device=store.keys.device)
             if store.linear is not None:
                 store.linear.attention_parts()  # made now: a lazily cached view would change the first step's guards
+            if self.kernels == "triton":
+                # the fused kernels' row table, made now: one made inside a captured step would be a CUDA graph's
+                # output, overwritten by the next replay while the store still holds it
+                store.kernel_memory()
         info = state.prefill_info()
         for name in ("real_len", "first_real", "budget"):
             info.device_copy(name, state.store(0).keys.device)
@@ -307,6 +311,8 @@ class Decoder:
                 out.append(s.head_visible)
             if s.linear is not None:
                 out.append(s.linear.aug)
+            if s._row_table is not None:
+                out.append(s._row_table)
         out += [t for t in state.targets if t is not None]
         if state.info is not None:
             out += list(state.info.on_device.values())
