@@ -331,3 +331,17 @@ def test_a_tiny_model_decodes_the_same_tokens_with_the_fused_kernels(name, llama
     assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
     assert torch.equal(fused, ref)
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
+
+
+def test_static_mode_makes_the_kernels_row_table_before_any_captured_step(llama_gqa):
+    """The fused kernels' row table of every layer exists once static mode starts and is one of the static tensors:
+    made lazily inside the first captured step instead, it was a CUDA graph's output that the next replay overwrote
+    (found on an H100 by ``tests/test_cuda.py``)."""
+    from compiled_decode import decode
+
+    _, stats, cache = decode(llama_gqa.to(DEVICE), "snapkv", 1, static=True, kernels="triton")
+    decoder = cache.compressor.decoder
+    static = {id(t) for t in decoder.static_tensors()}
+    for store in cache.compressor.layers:
+        assert store._row_table is not None and id(store._row_table) in static
+    assert stats["kernels"] == "triton"
