@@ -16,6 +16,8 @@ from slake.engines.vllm.plugin.config import SUPPORTED_METHODS, with_layer_cap
 from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 from slake.methods import make_method
+from slake.methods.base import LayerContext
+from slake.methods.rotary import Rotary
 
 BUDGET = 24
 BS = 8
@@ -40,6 +42,15 @@ def _write(layout, kv, blocks, keys, values):
     layout.write(kv, b.to(dev), o.to(dev), keys.transpose(0, 1).to(dev), values.transpose(0, 1).to(dev))
 
 
+def _contexts(method) -> list[LayerContext] | None:
+    """Random model facts per layer (a RoPE with base 10^4, an output projection) for methods that read them
+    (Expected Attention, CriticalKV); None for the others."""
+    if not method.layer_facts():
+        return None
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    return [LayerContext(rotary=Rotary(inv), out_proj=torch.randn(24, H * G * D)) for _ in range(LAYERS)]
+
+
 def _pool_against_engine(
     method: str,
     layout: PagedLayout,
@@ -61,11 +72,14 @@ def _pool_against_engine(
     width = (getattr(m, "max_layer_budget", None) or BUDGET) + 1 if m.layer_budgets == "preference" else BUDGET + 1
     nb_req = -(-max(lengths) // BS) + 1
     kv = [_cache(layout, device) for _ in range(LAYERS)]
-    pool = DecodePool(m, LAYERS, H, D, width, BS, rows=2, layout=layout, device=device)
+    contexts = _contexts(m)
+    pool = DecodePool(m, LAYERS, H, D, width, BS, rows=2, layout=layout, device=device, layer_context=contexts)
     refs, rows, tables = [], [], []
     perm = torch.randperm(63)[: nb_req * len(lengths)] + 1
     for r, n in enumerate(lengths):
         ref = CompressedKV(m, BUDGET, LAYERS)
+        if contexts is not None:
+            ref.layer_context = contexts
         blocks = perm[r * nb_req : (r + 1) * nb_req]
         for li in range(LAYERS):
             q = torch.randn(1, H * G, n, D)

@@ -170,6 +170,10 @@ class SlotKV(Protocol):
     def kv_logits(self, queries: torch.Tensor, keys: Any) -> torch.Tensor:
         """``queries`` ``(R, Hkv, g, d)`` float32 times the keys: ``(R, Hkv, g, W)`` float32."""
 
+    def slot_keys(self, keys: Any) -> torch.Tensor:
+        """The keys of :meth:`read_kv` as ``(R, Hkv, W, d)`` in slot order, for decode rules that read them
+        (:attr:`~slake.methods.base.Method.decode_reads_kv`)."""
+
     def fold_kv(
         self, linear: LinearState, keys: Any, values: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor
     ) -> None:
@@ -283,7 +287,13 @@ def decode_step(
             prompt_len=slots.prompt_len,
             budget=slots.budget,
             newest=newest,
-            **decode_extras(method, slots.layer, keys, values, qf.view(R, Hq, 1, d)),
+            **decode_extras(
+                method,
+                slots.layer,
+                kv.slot_keys(keys) if method.decode_reads_kv else keys,
+                values,
+                qf.view(R, Hq, 1, d),
+            ),
         )
     )
     scores.copy_(new_scores)  # in place: the tensors keep their addresses from step to step (CUDA graphs)
@@ -340,8 +350,8 @@ def decode_extras(
 ) -> dict[str, Any]:
     """The :class:`~slake.methods.base.DecodeInputs` fields a method asks for beyond the probabilities: the layer's
     facts (``layer_facts()``) and, for ``decode_reads_kv``, the step's scaled queries ``(R, Hq, n_q, d)`` float32 and
-    the slots' keys and values as ``(R, Hkv, W, d)`` float32 (dequantised). ``keys`` must then be dense: the paged
-    storage of the vLLM plugin is not (the plugin refuses such methods)."""
+    the slots' keys and values as ``(R, Hkv, W, d)`` float32 (dequantised). ``keys`` must then be dense
+    (:meth:`SlotKV.slot_keys` makes the vLLM plugin's paged keys so)."""
     extras: dict[str, Any] = {}
     if method.layer_facts():
         extras["layer"] = layer

@@ -305,6 +305,10 @@ class LayerStore:
         matmul per KV head for its ``g`` query rows; the cache is never expanded per query head)."""
         return matmul_f32(queries, keys.transpose(-1, -2))
 
+    def slot_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """``keys`` as they are: :meth:`read_kv` gives them dense ``(B, Hkv, n, d)`` already."""
+        return keys
+
     def kernel_memory(self) -> KVMemory:
         """The store as the fused kernels address it: one block per row (:class:`slake.cache.decode_step.KVMemory`)."""
         B, H, n, d = self.keys.shape

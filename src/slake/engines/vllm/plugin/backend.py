@@ -46,7 +46,6 @@ events reach the state through :mod:`slake.engines.vllm.plugin.worker`.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, fields
 
@@ -62,6 +61,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from slake.engines.vllm.plugin.config import parse_config
+from slake.engines.vllm.plugin.layer_facts import layer_index
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout, slot_mapping
 from slake.engines.vllm.plugin.state import DecodeBatch, PluginState, StepPlan
 from slake.engines.vllm.plugin.validate import validate_engine_config
@@ -121,17 +121,6 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         plan, cm = self.slake_state.plan_step(common_attn_metadata)
         md = super().build(common_prefix_len, cm, fast_build)
         return SlakeCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, slake=plan)
-
-
-_LAYER_RE = re.compile(r"\.(\d+)\.")
-
-
-def layer_index(layer_name: str) -> int:
-    """Decoder-layer index of an attention layer name such as ``model.layers.3.self_attn.attn``."""
-    found = _LAYER_RE.findall(f".{layer_name}.")
-    if len(found) != 1:
-        raise RuntimeError(f"slake: cannot read the layer index of attention layer {layer_name!r}")
-    return int(found[0])
 
 
 def _step_plan(layer_name: str) -> StepPlan | None:

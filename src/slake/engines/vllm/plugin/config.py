@@ -30,8 +30,12 @@ ENV_VAR = "SLAKE_VLLM"
 
 #: methods the plugin runs: a uniform head split and no per-query-head visibility, with either uniform layer budgets
 #: (every layer keeps the budget) or CAKE's cascading preference budgets capped at ``max_layer_budget`` (cake, and
-#: slake with its PTAA linear state), so that the scheduler knows in advance the slots a request's layers can need
-SUPPORTED_METHODS = ("streamingllm", "snapkv", "tova", "h2o", "cake", "slake")
+#: slake with its PTAA linear state), so that the scheduler knows in advance the slots a request's layers can need;
+#: methods that read the kept keys at decode (KeyDiff) or the model's rotary embedding and output projection
+#: (Expected Attention, CriticalKV: read from vLLM's model, :mod:`slake.engines.vllm.plugin.layer_facts`) included
+SUPPORTED_METHODS = (
+    "streamingllm", "snapkv", "tova", "h2o", "cake", "slake", "keydiff", "expected-attention", "criticalkv"
+)  # fmt: skip
 #: methods with per-layer budgets (CAKE's cascade, ``docs/methods/cake.md#cascading-prefill``)
 PREFERENCE_METHODS = ("cake", "slake")
 #: default ``max_layer_budget`` of preference methods in vLLM, as a multiple of the budget
@@ -170,10 +174,6 @@ def _unsupported_reason(method: Method) -> str:
     """Why the plugin's paged pool cannot run ``method`` (the first of its needs that the pool lacks)."""
     if method.second_pass is not None:
         return f"it scores the prompt with a second pass ({method.second_pass}), which the plugin does not run"
-    if method.layer_facts():
-        return f"it needs the model's {' and '.join(method.layer_facts())}, which the plugin does not read from vLLM"
-    if method.decode_reads_kv:
-        return "its decode rule reads the kept keys and values, which the paged pool does not hand to decode rules"
     return "it needs per-layer or per-head budgets or a linear state"
 
 

@@ -27,7 +27,7 @@ from slake.cache.compressed import resolve_kernels
 from slake.cache.decode_step import KVMemory, StepSlots
 from slake.cache.fused_step import KernelReport, run_step
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout
-from slake.methods.base import Method
+from slake.methods.base import LayerContext, Method
 
 
 class DecodePool:
@@ -53,6 +53,9 @@ class DecodePool:
     kernels : str
         The decode step's implementation: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton's fused kernels on CUDA,
         torch elsewhere; :func:`slake.cache.compressed.resolve_kernels`).
+    layer_context : list of LayerContext, optional
+        One per layer: the model facts the method's decode rule reads (``method.layer_facts()``: the rotary
+        embedding of Expected Attention, CriticalKV's output projection); None for methods that read none.
     """
 
     def __init__(
@@ -67,8 +70,15 @@ class DecodePool:
         layout: PagedLayout | None = None,
         device: torch.device | str | None = None,
         kernels: str = "auto",
+        layer_context: list[LayerContext] | None = None,
     ) -> None:
+        if method.layer_facts() and (layer_context is None or len(layer_context) != num_layers):
+            raise ValueError(
+                f"slake: {method.name} reads the model's {' and '.join(method.layer_facts())} at decode: the pool "
+                f"needs one LayerContext per layer ({num_layers})"
+            )
         self.method = method
+        self.layer_context = layer_context
         self.layout = CpuAttnLayout() if layout is None else layout
         self.device = torch.device("cpu" if device is None else device)
         self.kernels = resolve_kernels(kernels, self.device)
@@ -257,6 +267,7 @@ class DecodePool:
             budget=self.budget[r],
             linear=None if self.linear is None else LinearState(self.linear[layer, r]),
             rows=None if isinstance(rows, slice) else rows,
+            layer=None if self.layer_context is None else self.layer_context[layer],
         )
         kv = PagedSlots(self, kv_cache, table[:, :nb], blocks[:, :W], offsets[:W], W)
         return run_step(self.kernels, self.method, slots, kv, query, key, value, scaling, report=self.report)
@@ -322,6 +333,9 @@ class PagedSlots:
 
     def kv_logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return self.pool.layout.logits(queries, keys)[..., : self.width]
+
+    def slot_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.pool.layout.dense_keys(keys)[:, :, : self.width]
 
     def fold_kv(
         self, linear: LinearState, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor

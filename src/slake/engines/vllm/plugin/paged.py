@@ -47,7 +47,7 @@ class PagedLayout(ABC):
     """How one layer's paged cache tensor stores keys and values: what the decode pool and the backend need.
 
     ``kv_cache`` is always one layer's ``(num_blocks, Hkv, block_size, 2 * d)`` tensor as vLLM hands it to the
-    attention backend; what the last two axes mean is the layout's business. Subclasses implement the five
+    attention backend; what the last two axes mean is the layout's business. Subclasses implement the six
     operations below; :meth:`check` is shared.
     """
 
@@ -82,6 +82,11 @@ class PagedLayout(ABC):
     @abstractmethod
     def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The gathered keys of ``slots`` ``(R, Hkv, k)`` (slot indices per request and head): ``(R, Hkv, k, d)``."""
+
+    @abstractmethod
+    def dense_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The gathered ``keys`` as ``(R, Hkv, nb * block_size, d)`` in slot order (a copy or a view), for decode
+        rules that read the kept keys themselves (KeyDiff, Expected Attention)."""
 
     @abstractmethod
     def write(
@@ -176,6 +181,10 @@ class CpuAttnLayout(PagedLayout):
         blk, off = torch.floor_divide(slots, bs), torch.remainder(slots, bs)
         return keys[r, h, blk, :, off]  # advanced indices split by a slice go first: (R, H, k, d)
 
+    def dense_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        R, H, nb, d, bs = keys.shape
+        return keys.transpose(-1, -2).reshape(R, H, nb * bs, d)  # (R, H, nb, bs, d): one copy
+
     def write(
         self,
         kv_cache: torch.Tensor,
@@ -240,6 +249,9 @@ class FlashAttnLayout(PagedLayout):
 
     def select_keys(self, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return keys.gather(2, slots[..., None].expand(-1, -1, -1, keys.shape[-1]))
+
+    def dense_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys  # already slot-major
 
     def write(
         self,

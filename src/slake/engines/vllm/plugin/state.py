@@ -31,7 +31,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from slake.cache.compressed import CompressedKV
 from slake.engines.vllm.plugin.config import SlakeVllmConfig
 from slake.engines.vllm.plugin.decode_pool import DecodePool
+from slake.engines.vllm.plugin.layer_facts import vllm_layer_contexts
 from slake.engines.vllm.plugin.paged import PagedLayout, slot_blocks
+from slake.methods.base import LayerContext
 
 __all__ = ["DecodeBatch", "PluginState", "RequestState", "StepPlan"]
 
@@ -169,8 +171,41 @@ class PluginState:
         #: step, layers, plugin seconds summed over layers)`` to :attr:`step_times`
         self.timing = False
         self.step_times: list[tuple[int, int, int, float]] = []
+        #: per layer, the model facts the method reads (:meth:`attach_model`); None until read, or when none needed
+        self.layer_context: list[LayerContext] | None = None
+
+    # ------------------------------------------------------------------ the model's facts
+    @property
+    def needs_model(self) -> bool:
+        """True until the model facts the method reads have been read (:meth:`attach_model`)."""
+        return bool(self.config.method.layer_facts()) and self.layer_context is None
+
+    def attach_model(self, model: Any) -> None:
+        """Read the model facts the method needs (``method.layer_facts()``: the rotary embedding, the output
+        projection; :func:`slake.engines.vllm.plugin.layer_facts.vllm_layer_contexts`) from vLLM's ``model``, once.
+        The worker hook calls it before a step while :attr:`needs_model`."""
+        if self.needs_model:
+            self.layer_context = vllm_layer_contexts(model, self.num_layers, self.config.method.layer_facts())
+
+    def _contexts(self) -> list[LayerContext] | None:
+        if self.config.method.layer_facts() and self.layer_context is None:
+            raise RuntimeError(
+                f"slake: {self.config.method.name} needs the model's {' and '.join(self.config.method.layer_facts())}, "
+                "which the worker hook reads from vLLM's model before the first step (is the plugin's worker hook "
+                "installed? slake.engines.vllm.plugin.worker.install)"
+            )
+        return self.layer_context
 
     # ------------------------------------------------------------------ requests
+    def _new_cache(self) -> CompressedKV:
+        """The transformers engine's compressor for one request's prefill (with the model facts the method reads)."""
+        cfg = self.config
+        cache = CompressedKV(cfg.method, cfg.budget, self.num_layers, defer_cascade=True)
+        contexts = self._contexts()
+        if contexts is not None:
+            cache.layer_context = list(contexts)
+        return cache
+
     def decode_pool(self) -> DecodePool:
         """The engine's decode pool (made at the first compressed request)."""
         if self.pool is None:
@@ -183,6 +218,7 @@ class PluginState:
                 self.block_size,
                 rows=self.max_rows,
                 layout=self.layout,
+                layer_context=self._contexts(),
             )
         return self.pool
 
@@ -282,9 +318,7 @@ class PluginState:
                     decodes.append((st, qe - 1, i, held))  # the last token decodes over the restored cache
                     continue
                 if cfg.compresses(slen):
-                    st = RequestState(
-                        rid, slen, CompressedKV(cfg.method, cfg.budget, self.num_layers, defer_cascade=True)
-                    )
+                    st = RequestState(rid, slen, self._new_cache())
                     pool = self.decode_pool()
                     st.row = pool.allocate(slen, cfg.budget)
                     st.meta_bytes, st.lin_bytes = pool.row_bytes()

@@ -13,7 +13,9 @@ runner's path. So :func:`install` wraps that one method, and nothing else of the
 * before vLLM updates its batch: the scheduler's ``finished_req_ids`` and ``preempted_req_ids`` go to the states of
   the runner's slake builders (a preempted request's block ids are read from the runner's request table, which
   still holds them);
-* after: the request ids of the step's rows (``input_batch.req_ids``, in the order the builder sees the rows).
+* after: the request ids of the step's rows (``input_batch.req_ids``, in the order the builder sees the rows);
+* and, once, the model facts that some methods read (Expected Attention's rotary embedding, CriticalKV's output
+  projection) go from the runner's model to the state (:meth:`PluginState.attach_model`).
 
 The wrapper holds no state of its own: it finds the runner's states through the runner's attention groups
 (:func:`runner_states`), so it does nothing for a runner without a slake configuration, and two engines in one
@@ -61,6 +63,8 @@ def _wrap_update_states(original: Callable) -> Callable:
     def _update_states(self, scheduler_output):
         states = runner_states(self)
         for st in states:
+            if st.needs_model:  # once: the model facts a method reads (rotary, o_proj)
+                st.attach_model(self.get_model())
             for rid in scheduler_output.finished_req_ids:
                 st.request_finished(rid)
             for rid in scheduler_output.preempted_req_ids or ():
