@@ -248,7 +248,7 @@ def _evict_attend_kernel(
     counter_ptr,
     W, H, scale, window, sinks, pinned,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BW: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BW: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
     HAS_FIRST: tl.constexpr, HAS_LINEAR: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr,
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
@@ -357,24 +357,40 @@ def _evict_attend_kernel(
     kv_k = _load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, dd * k_sd, dmask, ks_ptr, vs, QUANT)
     kv_v = _load_row(v_ptr, vb * v_sb + h * v_sh + vo * v_so, dd * v_sd, dmask, vs_ptr, vs, QUANT)
     if HAS_LINEAR:
+        # The state's D x D block is read, updated and multiplied by the queries LB rows at a time (a whole
+        # 128 x 128 float32 tile, twice over, would not fit one program's registers and would spill): the linear
+        # term's numerator ``s q^T L`` is accumulated block by block here, the sums below.
         abase = aug_ptr + mr * a_sr + h * a_sh
-        lmask = dmask[:, None] & dmask[None, :]
-        lmat = tl.load(abase + dd[:, None] * a_si + dd[None, :] * a_sj, mask=lmask, other=0.0)
         ksum = tl.load(abase + dd * a_si + D * a_sj, mask=dmask, other=0.0)
         vsum = tl.load(abase + D * a_si + dd * a_sj, mask=dmask, other=0.0)
         cnt = tl.load(abase + D * a_si + D * a_sj)
         cf = chosen.to(tl.float32)
-        kc = kv_k * cf  # [k c, c]^T [v, 1] (LinearState.fold_buffered)
-        lmat2 = lmat + kc[:, None] * kv_v[None, :]
-        ksum2 = ksum + kc
+        ksum2 = ksum + kv_k * cf  # [k c, c]^T [v, 1] (LinearState.fold_buffered)
         vsum2 = vsum + cf * kv_v
         cnt2 = cnt + cf
-        tl.store(abase + dd[:, None] * a_si + dd[None, :] * a_sj, lmat2, mask=lmask & chosen)
         tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + D * a_sj, cnt2, mask=chosen)
-        if EVICT_FIRST:  # SLAKE (Algorithm 1): the output sees the state with the victim folded in
-            lmat, ksum, vsum, cnt = lmat2, ksum2, vsum2, cnt2
+        lin = tl.zeros([GP, DP], tl.float32)
+        for i0 in tl.static_range(0, DP, LB):
+            ii = i0 + tl.arange(0, LB)
+            imask = ii < D
+            bmask = imask[:, None] & dmask[None, :]
+            blk = tl.load(abase + ii[:, None] * a_si + dd[None, :] * a_sj, mask=bmask, other=0.0)
+            k_i = _load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT) * cf
+            blk2 = blk + k_i[:, None] * kv_v[None, :]
+            tl.store(abase + ii[:, None] * a_si + dd[None, :] * a_sj, blk2, mask=bmask & chosen)
+            q_i = tl.load(
+                q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + ii[None, :] * q_sd,
+                mask=gmask[:, None] & imask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            if EVICT_FIRST:  # SLAKE (Algorithm 1): the output sees the state with the victim folded in
+                lin += tl.dot(q_i * scale, blk2, input_precision="ieee")
+            else:
+                lin += tl.dot(q_i * scale, blk, input_precision="ieee")
+        if EVICT_FIRST:
+            ksum, vsum, cnt = ksum2, vsum2, cnt2
     # 4. the output: softmax over the slots (without the victim when it is evicted first) plus the linear term
     m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
     den = tl.zeros([GP], tl.float32)
@@ -403,10 +419,9 @@ def _evict_attend_kernel(
         den = den * alpha + tl.sum(e, 1)
         m_run = m_new
     if HAS_LINEAR:
-        lin = tl.dot(q, lmat, input_precision="ieee")  # s q^T L
         qk = tl.sum(q * ksum[None, :], 1)  # s q . k_sum
         mu = tl.where(cnt > 0, qk / cnt, -3.4028234663852886e38)
-        lin = lin + (1.0 - mu)[:, None] * vsum[None, :]
+        lin = lin + (1.0 - mu)[:, None] * vsum[None, :]  # s q^T L (above) + (1 - mu) v_sum
         m = tl.maximum(m_run, mu)
         alpha = tl.exp(m_run - m)
         lam = tl.exp(mu - m)
@@ -519,7 +534,7 @@ def fused_step_op(
         out, *out.stride(),
         counter,
         W, H, float(scaling), int(window), int(sinks), float(pinned),
-        BW=BW, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule, GROUP_MAX=bool(group_max),
+        BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule, GROUP_MAX=bool(group_max),
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance), **common,
     )  # fmt: skip
