@@ -90,7 +90,7 @@ def fused_decode_step(
     reason = _why_not(method, slots, mem)
     if reason is not None or mem is None:
         return None, reason
-    from slake.kernels.triton_decode import RULE_CODES, fused_step_op  # loaded by resolve_kernels
+    from slake.kernels.triton_decode import RULE_CODES, fused_step, fused_step_op  # loaded by resolve_kernels
 
     rule = method.fused_rule()
     assert rule is not None and slots.target is not None
@@ -132,7 +132,10 @@ def fused_decode_step(
         int(method.evict_before_output),
         int(counter is not None),
     ]
-    out = fused_step_op(
+    # the custom operator for torch.compile to capture; in eager code the function itself (the operator's Python
+    # dispatch cost more than the step's own host work)
+    op = fused_step_op if torch.compiler.is_compiling() else fused_step
+    out = op(
         query,
         key,
         value,

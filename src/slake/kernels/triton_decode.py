@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op
 
-__all__ = ["RULE_CODES", "fused_step_op"]
+__all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
 RULE_CODES = {
@@ -445,8 +445,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 _MUTATED = ("k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter")
 
 
-@custom_op("slake::fused_decode_step", mutates_args=_MUTATED)
-def fused_step_op(
+def fused_step(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -539,6 +538,13 @@ def fused_step_op(
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance), **common,
     )  # fmt: skip
     return out
+
+
+#: the same as a custom operator with declared mutations, for ``torch.compile`` (captured as one node, no graph
+#: break). Eager code calls :func:`fused_step` directly: the operator's Python dispatch (its argument defaults and
+#: mutation bookkeeping over 30-odd arguments) cost about 0.35 ms per call on a CPU host, more than the rest of a
+#: layer's eager decode step together (``docs/gpu.md``).
+fused_step_op = custom_op("slake::fused_decode_step", fused_step, mutates_args=_MUTATED)
 
 
 @fused_step_op.register_fake
