@@ -5,6 +5,9 @@
 * ``pool-gpu``: on a CUDA device, per batch size, the weights' matrix products and a full cache's attention per
   ``--contexts`` length, then the plugin's step per method, eager and replayed as one CUDA graph
   (:func:`benchmarks.pool.pool_step_cuda`; ``docs/gpu.md``);
+* ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
+  kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
+  ``docs/gpu.md``);
 * ``vllm-steps``: vLLM's engine steps (prefill, decode-only, mixed) for plain vLLM and each method, in one process
   (:func:`slake.engines.vllm.bench.step_bench`; ``docs/serving.md``).
 """
@@ -59,6 +62,13 @@ def parser() -> argparse.ArgumentParser:
     gpu.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     gpu.add_argument("--steps", type=int, default=50)
     gpu.add_argument("--device", default="cuda")
+
+    host = sub.add_parser("host-step", help="the host's share of an eager decode step (kernels left out)")
+    host.add_argument("--methods", default="full,snapkv,slake", help="comma-separated methods")
+    host.add_argument("--budget", type=int, default=64)
+    host.add_argument("--layers", type=int, default=8)
+    host.add_argument("--steps", type=int, default=30, help="steps timed per variant (median reported)")
+    host.add_argument("--repeats", type=int, default=3, help="rounds over every variant, alternating")
 
     steps = sub.add_parser("vllm-steps", parents=[common], help="vLLM's engine steps, plain and with the plugin")
     steps.add_argument("model_dir", help="a model folder vLLM loads")
@@ -140,6 +150,14 @@ def pool_gpu(a: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+def host_step(a: argparse.Namespace) -> None:
+    from benchmarks.host_step import host_step_ms
+    from slake.engines.base import load_avg
+
+    for row in host_step_ms(_methods(a.methods), budget=a.budget, layers=a.layers, steps=a.steps, repeats=a.repeats):
+        _emit({**row, "load_avg_1m": load_avg()})
+
+
 def vllm_steps(a: argparse.Namespace) -> None:
     from slake.engines.vllm.bench import step_bench
 
@@ -158,7 +176,7 @@ def vllm_steps(a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` and run the command."""
     a = parser().parse_args(argv)
-    {"pool-cpu": pool_cpu, "pool-gpu": pool_gpu, "vllm-steps": vllm_steps}[a.command](a)
+    {"pool-cpu": pool_cpu, "pool-gpu": pool_gpu, "host-step": host_step, "vllm-steps": vllm_steps}[a.command](a)
 
 
 if __name__ == "__main__":
