@@ -32,11 +32,12 @@ def _model(layers: int, hidden: int, heads: int, kv_heads: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    kw: dict[str, Any] = dict(
         vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
         attn_implementation="sdpa",
     )  # fmt: skip
+    cfg = LlamaConfig(**kw)
     import slake
 
     model = LlamaForCausalLM(cfg).eval()

@@ -135,6 +135,7 @@ def fused_decode_step(
     # the custom operator for torch.compile to capture; in eager code the function itself (the operator's Python
     # dispatch cost more than the step's own host work)
     op = fused_step_op if torch.compiler.is_compiling() else fused_step
+    assert slots.target is not None  # a layer without targets never reaches the fused step (it only attends)
     out = op(
         query,
         key,

@@ -161,6 +161,7 @@ def line_interval(
     resamples: int = DEFAULT_RESAMPLES,
     confidence: float = DEFAULT_CONFIDENCE,
     seed: int = 0,
+    scale: float = 100.0,
 ) -> Interval:
     """The macro-averaged score of one line (see the module docstring) with its bootstrap interval, in percent.
 
@@ -174,6 +175,9 @@ def line_interval(
         Interval level, in (0, 1).
     seed : int
         Seed of the resampling.
+    scale : float
+        Factor applied to the results (100: scores in [0, 1] reported in percent; 1: any per-sample value, such as
+        a KL divergence, in its own unit).
 
     Raises
     ------
@@ -187,7 +191,7 @@ def line_interval(
     observed, reps = _replicates([cols], resamples, seed)
     lo, hi = _quantiles(reps[0], confidence)
     n = sum(len(v) for v in cols.values())
-    return Interval(100.0 * observed[0], 100.0 * lo, 100.0 * hi, n, confidence)
+    return Interval(scale * observed[0], scale * lo, scale * hi, n, confidence)
 
 
 def paired_difference(
@@ -198,6 +202,7 @@ def paired_difference(
     resamples: int = DEFAULT_RESAMPLES,
     confidence: float = DEFAULT_CONFIDENCE,
     seed: int = 0,
+    scale: float = 100.0,
 ) -> PairedDifference:
     """``a - b`` on the samples both lines have (same task, length and sample id), with a paired bootstrap.
 
@@ -207,7 +212,7 @@ def paired_difference(
         :func:`score_table` of the rows.
     a, b : (method, budget)
         The lines to compare (budget None for the full cache).
-    resamples, confidence, seed
+    resamples, confidence, seed, scale
         As in :func:`line_interval`.
 
     Raises
@@ -234,7 +239,8 @@ def paired_difference(
     below = float(np.mean(d < 0) + 0.5 * np.mean(d == 0))
     p_value = min(1.0, 2.0 * min(below, 1.0 - below))
     n = sum(len(v) for v in col_a.values())
-    return PairedDifference(a, b, 100.0 * (observed[0] - observed[1]), 100.0 * lo, 100.0 * hi, p_value, n, confidence)
+    diff = scale * (observed[0] - observed[1])
+    return PairedDifference(a, b, diff, scale * lo, scale * hi, p_value, n, confidence)
 
 
 def _check(resamples: int, confidence: float) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slake.eval.fidelity_summary import fidelity_csv_rows, fidelity_markdown, fidelity_tables
 from slake.eval.results import FULL_METHOD, budget_label, read_results
 from slake.eval.stats import (
     DEFAULT_CONFIDENCE,
@@ -387,7 +388,8 @@ def write_summary(
     confidence: float = DEFAULT_CONFIDENCE,
 ) -> tuple[Path, Path]:
     """Write ``DIR/summary.md``, ``DIR/summary.csv``, ``DIR/intervals.csv`` and ``DIR/paired.csv`` from ``rows``
-    (default: ``DIR/results.jsonl``).
+    (default: ``DIR/results.jsonl``); with ``--fidelity`` rows also the KL section of ``summary.md`` and
+    ``DIR/fidelity.csv`` (:mod:`slake.eval.fidelity_summary`).
 
     Parameters
     ----------
@@ -407,11 +409,15 @@ def write_summary(
     """
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    tables = summary_tables(
-        read_results(directory) if rows is None else rows, resamples=resamples, confidence=confidence
-    )
+    rows = list(read_results(directory) if rows is None else rows)
+    tables = summary_tables(rows, resamples=resamples, confidence=confidence)
     md, csv_path = directory / "summary.md", directory / "summary.csv"
-    md.write_text(_markdown(tables, confidence), encoding="utf-8")
+    kl_tables = fidelity_tables(rows, resamples=resamples, confidence=confidence)
+    kl_md = fidelity_markdown(kl_tables, confidence)
+    md.write_text(_markdown(tables, confidence) + ("\n" + kl_md if kl_md else ""), encoding="utf-8")
+    if kl_tables:
+        kl_rows = fidelity_csv_rows(kl_tables)
+        _write_csv(directory / "fidelity.csv", list(kl_rows[0]), kl_rows)
     header, body = _csv_rows(tables)
     _write_csv(csv_path, header, body)
     intervals = _interval_rows(tables)

@@ -1,0 +1,158 @@
+"""The output-level distance to the full cache in an evaluation's summary (rows written with ``--fidelity``).
+
+``slake eval --fidelity`` teacher-forces the full cache's answer through every compressed cache and adds to each row
+``kl``, the mean over the answer's tokens of KL(full || compressed) of the next-token distributions (nats per token),
+and ``kl_tokens``. This module summarises those rows the way :mod:`slake.eval.summary` summarises scores: one table
+per (model, suite, context length), a line per (method, budget) with the mean KL (the mean over tasks of each task's
+mean over samples, every sample counting once) and its percentile bootstrap interval over samples
+(:func:`slake.eval.stats.line_interval`, samples resampled within each task), and each line compared with the
+closest method (lowest KL) at its budget on the samples both have (:func:`slake.eval.stats.paired_difference`). A KL
+is continuous, so a few samples already give intervals far narrower than a 0/1 score's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from slake.eval.results import budget_label
+from slake.eval.stats import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_RESAMPLES,
+    Interval,
+    PairedDifference,
+    line_interval,
+    paired_difference,
+)
+
+__all__ = ["FidelityLine", "FidelityTable", "fidelity_csv_rows", "fidelity_markdown", "fidelity_tables"]
+
+
+@dataclass(frozen=True)
+class FidelityLine:
+    """One (method, budget): its mean KL with interval, and its paired difference to the closest method (None for
+    the closest itself)."""
+
+    method: str
+    budget: Any
+    interval: Interval
+    against_closest: PairedDifference | None
+
+
+@dataclass(frozen=True)
+class FidelityTable:
+    """The lines of one (model, suite, length), in the order the rows first name them."""
+
+    model: str
+    suite: str
+    length: int
+    lines: list[FidelityLine]
+
+    @property
+    def title(self) -> str:
+        return f"{self.suite}, length {self.length}, model {self.model}"
+
+
+def fidelity_tables(
+    rows: Iterable[dict[str, Any]],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> list[FidelityTable]:
+    """The KL tables of ``rows`` (rows without a ``kl`` field, such as the full cache's, are left out; no table when
+    no row has one)."""
+    groups: dict[tuple, dict[tuple, dict[tuple, dict[str, float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(dict))
+    )
+    order: dict[tuple, list[tuple]] = defaultdict(list)
+    for r in rows:
+        if r.get("kl") is None:
+            continue
+        key = (str(r.get("model", "")), str(r.get("suite", "")), int(r["length"]))
+        pair = (r["method"], r.get("budget"))
+        if pair not in groups[key]:
+            order[key].append(pair)
+        groups[key][pair][(str(r["task"]), int(r["length"]))][str(r["sample_id"])] = float(r["kl"])
+    tables = []
+    for key in sorted(groups):
+        table = groups[key]
+        intervals = {
+            p: line_interval(table[p], resamples=resamples, confidence=confidence, scale=1.0) for p in order[key]
+        }
+        closest: dict[Any, tuple] = {}
+        for p in order[key]:
+            b = p[1]
+            if b not in closest or intervals[p].mean < intervals[closest[b]].mean:
+                closest[b] = p
+        lines = []
+        for p in order[key]:
+            best = closest[p[1]]
+            diff = None
+            if p != best:
+                diff = paired_difference(table, p, best, resamples=resamples, confidence=confidence, scale=1.0)
+            lines.append(FidelityLine(p[0], p[1], intervals[p], diff))
+        tables.append(FidelityTable(key[0], key[1], key[2], lines))
+    return tables
+
+
+def fidelity_markdown(tables: list[FidelityTable], confidence: float = DEFAULT_CONFIDENCE) -> str:
+    """The tables as a markdown section (empty string without tables)."""
+    if not tables:
+        return ""
+    level = f"{100 * confidence:g}%"
+    out = [
+        "## Output-level distance to the full cache (`--fidelity`)",
+        "",
+        "Mean KL(full || compressed) of the next-token distributions along the full cache's answer, nats per token "
+        f"(the mean over tasks of each task's mean over samples), with its {level} bootstrap interval over samples; "
+        "lower is closer to the full model. `vs closest`: the difference to the method with the lowest KL at the "
+        "same budget on the samples both have (paired bootstrap); **bold** when its interval excludes 0.",
+        "",
+    ]
+    for t in tables:
+        out += [
+            f"### {t.title}",
+            "",
+            f"| method | budget | KL | {level} CI | vs closest | {level} CI | n |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for line in t.lines:
+            i, d = line.interval, line.against_closest
+            vs = "closest" if d is None else (f"**{d.diff:+.4f}**" if d.significant else f"{d.diff:+.4f}")
+            vs_ci = "" if d is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
+            out.append(
+                f"| {line.method} | {budget_label(line.budget)} | {i.mean:.4f} | [{i.low:.4f}, {i.high:.4f}] | {vs} | "
+                f"{vs_ci} | {i.n} |"
+            )
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def fidelity_csv_rows(tables: list[FidelityTable]) -> list[dict[str, Any]]:
+    """One CSV row per line: model, suite, length, method, budget, kl, low, high, n, closest, diff, diff_low,
+    diff_high, p."""
+    out = []
+    for t in tables:
+        for line in t.lines:
+            i, d = line.interval, line.against_closest
+            out.append(
+                {
+                    "model": t.model,
+                    "suite": t.suite,
+                    "length": t.length,
+                    "method": line.method,
+                    "budget": budget_label(line.budget),
+                    "kl": round(i.mean, 6),
+                    "low": round(i.low, 6),
+                    "high": round(i.high, 6),
+                    "n": i.n,
+                    "closest": "" if d is None else d.b[0],
+                    "diff": "" if d is None else round(d.diff, 6),
+                    "diff_low": "" if d is None else round(d.low, 6),
+                    "diff_high": "" if d is None else round(d.high, 6),
+                    "p": "" if d is None else round(d.p_value, 4),
+                }
+            )
+    return out
