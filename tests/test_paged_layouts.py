@@ -20,6 +20,8 @@ from slake.engines.vllm.plugin.config import SUPPORTED_METHODS, with_layer_cap
 from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, PagedLayout, slot_blocks
 from slake.methods import make_method
+from slake.methods.base import LayerContext
+from slake.methods.rotary import Rotary
 
 NB, H, BS, D = 16, 3, 8, 4
 
@@ -139,7 +141,11 @@ def test_decode_step_is_device_agnostic(layout, method):
     m = with_layer_cap(make_method(method), Budget(24))
     W, G, R = 25, 2, 3
     dev = torch.device("meta")
-    pool = DecodePool(m, 2, H, D, W, BS, rows=4, layout=layout, device=dev)
+    contexts = None
+    if m.layer_facts():  # the model facts on the pool's device, as the plugin reads them from vLLM's model
+        inv = torch.empty(D // 2, device=dev)
+        contexts = [LayerContext(rotary=Rotary(inv), out_proj=torch.empty(16, H * G * D, device=dev))] * 2
+    pool = DecodePool(m, 2, H, D, W, BS, rows=4, layout=layout, device=dev, layer_context=contexts)
     kv = torch.zeros(NB, H, BS, 2 * D, device=dev)
     rows = torch.arange(R, device=dev)
     table = torch.arange(R * 4, device=dev).view(R, 4)

@@ -63,7 +63,10 @@ def vllm_rotary(rope: Any) -> Rotary:
         raise ValueError(
             f"slake: the model's rotary embedding {kind} is not one the plugin reads (plain, Llama 3 or YaRN RoPE)"
         )
-    inv = torch.as_tensor(inv, dtype=torch.float32).detach().cpu()
+    cache = getattr(rope, "cos_sin_cache", None)
+    device = cache.device if isinstance(cache, torch.Tensor) else None
+    # on the model's device: the decode rule's rotations then run where the step runs, with no host copy per step
+    inv = torch.as_tensor(inv, dtype=torch.float32).detach().to(device)
     if 2 * inv.numel() != int(rope.rotary_dim):
         raise ValueError(f"slake: {kind} has {inv.numel()} frequencies for rotary_dim {rope.rotary_dim}")
     return Rotary(inv, scaling)
