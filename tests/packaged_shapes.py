@@ -1,4 +1,4 @@
-"""Architecture fingerprints of the two packaged models (what their shipped profiles are matched on), for tests that
+"""Architecture fingerprints of the three packaged models (what their shipped profiles are matched on), for tests that
 need a config of the real shape without loading weights."""
 
 from __future__ import annotations
@@ -20,4 +20,13 @@ GEMMA3_270M = dict(
     num_key_value_heads=1,
     intermediate_size=2048,
     vocab_size=262144,
+)
+#: Qwen2.5-Coder-0.5B-Instruct (``model_type`` qwen2)
+QWEN_CODER_05B = dict(
+    num_hidden_layers=24,
+    hidden_size=896,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
 )

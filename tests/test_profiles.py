@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from packaged_shapes import GEMMA3_270M, SMOLLM2
+from packaged_shapes import GEMMA3_270M, QWEN_CODER_05B, SMOLLM2
 from slake import SlakeCache
 from slake.methods import make_method
 from slake.methods.profiles import (
@@ -176,3 +176,20 @@ def test_gemma3_270m_ships_a_profile_for_slake_and_cake(profile_dir):
             assert found is not None and found[1]["budget"] == calibrated, (name, method, budget)
     wrong = SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 26})  # another Gemma 3 size: not this profile
     assert not load_profiles(model_identity(wrong))
+
+
+def test_qwen_coder_ships_its_8k_calibration_for_slake(profile_dir):
+    """Qwen2.5-Coder-0.5B (the third packaged model) ships SLAKE's VABS values calibrated at 8K tokens
+    (docs/results-qwen.md#calibrating-slake-for-this-model): (0, 0) at 128 and (0, 1) at 512, each within a factor of
+    2 of its budget; CAKE keeps the paper's values (no entry)."""
+    cfg = SimpleNamespace(slake_model_name="qwen2.5-coder-0.5b", model_type="qwen2", **QWEN_CODER_05B)
+    profiles = load_profiles(model_identity(cfg))
+    assert profiles and profiles[0][0].endswith("qwen25coder05b.json")
+    for budget, calibrated in [(100, 128), (400, 512), (1024, 512)]:
+        found = find_entry(profiles, make_method("slake"), budget)
+        assert found is not None and found[1]["budget"] == calibrated, budget
+    assert find_entry(profiles, make_method("cake"), 128) is None
+    m, applied = resolve_method("slake", 128, cfg)
+    assert applied is not None and (m.alpha, m.beta) == (0.0, 0.0)
+    other = SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 28})  # another Qwen2 size: not this profile
+    assert not load_profiles(model_identity(other))

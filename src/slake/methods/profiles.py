@@ -10,7 +10,7 @@ Where a method's hyperparameters come from, first match wins:
    :class:`~slake.methods.base.Method`, which is used exactly as given);
 2. a user profile: ``$SLAKE_PROFILE_DIR/<model>.json``, by default ``~/.cache/slake/profiles/<model>.json``
    (written by ``slake calibrate``);
-3. a profile shipped with the package (``slake/profile_data/<model>.json``: the default model's);
+3. a profile shipped with the package (``slake/profile_data/<model>.json``: one per packaged model);
 4. the papers' tables for the models they tuned (SLAKE Table 3 for ``slake``, CAKE's reference values for ``cake``);
 5. the method's own defaults.
 
