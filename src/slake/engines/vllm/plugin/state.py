@@ -188,7 +188,7 @@ class PluginState:
             self.layer_context = vllm_layer_contexts(model, self.num_layers, self.config.method.layer_facts())
 
     def _contexts(self) -> list[LayerContext] | None:
-        if self.config.method.layer_facts() and self.layer_context is None:
+        if self.needs_model:
             raise RuntimeError(
                 f"slake: {self.config.method.name} needs the model's {' and '.join(self.config.method.layer_facts())}, "
                 "which the worker hook reads from vLLM's model before the first step (is the plugin's worker hook "
