@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 32's GPU measurements, one part per call, each within a 10-minute limit (docs/gpu.md, "Before that
+# measurement"). Run from the repository root on a CUDA machine with torch, transformers and triton installed:
+#
+#   bash benchmarks/gpu_session.sh PART [OUT]
+#
+# PART: info | tests | eager | compiled-short | compiled-long | torch | pool | all
+# OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
+#       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
+# The parts are independent; "all" runs them in order (longer than one 10-minute call).
+set -u
+part=${1:?usage: bash benchmarks/gpu_session.sh info|tests|eager|compiled-short|compiled-long|torch|pool|all [OUT]}
+out=${2:-${OUT:-docs/results/gpu_h100}}
+mkdir -p "$out"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+bench=("$py" -m slake.cli bench --random-model llama3-8b --device cuda --budget 1024 --decode-steps 32)
+
+run_part() {
+    local name=$1
+    echo "== $name $(date -u +%H:%M:%S)"
+    case $name in
+    info)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        "$py" -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+        git log -1 --format='%H %s' 2>/dev/null || true
+        ;;
+    tests)
+        # compiled kernels against the torch step, under CUDA graphs, and the paged layouts on the device
+        "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decode.py tests/test_cuda.py tests/test_paged_layouts.py
+        ;;
+    eager)
+        # the fused step (kernels=auto) in eager decoding, with the full cache beside it in the same run
+        "${bench[@]}" --methods full,snapkv,cake,slake --lengths 8192,32768,65536,131072 --out "$out/fused_eager"
+        ;;
+    compiled-short)
+        "${bench[@]}" --methods full,snapkv,cake,slake --lengths 8192,32768 --compile --out "$out/fused_compiled_short"
+        ;;
+    compiled-long)
+        "${bench[@]}" --methods full,slake --lengths 65536,131072 --compile --out "$out/fused_compiled_long"
+        ;;
+    torch)
+        # the torch step at the lengths of the eager targets, for the fused/torch ratio in one session
+        "${bench[@]}" --methods snapkv,slake --lengths 8192,65536 --kernels torch --out "$out/torch_eager"
+        ;;
+    pool)
+        # the vLLM pool's step at Llama-3-8B's shape, budget 128: fused, then the torch step
+        "$py" -m benchmarks pool-gpu --methods snapkv,cake,slake --requests 8,32 --contexts 2048,8192,32768 \
+            --kernels triton > "$out/pool_step_fused.jsonl"
+        "$py" -m benchmarks pool-gpu --methods snapkv,slake --requests 8 --contexts 2048 --kernels torch \
+            > "$out/pool_step_torch.jsonl"
+        ;;
+    *)
+        echo "unknown part: $name" >&2
+        return 2
+        ;;
+    esac
+}
+
+if [ "$part" = all ]; then
+    status=0
+    for p in info tests eager compiled-short compiled-long torch pool; do
+        run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
+    done
+    exit $status
+fi
+run_part "$part" 2>&1 | tee "$out/$part.log"
+exit "${PIPESTATUS[0]}"
