@@ -1,0 +1,255 @@
+"""Compare configurations measured in different result folders, on the samples they share.
+
+``slake eval``'s summary compares the lines of one folder. A calibrated profile, a hyperparameter or a code change is
+often evaluated later, into a folder of its own, on the same samples (same suite, lengths, seed and sample count, so
+the same ``sample_id``). This module puts named lines from several folders into one: each line is ``DIR:METHOD:LABEL``
+(the rows of ``METHOD`` in ``DIR/results.jsonl``, renamed ``LABEL``), the full cache's rows are taken once (from the
+first folder that has each sample), and the folder gets the usual summary (:func:`slake.eval.summary.write_summary`:
+scores, intervals and, for rows written with ``--fidelity``, the KL table) plus ``comparison.md`` and
+``comparison.csv``: for each consecutive pair of lines (the second minus the first) and each (length, budget) both
+have, the paired difference of scores (points) and of KL (nats per token), each with its paired bootstrap interval
+(:func:`slake.eval.stats.paired_difference`, samples resampled within each task).
+
+Command line::
+
+    python -m slake.eval.compare OUT DIR_A:METHOD:LABEL_A DIR_B:METHOD:LABEL_B [DIR_C:...:LABEL_C DIR_D:...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slake.eval.results import RESULTS_FILE, read_results
+from slake.eval.stats import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_RESAMPLES,
+    PairedDifference,
+    paired_difference,
+    score_table,
+)
+from slake.eval.summary import write_summary
+
+__all__ = ["Line", "compare_lines", "merge_lines", "parse_line", "write_comparison"]
+
+
+@dataclass(frozen=True)
+class Line:
+    """The rows of ``method`` in ``folder``'s results, shown as ``label``."""
+
+    folder: Path
+    method: str
+    label: str
+
+
+def parse_line(spec: str) -> Line:
+    """``DIR:METHOD:LABEL`` as a :class:`Line` (the label may contain colons; a method spec may not).
+
+    Raises
+    ------
+    ValueError
+        When a part is missing or empty.
+    """
+    parts = spec.split(":", 2)
+    if len(parts) != 3 or not all(p.strip() for p in parts):
+        raise ValueError(f"a line is DIR:METHOD:LABEL, got {spec!r}")
+    return Line(Path(parts[0]), parts[1].strip(), parts[2].strip())
+
+
+def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
+    """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample.
+
+    Raises
+    ------
+    ValueError
+        When two lines share a label, a label is ``full``, a folder has no results file or no row of its line's
+        method.
+    """
+    labels = [line.label for line in lines]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"labels must differ: {labels}")
+    if "full" in labels:
+        raise ValueError("'full' names the full cache's rows, which are included once; choose another label")
+    merged: list[dict[str, Any]] = []
+    full_seen: set[tuple[str, int, str]] = set()
+    for line in lines:
+        if not (line.folder / RESULTS_FILE).is_file():
+            raise ValueError(f"no {RESULTS_FILE} in {line.folder}")
+        rows = read_results(line.folder / RESULTS_FILE)
+        mine = [dict(r, method=line.label) for r in rows if r.get("method") == line.method]
+        if not mine:
+            found = sorted({str(r.get("method")) for r in rows})
+            raise ValueError(f"{line.folder / RESULTS_FILE} has no row of {line.method!r} (it has: {found})")
+        for r in rows:
+            key = (str(r["task"]), int(r["length"]), str(r["sample_id"]))
+            if r.get("method") == "full" and key not in full_seen:
+                full_seen.add(key)
+                merged.append(r)
+        merged.extend(mine)
+    return merged
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``second - first`` at one (length, budget): scores in points, KL in nats per token (None without KL rows)."""
+
+    first: str
+    second: str
+    length: int
+    budget: Any
+    score: PairedDifference
+    kl: PairedDifference | None
+
+
+def compare_lines(
+    rows: Iterable[dict[str, Any]],
+    labels: Sequence[str],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> list[Comparison]:
+    """Paired differences of each consecutive pair of ``labels`` (second minus first), per length and budget.
+
+    Raises
+    ------
+    ValueError
+        When ``labels`` has an odd count, or a pair shares no (length, budget) with common samples.
+    """
+    if len(labels) % 2:
+        raise ValueError(f"lines are compared in pairs (first, second); got {len(labels)}")
+    rows = list(rows)
+    out: list[Comparison] = []
+    for first, second in zip(labels[0::2], labels[1::2], strict=True):
+        cells = sorted(
+            {(int(r["length"]), r["budget"]) for r in rows if r["method"] == first}
+            & {(int(r["length"]), r["budget"]) for r in rows if r["method"] == second},
+            key=lambda c: (c[0], float(c[1])),
+        )
+        for length, budget in cells:
+            sub = [r for r in rows if int(r["length"]) == length and r["method"] in (first, second)]
+            scores = score_table(sub)
+            try:
+                d_score = paired_difference(
+                    scores, (second, budget), (first, budget), resamples=resamples, confidence=confidence
+                )
+            except ValueError:
+                continue
+            with_kl = [dict(r, score=r["kl"]) for r in sub if r.get("kl") is not None]
+            d_kl = None
+            kls = score_table(with_kl)
+            if (first, budget) in kls and (second, budget) in kls:
+                try:
+                    d_kl = paired_difference(
+                        kls, (second, budget), (first, budget), resamples=resamples, confidence=confidence, scale=1.0
+                    )
+                except ValueError:
+                    d_kl = None
+            out.append(Comparison(first, second, length, budget, d_score, d_kl))
+        if not any(c.first == first and c.second == second for c in out):
+            raise ValueError(f"{first!r} and {second!r} share no sample at any length and budget")
+    return out
+
+
+def _cell(d: PairedDifference | None, fmt: str) -> tuple[str, str]:
+    if d is None:
+        return "", ""
+    text = format(d.diff, fmt)
+    return (f"**{text}**" if d.significant else text), f"[{d.low:{fmt}}, {d.high:{fmt}}]"
+
+
+def write_comparison(
+    out_dir: str | os.PathLike[str],
+    lines: Sequence[Line],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> list[Comparison]:
+    """Write ``OUT/results.jsonl`` (the merged rows), its summary, ``OUT/comparison.md`` and ``OUT/comparison.csv``.
+
+    Parameters
+    ----------
+    out_dir : path-like
+        The comparison's folder (created; an existing ``results.jsonl`` there is replaced).
+    lines : sequence of Line
+        An even number of lines, compared in consecutive pairs.
+    resamples, confidence
+        As in :func:`slake.eval.stats.paired_difference`.
+    """
+    labels = [line.label for line in lines]
+    rows = merge_lines(lines)
+    comparisons = compare_lines(rows, labels, resamples=resamples, confidence=confidence)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RESULTS_FILE, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    write_summary(out, rows, resamples=resamples, confidence=confidence)
+    level = f"{confidence:.0%}"
+    md = [
+        "# Paired comparisons (second line minus first) on the samples both have",
+        "",
+        "Lines: " + "; ".join(f"`{line.label}` = `{line.method}` in `{line.folder}`" for line in lines) + ".",
+        f"Score in points, KL(full || compressed) in nats per token, each with its {level} paired bootstrap "
+        "interval (samples resampled within each task); **bold** where the interval excludes 0.",
+        "",
+        "| second - first | length | budget | score | interval | KL | interval | n |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    csv_rows = []
+    for c in comparisons:
+        s, s_ci = _cell(c.score, "+.1f")
+        k, k_ci = _cell(c.kl, "+.3f")
+        md.append(f"| {c.second} - {c.first} | {c.length} | {c.budget} | {s} | {s_ci} | {k} | {k_ci} | {c.score.n} |")
+        csv_rows.append(
+            {
+                "first": c.first,
+                "second": c.second,
+                "length": c.length,
+                "budget": c.budget,
+                "score_diff": round(c.score.diff, 4),
+                "score_low": round(c.score.low, 4),
+                "score_high": round(c.score.high, 4),
+                "kl_diff": "" if c.kl is None else round(c.kl.diff, 6),
+                "kl_low": "" if c.kl is None else round(c.kl.low, 6),
+                "kl_high": "" if c.kl is None else round(c.kl.high, 6),
+                "n": c.score.n,
+            }
+        )
+    (out / "comparison.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    with open(out / "comparison.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(csv_rows[0]))
+        writer.writeheader()
+        writer.writerows(csv_rows)
+    return comparisons
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slake.eval.compare OUT LINE LINE [LINE LINE ...]``; exit code 2 with one line on bad input."""
+    ap = argparse.ArgumentParser(
+        prog="python -m slake.eval.compare",
+        description="Compare lines from several result folders on their common samples (pairs: second - first).",
+    )
+    ap.add_argument("out", help="the comparison's folder")
+    ap.add_argument("lines", nargs="+", help="DIR:METHOD:LABEL, an even number, compared in consecutive pairs")
+    ap.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES)
+    args = ap.parse_args(argv)
+    try:
+        lines = [parse_line(s) for s in args.lines]
+        comparisons = write_comparison(args.out, lines, resamples=args.resamples)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((Path(args.out) / "comparison.md").read_text(encoding="utf-8"), end="")
+    print(f"{len(comparisons)} comparisons written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""slake.eval.compare: lines from several result folders merged and compared on their common samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slake.eval.compare import compare_lines, main, merge_lines, parse_line, write_comparison
+
+
+def _row(method: str, budget, task: str, i: int, score: float, kl: float | None = None) -> dict:
+    r = {
+        "suite": "ruler",
+        "task": task,
+        "sample_id": f"{task}-8192-{i}",
+        "model": "m",
+        "method": method,
+        "budget": budget,
+        "length": 8192,
+        "prediction": "x",
+        "answers": ["x"],
+        "score": score,
+    }
+    if kl is not None:
+        r["kl"] = kl
+    return r
+
+
+def _folder(tmp_path: Path, name: str, rows: list[dict]) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    """Folder a: full + cake (score 0, KL 0.5); folder b: full + cake (score 1, KL 0.3) on the same 6 samples, and one
+    sample only b has."""
+    tasks = ["t1", "t2"]
+    a, b = [], []
+    for t in tasks:
+        for i in range(3):
+            a += [_row("full", None, t, i, 1.0), _row("cake", 128, t, i, 0.0, 0.5 + 0.01 * i)]
+            b += [_row("full", None, t, i, 1.0), _row("cake", 128, t, i, 1.0, 0.3 + 0.01 * i)]
+    b.append(_row("cake", 128, "t1", 9, 0.0, 2.0))
+    return _folder(tmp_path, "a", a), _folder(tmp_path, "b", b)
+
+
+def test_parse_line_keeps_colons_in_the_label_and_refuses_missing_parts():
+    line = parse_line("runs/x:slake[vabs=false]:CAKE + PTAA: calibrated")
+    assert (str(line.folder), line.method, line.label) == ("runs/x", "slake[vabs=false]", "CAKE + PTAA: calibrated")
+    for bad in ("runs/x:cake", "runs/x::label", ":cake:label"):
+        with pytest.raises(ValueError, match="DIR:METHOD:LABEL"):
+            parse_line(bad)
+
+
+def test_merge_renames_lines_and_takes_the_full_cache_once(two_runs):
+    a, b = two_runs
+    rows = merge_lines([parse_line(f"{a}:cake:default"), parse_line(f"{b}:cake:calibrated")])
+    methods = [r["method"] for r in rows]
+    assert methods.count("full") == 6  # one per sample, not one per folder
+    assert methods.count("default") == 6 and methods.count("calibrated") == 7
+
+
+def test_merge_refuses_duplicate_labels_missing_methods_and_folders(two_runs, tmp_path):
+    a, b = two_runs
+    with pytest.raises(ValueError, match="labels must differ"):
+        merge_lines([parse_line(f"{a}:cake:x"), parse_line(f"{b}:cake:x")])
+    with pytest.raises(ValueError, match="full"):
+        merge_lines([parse_line(f"{a}:cake:full")])
+    with pytest.raises(ValueError, match="no row of 'snapkv'.*cake"):
+        merge_lines([parse_line(f"{a}:snapkv:x")])
+    with pytest.raises(ValueError, match="no results.jsonl"):
+        merge_lines([parse_line(f"{tmp_path / 'nowhere'}:cake:x")])
+
+
+def test_compare_gives_second_minus_first_on_common_samples(two_runs):
+    a, b = two_runs
+    rows = merge_lines([parse_line(f"{a}:cake:default"), parse_line(f"{b}:cake:calibrated")])
+    (c,) = compare_lines(rows, ["default", "calibrated"], resamples=200)
+    assert (c.first, c.second, c.length, c.budget) == ("default", "calibrated", 8192, 128)
+    assert c.score.n == 6  # the sample only b has is left out
+    assert c.score.diff == pytest.approx(100.0) and c.score.significant
+    assert c.kl is not None and c.kl.diff == pytest.approx(-0.2) and c.kl.significant
+    with pytest.raises(ValueError, match="pairs"):
+        compare_lines(rows, ["default"], resamples=200)
+
+
+def test_write_comparison_and_command_line(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    out = tmp_path / "cmp"
+    assert main([str(out), f"{a}:cake:default", f"{b}:cake:calibrated", "--resamples", "200"]) == 0
+    md = (out / "comparison.md").read_text()
+    assert "| calibrated - default | 8192 | 128 | **+100.0** |" in md and "**-0.200**" in md
+    assert (out / "summary.md").is_file() and (out / "comparison.csv").read_text().startswith("first,second")
+    assert len((out / "results.jsonl").read_text().splitlines()) == 19
+    assert main([str(tmp_path / "bad"), f"{a}:cake"]) == 2
+    assert "DIR:METHOD:LABEL" in capsys.readouterr().err
+    # an existing comparison is replaced, not appended to
+    write_comparison(out, [parse_line(f"{a}:cake:default"), parse_line(f"{b}:cake:calibrated")], resamples=200)
+    assert len((out / "results.jsonl").read_text().splitlines()) == 19
