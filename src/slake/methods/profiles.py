@@ -14,6 +14,9 @@ Where a method's hyperparameters come from, first match wins:
 4. the papers' tables for the models they tuned (SLAKE Table 3 for ``slake``, CAKE's reference values for ``cake``);
 5. the method's own defaults.
 
+``SLAKE_NO_PROFILE=1`` in the environment skips 2 and 3 (no profile file is read), for runs that must use the
+papers' values or the defaults on a model that has a profile.
+
 A profile entry applies to a (method, budget) when the method's name is the entry's, the entry's budget is the
 nearest calibrated budget within a factor of 2 (token budgets and ratios are matched separately), and every other
 hyperparameter of the method equals the value it was calibrated with (a profile calibrated for
@@ -39,6 +42,7 @@ __all__ = [
     "normalise_name",
     "profile_dir",
     "profile_path",
+    "profiles_disabled",
     "load_profiles",
     "find_entry",
     "resolve_method",
@@ -84,6 +88,11 @@ def profile_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "slake" / "profiles"
 
 
+def profiles_disabled() -> bool:
+    """Whether ``$SLAKE_NO_PROFILE`` is set (to anything but ``""`` or ``"0"``): then no profile file applies."""
+    return os.environ.get("SLAKE_NO_PROFILE", "") not in ("", "0")
+
+
 def _shipped_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "profile_data"
 
@@ -112,7 +121,10 @@ def _matches(profile: dict, identity: dict) -> bool:
 
 
 def load_profiles(identity: dict) -> list[tuple[str, dict]]:
-    """``[(source, profile)]`` matching the model: the user's first, then the shipped one."""
+    """``[(source, profile)]`` matching the model: the user's first, then the shipped one (none under
+    ``$SLAKE_NO_PROFILE``)."""
+    if profiles_disabled():
+        return []
     out = []
     for source, folder in (("user", profile_dir()), ("shipped", _shipped_dir())):
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
