@@ -218,4 +218,3 @@ def test_slake_no_profile_skips_user_and_shipped_profiles(profile_dir, monkeypat
     assert applied is None and (m.alpha, m.beta) == (0.5, 0.4)
     m, applied = resolve_method("cake", 128, cfg)
     assert applied is None and (m.tau1, m.tau2) == (1.0, 1.0)
-
