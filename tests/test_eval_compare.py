@@ -69,6 +69,8 @@ def test_merge_refuses_duplicate_labels_missing_methods_and_folders(two_runs, tm
     a, b = two_runs
     with pytest.raises(ValueError, match="labels must differ"):
         merge_lines([parse_line(f"{a}:cake:x"), parse_line(f"{b}:cake:x")])
+    # the same line twice (first of two pairs) counts once
+    assert len(merge_lines([parse_line(f"{a}:cake:x"), parse_line(f"{a}:cake:x")])) == 12
     with pytest.raises(ValueError, match="full"):
         merge_lines([parse_line(f"{a}:cake:full")])
     with pytest.raises(ValueError, match="no row of 'snapkv'.*cake"):

@@ -13,6 +13,8 @@ have, the paired difference of scores (points) and of KL (nats per token), each 
 Command line::
 
     python -m slake.eval.compare OUT DIR_A:METHOD:LABEL_A DIR_B:METHOD:LABEL_B [DIR_C:...:LABEL_C DIR_D:...]
+
+A line may be repeated to compare it with several others (``A B A C``: B - A, then C - A).
 """
 
 from __future__ import annotations
@@ -64,22 +66,24 @@ def parse_line(spec: str) -> Line:
 
 
 def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
-    """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample.
+    """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample. A line
+    given twice (the same folder, method and label, as the first of several pairs) counts once.
 
     Raises
     ------
     ValueError
-        When two lines share a label, a label is ``full``, a folder has no results file or no row of its line's
-        method.
+        When one label names two different lines, a label is ``full``, or a folder has no results file or no row
+        of its line's method.
     """
-    labels = [line.label for line in lines]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"labels must differ: {labels}")
-    if "full" in labels:
+    unique: dict[str, Line] = {}
+    for line in lines:
+        if unique.setdefault(line.label, line) != line:
+            raise ValueError(f"the label {line.label!r} names two different lines; labels must differ")
+    if "full" in unique:
         raise ValueError("'full' names the full cache's rows, which are included once; choose another label")
     merged: list[dict[str, Any]] = []
     full_seen: set[tuple[str, int, str]] = set()
-    for line in lines:
+    for line in unique.values():
         if not (line.folder / RESULTS_FILE).is_file():
             raise ValueError(f"no {RESULTS_FILE} in {line.folder}")
         rows = read_results(line.folder / RESULTS_FILE)
