@@ -145,16 +145,13 @@ def compare_lines(
                 )
             except ValueError:
                 continue
-            with_kl = [dict(r, score=r["kl"]) for r in sub if r.get("kl") is not None]
-            d_kl = None
-            kls = score_table(with_kl)
-            if (first, budget) in kls and (second, budget) in kls:
-                try:
-                    d_kl = paired_difference(
-                        kls, (second, budget), (first, budget), resamples=resamples, confidence=confidence, scale=1.0
-                    )
-                except ValueError:
-                    d_kl = None
+            kls = score_table([dict(r, score=r["kl"]) for r in sub if r.get("kl") is not None])
+            try:
+                d_kl: PairedDifference | None = paired_difference(
+                    kls, (second, budget), (first, budget), resamples=resamples, confidence=confidence, scale=1.0
+                )
+            except ValueError:  # a line without KL rows (run without --fidelity), or none in common
+                d_kl = None
             out.append(Comparison(first, second, length, budget, d_score, d_kl))
         if not any(c.first == first and c.second == second for c in out):
             raise ValueError(f"{first!r} and {second!r} share no sample at any length and budget")
