@@ -70,9 +70,30 @@ def _assert_same(ref, ref_out, fused, fused_out, tol: float) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.fixture
+def split_rows(monkeypatch):
+    """The first kernel's rows split over programs of 16 slots (flash-decoding), so that the tiny rows of these
+    tests span several programs as a GPU's long rows do (the new slot, the victim and the combination of the
+    programs' partial sums then fall in different programs); fails if no row was split."""
+    from slake.kernels import triton_decode
+
+    used: list[tuple[int, int]] = []
+    choose = triton_decode.split_size
+
+    def recording(width: int, programs: int) -> int:
+        used.append((width, choose(width, programs)))
+        return used[-1][1]
+
+    monkeypatch.setattr(triton_decode, "MIN_SPLIT", 16)
+    monkeypatch.setattr(triton_decode, "split_size", recording)
+    yield
+    assert any(split < width for width, split in used), f"no row was split: {used}"
+
+
 @pytest.mark.parametrize("name", FUSED)
-def test_fused_step_equals_the_torch_step_for_every_method(name):
-    """A padded GQA batch of two sequences, two layers (CAKE/SLAKE give them different budgets), three steps."""
+def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
+    """A padded GQA batch of two sequences, two layers (CAKE/SLAKE give them different budgets), three steps, each
+    row split over several programs of the first kernel."""
     method = _method(name)
     ref, ref_out = _run(method, "torch")
     fused, fused_out = _run(method, "triton")
@@ -92,7 +113,7 @@ def test_fused_step_equals_the_torch_step_for_every_method(name):
         ("ada-snapkv", {"budget": 20}),  # per-head budgets
     ],
 )
-def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options):
+def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options, split_rows):
     method = _method(name)
     ref, ref_out = _run(method, "torch", **options)
     fused, fused_out = _run(method, "triton", **options)
@@ -166,7 +187,7 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
 @pytest.mark.parametrize(
     "layout, row_slice", [(CpuAttnLayout(), False), (FlashAttnLayout(), True)], ids=["cpu", "flash"]
 )
-def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice):
+def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, split_rows):
     ref, ref_cache, ref_out = _pool_run(name, "torch", layout, row_slice)
     fused, cache, out = _pool_run(name, "triton", layout, row_slice)
     assert fused.report.summary() == "triton" and ref.report.summary() == "torch"
@@ -375,3 +396,17 @@ def test_static_mode_makes_the_kernels_row_table_before_any_captured_step(llama_
     for store in cache.compressor.layers:
         assert store._row_table is not None and id(store._row_table) in static
     assert stats["kernels"] == "triton"
+
+
+def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
+    """One row of 8 KV heads at 1,056 slots (batch 1, budget 1024 on Llama-3-8B) runs as 17 programs per head, not
+    one; 32 rows of 8 heads already fill a GPU and are not split; a split is never under MIN_SPLIT slots."""
+    from slake.kernels import triton_decode
+
+    assert triton_decode.split_size(1056, 8) == 64
+    assert triton_decode.split_size(1056, 256) >= 1056
+    assert triton_decode.split_size(40, 8) == triton_decode.MIN_SPLIT
+    for width in (1, 17, 1000, 16384):
+        for programs in (1, 8, 64, 1000):
+            split = triton_decode.split_size(width, programs)
+            assert split >= triton_decode.MIN_SPLIT and split & (split - 1) == 0

@@ -1,16 +1,21 @@
 """The single-token decode step of one compressed layer as two Triton kernels (``docs/gpu.md#fused-decode-step``).
 
-:func:`slake.cache.decode_step.decode_step` is the reference; these kernels compute the same step, one program per
-(row, KV head), with the row's slots addressed through a block table (a dense ``(B, Hkv, n, d)`` store is one block
-per row; vLLM's paged cache is its own block table) and arbitrary strides for keys and values:
+:func:`slake.cache.decode_step.decode_step` is the reference; these kernels compute the same step, with the row's
+slots addressed through a block table (a dense ``(B, Hkv, n, d)`` store is one block per row; vLLM's paged cache is
+its own block table) and arbitrary strides for keys and values:
 
-1. :func:`_append_logits_kernel`: write the new key/value into the row's first free slot (quantised for 8-bit
-   storage) and its metadata; the logits of the row's ``g`` query heads over every slot (``-inf`` where a slot is
-   empty or hidden), written to a scratch buffer, with each query head's softmax maximum and normaliser.
-2. :func:`_evict_attend_kernel`: the method's decode scores (:class:`slake.methods.decode_rule.FusedDecodeRule`,
-   positional pooling through an in-program sort), the protected slots, the victim (the first minimum, as
-   ``argmin``), the fold of the victim into the PTAA linear state, the eviction, and the attention output with the
-   linear term, before or after the eviction as the method says; optionally the layer's position counter.
+1. :func:`_append_logits_kernel`, one program per (row, KV head, split of the row's slots), flash-decoding style:
+   rows are cut into pieces of :func:`split_size` slots so that a batch of one still occupies a GPU. The program
+   whose piece holds the row's first free slot writes the new key/value there (quantised for 8-bit storage) and
+   its metadata; every program computes the logits of the row's ``g`` query heads over its slots (``-inf`` where a
+   slot is empty or hidden), written to a scratch buffer, and its partial softmax: each query head's maximum,
+   normaliser and weighted sum of the values.
+2. :func:`_evict_attend_kernel`, one program per (row, KV head): the method's decode scores
+   (:class:`slake.methods.decode_rule.FusedDecodeRule`, from the logits and the pieces' combined maxima and
+   normalisers; positional pooling through an in-program sort), the protected slots, the victim (the first
+   minimum, as ``argmin``), the fold of the victim into the PTAA linear state, the eviction, and the attention
+   output: the pieces' partial sums combined, plus the linear term. A method that evicts before its output
+   (SLAKE's Algorithm 1) has the victim's piece summed again without it; optionally the layer's position counter.
 
 Two launches per layer and step, whatever the method; nothing is read back to the host and every buffer address is
 an argument, so the pair is graph-safe. The launcher is a custom operator (``torch.library.custom_op``,
@@ -28,7 +33,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op
 
-__all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
+__all__ = ["MIN_SPLIT", "RULE_CODES", "TARGET_PROGRAMS", "fused_step", "fused_step_op", "split_size"]
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
 RULE_CODES = {
@@ -111,6 +116,25 @@ def _load_row(ptr, addr, dd, dmask, scale_ptr, saddr, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(m_run, den, acc, x, b, o, ok, h, dd, dmask, v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so,
+                  QUANT: tl.constexpr, LOW_DOT: tl.constexpr):  # fmt: skip
+    """A block of slots (logits ``x`` ``(GP, N)``, in blocks ``b`` at offsets ``o``, ``ok`` where they exist) added
+    to an online softmax's running maximum ``m_run``, normaliser ``den`` and output ``acc`` ``(GP, DP)``."""
+    m_new = tl.maximum(m_run, tl.max(x, 1))
+    alpha = tl.exp(m_run - m_new)
+    e = tl.exp(x - m_new[:, None])
+    vt = _load_rows(
+        v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
+        vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+    )  # fmt: skip
+    if LOW_DOT:
+        pv = tl.dot(e.to(v_ptr.dtype.element_ty), vt.to(v_ptr.dtype.element_ty))
+    else:
+        pv = tl.dot(e, vt, input_precision="ieee")
+    return m_new, den * alpha + tl.sum(e, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _append_logits_kernel(
     q_ptr, q_sr, q_sh, q_sd,
     kn_ptr, kn_sr, kn_sh, kn_sd,
@@ -123,43 +147,49 @@ def _append_logits_kernel(
     pos_ptr, valid_ptr, score_ptr, m_sr, m_sh, m_ss,
     hv_ptr, hv_sr, hv_sh, hv_sg, hv_ss,
     newest_ptr, newest_sr,
-    x_ptr, stat_ptr, newslot_ptr,
-    W, H, scale,
+    x_ptr, stat_ptr, part_ptr, newslot_ptr,
+    W, H, S, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     mr = tl.load(rows_ptr + r).to(tl.int64) if HAS_ROWS else r.to(tl.int64)
     meta = mr * m_sr + h * m_sh
     dd = tl.arange(0, DP)
     dmask = dd < D
-    # 1. the first free slot of the row (the lowest empty index)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    lo = sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, W)
+    # 1. the first free slot of the row (the lowest empty index), found by every program of the row: the validity
+    # is written by the second kernel only, so no program here sees another's write
     free = W
     for s0 in range(0, W, BLOCK_N):
         s = s0 + tl.arange(0, BLOCK_N)
         ok = s < W
         v = tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=1)
         free = tl.minimum(free, tl.min(tl.where(ok & (v == 0), s, W), 0))
-    # 2. the new token's key and value into it, and its metadata (score 0, visible to every query head)
-    blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
-    off = (free % block_size).to(tl.int64)
-    kn = tl.load(kn_ptr + r * kn_sr + h * kn_sh + dd * kn_sd, mask=dmask, other=0.0).to(tl.float32)
-    vn = tl.load(vn_ptr + r * vn_sr + h * vn_sh + dd * vn_sd, mask=dmask, other=0.0).to(tl.float32)
-    sbase = blk * s_sb + h * s_sh + off * s_so
-    _store_row(k_ptr + blk * k_sb + h * k_sh + off * k_so, ks_ptr + sbase, kn, dd * k_sd, dmask, QUANT)
-    _store_row(v_ptr + blk * v_sb + h * v_sh + off * v_so, vs_ptr + sbase, vn, dd * v_sd, dmask, QUANT)
-    newest = tl.load(newest_ptr + r * newest_sr)
-    tl.store(pos_ptr + meta + free * m_ss, newest)
-    tl.store(valid_ptr + meta + free * m_ss, 1)
-    tl.store(score_ptr + meta + free * m_ss, 0.0)
-    g = tl.arange(0, GP)
-    gmask = g < G
-    if HAS_HV:
-        tl.store(hv_ptr + mr * hv_sr + h * hv_sh + g * hv_sg + free * hv_ss, 1, mask=gmask)
-    tl.store(newslot_ptr + r * H + h, free)
+    if sp == 0:
+        tl.store(newslot_ptr + r * H + h, free)
+    # 2. the program whose slots hold it writes the new key and value there, and its metadata (score 0, visible to
+    # every query head; its validity bit is set by the second kernel)
+    if (free >= lo) & (free < hi):
+        blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
+        off = (free % block_size).to(tl.int64)
+        kn = tl.load(kn_ptr + r * kn_sr + h * kn_sh + dd * kn_sd, mask=dmask, other=0.0).to(tl.float32)
+        vn = tl.load(vn_ptr + r * vn_sr + h * vn_sh + dd * vn_sd, mask=dmask, other=0.0).to(tl.float32)
+        sbase = blk * s_sb + h * s_sh + off * s_so
+        _store_row(k_ptr + blk * k_sb + h * k_sh + off * k_so, ks_ptr + sbase, kn, dd * k_sd, dmask, QUANT)
+        _store_row(v_ptr + blk * v_sb + h * v_sh + off * v_so, vs_ptr + sbase, vn, dd * v_sd, dmask, QUANT)
+        tl.store(pos_ptr + meta + free * m_ss, tl.load(newest_ptr + r * newest_sr))
+        tl.store(score_ptr + meta + free * m_ss, 0.0)
+        if HAS_HV:
+            tl.store(hv_ptr + mr * hv_sr + h * hv_sh + g * hv_sg + free * hv_ss, 1, mask=gmask)
     tl.debug_barrier()
-    # 3. logits of the scaled queries over every slot, each query head's max and normaliser (online)
+    # 3. over this program's slots: the logits of the scaled queries (kept for the second kernel's scores), and the
+    # softmax's partial sums of the values, by an online softmax (each query head's maximum, normaliser and output)
     q = tl.load(
         q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + dd[None, :] * q_sd,
         mask=gmask[:, None] & dmask[None, :],
@@ -168,10 +198,11 @@ def _append_logits_kernel(
     q = q * scale
     m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
     l_run = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
     xbase = (r * H + h).to(tl.int64) * G * W
-    for s0 in range(0, W, BLOCK_N):
+    for s0 in range(lo, hi, BLOCK_N):
         s = s0 + tl.arange(0, BLOCK_N)
-        ok = s < W
+        ok = s < hi
         b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
         o = (s % block_size).to(tl.int64)
         kt = _load_rows(
@@ -182,7 +213,7 @@ def _append_logits_kernel(
             x = tl.dot(q.to(k_ptr.dtype.element_ty), tl.trans(kt.to(k_ptr.dtype.element_ty)))
         else:
             x = tl.dot(q, tl.trans(kt), input_precision="ieee")
-        vis = tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0
+        vis = (tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == free)
         vis2 = vis[None, :] & gmask[:, None]
         if HAS_HV:
             hv = tl.load(
@@ -193,17 +224,33 @@ def _append_logits_kernel(
             vis2 = vis2 & (hv != 0)
         x = tl.where(vis2, x, float("-inf"))
         tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x, mask=gmask[:, None] & ok[None, :])
-        m_new = tl.maximum(m_run, tl.max(x, 1))
-        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
-        m_run = m_new
-    sb = ((r * H + h) * G + g) * 2
+        m_run, l_run, acc = _attend_block(
+            m_run, l_run, acc, x, b, o, ok, h, dd, dmask,
+            v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so, QUANT, LOW_DOT,
+        )  # fmt: skip
+    sb = (((r * H + h) * G + g) * S + sp) * 2
     tl.store(stat_ptr + sb, m_run, mask=gmask)
     tl.store(stat_ptr + sb + 1, l_run, mask=gmask)
+    pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
+    tl.store(part_ptr + pb[:, None] + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
-def _head_signal(x_ptr, stat_ptr, r, hh, H, W, sw, wmask, c, G: tl.constexpr, BW: tl.constexpr,
-                 RULE: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
+def _row_stats(stat_ptr, r, hh, gi, H, S, G: tl.constexpr, SP: tl.constexpr):
+    """Query head ``gi`` of KV head ``hh``: its softmax maximum and normaliser over every slot, combined from the
+    first kernel's per-split values."""
+    sidx = tl.arange(0, SP)
+    smask = sidx < S
+    sb = (((r * H + hh) * G + gi) * S + sidx) * 2
+    ms = tl.load(stat_ptr + sb, mask=smask, other=-3.4028234663852886e38)
+    ls = tl.load(stat_ptr + sb + 1, mask=smask, other=0.0)
+    m = tl.max(ms, 0)
+    return m, tl.sum(ls * tl.exp(ms - m), 0)
+
+
+@triton.jit
+def _head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr, SP: tl.constexpr,
+                 BW: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
     """The attention a KV head's ``G`` query heads give each slot this step, reduced over them (mean or max);
     AhaKV's sharpened rule normalises ``softmax(c * logits)`` instead of the softmax."""
     if GROUP_MAX:
@@ -213,14 +260,12 @@ def _head_signal(x_ptr, stat_ptr, r, hh, H, W, sw, wmask, c, G: tl.constexpr, BW
     xbase = (r * H + hh).to(tl.int64) * G * W
     for gi in tl.static_range(G):
         x = tl.load(x_ptr + xbase + gi * W + sw, mask=wmask, other=float("-inf"))
-        sb = ((r * H + hh) * G + gi) * 2
-        m = tl.load(stat_ptr + sb)
+        m, lsum = _row_stats(stat_ptr, r, hh, gi, H, S, G, SP)
         if RULE == 2:
             t = tl.exp(c * (x - m))
             tot = tl.sum(t, 0)
             p = tl.where(tot > 0, t / tot, 0.0)
         else:
-            lsum = tl.load(stat_ptr + sb + 1)
             p = tl.where(lsum > 0, tl.exp(x - m) / lsum, 0.0)
         if GROUP_MAX:
             acc = tl.maximum(acc, p)
@@ -243,12 +288,13 @@ def _evict_attend_kernel(
     target_ptr, tg_sr, tg_sh,
     plen_ptr, budget_ptr, first_ptr,
     aug_ptr, a_sr, a_sh, a_si, a_sj,
-    x_ptr, stat_ptr, newslot_ptr, pool_ptr,
+    x_ptr, stat_ptr, part_ptr, newslot_ptr, pool_ptr,
     out_ptr, o_sr, o_sh, o_sd,
     counter_ptr,
-    W, H, scale, window, sinks, pinned,
+    W, H, S, scale, window, sinks, pinned,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BW: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr,
+    LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
     HAS_FIRST: tl.constexpr, HAS_LINEAR: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr,
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
@@ -259,10 +305,10 @@ def _evict_attend_kernel(
     meta = mr * m_sr + h * m_sh
     sw = tl.arange(0, BW)
     wmask = sw < W
-    pos = tl.load(pos_ptr + meta + sw * m_ss, mask=wmask, other=-1)
-    valid = (tl.load(valid_ptr + meta + sw * m_ss, mask=wmask, other=0) != 0) & wmask
-    stored = tl.load(score_ptr + meta + sw * m_ss, mask=wmask, other=float("-inf"))
     newslot = tl.load(newslot_ptr + r * H + h)
+    pos = tl.load(pos_ptr + meta + sw * m_ss, mask=wmask, other=-1)
+    valid = ((tl.load(valid_ptr + meta + sw * m_ss, mask=wmask, other=0) != 0) | (sw == newslot)) & wmask
+    stored = tl.load(score_ptr + meta + sw * m_ss, mask=wmask, other=float("-inf"))
     newest = tl.load(pos_ptr + meta + newslot * m_ss)
     # 1. the method's decode score of every slot
     c = 1.0
@@ -275,10 +321,10 @@ def _evict_attend_kernel(
     if RULE == 3:  # TOVA: the mean over every query head of the layer
         sig = tl.zeros([BW], tl.float32)
         for hh in range(0, H):
-            sig += _head_signal(x_ptr, stat_ptr, r, hh, H, W, sw, wmask, c, G, BW, RULE, False)
+            sig += _head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
         new = sig / H
     elif RULE <= 2:
-        sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, sw, wmask, c, G, BW, RULE, GROUP_MAX)
+        sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
         if RULE == 0:
             new = sig
             if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
@@ -391,32 +437,48 @@ def _evict_attend_kernel(
                 lin += tl.dot(q_i * scale, blk, input_precision="ieee")
         if EVICT_FIRST:
             ksum, vsum, cnt = ksum2, vsum2, cnt2
-    # 4. the output: softmax over the slots (without the victim when it is evicted first) plus the linear term
+    # 4. the output: the first kernel's partial softmax sums of every split, combined; when the victim is evicted
+    # before the output, its split is summed again here without it (subtracting its term instead would cancel
+    # catastrophically when it held most of a query head's weight)
+    if EVICT_FIRST:
+        vlo = (victim // SPLIT) * SPLIT
+        vhi = tl.minimum(vlo + SPLIT, W)
+        m_v = tl.full([GP], -3.4028234663852886e38, tl.float32)
+        den_v = tl.zeros([GP], tl.float32)
+        acc_v = tl.zeros([GP, DP], tl.float32)
+        xbase = (r * H + h).to(tl.int64) * G * W
+        for s0 in range(vlo, vhi, BLOCK_N):
+            s = s0 + tl.arange(0, BLOCK_N)
+            ok = s < vhi
+            x = tl.load(
+                x_ptr + xbase + g[:, None] * W + s[None, :], mask=gmask[:, None] & ok[None, :], other=float("-inf")
+            )
+            x = tl.where(((s == victim) & chosen)[None, :], float("-inf"), x)
+            b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+            o = (s % block_size).to(tl.int64)
+            m_v, den_v, acc_v = _attend_block(
+                m_v, den_v, acc_v, x, b, o, ok, h, dd, dmask,
+                v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so, QUANT, LOW_DOT,
+            )  # fmt: skip
     m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    xbase = (r * H + h).to(tl.int64) * G * W
-    for s0 in range(0, W, BLOCK_N):
-        s = s0 + tl.arange(0, BLOCK_N)
-        ok = s < W
-        x = tl.load(x_ptr + xbase + g[:, None] * W + s[None, :], mask=gmask[:, None] & ok[None, :], other=float("-inf"))
+    for sp in range(0, S):
+        sb = (((r * H + h) * G + g) * S + sp) * 2
+        pm = tl.load(stat_ptr + sb, mask=gmask, other=-3.4028234663852886e38)
+        pl = tl.load(stat_ptr + sb + 1, mask=gmask, other=0.0)
+        pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
+        pa = tl.load(part_ptr + pb[:, None] + dd[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
         if EVICT_FIRST:
-            x = tl.where(((s == victim) & chosen)[None, :], float("-inf"), x)
-        m_new = tl.maximum(m_run, tl.max(x, 1))
-        alpha = tl.exp(m_run - m_new)
-        e = tl.exp(x - m_new[:, None])
-        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
-        o = (s % block_size).to(tl.int64)
-        vt = _load_rows(
-            v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
-            vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-        )  # fmt: skip
-        if LOW_DOT:
-            pv = tl.dot(e.to(v_ptr.dtype.element_ty), vt.to(v_ptr.dtype.element_ty))
-        else:
-            pv = tl.dot(e, vt, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        den = den * alpha + tl.sum(e, 1)
+            mine = sp * SPLIT == vlo
+            pm = tl.where(mine, m_v, pm)
+            pl = tl.where(mine, den_v, pl)
+            pa = tl.where(mine, acc_v, pa)
+        m_new = tl.maximum(m_run, pm)
+        a_run = tl.exp(m_run - m_new)
+        a_new = tl.exp(pm - m_new)
+        acc = acc * a_run[:, None] + pa * a_new[:, None]
+        den = den * a_run + pl * a_new
         m_run = m_new
     if HAS_LINEAR:
         qk = tl.sum(q * ksum[None, :], 1)  # s q . k_sum
@@ -440,6 +502,22 @@ def _evict_attend_kernel(
 
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(int(n) - 1, 0).bit_length())
+
+
+#: the fewest slots one program of the first kernel reads (a power of two; a block of the slot loop, and the
+#: smallest ``tl.dot`` operand a GPU takes is 16 wide)
+MIN_SPLIT = 64
+#: about how many programs the first kernel should run in all: enough to occupy a GPU's streaming multiprocessors
+#: (an H100 has 132) when few rows and KV heads would leave most of them idle
+TARGET_PROGRAMS = 256
+
+
+def split_size(width: int, programs: int) -> int:
+    """Slots per program of the first kernel for rows of ``width`` slots and ``programs`` (rows x KV heads): rows
+    are split over several programs (flash-decoding) until about :data:`TARGET_PROGRAMS` run, never into pieces of
+    fewer than :data:`MIN_SPLIT` slots. A power of two."""
+    wanted = -(-TARGET_PROGRAMS // max(int(programs), 1))  # splits per row and KV head
+    return _pow2(-(-int(width) // wanted), MIN_SPLIT)
 
 
 _MUTATED = ("k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter")
@@ -490,19 +568,25 @@ def fused_step(
     G = Hq // H
     W = int(width)
     GP, DP, BW = _pow2(G, 16), _pow2(d, 16), _pow2(W, 16)
-    BLOCK_N = min(64, BW)
+    split = min(split_size(W, R * H), BW)
+    S = -(-W // split)
+    BLOCK_N = min(64, split)
     dev = query.device
     out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
     x = torch.empty(R, H, G, W, dtype=torch.float32, device=dev)
-    stat = torch.empty(R, H, G, 2, dtype=torch.float32, device=dev)
+    stat = torch.empty(R, H, G, S, 2, dtype=torch.float32, device=dev)
+    part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if pool_k > 1 else x
     m_sr, m_sh, m_ss = positions.stride()
     hv_strides = head_visible.stride() if has_hv else (0, 0, 0, 0)
     a_strides = aug.stride() if has_linear else (0, 0, 0, 0)
     newest_sr = newest.stride(0) if newest.ndim else 0
-    common = dict(G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, QUANT=quant, LOW_DOT=bool(low_dot), HAS_ROWS=bool(has_rows))
-    _append_logits_kernel[(R, H)](
+    common = dict(
+        G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, SPLIT=split, QUANT=quant, LOW_DOT=bool(low_dot),
+        HAS_ROWS=bool(has_rows),
+    )  # fmt: skip
+    _append_logits_kernel[(R, H, S)](
         query, *query.stride(),
         key, *key.stride(),
         value, *value.stride(),
@@ -514,8 +598,8 @@ def fused_step(
         positions, valid, scores, m_sr, m_sh, m_ss,
         head_visible, *hv_strides,
         newest, newest_sr,
-        x, stat, newslot,
-        W, H, float(scaling),
+        x, stat, part, newslot,
+        W, H, S, float(scaling),
         HAS_HV=bool(has_hv), **common,
     )  # fmt: skip
     _evict_attend_kernel[(R, H)](
@@ -529,11 +613,12 @@ def fused_step(
         target, target.stride(0), target.stride(1),
         prompt_len, budget, first_real,
         aug, *a_strides,
-        x, stat, newslot, pool,
+        x, stat, part, newslot, pool,
         out, *out.stride(),
         counter,
-        W, H, float(scaling), int(window), int(sinks), float(pinned),
-        BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule, GROUP_MAX=bool(group_max),
+        W, H, S, float(scaling), int(window), int(sinks), float(pinned),
+        SP=_pow2(S), BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
+        GROUP_MAX=bool(group_max),
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance), **common,
     )  # fmt: skip
