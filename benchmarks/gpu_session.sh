@@ -4,12 +4,12 @@
 #
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
-# PART: info | tests | eager | compiled-short | compiled-long | torch | pool | all
+# PART: info | tests | eager | compiled-short | compiled-long | torch | pool | kernels | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call).
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh info|tests|eager|compiled-short|compiled-long|torch|pool|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh info|tests|eager|compiled-short|compiled-long|torch|pool|kernels|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -51,6 +51,14 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "$py" -m benchmarks pool-gpu --methods snapkv,slake --requests 8 --contexts 2048 --kernels torch \
             > "$out/pool_step_torch.jsonl"
         ;;
+    kernels)
+        # the fused step alone at the transformers rows' budget: batch 1 (rows split over programs) and 8, per layer
+        # as one CUDA graph, fused against the torch step
+        "$py" -m benchmarks pool-gpu --methods snapkv,cake,slake --budget 1024 --requests 1,8 --contexts 8192 \
+            --kernels triton > "$out/pool_step_fused_1024.jsonl"
+        "$py" -m benchmarks pool-gpu --methods snapkv,slake --budget 1024 --requests 1 --contexts 8192 \
+            --kernels torch > "$out/pool_step_torch_1024.jsonl"
+        ;;
     *)
         echo "unknown part: $name" >&2
         return 2
@@ -60,7 +68,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 
 if [ "$part" = all ]; then
     status=0
-    for p in info tests eager compiled-short compiled-long torch pool; do
+    for p in info tests eager compiled-short compiled-long torch pool kernels; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status
