@@ -151,6 +151,9 @@ def pool_gpu(a: argparse.Namespace) -> None:
 
 
 def host_step(a: argparse.Namespace) -> None:
+    from slake.kernels import load
+
+    load()  # before transformers imports Triton: on a machine without CUDA, through Triton's interpreter
     from benchmarks.host_step import host_step_ms
     from slake.engines.base import load_avg
 

@@ -332,6 +332,30 @@ def test_a_step_the_kernels_do_not_cover_runs_in_torch_and_says_why(caplog):
     assert sum("fused decode kernels do not cover" in r.message for r in caplog.records) == 1
 
 
+def test_the_command_runs_the_kernels_through_the_interpreter_on_a_machine_without_cuda(tmp_path):
+    """``slake generate --kernels triton`` in a fresh process with no ``TRITON_INTERPRET`` in its environment: the
+    command loads the kernels while checking its arguments, before transformers imports Triton, so on a machine
+    without CUDA the interpreter can still be switched on (it was refused after the model had loaded)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    words = " ".join(f"w{i % 250 + 3}" for i in range(60))
+    run = subprocess.run(
+        [sys.executable, "-m", "slake.cli", "generate", "--model", str(tmp_path / "model"), "--method", "snapkv",
+         "--budget", "16", "--set", "window=4", "--prompt", words, "--max-new-tokens", "3", "--kernels", "triton",
+         "--json"],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["kernels"] == "triton"
+
+
 def test_kernel_choice_is_checked():
     with pytest.raises(ValueError, match="unknown kernels"):
         CompressedKV("snapkv", 64, 2, kernels="cuda")

@@ -37,18 +37,9 @@ def test_dtype_and_device_defaults():
 
 def test_local_directory_loads_offline(tmp_path):
     """Any local directory works through transformers (the same path a hub id takes once downloaded)."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tok_models
-    from transformers import PreTrainedTokenizerFast
+    from tiny_models import save_tiny_model
 
-    from tiny_models import tiny_model
-
-    model = tiny_model("llama-gqa")
-    model.save_pretrained(tmp_path)
-    vocab = {f"w{i}": i for i in range(256)}
-    tk = Tokenizer(tok_models.WordLevel(vocab, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w1").save_pretrained(tmp_path)
+    model = save_tiny_model(tmp_path)
     loaded, tok = models.load_model(str(tmp_path), device="cpu")
     assert loaded.config._attn_implementation == "slake"
     assert tok.pad_token is not None

@@ -55,6 +55,23 @@ def tiny_model(arch: str, layers: int = 3, seed: int = 0):
     return model
 
 
+def save_tiny_model(path, arch: str = "llama-gqa"):
+    """:func:`tiny_model` saved to the directory ``path`` with a word-level tokenizer of its 256 ids (``w0`` ..
+    ``w255``; ``w1`` ends a sequence), as a local model directory the loaders and the ``slake`` command take; returns
+    the model."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_model(arch)
+    model.save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(256)}
+    tk = Tokenizer(tok_models.WordLevel(vocab, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w1").save_pretrained(path)
+    return model
+
+
 def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 250, (batch, n), generator=g)

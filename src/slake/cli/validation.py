@@ -82,6 +82,13 @@ def _check_common(args: argparse.Namespace) -> None:
         parse_dtype(args.dtype, args.device or default_device())
     _at_least(args, "max_new_tokens", 1)
     _at_least(args, "prefill_chunk", 1)
+    if getattr(args, "kernels", None) == "triton":
+        from slake.cache.compressed import resolve_kernels
+
+        # loads the kernels now, before the model's import of transformers imports Triton: on a machine without CUDA
+        # that is when Triton's interpreter can still be switched on (Triton missing, or CPU tensors on a machine
+        # where Triton compiles for a GPU, is refused here)
+        resolve_kernels("triton", getattr(args, "device", None))
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -143,11 +150,13 @@ def validate_args(args: argparse.Namespace) -> None:
     """Check a parsed ``slake`` command line before any model load; raise ValueError naming the problem.
 
     Checked for every command that has them: ``--device`` (parsable and present on this machine), ``--dtype``,
-    ``--max-new-tokens >= 1``, ``--prefill-chunk >= 1``. ``generate``: the method, its ``--set`` hyperparameters
-    and the budget (a window larger than the budget is refused), ``--temperature`` and ``--top-p`` when sampling, and
-    the prompt (missing, empty or non-UTF-8 file). ``fidelity``: methods, budgets and their pairs, ``--steps``,
-    ``--length``, the prompt file. ``bench``: ``--threads >= 1``, methods, budgets and their pairs, ``--lengths``,
-    ``--random-model`` (unknown shapes and config keys).
+    ``--max-new-tokens >= 1``, ``--prefill-chunk >= 1``, ``--kernels triton`` (Triton installed and able to run on
+    the device; the kernels are loaded here, through Triton's interpreter on a machine without CUDA). ``generate``:
+    the method, its ``--set`` hyperparameters and the budget (a window larger than the budget is refused),
+    ``--temperature`` and ``--top-p`` when sampling, and the prompt (missing, empty or non-UTF-8 file).
+    ``fidelity``: methods, budgets and their pairs, ``--steps``, ``--length``, the prompt file. ``bench``:
+    ``--threads >= 1``, methods, budgets and their pairs, ``--lengths``, ``--random-model`` (unknown shapes and
+    config keys).
     """
     _check_common(args)
     check = _CHECKS.get(str(getattr(args, "command", "")))
