@@ -120,11 +120,12 @@ def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, option
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["slake", "h2o"])
-def test_fused_step_with_a_bfloat16_cache(name):
+def test_fused_step_with_a_half_precision_cache(name, dtype):
     method = _method(name)
-    ref, ref_out = _run(method, "torch", dtype=torch.bfloat16)
-    fused, fused_out = _run(method, "triton", dtype=torch.bfloat16)
+    ref, ref_out = _run(method, "torch", dtype=dtype)
+    fused, fused_out = _run(method, "triton", dtype=dtype)
     _assert_same(ref, ref_out, fused, fused_out, 2e-2)
 
 
