@@ -132,7 +132,38 @@ def _pool_against_engine(
                 if st.linear is not None:
                     lin = pool.linear[li, rows[r]].cpu()
                     torch.testing.assert_close(lin, st.linear.aug[0], rtol=tol[0], atol=tol[1])
+                if pool.weights is not None:  # CriticalKV's projected norms, kept per slot by both engines
+                    w, keep = pool.weights[li, rows[r]].cpu()[:, :cap], st.valid[0]
+                    assert st.weights is not None
+                    torch.testing.assert_close(w[keep], st.weights[0][keep], rtol=tol[0], atol=tol[1])
     return trace
+
+
+def test_a_preempted_row_gets_its_slot_weights_back():
+    """``row_state`` / ``restore_row`` (preemption) carry the per-slot weights of a ``slot_weighted`` method."""
+    m = with_layer_cap(make_method("criticalkv", window=4), Budget(BUDGET))
+    contexts = _contexts(m)
+    pool = DecodePool(m, LAYERS, H, D, BUDGET + 1, BS, rows=2, layer_context=contexts)
+    ref = CompressedKV(m, BUDGET, LAYERS)
+    ref.layer_context = contexts
+    for li in range(LAYERS):
+        ref.prefill_layer(li, torch.randn(1, H * G, 40, D), torch.randn(1, H, 40, D), torch.randn(1, H, 40, D),
+                          None, D**-0.5)  # fmt: skip
+    row = pool.allocate(40, BUDGET)
+    for li in range(LAYERS):
+        pool.load_layer(row, li, ref.layers[li], ref.targets[li])
+    assert pool.weights is not None
+    for li in range(LAYERS):
+        st = ref.layers[li]
+        exact = m.slot_weights(st.dense_values().float(), contexts[li])[0]
+        torch.testing.assert_close(pool.weights[li, row, :, : st.capacity], exact)
+    before = pool.weights[:, row].clone()
+    saved = pool.row_state(row)
+    pool.release(row)
+    again = pool.allocate(40, BUDGET)
+    assert again == row and not pool.weights[:, row].any()
+    pool.restore_row(row, saved)
+    assert torch.equal(pool.weights[:, row], before)
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,9 @@ class StepSlots:
         ``a:a+R`` (the usual case: the step's rows are contiguous and in order, so they are updated through views).
     layer : LayerContext | None
         The layer's model facts (rotary embedding, output projection) for methods whose ``layer_facts()`` name them.
+    weights : torch.Tensor | None
+        ``(R, Hkv, W)`` float32 per-slot weights of a method with ``slot_weighted`` (exact for every valid slot; the
+        step writes the new token's), or None: the decode rule then computes them over every slot.
     """
 
     positions: torch.Tensor
@@ -80,6 +83,7 @@ class StepSlots:
     linear: LinearState | None = None
     rows: torch.Tensor | slice | None = None
     layer: LayerContext | None = None
+    weights: torch.Tensor | None = None
 
     def take_rows(self) -> StepSlots:
         """The step's own rows (views for a slice, copies for an index tensor; see :meth:`put_rows`)."""
@@ -105,6 +109,7 @@ class StepSlots:
             head_visible=maybe(self.head_visible),
             linear=None if self.linear is None else LinearState(take(self.linear.aug)),
             layer=self.layer,
+            weights=maybe(self.weights),
         )
 
     def put_rows(self, taken: StepSlots) -> None:
@@ -112,7 +117,7 @@ class StepSlots:
         rows = self.rows
         if rows is None or isinstance(rows, slice):
             return
-        for name in ("positions", "valid", "scores", "head_visible"):
+        for name in ("positions", "valid", "scores", "head_visible", "weights"):
             t = getattr(self, name)
             if t is not None:
                 t.index_copy_(0, rows, getattr(taken, name))
@@ -275,6 +280,10 @@ def decode_step(
     linear = slots.linear
     if slots.target is None:  # no eviction in this layer: attend only
         return attend(qf, x, values, linear, 1.0, overwrite_logits=True).view(R, Hq, d)
+    weights = slots.weights if method.slot_weighted else None
+    if weights is not None:  # the new slot's weight, from its value as stored (dequantised)
+        new_value = values.gather(2, free[..., None].expand(-1, -1, -1, d))
+        weights.scatter_(-1, free, method.slot_weights(new_value.float(), slots.layer))
     # 3. the method's scores and the victim of every row and KV head. Every row sees its new token, so no row of
     # the softmax is all -inf and it needs no NaN guard (``safe_softmax``).
     probs = torch.softmax(x, dim=-1)  # (R, H, g, 1, W)
@@ -287,6 +296,7 @@ def decode_step(
             prompt_len=slots.prompt_len,
             budget=slots.budget,
             newest=newest,
+            weights=weights,
             **decode_extras(
                 method,
                 slots.layer,

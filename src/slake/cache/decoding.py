@@ -183,6 +183,8 @@ class Decoder:
             return out
         info = state.prefill_info()
         dev = store.valid.device
+        if scored and m.slot_weighted and store.weights is None:  # once after prefill (prepare_static in static mode)
+            store.weights = self._slot_weights(layer_idx)
         slots_ = StepSlots(
             positions=store.positions,
             valid=store.valid,
@@ -195,10 +197,17 @@ class Decoder:
             head_visible=store.head_visible,
             linear=store.linear,
             layer=state.layer_context[layer_idx],
+            weights=store.weights if scored else None,
         )
         B, H = store.valid.shape[:2]
         kv = key.view(B, H, d), value.view(B, H, d)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
+
+    def _slot_weights(self, layer_idx: int) -> torch.Tensor:
+        """The method's per-slot weights of every slot of layer ``layer_idx`` (``Method.slot_weighted``)."""
+        state = self.state
+        store = state.store(layer_idx)
+        return state.method.slot_weights(store.dense_values().float(), state.layer_context[layer_idx]).contiguous()
 
     def evict(
         self,
@@ -284,6 +293,8 @@ class Decoder:
             store.reserve(1 if state.evicts(i) else max(int(decode_tokens), 1))
             self._free[i] = None
             state.position[i] = torch.tensor(state.seen[i], dtype=torch.int64, device=store.keys.device)
+            if state.method.slot_weighted and state.scored(i):
+                store.weights = self._slot_weights(i)
             if store.linear is not None:
                 store.linear.attention_parts()  # made now: a lazily cached view would change the first step's guards
             if self.kernels == "triton":
@@ -309,6 +320,8 @@ class Decoder:
             out += [getattr(s, n) for n in s._slot_tensors() + ("positions", "valid", "scores")]
             if s.head_visible is not None:
                 out.append(s.head_visible)
+            if s.weights is not None:
+                out.append(s.weights)
             if s.linear is not None:
                 out.append(s.linear.aug)
             if s._row_table is not None:

@@ -10,6 +10,12 @@ capacity only grows when a row has no free slot, e.g. with no decode eviction).
 Optionally a per-query-head visibility mask ``head_visible`` ``(B, Hkv, g, capacity)`` restricts which query heads of
 a GQA group see a slot (SAGE-KV's per-query-head selections stored once per KV head); slots written at decode are
 visible to every head. It is carried through keep / append / select_batch / repeat_batch and counted as metadata.
+
+Methods whose decode rule weighs each slot by a function of its value alone (``Method.slot_weighted``: CriticalKV's
+``||W_o v||_1``) get those weights kept in ``weights`` ``(B, Hkv, capacity)`` float32, filled by the decode engine
+(:meth:`slake.cache.decoding.Decoder.step`) and updated by the shared decode step as it writes each token. The store's
+own writes (multi-token appends) and compactions drop them (None), so they are never stale: the engine fills them
+again.
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class LayerStore:
         self.scores = scores
         self.linear = linear
         self.head_visible = head_visible
+        #: per-slot weights of a ``slot_weighted`` method, exact for every valid slot, or None (module docstring)
+        self.weights: torch.Tensor | None = None
         self._row_table: torch.Tensor | None = None  # (B, 1) row numbers: the fused kernels' block table
 
     # ------------------------------------------------------------------ shape
@@ -178,6 +186,7 @@ class LayerStore:
             setattr(self, name, take(getattr(self, name)))
         self.positions = take(self.positions)
         self.scores = take(self.scores)
+        self.weights = None
         if self.head_visible is not None:
             self.head_visible = take_last(self.head_visible)
         if sel_valid is None:
@@ -276,6 +285,7 @@ class LayerStore:
         ``positions`` ``(B, Hkv, n)`` and ``score`` in ``slots`` ``(B, Hkv, n)``, and mark the slots valid (and
         visible to every query head of the group)."""
         self.write_kv(slots, keys, values)
+        self.weights = None  # the new slots have none: the decode engine computes them again
         self.positions.scatter_(-1, slots, positions)
         self.valid.scatter_(-1, slots, True)
         self.scores.scatter_(-1, slots, score)
@@ -385,6 +395,8 @@ class LayerStore:
         self.positions = pad(self.positions, -1)
         self.valid = pad(self.valid, False)
         self.scores = pad(self.scores, float("-inf"))
+        if self.weights is not None:  # empty slots: any finite weight (the step writes a token's own)
+            self.weights = pad(self.weights, 0.0)
         if self.head_visible is not None:
             hv = self.head_visible
             self.head_visible = torch.cat([hv, hv.new_ones((*hv.shape[:3], extra))], -1)
@@ -402,6 +414,8 @@ class LayerStore:
             setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
         if self.head_visible is not None:
             self.head_visible = self.head_visible.index_select(0, index.to(self.keys.device))
+        if self.weights is not None:
+            self.weights = self.weights.index_select(0, index.to(self.keys.device))
         if self.linear is not None:
             self.linear.select_batch(index)
 
@@ -411,16 +425,19 @@ class LayerStore:
             setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
         if self.head_visible is not None:
             self.head_visible = self.head_visible.repeat_interleave(repeats, dim=0)
+        if self.weights is not None:
+            self.weights = self.weights.repeat_interleave(repeats, dim=0)
         if self.linear is not None:
             self.linear.repeat_interleave(repeats)
 
     # ------------------------------------------------------------------ accounting
-    def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
+    def byte_counts(self, sequence: int | None = None, *, weighted: bool = False) -> dict[str, int]:
         """Honest byte accounting: kept entries, padding slots, per-slot metadata and linear state.
 
         ``sequence``: count one batch row as if it were stored alone (its capacity being its own longest head),
         which is what a batch-1 run of that sequence would hold after prefill compaction. Without it, the whole
-        batch's tensors are counted as allocated.
+        batch's tensors are counted as allocated. ``weighted``: count the per-slot :attr:`weights` whether or not
+        they are allocated yet (they are, from the first decode step of a ``slot_weighted`` method's scored layer).
         """
         B, H, n, d = self.keys.shape
         per_slot_kv = 2 * d * self.keys.element_size()
@@ -429,6 +446,8 @@ class LayerStore:
         meta_per_slot = self.positions.element_size() + self.valid.element_size() + self.scores.element_size()
         if self.head_visible is not None:
             meta_per_slot += self.head_visible.shape[2] * self.head_visible.element_size()
+        if self.weights is not None or weighted:
+            meta_per_slot += 4  # float32
         linear = self.linear.nbytes() if self.linear is not None else 0
         if sequence is None:
             kept = int(self.valid.sum().item())

@@ -155,6 +155,10 @@ class DecodeInputs:
         finite values, masked by ``valid``); filled for methods with :attr:`Method.decode_reads_kv`.
     layer : LayerContext | None
         The layer's facts, as at prefill (:attr:`PrefillInputs.layer`); filled for methods that name them.
+    weights : torch.Tensor | None
+        ``(B, Hkv, n)`` float32 per-slot weights of a method with :attr:`Method.slot_weighted`, kept by the engine
+        since each slot was written: exactly :meth:`Method.slot_weights` of the slot's (dequantised) value. None
+        where the caller keeps none; the rule then computes them from ``values``.
     """
 
     probs: torch.Tensor
@@ -168,6 +172,7 @@ class DecodeInputs:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     layer: LayerContext | None = None
+    weights: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -227,6 +232,10 @@ class Method:
     #: True when :meth:`decode_scores` reads the slots' keys/values and the step's queries (``DecodeInputs.keys``,
     #: ``values``, ``queries``), which the compressor then fills (KeyDiff, Expected Attention, CriticalKV)
     decode_reads_kv: ClassVar[bool] = False
+    #: True when the decode rule reads a per-slot weight that depends on the slot's value alone (CriticalKV's
+    #: ``||W_o v||_1``): the engines compute it once, when the slot is written (:meth:`slot_weights`), and hand it
+    #: over as ``DecodeInputs.weights``, instead of the rule recomputing it for every kept slot at every step
+    slot_weighted: ClassVar[bool] = False
     #: facts about each layer the method needs from the engine (:data:`LAYER_FACTS`; see :meth:`layer_facts`)
     needs_layer: ClassVar[tuple[str, ...]] = ()
     #: a second pass the engine must run over the prompt before compressing it (:data:`SECOND_PASSES`), whose
@@ -283,6 +292,12 @@ class Method:
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Return the ``(B, Hkv, n)`` float32 per-slot score used to pick the token evicted at this decode step."""
         raise TypeError(f"method {self.name!r} does not evict at decode")
+
+    def slot_weights(self, values: torch.Tensor, layer: LayerContext | None) -> torch.Tensor:
+        """``(B, Hkv, n)`` float32 weight of each slot from its value ``values`` ``(B, Hkv, n, d)`` float32
+        (methods with :attr:`slot_weighted`); a pure function of each slot's own value, so that a weight computed
+        when its slot is written stays exact while the slot is kept."""
+        raise TypeError(f"method {self.name!r} keeps no per-slot weight")
 
     def fused_rule(self) -> FusedDecodeRule | None:
         """The decode rule in the terms of the fused decode kernels (:mod:`slake.methods.decode_rule`), or None when

@@ -23,7 +23,9 @@ Choices and deviations (``docs/methods/criticalkv.md#deviations``):
   head budgets (kvpress marks them with the largest float): the two-stage choice depends on the head budgets.
 * Decode (the paper and kvpress compress once, after prefill): each step applies the same two stages to the slots a
   head holds, with the base scorer's decode rule: the ``int(r * n)`` best slots by base score are exempt, the victim
-  is the lowest ``(a + eps) * ||W_o v||_1`` among the others.
+  is the lowest ``(a + eps) * ||W_o v||_1`` among the others. The projected norm of a slot depends on its value
+  alone, so the engines compute it once, when the slot is written, and keep it beside the slot's score
+  (:attr:`~slake.methods.base.Method.slot_weighted`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from slake.methods.ada_snapkv import AdaKVHeads, adakv_head_budgets
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, LayerContext, Method, PrefillInputs, PrefillScores, register
 from slake.methods.expected_attention import ExpectedAttention
 from slake.methods.snapkv import SnapKV
 
@@ -108,6 +110,7 @@ class CriticalKV(Method):
         "Feng et al., Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective, 2025"
     )
     decode_reads_kv: ClassVar[bool] = True
+    slot_weighted: ClassVar[bool] = True
     needs_layer: ClassVar[tuple[str, ...]] = ("out_proj",)
 
     def __post_init__(self) -> None:
@@ -154,12 +157,24 @@ class CriticalKV(Method):
         first = (total.to(base.device) - self.protected).clamp_min(0)[:, None].expand(-1, base.shape[1])
         return PrefillScores(scores=two_stage(base, norm, cand, first, self.epsilon))
 
+    def slot_weights(self, values: torch.Tensor, layer: LayerContext | None) -> torch.Tensor:
+        """``||W_o^g v||_1`` averaged over the query heads ``g`` of the slot's KV head (:func:`projected_norm`)."""
+        if layer is None or layer.out_proj is None:
+            raise ValueError(f"{self.name}: needs the layer's output projection (LayerContext.out_proj)")
+        return projected_norm(values, layer.out_proj, layer.out_proj.shape[1] // values.shape[-1])
+
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        """The base decode rule, then the two stages over the slots held (``int(r * n)`` exempt)."""
+        """The base decode rule, then the two stages over the slots held (``int(r * n)`` exempt).
+
+        The projected norms come from ``inputs.weights`` where the engine keeps them per slot (computed once per
+        slot: recomputing them costs ``n * d * Hq * hidden`` multiply-adds per sequence, layer and step), else from
+        the values."""
         if inputs.values is None or inputs.layer is None or inputs.layer.out_proj is None:
             raise ValueError(f"{self.name}: the decode step needs the values and the output projection")
         base = self._base().decode_scores(inputs).float()  # SnapKV's decode rule already averages the queries
-        norm = projected_norm(inputs.values, inputs.layer.out_proj, inputs.probs.shape[1])
+        norm = inputs.weights
+        if norm is None:
+            norm = projected_norm(inputs.values, inputs.layer.out_proj, inputs.probs.shape[1])
         first = torch.floor(inputs.valid.sum(-1).double() * self.first_stage_ratio).to(torch.int64)
         return two_stage(base, norm, inputs.valid, first, self.epsilon)
 

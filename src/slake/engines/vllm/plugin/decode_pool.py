@@ -3,8 +3,10 @@
 After a compressed request's prefill (done per request by :class:`slake.cache.compressed.CompressedKV`), its
 per-slot metadata moves into one row of a :class:`DecodePool`: persistent per-layer tensors ``(rows, Hkv, W)``
 (positions, validity, scores), the layer's target size ``(rows, Hkv)`` and, for methods with a PTAA linear state
-(SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``. ``W`` is the most slots a compressed request
-holds (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots`); a row's slots beyond its own are invalid.
+(SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``; for methods that weigh each slot by its value
+(``Method.slot_weighted``: CriticalKV), the slots' weights ``(rows, Hkv, W)``. ``W`` is the most slots a compressed
+request holds (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots`); a row's slots beyond its own are
+invalid.
 Keys and values stay in vLLM's paged blocks only.
 
 Each decode step, per layer, :meth:`DecodePool.decode_layer` runs the decode step the transformers engine runs
@@ -110,6 +112,10 @@ class DecodePool:
         self.valid = cat(getattr(self, "valid", None), new((L, n, H, W), False, torch.bool))
         self.scores = cat(getattr(self, "scores", None), new((L, n, H, W), float("-inf"), torch.float32))
         self.target = cat(getattr(self, "target", None), new((L, n, H), -1, torch.int64))
+        if self.method.slot_weighted:
+            self.weights = cat(getattr(self, "weights", None), new((L, n, H, W), 0.0, torch.float32))
+        else:
+            self.weights = None
         if self.linear_cache:
             self.linear = cat(getattr(self, "linear", None), new((L, n, H, d + 1, d + 1), 0.0, torch.float32))
         else:
@@ -132,6 +138,8 @@ class DecodePool:
         self.target[:, row] = -1
         if self.linear is not None:
             self.linear[:, row] = 0
+        if self.weights is not None:
+            self.weights[:, row] = 0.0
         self.prompt_len[row], self.budget[row], self.seen[row] = prompt_len, budget, prompt_len
         self.row_widths[row] = [self.width] * self.num_layers
         return row
@@ -159,6 +167,12 @@ class DecodePool:
             self.row_widths[row][layer] = min(self.width, max(n, int(target[0].max()) + 1))
         if self.linear is not None and store.linear is not None:
             self.linear[layer, row] = store.linear.aug[0]
+        if self.weights is not None:
+            weights = store.weights
+            if weights is None:
+                context = None if self.layer_context is None else self.layer_context[layer]
+                weights = self.method.slot_weights(store.dense_values().float(), context)
+            self.weights[layer, row, :, :n] = weights[0]
 
     def layer_widths(self, rows: list[int]) -> list[int]:
         """Per layer, the slots a step over ``rows`` must read: the most any of them can occupy in that layer,
@@ -188,6 +202,8 @@ class DecodePool:
         }
         if self.linear is not None:
             out["linear"] = self.linear[:, row].clone()
+        if self.weights is not None:
+            out["weights"] = self.weights[:, row].clone()
         return out
 
     def restore_row(self, row: int, saved: dict) -> None:
@@ -196,13 +212,15 @@ class DecodePool:
             getattr(self, name)[:, row] = saved[name]
         if self.linear is not None:
             self.linear[:, row] = saved["linear"]
+        if self.weights is not None:
+            self.weights[:, row] = saved["weights"]
         self.prompt_len[row], self.budget[row], self.seen[row] = saved["prompt_len"], saved["budget"], saved["seen"]
         self.row_widths[row] = list(saved["widths"])
 
     def row_bytes(self) -> tuple[int, int]:
         """Bytes one row holds: (per-slot metadata, linear state), all layers."""
         L, H, W = self.num_layers, self.kv_heads, self.width
-        meta = L * H * W * (8 + 1 + 4) + L * H * 8
+        meta = L * H * W * (8 + 1 + 4 + (0 if self.weights is None else 4)) + L * H * 8
         lin = 0 if self.linear is None else L * H * (self.head_dim + 1) ** 2 * 4
         return meta, lin
 
@@ -268,6 +286,7 @@ class DecodePool:
             linear=None if self.linear is None else LinearState(self.linear[layer, r]),
             rows=None if isinstance(rows, slice) else rows,
             layer=None if self.layer_context is None else self.layer_context[layer],
+            weights=None if self.weights is None else self.weights[layer, r, :, :W],
         )
         kv = PagedSlots(self, kv_cache, table[:, :nb], blocks[:, :W], offsets[:W], W)
         return run_step(self.kernels, self.method, slots, kv, query, key, value, scaling, report=self.report)
