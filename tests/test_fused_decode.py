@@ -41,6 +41,8 @@ def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(DEVICE, dtype)
 
+    if method.second_pass is not None:  # KVzip: its reconstruction pass's scores, random here
+        eng.pass_scores = torch.rand(layers, B, H, S, generator=g).to(DEVICE)
     for li in range(layers):
         eng.prefill_layer(li, rnd(B, H * G, S, D), rnd(B, H, S, D), rnd(B, H, S, D), padding, D**-0.5)
     outs = []

@@ -43,6 +43,7 @@ RULE_CODES = {
     "layer_attention": 3,
     "recency": 4,
     "pinned_recency": 5,
+    "running_max": 6,
 }
 
 _FMIN = -3.4028234663852886e38  # torch.finfo(torch.float32).min: the shift of a row with no visible slot
@@ -335,6 +336,9 @@ def _evict_attend_kernel(
         else:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
             finite = (stored == stored) & (tl.abs(stored) != float("inf"))
             new = tl.where((~finite) & valid, 0.0, stored) + sig
+    elif RULE == 6:  # KVzip: the running max of the attention a slot receives
+        sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
+        new = tl.maximum(stored, sig)
     elif RULE == 4:
         new = pos.to(tl.float32)
     else:

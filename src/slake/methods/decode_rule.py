@@ -22,6 +22,7 @@ RULE_KINDS = (
     "layer_attention",  # this step's attention averaged over every query head of the layer (TOVA)
     "recency",  # the slot's position: the oldest unprotected token goes (StreamingLLM)
     "pinned_recency",  # pinned slots (stored score >= PINNED / 2) keep PINNED, the others their position (SAGE-KV)
+    "running_max",  # max of the stored score and this step's attention reduced over the query heads (KVzip)
 )
 
 

@@ -36,6 +36,7 @@ import torch
 
 from slake.budgets.allocation import cross_head_counts
 from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.decode_rule import FusedDecodeRule
 
 __all__ = ["KVzip", "global_layer_counts", "reconstruction_attention"]
 
@@ -156,6 +157,10 @@ class KVzip(Method):
     ) -> torch.Tensor:
         """One top-``Hkv * selectable`` over the layer's heads (KVzip's non-uniform head budgets, no safeguard)."""
         return cross_head_counts(scores, selectable.to(scores.device) * scores.shape[1])
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels."""
+        return FusedDecodeRule("running_max", group="max")
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Running max of the attention a slot receives (max over the KV head's query heads and the step's
