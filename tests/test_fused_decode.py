@@ -29,8 +29,10 @@ def _method(name: str, **hyper) -> Method:
 
 
 def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, steps=3, layers=2, pad=True,
-         kv_dtype=None, dtype=torch.float32, seed=0):  # fmt: skip
-    """Prefill ``layers`` random layers, then decode ``steps`` tokens; the engine and every step's outputs."""
+         kv_dtype=None, dtype=torch.float32, seed=0, garbage=False):  # fmt: skip
+    """Prefill ``layers`` random layers, then decode ``steps`` tokens; the engine and every step's outputs.
+    ``garbage``: three more free slots per row, holding random keys and values (as freed slots hold their last
+    token's), which no rule may read."""
     g = torch.Generator().manual_seed(seed)
     eng = CompressedKV(method, budget, layers, kv_dtype=kv_dtype, kernels=kernels)
     padding = torch.zeros(B, S, dtype=torch.bool)
@@ -45,6 +47,12 @@ def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, 
         eng.pass_scores = torch.rand(layers, B, H, S, generator=g).to(DEVICE)
     for li in range(layers):
         eng.prefill_layer(li, rnd(B, H * G, S, D), rnd(B, H, S, D), rnd(B, H, S, D), padding, D**-0.5)
+        if garbage:
+            st = eng.layers[li]
+            st._grow(3)
+            empty = ~st.valid
+            st.keys[empty] = rnd(int(empty.sum()), D)
+            st.values[empty] = rnd(int(empty.sum()), D)
     outs = []
     for _ in range(steps):
         for li in range(layers):
@@ -102,6 +110,17 @@ def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_rules_read_nothing_from_empty_slots(name):
+    """Empty slots hold whatever they held (a freed slot keeps its last token's key and value until the next write):
+    the fused step's scores, victims and outputs equal the torch step's with random keys and values there."""
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", garbage=True)
+    fused, fused_out = _run(method, "triton", garbage=True)
+    assert any(int((~s.valid).sum()) > s.valid.shape[0] * s.valid.shape[1] for s in fused.layers)  # still some
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
 @pytest.mark.parametrize(
     "name, options",
     [
@@ -113,6 +132,8 @@ def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
         ("slake[linear_cache=false]", {}),  # evicts before the output, without the linear term
         ("cake[linear_cache=true]", {}),  # the linear term, evicting after the output
         ("ada-snapkv", {"budget": 20}),  # per-head budgets
+        ("keydiff", {"kv_dtype": "int8", "G": 1, "H": 3}),  # a rule reading the kept keys: dequantised, MHA
+        ("kvzip", {"G": 4, "H": 1, "pad": False, "B": 1}),
     ],
 )
 def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options, split_rows):
@@ -186,7 +207,7 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
     return pool, cache, outs
 
 
-@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "streamingllm"])
+@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "streamingllm", "keydiff"])
 @pytest.mark.parametrize(
     "layout, row_slice", [(CpuAttnLayout(), False), (FlashAttnLayout(), True)], ids=["cpu", "flash"]
 )
@@ -255,7 +276,7 @@ def _count_one_step(name: str, kernels: str, monkeypatch) -> int:
     return len(mode.ops) + len(launched)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "slake", "tova", "ahakv"])
+@pytest.mark.parametrize("name", ["snapkv", "slake", "tova", "ahakv", "keydiff", "kvzip"])
 def test_one_fused_step_of_one_layer_is_at_most_four_launches(name, monkeypatch):
     assert _count_one_step(name, "triton", monkeypatch) <= 4
     # the counter sees the torch step's operations (a count that cannot pass by accident)

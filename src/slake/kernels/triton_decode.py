@@ -44,6 +44,7 @@ RULE_CODES = {
     "recency": 4,
     "pinned_recency": 5,
     "running_max": 6,
+    "key_diversity": 7,
 }
 
 _FMIN = -3.4028234663852886e38  # torch.finfo(torch.float32).min: the shift of a row with no visible slot
@@ -278,6 +279,49 @@ def _head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr,
 
 
 @triton.jit
+def _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
+                   D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
+                   QUANT: tl.constexpr):  # fmt: skip
+    """KeyDiff's decode score of a row's ``BW`` slots (:func:`slake.methods.keydiff.keydiff_scores`): the anchor is
+    the mean of the held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), a slot's score minus its
+    key's cosine to it (``F.cosine_similarity``: ``k . a / (max(|k|, 1e-8) max(|a|, 1e-8))``), 0 where the slot is
+    empty. Two passes over the keys, ``LB`` slots at a time; the cosines go through the row's scratch buffer into
+    a ``(BW,)`` vector."""
+    dd = tl.arange(0, DP)
+    dmask = dd < D
+    anchor = tl.zeros([DP], tl.float32)
+    for s0 in range(0, W, LB):
+        s = s0 + tl.arange(0, LB)
+        ok = s < W
+        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+        o = (s % block_size).to(tl.int64)
+        kt = _load_rows(
+            k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
+            ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+        )  # fmt: skip
+        held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
+        unit = kt / tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-12)[:, None]
+        anchor += tl.sum(tl.where(held[:, None], unit, 0.0), 0)
+    anchor = anchor / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
+    anorm = tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-8)
+    base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+    for s0 in range(0, W, LB):
+        s = s0 + tl.arange(0, LB)
+        ok = s < W
+        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+        o = (s % block_size).to(tl.int64)
+        kt = _load_rows(
+            k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
+            ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+        )  # fmt: skip
+        knorm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-8)
+        tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
+    tl.debug_barrier()
+    return tl.where(valid, -tl.load(base + sw, mask=wmask, other=0.0), 0.0)
+
+
+@triton.jit
 def _evict_attend_kernel(
     q_ptr, q_sr, q_sh, q_sd,
     k_ptr, k_sb, k_sh, k_so, k_sd,
@@ -339,6 +383,10 @@ def _evict_attend_kernel(
     elif RULE == 6:  # KVzip: the running max of the attention a slot receives
         sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
         new = tl.maximum(stored, sig)
+    elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots held
+        new = _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                             valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
+                             D, DP, BW, LB, QUANT)  # fmt: skip
     elif RULE == 4:
         new = pos.to(tl.float32)
     else:
@@ -581,7 +629,8 @@ def fused_step(
     stat = torch.empty(R, H, G, S, 2, dtype=torch.float32, device=dev)
     part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
-    pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if pool_k > 1 else x
+    scratch = pool_k > 1 or rule == RULE_CODES["key_diversity"]  # the pooling's or KeyDiff's row buffers
+    pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
     m_sr, m_sh, m_ss = positions.stride()
     hv_strides = head_visible.stride() if has_hv else (0, 0, 0, 0)
     a_strides = aug.stride() if has_linear else (0, 0, 0, 0)

@@ -23,6 +23,7 @@ RULE_KINDS = (
     "recency",  # the slot's position: the oldest unprotected token goes (StreamingLLM)
     "pinned_recency",  # pinned slots (stored score >= PINNED / 2) keep PINNED, the others their position (SAGE-KV)
     "running_max",  # max of the stored score and this step's attention reduced over the query heads (KVzip)
+    "key_diversity",  # minus the cosine of the slot's key to the mean unit key of the slots held (KeyDiff)
 )
 
 

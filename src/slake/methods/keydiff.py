@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.decode_rule import FusedDecodeRule
 
 __all__ = ["KeyDiff", "keydiff_scores"]
 
@@ -77,6 +78,10 @@ class KeyDiff(Method):
         B, H, S, _ = inputs.keys.shape
         valid = (~inputs.key_padding)[:, None, :].expand(B, H, S)
         return PrefillScores(scores=keydiff_scores(inputs.keys, valid))
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels (they read the kept keys themselves)."""
+        return FusedDecodeRule("key_diversity")
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Scores of the held slots against the anchor of the slots held now (the new token included)."""
