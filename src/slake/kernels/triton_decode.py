@@ -279,6 +279,19 @@ def _head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr,
 
 
 @triton.jit
+def _block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                r, h, s, ok, dd, dmask, QUANT: tl.constexpr):  # fmt: skip
+    """The float32 keys ``(N, DP)`` of KV head ``h``'s slots ``s`` of step row ``r`` (where ``ok``), through the block
+    table (dequantised for 8-bit storage)."""
+    b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+    o = (s % block_size).to(tl.int64)
+    return _load_rows(
+        k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
+        ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+    )  # fmt: skip
+
+
+@triton.jit
 def _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
                    valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
                    D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
@@ -294,12 +307,8 @@ def _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, tabl
     for s0 in range(0, W, LB):
         s = s0 + tl.arange(0, LB)
         ok = s < W
-        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
-        o = (s % block_size).to(tl.int64)
-        kt = _load_rows(
-            k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
-            ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-        )  # fmt: skip
+        kt = _block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                         r, h, s, ok, dd, dmask, QUANT)  # fmt: skip
         held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
         unit = kt / tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-12)[:, None]
         anchor += tl.sum(tl.where(held[:, None], unit, 0.0), 0)
@@ -309,12 +318,8 @@ def _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, tabl
     for s0 in range(0, W, LB):
         s = s0 + tl.arange(0, LB)
         ok = s < W
-        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
-        o = (s % block_size).to(tl.int64)
-        kt = _load_rows(
-            k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
-            ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-        )  # fmt: skip
+        kt = _block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                         r, h, s, ok, dd, dmask, QUANT)  # fmt: skip
         knorm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-8)
         tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
     tl.debug_barrier()
