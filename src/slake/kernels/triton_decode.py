@@ -23,7 +23,9 @@ an argument, so the pair is graph-safe. The launcher is a custom operator (``tor
 with declared mutations instead of breaking the graph (an opaque op rather than ``triton_op``: tracing into the
 kernels is what Triton's interpreter cannot do, and there is nothing for inductor to fuse around them). On a machine
 without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by :mod:`slake.kernels` before
-this module is imported), which is how the tests check them against the torch step.
+this module is imported), which is how the tests check them against the torch step. The kernels' reads and writes of
+slots live in :mod:`slake.kernels.triton_slots`, the decode rules' per-slot signals in
+:mod:`slake.kernels.triton_rules`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import custom_op
+
+from slake.kernels.triton_rules import head_signal, key_diversity
+from slake.kernels.triton_slots import load_row, load_rows, store_row
 
 __all__ = ["MIN_SPLIT", "RULE_CODES", "TARGET_PROGRAMS", "fused_step", "fused_step_op", "split_size"]
 
@@ -47,75 +52,6 @@ RULE_CODES = {
     "key_diversity": 7,
 }
 
-_FMIN = -3.4028234663852886e38  # torch.finfo(torch.float32).min: the shift of a row with no visible slot
-_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
-_BIG_POS = 1 << 40  # sort key of an empty slot (after every real position)
-
-
-@triton.jit
-def _round_half_even(y):
-    """``torch.round``: to the nearest integer, ties to even."""
-    f = tl.floor(y)
-    diff = y - f
-    f_even = (f - 2.0 * tl.floor(f * 0.5)) == 0.0
-    return tl.where(diff > 0.5, f + 1.0, tl.where(diff < 0.5, f, tl.where(f_even, f, f + 1.0)))
-
-
-@triton.jit
-def _round_e4m3(y):
-    """``y`` (within +-448) rounded to the nearest float8 e4m3 value, ties to even, in float32 arithmetic: 3 mantissa
-    bits, so the step is ``2^(e - 3)`` in the binade ``2^e`` (``e >= -6``; below, the subnormal step ``2^-9``).
-    The conversion of the exact result to e4m3 then needs no rounding (Triton's interpreter rounds some ties across
-    a binade down, triton-lang/triton's numpy emulation of the cast)."""
-    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1.0e-30))), -6.0)
-    step = tl.exp2(e - 3.0)
-    return _round_half_even(y / step) * step
-
-
-@triton.jit
-def _store_row(ptr, scale_ptr, x, dd, dmask, QUANT: tl.constexpr):
-    """Store one key or value row ``x`` (float32, ``(DP,)``): as is, or as 8-bit codes plus a float32 scale
-    (:func:`slake.cache.quant.quantize_rows`: ``scale = max|x| / qmax``, codes ``round(x / scale)`` for int8, the
-    e4m3 conversion for fp8)."""
-    if QUANT == 0:
-        tl.store(ptr + dd, x.to(ptr.dtype.element_ty), mask=dmask)
-    else:
-        qmax = 127.0 if QUANT == 1 else 448.0
-        scale = tl.max(tl.abs(x), 0) / qmax
-        y = x / tl.maximum(scale, 1.1754943508222875e-38)
-        y = tl.minimum(tl.maximum(y, -qmax), qmax)
-        if QUANT == 1:
-            code = _round_half_even(y).to(tl.int8)
-            tl.store(ptr + dd, code, mask=dmask)
-        else:
-            code = _round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-            tl.store(ptr + dd, code, mask=dmask)
-        tl.store(scale_ptr, scale)
-
-
-@triton.jit
-def _load_rows(ptr, addr, dd, mask2, scale_ptr, saddr, smask, QUANT: tl.constexpr):
-    """Rows at ``addr`` ``(N,)`` (+ ``dd`` along the head dimension) as float32 ``(N, DP)``, dequantised for
-    8-bit storage (``codes * scale``)."""
-    x = tl.load(ptr + addr[:, None] + dd[None, :], mask=mask2, other=0)
-    if QUANT == 0:
-        return x.to(tl.float32)
-    if QUANT == 2:
-        x = x.to(tl.float8e4nv, bitcast=True)
-    s = tl.load(scale_ptr + saddr, mask=smask, other=0.0)
-    return x.to(tl.float32) * s[:, None]
-
-
-@triton.jit
-def _load_row(ptr, addr, dd, dmask, scale_ptr, saddr, QUANT: tl.constexpr):
-    """One row at ``addr`` as float32 ``(DP,)`` (:func:`_load_rows` for a single slot)."""
-    x = tl.load(ptr + addr + dd, mask=dmask, other=0)
-    if QUANT == 0:
-        return x.to(tl.float32)
-    if QUANT == 2:
-        x = x.to(tl.float8e4nv, bitcast=True)
-    return x.to(tl.float32) * tl.load(scale_ptr + saddr)
-
 
 @triton.jit
 def _attend_block(m_run, den, acc, x, b, o, ok, h, dd, dmask, v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so,
@@ -125,7 +61,7 @@ def _attend_block(m_run, den, acc, x, b, o, ok, h, dd, dmask, v_ptr, v_sb, v_sh,
     m_new = tl.maximum(m_run, tl.max(x, 1))
     alpha = tl.exp(m_run - m_new)
     e = tl.exp(x - m_new[:, None])
-    vt = _load_rows(
+    vt = load_rows(
         v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
         vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
     )  # fmt: skip
@@ -183,8 +119,8 @@ def _append_logits_kernel(
         kn = tl.load(kn_ptr + r * kn_sr + h * kn_sh + dd * kn_sd, mask=dmask, other=0.0).to(tl.float32)
         vn = tl.load(vn_ptr + r * vn_sr + h * vn_sh + dd * vn_sd, mask=dmask, other=0.0).to(tl.float32)
         sbase = blk * s_sb + h * s_sh + off * s_so
-        _store_row(k_ptr + blk * k_sb + h * k_sh + off * k_so, ks_ptr + sbase, kn, dd * k_sd, dmask, QUANT)
-        _store_row(v_ptr + blk * v_sb + h * v_sh + off * v_so, vs_ptr + sbase, vn, dd * v_sd, dmask, QUANT)
+        store_row(k_ptr + blk * k_sb + h * k_sh + off * k_so, ks_ptr + sbase, kn, dd * k_sd, dmask, QUANT)
+        store_row(v_ptr + blk * v_sb + h * v_sh + off * v_so, vs_ptr + sbase, vn, dd * v_sd, dmask, QUANT)
         tl.store(pos_ptr + meta + free * m_ss, tl.load(newest_ptr + r * newest_sr))
         tl.store(score_ptr + meta + free * m_ss, 0.0)
         if HAS_HV:
@@ -207,7 +143,7 @@ def _append_logits_kernel(
         ok = s < hi
         b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
         o = (s % block_size).to(tl.int64)
-        kt = _load_rows(
+        kt = load_rows(
             k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
             ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
         )  # fmt: skip
@@ -235,95 +171,6 @@ def _append_logits_kernel(
     tl.store(stat_ptr + sb + 1, l_run, mask=gmask)
     pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
     tl.store(part_ptr + pb[:, None] + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-
-
-@triton.jit
-def _row_stats(stat_ptr, r, hh, gi, H, S, G: tl.constexpr, SP: tl.constexpr):
-    """Query head ``gi`` of KV head ``hh``: its softmax maximum and normaliser over every slot, combined from the
-    first kernel's per-split values."""
-    sidx = tl.arange(0, SP)
-    smask = sidx < S
-    sb = (((r * H + hh) * G + gi) * S + sidx) * 2
-    ms = tl.load(stat_ptr + sb, mask=smask, other=-3.4028234663852886e38)
-    ls = tl.load(stat_ptr + sb + 1, mask=smask, other=0.0)
-    m = tl.max(ms, 0)
-    return m, tl.sum(ls * tl.exp(ms - m), 0)
-
-
-@triton.jit
-def _head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr, SP: tl.constexpr,
-                 BW: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
-    """The attention a KV head's ``G`` query heads give each slot this step, reduced over them (mean or max);
-    AhaKV's sharpened rule normalises ``softmax(c * logits)`` instead of the softmax."""
-    if GROUP_MAX:
-        acc = tl.full([BW], float("-inf"), tl.float32)
-    else:
-        acc = tl.zeros([BW], tl.float32)
-    xbase = (r * H + hh).to(tl.int64) * G * W
-    for gi in tl.static_range(G):
-        x = tl.load(x_ptr + xbase + gi * W + sw, mask=wmask, other=float("-inf"))
-        m, lsum = _row_stats(stat_ptr, r, hh, gi, H, S, G, SP)
-        if RULE == 2:
-            t = tl.exp(c * (x - m))
-            tot = tl.sum(t, 0)
-            p = tl.where(tot > 0, t / tot, 0.0)
-        else:
-            p = tl.where(lsum > 0, tl.exp(x - m) / lsum, 0.0)
-        if GROUP_MAX:
-            acc = tl.maximum(acc, p)
-        else:
-            acc = acc + p
-    if GROUP_MAX:
-        return tl.where(wmask, acc, 0.0)
-    return acc / G
-
-
-@triton.jit
-def _block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                r, h, s, ok, dd, dmask, QUANT: tl.constexpr):  # fmt: skip
-    """The float32 keys ``(N, DP)`` of KV head ``h``'s slots ``s`` of step row ``r`` (where ``ok``), through the block
-    table (dequantised for 8-bit storage)."""
-    b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
-    o = (s % block_size).to(tl.int64)
-    return _load_rows(
-        k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
-        ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-    )  # fmt: skip
-
-
-@triton.jit
-def _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
-                   D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
-                   QUANT: tl.constexpr):  # fmt: skip
-    """KeyDiff's decode score of a row's ``BW`` slots (:func:`slake.methods.keydiff.keydiff_scores`): the anchor is
-    the mean of the held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), a slot's score minus its
-    key's cosine to it (``F.cosine_similarity``: ``k . a / (max(|k|, 1e-8) max(|a|, 1e-8))``), 0 where the slot is
-    empty. Two passes over the keys, ``LB`` slots at a time; the cosines go through the row's scratch buffer into
-    a ``(BW,)`` vector."""
-    dd = tl.arange(0, DP)
-    dmask = dd < D
-    anchor = tl.zeros([DP], tl.float32)
-    for s0 in range(0, W, LB):
-        s = s0 + tl.arange(0, LB)
-        ok = s < W
-        kt = _block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                         r, h, s, ok, dd, dmask, QUANT)  # fmt: skip
-        held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
-        unit = kt / tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-12)[:, None]
-        anchor += tl.sum(tl.where(held[:, None], unit, 0.0), 0)
-    anchor = anchor / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
-    anorm = tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-8)
-    base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
-    for s0 in range(0, W, LB):
-        s = s0 + tl.arange(0, LB)
-        ok = s < W
-        kt = _block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                         r, h, s, ok, dd, dmask, QUANT)  # fmt: skip
-        knorm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-8)
-        tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
-    tl.debug_barrier()
-    return tl.where(valid, -tl.load(base + sw, mask=wmask, other=0.0), 0.0)
 
 
 @triton.jit
@@ -371,10 +218,10 @@ def _evict_attend_kernel(
     if RULE == 3:  # TOVA: the mean over every query head of the layer
         sig = tl.zeros([BW], tl.float32)
         for hh in range(0, H):
-            sig += _head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
+            sig += head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
         new = sig / H
-    elif RULE <= 2:
-        sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
+    elif RULE <= 2 or RULE == 6:
+        sig = head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
         if RULE == 0:
             new = sig
             if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
@@ -382,14 +229,13 @@ def _evict_attend_kernel(
         elif RULE == 1:  # H2O: accumulate onto the stored score (0 where it is not finite)
             finite = (stored == stored) & (tl.abs(stored) != float("inf"))
             new = tl.where(finite, stored, 0.0) + sig
-        else:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
+        elif RULE == 2:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
             finite = (stored == stored) & (tl.abs(stored) != float("inf"))
             new = tl.where((~finite) & valid, 0.0, stored) + sig
-    elif RULE == 6:  # KVzip: the running max of the attention a slot receives
-        sig = _head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
-        new = tl.maximum(stored, sig)
+        else:  # KVzip: the running max of the attention a slot receives
+            new = tl.maximum(stored, sig)
     elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots held
-        new = _key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+        new = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
                              valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
                              D, DP, BW, LB, QUANT)  # fmt: skip
     elif RULE == 4:
@@ -457,8 +303,8 @@ def _evict_attend_kernel(
     vb = tl.load(table_ptr + r * t_sr + victim // block_size).to(tl.int64)
     vo = (victim % block_size).to(tl.int64)
     vs = vb * s_sb + h * s_sh + vo * s_so
-    kv_k = _load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, dd * k_sd, dmask, ks_ptr, vs, QUANT)
-    kv_v = _load_row(v_ptr, vb * v_sb + h * v_sh + vo * v_so, dd * v_sd, dmask, vs_ptr, vs, QUANT)
+    kv_k = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, dd * k_sd, dmask, ks_ptr, vs, QUANT)
+    kv_v = load_row(v_ptr, vb * v_sb + h * v_sh + vo * v_so, dd * v_sd, dmask, vs_ptr, vs, QUANT)
     if HAS_LINEAR:
         # The state's D x D block is read, updated and multiplied by the queries LB rows at a time (a whole
         # 128 x 128 float32 tile, twice over, would not fit one program's registers and would spill): the linear
@@ -480,7 +326,7 @@ def _evict_attend_kernel(
             imask = ii < D
             bmask = imask[:, None] & dmask[None, :]
             blk = tl.load(abase + ii[:, None] * a_si + dd[None, :] * a_sj, mask=bmask, other=0.0)
-            k_i = _load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT) * cf
+            k_i = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT) * cf
             blk2 = blk + k_i[:, None] * kv_v[None, :]
             tl.store(abase + ii[:, None] * a_si + dd[None, :] * a_sj, blk2, mask=bmask & chosen)
             q_i = tl.load(

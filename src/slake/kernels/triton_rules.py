@@ -1,0 +1,89 @@
+"""The decode rules' per-slot signals inside the fused decode kernels' second kernel
+(:mod:`slake.kernels.triton_decode`, :class:`slake.methods.decode_rule.FusedDecodeRule`): each query head's
+softmax statistics combined over the first kernel's pieces, the attention a KV head's query heads give each slot,
+and KeyDiff's key diversity."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from slake.kernels.triton_slots import block_keys
+
+__all__ = ["head_signal", "key_diversity", "row_stats"]
+
+
+@triton.jit
+def row_stats(stat_ptr, r, hh, gi, H, S, G: tl.constexpr, SP: tl.constexpr):
+    """Query head ``gi`` of KV head ``hh``: its softmax maximum and normaliser over every slot, combined from the
+    first kernel's per-split values."""
+    sidx = tl.arange(0, SP)
+    smask = sidx < S
+    sb = (((r * H + hh) * G + gi) * S + sidx) * 2
+    ms = tl.load(stat_ptr + sb, mask=smask, other=-3.4028234663852886e38)
+    ls = tl.load(stat_ptr + sb + 1, mask=smask, other=0.0)
+    m = tl.max(ms, 0)
+    return m, tl.sum(ls * tl.exp(ms - m), 0)
+
+
+@triton.jit
+def head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr, SP: tl.constexpr,
+                 BW: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
+    """The attention a KV head's ``G`` query heads give each slot this step, reduced over them (mean or max);
+    AhaKV's sharpened rule normalises ``softmax(c * logits)`` instead of the softmax."""
+    if GROUP_MAX:
+        acc = tl.full([BW], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BW], tl.float32)
+    xbase = (r * H + hh).to(tl.int64) * G * W
+    for gi in tl.static_range(G):
+        x = tl.load(x_ptr + xbase + gi * W + sw, mask=wmask, other=float("-inf"))
+        m, lsum = row_stats(stat_ptr, r, hh, gi, H, S, G, SP)
+        if RULE == 2:
+            t = tl.exp(c * (x - m))
+            tot = tl.sum(t, 0)
+            p = tl.where(tot > 0, t / tot, 0.0)
+        else:
+            p = tl.where(lsum > 0, tl.exp(x - m) / lsum, 0.0)
+        if GROUP_MAX:
+            acc = tl.maximum(acc, p)
+        else:
+            acc = acc + p
+    if GROUP_MAX:
+        return tl.where(wmask, acc, 0.0)
+    return acc / G
+
+
+@triton.jit
+def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
+                   D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
+                   QUANT: tl.constexpr):  # fmt: skip
+    """KeyDiff's decode score of a row's ``BW`` slots (:func:`slake.methods.keydiff.keydiff_scores`): the anchor is
+    the mean of the held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), a slot's score minus its
+    key's cosine to it (``F.cosine_similarity``: ``k . a / (max(|k|, 1e-8) max(|a|, 1e-8))``), 0 where the slot is
+    empty. Two passes over the keys, ``LB`` slots at a time; the cosines go through the row's scratch buffer into
+    a ``(BW,)`` vector."""
+    dd = tl.arange(0, DP)
+    dmask = dd < D
+    anchor = tl.zeros([DP], tl.float32)
+    for s0 in range(0, W, LB):
+        s = s0 + tl.arange(0, LB)
+        ok = s < W
+        kt = block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                         r, h, s, ok, dd, dmask, QUANT)  # fmt: skip
+        held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
+        unit = kt / tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-12)[:, None]
+        anchor += tl.sum(tl.where(held[:, None], unit, 0.0), 0)
+    anchor = anchor / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
+    anorm = tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-8)
+    base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+    for s0 in range(0, W, LB):
+        s = s0 + tl.arange(0, LB)
+        ok = s < W
+        kt = block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                         r, h, s, ok, dd, dmask, QUANT)  # fmt: skip
+        knorm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-8)
+        tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
+    tl.debug_barrier()
+    return tl.where(valid, -tl.load(base + sw, mask=wmask, other=0.0), 0.0)

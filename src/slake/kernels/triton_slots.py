@@ -1,0 +1,88 @@
+"""How the fused decode kernels (:mod:`slake.kernels.triton_decode`) read and write a layer's slots: one key or value
+row at a time or a block of them, through a block table and four strides, as stored (model dtype) or as 8-bit codes
+with one float32 scale per row (:mod:`slake.cache.quant`'s rounding, reproduced bit for bit)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["block_keys", "load_row", "load_rows", "round_e4m3", "round_half_even", "store_row"]
+
+
+@triton.jit
+def round_half_even(y):
+    """``torch.round``: to the nearest integer, ties to even."""
+    f = tl.floor(y)
+    diff = y - f
+    f_even = (f - 2.0 * tl.floor(f * 0.5)) == 0.0
+    return tl.where(diff > 0.5, f + 1.0, tl.where(diff < 0.5, f, tl.where(f_even, f, f + 1.0)))
+
+
+@triton.jit
+def round_e4m3(y):
+    """``y`` (within +-448) rounded to the nearest float8 e4m3 value, ties to even, in float32 arithmetic: 3 mantissa
+    bits, so the step is ``2^(e - 3)`` in the binade ``2^e`` (``e >= -6``; below, the subnormal step ``2^-9``).
+    The conversion of the exact result to e4m3 then needs no rounding (Triton's interpreter rounds some ties across
+    a binade down, triton-lang/triton's numpy emulation of the cast)."""
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1.0e-30))), -6.0)
+    step = tl.exp2(e - 3.0)
+    return round_half_even(y / step) * step
+
+
+@triton.jit
+def store_row(ptr, scale_ptr, x, dd, dmask, QUANT: tl.constexpr):
+    """Store one key or value row ``x`` (float32, ``(DP,)``): as is, or as 8-bit codes plus a float32 scale
+    (:func:`slake.cache.quant.quantize_rows`: ``scale = max|x| / qmax``, codes ``round(x / scale)`` for int8, the
+    e4m3 conversion for fp8)."""
+    if QUANT == 0:
+        tl.store(ptr + dd, x.to(ptr.dtype.element_ty), mask=dmask)
+    else:
+        qmax = 127.0 if QUANT == 1 else 448.0
+        scale = tl.max(tl.abs(x), 0) / qmax
+        y = x / tl.maximum(scale, 1.1754943508222875e-38)
+        y = tl.minimum(tl.maximum(y, -qmax), qmax)
+        if QUANT == 1:
+            code = round_half_even(y).to(tl.int8)
+            tl.store(ptr + dd, code, mask=dmask)
+        else:
+            code = round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            tl.store(ptr + dd, code, mask=dmask)
+        tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def load_rows(ptr, addr, dd, mask2, scale_ptr, saddr, smask, QUANT: tl.constexpr):
+    """Rows at ``addr`` ``(N,)`` (+ ``dd`` along the head dimension) as float32 ``(N, DP)``, dequantised for
+    8-bit storage (``codes * scale``)."""
+    x = tl.load(ptr + addr[:, None] + dd[None, :], mask=mask2, other=0)
+    if QUANT == 0:
+        return x.to(tl.float32)
+    if QUANT == 2:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    s = tl.load(scale_ptr + saddr, mask=smask, other=0.0)
+    return x.to(tl.float32) * s[:, None]
+
+
+@triton.jit
+def load_row(ptr, addr, dd, dmask, scale_ptr, saddr, QUANT: tl.constexpr):
+    """One row at ``addr`` as float32 ``(DP,)`` (:func:`load_rows` for a single slot)."""
+    x = tl.load(ptr + addr + dd, mask=dmask, other=0)
+    if QUANT == 0:
+        return x.to(tl.float32)
+    if QUANT == 2:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float32) * tl.load(scale_ptr + saddr)
+
+
+@triton.jit
+def block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                r, h, s, ok, dd, dmask, QUANT: tl.constexpr):  # fmt: skip
+    """The float32 keys ``(N, DP)`` of KV head ``h``'s slots ``s`` of step row ``r`` (where ``ok``), through the block
+    table (dequantised for 8-bit storage)."""
+    b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
+    o = (s % block_size).to(tl.int64)
+    return load_rows(
+        k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
+        ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+    )  # fmt: skip
