@@ -196,6 +196,31 @@ def test_projected_norm_is_the_l1_norm_through_each_query_heads_output_columns()
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_projected_norm_never_copies_the_output_projection():
+    """A decode step projects one value per KV head: no operation may make a weight-sized tensor (a rearranged or
+    cast copy of ``W_o`` per call cost 57 ms per layer and step at Llama-3-8B's shapes on two CPU cores)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:  # new memory, no view
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    wo = torch.randn(64, HQ * D)
+    v = torch.randn(1, HKV, 1, D)
+    with Largest() as mode:
+        projected_norm(v, wo, HQ)
+    assert mode.numel < wo.numel() // 2
+
+
 def _critical_layer(seed: int = 9) -> LayerContext:
     return LayerContext(out_proj=torch.randn(24, HQ * D, generator=torch.Generator().manual_seed(seed)))
 

@@ -51,16 +51,25 @@ def projected_norm(values: torch.Tensor, out_proj: torch.Tensor, num_heads: int)
     """``(B, Hkv, n)`` float32 mean over a KV head's query heads ``g`` of ``||W_o^g v_j||_1``.
 
     ``values``: ``(B, Hkv, n, d)``; ``out_proj``: ``(hidden, Hq * d)`` (query head ``g`` owns columns ``g*d..``).
+    The weight is read in place, as a ``(Hq, d, hidden)`` view, never rearranged or cast: a decode step projects one
+    value per KV head, and a copy of ``W_o`` per call would cost more than the projection (Llama-3-8B's is 64 MB in
+    float32). The projection runs in the weight's dtype (float32 accumulation on a GPU; on bfloat16 weights the
+    products are rounded to bfloat16 before the L1 sum, which is taken in float32).
     """
     B, H, n, d = values.shape
     g = num_heads // H
     hidden = out_proj.shape[0]
-    w = out_proj.float().reshape(hidden, H, g, d).permute(1, 3, 2, 0).reshape(H, d, g * hidden)
+    heads = out_proj.view(hidden, num_heads, d).permute(1, 2, 0)  # (Hq, d, hidden): W_o^q transposed, a view
     out = values.new_zeros(B, H, n, dtype=torch.float32)
-    block = max(1, (1 << 24) // max(1, B * H * g * hidden))
+    block = max(1, (1 << 24) // max(1, B * num_heads * hidden))
     for i in range(0, n, block):
-        proj = torch.einsum("bhnd,hdk->bhnk", values[:, :, i : i + block].float(), w)
-        out[:, :, i : i + block] = proj.reshape(B, H, -1, g, hidden).abs().sum(-1).mean(-1)
+        v = values[:, :, i : i + block]
+        m = v.shape[2]
+        # each query head's copy of its KV head's values: (Hq, B * m, d), small next to the weight
+        x = v.to(out_proj.dtype).transpose(0, 1).reshape(H, 1, B * m, d).expand(H, g, B * m, d)
+        proj = torch.bmm(x.reshape(num_heads, B * m, d), heads)  # (Hq, B * m, hidden)
+        norm = proj.abs().sum(-1, dtype=torch.float32).view(H, g, B, m).mean(1)  # (H, B, m)
+        out[:, :, i : i + block] = norm.transpose(0, 1)
     return out
 
 
