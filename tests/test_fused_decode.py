@@ -14,7 +14,8 @@ from slake.cache.compressed import CompressedKV, resolve_kernels
 from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, slot_blocks
 from slake.methods import available_methods, make_method
-from slake.methods.base import DecodeInputs, Method
+from slake.methods.base import DecodeInputs, LayerContext, Method
+from slake.methods.rotary import Rotary
 
 FUSED = [n for n in available_methods() if make_method(n).fused_rule() is not None]
 #: where the kernels run: a GPU's compiled kernels where there is one, else the interpreter on CPU tensors
@@ -43,6 +44,11 @@ def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(DEVICE, dtype)
 
+    if method.layer_facts():  # Expected Attention's rotary embedding, CriticalKV's output projection
+        inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+        eng.layer_context = [
+            LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=rnd(24, H * G * D)) for _ in range(layers)
+        ]
     if method.second_pass is not None:  # KVzip: its reconstruction pass's scores, random here
         eng.pass_scores = torch.rand(layers, B, H, S, generator=g).to(DEVICE)
     for li in range(layers):
@@ -76,6 +82,8 @@ def _assert_same(ref, ref_out, fused, fused_out, tol: float) -> None:
             assert torch.equal(sa.head_visible, sb.head_visible)
         if sa.linear is not None:
             torch.testing.assert_close(sb.linear.aug, sa.linear.aug, rtol=tol, atol=tol)
+        if sa.weights is not None:  # CriticalKV's projected value norms, the new slots' from the kernels
+            torch.testing.assert_close(sb.weights[sb.valid], sa.weights[sa.valid], rtol=tol, atol=tol)
     for a, b in zip(ref.position, fused.position, strict=True):
         assert torch.equal(a, b)
 
@@ -134,6 +142,10 @@ def test_fused_rules_read_nothing_from_empty_slots(name):
         ("ada-snapkv", {"budget": 20}),  # per-head budgets
         ("keydiff", {"kv_dtype": "int8", "G": 1, "H": 3}),  # a rule reading the kept keys: dequantised, MHA
         ("kvzip", {"G": 4, "H": 1, "pad": False, "B": 1}),
+        ("expected-attention", {"G": 1, "H": 3, "kv_dtype": "int8"}),  # mapped queries and value norms, dequantised
+        ("criticalkv", {"kv_dtype": "fp8_e4m3"}),  # the new slot's projection reads its dequantised value
+        ("ada-criticalkv", {"budget": 20, "G": 4, "H": 1}),  # per-head budgets, a group of four
+        ("criticalkv[scorer=expected-attention,window=0]", {}),  # two stages over the mapped queries' softmax
     ],
 )
 def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options, split_rows):
@@ -143,8 +155,19 @@ def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, option
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
+def test_the_two_stages_count_their_first_stage_in_float64():
+    """Rows of 10 held slots at ratio 0.7: ``floor(10 * 0.7)`` is 7 in float64, as the torch rule computes it, and
+    6 with the ratio rounded to float32 (a kernel's float argument is float32)."""
+    method = _method("criticalkv[first_stage_ratio=0.7]")
+    ref, ref_out = _run(method, "torch", budget=9)
+    assert int(ref.layers[0].valid[0, 0].sum()) == 9
+    assert int((ref.layers[0].scores[ref.layers[0].valid] > 1e29).sum()) > 0
+    fused, fused_out = _run(method, "triton", budget=9)
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["slake", "h2o"])
+@pytest.mark.parametrize("name", ["slake", "h2o", "criticalkv", "expected-attention"])
 def test_fused_step_with_a_half_precision_cache(name, dtype):
     method = _method(name)
     ref, ref_out = _run(method, "torch", dtype=dtype)
@@ -178,11 +201,19 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
         cache = torch.zeros(64, BS, H, 2 * D, device=DEVICE).permute(0, 2, 1, 3)
     else:
         cache = torch.zeros(64, H, BS, 2 * D, device=DEVICE)
-    pool = DecodePool(method, 1, H, D, width, BS, rows=2, layout=layout, kernels=kernels, device=DEVICE)
+    contexts = None
+    if method.layer_facts():
+        inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+        contexts = [LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=torch.randn(24, H * G * D).to(DEVICE))]
+    pool = DecodePool(
+        method, 1, H, D, width, BS, rows=2, layout=layout, kernels=kernels, device=DEVICE, layer_context=contexts
+    )
     rows, tables = [], []
     perm = torch.randperm(63)[: nb * len(lengths)] + 1
     for r, n in enumerate(lengths):
         ref = CompressedKV(method, BUDGET, 1, kernels="torch")
+        if contexts is not None:
+            ref.layer_context = contexts
         ref.prefill_layer(0, torch.randn(1, H * G, n, D), torch.randn(1, H, n, D), torch.randn(1, H, n, D), None, 0.25)
         blocks = perm[r * nb : (r + 1) * nb]
         st = ref.layers[0]
@@ -207,7 +238,9 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
     return pool, cache, outs
 
 
-@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "streamingllm", "keydiff"])
+@pytest.mark.parametrize(
+    "name", ["snapkv", "slake", "h2o", "streamingllm", "keydiff", "criticalkv", "expected-attention"]
+)
 @pytest.mark.parametrize(
     "layout, row_slice", [(CpuAttnLayout(), False), (FlashAttnLayout(), True)], ids=["cpu", "flash"]
 )
@@ -221,6 +254,8 @@ def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, spl
     assert torch.equal(ref_cache, cache)
     if ref.linear is not None:
         torch.testing.assert_close(fused.linear, ref.linear, rtol=1e-5, atol=1e-5)
+    if ref.weights is not None:
+        torch.testing.assert_close(fused.weights[ref.valid], ref.weights[ref.valid], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- launches
@@ -259,7 +294,7 @@ def _counted_kernels(monkeypatch) -> list:
 
             return run
 
-    for kernel in ("_append_logits_kernel", "_evict_attend_kernel"):
+    for kernel in ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel"):
         monkeypatch.setattr(triton_decode, kernel, Counting(getattr(triton_decode, kernel)))
     return launched
 
@@ -276,7 +311,8 @@ def _count_one_step(name: str, kernels: str, monkeypatch) -> int:
     return len(mode.ops) + len(launched)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "slake", "tova", "ahakv", "keydiff", "kvzip"])
+@pytest.mark.parametrize("name", ["snapkv", "slake", "tova", "ahakv", "keydiff", "kvzip", "expected-attention",
+                                  "criticalkv", "ada-criticalkv"])  # fmt: skip
 def test_one_fused_step_of_one_layer_is_at_most_four_launches(name, monkeypatch):
     assert _count_one_step(name, "triton", monkeypatch) <= 4
     # the counter sees the torch step's operations (a count that cannot pass by accident)

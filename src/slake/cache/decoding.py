@@ -301,6 +301,8 @@ class Decoder:
                 # the fused kernels' row table, made now: one made inside a captured step would be a CUDA graph's
                 # output, overwritten by the next replay while the store still holds it
                 store.kernel_memory()
+            # a decode rule's per-layer map (Expected Attention's rotation), made now rather than in a compiled step
+            state.method.decode_query_map(state.layer_context[i], store.values.shape[-1], store.values.device)
         info = state.prefill_info()
         for name in ("real_len", "first_real", "budget"):
             info.device_copy(name, state.store(0).keys.device)

@@ -1,7 +1,7 @@
 """The decode step through the fused Triton kernels where they cover it, the torch step elsewhere.
 
 :func:`run_step` is what both engines call for a single-token step: with ``kernels="triton"`` it hands the step to
-:func:`slake.kernels.triton_decode.fused_step_op` (two launches per layer) when the method's decode rule has a fused
+:func:`slake.kernels.triton_decode.fused_step_op` (two or three launches) when the method's decode rule has a fused
 form (:meth:`slake.methods.base.Method.fused_rule`) and the storage is one the kernels address
 (:class:`KVMemory`); otherwise it runs :func:`slake.cache.decode_step.decode_step` and records why in a
 :class:`KernelReport` (logged once per reason), never silently.
@@ -69,6 +69,15 @@ def _why_not(method: Method, slots: StepSlots, mem: KVMemory | None) -> str | No
         return f"{mem.quant} storage"
     if slots.linear is not None and slots.linear.dtype != torch.float32:
         return "a linear state that is not float32"
+    rule = method.fused_rule()
+    assert rule is not None
+    if rule.kind == "expected_attention" and method.evict_before_output:
+        return "a rule on mapped queries that evicts before the output"
+    if rule.two_stage is not None:
+        if slots.weights is None:
+            return "a two-stage rule without the slots' weights"
+        if slots.layer is None or slots.layer.out_proj is None:
+            return "a two-stage rule without the layer's output projection"
     return None
 
 
@@ -111,6 +120,8 @@ def fused_decode_step(
             first_real=None if slots.first_real is None else slots.first_real[rows],
             head_visible=None if slots.head_visible is None else slots.head_visible[rows],
             linear=None if slots.linear is None else type(slots.linear)(slots.linear.aug[rows]),
+            layer=slots.layer,
+            weights=None if slots.weights is None else slots.weights[rows],
         )
     elif rows is not None:
         row_index = rows
@@ -131,7 +142,18 @@ def fused_decode_step(
         int(bool(method.window) and not method.newest_evictable),
         int(method.evict_before_output),
         int(counter is not None),
+        int(rule.value_norm),
+        int(rule.two_stage is not None),
     ]
+    d = query.shape[-1]
+    query_map = method.decode_query_map(slots.layer, d, dev) if rule.kind == "expected_attention" else empty_f
+    if query_map is None:
+        raise ValueError(f"{method.name}: its fused rule needs decode_query_map")
+    ratio = rule.two_stage
+    weights = slots.weights if ratio is not None else None
+    out_proj = slots.layer.out_proj if ratio is not None and slots.layer is not None else None
+    if ratio is not None and (weights is None or out_proj is None):  # excluded by _why_not
+        raise ValueError(f"{method.name}: its two-stage rule needs the slots' weights and the output projection")
     # the custom operator for torch.compile to capture; in eager code the function itself (the operator's Python
     # dispatch cost more than the step's own host work)
     op = fused_step_op if torch.compiler.is_compiling() else fused_step
@@ -161,11 +183,17 @@ def fused_decode_step(
         empty_i if slots.first_real is None else slots.first_real,
         empty_f if slots.linear is None else slots.linear.aug,
         empty_i if counter is None else counter,
+        query_map,
+        empty_f if weights is None else weights,
+        empty_f if out_proj is None else out_proj,
         int(mem.width),
         float(scaling),
         int(method.window),
         int(method.sinks),
         float(rule.pinned),
+        float(rule.epsilon),
+        float(rule.two_stage_epsilon),
+        0.0 if ratio is None else float(ratio),
         flags,
         torch.float32,
     )

@@ -17,8 +17,13 @@ its own block table) and arbitrary strides for keys and values:
    output: the pieces' partial sums combined, plus the linear term. A method that evicts before its output
    (SLAKE's Algorithm 1) has the victim's piece summed again without it; optionally the layer's position counter.
 
-Two launches per layer and step, whatever the method; nothing is read back to the host and every buffer address is
-an argument, so the pair is graph-safe. The launcher is a custom operator (``torch.library.custom_op``,
+A rule that reads the step's queries through a fixed map (Expected Attention) has the first kernel compute its
+logits and softmax statistics beside the attention's, and each slot's value norm. CriticalKV's two stages weigh
+the slots by their projected value norms: the new slot's is computed between the two kernels by
+:func:`_value_projection_kernel` (a third launch, reading ``W_o`` once), the others are kept per slot.
+
+Two launches per layer and step (three for CriticalKV); nothing is read back to the host and every buffer address
+is an argument, so the kernels are graph-safe. The launcher is a custom operator (``torch.library.custom_op``,
 ``slake::fused_decode_step``, with a fake implementation) so that ``torch.compile`` captures it as one opaque node
 with declared mutations instead of breaking the graph (an opaque op rather than ``triton_op``: tracing into the
 kernels is what Triton's interpreter cannot do, and there is nothing for inductor to fuse around them). On a machine
@@ -30,15 +35,20 @@ slots live in :mod:`slake.kernels.triton_slots`, the decode rules' per-slot sign
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import custom_op
 
-from slake.kernels.triton_rules import head_signal, key_diversity
+from slake.kernels.triton_rules import head_signal, key_diversity, two_stage
 from slake.kernels.triton_slots import load_row, load_rows, store_row
 
-__all__ = ["MIN_SPLIT", "RULE_CODES", "TARGET_PROGRAMS", "fused_step", "fused_step_op", "split_size"]
+__all__ = [
+    "MIN_SPLIT", "PROJECTION_BLOCK", "RULE_CODES", "TARGET_PROGRAMS", "fused_step", "fused_step_op", "ratio_parts",
+    "split_size",
+]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
 RULE_CODES = {
@@ -50,6 +60,7 @@ RULE_CODES = {
     "pinned_recency": 5,
     "running_max": 6,
     "key_diversity": 7,
+    "expected_attention": 8,
 }
 
 
@@ -86,9 +97,11 @@ def _append_logits_kernel(
     hv_ptr, hv_sr, hv_sh, hv_sg, hv_ss,
     newest_ptr, newest_sr,
     x_ptr, stat_ptr, part_ptr, newslot_ptr,
+    map_ptr, estat_ptr, norm_ptr,
     W, H, S, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
+    MAP_Q: tl.constexpr, VNORM: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -138,6 +151,11 @@ def _append_logits_kernel(
     l_run = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
     xbase = (r * H + h).to(tl.int64) * G * W
+    if MAP_Q:  # a rule's own queries (Expected Attention): q M^T, with their own softmax statistics
+        mq = tl.load(map_ptr + dd[:, None] * D + dd[None, :], mask=dmask[:, None] & dmask[None, :], other=0.0)
+        q2 = tl.dot(q, tl.trans(mq), input_precision="ieee")
+        m2 = tl.full([GP], -3.4028234663852886e38, tl.float32)
+        l2 = tl.zeros([GP], tl.float32)
     for s0 in range(lo, hi, BLOCK_N):
         s = s0 + tl.arange(0, BLOCK_N)
         ok = s < hi
@@ -161,7 +179,21 @@ def _append_logits_kernel(
             )
             vis2 = vis2 & (hv != 0)
         x = tl.where(vis2, x, float("-inf"))
-        tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x, mask=gmask[:, None] & ok[None, :])
+        if MAP_Q:  # the second kernel reads the rule's logits (masked by validity alone), not the attention's
+            x2 = tl.dot(q2, tl.trans(kt), input_precision="ieee")
+            x2 = tl.where(vis[None, :] & gmask[:, None], x2, float("-inf"))
+            tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x2, mask=gmask[:, None] & ok[None, :])
+            m2n = tl.maximum(m2, tl.max(x2, 1))
+            l2 = l2 * tl.exp(m2 - m2n) + tl.sum(tl.exp(x2 - m2n[:, None]), 1)
+            m2 = m2n
+        else:
+            tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x, mask=gmask[:, None] & ok[None, :])
+        if VNORM:  # each slot's value norm ||v||_2, for the second kernel's rule
+            vt = load_rows(
+                v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
+                vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
+            )  # fmt: skip
+            tl.store(norm_ptr + (r * H + h).to(tl.int64) * W + s, tl.sqrt(tl.sum(vt * vt, 1)), mask=ok)
         m_run, l_run, acc = _attend_block(
             m_run, l_run, acc, x, b, o, ok, h, dd, dmask,
             v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so, QUANT, LOW_DOT,
@@ -169,8 +201,48 @@ def _append_logits_kernel(
     sb = (((r * H + h) * G + g) * S + sp) * 2
     tl.store(stat_ptr + sb, m_run, mask=gmask)
     tl.store(stat_ptr + sb + 1, l_run, mask=gmask)
+    if MAP_Q:
+        tl.store(estat_ptr + sb, m2, mask=gmask)
+        tl.store(estat_ptr + sb + 1, l2, mask=gmask)
     pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
     tl.store(part_ptr + pb[:, None] + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _value_projection_kernel(
+    v_ptr, v_sb, v_sh, v_so, v_sd,
+    vs_ptr, s_sb, s_sh, s_so,
+    table_ptr, t_sr, block_size,
+    newslot_ptr, wo_ptr, wo_sj, wo_si, pw_ptr,
+    R, H, hidden, NB,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HB: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """CriticalKV's weight of each row's new slot, in pieces: program (query head ``q``, block ``j`` of ``HB``
+    output channels) writes ``sum_{i in j} |(W_o^q v)_i|`` for every row's new value ``v`` (as stored, dequantised),
+    with :func:`slake.methods.criticalkv.projected_norm`'s roundings (the value and each output in ``W_o``'s
+    dtype); the second kernel sums the pieces and averages over the KV head's query heads. ``W_o`` is read once
+    per step, whatever the number of rows."""
+    qh = tl.program_id(0)
+    nb = tl.program_id(1)
+    h = qh // G
+    dd = tl.arange(0, DP)
+    dmask = dd < D
+    j = nb * HB + tl.arange(0, HB)
+    jmask = j < hidden
+    w = tl.load(
+        wo_ptr + j[:, None].to(tl.int64) * wo_sj + (qh * D + dd)[None, :].to(tl.int64) * wo_si,
+        mask=jmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    for r in range(0, R):
+        free = tl.load(newslot_ptr + r * H + h)
+        blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
+        off = (free % block_size).to(tl.int64)
+        v = load_row(v_ptr, blk * v_sb + h * v_sh + off * v_so, dd * v_sd, dmask,
+                     vs_ptr, blk * s_sb + h * s_sh + off * s_so, QUANT)  # fmt: skip
+        v = v.to(wo_ptr.dtype.element_ty).to(tl.float32)
+        proj = tl.sum(w * v[None, :], 1).to(wo_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(pw_ptr + (r * H * G + qh).to(tl.int64) * NB + nb, tl.sum(tl.abs(proj), 0))
 
 
 @triton.jit
@@ -188,13 +260,15 @@ def _evict_attend_kernel(
     x_ptr, stat_ptr, part_ptr, newslot_ptr, pool_ptr,
     out_ptr, o_sr, o_sh, o_sd,
     counter_ptr,
-    W, H, S, scale, window, sinks, pinned,
+    estat_ptr, norm_ptr, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
+    W, H, S, scale, window, sinks, pinned, epsilon, two_eps, ratio_hi, ratio_mid, ratio_lo,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr,
     LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
     HAS_FIRST: tl.constexpr, HAS_LINEAR: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr,
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
+    VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -238,6 +312,11 @@ def _evict_attend_kernel(
         new = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
                              valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
                              D, DP, BW, LB, QUANT)  # fmt: skip
+    elif RULE == 8:  # Expected Attention: the softmax of the mapped queries' logits, group mean, value-weighted
+        new = head_signal(x_ptr, estat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
+        if VNORM:
+            vnorm = tl.load(norm_ptr + (r * H + h).to(tl.int64) * W + sw, mask=wmask, other=0.0)
+            new = (new + epsilon) * vnorm
     elif RULE == 4:
         new = pos.to(tl.float32)
     else:
@@ -271,6 +350,9 @@ def _evict_attend_kernel(
         tl.store(base + order, pooled, mask=order < W)
         tl.debug_barrier()
         new = tl.load(base + sw, mask=wmask, other=0.0)
+    if TWO_STAGE:
+        new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
+                        two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
     # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
     guard = ~valid
     if PROTECT_WINDOW:
@@ -415,6 +497,19 @@ MIN_SPLIT = 64
 TARGET_PROGRAMS = 256
 
 
+def ratio_parts(ratio: float) -> list[float]:
+    """``ratio`` as three float32 values whose float64 sum is exactly ``ratio`` (a kernel's float arguments are
+    float32; the two-stage rule computes ``floor(n * ratio)`` in float64, as the torch rule does)."""
+    parts = []
+    rest = float(ratio)
+    for _ in range(3):
+        parts.append(struct.unpack("f", struct.pack("f", rest))[0])  # rounded to float32
+        rest -= parts[-1]
+    if rest != 0.0 or (parts[0] + parts[1]) + parts[2] != float(ratio):
+        raise ValueError(f"cannot split the ratio {ratio!r} into three float32 parts")
+    return parts
+
+
 def split_size(width: int, programs: int) -> int:
     """Slots per program of the first kernel for rows of ``width`` slots and ``programs`` (rows x KV heads): rows
     are split over several programs (flash-decoding) until about :data:`TARGET_PROGRAMS` run, never into pieces of
@@ -423,7 +518,11 @@ def split_size(width: int, programs: int) -> int:
     return _pow2(-(-int(width) // wanted), MIN_SPLIT)
 
 
-_MUTATED = ("k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter")
+_MUTATED = (
+    "k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter", "weights",
+)  # fmt: skip
+#: output channels of ``W_o`` per program of the projection kernel
+PROJECTION_BLOCK = 64
 
 
 def fused_step(
@@ -451,21 +550,30 @@ def fused_step(
     first_real: torch.Tensor,
     aug: torch.Tensor,
     counter: torch.Tensor,
+    query_map: torch.Tensor,
+    weights: torch.Tensor,
+    out_proj: torch.Tensor,
     width: int,
     scaling: float,
     window: int,
     sinks: int,
     pinned: float,
+    epsilon: float,
+    two_stage_epsilon: float,
+    ratio: float,
     flags: list[int],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """One decode step of one layer for ``R`` rows (:mod:`slake.kernels.triton_decode`); returns ``(R, Hq, d)``.
 
     ``flags``: ``[quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_kernel, pool_max,
-    zero_window, gain_floor, protect_window, evict_first, advance]`` (the kernels' constexprs). Tensors a flag turns
-    off are passed as empty placeholders. The metadata tensors ``(P, Hkv, >= width)`` share their strides."""
+    zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage]`` (the kernels'
+    constexprs). Tensors a flag turns off are passed as empty placeholders. The metadata tensors ``(P, Hkv, >=
+    width)`` share their strides. ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule;
+    ``weights`` ``(P, Hkv, >= width)`` and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output
+    projection of a two-stage rule (a third kernel projects the new values); ``ratio``: the two stages' ratio."""
     (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
-     gain_floor, protect_window, evict_first, advance) = flags  # fmt: skip
+     gain_floor, protect_window, evict_first, advance, value_norm, two_stage) = flags  # fmt: skip
     R, Hq, d = query.shape
     H = key.shape[1]
     G = Hq // H
@@ -482,6 +590,12 @@ def fused_step(
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
     scratch = pool_k > 1 or rule == RULE_CODES["key_diversity"]  # the pooling's or KeyDiff's row buffers
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
+    map_q = rule == RULE_CODES["expected_attention"]
+    estat = torch.empty_like(stat) if map_q else stat
+    vn = torch.empty(R, H, W, dtype=torch.float32, device=dev) if value_norm else x
+    NB = -(-out_proj.shape[0] // PROJECTION_BLOCK) if two_stage else 1
+    pw = torch.empty(R, Hq, NB, dtype=torch.float32, device=dev) if two_stage else x
+    w_strides = weights.stride() if two_stage else (0, 0, 0)
     m_sr, m_sh, m_ss = positions.stride()
     hv_strides = head_visible.stride() if has_hv else (0, 0, 0, 0)
     a_strides = aug.stride() if has_linear else (0, 0, 0, 0)
@@ -503,9 +617,19 @@ def fused_step(
         head_visible, *hv_strides,
         newest, newest_sr,
         x, stat, part, newslot,
+        query_map, estat, vn,
         W, H, S, float(scaling),
-        HAS_HV=bool(has_hv), **common,
+        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), **common,
     )  # fmt: skip
+    if two_stage:
+        _value_projection_kernel[(Hq, NB)](
+            v_mem, *v_strides,
+            v_scale, *s_strides,
+            table, table.stride(0), block_size,
+            newslot, out_proj, *out_proj.stride(), pw,
+            R, H, out_proj.shape[0], NB,
+            G=G, D=d, DP=DP, HB=PROJECTION_BLOCK, QUANT=quant,
+        )  # fmt: skip
     _evict_attend_kernel[(R, H)](
         query, *query.stride(),
         k_mem, *k_strides,
@@ -520,11 +644,14 @@ def fused_step(
         x, stat, part, newslot, pool,
         out, *out.stride(),
         counter,
-        W, H, S, float(scaling), int(window), int(sinks), float(pinned),
+        estat, vn, weights, *w_strides, pw, NB,
+        W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
+        *ratio_parts(ratio),
         SP=_pow2(S), BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
         GROUP_MAX=bool(group_max),
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
-        PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance), **common,
+        PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
+        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), **common,
     )  # fmt: skip
     return out
 

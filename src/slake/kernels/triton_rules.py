@@ -1,7 +1,7 @@
 """The decode rules' per-slot signals inside the fused decode kernels' second kernel
 (:mod:`slake.kernels.triton_decode`, :class:`slake.methods.decode_rule.FusedDecodeRule`): each query head's
 softmax statistics combined over the first kernel's pieces, the attention a KV head's query heads give each slot,
-and KeyDiff's key diversity."""
+KeyDiff's key diversity, and CriticalKV's two stages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys
 
-__all__ = ["head_signal", "key_diversity", "row_stats"]
+__all__ = ["head_signal", "key_diversity", "row_stats", "two_stage"]
 
 
 @triton.jit
@@ -87,3 +87,37 @@ def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
     tl.debug_barrier()
     return tl.where(valid, -tl.load(base + sw, mask=wmask, other=0.0), 0.0)
+
+
+@triton.jit
+def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, eps,
+              ratio_hi, ratio_mid, ratio_lo, G: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr):  # fmt: skip
+    """CriticalKV's scores (:func:`slake.methods.criticalkv.two_stage`) of a row's ``BW`` slots from their base
+    scores ``base``: the ``floor(n * ratio)`` best of the ``n`` held slots by ``base`` (ties to the lower slot, as a
+    stable descending sort) score ``FIRST`` (1e30), the others ``(base + eps) * w``. ``w`` is the slot's weight;
+    the new slot's is the sum of the projection kernel's pieces averaged over the KV head's query heads, written to
+    the weights here. ``ratio`` comes as three float32 parts that add up to the float64 ratio exactly, so that
+    ``floor(n * ratio)`` is computed in float64 as the torch rule computes it."""
+    gi = tl.arange(0, GP)
+    nbi = tl.arange(0, NBP)
+    pw = tl.load(
+        pw_ptr + ((r * H + h) * G + gi[:, None]).to(tl.int64) * NB + nbi[None, :],
+        mask=(gi < G)[:, None] & (nbi < NB)[None, :],
+        other=0.0,
+    )
+    w_new = tl.sum(tl.sum(pw, 1), 0) / G
+    wbase = wt_ptr + mr * w_sr + h * w_sh
+    wt = tl.load(wbase + sw * w_ss, mask=wmask & (sw != newslot), other=0.0)
+    wt = tl.where(sw == newslot, w_new, wt)
+    tl.store(wbase + newslot * w_ss, w_new)
+    held = tl.sum(valid.to(tl.int32), 0)
+    ratio = tl.cast(ratio_hi, tl.float64) + tl.cast(ratio_mid, tl.float64) + tl.cast(ratio_lo, tl.float64)
+    first = tl.floor(held.to(tl.float64) * ratio).to(tl.int32)
+    ranked = tl.where(valid, base, float("-inf"))
+    top = tl.sort(ranked, 0, descending=True)
+    t = tl.sum(tl.where(sw == first - 1, top, 0.0), 0)  # the first-th largest held score
+    above = valid & (ranked > t)
+    ties = (valid & (ranked == t)).to(tl.int32)
+    before = tl.cumsum(ties, 0) - ties  # tied slots before this one
+    chosen = (first > 0) & (above | ((ties != 0) & (before < first - tl.sum(above.to(tl.int32), 0))))
+    return tl.where(chosen, 1e30, (base + eps) * wt)

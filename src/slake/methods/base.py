@@ -20,7 +20,7 @@ scores are float32. Methods never see a transformers object.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -49,10 +49,14 @@ class LayerContext:
         ``(hidden, Hq * d)`` weight of the layer's output projection ``W_o`` (model dtype), for methods that weigh a
         token by what it writes into the residual stream (CriticalKV). Query head ``h`` owns columns
         ``h*d .. (h+1)*d``.
+    derived : dict
+        Tensors a method derives from these facts once per layer (e.g. :meth:`Method.decode_query_map`'s map),
+        keyed by what they depend on; not part of the context's identity.
     """
 
     rotary: Rotary | None = None
     out_proj: torch.Tensor | None = None
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass
@@ -303,6 +307,12 @@ class Method:
         """The decode rule in the terms of the fused decode kernels (:mod:`slake.methods.decode_rule`), or None when
         it is none of their families (the step then runs in torch, and says so). Must describe
         :meth:`decode_scores` exactly: the kernels' tests compare the two."""
+        return None
+
+    def decode_query_map(self, layer: LayerContext | None, head_dim: int, device: torch.device) -> torch.Tensor | None:
+        """The ``(d, d)`` float32 map ``M`` a decode rule applies to the step's scaled queries before its own
+        softmax (``softmax((M q) . k)``; fused kind ``expected_attention``), or None. Made once per layer and kept in
+        ``layer.derived``, so that a step finds it at a fixed address (CUDA graphs)."""
         return None
 
     def head_budgets(

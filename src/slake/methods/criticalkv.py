@@ -30,13 +30,14 @@ Choices and deviations (``docs/methods/criticalkv.md#deviations``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from slake.methods.ada_snapkv import AdaKVHeads, adakv_head_budgets
 from slake.methods.base import DecodeInputs, LayerContext, Method, PrefillInputs, PrefillScores, register
+from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.expected_attention import ExpectedAttention
 from slake.methods.snapkv import SnapKV
 
@@ -171,6 +172,17 @@ class CriticalKV(Method):
         if layer is None or layer.out_proj is None:
             raise ValueError(f"{self.name}: needs the layer's output projection (LayerContext.out_proj)")
         return projected_norm(values, layer.out_proj, layer.out_proj.shape[1] // values.shape[-1])
+
+    def decode_query_map(self, layer: LayerContext | None, head_dim: int, device: torch.device) -> torch.Tensor | None:
+        """The Expected Attention scorer's map (None with the SnapKV scorer)."""
+        return self._base().decode_query_map(layer, head_dim, device)
+
+    def fused_rule(self) -> FusedDecodeRule | None:
+        """The base scorer's fused rule with CriticalKV's two stages over it."""
+        base = self._base().fused_rule()
+        if base is None:
+            return None
+        return replace(base, two_stage=self.first_stage_ratio, two_stage_epsilon=self.epsilon)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """The base decode rule, then the two stages over the slots held (``int(r * n)`` exempt).

@@ -24,6 +24,8 @@ RULE_KINDS = (
     "pinned_recency",  # pinned slots (stored score >= PINNED / 2) keep PINNED, the others their position (SAGE-KV)
     "running_max",  # max of the stored score and this step's attention reduced over the query heads (KVzip)
     "key_diversity",  # minus the cosine of the slot's key to the mean unit key of the slots held (KeyDiff)
+    "expected_attention",  # softmax of the step's queries moved by a fixed (d, d) map, group mean, optionally
+    #                        (+ epsilon) x the value's L2 norm (Expected Attention)
 )
 
 
@@ -47,6 +49,21 @@ class FusedDecodeRule:
         ``sharpened_accumulation``: AhaKV's gain ``c`` is clamped at 1.
     pinned : float
         ``pinned_recency``: the score of a pinned slot.
+    value_norm : bool
+        ``expected_attention``: the score is ``(p + epsilon) * ||v||_2`` instead of ``p``.
+    epsilon : float
+        ``expected_attention`` with ``value_norm``: added to the attention before the value weighting.
+    two_stage : float | None
+        CriticalKV's two stages over the kind's scores (the base scores ``a``): the ``floor(two_stage * n)`` best of
+        a row's ``n`` held slots by ``a`` score :data:`slake.methods.criticalkv.FIRST`, the others
+        ``(a + two_stage_epsilon) * w`` with ``w`` the slot's weight (``Method.slot_weighted``: the mean over the
+        KV head's query heads ``g`` of ``||W_o^g v||_1``, :func:`slake.methods.criticalkv.projected_norm`; the
+        kernels compute the new slot's from ``LayerContext.out_proj``); None: no stages.
+    two_stage_epsilon : float
+        Added to the base score before the weighting.
+
+    The ``expected_attention`` kind's map is not a parameter here: the kernels take it from
+    :meth:`slake.methods.base.Method.decode_query_map`.
     """
 
     kind: str
@@ -56,9 +73,15 @@ class FusedDecodeRule:
     zero_window: bool = False
     gain_floor: bool = False
     pinned: float = 0.0
+    value_norm: bool = False
+    epsilon: float = 0.0
+    two_stage: float | None = None
+    two_stage_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:
             raise ValueError(f"unknown fused decode rule {self.kind!r}; expected one of {', '.join(RULE_KINDS)}")
         if self.group not in ("mean", "max") or self.pooling not in ("avg", "max") or self.kernel < 1:
+            raise ValueError(f"bad fused decode rule parameters: {self}")
+        if self.two_stage is not None and not 0.0 <= self.two_stage <= 1.0:
             raise ValueError(f"bad fused decode rule parameters: {self}")

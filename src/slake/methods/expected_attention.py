@@ -33,8 +33,9 @@ from typing import ClassVar
 import torch
 
 from slake.methods.ada_snapkv import AdaKVHeads
-from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
+from slake.methods.base import DecodeInputs, LayerContext, Method, PrefillInputs, PrefillScores, register
 from slake.methods.common import group_mean
+from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.rotary import Rotary
 
 __all__ = ["AdaExpectedAttention", "ExpectedAttention", "expected_attention", "query_statistics"]
@@ -148,23 +149,38 @@ class ExpectedAttention(Method):
         p = expected_attention(mu, cov, inputs.keys, mask, inputs.scaling)
         return PrefillScores(scores=self._weigh(p, inputs.values, inputs.keys.shape[1]))
 
+    def decode_query_map(self, layer: LayerContext | None, head_dim: int, device: torch.device) -> torch.Tensor:
+        """The averaged relative rotation ``R = mean_{p=1}^{F} R(p)`` (no attention scaling) that moves the step's
+        query over the next ``F = n_future`` positions: ``(d, d)`` float32, made once per layer and device."""
+        rotary = self._rotary(layer)
+        assert layer is not None
+        key = ("expected-attention rotation", self.n_future, int(head_dim), str(device))
+        R = layer.derived.get(key)
+        if R is None:
+            c, s = rotary.mean_rotation(1, self.n_future, scaled=False)
+            R = layer.derived[key] = Rotary.matrix(c, s, head_dim).to(device)
+        return R
+
+    def fused_rule(self) -> FusedDecodeRule:
+        """:meth:`decode_scores` for the fused decode kernels (one query per step: the map is
+        :meth:`decode_query_map`, no covariance)."""
+        return FusedDecodeRule("expected_attention", value_norm=self.vnorm, epsilon=self.epsilon)
+
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Expected attention of the next ``n_future`` queries, estimated from the step's queries, value-weighted."""
         if inputs.queries is None or inputs.keys is None or inputs.values is None:
             raise ValueError(f"{self.name}: the decode step needs the queries, keys and values (decode_reads_kv)")
-        rotary = self._rotary(inputs.layer)
         q = inputs.queries  # (B, Hq, nq, d), scaled: the softmax scale is already in
         nq, d = q.shape[2], q.shape[3]
         if nq > 1:  # align every query to the newest position (row i is nq - 1 - i positions before it)
             back = torch.arange(nq - 1, -1, -1, device=q.device)
-            q = rotary.rotate(q, back, scaled=False)
+            q = self._rotary(inputs.layer).rotate(q, back, scaled=False)
         mu = q.mean(2)
         cov = None
         if self.covariance and nq > 1:
             c0 = q - mu[:, :, None]
             cov = torch.einsum("bhsi,bhsj->bhij", c0, c0) / nq
-        c, s = rotary.mean_rotation(1, self.n_future, scaled=False)
-        R = Rotary.matrix(c, s, d).to(q.device)
+        R = self.decode_query_map(inputs.layer, d, q.device)
         mu = mu @ R.T
         if cov is not None:
             cov = R @ cov @ R.T

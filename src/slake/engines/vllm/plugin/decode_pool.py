@@ -84,6 +84,8 @@ class DecodePool:
         self.layout = CpuAttnLayout() if layout is None else layout
         self.device = torch.device("cpu" if device is None else device)
         self.kernels = resolve_kernels(kernels, self.device)
+        for context in layer_context or ():  # a decode rule's per-layer map, made now rather than in a captured step
+            method.decode_query_map(context, head_dim, self.device)
         #: which implementation ran the decode steps (and why a requested fused step did not)
         self.report = KernelReport()
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
