@@ -423,17 +423,24 @@ def test_kernel_choice_is_checked():
     assert resolve_kernels("torch", "cpu") == "torch"
 
 
-def test_torch_compile_captures_the_fused_step_as_one_operator():
+@pytest.mark.parametrize("name", ["slake", "criticalkv", "expected-attention"])
+def test_torch_compile_captures_the_fused_step_as_one_operator(name):
     """A static cache's decode step with the fused kernels compiles to one graph (``fullgraph=True``): the kernels
     are one opaque operator with declared mutations, so nothing breaks the graph; the compiled step (run through
     ``aot_eager``, which executes the operator, here in Triton's interpreter) equals the torch step and advances the
-    layer's position counter."""
+    layer's position counter. CriticalKV's kept weights and Expected Attention's per-layer map are made before the
+    first captured step."""
     B, H, G, D, S = 2, 2, 2, 16, 40
 
     def build(kernels):
-        eng = CompressedKV(_method("slake"), 16, 1, kernels=kernels)
-        eng.max_cache_len = S + 8
+        eng = CompressedKV(_method(name), 16, 1, kernels=kernels)
         g = torch.Generator().manual_seed(0)
+        if eng.method.layer_facts():
+            inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+            eng.layer_context = [
+                LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=torch.randn(24, H * G * D, generator=g).to(DEVICE))
+            ]
+        eng.max_cache_len = S + 8
         q, k, v = (torch.randn(B, n, S, D, generator=g).to(DEVICE) for n in (H * G, H, H))
         eng.prefill_layer(0, q, k, v, None, D**-0.5)
         return eng
@@ -452,9 +459,11 @@ def test_torch_compile_captures_the_fused_step_as_one_operator():
         assert torch.equal(fused.layers[0].valid, ref.layers[0].valid)
         assert int(fused.position[0]) == int(ref.position[0]) == S + t + 1
     torch._dynamo.reset()
+    step(fused, q, k, v)  # one eager step (compiled steps record nothing): the kernels cover this layer
+    assert fused.decoder.report.summary() == "triton"
 
 
-@pytest.mark.parametrize("name", ["slake", "tova"])
+@pytest.mark.parametrize("name", ["slake", "tova", "criticalkv", "expected-attention"])
 def test_a_tiny_model_decodes_the_same_tokens_with_the_fused_kernels(name, llama_gqa):
     """End to end through transformers (the registered attention function, the cache's update, a padded batch of
     two): greedy tokens and kept counts equal the torch step's, and the cache reports which implementation ran."""
