@@ -1,0 +1,65 @@
+"""The fused decode kernels compile for an H100 (``sm_90``) on this machine, which has no GPU.
+
+Triton's interpreter (``tests/test_fused_decode.py``) checks what the kernels compute but not that Triton's GPU
+compiler accepts them: an operation the interpreter allows and the compiler refuses, or a kernel whose shared memory
+exceeds a GPU's, would only show on a GPU. ``tests/kernel_aot.py`` compiles every kernel a decode step launches,
+with the step's own arguments and constants at Llama-3-8B's head shape and budget 1024, through Triton's CUDA backend
+down to a cubin (its bundled ``ptxas``), once per family of decode rule and per storage.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+#: shared memory one block may use on an H100 (227 KB)
+H100_SHARED = 232448
+
+#: one case per decode-rule family (``slake.methods.decode_rule.RULE_KINDS``) and per constant that changes the code:
+#: pooling, the linear state, evicting first, low-precision dots, 8-bit storage, per-head visibility, the two stages
+CASES = {
+    "slake": 2,  # pooled attention (sort), the linear state, evicting before the output
+    "slake@bfloat16": 2,  # low-precision dots
+    "ada-snapkv": 2,  # max pooling
+    "h2o@int8": 2,  # accumulated attention, int8 rows
+    "ahakv": 2,  # sharpened accumulation
+    "tova@fp8_e4m3": 2,  # the layer's mean, fp8 rows
+    "streamingllm": 2,  # recency
+    "sagekv": 2,  # pinned recency, per-query-head visibility
+    "kvzip": 2,  # running maximum
+    "keydiff": 2,  # key diversity (the row's keys read in the second kernel)
+    "ada-expected-attention@bfloat16": 2,  # mapped queries, value norms
+    "ada-criticalkv": 3,  # the two stages, and the projection kernel
+    "criticalkv[scorer=expected-attention,window=0]": 3,
+}
+
+
+def _ptxas() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+def test_every_fused_kernel_compiles_for_an_h100():
+    script = Path(__file__).with_name("kernel_aot.py")
+    run = subprocess.run(
+        [sys.executable, str(script), "cuda:90", *CASES],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in results] == list(CASES)
+    for r in results:
+        kernels = r["compiled"]
+        assert len(kernels) == CASES[r["case"]], r
+        for k in kernels:
+            assert k["cubin"], r
+            assert k["shared"] <= H100_SHARED, f"{r['case']}: {k['kernel']} needs {k['shared']} bytes of shared memory"
