@@ -29,6 +29,12 @@ def _method(name: str, **hyper) -> Method:
     return make_method(name, **{**extra, **hyper})
 
 
+def _layer_context(out_proj: torch.Tensor, D: int) -> LayerContext:
+    """Expected Attention's rotary embedding (base 10^4) and CriticalKV's output projection, for the tests' layers."""
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    return LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=out_proj)
+
+
 def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, steps=3, layers=2, pad=True,
          kv_dtype=None, dtype=torch.float32, seed=0, garbage=False):  # fmt: skip
     """Prefill ``layers`` random layers, then decode ``steps`` tokens; the engine and every step's outputs.
@@ -45,10 +51,7 @@ def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, 
         return torch.randn(*shape, generator=g).to(DEVICE, dtype)
 
     if method.layer_facts():  # Expected Attention's rotary embedding, CriticalKV's output projection
-        inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
-        eng.layer_context = [
-            LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=rnd(24, H * G * D)) for _ in range(layers)
-        ]
+        eng.layer_context = [_layer_context(rnd(24, H * G * D), D) for _ in range(layers)]
     if method.second_pass is not None:  # KVzip: its reconstruction pass's scores, random here
         eng.pass_scores = torch.rand(layers, B, H, S, generator=g).to(DEVICE)
     for li in range(layers):
@@ -203,8 +206,7 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
         cache = torch.zeros(64, H, BS, 2 * D, device=DEVICE)
     contexts = None
     if method.layer_facts():
-        inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
-        contexts = [LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=torch.randn(24, H * G * D).to(DEVICE))]
+        contexts = [_layer_context(torch.randn(24, H * G * D).to(DEVICE), D)]
     pool = DecodePool(
         method, 1, H, D, width, BS, rows=2, layout=layout, kernels=kernels, device=DEVICE, layer_context=contexts
     )
@@ -436,10 +438,7 @@ def test_torch_compile_captures_the_fused_step_as_one_operator(name):
         eng = CompressedKV(_method(name), 16, 1, kernels=kernels)
         g = torch.Generator().manual_seed(0)
         if eng.method.layer_facts():
-            inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
-            eng.layer_context = [
-                LayerContext(rotary=Rotary(inv.to(DEVICE)), out_proj=torch.randn(24, H * G * D, generator=g).to(DEVICE))
-            ]
+            eng.layer_context = [_layer_context(torch.randn(24, H * G * D, generator=g).to(DEVICE), D)]
         eng.max_cache_len = S + 8
         q, k, v = (torch.randn(B, n, S, D, generator=g).to(DEVICE) for n in (H * G, H, H))
         eng.prefill_layer(0, q, k, v, None, D**-0.5)

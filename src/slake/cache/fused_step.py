@@ -16,6 +16,7 @@ import torch
 
 from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
 from slake.methods.base import Method
+from slake.methods.decode_rule import FusedDecodeRule
 
 __all__ = ["MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "run_step"]
 
@@ -53,11 +54,11 @@ class KernelReport:
         return kinds
 
 
-def _why_not(method: Method, slots: StepSlots, mem: KVMemory | None) -> str | None:
-    """Why the fused kernels cannot run this step (None when they can). Facts of the step only (shapes, dtypes, the
-    method): whether Triton can run at all was settled when the kernels were chosen
+def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem: KVMemory | None) -> str | None:
+    """Why the fused kernels cannot run this step (None when they can) with the method's fused ``rule``. Facts of the
+    step only (shapes, dtypes, the method): whether Triton can run at all was settled when the kernels were chosen
     (:func:`slake.cache.compressed.resolve_kernels`)."""
-    if method.fused_rule() is None:
+    if rule is None:
         return f"{method.name}'s decode rule has no fused form"
     if slots.target is None:
         return "a layer that does not evict at decode"
@@ -69,8 +70,6 @@ def _why_not(method: Method, slots: StepSlots, mem: KVMemory | None) -> str | No
         return f"{mem.quant} storage"
     if slots.linear is not None and slots.linear.dtype != torch.float32:
         return "a linear state that is not float32"
-    rule = method.fused_rule()
-    assert rule is not None
     if rule.kind == "expected_attention" and method.evict_before_output:
         return "a rule on mapped queries that evicts before the output"
     if rule.two_stage is not None:
@@ -96,13 +95,13 @@ def fused_decode_step(
     position, as ``slots.newest``) is advanced by one by the kernels."""
     memory = getattr(kv, "kernel_memory", None)
     mem = memory() if memory is not None else None
-    reason = _why_not(method, slots, mem)
-    if reason is not None or mem is None:
+    rule = method.fused_rule()  # once per step: a method builds it anew (CriticalKV from its base scorer)
+    reason = _why_not(method, rule, slots, mem)
+    if reason is not None or mem is None or rule is None:
         return None, reason
     from slake.kernels.triton_decode import RULE_CODES, fused_step, fused_step_op  # loaded by resolve_kernels
 
-    rule = method.fused_rule()
-    assert rule is not None and slots.target is not None
+    assert slots.target is not None
     dev = query.device
     empty_f = torch.empty(0, dtype=torch.float32, device=dev)
     empty_i = torch.empty(0, dtype=torch.int64, device=dev)
@@ -150,10 +149,10 @@ def fused_decode_step(
     if query_map is None:
         raise ValueError(f"{method.name}: its fused rule needs decode_query_map")
     ratio = rule.two_stage
-    weights = slots.weights if ratio is not None else None
-    out_proj = slots.layer.out_proj if ratio is not None and slots.layer is not None else None
-    if ratio is not None and (weights is None or out_proj is None):  # excluded by _why_not
-        raise ValueError(f"{method.name}: its two-stage rule needs the slots' weights and the output projection")
+    weights = out_proj = empty_f
+    if ratio is not None:  # _why_not made sure both exist
+        assert slots.weights is not None and slots.layer is not None and slots.layer.out_proj is not None
+        weights, out_proj = slots.weights, slots.layer.out_proj
     # the custom operator for torch.compile to capture; in eager code the function itself (the operator's Python
     # dispatch cost more than the step's own host work)
     op = fused_step_op if torch.compiler.is_compiling() else fused_step
@@ -184,8 +183,8 @@ def fused_decode_step(
         empty_f if slots.linear is None else slots.linear.aug,
         empty_i if counter is None else counter,
         query_map,
-        empty_f if weights is None else weights,
-        empty_f if out_proj is None else out_proj,
+        weights,
+        out_proj,
         int(mem.width),
         float(scaling),
         int(method.window),

@@ -28,9 +28,9 @@ is an argument, so the kernels are graph-safe. The launcher is a custom operator
 with declared mutations instead of breaking the graph (an opaque op rather than ``triton_op``: tracing into the
 kernels is what Triton's interpreter cannot do, and there is nothing for inductor to fuse around them). On a machine
 without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by :mod:`slake.kernels` before
-this module is imported), which is how the tests check them against the torch step. The kernels' reads and writes of
-slots live in :mod:`slake.kernels.triton_slots`, the decode rules' per-slot signals in
-:mod:`slake.kernels.triton_rules`.
+this module is imported), which is how the tests check them against the torch step. The first kernel lives in
+:mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in :mod:`slake.kernels.triton_slots`,
+the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 from torch.library import custom_op
 
-from slake.kernels.triton_rules import head_signal, key_diversity, two_stage
-from slake.kernels.triton_slots import load_row, load_rows, store_row
+from slake.kernels.triton_attend import _append_logits_kernel, attend_block
+from slake.kernels.triton_rules import _value_projection_kernel, head_signal, key_diversity, two_stage
+from slake.kernels.triton_slots import load_row
 
 __all__ = [
     "MIN_SPLIT", "PROJECTION_BLOCK", "RULE_CODES", "TARGET_PROGRAMS", "fused_step", "fused_step_op", "ratio_parts",
@@ -62,187 +63,6 @@ RULE_CODES = {
     "key_diversity": 7,
     "expected_attention": 8,
 }
-
-
-@triton.jit
-def _attend_block(m_run, den, acc, x, b, o, ok, h, dd, dmask, v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so,
-                  QUANT: tl.constexpr, LOW_DOT: tl.constexpr):  # fmt: skip
-    """A block of slots (logits ``x`` ``(GP, N)``, in blocks ``b`` at offsets ``o``, ``ok`` where they exist) added
-    to an online softmax's running maximum ``m_run``, normaliser ``den`` and output ``acc`` ``(GP, DP)``."""
-    m_new = tl.maximum(m_run, tl.max(x, 1))
-    alpha = tl.exp(m_run - m_new)
-    e = tl.exp(x - m_new[:, None])
-    vt = load_rows(
-        v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
-        vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-    )  # fmt: skip
-    if LOW_DOT:
-        pv = tl.dot(e.to(v_ptr.dtype.element_ty), vt.to(v_ptr.dtype.element_ty))
-    else:
-        pv = tl.dot(e, vt, input_precision="ieee")
-    return m_new, den * alpha + tl.sum(e, 1), acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _append_logits_kernel(
-    q_ptr, q_sr, q_sh, q_sd,
-    kn_ptr, kn_sr, kn_sh, kn_sd,
-    vn_ptr, vn_sr, vn_sh, vn_sd,
-    k_ptr, k_sb, k_sh, k_so, k_sd,
-    v_ptr, v_sb, v_sh, v_so, v_sd,
-    ks_ptr, vs_ptr, s_sb, s_sh, s_so,
-    table_ptr, t_sr, block_size,
-    rows_ptr,
-    pos_ptr, valid_ptr, score_ptr, m_sr, m_sh, m_ss,
-    hv_ptr, hv_sr, hv_sh, hv_sg, hv_ss,
-    newest_ptr, newest_sr,
-    x_ptr, stat_ptr, part_ptr, newslot_ptr,
-    map_ptr, estat_ptr, norm_ptr,
-    W, H, S, scale,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
-    MAP_Q: tl.constexpr, VNORM: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
-    mr = tl.load(rows_ptr + r).to(tl.int64) if HAS_ROWS else r.to(tl.int64)
-    meta = mr * m_sr + h * m_sh
-    dd = tl.arange(0, DP)
-    dmask = dd < D
-    g = tl.arange(0, GP)
-    gmask = g < G
-    lo = sp * SPLIT
-    hi = tl.minimum(lo + SPLIT, W)
-    # 1. the first free slot of the row (the lowest empty index), found by every program of the row: the validity
-    # is written by the second kernel only, so no program here sees another's write
-    free = W
-    for s0 in range(0, W, BLOCK_N):
-        s = s0 + tl.arange(0, BLOCK_N)
-        ok = s < W
-        v = tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=1)
-        free = tl.minimum(free, tl.min(tl.where(ok & (v == 0), s, W), 0))
-    if sp == 0:
-        tl.store(newslot_ptr + r * H + h, free)
-    # 2. the program whose slots hold it writes the new key and value there, and its metadata (score 0, visible to
-    # every query head; its validity bit is set by the second kernel)
-    if (free >= lo) & (free < hi):
-        blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
-        off = (free % block_size).to(tl.int64)
-        kn = tl.load(kn_ptr + r * kn_sr + h * kn_sh + dd * kn_sd, mask=dmask, other=0.0).to(tl.float32)
-        vn = tl.load(vn_ptr + r * vn_sr + h * vn_sh + dd * vn_sd, mask=dmask, other=0.0).to(tl.float32)
-        sbase = blk * s_sb + h * s_sh + off * s_so
-        store_row(k_ptr + blk * k_sb + h * k_sh + off * k_so, ks_ptr + sbase, kn, dd * k_sd, dmask, QUANT)
-        store_row(v_ptr + blk * v_sb + h * v_sh + off * v_so, vs_ptr + sbase, vn, dd * v_sd, dmask, QUANT)
-        tl.store(pos_ptr + meta + free * m_ss, tl.load(newest_ptr + r * newest_sr))
-        tl.store(score_ptr + meta + free * m_ss, 0.0)
-        if HAS_HV:
-            tl.store(hv_ptr + mr * hv_sr + h * hv_sh + g * hv_sg + free * hv_ss, 1, mask=gmask)
-    tl.debug_barrier()
-    # 3. over this program's slots: the logits of the scaled queries (kept for the second kernel's scores), and the
-    # softmax's partial sums of the values, by an online softmax (each query head's maximum, normaliser and output)
-    q = tl.load(
-        q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + dd[None, :] * q_sd,
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    q = q * scale
-    m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
-    l_run = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
-    xbase = (r * H + h).to(tl.int64) * G * W
-    if MAP_Q:  # a rule's own queries (Expected Attention): q M^T, with their own softmax statistics
-        mq = tl.load(map_ptr + dd[:, None] * D + dd[None, :], mask=dmask[:, None] & dmask[None, :], other=0.0)
-        q2 = tl.dot(q, tl.trans(mq), input_precision="ieee")
-        m2 = tl.full([GP], -3.4028234663852886e38, tl.float32)
-        l2 = tl.zeros([GP], tl.float32)
-    for s0 in range(lo, hi, BLOCK_N):
-        s = s0 + tl.arange(0, BLOCK_N)
-        ok = s < hi
-        b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
-        o = (s % block_size).to(tl.int64)
-        kt = load_rows(
-            k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
-            ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-        )  # fmt: skip
-        if LOW_DOT:
-            x = tl.dot(q.to(k_ptr.dtype.element_ty), tl.trans(kt.to(k_ptr.dtype.element_ty)))
-        else:
-            x = tl.dot(q, tl.trans(kt), input_precision="ieee")
-        vis = (tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == free)
-        vis2 = vis[None, :] & gmask[:, None]
-        if HAS_HV:
-            hv = tl.load(
-                hv_ptr + mr * hv_sr + h * hv_sh + g[:, None] * hv_sg + s[None, :] * hv_ss,
-                mask=gmask[:, None] & ok[None, :],
-                other=0,
-            )
-            vis2 = vis2 & (hv != 0)
-        x = tl.where(vis2, x, float("-inf"))
-        if MAP_Q:  # the second kernel reads the rule's logits (masked by validity alone), not the attention's
-            x2 = tl.dot(q2, tl.trans(kt), input_precision="ieee")
-            x2 = tl.where(vis[None, :] & gmask[:, None], x2, float("-inf"))
-            tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x2, mask=gmask[:, None] & ok[None, :])
-            m2n = tl.maximum(m2, tl.max(x2, 1))
-            l2 = l2 * tl.exp(m2 - m2n) + tl.sum(tl.exp(x2 - m2n[:, None]), 1)
-            m2 = m2n
-        else:
-            tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x, mask=gmask[:, None] & ok[None, :])
-        if VNORM:  # each slot's value norm ||v||_2, for the second kernel's rule
-            vt = load_rows(
-                v_ptr, b * v_sb + h * v_sh + o * v_so, dd * v_sd, ok[:, None] & dmask[None, :],
-                vs_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
-            )  # fmt: skip
-            tl.store(norm_ptr + (r * H + h).to(tl.int64) * W + s, tl.sqrt(tl.sum(vt * vt, 1)), mask=ok)
-        m_run, l_run, acc = _attend_block(
-            m_run, l_run, acc, x, b, o, ok, h, dd, dmask,
-            v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so, QUANT, LOW_DOT,
-        )  # fmt: skip
-    sb = (((r * H + h) * G + g) * S + sp) * 2
-    tl.store(stat_ptr + sb, m_run, mask=gmask)
-    tl.store(stat_ptr + sb + 1, l_run, mask=gmask)
-    if MAP_Q:
-        tl.store(estat_ptr + sb, m2, mask=gmask)
-        tl.store(estat_ptr + sb + 1, l2, mask=gmask)
-    pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
-    tl.store(part_ptr + pb[:, None] + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
-
-
-@triton.jit
-def _value_projection_kernel(
-    v_ptr, v_sb, v_sh, v_so, v_sd,
-    vs_ptr, s_sb, s_sh, s_so,
-    table_ptr, t_sr, block_size,
-    newslot_ptr, wo_ptr, wo_sj, wo_si, pw_ptr,
-    R, H, hidden, NB,
-    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HB: tl.constexpr, QUANT: tl.constexpr,
-):  # fmt: skip
-    """CriticalKV's weight of each row's new slot, in pieces: program (query head ``q``, block ``j`` of ``HB``
-    output channels) writes ``sum_{i in j} |(W_o^q v)_i|`` for every row's new value ``v`` (as stored, dequantised),
-    with :func:`slake.methods.criticalkv.projected_norm`'s roundings (the value and each output in ``W_o``'s
-    dtype); the second kernel sums the pieces and averages over the KV head's query heads. ``W_o`` is read once
-    per step, whatever the number of rows."""
-    qh = tl.program_id(0)
-    nb = tl.program_id(1)
-    h = qh // G
-    dd = tl.arange(0, DP)
-    dmask = dd < D
-    j = nb * HB + tl.arange(0, HB)
-    jmask = j < hidden
-    w = tl.load(
-        wo_ptr + j[:, None].to(tl.int64) * wo_sj + (qh * D + dd)[None, :].to(tl.int64) * wo_si,
-        mask=jmask[:, None] & dmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    for r in range(0, R):
-        free = tl.load(newslot_ptr + r * H + h)
-        blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
-        off = (free % block_size).to(tl.int64)
-        v = load_row(v_ptr, blk * v_sb + h * v_sh + off * v_so, dd * v_sd, dmask,
-                     vs_ptr, blk * s_sb + h * s_sh + off * s_so, QUANT)  # fmt: skip
-        v = v.to(wo_ptr.dtype.element_ty).to(tl.float32)
-        proj = tl.sum(w * v[None, :], 1).to(wo_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(pw_ptr + (r * H * G + qh).to(tl.int64) * NB + nb, tl.sum(tl.abs(proj), 0))
 
 
 @triton.jit
@@ -441,7 +261,7 @@ def _evict_attend_kernel(
             x = tl.where(((s == victim) & chosen)[None, :], float("-inf"), x)
             b = tl.load(table_ptr + r * t_sr + s // block_size, mask=ok, other=0).to(tl.int64)
             o = (s % block_size).to(tl.int64)
-            m_v, den_v, acc_v = _attend_block(
+            m_v, den_v, acc_v = attend_block(
                 m_v, den_v, acc_v, x, b, o, ok, h, dd, dmask,
                 v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so, QUANT, LOW_DOT,
             )  # fmt: skip

@@ -1,14 +1,14 @@
 """The decode rules' per-slot signals inside the fused decode kernels' second kernel
 (:mod:`slake.kernels.triton_decode`, :class:`slake.methods.decode_rule.FusedDecodeRule`): each query head's
 softmax statistics combined over the first kernel's pieces, the attention a KV head's query heads give each slot,
-KeyDiff's key diversity, and CriticalKV's two stages."""
+KeyDiff's key diversity, and CriticalKV's two stages with the kernel that weighs each new slot."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from slake.kernels.triton_slots import block_keys
+from slake.kernels.triton_slots import block_keys, load_row
 
 __all__ = ["head_signal", "key_diversity", "row_stats", "two_stage"]
 
@@ -121,3 +121,40 @@ def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, 
     before = tl.cumsum(ties, 0) - ties  # tied slots before this one
     chosen = (first > 0) & (above | ((ties != 0) & (before < first - tl.sum(above.to(tl.int32), 0))))
     return tl.where(chosen, 1e30, (base + eps) * wt)
+
+
+@triton.jit
+def _value_projection_kernel(
+    v_ptr, v_sb, v_sh, v_so, v_sd,
+    vs_ptr, s_sb, s_sh, s_so,
+    table_ptr, t_sr, block_size,
+    newslot_ptr, wo_ptr, wo_sj, wo_si, pw_ptr,
+    R, H, hidden, NB,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HB: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """CriticalKV's weight of each row's new slot, in pieces: program (query head ``q``, block ``j`` of ``HB``
+    output channels) writes ``sum_{i in j} |(W_o^q v)_i|`` for every row's new value ``v`` (as stored, dequantised),
+    with :func:`slake.methods.criticalkv.projected_norm`'s roundings (the value and each output in ``W_o``'s
+    dtype); the second kernel sums the pieces and averages over the KV head's query heads. ``W_o`` is read once
+    per step, whatever the number of rows."""
+    qh = tl.program_id(0)
+    nb = tl.program_id(1)
+    h = qh // G
+    dd = tl.arange(0, DP)
+    dmask = dd < D
+    j = nb * HB + tl.arange(0, HB)
+    jmask = j < hidden
+    w = tl.load(
+        wo_ptr + j[:, None].to(tl.int64) * wo_sj + (qh * D + dd)[None, :].to(tl.int64) * wo_si,
+        mask=jmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    for r in range(0, R):
+        free = tl.load(newslot_ptr + r * H + h)
+        blk = tl.load(table_ptr + r * t_sr + free // block_size).to(tl.int64)
+        off = (free % block_size).to(tl.int64)
+        v = load_row(v_ptr, blk * v_sb + h * v_sh + off * v_so, dd * v_sd, dmask,
+                     vs_ptr, blk * s_sb + h * s_sh + off * s_so, QUANT)  # fmt: skip
+        v = v.to(wo_ptr.dtype.element_ty).to(tl.float32)
+        proj = tl.sum(w * v[None, :], 1).to(wo_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(pw_ptr + (r * H * G + qh).to(tl.int64) * NB + nb, tl.sum(tl.abs(proj), 0))
