@@ -24,6 +24,8 @@ Choices and deviations (``docs/methods/kvzip.md#deviations``):
   (``keep_prefix=True``). Default: kvpress's, which its leaderboard numbers use.
 * Decode (the paper never evicts while decoding): one eviction per step and KV head by the same idea, a slot's score
   being the largest attention it has received, from the reconstruction or from any later query (running max).
+  With KVzip's skewed head budgets this costs much (heads of a few slots stop seeing the answer being written;
+  ``docs/methods/kvzip.md#decode-rule``); ``decode_eviction=False`` is the paper's setting.
 * Scores in float32 (the authors' code and kvpress keep the model's dtype).
 """
 
