@@ -95,7 +95,7 @@ def fused_decode_step(
     position, as ``slots.newest``) is advanced by one by the kernels."""
     memory = getattr(kv, "kernel_memory", None)
     mem = memory() if memory is not None else None
-    rule = method.fused_rule()  # once per step: a method builds it anew (CriticalKV from its base scorer)
+    rule = method.fused_rule()
     reason = _why_not(method, rule, slots, mem)
     if reason is not None or mem is None or rule is None:
         return None, reason

@@ -129,12 +129,24 @@ class CriticalKV(Method):
             raise ValueError(f"{self.name}: scorer must be 'snapkv' or 'expected-attention', got {self.scorer!r}")
         if not 0.0 <= self.first_stage_ratio <= 1.0 or self.epsilon < 0:
             raise ValueError(f"{self.name}: need 0 <= first_stage_ratio <= 1 and epsilon >= 0")
+        # made once: the decode step asks for both at every step of every layer (hyperparameters never change)
+        self._scorer = self._make_base()
+        base_rule = self._scorer.fused_rule()
+        self._rule = (
+            None
+            if base_rule is None
+            else replace(base_rule, two_stage=self.first_stage_ratio, two_stage_epsilon=self.epsilon)
+        )
 
     def layer_facts(self) -> tuple[str, ...]:
         """The output projection, and the rotary embedding for the Expected Attention scorer."""
         return ("out_proj", "rotary") if self.scorer == "expected-attention" else ("out_proj",)
 
     def _base(self) -> Method:
+        """The base scorer (SnapKV or Expected Attention with CriticalKV's window and sinks)."""
+        return self._scorer
+
+    def _make_base(self) -> Method:
         if self.scorer == "snapkv":
             return SnapKV(window=self.window, sinks=self.sinks, kernel=self.kernel, pooling=self.pooling,
                           group_first=self.group_first)  # fmt: skip
@@ -179,10 +191,7 @@ class CriticalKV(Method):
 
     def fused_rule(self) -> FusedDecodeRule | None:
         """The base scorer's fused rule with CriticalKV's two stages over it."""
-        base = self._base().fused_rule()
-        if base is None:
-            return None
-        return replace(base, two_stage=self.first_stage_ratio, two_stage_epsilon=self.epsilon)
+        return self._rule
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """The base decode rule, then the two stages over the slots held (``int(r * n)`` exempt).
