@@ -25,7 +25,8 @@ from slake.methods.base import check_compileable, make_method
 from slake.methods.snapkv import SnapKV
 from tiny_models import second_pass_ready, tiny_model
 
-METHODS = list(available_methods())
+#: every method, and the decode eviction across a layer's KV heads (``decode_scope=layer``, one top-k per step)
+METHODS = [*available_methods(), "kvzip[decode_scope=layer]"]
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 

@@ -145,6 +145,7 @@ def test_fused_rules_read_nothing_from_empty_slots(name):
         ("ada-snapkv", {"budget": 20}),  # per-head budgets
         ("keydiff", {"kv_dtype": "int8", "G": 1, "H": 3}),  # a rule reading the kept keys: dequantised, MHA
         ("kvzip", {"G": 4, "H": 1, "pad": False, "B": 1}),
+        ("kvzip[keep_generated=true]", {"steps": 5}),  # generated tokens rank above the context
         ("expected-attention", {"G": 1, "H": 3, "kv_dtype": "int8"}),  # mapped queries and value norms, dequantised
         ("criticalkv", {"kv_dtype": "fp8_e4m3"}),  # the new slot's projection reads its dequantised value
         ("ada-criticalkv", {"budget": 20, "G": 4, "H": 1}),  # per-head budgets, a group of four

@@ -35,7 +35,16 @@ from slake.attention.ptaa import attend
 from slake.attention.softmax import probs_values
 from slake.methods.base import DecodeInputs, LayerContext, Method
 
-__all__ = ["KVMemory", "SlotKV", "StepSlots", "decode_extras", "decode_step", "protected_slots", "sdpa_step"]
+__all__ = [
+    "KVMemory",
+    "SlotKV",
+    "StepSlots",
+    "decode_extras",
+    "decode_step",
+    "layer_victims",
+    "protected_slots",
+    "sdpa_step",
+]
 
 
 @dataclass
@@ -307,14 +316,23 @@ def decode_step(
         )
     )
     scores.copy_(new_scores)  # in place: the tensors keep their addresses from step to step (CUDA graphs)
-    # rows over their target; a negative target (-1: no eviction) becomes the dtype's largest value, never exceeded
     target = slots.target
-    over = valid.sum(-1) > target.bitwise_and(torch.iinfo(target.dtype).max)  # (R, H)
+    counts = valid.sum(-1)  # (R, H)
     # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
     guard = _unselectable(method, positions, empty, newest, slots.first_real)
-    lowest = scores.masked_fill(guard, float("inf")).argmin(-1, keepdim=True)  # the first minimum
-    chosen = over[..., None] & valid.gather(-1, lowest)  # (R, H, 1)
-    mask = torch.zeros_like(valid).scatter_(-1, lowest, chosen)
+    ranked = scores.masked_fill(guard, float("inf"))
+    lowest = ranked.argmin(-1, keepdim=True)  # the first minimum
+    if method.evicts_across_heads:  # the layer keeps its size; a head over the widest prefill head gives its lowest
+        if linear is not None:
+            raise ValueError(f"{method.name}: a decode eviction across KV heads cannot fold into a linear state")
+        forced = (counts > target.amax(-1, keepdim=True))[..., None] & valid.gather(-1, lowest)  # (R, H, 1)
+        mask = layer_victims(ranked, valid, target, torch.zeros_like(valid).scatter_(-1, lowest, forced), H)
+        chosen = forced  # unused: nothing is folded
+    else:
+        # rows over their target; a negative target (-1: no eviction) becomes the dtype's largest value, never exceeded
+        over = counts > target.bitwise_and(torch.iinfo(target.dtype).max)  # (R, H)
+        chosen = over[..., None] & valid.gather(-1, lowest)  # (R, H, 1)
+        mask = torch.zeros_like(valid).scatter_(-1, lowest, chosen)
     # 4. output and eviction, in the method's order
     if method.evict_before_output:
         if linear is not None:
@@ -331,6 +349,26 @@ def decode_step(
     positions.masked_fill_(mask, -1)
     scores.masked_fill_(mask, float("-inf"))
     return out.view(R, Hq, d)
+
+
+def layer_victims(
+    ranked: torch.Tensor, valid: torch.Tensor, target: torch.Tensor, forced: torch.Tensor, most: int
+) -> torch.Tensor:
+    """The slots a layer evicts across its KV heads (:attr:`~slake.methods.base.Method.evicts_across_heads`):
+    ``(R, Hkv, W)`` bool.
+
+    Each row (``target[r, 0] >= 0``) evicts its slots beyond the layer's total target ``target[r].sum()``, at least
+    the ``forced`` ones (slots whose head is over its cap), at most ``most``: the ``forced`` slots first, then the
+    lowest ``ranked`` ones over all its heads (``ranked``: the scores with ``+inf`` on protected and empty slots, which
+    go only when nothing else can; an empty slot never does). Fixed shapes (one top-``most``), no read-back."""
+    R, H, W = ranked.shape
+    need = (valid.sum((-1, -2)) - target.sum(-1)).clamp_min(0)  # (R,)
+    need = torch.maximum(need, forced.sum((-1, -2))).masked_fill(target[:, 0] < 0, 0)
+    flat = ranked.masked_fill(forced, float("-inf")).view(R, H * W)
+    idx = flat.topk(min(most, H * W), dim=-1, largest=False).indices  # ascending
+    order = torch.arange(idx.shape[-1], device=idx.device)
+    chosen = (order < need[:, None]) & valid.view(R, H * W).gather(-1, idx)
+    return torch.zeros_like(valid).view(R, H * W).scatter_(-1, idx, chosen).view(R, H, W)
 
 
 def _unselectable(

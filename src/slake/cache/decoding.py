@@ -14,7 +14,7 @@ import torch
 
 from slake.attention.ptaa import attend
 from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
-from slake.cache.decode_step import StepSlots, decode_extras, protected_slots, sdpa_step
+from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, protected_slots, sdpa_step
 from slake.cache.fused_step import KernelReport, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
@@ -216,12 +216,13 @@ class Decoder:
         target: torch.Tensor,
         newest: int,
         queries: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None:
         """Score a layer's slots with the method's decode rule from ``probs`` ``(B, Hkv, g, n_q, n)`` and choose the
         slots to evict (the general path: rows may be several tokens over their targets).
 
         Returns None when no row is over its target, else ``(slots, chosen, mask)``: ``(B, Hkv, e)`` slot indices,
-        ``(B, Hkv, e)`` bool (which of them are really evicted) and the dense ``(B, Hkv, n)`` bool mask.
+        ``(B, Hkv, e)`` bool (which of them are really evicted) and the dense ``(B, Hkv, n)`` bool mask; a method
+        that evicts across the layer's heads gives only the mask (:meth:`_evict_across_heads`).
         """
         state = self.state
         store = state.store(layer_idx)
@@ -245,14 +246,16 @@ class Decoder:
             )
         ).float()
         counts = store.counts()
-        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
-        emax = int(excess.max())  # one host sync per layer and call (the general path only)
-        if emax == 0:
-            return None
         first = info.device_copy("first_real", probs.device) if state.method.sinks else None
         # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
         guard = protected_slots(state.method, store.positions, store.valid, newest, first) | ~store.valid
         scores = store.scores.masked_fill(guard, float("inf"))
+        if state.method.evicts_across_heads:
+            return self._evict_across_heads(scores, store.valid, counts, target)
+        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
+        emax = int(excess.max())  # one host sync per layer and call (the general path only)
+        if emax == 0:
+            return None
         if emax == 1:  # argmin returns the first minimum, like a stable ascending sort
             lowest = scores.argmin(-1, keepdim=True)
         else:
@@ -260,6 +263,25 @@ class Decoder:
         chosen = (torch.arange(emax, device=probs.device) < excess[..., None]) & store.valid.gather(-1, lowest)
         mask = torch.zeros_like(store.valid).scatter_(-1, lowest, chosen)
         return lowest, chosen, mask
+
+    @staticmethod
+    def _evict_across_heads(
+        ranked: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, target: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor] | None:
+        """:meth:`evict` for a method that evicts across a layer's KV heads (:func:`layer_victims`): each head over the
+        layer's widest target gives its lowest slots down to it, the rest go by the lowest scores of the layer.
+        Returns None (nothing to evict) or ``(None, None, mask)``: such a method keeps no linear state to fold."""
+        active = target[:, :1] >= 0
+        forced_n = torch.where(active, counts - target.amax(-1, keepdim=True), 0).clamp_min(0)  # (B, H)
+        need = torch.where(active[:, 0], counts.sum(-1) - target.sum(-1), 0).clamp_min(0)
+        most = int(torch.maximum(need, forced_n.sum(-1)).max())  # one host sync per layer and call
+        if most == 0:
+            return None
+        rank = torch.empty(valid.shape, dtype=torch.int64, device=valid.device)  # each slot's rank in its head
+        order = torch.sort(ranked, dim=-1, stable=True).indices
+        rank.scatter_(-1, order, torch.arange(valid.shape[-1], device=valid.device).expand_as(order).contiguous())
+        forced = (rank < forced_n[..., None]) & valid
+        return None, None, layer_victims(ranked, valid, target, forced, most)
 
     def attention(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor, scaling: float) -> torch.Tensor:
         """Read-only attention of queries at ``positions`` over the layer as it is now (no eviction).

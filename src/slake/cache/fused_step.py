@@ -62,6 +62,8 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return f"{method.name}'s decode rule has no fused form"
     if slots.target is None:
         return "a layer that does not evict at decode"
+    if method.evicts_across_heads:
+        return "an eviction across a layer's KV heads (decode_scope=layer)"
     if mem is None:
         return "a storage layout the kernels do not address"
     if mem.width > MAX_FUSED_SLOTS:
@@ -143,6 +145,7 @@ def fused_decode_step(
         int(counter is not None),
         int(rule.value_norm),
         int(rule.two_stage is not None),
+        int(rule.generated_first),
     ]
     d = query.shape[-1]
     query_map = method.decode_query_map(slots.layer, d, dev) if rule.kind == "expected_attention" else empty_f

@@ -88,7 +88,7 @@ def _evict_attend_kernel(
     HAS_FIRST: tl.constexpr, HAS_LINEAR: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr,
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
-    VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr,
+    VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,6 +127,8 @@ def _evict_attend_kernel(
             finite = (stored == stored) & (tl.abs(stored) != float("inf"))
             new = tl.where((~finite) & valid, 0.0, stored) + sig
         else:  # KVzip: the running max of the attention a slot receives
+            if GEN_FIRST:  # generated tokens (the new slot, or a stored score >= 1) carry 1 + their running max
+                sig = sig + ((sw == newslot) | (stored >= 1.0)).to(tl.float32)
             new = tl.maximum(stored, sig)
     elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots held
         new = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
@@ -387,13 +389,13 @@ def fused_step(
     """One decode step of one layer for ``R`` rows (:mod:`slake.kernels.triton_decode`); returns ``(R, Hq, d)``.
 
     ``flags``: ``[quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_kernel, pool_max,
-    zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage]`` (the kernels'
-    constexprs). Tensors a flag turns off are passed as empty placeholders. The metadata tensors ``(P, Hkv, >=
-    width)`` share their strides. ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule;
+    zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first]``
+    (the kernels' constexprs). Tensors a flag turns off are passed as empty placeholders. The metadata tensors
+    ``(P, Hkv, >= width)`` share their strides. ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule;
     ``weights`` ``(P, Hkv, >= width)`` and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output
     projection of a two-stage rule (a third kernel projects the new values); ``ratio``: the two stages' ratio."""
     (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
-     gain_floor, protect_window, evict_first, advance, value_norm, two_stage) = flags  # fmt: skip
+     gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first) = flags  # fmt: skip
     R, Hq, d = query.shape
     H = key.shape[1]
     G = Hq // H
@@ -471,7 +473,8 @@ def fused_step(
         GROUP_MAX=bool(group_max),
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
-        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), **common,
+        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
+        **common,
     )  # fmt: skip
     return out
 

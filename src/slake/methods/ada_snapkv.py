@@ -36,6 +36,7 @@ import torch
 
 from slake.budgets.allocation import cross_head_counts, safeguarded_head_counts
 from slake.methods.base import register
+from slake.methods.decode_scope import DecodeScope
 from slake.methods.snapkv import SnapKV
 
 __all__ = ["AdaKVHeads", "AdaSnapKV", "adakv_head_budgets"]
@@ -58,7 +59,7 @@ def adakv_head_budgets(
 
 
 @dataclass
-class AdaKVHeads:
+class AdaKVHeads(DecodeScope):
     """Mixin giving a window-score method AdaKV's head budgets (cross-head top-k with a safeguard floor).
 
     Parameters
@@ -68,6 +69,9 @@ class AdaKVHeads:
         top-k, 1 = the uniform split).
     safeguard : str
         ``"exact"`` (kvpress form, exact layer total, default) or ``"reference"`` (the AdaKV code's rounding).
+    decode_scope : str
+        ``"head"`` (one eviction per step and KV head) or ``"layer"`` (across the layer's heads;
+        :class:`~slake.methods.decode_scope.DecodeScope`).
     """
 
     alpha_safeguard: float = 0.2

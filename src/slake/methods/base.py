@@ -274,6 +274,12 @@ class Method:
         """Tokens per KV head that every layer keeps no matter what (sinks + window)."""
         return self.sinks + (0 if self.newest_evictable else self.window)
 
+    @property
+    def evicts_across_heads(self) -> bool:
+        """True when a decode step evicts across the KV heads of a layer (:class:`slake.methods.decode_scope.
+        DecodeScope`): the layer's size is fixed, its heads grow and shrink. False: one eviction per KV head."""
+        return False
+
     def layer_facts(self) -> tuple[str, ...]:
         """The :class:`LayerContext` fields this configuration needs (default :attr:`needs_layer`; a method whose
         needs depend on a hyperparameter overrides it)."""

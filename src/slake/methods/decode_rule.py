@@ -61,6 +61,10 @@ class FusedDecodeRule:
         kernels compute the new slot's from ``LayerContext.out_proj``); None: no stages.
     two_stage_epsilon : float
         Added to the base score before the weighting.
+    generated_first : bool
+        ``running_max``: generated tokens (the step's new slot, and every slot whose stored score is at least 1)
+        take ``1 +`` this step's reduced attention, so that they rank above every prompt slot, whose scores are
+        attention probabilities (at most 1). KVzip's ``keep_generated``.
 
     The ``expected_attention`` kind's map is not a parameter here: the kernels take it from
     :meth:`slake.methods.base.Method.decode_query_map`.
@@ -77,6 +81,7 @@ class FusedDecodeRule:
     epsilon: float = 0.0
     two_stage: float | None = None
     two_stage_epsilon: float = 0.0
+    generated_first: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:

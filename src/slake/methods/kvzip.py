@@ -24,8 +24,10 @@ Choices and deviations (``docs/methods/kvzip.md#deviations``):
   (``keep_prefix=True``). Default: kvpress's, which its leaderboard numbers use.
 * Decode (the paper never evicts while decoding): one eviction per step and KV head by the same idea, a slot's score
   being the largest attention it has received, from the reconstruction or from any later query (running max).
-  With KVzip's skewed head budgets this costs much (heads of a few slots stop seeing the answer being written;
-  ``docs/methods/kvzip.md#decode-rule``); ``decode_eviction=False`` is the paper's setting.
+  With KVzip's skewed budgets this costs much (a new token's attention is on another scale than the reconstruction's
+  maxima, and heads of a few slots stop seeing the answer being written; ``docs/methods/kvzip.md#decode-rule``):
+  ``keep_generated=True`` ranks generated tokens above the context, ``decode_scope="layer"`` evicts across a layer's
+  heads, and ``decode_eviction=False`` is the paper's setting.
 * Scores in float32 (the authors' code and kvpress keep the model's dtype).
 """
 
@@ -39,6 +41,7 @@ import torch
 from slake.budgets.allocation import cross_head_counts
 from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScores, register
 from slake.methods.decode_rule import FusedDecodeRule
+from slake.methods.decode_scope import DecodeScope
 
 __all__ = ["KVzip", "global_layer_counts", "reconstruction_attention"]
 
@@ -100,7 +103,7 @@ def global_layer_counts(scores: torch.Tensor, candidates: torch.Tensor, keep: to
 
 @register
 @dataclass
-class KVzip(Method):
+class KVzip(DecodeScope, Method):
     """Context-reconstruction scores, global (cross-layer, cross-head) budgets.
 
     Parameters
@@ -114,12 +117,23 @@ class KVzip(Method):
     keep_prefix : bool
         Keep the chat template's prefix (system prompt) and put it in the softmax, as the authors' code does; False
         (default, kvpress): only the ``sinks`` first tokens, the rest of the prefix scores 0.
+    keep_generated : bool
+        Generated tokens rank above every context pair at decode (they carry ``1 +`` their running max; context
+        pairs carry attention probabilities, at most 1), so a decode step evicts the context's lowest pairs while
+        any is evictable, as the paper, which keeps every generated token, would have it within a fixed size.
+        False: one scale for both, and a new token, whose attention is spread over the whole cache, usually scores
+        below the reconstruction's peaked maxima and goes at once (``docs/methods/kvzip.md#decode-rule``).
+    decode_scope : str
+        ``"head"``: one eviction per step and KV head; ``"layer"``: the layer keeps its size and evicts across its
+        heads (:class:`~slake.methods.decode_scope.DecodeScope`), so that heads the global budget left with their
+        sinks alone can take in the answer being written.
     """
 
     window: int = 0
     sinks: int = 4
     chunk_size: int = 2048
     keep_prefix: bool = False
+    keep_generated: bool = False
 
     name: ClassVar[str] = "kvzip"
     summary: ClassVar[str] = "max attention from a context-reconstruction pass; global top-k over layers and heads"
@@ -162,12 +176,20 @@ class KVzip(Method):
 
     def fused_rule(self) -> FusedDecodeRule:
         """:meth:`decode_scores` for the fused decode kernels."""
-        return FusedDecodeRule("running_max", group="max")
+        return FusedDecodeRule("running_max", group="max", generated_first=self.keep_generated)
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Running max of the attention a slot receives (max over the KV head's query heads and the step's
-        queries)."""
+        queries); with ``keep_generated``, ``1 +`` it for generated tokens: the newest token of a single-token step
+        (its position is ``inputs.newest``) and every slot whose stored score is already at least 1. Tokens appended
+        several at once (a continuation prompt, which has no ``newest``) are context and score as context."""
         B, Hq, nq, n = inputs.probs.shape
         H = inputs.positions.shape[1]
         now = inputs.probs.float().reshape(B, H, Hq // H, nq, n).amax(dim=(2, 3))
-        return torch.maximum(inputs.stored.float(), now)
+        stored = inputs.stored.float()
+        if self.keep_generated:
+            generated = stored >= 1.0
+            if inputs.newest is not None:
+                generated = generated | (inputs.positions == inputs.newest)
+            now = now + generated.float()
+        return torch.maximum(stored, now)
