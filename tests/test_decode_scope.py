@@ -54,7 +54,7 @@ def test_layer_victims_take_the_forced_slots_then_the_lowest_of_the_layer():
     target = torch.tensor([[3, 1], [-1, -1]])
     forced = torch.zeros_like(valid)
     forced[0, 0, 0] = True
-    mask = layer_victims(ranked, valid, target, forced, 3)
+    mask = layer_victims(ranked, valid, valid.sum(-1), target, forced, 3)
     expected = torch.zeros_like(valid)
     expected[0, 0, 0] = expected[0, 1, 1] = expected[0, 1, 0] = True
     assert torch.equal(mask, expected)
@@ -63,7 +63,7 @@ def test_layer_victims_take_the_forced_slots_then_the_lowest_of_the_layer():
 def test_layer_victims_never_take_an_empty_slot_and_take_protected_ones_last():
     ranked = torch.tensor([[[INF, INF, INF], [INF, 7.0, INF]]])
     valid = torch.tensor([[[1, 1, 0], [1, 1, 0]]], dtype=torch.bool)
-    mask = layer_victims(ranked, valid, torch.tensor([[1, 1]]), torch.zeros_like(valid), 2)
+    mask = layer_victims(ranked, valid, valid.sum(-1), torch.tensor([[1, 1]]), torch.zeros_like(valid), 2)
     assert mask.sum() == 2 and mask[0, 1, 1] and not mask[0, :, 2].any()
 
 

@@ -323,11 +323,10 @@ def decode_step(
     ranked = scores.masked_fill(guard, float("inf"))
     lowest = ranked.argmin(-1, keepdim=True)  # the first minimum
     if method.evicts_across_heads:  # the layer keeps its size; a head over the widest prefill head gives its lowest
-        if linear is not None:
-            raise ValueError(f"{method.name}: a decode eviction across KV heads cannot fold into a linear state")
+        assert linear is None  # DecodeScope refuses linear_cache: nothing is folded below
         forced = (counts > target.amax(-1, keepdim=True))[..., None] & valid.gather(-1, lowest)  # (R, H, 1)
-        mask = layer_victims(ranked, valid, target, torch.zeros_like(valid).scatter_(-1, lowest, forced), H)
-        chosen = forced  # unused: nothing is folded
+        mask = layer_victims(ranked, valid, counts, target, torch.zeros_like(valid).scatter_(-1, lowest, forced), H)
+        chosen = forced
     else:
         # rows over their target; a negative target (-1: no eviction) becomes the dtype's largest value, never exceeded
         over = counts > target.bitwise_and(torch.iinfo(target.dtype).max)  # (R, H)
@@ -352,7 +351,12 @@ def decode_step(
 
 
 def layer_victims(
-    ranked: torch.Tensor, valid: torch.Tensor, target: torch.Tensor, forced: torch.Tensor, most: int
+    ranked: torch.Tensor,
+    valid: torch.Tensor,
+    counts: torch.Tensor,
+    target: torch.Tensor,
+    forced: torch.Tensor,
+    most: int,
 ) -> torch.Tensor:
     """The slots a layer evicts across its KV heads (:attr:`~slake.methods.base.Method.evicts_across_heads`):
     ``(R, Hkv, W)`` bool.
@@ -360,9 +364,10 @@ def layer_victims(
     Each row (``target[r, 0] >= 0``) evicts its slots beyond the layer's total target ``target[r].sum()``, at least
     the ``forced`` ones (slots whose head is over its cap), at most ``most``: the ``forced`` slots first, then the
     lowest ``ranked`` ones over all its heads (``ranked``: the scores with ``+inf`` on protected and empty slots, which
-    go only when nothing else can; an empty slot never does). Fixed shapes (one top-``most``), no read-back."""
+    go only when nothing else can; an empty slot never does). ``counts`` ``(R, Hkv)``: the slots each head holds
+    (``valid.sum(-1)``). Fixed shapes (one top-``most``), no read-back."""
     R, H, W = ranked.shape
-    need = (valid.sum((-1, -2)) - target.sum(-1)).clamp_min(0)  # (R,)
+    need = (counts.sum(-1) - target.sum(-1)).clamp_min(0)  # (R,)
     need = torch.maximum(need, forced.sum((-1, -2))).masked_fill(target[:, 0] < 0, 0)
     flat = ranked.masked_fill(forced, float("-inf")).view(R, H * W)
     idx = flat.topk(min(most, H * W), dim=-1, largest=False).indices  # ascending

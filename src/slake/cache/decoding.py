@@ -246,16 +246,18 @@ class Decoder:
             )
         ).float()
         counts = store.counts()
+        across = state.method.evicts_across_heads
+        if not across:
+            excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
+            emax = int(excess.max())  # one host sync per layer and call (the general path only)
+            if emax == 0:
+                return None
         first = info.device_copy("first_real", probs.device) if state.method.sinks else None
         # protected (window, sinks) and empty slots are never chosen while an evictable slot remains
         guard = protected_slots(state.method, store.positions, store.valid, newest, first) | ~store.valid
         scores = store.scores.masked_fill(guard, float("inf"))
-        if state.method.evicts_across_heads:
+        if across:
             return self._evict_across_heads(scores, store.valid, counts, target)
-        excess = torch.where(target >= 0, counts - target, torch.zeros_like(counts)).clamp_min(0)
-        emax = int(excess.max())  # one host sync per layer and call (the general path only)
-        if emax == 0:
-            return None
         if emax == 1:  # argmin returns the first minimum, like a stable ascending sort
             lowest = scores.argmin(-1, keepdim=True)
         else:
@@ -277,11 +279,10 @@ class Decoder:
         most = int(torch.maximum(need, forced_n.sum(-1)).max())  # one host sync per layer and call
         if most == 0:
             return None
-        rank = torch.empty(valid.shape, dtype=torch.int64, device=valid.device)  # each slot's rank in its head
-        order = torch.sort(ranked, dim=-1, stable=True).indices
-        rank.scatter_(-1, order, torch.arange(valid.shape[-1], device=valid.device).expand_as(order).contiguous())
-        forced = (rank < forced_n[..., None]) & valid
-        return None, None, layer_victims(ranked, valid, target, forced, most)
+        order = torch.sort(ranked, dim=-1, stable=True).indices  # each head's slots, lowest first
+        first_n = torch.arange(valid.shape[-1], device=valid.device) < forced_n[..., None]
+        forced = torch.zeros_like(valid).scatter_(-1, order, first_n) & valid  # each head's forced_n lowest
+        return None, None, layer_victims(ranked, valid, counts, target, forced, most)
 
     def attention(self, layer_idx: int, queries: torch.Tensor, positions: torch.Tensor, scaling: float) -> torch.Tensor:
         """Read-only attention of queries at ``positions`` over the layer as it is now (no eviction).
