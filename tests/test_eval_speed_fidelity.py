@@ -16,6 +16,7 @@ from slake.eval.needle import needle_grid
 from slake.eval.progress import TimeLeft, format_duration
 from slake.eval.results import row_key
 from slake.eval.runner import encode_sample, run_suite
+from slake.methods.base import make_method
 from slake.quality.output_fidelity import Continuation, measure_outputs, prepare_reference
 from test_eval_runner import ESSAYS, TinyTokenizer
 from tiny_models import tiny_model
@@ -61,6 +62,82 @@ def test_prefill_cache_gives_the_same_rows_without_prefilling_again(
     for row in second:
         ref = by_key[row_key(row)]
         assert {f: row[f] for f in FIELDS} == {f: ref[f] for f in FIELDS}, (row["method"], row["budget"])
+
+
+def _count_passes(monkeypatch) -> list[int]:
+    from slake.engines.transformers import reconstruction
+
+    calls: list[int] = []
+    real = reconstruction.reconstruction_scores
+    monkeypatch.setattr(reconstruction, "reconstruction_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("first_batch, second_batch", [(1, 1), (1, 2), (2, 1)])
+def test_prefill_cache_keeps_kvzip_reconstruction_scores_across_runs(
+    llama_gqa, tok, samples, tmp_path, monkeypatch, first_batch, second_batch
+):
+    """KVzip's second pass costs about a prefill: a later run on the same prompts reads each prompt's scores from the
+    prefill cache (whatever batch computed them) and gives the same rows, saying so in ``second_pass_cached``."""
+    passes = _count_passes(monkeypatch)
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=4, progress=False)
+    cache = tmp_path / "captures"
+    methods = ["kvzip", "kvzip[keep_generated=true]"]  # one pass configuration: computed once per capture
+    first = run_suite(
+        llama_gqa, tok, samples, methods, [40, 60], tmp_path / "a", prefill_cache=cache, batch_size=first_batch, **kw
+    )
+    assert len(passes) == len(samples) // first_batch
+    assert len(list((cache / "second_pass").glob("*.pt"))) == len(samples)
+    computed = [r for r in first if "second_pass_s" in r]
+    assert computed and not any(r["second_pass_cached"] for r in computed)
+    passes.clear()
+    second = run_suite(
+        llama_gqa, tok, samples, methods, [40, 60], tmp_path / "b", prefill_cache=cache, batch_size=second_batch, **kw
+    )
+    assert passes == []
+    read = [r for r in second if "second_pass_s" in r]
+    assert read and all(r["second_pass_cached"] for r in read)
+    assert sum(r["second_pass_s"] for r in read) == pytest.approx(
+        sum(r["second_pass_s"] for r in computed) * second_batch / first_batch, rel=1e-3
+    )  # a batch's rows each report the batch's pass
+    by_key = {row_key(r): r for r in first}
+    assert len(second) == len(first)
+    for row in second:
+        ref = by_key[row_key(row)]
+        assert {f: row[f] for f in FIELDS} == {f: ref[f] for f in FIELDS}, (row["method"], row["budget"])
+
+
+def test_stored_reconstruction_scores_are_bound_to_prompt_model_and_pass(llama_gqa, tmp_path, monkeypatch):
+    from slake.engines.transformers.reconstruction import ReconstructionPrompt
+
+    passes = _count_passes(monkeypatch)
+    ids = list(range(5, 70))
+    store = CaptureStore(tmp_path, llama_gqa)
+    capture = capture_prefill(llama_gqa, torch.tensor([ids]))
+    prompt = ReconstructionPrompt.synthetic(256)
+    seconds, cached = engine_eval._second_pass(llama_gqa, capture, "kvzip", prompt, store, [ids])
+    assert seconds is not None and seconds > 0 and not cached and len(passes) == 1
+    scores = capture.pass_scores[make_method("kvzip").second_pass_key()]
+
+    def again(method: str, reconstruction: ReconstructionPrompt) -> bool:
+        fresh = capture_prefill(llama_gqa, torch.tensor([ids]))
+        _, cached = engine_eval._second_pass(llama_gqa, fresh, method, reconstruction, store, [ids])
+        if cached:
+            assert torch.equal(fresh.pass_scores[make_method(method).second_pass_key()], scores)
+        return cached
+
+    assert again("kvzip[keep_generated=true,window=8]", prompt)  # decode rules and window: the same pass
+    assert not again("kvzip[chunk_size=16]", prompt)  # another pass configuration
+    other = ReconstructionPrompt(prompt.repeat_ids[::-1], prompt.continue_ids, prompt.suffix_ids, [])
+    assert not again("kvzip", other)  # another tokenizer's reconstruction prompt
+    key = f"{make_method('kvzip').second_pass_key()} prompt={prompt.fingerprint()}"
+    assert store.load_pass_scores(ids[:-1], key) is None  # another prompt
+    assert CaptureStore(tmp_path, tiny_model("llama-gqa", seed=1)).load_pass_scores(ids, key) is None  # model
+    store.pass_path(ids, key).write_bytes(b"not a tensor file")
+    assert not again("kvzip", prompt)  # an unreadable file is computed again, and replaced
+    assert again("kvzip", prompt)
+    with pytest.raises(ValueError, match="one prompt"):
+        store.save_pass_scores(ids, key, scores.expand(-1, 2, -1, -1), 1.0)
 
 
 def test_a_stored_capture_is_bit_identical_and_bound_to_its_model_and_prompt(llama_gqa, tmp_path):

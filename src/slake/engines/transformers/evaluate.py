@@ -15,6 +15,8 @@ pair decodes the whole batch, which amortises a decode step's weight reads.
 ``prefill_cache``: captures are read from and written to a
 :class:`~slake.engines.transformers.prefill_once.CaptureStore`, so a prompt prefilled by an earlier run (another
 method list, an interrupted run, a survey of the full cache) is not prefilled again; rows say ``prefill_cached``.
+KVzip's reconstruction scores are stored there too (per prompt, pass configuration and reconstruction prompt), and
+rows whose scores were read say ``second_pass_cached``.
 
 ``fidelity``: the full cache's greedy answer is the reference continuation of each prompt; every compressed pair is
 also replayed and teacher-forced along it, and its row gets the output-level distance to the full cache over the
@@ -81,17 +83,52 @@ def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[An
     return resolve_method(method, budget, model)
 
 
-def _second_pass(model: Any, capture: PrefillCapture, method: Any, reconstruction: Any) -> float | None:
+def _second_pass(
+    model: Any,
+    capture: PrefillCapture,
+    method: Any,
+    reconstruction: Any,
+    store: CaptureStore | None = None,
+    rows: list[list[int]] | None = None,
+) -> tuple[float | None, bool]:
     """Run a second-pass method's pass (KVzip's reconstruction) on ``capture`` once per method configuration; the
-    replay picks its scores up. Returns the seconds it took (None when the method has no pass or it was done)."""
+    replay picks its scores up.
+
+    With a ``store`` (``--prefill-cache``) and the token ids of the capture's sequences (``rows``, in batch order),
+    each sequence's scores are read from the store when every sequence has them, and written to it after a pass.
+
+    Returns
+    -------
+    (float or None, bool)
+        The seconds the pass took (None when the method has no pass or it was done on this capture already; for
+        stored scores the seconds of the run that computed them, split over a batch's sequences by length), and
+        whether the scores came from the store.
+    """
     built = make_method(method)
-    if built.second_pass is None:
-        return None
+    if built.second_pass is None or built.second_pass_key() in capture.pass_scores:
+        return None, False
     from slake.engines.transformers.reconstruction import ReconstructionPrompt, run_second_pass
 
     if reconstruction is None:
         reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
-    return run_second_pass(model, capture, built, reconstruction)
+    key = built.second_pass_key()
+    stored_key = f"{key} prompt={reconstruction.fingerprint()}"
+    S = capture.prompt_len
+    if store is not None and rows:
+        found = [store.load_pass_scores(ids, stored_key) for ids in rows]
+        stored = [f for f in found if f is not None]
+        if len(stored) == len(rows):
+            capture.pass_scores[key] = torch.cat(
+                [torch.nn.functional.pad(scores, (S - scores.shape[-1], 0)) for scores, _ in stored], dim=1
+            )
+            return sum(seconds for _, seconds in stored), True
+    seconds = run_second_pass(model, capture, built, reconstruction)
+    if store is not None and rows and seconds is not None:
+        scores = capture.pass_scores[key]
+        total = sum(len(ids) for ids in rows)
+        for b, ids in enumerate(rows):  # left padding dropped: the file holds the prompt's own scores
+            store.save_pass_scores(ids, stored_key, scores[:, b : b + 1, :, S - len(ids) :], seconds * len(ids) / total)
+    return seconds, False
 
 
 def check_options(options: EvalOptions) -> None:
@@ -219,7 +256,9 @@ def _run_batch(
     for method, budget in batch[0].pairs:
         start = time.perf_counter()
         built, profile = _method_for(model, method, budget)
-        second = _second_pass(model, capture, built, reconstruction)
+        second, second_cached = _second_pass(
+            model, capture, built, reconstruction, store, [req.prefill_ids for req in batch]
+        )
         cache = capture.replay(built, capture.prompt_len if budget is None else budget, kv_dtype=options.kv_dtype)
         _sync(device)
         compress_s = time.perf_counter() - start
@@ -245,6 +284,7 @@ def _run_batch(
             extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": cached[i]}
             if second is not None:
                 extra["second_pass_s"] = round(second, 5)
+                extra["second_pass_cached"] = second_cached
             if fid is not None:
                 extra.update(fid[i])
             yield EvalOutput(
@@ -287,9 +327,9 @@ def _run_one(
         start = time.perf_counter()
         chunk = None if budget is None else options.prefill_chunk
         built, profile = _method_for(model, method, budget)
-        second = None
+        second, second_cached = None, False
         if chunk is None:
-            second = _second_pass(model, capture, built, reconstruction)
+            second, second_cached = _second_pass(model, capture, built, reconstruction, store, [req.prefill_ids])
             cache = capture.replay(built, len(req.prefill_ids) if budget is None else budget, kv_dtype=options.kv_dtype)
             source = capture
         else:  # chunked prefill is measured live: each chunk attends over the compressed past
@@ -316,6 +356,7 @@ def _run_one(
         extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": capture.cached}
         if second is not None:
             extra["second_pass_s"] = round(second, 5)
+            extra["second_pass_cached"] = second_cached
         if ref is not None and budget is not None:
             extra.update(_fidelity(model, capture, ref, built, budget, options.kv_dtype)[0])
         yield EvalOutput(

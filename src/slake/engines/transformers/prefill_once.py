@@ -13,7 +13,8 @@ the live prefill.
 A capture can be kept on disk across runs (:class:`CaptureStore`): it is saved exactly (the same tensors, bit for
 bit), under a key made of the prompt's token ids and a fingerprint of the model (its configuration, dtype, device
 type and a checksum of some weights), so a later run on the same prompt and model replays it instead of prefilling
-again, with the same results.
+again, with the same results. A second-pass method's scores (KVzip's reconstruction) are kept beside the capture in
+the same way (:meth:`CaptureStore.save_pass_scores`), so a later run skips that pass as well.
 """
 
 from __future__ import annotations
@@ -240,6 +241,57 @@ class CaptureStore:
         capture.cached = True
         return capture
 
+    def pass_path(self, ids: list[int], key: str) -> Path:
+        """The file of one prompt's second-pass scores for one pass configuration ``key`` (in ``second_pass/``, so
+        that the folder's ``*.pt`` files stay one per capture)."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return self.folder / "second_pass" / f"{self.path(ids).stem}-{digest}.pt"
+
+    def load_pass_scores(self, ids: list[int], key: str) -> tuple[torch.Tensor, float] | None:
+        """The stored ``(L, 1, Hkv, S)`` second-pass scores of the single prompt ``ids`` under ``key`` and the
+        seconds their pass took, or None (a file that cannot be read, or one of another prompt, model or key, counts
+        as missing)."""
+        path = self.pass_path(ids, key)
+        if not path.is_file():
+            return None
+        try:
+            data = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+            return None
+        if data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint or data.get("key") != key:
+            return None
+        return data["scores"], float(data["seconds"])
+
+    def save_pass_scores(self, ids: list[int], key: str, scores: torch.Tensor, seconds: float) -> Path:
+        """Write the single prompt's ``(L, 1, Hkv, len(ids))`` second-pass scores under ``key`` atomically, with the
+        seconds their pass took; returns the file's path.
+
+        Raises
+        ------
+        ValueError
+            For scores of more than one sequence or of another length than ``ids``.
+        """
+        if scores.dim() != 4 or scores.shape[1] != 1 or scores.shape[-1] != len(ids):
+            raise ValueError(
+                f"save_pass_scores takes one prompt's (L, 1, Hkv, {len(ids)}) scores, got {tuple(scores.shape)}"
+            )
+        data = {"ids": list(ids), "fingerprint": self.fingerprint, "key": key, "scores": _compact(scores)}
+        data["seconds"] = float(seconds)
+        return self._write(self.pass_path(ids, key), data)
+
+    def _write(self, path: Path, data: dict) -> Path:
+        """``torch.save`` ``data`` to ``path`` through a temporary file in the same folder, so that a reader never
+        sees a partial file."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".part", dir=path.parent)
+        os.close(fd)
+        try:
+            torch.save(data, tmp)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return path
+
     def save(self, ids: list[int], capture: PrefillCapture) -> Path:
         """Write ``capture`` (of the single prompt ``ids``) atomically; returns its path."""
         path = self.path(ids)
@@ -253,14 +305,7 @@ class CaptureStore:
             "hybrid": capture.config is not None,
             "bounded": {k: tuple(_compact(x) for x in v) for k, v in capture.bounded.items()},
         }
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".part", dir=self.folder)
-        os.close(fd)
-        try:
-            torch.save(data, tmp)
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return path
+        return self._write(path, data)
 
 
 def _compact(x: Any) -> Any:

@@ -18,6 +18,8 @@ The cost is one more forward over about the prompt's length (chunked), reported 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +96,12 @@ class ReconstructionPrompt:
         prompts): the cost of the pass depends on lengths only."""
         ids = [(7919 * (i + 1)) % max(vocab_size - 3, 1) + 3 for i in range(24)]
         return cls(ids[:8], ids[:12], ids[12:17], [])
+
+    def fingerprint(self) -> str:
+        """A short digest of the four token lists: scores stored across runs (``--prefill-cache``) are reused only
+        under the same reconstruction prompt."""
+        lists = [self.repeat_ids, self.continue_ids, self.suffix_ids, self.prefix_ids]
+        return hashlib.sha256(json.dumps(lists).encode()).hexdigest()[:16]
 
     def prefix_length(self, ids: list[int]) -> int:
         """Tokens of the template prefix at the start of ``ids`` (0 when the prompt does not start with it)."""
