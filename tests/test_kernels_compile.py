@@ -33,6 +33,7 @@ CASES = {
     "streamingllm": 2,  # recency
     "sagekv": 2,  # pinned recency, per-query-head visibility
     "kvzip": 2,  # running maximum
+    "kvzip[keep_generated=true]": 2,  # generated tokens ranked above the context
     "keydiff": 2,  # key diversity (the row's keys read in the second kernel)
     "ada-expected-attention@bfloat16": 2,  # mapped queries, value norms
     "ada-criticalkv": 3,  # the two stages, and the projection kernel
