@@ -194,7 +194,8 @@ class CaptureStore:
 
     One file per (model fingerprint, prompt token ids), written atomically. A capture of an ``S``-token prompt holds
     every layer's queries, keys and values in the model's dtype: for Qwen2.5-0.5B in fp32 about 50 KB per token
-    (0.8 GB at 8K tokens), so the folder is the user's to clear.
+    (0.8 GB at 8K tokens), so the folder is the user's to clear. Second-pass scores (KVzip's reconstruction) go to its
+    ``second_pass/`` subfolder, one file per prompt and pass configuration (:meth:`save_pass_scores`).
 
     Parameters
     ----------
