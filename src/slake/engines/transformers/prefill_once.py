@@ -220,15 +220,9 @@ class CaptureStore:
     def load(self, ids: list[int]) -> PrefillCapture | None:
         """The stored capture of ``ids``, or None. A file that cannot be read is treated as missing (and replaced
         by the next :meth:`save`)."""
-        path = self.path(ids)
-        if not path.is_file():
+        data = self._read(self.path(ids), ids)
+        if data is None:
             return None
-        try:
-            data = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
-            return None
-        if data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint:
-            return None  # a hash collision, or a file from elsewhere
         capture = PrefillCapture(
             records=[tuple(r) for r in data["records"]],
             attention_mask=data["attention_mask"],
@@ -252,16 +246,23 @@ class CaptureStore:
         """The stored ``(L, 1, Hkv, S)`` second-pass scores of the single prompt ``ids`` under ``key`` and the
         seconds their pass took, or None (a file that cannot be read, or one of another prompt, model or key, counts
         as missing)."""
-        path = self.pass_path(ids, key)
+        data = self._read(self.pass_path(ids, key), ids)
+        if data is None or data.get("key") != key:
+            return None
+        return data["scores"], float(data["seconds"])
+
+    def _read(self, path: Path, ids: list[int]) -> dict | None:
+        """The contents of a stored file of the prompt ``ids`` on this model, or None: missing, unreadable, or of
+        another prompt or model (a hash collision, or a file from elsewhere)."""
         if not path.is_file():
             return None
         try:
             data = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
         except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
             return None
-        if data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint or data.get("key") != key:
+        if data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint:
             return None
-        return data["scores"], float(data["seconds"])
+        return data
 
     def save_pass_scores(self, ids: list[int], key: str, scores: torch.Tensor, seconds: float) -> Path:
         """Write the single prompt's ``(L, 1, Hkv, len(ids))`` second-pass scores under ``key`` atomically, with the
