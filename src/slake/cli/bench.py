@@ -55,6 +55,7 @@ NOT_SERVE = {
     "compile": "--compile",
     "isolate": "--isolate",
     "kernels": "--kernels",
+    "profile_steps": "--profile-steps",
 }
 
 
@@ -132,6 +133,16 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="the decode step's implementation (default auto: Triton's fused kernels on CUDA, torch elsewhere); "
         "the rows record which ran",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after its timed steps, run N more decode steps of every configuration under torch.profiler and "
+        "report where they spend their time: per kernel (CUDA, CUDA-graph replays included) or operator (CPU), "
+        "and by category (slake's fused step, matmuls, attention, the rest); the step_profile field of "
+        "bench.jsonl and step_profile.md",
     )
     p.add_argument("--isolate", action="store_true", help="run every configuration in a fresh process")
     p.add_argument(
@@ -269,8 +280,9 @@ def bench_plan(args: argparse.Namespace) -> Any:
     batch = 1 if args.batch is None else args.batch
     decode_steps = 32 if args.decode_steps is None else args.decode_steps
     warmup = 3 if args.warmup is None else args.warmup
-    if batch < 1 or decode_steps < 1 or warmup < 0:
-        raise ValueError("--batch and --decode-steps must be >= 1 and --warmup >= 0")
+    profile_steps = getattr(args, "profile_steps", None) or 0
+    if batch < 1 or decode_steps < 1 or warmup < 0 or profile_steps < 0:
+        raise ValueError("--batch and --decode-steps must be >= 1, --warmup and --profile-steps >= 0")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
     return BenchPlan(
@@ -291,6 +303,7 @@ def bench_plan(args: argparse.Namespace) -> Any:
         progress=not args.no_progress,
         compile=bool(getattr(args, "compile", False)),
         kernels=getattr(args, "kernels", None) or "auto",
+        profile_steps=profile_steps,
         serve=_serve_plan(args, lengths) if getattr(args, "serve", False) else None,
     )
 
@@ -309,6 +322,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         compile=plan.compile,
         kv_dtype=None if set(plan.kv_dtypes) <= {None} else ",".join(map(str, plan.kv_dtypes)),
         kernels=None if plan.kernels == "auto" else plan.kernels,
+        profile_steps=plan.profile_steps or None,
         serve=plan.serve is not None,
     )
     for m in plan.methods:

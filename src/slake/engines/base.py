@@ -196,6 +196,8 @@ class BenchPlan:
     compile: bool = False
     #: the decode step's implementation (``--kernels``: ``auto``, ``torch`` or ``triton``)
     kernels: str = "auto"
+    #: decode steps of every configuration profiled after its timed steps (``--profile-steps``; 0: none)
+    profile_steps: int = 0
     #: a load benchmark through the engine's server instead (``--serve``); ``lengths`` then holds its prompt range
     serve: ServePlan | None = None
 

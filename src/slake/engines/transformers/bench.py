@@ -2,7 +2,9 @@
 per method, budget and context length (``slake bench``).
 
 Every configuration is measured by :func:`slake.engines.transformers.measure.measure` on random token prompts;
-rows are appended to ``OUT/bench.jsonl``, and ``OUT/bench.md`` and the plots are written from this run's rows.
+rows are appended to ``OUT/bench.jsonl``, and ``OUT/bench.md`` and the plots are written from this run's rows; with
+``profile_steps`` also ``OUT/step_profile.md``, where each configuration's decode step spends its time
+(:mod:`slake.engines.transformers.step_profile`).
 With ``isolate`` each configuration runs in a fresh process (exact per-configuration peak memory, at the cost of
 reloading the model). On CPU the decode steps of the configurations of one length are timed again in turn
 (``decode_timing``, :func:`slake.engines.transformers.measure.time_decode_interleaved`), so that comparisons between
@@ -47,6 +49,7 @@ def configs(plan: BenchPlan) -> list[BenchConfig]:
                                 kv_dtype=kvd,
                                 compile=compiled,
                                 kernels=plan.kernels,
+                                profile_steps=plan.profile_steps,
                             )
                         )
     return out
@@ -80,6 +83,8 @@ def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
         cfg.kv_dtype or "auto",
         "--kernels",
         cfg.kernels,
+        "--profile-steps",
+        str(cfg.profile_steps),
         "--out",
         str(plan.out / "isolated"),
     ]
@@ -109,6 +114,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
 
     from slake.engines.transformers.measure import measure, time_decode_interleaved
     from slake.engines.transformers.report import markdown_table, plot_rows
+    from slake.engines.transformers.step_profile import profile_markdown
 
     if plan.threads:
         torch.set_num_threads(plan.threads)
@@ -184,6 +190,9 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     ]
     (out / "bench.md").write_text(markdown_table(rows, "slake bench", notes), encoding="utf-8")
     files = [out / "bench.jsonl", out / "bench.md"]
+    if plan.profile_steps:
+        (out / "step_profile.md").write_text(profile_markdown(rows), encoding="utf-8")
+        files.append(out / "step_profile.md")
     if plan.plots and rows:
         plot_rows(rows, str(out))
     keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")

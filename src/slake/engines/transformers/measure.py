@@ -30,6 +30,7 @@ from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.memory import MemoryMeter
+from slake.engines.transformers.step_profile import profile_decode
 
 __all__ = ["BenchConfig", "compiled_step", "measure", "time_decode_interleaved"]
 
@@ -49,6 +50,7 @@ class BenchConfig:
     kv_dtype: str | None = None
     compile: bool = False  # decode steps through torch.compile(fullgraph=True) on a static SlakeCache
     kernels: str = "auto"  # the decode step's implementation (SlakeCache's kernels)
+    profile_steps: int = 0  # decode steps profiled after the timed ones (step_profile.profile_decode)
 
 
 def _sync(device: torch.device) -> None:
@@ -65,7 +67,8 @@ def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
 
 def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
     # a compiled configuration preallocates its append-only layers for every step it will take
-    max_len = cfg.length + max(cfg.warmup, 2) + cfg.decode_steps + 2 if cfg.compile else None
+    steps = max(cfg.warmup, 2) + cfg.decode_steps + cfg.profile_steps
+    max_len = cfg.length + steps + 2 if cfg.compile else None
     cache = SlakeCache(
         cfg.method,
         cfg.budget,
@@ -191,6 +194,9 @@ def measure(model, cfg: BenchConfig) -> dict:
                 compile_s = time.perf_counter() - s  # tracing, compiling and running the first step
             if step >= warmup:
                 times.append((time.perf_counter() - s) * 1e3)
+        step_profile = None
+        if cfg.profile_steps:  # after the timed steps, so that the profiler's overhead is in none of them
+            step_profile, tok = profile_decode(stepper, tok, cfg.profile_steps, device)
     peak = meter.peak()
     stats = cache.statistics()
     kv = stats["kv_bytes"]
@@ -224,4 +230,5 @@ def measure(model, cfg: BenchConfig) -> dict:
         "kv_bytes_detail": {k: int(v) for k, v in kv.items()},
         "compressed": stats["compressed"],
         "kept_tokens_mean": (sum(stats["kept_tokens_per_layer"]) / max(len(stats["kept_tokens_per_layer"]), 1)),
+        "step_profile": step_profile,
     }

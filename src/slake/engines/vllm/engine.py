@@ -37,6 +37,7 @@ class VllmEngine(Engine):
         "random_model": "vLLM loads checkpoints; save the random model to a folder and pass it as --model",
         "isolate": "vLLM runs every configuration in its own engine already",
         "decode_timing": "vLLM reports its own per-request timings",
+        "profile_steps": "vLLM runs its steps in its own engine; profile the transformers engine's step instead",
     }
 
     def __init__(self, model: ModelSpec | None = None, *, block_size: int = 32) -> None:
