@@ -6,16 +6,21 @@ kernel module is imported here with ``TRITON_INTERPRET`` unset. Each case of ``a
 engine at Llama-3-8B's head shape (8 KV heads, 4 query heads each, 128 dims, 1,024 kept slots), with every kernel
 launch replaced by an ahead-of-time compilation for the target ``argv[1]`` (e.g. ``cuda:90``: an H100) through
 Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with the arguments and constants the step
-would launch them with (half-precision keys take the low-precision dots, as on a GPU). Prints one JSON line per
-case: the kernels compiled, whether each produced a cubin, and its shared memory in bytes. Nothing runs: the
-outputs of these steps are garbage, and not looked at.
+would launch them with (half-precision keys take the low-precision products where the step would on a GPU,
+:func:`slake.cache.fused_step.half_precision_dots`). Prints one JSON line per
+case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
+reports of it (registers per thread, stack frame, bytes spilled to local memory). Nothing runs: the outputs of these
+steps are garbage, and not looked at.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -26,6 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from slake.cache import fused_step  # noqa: E402
 from slake.kernels import triton_decode  # noqa: E402
 
 # the module is imported in compiled mode; from now on slake.kernels.load() returns it as it is
@@ -43,6 +49,34 @@ TYPES = {
     torch.float8_e4m3fn: "fp8e4nv",
 }
 KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """What Triton's bundled ``ptxas`` says of a kernel's PTX for ``sm_<arch>`` (``-v``, the options Triton compiles
+    with): registers per thread, stack frame, and the bytes spilled to local memory (stores and loads)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "kernel.ptx")
+        src.write_text(ptx)
+        run = subprocess.run(
+            [str(ptxas), "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(tmp, "kernel.cubin"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    log = run.stderr + run.stdout
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": number(r"Used (\d+) registers"),
+        "stack": number(r"(\d+) bytes stack frame"),
+        "spill_stores": number(r"(\d+) bytes spill stores"),
+        "spill_loads": number(r"(\d+) bytes spill loads"),
+    }
 
 
 class AheadOfTime:
@@ -71,12 +105,17 @@ class AheadOfTime:
                     signature[name] = "fp32"
                 else:
                     raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
-            keys = bound.get("k_ptr")
-            if "LOW_DOT" in constants and keys is not None and keys.dtype in (torch.bfloat16, torch.float16):
-                constants["LOW_DOT"] = True  # what the step passes on a GPU
-            binary = triton.compile(triton.compiler.ASTSource(fn, signature, constants), target=self.target)
+            options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+            source = triton.compiler.ASTSource(fn, signature, constants)
+            binary = triton.compile(source, target=self.target, options=options)
             self.compiled.append(
-                {"kernel": fn.__name__, "cubin": "cubin" in binary.asm, "shared": int(binary.metadata.shared)}
+                {
+                    "kernel": fn.__name__,
+                    "cubin": "cubin" in binary.asm,
+                    "shared": int(binary.metadata.shared),
+                    "warps": int(binary.metadata.num_warps),
+                    **ptxas_report(binary.asm["ptx"], self.target.arch),
+                }
             )
 
         return compile_instead
@@ -88,6 +127,8 @@ def main(argv: list[str]) -> None:
     compiled: list = []
     for name in KERNELS:
         setattr(triton_decode, name, AheadOfTime(getattr(triton_decode, name), target, compiled))
+    # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
+    fused_step.half_precision_dots = lambda device, dtype: dtype in (torch.float16, torch.bfloat16)
     import test_fused_decode as harness
 
     shape = dict(B=1, H=8, G=4, D=128, S=1100, budget=1024, pad=False, steps=1, layers=1)

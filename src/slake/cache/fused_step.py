@@ -18,7 +18,7 @@ from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
 from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
-__all__ = ["MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "run_step"]
+__all__ = ["MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "half_precision_dots", "run_step"]
 
 logger = logging.getLogger("slake.kernels")
 
@@ -52,6 +52,13 @@ class KernelReport:
         if self.fallbacks:
             return f"{kinds} (fallback: {'; '.join(sorted(self.fallbacks))})"
         return kinds
+
+
+def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
+    """Whether the fused kernels multiply queries by keys (and probabilities by values) in the keys' half precision
+    (tensor cores, float32 accumulation): on a GPU, for float16 and bfloat16 keys. Elsewhere (Triton's interpreter)
+    and for float32 or 8-bit keys the products are float32."""
+    return device.type == "cuda" and keys_dtype in (torch.float16, torch.bfloat16)
 
 
 def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem: KVMemory | None) -> str | None:
@@ -126,7 +133,7 @@ def fused_decode_step(
         )
     elif rows is not None:
         row_index = rows
-    low_dot = dev.type == "cuda" and mem.keys.dtype in (torch.float16, torch.bfloat16)
+    low_dot = half_precision_dots(dev, mem.keys.dtype)
     flags = [
         _QUANT[mem.quant],
         int(low_dot),

@@ -49,7 +49,7 @@ def _append_logits_kernel(
     W, H, S, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
-    MAP_Q: tl.constexpr, VNORM: tl.constexpr,
+    MAP_Q: tl.constexpr, VNORM: tl.constexpr, FREE_BLOCK: tl.constexpr, MB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -63,10 +63,11 @@ def _append_logits_kernel(
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, W)
     # 1. the first free slot of the row (the lowest empty index), found by every program of the row: the validity
-    # is written by the second kernel only, so no program here sees another's write
+    # is written by the second kernel only, so no program here sees another's write. Read FREE_BLOCK slots at a
+    # time (the whole row of a budget up to 2K in one load: each block is a round trip to memory)
     free = W
-    for s0 in range(0, W, BLOCK_N):
-        s = s0 + tl.arange(0, BLOCK_N)
+    for s0 in range(0, W, FREE_BLOCK):
+        s = s0 + tl.arange(0, FREE_BLOCK)
         ok = s < W
         v = tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=1)
         free = tl.minimum(free, tl.min(tl.where(ok & (v == 0), s, W), 0))
@@ -100,8 +101,18 @@ def _append_logits_kernel(
     acc = tl.zeros([GP, DP], tl.float32)
     xbase = (r * H + h).to(tl.int64) * G * W
     if MAP_Q:  # a rule's own queries (Expected Attention): q M^T, with their own softmax statistics
-        mq = tl.load(map_ptr + dd[:, None] * D + dd[None, :], mask=dmask[:, None] & dmask[None, :], other=0.0)
-        q2 = tl.dot(q, tl.trans(mq), input_precision="ieee")
+        # contracted MB columns at a time: the whole D x D float32 map in registers spilled at D = 128
+        q2 = tl.zeros([GP, DP], tl.float32)
+        for k0 in tl.static_range(0, DP, MB):
+            kk = k0 + tl.arange(0, MB)
+            kmask = kk < D
+            q_k = tl.load(
+                q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + kk[None, :] * q_sd,
+                mask=gmask[:, None] & kmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            m_k = tl.load(map_ptr + dd[:, None] * D + kk[None, :], mask=dmask[:, None] & kmask[None, :], other=0.0)
+            q2 += tl.dot(q_k * scale, tl.trans(m_k), input_precision="ieee")
         m2 = tl.full([GP], -3.4028234663852886e38, tl.float32)
         l2 = tl.zeros([GP], tl.float32)
     for s0 in range(lo, hi, BLOCK_N):

@@ -15,7 +15,9 @@ its own block table) and arbitrary strides for keys and values:
    normalisers; positional pooling through an in-program sort), the protected slots, the victim (the first
    minimum, as ``argmin``), the fold of the victim into the PTAA linear state, the eviction, and the attention
    output: the pieces' partial sums combined, plus the linear term. A method that evicts before its output
-   (SLAKE's Algorithm 1) has the victim's piece summed again without it; optionally the layer's position counter.
+   (SLAKE's Algorithm 1) has the victim's piece summed again without it, in float32 whatever the cache's dtype
+   (half-precision operands there cost the kernel its registers: it spilled at Llama-3-8B's shape in bfloat16);
+   optionally the layer's position counter.
 
 A rule that reads the step's queries through a fixed map (Expected Attention) has the first kernel compute its
 logits and softmax statistics beside the attention's, and each slot's value norm. CriticalKV's two stages weigh
@@ -47,8 +49,8 @@ from slake.kernels.triton_rules import _value_projection_kernel, head_signal, ke
 from slake.kernels.triton_slots import load_row
 
 __all__ = [
-    "MIN_SPLIT", "PROJECTION_BLOCK", "RULE_CODES", "TARGET_PROGRAMS", "fused_step", "fused_step_op", "ratio_parts",
-    "split_size",
+    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RULE_CODES", "TARGET_PROGRAMS", "WIDE_ROW",
+    "evict_warps", "fused_step", "fused_step_op", "ratio_parts", "split_size",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -89,6 +91,7 @@ def _evict_attend_kernel(
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
+    COMBINE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -270,23 +273,28 @@ def _evict_attend_kernel(
     m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
     den = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    for sp in range(0, S):
-        sb = (((r * H + h) * G + g) * S + sp) * 2
-        pm = tl.load(stat_ptr + sb, mask=gmask, other=-3.4028234663852886e38)
-        pl = tl.load(stat_ptr + sb + 1, mask=gmask, other=0.0)
-        pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
-        pa = tl.load(part_ptr + pb[:, None] + dd[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-        if EVICT_FIRST:
-            mine = sp * SPLIT == vlo
-            pm = tl.where(mine, m_v, pm)
-            pl = tl.where(mine, den_v, pl)
-            pa = tl.where(mine, acc_v, pa)
-        m_new = tl.maximum(m_run, pm)
-        a_run = tl.exp(m_run - m_new)
-        a_new = tl.exp(pm - m_new)
-        acc = acc * a_run[:, None] + pa * a_new[:, None]
-        den = den * a_run + pl * a_new
-        m_run = m_new
+    # the pieces in order, COMBINE at a time: their loads do not depend on each other, so an unrolled group keeps
+    # COMBINE of them in flight instead of one round trip to memory per piece (a piece past the last adds nothing)
+    for s0 in range(0, S, COMBINE):
+        for nth in tl.static_range(COMBINE):
+            sp = s0 + nth
+            live = sp < S
+            sb = (((r * H + h) * G + g) * S + sp) * 2
+            pm = tl.load(stat_ptr + sb, mask=gmask & live, other=-3.4028234663852886e38)
+            pl = tl.load(stat_ptr + sb + 1, mask=gmask & live, other=0.0)
+            pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
+            pa = tl.load(part_ptr + pb[:, None] + dd[None, :], mask=(gmask & live)[:, None] & dmask[None, :], other=0.0)
+            if EVICT_FIRST:
+                mine = sp * SPLIT == vlo
+                pm = tl.where(mine, m_v, pm)
+                pl = tl.where(mine, den_v, pl)
+                pa = tl.where(mine, acc_v, pa)
+            m_new = tl.maximum(m_run, pm)
+            a_run = tl.exp(m_run - m_new)
+            a_new = tl.exp(pm - m_new)
+            acc = acc * a_run[:, None] + pa * a_new[:, None]
+            den = den * a_run + pl * a_new
+            m_run = m_new
     if HAS_LINEAR:
         qk = tl.sum(q * ksum[None, :], 1)  # s q . k_sum
         mu = tl.where(cnt > 0, qk / cnt, -3.4028234663852886e38)
@@ -317,6 +325,25 @@ MIN_SPLIT = 64
 #: about how many programs the first kernel should run in all: enough to occupy a GPU's streaming multiprocessors
 #: (an H100 has 132) when few rows and KV heads would leave most of them idle
 TARGET_PROGRAMS = 256
+
+
+#: the most slots the first kernel's search for the free slot reads at once (a power of two)
+FREE_BLOCK = 2048
+#: pieces the second kernel combines per group of loads in flight
+COMBINE = 4
+#: rows of at least this many slots (padded to a power of two) run the second kernel with twice the warps
+WIDE_ROW = 1024
+
+
+def evict_warps(padded_width: int) -> int:
+    """Warps per program of the second kernel for rows padded to ``padded_width`` slots: 8 for wide rows, else 4.
+
+    The second kernel runs one program per (row, KV head), which at batch 1 is 8 programs on a GPU of 132
+    multiprocessors; a wide row's vectors (its slots' positions, scores and validity, its sort for the positional
+    pooling) then hold 16 values per thread at 4 warps, which is what made the kernel spill registers at
+    Llama-3-8B's shape and budget 1,024 (``tests/test_kernels_compile.py``). Twice the threads halve that and
+    hide more of each program's memory latency."""
+    return 8 if padded_width >= WIDE_ROW else 4
 
 
 def ratio_parts(ratio: float) -> list[float]:
@@ -441,7 +468,7 @@ def fused_step(
         x, stat, part, newslot,
         query_map, estat, vn,
         W, H, S, float(scaling),
-        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), **common,
+        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, FREE_BLOCK), MB=16, **common,
     )  # fmt: skip
     if two_stage:
         _value_projection_kernel[(Hq, NB)](
@@ -474,7 +501,7 @@ def fused_step(
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
-        **common,
+        COMBINE=COMBINE, num_warps=evict_warps(BW), **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out
 
