@@ -4,12 +4,14 @@
 #
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
-# PART: info | tests | eager | compiled-short | compiled-long | torch | pool | kernels | all
+# PART: short | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
-# The parts are independent; "all" runs them in order (longer than one 10-minute call).
+# The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
+# with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
+# telling measurements first and skips what its deadline (SHORT_SECONDS, default 500) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh info|tests|eager|compiled-short|compiled-long|torch|pool|kernels|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -29,6 +31,11 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
     tests)
         # compiled kernels against the torch step, under CUDA graphs, and the paged layouts on the device
         "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decode.py tests/test_cuda.py tests/test_paged_layouts.py
+        ;;
+    profile)
+        # where a step's time goes (docs/gpu.md): eager and compiled, per kernel, at 32K for the full cache, snapkv
+        # and slake; the fused step's kernels against the model's matmuls and the rest
+        "${bench[@]}" --methods full,snapkv,slake --lengths 32768 --compile --profile-steps 8 --out "$out/profile"
         ;;
     eager)
         # the fused step (kernels=auto) in eager decoding, with the full cache beside it in the same run
@@ -66,9 +73,47 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
     esac
 }
 
+# short: the parts that decide issue 32's targets, most telling first, each started only if its estimate fits
+# before the deadline; every step leaves its rows and log under OUT even when a later one is skipped
+run_short() {
+    local deadline=$((SECONDS + ${SHORT_SECONDS:-500}))
+    local step estimate
+    for step in "info 10" "smoke 90" "profile 200" "eager-targets 120" "compiled-128k 150" "kernels 60"; do
+        set -- $step
+        estimate=$2
+        if [ $((SECONDS + estimate)) -gt $deadline ]; then
+            echo "== skipped $1: about ${estimate}s needed, $((deadline - SECONDS))s left"
+            continue
+        fi
+        [ "$1" = smoke ] || [ "$1" = eager-targets ] || [ "$1" = compiled-128k ] && echo "== $1 $(date -u +%H:%M:%S)"
+        case $1 in
+        smoke)
+            # the kernels compiled for this GPU against the torch step, and CUDA-graph capture
+            "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+                "tests/test_fused_decode.py::test_fused_step_equals_the_torch_step_for_every_method" \
+                -k "test_cuda or slake or snapkv or cake" 2>&1 | tee "$out/smoke.log" | tail -n 5
+            ;;
+        eager-targets)
+            "${bench[@]}" --methods full,snapkv,cake,slake --lengths 8192,65536 --out "$out/eager_targets"
+            ;;
+        compiled-128k)
+            "${bench[@]}" --methods full,slake --lengths 131072 --compile --out "$out/compiled_128k"
+            ;;
+        *)
+            run_part "$1"
+            ;;
+        esac
+    done
+}
+
+if [ "$part" = short ]; then
+    run_short 2>&1 | tee "$out/short.log"
+    exit "${PIPESTATUS[0]}"
+fi
+
 if [ "$part" = all ]; then
     status=0
-    for p in info tests eager compiled-short compiled-long torch pool kernels; do
+    for p in info tests profile eager compiled-short compiled-long torch pool kernels; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status
