@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slake.kernels.triton_slots import load_rows, store_row
+from slake.kernels.triton_slots import load_queries, load_rows, store_row
 
 __all__ = ["attend_block"]
 
@@ -90,12 +90,7 @@ def _append_logits_kernel(
     tl.debug_barrier()
     # 3. over this program's slots: the logits of the scaled queries (kept for the second kernel's scores), and the
     # softmax's partial sums of the values, by an online softmax (each query head's maximum, normaliser and output)
-    q = tl.load(
-        q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + dd[None, :] * q_sd,
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    q = q * scale
+    q = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, dd, dmask, G) * scale
     m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
     l_run = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -106,11 +101,7 @@ def _append_logits_kernel(
         for k0 in tl.static_range(0, DP, MB):
             kk = k0 + tl.arange(0, MB)
             kmask = kk < D
-            q_k = tl.load(
-                q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + kk[None, :] * q_sd,
-                mask=gmask[:, None] & kmask[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            q_k = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, kk, kmask, G)
             m_k = tl.load(map_ptr + dd[:, None] * D + kk[None, :], mask=dmask[:, None] & kmask[None, :], other=0.0)
             q2 += tl.dot(q_k * scale, tl.trans(m_k), input_precision="ieee")
         m2 = tl.full([GP], -3.4028234663852886e38, tl.float32)

@@ -46,7 +46,7 @@ from torch.library import custom_op
 
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_rules import _value_projection_kernel, head_signal, key_diversity, two_stage
-from slake.kernels.triton_slots import load_row
+from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
     "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RULE_CODES", "TARGET_PROGRAMS", "WIDE_ROW",
@@ -201,12 +201,7 @@ def _evict_attend_kernel(
     dmask = dd < D
     g = tl.arange(0, GP)
     gmask = g < G
-    q = tl.load(
-        q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + dd[None, :] * q_sd,
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    q = q * scale
+    q = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, dd, dmask, G) * scale
     vb = tl.load(table_ptr + r * t_sr + victim // block_size).to(tl.int64)
     vo = (victim % block_size).to(tl.int64)
     vs = vb * s_sb + h * s_sh + vo * s_so
@@ -236,11 +231,7 @@ def _evict_attend_kernel(
             k_i = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT) * cf
             blk2 = blk + k_i[:, None] * kv_v[None, :]
             tl.store(abase + ii[:, None] * a_si + dd[None, :] * a_sj, blk2, mask=bmask & chosen)
-            q_i = tl.load(
-                q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + ii[None, :] * q_sd,
-                mask=gmask[:, None] & imask[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            q_i = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, ii, imask, G)
             if EVICT_FIRST:  # SLAKE (Algorithm 1): the output sees the state with the victim folded in
                 lin += tl.dot(q_i * scale, blk2, input_precision="ieee")
             else:

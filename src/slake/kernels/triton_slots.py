@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["block_keys", "load_row", "load_rows", "round_e4m3", "round_half_even", "store_row"]
+__all__ = ["block_keys", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even", "store_row"]
 
 
 @triton.jit
@@ -73,6 +73,17 @@ def load_row(ptr, addr, dd, dmask, scale_ptr, saddr, QUANT: tl.constexpr):
     if QUANT == 2:
         x = x.to(tl.float8e4nv, bitcast=True)
     return x.to(tl.float32) * tl.load(scale_ptr + saddr)
+
+
+@triton.jit
+def load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, cols, cmask, G: tl.constexpr):
+    """The float32 queries of step row ``r``'s query heads ``h * G + g`` (KV head ``h``'s group, where ``gmask``),
+    elements ``cols`` of each (where ``cmask``): ``(GP, len(cols))``, zero where masked."""
+    return tl.load(
+        q_ptr + r * q_sr + (h * G + g)[:, None] * q_sh + cols[None, :] * q_sd,
+        mask=gmask[:, None] & cmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
 
 
 @triton.jit
