@@ -114,17 +114,9 @@ def split_rows(monkeypatch):
 @pytest.mark.parametrize("name", FUSED)
 def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
     """A padded GQA batch of two sequences, two layers (CAKE/SLAKE give them different budgets), three steps, each
-    row split over several programs of the first kernel."""
-    method = _method(name)
-    ref, ref_out = _run(method, "torch")
-    fused, fused_out = _run(method, "triton")
-    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
-
-
-@pytest.mark.parametrize("name", FUSED)
-def test_fused_rules_read_nothing_from_empty_slots(name):
-    """Empty slots hold whatever they held (a freed slot keeps its last token's key and value until the next write):
-    the fused step's scores, victims and outputs equal the torch step's with random keys and values there."""
+    row split over several programs of the first kernel. Empty slots hold random keys and values, as a freed slot
+    keeps its last token's until the next write: no rule may read them (one run checks both, the interpreter's
+    time being most of the unit tier's)."""
     method = _method(name)
     ref, ref_out = _run(method, "torch", garbage=True)
     fused, fused_out = _run(method, "triton", garbage=True)
