@@ -1,5 +1,6 @@
 """Shared fixtures; Triton's interpreter on machines without a GPU (the fused decode kernels' tests run their
-kernels on CPU tensors through it; it must be switched on before Triton is imported); and the tests' CPU threads.
+kernels on CPU tensors through it; it must be switched on before Triton is imported, and its helper calls skip a
+redundant re-patching, :func:`_helper_calls_keep_the_launch_patch`); and the tests' CPU threads.
 
 Threads: torch's OpenMP threads spin while they wait for work. On the two-core CI machine beside another job, that
 spinning made the unit tests 8.7x slower (three test files: 13.6 minutes instead of 1.6; ``make test`` once took
@@ -24,6 +25,57 @@ from tiny_models import tiny_model  # noqa: E402
 
 #: torch's own thread count in this process, before any test changes it
 DEFAULT_THREADS = torch.get_num_threads()
+
+
+def _helper_calls_keep_the_launch_patch() -> None:
+    """Triton's interpreter (3.6.0) patches ``triton.language`` for an interpreted kernel once per launch, for the
+    whole launch, and then again at every call of a ``@triton.jit`` helper from inside it (``inspect.getmembers``
+    over four modules each time, about 0.4 ms here), its own reductions (``tl.sum``, ``tl.max``, ``tl.argmin``,
+    ``tl.sort``...) included, whose module reaches ``triton.language.core`` rather than ``triton.language``. The
+    fused kernels call such helpers many times in every program, and the re-patching was about a fifth of their
+    tests' time, the largest share of the unit tier. Here a launch patches both modules for its whole run, and a
+    helper call inside it patches nothing more. A builtin left unpatched would raise ("Did you forget to add
+    @triton.jit ?"), never compute something else. Applied only to the Triton version whose interpreter this was
+    read from, when the interpreter is on."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton
+        from triton.language import standard
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    call = interpreter.InterpretedFunction.__dict__.get("__call__")
+    core_user = getattr(standard.max, "fn", None)  # a function whose module holds triton.language.core
+    if triton.__version__ != "3.6.0" or patch is None or call is None or core_user is None:
+        return
+    if "_patch_lang" not in call.__code__.co_names:  # not the helper call this was written against
+        return
+
+    class _Both:
+        def __init__(self, *scopes) -> None:
+            self.scopes = scopes
+
+        def restore(self) -> None:
+            for scope in reversed(self.scopes):
+                scope.restore()
+
+    def launch_patch(fn):  # GridExecutor: once per launch, both language modules
+        return _Both(patch(fn), patch(core_user))
+
+    def helper_call(self, *args, **kwargs):  # a helper inside a launch: already patched
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter._patch_lang = launch_patch
+    interpreter.InterpretedFunction.__call__ = helper_call
+
+
+_helper_calls_keep_the_launch_patch()
 
 
 @pytest.fixture(autouse=True)
