@@ -55,9 +55,10 @@ class KernelReport:
 
 
 def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
-    """Whether the fused kernels multiply queries by keys (and probabilities by values) in the keys' half precision
-    (tensor cores, float32 accumulation): on a GPU, for float16 and bfloat16 keys. Elsewhere (Triton's interpreter)
-    and for float32 or 8-bit keys the products are float32."""
+    """Whether the first fused kernel multiplies queries by keys and probabilities by values in the keys' half
+    precision (tensor cores, float32 accumulation): on a GPU, for float16 and bfloat16 keys. Elsewhere (Triton's
+    interpreter), for float32 or 8-bit keys, and in the second kernel's re-summed victim piece, the products are
+    float32."""
     return device.type == "cuda" and keys_dtype in (torch.float16, torch.bfloat16)
 
 

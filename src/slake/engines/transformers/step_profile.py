@@ -163,7 +163,8 @@ def profile_markdown(rows: list[dict]) -> str:
         f"- {profiled[0]['step_profile']['steps']} profiled decode steps per configuration, after its timed steps; "
         "device: kernels' self time (CUPTI, CUDA-graph replays included); cpu: operators' self CPU time",
         "- busy ms/step: the sum of the kernels (device) or operators (cpu); wall ms/step: the steps' elapsed time "
-        "under the profiler, which adds its own overhead to eager steps",
+        "under the profiler, which adds its own overhead to eager steps; launches/step: kernels (device) or "
+        "operators with self time, wrappers included (cpu)",
         "- categories are read off the names (slake.engines.transformers.step_profile.category)",
         "",
     ]
