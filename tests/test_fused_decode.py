@@ -2,7 +2,8 @@
 the torch step (:func:`slake.cache.decode_step.decode_step`): the same victims, kept slots, keys and values, and the
 same outputs, scores and linear state within float32 rounding, for every method with decode eviction, in the
 transformers engine's dense store (padded batches, GQA and MHA, per-head budgets, 8-bit and bf16 storage) and in
-the vLLM pool's paged layouts; and the number of launches of one step of one layer."""
+the vLLM pool's paged layouts; and the number of launches of one step of one layer. Through a model:
+``tests/test_fused_decode_models.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, slot
 from slake.methods import available_methods, make_method
 from slake.methods.base import DecodeInputs, LayerContext, Method
 from slake.methods.rotary import Rotary
+
+#: runs the same under any transformers (none is loaded here): ``make test-oldest`` skips it (tests/test_tiers.py)
+pytestmark = pytest.mark.transformers_free
 
 FUSED = [n for n in available_methods() if make_method(n).fused_rule() is not None]
 #: where the kernels run: a GPU's compiled kernels where there is one, else the interpreter on CPU tensors
@@ -387,30 +391,6 @@ def test_a_step_the_kernels_do_not_cover_runs_in_torch_and_says_why(caplog):
     assert sum("fused decode kernels do not cover" in r.message for r in caplog.records) == 1
 
 
-def test_the_command_runs_the_kernels_through_the_interpreter_on_a_machine_without_cuda(tmp_path):
-    """``slake generate --kernels triton`` in a fresh process with no ``TRITON_INTERPRET`` in its environment: the
-    command loads the kernels while checking its arguments, before transformers imports Triton, so on a machine
-    without CUDA the interpreter can still be switched on (it was refused after the model had loaded)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from tiny_models import save_tiny_model
-
-    save_tiny_model(tmp_path / "model")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    words = " ".join(f"w{i % 250 + 3}" for i in range(60))
-    run = subprocess.run(
-        [sys.executable, "-m", "slake.cli", "generate", "--model", str(tmp_path / "model"), "--method", "snapkv",
-         "--budget", "16", "--set", "window=4", "--prompt", words, "--max-new-tokens", "3", "--kernels", "triton",
-         "--json"],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert json.loads(run.stdout)["kernels"] == "triton"
-
-
 def test_kernel_choice_is_checked():
     with pytest.raises(ValueError, match="unknown kernels"):
         CompressedKV("snapkv", 64, 2, kernels="cuda")
@@ -453,34 +433,6 @@ def test_torch_compile_captures_the_fused_step_as_one_operator(name):
     torch._dynamo.reset()
     step(fused, q, k, v)  # one eager step (compiled steps record nothing): the kernels cover this layer
     assert fused.decoder.report.summary() == "triton"
-
-
-@pytest.mark.parametrize("name", ["slake", "tova", "criticalkv", "expected-attention"])
-def test_a_tiny_model_decodes_the_same_tokens_with_the_fused_kernels(name, llama_gqa):
-    """End to end through transformers (the registered attention function, the cache's update, a padded batch of
-    two): greedy tokens and kept counts equal the torch step's, and the cache reports which implementation ran."""
-    from compiled_decode import decode
-
-    model = llama_gqa.to(DEVICE)
-    ref, ref_stats, _ = decode(model, name, 6, static=False, kernels="torch")
-    fused, stats, _ = decode(model, name, 6, static=False, kernels="triton")
-    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
-    assert torch.equal(fused, ref)
-    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
-
-
-def test_static_mode_makes_the_kernels_row_table_before_any_captured_step(llama_gqa):
-    """The fused kernels' row table of every layer exists once static mode starts and is one of the static tensors:
-    made lazily inside the first captured step instead, it was a CUDA graph's output that the next replay overwrote
-    (found on an H100 by ``tests/test_cuda.py``)."""
-    from compiled_decode import decode
-
-    _, stats, cache = decode(llama_gqa.to(DEVICE), "snapkv", 1, static=True, kernels="triton")
-    decoder = cache.compressor.decoder
-    static = {id(t) for t in decoder.static_tensors()}
-    for store in cache.compressor.layers:
-        assert store._row_table is not None and id(store._row_table) in static
-    assert stats["kernels"] == "triton"
 
 
 def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
