@@ -7,7 +7,9 @@ spinning made the unit tests 8.7x slower (three test files: 13.6 minutes instead
 25 minutes), so waiting threads sleep (``OMP_WAIT_POLICY=PASSIVE``, read when torch loads OpenMP, hence set before
 ``import torch``; subprocesses inherit it), and the unit tests, on tiny tensors where a second thread gains nothing
 (1.5 minutes idle with one thread or two), run on one: 2.8 minutes beside the same job. The tests on real weights
-(marker ``integration``) keep torch's default, where two threads pay (140 s against 187 s for the heaviest one)."""
+(marker ``integration``) keep torch's default, where two threads pay (140 s against 187 s for the heaviest one), but
+share it out among the test processes that run side by side (``make test-integration`` runs one per core): two
+processes of two threads each would ask four threads of two cores."""
 
 from __future__ import annotations
 
@@ -78,11 +80,17 @@ def _helper_calls_keep_the_launch_patch() -> None:
 _helper_calls_keep_the_launch_patch()
 
 
+#: test processes running side by side (pytest-xdist's workers; 1 without it)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
-    """One torch thread for a unit test; torch's default for a test on real weights (module docstring). Set for every
+    """One torch thread for a unit test; for a test on real weights torch's default, shared out among the processes
+    that run side by side (module docstring): two workers on two cores take one thread each, not two. Set for every
     test, so that one that changes the count (``slake bench --threads``) leaves nothing behind."""
-    torch.set_num_threads(DEFAULT_THREADS if request.node.get_closest_marker("integration") else 1)
+    real = request.node.get_closest_marker("integration")
+    torch.set_num_threads(max(1, DEFAULT_THREADS // WORKERS) if real else 1)
 
 
 @pytest.fixture(scope="session")

@@ -164,33 +164,39 @@ def test_cli_errors_are_clear():
     assert out.returncode == 2 and "window" in out.stderr
 
 
-def test_every_method_with_and_without_linear_cache_at_4k(default_model):
+@pytest.fixture(scope="module")
+def needle_4k(default_model):
+    """A ~4K-token needle document's prefill, captured once per process for the replays below; its answers."""
+    model, tok = default_model
+    prompt, answers, _ = _needle_prompt(tok, 4096, seed=3)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    return capture_prefill(model, ids), answers
+
+
+@pytest.mark.parametrize("name", [n for n in slake.available_methods() if n != "full"])
+def test_every_method_with_and_without_linear_cache_at_4k(default_model, needle_4k, name):
     """Every registered method, with and without the PTAA linear cache, at budget 1024 on a ~4K needle document.
 
     Asserted: each one compresses, decodes and keeps its budget; the linear state exists exactly when switched on.
     Whether each answers is measured and reported in the README (docs/results/needle_4k), not asserted: on this
-    135M model most eviction methods keep only the first digits of the number at 1024 of 4K tokens.
+    135M model most eviction methods keep only the first digits of the number at 1024 of 4K tokens. One test per
+    method, so that the integration tier's processes share them out.
     """
-    model, tok = default_model
-    prompt, answers, _ = _needle_prompt(tok, 4096, seed=3)
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    capture = capture_prefill(model, ids)
-    L = model.config.num_hidden_layers
     from slake.engines.transformers.reconstruction import ReconstructionPrompt, run_second_pass
 
-    for name in slake.available_methods():
-        if name == "full":
-            continue
-        # KVzip: its reconstruction pass on the capture, once (the replays below read it)
-        run_second_pass(model, capture, slake.make_method(name), ReconstructionPrompt.from_tokenizer(tok))
-        for linear in (False, True):
-            cache = capture.replay(name, 1024, linear_cache=linear)
-            tokens = greedy_decode(model, capture, cache, 12, eos_token_ids=[tok.eos_token_id])
-            stats = cache.statistics()
-            assert stats["compressed"] and tokens[0], name
-            assert (stats["kv_bytes"]["linear_state"] > 0) == linear, name
-            assert sum(stats["kept_tokens_per_layer"]) <= 1024 * L + 1e-6, name
-            print(name, linear, repr(tok.decode(tokens[0], skip_special_tokens=True)), answers)
+    model, tok = default_model
+    capture, answers = needle_4k
+    L = model.config.num_hidden_layers
+    # KVzip: its reconstruction pass on the capture, once (the replays below read it)
+    run_second_pass(model, capture, slake.make_method(name), ReconstructionPrompt.from_tokenizer(tok))
+    for linear in (False, True):
+        cache = capture.replay(name, 1024, linear_cache=linear)
+        tokens = greedy_decode(model, capture, cache, 12, eos_token_ids=[tok.eos_token_id])
+        stats = cache.statistics()
+        assert stats["compressed"] and tokens[0]
+        assert (stats["kv_bytes"]["linear_state"] > 0) == linear
+        assert sum(stats["kept_tokens_per_layer"]) <= 1024 * L + 1e-6
+        print(name, linear, repr(tok.decode(tokens[0], skip_special_tokens=True)), answers)
 
 
 def test_reused_cache_and_prompt_beyond_the_context_are_refused(default_model):
