@@ -8,7 +8,7 @@ spinning made the unit tests 8.7x slower (three test files: 13.6 minutes instead
 ``import torch``; subprocesses inherit it), and the unit tests, on tiny tensors where a second thread gains nothing
 (1.5 minutes idle with one thread or two), run on one: 2.8 minutes beside the same job. The tests on real weights
 (marker ``integration``) keep torch's default, where two threads pay (140 s against 187 s for the heaviest one), but
-share it out among the test processes that run side by side (``make test-integration`` runs one per core): two
+share it out among test processes run side by side (``pytest -n``; ``make test-integration`` runs one process): two
 processes of two threads each would ask four threads of two cores."""
 
 from __future__ import annotations
