@@ -3,13 +3,15 @@
 Run as a script in its own process: Triton decides when a kernel is defined whether it is interpreted, so the
 kernel module is imported here with ``TRITON_INTERPRET`` unset. Each case of ``argv[2:]`` (``method`` or
 ``method@dtype``, dtype ``float32``/``bfloat16``/``int8``/``fp8_e4m3``) runs one decode step of the transformers
-engine at Llama-3-8B's head shape (8 KV heads, 4 query heads each, 128 dims, 1,024 kept slots), with every kernel
+engine at Llama-3-8B's head shape (8 KV heads, 4 query heads each, 128 dims, 1,024 kept slots, batch 1; ``--shape
+batch8-128`` before the target: 8 rows of 128, the vLLM pool's), with every kernel
 launch replaced by an ahead-of-time compilation for the target ``argv[1]`` (e.g. ``cuda:90``: an H100) through
 Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with the arguments and constants the step
 would launch them with (half-precision keys take the low-precision products where the step would on a GPU,
 :func:`slake.cache.fused_step.half_precision_dots`). Prints one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
-reports of it (registers per thread, stack frame, bytes spilled to local memory). Nothing runs: the outputs of these
+reports of it (registers per thread, stack frame, bytes spilled to local memory), with its machine code's static
+instruction counts (``sass``). Nothing runs: the outputs of these
 steps are garbage, and not looked at.
 """
 
@@ -21,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -51,20 +54,40 @@ TYPES = {
 KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
 
 
+#: machine instructions counted in each kernel's SASS (``sass`` in the report): global loads, stores and reductions
+#: (atomics whose result is unused), shared-memory loads and stores, barriers, shuffles, float32 FMAs, local-memory
+#: traffic (spills)
+SASS_OPS = ("LDG", "STG", "REDG", "LDS", "STS", "BAR", "SHFL", "FFMA", "LDL", "STL")
+
+
+def sass_counts(sass: str) -> dict:
+    """Static instruction counts of a kernel's SASS (``cuobjdump -sass``): ``total`` and each of :data:`SASS_OPS`.
+    Static: an instruction in a loop counts once. A proxy for a kernel's critical path, read without a GPU."""
+    ops: Counter = Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return {"total": sum(ops.values()), **{op: ops[op] for op in SASS_OPS}}
+
+
 def ptxas_report(ptx: str, arch: int) -> dict:
     """What Triton's bundled ``ptxas`` says of a kernel's PTX for ``sm_<arch>`` (``-v``, the options Triton compiles
-    with): registers per thread, stack frame, and the bytes spilled to local memory (stores and loads)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with): registers per thread, stack frame, and the bytes spilled to local memory (stores and loads); and its
+    machine code's instruction counts (:func:`sass_counts`, through the bundled ``cuobjdump``)."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "kernel.ptx")
         src.write_text(ptx)
+        cubin = Path(tmp, "kernel.cubin")
         run = subprocess.run(
-            [str(ptxas), "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(tmp, "kernel.cubin"))],
+            [str(tools / "ptxas"), "-v", f"--gpu-name={gpu}", str(src), "-o", str(cubin)],
             capture_output=True,
             text=True,
             check=True,
         )
+        dump = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
     log = run.stderr + run.stdout
 
     def number(pattern: str) -> int:
@@ -76,6 +99,7 @@ def ptxas_report(ptx: str, arch: int) -> dict:
         "stack": number(r"(\d+) bytes stack frame"),
         "spill_stores": number(r"(\d+) bytes spill stores"),
         "spill_loads": number(r"(\d+) bytes spill loads"),
+        "sass": sass_counts(dump.stdout) if dump.returncode == 0 else None,
     }
 
 
@@ -121,7 +145,19 @@ class AheadOfTime:
         return compile_instead
 
 
+#: the step shapes a run can compile at (``--shape NAME`` before the target): Llama-3-8B's heads (8 KV heads of 4 query
+#: heads, 128 dims) at the transformers rows' batch 1 and budget 1,024, and at the vLLM pool's 8 rows and budget 128
+SHAPES = {
+    "batch1-1024": dict(B=1, H=8, G=4, D=128, S=1100, budget=1024, pad=False, steps=1, layers=1),
+    "batch8-128": dict(B=8, H=8, G=4, D=128, S=300, budget=128, pad=False, steps=1, layers=1),
+}
+
+
 def main(argv: list[str]) -> None:
+    shape = SHAPES["batch1-1024"]
+    if argv and argv[0] == "--shape":
+        shape = SHAPES[argv[1]]
+        argv = argv[2:]
     backend, arch = argv[0].split(":")
     target = GPUTarget(backend, int(arch), 32)
     compiled: list = []
@@ -131,7 +167,6 @@ def main(argv: list[str]) -> None:
     fused_step.half_precision_dots = lambda device, dtype: dtype in (torch.float16, torch.bfloat16)
     import test_fused_decode as harness
 
-    shape = dict(B=1, H=8, G=4, D=128, S=1100, budget=1024, pad=False, steps=1, layers=1)
     for case in argv[1:]:
         method, _, storage = case.partition("@")
         options: dict = {}

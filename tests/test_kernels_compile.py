@@ -1,14 +1,14 @@
 """The fused decode kernels compile for an H100 (``sm_90``) on this machine, which has no GPU.
 
-Triton's interpreter (``tests/test_fused_decode.py``) checks what the kernels compute but not that Triton's GPU
-compiler accepts them: an operation the interpreter allows and the compiler refuses, or a kernel whose shared memory
-exceeds a GPU's, would only show on a GPU. ``tests/kernel_aot.py`` compiles every kernel a decode step launches,
-with the step's own arguments and constants at Llama-3-8B's head shape and budget 1024, through Triton's CUDA backend
-down to a cubin (its bundled ``ptxas``), once per family of decode rule and per storage, and checks each kernel's
-shared memory against an H100's; in bfloat16, a model's dtype on a GPU, no kernel may spill registers to local memory
-(``ptxas -v``): at batch 1 the second kernel runs 8 programs, and a spill there is latency on the step's critical
-path. (In float32 the products are float32 FMAs, whose operand layouts take more registers; some first kernels spill a
-few bytes there.)
+Triton's interpreter (``tests/test_fused_decode.py``) checks what the kernels compute but not that Triton's GPU compiler
+accepts them: an operation the interpreter allows and the compiler refuses, or a kernel whose shared memory exceeds a
+GPU's, would only show on a GPU. ``tests/kernel_aot.py`` compiles every kernel a decode step launches, with the step's
+own arguments and constants at Llama-3-8B's head shape and budget 1024 (and at the vLLM pool's 8 rows and budget 128 for
+the cases that differ there), through Triton's CUDA backend down to a cubin (its bundled ``ptxas``), once per family of
+decode rule and per storage, and checks each kernel's shared memory against an H100's; in bfloat16, a model's dtype on a
+GPU, no kernel may spill registers to local memory (``ptxas -v``): at batch 1 the second kernel runs 8 programs, and a
+spill there is latency on the step's critical path. (In float32 the products are float32 FMAs, whose operand layouts
+take more registers; some first kernels spill a few bytes there.)
 """
 
 from __future__ import annotations
@@ -50,11 +50,15 @@ def _ptxas() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
-def test_every_fused_kernel_compiles_for_an_h100():
+#: the cases compiled again at the vLLM pool's shape (8 rows, budget 128: rows of 257 slots, 4 warps in the second
+#: kernel, where SLAKE's spilled 244 bytes before its victim's piece was summed in blocks of 32 slots)
+POOL_CASES = {"slake@bfloat16": 2, "cake@bfloat16": 2}
+
+
+def _compile(cases: dict[str, int], *shape: str) -> list[dict]:
     script = Path(__file__).with_name("kernel_aot.py")
     run = subprocess.run(
-        [sys.executable, str(script), "cuda:90", *CASES],
+        [sys.executable, str(script), *shape, "cuda:90", *cases],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -62,10 +66,17 @@ def test_every_fused_kernel_compiles_for_an_h100():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == list(CASES)
-    for r in results:
+    assert [r["case"] for r in results] == list(cases)
+    return results
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+@pytest.mark.parametrize("shape", ["batch1-1024", "batch8-128"])
+def test_every_fused_kernel_compiles_for_an_h100(shape):
+    cases = CASES if shape == "batch1-1024" else POOL_CASES
+    for r in _compile(cases, "--shape", shape):
         kernels = r["compiled"]
-        assert len(kernels) == CASES[r["case"]], r
+        assert len(kernels) == cases[r["case"]], r
         for k in kernels:
             assert k["cubin"], r
             assert k["shared"] <= H100_SHARED, f"{r['case']}: {k['kernel']} needs {k['shared']} bytes of shared memory"

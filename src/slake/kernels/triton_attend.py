@@ -46,10 +46,12 @@ def _append_logits_kernel(
     newest_ptr, newest_sr,
     x_ptr, stat_ptr, part_ptr, newslot_ptr,
     map_ptr, estat_ptr, norm_ptr,
+    aug_ptr, a_sr, a_sh, a_si, a_sj, lin_ptr,
     W, H, S, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
     MAP_Q: tl.constexpr, VNORM: tl.constexpr, FREE_BLOCK: tl.constexpr, MB: tl.constexpr,
+    HAS_LINEAR: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -156,3 +158,19 @@ def _append_logits_kernel(
         tl.store(estat_ptr + sb + 1, l2, mask=gmask)
     pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
     tl.store(part_ptr + pb[:, None] + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+    if HAS_LINEAR:
+        # 4. this program's share of the PTAA linear term's numerator ``s q^T L`` over the state as it stands before
+        # this step's fold: rows ``sp * RB ...`` of the D x D block (the row's programs share its rows out, so the
+        # state is read in parallel; a program past the last row writes zeros). The second kernel sums the shares
+        # and adds the victim's rank-one part when it folds before the output.
+        lin = tl.zeros([GP, DP], tl.float32)
+        abase = aug_ptr + mr * a_sr + h * a_sh
+        for i0 in tl.static_range(0, RB, MB):
+            ii = sp * RB + i0 + tl.arange(0, MB)
+            imask = ii < D
+            blk = tl.load(
+                abase + ii[:, None] * a_si + dd[None, :] * a_sj, mask=imask[:, None] & dmask[None, :], other=0.0
+            )
+            q_i = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, ii, imask, G)
+            lin += tl.dot(q_i * scale, blk, input_precision="ieee")
+        tl.store(lin_ptr + pb[:, None] + dd[None, :], lin, mask=gmask[:, None] & dmask[None, :])

@@ -9,15 +9,18 @@ its own block table) and arbitrary strides for keys and values:
    whose piece holds the row's first free slot writes the new key/value there (quantised for 8-bit storage) and
    its metadata; every program computes the logits of the row's ``g`` query heads over its slots (``-inf`` where a
    slot is empty or hidden), written to a scratch buffer, and its partial softmax: each query head's maximum,
-   normaliser and weighted sum of the values.
+   normaliser and weighted sum of the values. With SLAKE's linear state, each program also reads its share of the
+   state's ``d x d`` block (:func:`state_rows` rows) and writes that share of the linear term's numerator, so that
+   the state is read by every program of the row at once rather than by one.
 2. :func:`_evict_attend_kernel`, one program per (row, KV head): the method's decode scores
    (:class:`slake.methods.decode_rule.FusedDecodeRule`, from the logits and the pieces' combined maxima and
-   normalisers; positional pooling through an in-program sort), the protected slots, the victim (the first
-   minimum, as ``argmin``), the fold of the victim into the PTAA linear state, the eviction, and the attention
-   output: the pieces' partial sums combined, plus the linear term. A method that evicts before its output
-   (SLAKE's Algorithm 1) has the victim's piece summed again without it, in float32 whatever the cache's dtype
-   (half-precision operands there cost the kernel its registers: it spilled at Llama-3-8B's shape in bfloat16);
-   optionally the layer's position counter.
+   normalisers; positional pooling through an in-program sort), the protected slots, the victim (the first minimum,
+   as ``argmin``), the fold of the victim into the PTAA linear state (the block's ``k v^T`` as atomic adds, which
+   need no read of it), the eviction, and the attention output: the pieces' partial sums combined, plus the linear
+   term (the first kernel's shares, and the victim's rank-one part when it is folded first). A method that evicts
+   before its output (SLAKE's Algorithm 1) has the victim's piece summed again without it, in float32 whatever the
+   cache's dtype (half-precision operands there cost the kernel its registers: it spilled at Llama-3-8B's shape in
+   bfloat16), :data:`RECOMPUTE_BLOCK` slots at a time; optionally the layer's position counter.
 
 A rule that reads the step's queries through a fixed map (Expected Attention) has the first kernel compute its
 logits and softmax statistics beside the attention's, and each slot's value norm. CriticalKV's two stages weigh
@@ -49,8 +52,9 @@ from slake.kernels.triton_rules import _value_projection_kernel, head_signal, ke
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
-    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RULE_CODES", "TARGET_PROGRAMS", "WIDE_ROW",
-    "evict_warps", "fused_step", "fused_step_op", "ratio_parts", "split_size",
+    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "TARGET_PROGRAMS",
+    "WIDE_ROW",
+    "evict_warps", "fused_step", "fused_step_op", "ratio_parts", "split_size", "state_rows",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -82,7 +86,7 @@ def _evict_attend_kernel(
     x_ptr, stat_ptr, part_ptr, newslot_ptr, pool_ptr,
     out_ptr, o_sr, o_sh, o_sd,
     counter_ptr,
-    estat_ptr, norm_ptr, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
+    estat_ptr, norm_ptr, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, lin_ptr,
     W, H, S, scale, window, sinks, pinned, epsilon, two_eps, ratio_hi, ratio_mid, ratio_lo,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr,
@@ -91,7 +95,7 @@ def _evict_attend_kernel(
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
-    COMBINE: tl.constexpr,
+    COMBINE: tl.constexpr, VB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -208,9 +212,11 @@ def _evict_attend_kernel(
     kv_k = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, dd * k_sd, dmask, ks_ptr, vs, QUANT)
     kv_v = load_row(v_ptr, vb * v_sb + h * v_sh + vo * v_so, dd * v_sd, dmask, vs_ptr, vs, QUANT)
     if HAS_LINEAR:
-        # The state's D x D block is read, updated and multiplied by the queries LB rows at a time (a whole
-        # 128 x 128 float32 tile, twice over, would not fit one program's registers and would spill): the linear
-        # term's numerator ``s q^T L`` is accumulated block by block here, the sums below.
+        # The first kernel read the state's D x D block ``L`` (its programs' shares of ``s q^T L``, summed below with
+        # the pieces); here the victim's key and value are folded in: the augmented row and column (``k_sum``,
+        # ``v_sum``, the count) read and written back, and ``L += k v^T`` as atomic adds, which need no read of the
+        # block (one program per row and KV head: nothing else adds to it). With the fold before the output
+        # (SLAKE's Algorithm 1) the output sees ``s q^T (L + k v^T)``: the shares plus ``(s q . k) v``.
         abase = aug_ptr + mr * a_sr + h * a_sh
         ksum = tl.load(abase + dd * a_si + D * a_sj, mask=dmask, other=0.0)
         vsum = tl.load(abase + D * a_si + dd * a_sj, mask=dmask, other=0.0)
@@ -222,21 +228,19 @@ def _evict_attend_kernel(
         tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + D * a_sj, cnt2, mask=chosen)
-        lin = tl.zeros([GP, DP], tl.float32)
         for i0 in tl.static_range(0, DP, LB):
             ii = i0 + tl.arange(0, LB)
             imask = ii < D
-            bmask = imask[:, None] & dmask[None, :]
-            blk = tl.load(abase + ii[:, None] * a_si + dd[None, :] * a_sj, mask=bmask, other=0.0)
-            k_i = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT) * cf
-            blk2 = blk + k_i[:, None] * kv_v[None, :]
-            tl.store(abase + ii[:, None] * a_si + dd[None, :] * a_sj, blk2, mask=bmask & chosen)
-            q_i = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, ii, imask, G)
-            if EVICT_FIRST:  # SLAKE (Algorithm 1): the output sees the state with the victim folded in
-                lin += tl.dot(q_i * scale, blk2, input_precision="ieee")
-            else:
-                lin += tl.dot(q_i * scale, blk, input_precision="ieee")
+            k_i = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT)
+            tl.atomic_add(
+                abase + ii[:, None] * a_si + dd[None, :] * a_sj,
+                k_i[:, None] * kv_v[None, :],
+                mask=imask[:, None] & dmask[None, :] & chosen,
+                sem="relaxed",
+            )
+        lin = tl.zeros([GP, DP], tl.float32)
         if EVICT_FIRST:
+            lin += (tl.sum(q * kv_k[None, :], 1) * cf)[:, None] * kv_v[None, :]
             ksum, vsum, cnt = ksum2, vsum2, cnt2
     # 4. the output: the first kernel's partial softmax sums of every split, combined; when the victim is evicted
     # before the output, its split is summed again here without it (subtracting its term instead would cancel
@@ -248,8 +252,8 @@ def _evict_attend_kernel(
         den_v = tl.zeros([GP], tl.float32)
         acc_v = tl.zeros([GP, DP], tl.float32)
         xbase = (r * H + h).to(tl.int64) * G * W
-        for s0 in range(vlo, vhi, BLOCK_N):
-            s = s0 + tl.arange(0, BLOCK_N)
+        for s0 in range(vlo, vhi, VB):
+            s = s0 + tl.arange(0, VB)
             ok = s < vhi
             x = tl.load(
                 x_ptr + xbase + g[:, None] * W + s[None, :], mask=gmask[:, None] & ok[None, :], other=float("-inf")
@@ -275,6 +279,10 @@ def _evict_attend_kernel(
             pl = tl.load(stat_ptr + sb + 1, mask=gmask & live, other=0.0)
             pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
             pa = tl.load(part_ptr + pb[:, None] + dd[None, :], mask=(gmask & live)[:, None] & dmask[None, :], other=0.0)
+            if HAS_LINEAR:  # the first kernel's shares of the linear term
+                lin += tl.load(
+                    lin_ptr + pb[:, None] + dd[None, :], mask=(gmask & live)[:, None] & dmask[None, :], other=0.0
+                )
             if EVICT_FIRST:
                 mine = sp * SPLIT == vlo
                 pm = tl.where(mine, m_v, pm)
@@ -324,6 +332,10 @@ FREE_BLOCK = 2048
 COMBINE = 4
 #: rows of at least this many slots (padded to a power of two) run the second kernel with twice the warps
 WIDE_ROW = 1024
+#: slots per block when the second kernel sums the victim's piece again (SLAKE): its float32 values tile is
+#: ``RECOMPUTE_BLOCK x d``; at 64 x 128 it took 64 registers a thread at 4 warps, and the kernel spilled at the vLLM
+#: pool's shape (8 rows, budget 128; ``tests/test_kernels_compile.py``)
+RECOMPUTE_BLOCK = 32
 
 
 def evict_warps(padded_width: int) -> int:
@@ -335,6 +347,13 @@ def evict_warps(padded_width: int) -> int:
     Llama-3-8B's shape and budget 1,024 (``tests/test_kernels_compile.py``). Twice the threads halve that and
     hide more of each program's memory latency."""
     return 8 if padded_width >= WIDE_ROW else 4
+
+
+def state_rows(d: int, pieces: int) -> int:
+    """Rows of the PTAA linear state's ``d x d`` block that each of a row's ``pieces`` first-kernel programs reads
+    for the linear term: an even share, a power of two of at least 16 (the smallest ``tl.dot`` operand), so that
+    the programs together cover every row once (the last ones may have none)."""
+    return _pow2(-(-int(d) // max(int(pieces), 1)), 16)
 
 
 def ratio_parts(ratio: float) -> list[float]:
@@ -435,6 +454,7 @@ def fused_step(
     vn = torch.empty(R, H, W, dtype=torch.float32, device=dev) if value_norm else x
     NB = -(-out_proj.shape[0] // PROJECTION_BLOCK) if two_stage else 1
     pw = torch.empty(R, Hq, NB, dtype=torch.float32, device=dev) if two_stage else x
+    lin = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev) if has_linear else x
     w_strides = weights.stride() if two_stage else (0, 0, 0)
     m_sr, m_sh, m_ss = positions.stride()
     hv_strides = head_visible.stride() if has_hv else (0, 0, 0, 0)
@@ -458,8 +478,10 @@ def fused_step(
         newest, newest_sr,
         x, stat, part, newslot,
         query_map, estat, vn,
+        aug, *a_strides, lin,
         W, H, S, float(scaling),
-        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, FREE_BLOCK), MB=16, **common,
+        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, FREE_BLOCK), MB=16,
+        HAS_LINEAR=bool(has_linear), RB=state_rows(d, S), **common,
     )  # fmt: skip
     if two_stage:
         _value_projection_kernel[(Hq, NB)](
@@ -484,7 +506,7 @@ def fused_step(
         x, stat, part, newslot, pool,
         out, *out.stride(),
         counter,
-        estat, vn, weights, *w_strides, pw, NB,
+        estat, vn, weights, *w_strides, pw, NB, lin,
         W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
         *ratio_parts(ratio),
         SP=_pow2(S), BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
@@ -492,7 +514,7 @@ def fused_step(
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
-        COMBINE=COMBINE, num_warps=evict_warps(BW), **{**common, "LOW_DOT": False},
+        COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), num_warps=evict_warps(BW), **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out
 
