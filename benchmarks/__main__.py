@@ -8,6 +8,9 @@
 * ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
   kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
   ``docs/gpu.md``);
+* ``host-profile``: on the device of ``--device`` (CUDA by default), per method, the host's and the wall's milliseconds
+  of an eager decode step of a random model and the functions with the most own time (``cProfile``;
+  :mod:`benchmarks.host_profile`; ``docs/gpu.md``);
 * ``vllm-steps``: vLLM's engine steps (prefill, decode-only, mixed) for plain vLLM and each method, in one process
   (:func:`slake.engines.vllm.bench.step_bench`; ``docs/serving.md``).
 """
@@ -69,6 +72,17 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--layers", type=int, default=8)
     host.add_argument("--steps", type=int, default=30, help="steps timed per variant (median reported)")
     host.add_argument("--repeats", type=int, default=3, help="rounds over every variant, alternating")
+
+    hp = sub.add_parser("host-profile", help="where an eager decode step's host time goes (cProfile), per method")
+    hp.add_argument("--methods", default="full,cake,slake", help="comma-separated methods")
+    hp.add_argument("--budget", type=int, default=1024)
+    hp.add_argument("--shape", default="llama3-8b", help="a shape name of slake.engines.transformers.shapes")
+    hp.add_argument("--length", type=int, default=8192, help="prompt tokens")
+    hp.add_argument("--steps", type=int, default=10, help="steps timed, then as many profiled")
+    hp.add_argument("--top", type=int, default=25, help="functions reported per method")
+    hp.add_argument("--device", default="cuda")
+    hp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    hp.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
 
     steps = sub.add_parser("vllm-steps", parents=[common], help="vLLM's engine steps, plain and with the plugin")
     steps.add_argument("model_dir", help="a model folder vLLM loads")
@@ -161,6 +175,30 @@ def host_step(a: argparse.Namespace) -> None:
         _emit({**row, "load_avg_1m": load_avg()})
 
 
+def host_profile(a: argparse.Namespace) -> None:
+    import torch
+
+    from slake.kernels import load
+
+    load()  # before transformers imports Triton: on a machine without CUDA, through Triton's interpreter
+    from benchmarks.host_profile import host_profile as run
+    from slake.engines.base import load_avg
+
+    rows = run(
+        _methods(a.methods),
+        shape=a.shape,
+        device=a.device,
+        dtype=getattr(torch, a.dtype),
+        length=a.length,
+        budget=a.budget,
+        steps=a.steps,
+        top=a.top,
+        kernels=a.kernels,
+    )
+    for row in rows:
+        _emit({**row, "length": a.length, "budget": a.budget, "load_avg_1m": load_avg()})
+
+
 def vllm_steps(a: argparse.Namespace) -> None:
     from slake.engines.vllm.bench import step_bench
 
@@ -179,7 +217,14 @@ def vllm_steps(a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` and run the command."""
     a = parser().parse_args(argv)
-    {"pool-cpu": pool_cpu, "pool-gpu": pool_gpu, "host-step": host_step, "vllm-steps": vllm_steps}[a.command](a)
+    commands = {
+        "pool-cpu": pool_cpu,
+        "pool-gpu": pool_gpu,
+        "host-step": host_step,
+        "host-profile": host_profile,
+        "vllm-steps": vllm_steps,
+    }
+    commands[a.command](a)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,27 @@ def test_the_weights_step_takes_any_shape(monkeypatch):
     assert shape.kv_heads * shape.group * shape.head_dim == 128 != shape.hidden
     row = bp.weights_cuda(shape, requests=3, device="cpu", dtype=torch.float32)  # raised a shape error before
     assert row["what"] == "weights" and row["requests"] == 3 and row["graph_ms"] == 1.0
+
+
+def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(capsys):
+    """``python -m benchmarks host-profile`` on the CPU: one row per method, the host's time at most the wall's,
+    the functions ranked by their own time, and the cache's step (torch) named."""
+    main(
+        ["host-profile", "--methods", "full,slake", "--shape", "tiny", "--device", "cpu", "--dtype", "float32"]
+        + ["--length", "96", "--budget", "32", "--steps", "2", "--top", "4", "--kernels", "torch"]
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["method"] for r in rows] == ["full", "slake"]
+    assert rows[1]["kernels"] == "torch"
+    for r in rows:
+        assert 0 < r["host_ms"] <= r["wall_ms"]
+        own = [f["own_ms"] for f in r["functions"]]
+        assert len(own) == 4 and own == sorted(own, reverse=True)
+        assert all(f["calls"] > 0 and f["cumulative_ms"] >= f["own_ms"] for f in r["functions"])
+
+
+def test_host_profile_refuses_a_run_without_steps():
+    from benchmarks.host_profile import host_profile
+
+    with pytest.raises(ValueError, match="steps"):
+        host_profile(["full"], shape="tiny", device="cpu", steps=0)

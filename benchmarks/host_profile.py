@@ -1,0 +1,135 @@
+"""Where the host's time goes in an eager decode step, function by function (``cProfile``), per method.
+
+On the H200 (``docs/gpu.md``, 2026-11-27) eager decoding of a random Llama-3-8B was bound by its host: the kernels of
+a compressed step were busy 7-9 ms of a 38-73 ms step, and CAKE's step took 61-70 ms where SLAKE's, with the same
+kernels and launches, took 36-56. ``host-step`` (:mod:`benchmarks.host_step`) leaves the launches out, so it cannot
+say what Triton's launcher or a device wait costs there; this runs the real step on the real device. Per method: a
+fresh cache prefilled with a random prompt, ``warmup`` untimed steps, then ``steps`` steps each timed twice over:
+the host's time until the step returns (the kernels queued, not finished) and the wall time once the device is
+synchronised; then the same steps again under ``cProfile``, which reports the functions with the most own time per
+step (the profiler slows Python down, so its milliseconds are shares, not timings).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["host_profile"]
+
+
+def _where(func: tuple[str, int, str]) -> str:
+    """``file:line(function)`` with the file's path cut to its last two parts."""
+    path, line, name = func
+    short = "/".join(path.replace("\\", "/").split("/")[-2:])
+    return f"{short}:{line}({name})" if line else name
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_profile(
+    methods: list[str],
+    *,
+    shape: str = "llama3-8b",
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    length: int = 8192,
+    budget: int = 1024,
+    steps: int = 10,
+    warmup: int = 3,
+    top: int = 25,
+    kernels: str = "auto",
+) -> list[dict[str, Any]]:
+    """One row per method: its host and wall milliseconds per eager decode step and its ``top`` functions by own time.
+
+    Parameters
+    ----------
+    methods : list[str]
+        Method specs (``full`` for the uncompressed cache).
+    shape : str
+        A random model's shape (:func:`slake.engines.transformers.shapes.random_model`).
+    device, dtype : str, torch.dtype
+        Where the model runs, and its weights' dtype.
+    length, budget : int
+        The prompt's tokens, and the budget per layer and KV head.
+    steps, warmup : int
+        Decode steps timed (and then profiled), and untimed steps before them.
+    top : int
+        Functions reported per method.
+    kernels : str
+        The cache's decode step (``SlakeCache``'s ``kernels``).
+
+    Returns
+    -------
+    list[dict]
+        ``{"method", "host_ms", "wall_ms", "profiled_ms", "functions": [{"function", "calls", "own_ms",
+        "cumulative_ms"}, ...]}``: medians over the steps, per-step figures for the functions.
+    """
+    from slake.engines.transformers.generate import prefill
+    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step
+    from slake.engines.transformers.shapes import random_model
+
+    if steps < 1 or warmup < 0 or top < 1:
+        raise ValueError("steps and top must be >= 1, warmup >= 0")
+    model = random_model(shape, device=device, dtype=dtype)
+    dev = model.device
+    rows = []
+    for method in methods:
+        cfg = BenchConfig(method, budget, length, decode_steps=steps, warmup=warmup, kernels=kernels)
+        cache = _new_cache(model, cfg)
+        ids = _prompt(model, cfg)
+        with torch.inference_mode():
+            tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
+            for _ in range(warmup):
+                tok = _step(model, cache, tok)
+            _sync(dev)
+            host, wall = [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                tok = _step(model, cache, tok)
+                t1 = time.perf_counter()
+                _sync(dev)
+                host.append((t1 - t0) * 1e3)
+                wall.append((time.perf_counter() - t0) * 1e3)
+            prof = cProfile.Profile()
+            profiled = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                prof.enable()
+                tok = _step(model, cache, tok)
+                prof.disable()
+                _sync(dev)
+                profiled.append((time.perf_counter() - t0) * 1e3)
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        functions = [
+            {
+                "function": _where(func),
+                "calls": round(calls / steps, 1),
+                "own_ms": round(own * 1e3 / steps, 3),
+                "cumulative_ms": round(cum * 1e3 / steps, 3),
+            }
+            for func, (_, calls, own, cum, _) in ranked
+        ]
+        rows.append(
+            {
+                "method": method,
+                "kernels": cache.statistics()["kernels"],
+                "host_ms": round(statistics.median(host), 3),
+                "wall_ms": round(statistics.median(wall), 3),
+                "profiled_ms": round(statistics.median(profiled), 3),
+                "functions": functions,
+            }
+        )
+        del cache
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
