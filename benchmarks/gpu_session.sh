@@ -4,14 +4,14 @@
 #
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
-# PART: short | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | all
+# PART: short | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 500) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -59,6 +59,11 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "$py" -m benchmarks pool-gpu --methods snapkv,slake --requests 8 --contexts 2048 --kernels torch \
             > "$out/pool_step_torch.jsonl"
         ;;
+    host)
+        # where the eager step's host time goes (cProfile), full cache beside the compressed ones, 8K, budget 1024
+        "$py" -m benchmarks host-profile --methods full,snapkv,cake,slake --length 8192 --budget 1024 --steps 10 \
+            > "$out/host_profile.jsonl"
+        ;;
     kernels)
         # the fused step alone at the transformers rows' budget: batch 1 (rows split over programs) and 8, per layer
         # as one CUDA graph, fused against the torch step
@@ -75,18 +80,22 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 }
 
 # short: the parts that decide issue 32's targets, most telling first, each started only if its estimate fits
-# before the deadline; every step leaves its rows and log under OUT even when a later one is skipped
+# before the deadline; every step leaves its rows and log under OUT even when a later one is skipped. The estimates
+# are what each took on the H200 of 2026-11-27 (Triton's and inductor's compiles included: a fresh machine has no
+# cache). Wrap it so that OUT comes back whatever happens, and pack it (the device tool returns at most 8 files):
+#   timeout -k 5 550 bash benchmarks/gpu_session.sh short /tmp/gpu; tar -C /tmp -czf "$OUT/gpu.tgz" gpu
 run_short() {
     local deadline=$((SECONDS + ${SHORT_SECONDS:-500}))
     local step estimate
-    for step in "info 10" "smoke 90" "eager-targets 130" "compiled-128k 160" "pool-8 60" "kernels 60" "profile 200"; do
+    for step in "info 10" "smoke 90" "kernels-1 80" "pool-8 80" "compiled-128k 190" "host 100" "eager-targets 260" \
+        "profile 200"; do
         set -- $step
         estimate=$2
         if [ $((SECONDS + estimate)) -gt $deadline ]; then
             echo "== skipped $1: about ${estimate}s needed, $((deadline - SECONDS))s left"
             continue
         fi
-        case $1 in smoke | eager-targets | compiled-128k | pool-8) echo "== $1 $(date -u +%H:%M:%S)" ;; esac
+        case $1 in smoke | eager-targets | compiled-128k | pool-8 | kernels-1) echo "== $1 $(date -u +%H:%M:%S)" ;; esac
         case $1 in
         smoke)
             # the kernels compiled for this GPU against the torch step, and CUDA-graph capture
@@ -102,6 +111,11 @@ run_short() {
         compiled-128k)
             # the full cache's eager row is the 10x target's baseline; the profile says what is above the weights
             "${bench[@]}" --methods full,slake --lengths 131072 --compile --profile-steps 8 --out "$out/compiled_128k"
+            ;;
+        kernels-1)
+            # the fused step alone at batch 1, budget 1024, per layer as one CUDA graph: the kernels' own time
+            "$py" -m benchmarks pool-gpu --methods snapkv,cake,slake --budget 1024 --requests 1 --contexts 8192 \
+                --kernels triton > "$out/pool_step_fused_1024_b1.jsonl"
             ;;
         pool-8)
             # the pool's 40 µs-per-layer target: 8 requests of 2K, budget 128, fused then torch
@@ -124,7 +138,7 @@ fi
 
 if [ "$part" = all ]; then
     status=0
-    for p in info tests profile eager compiled-short compiled-long torch pool kernels; do
+    for p in info tests profile eager compiled-short compiled-long torch pool kernels host; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status
