@@ -113,8 +113,10 @@ run_short() {
             "${bench[@]}" --methods full,slake --lengths 131072 --compile --profile-steps 8 --out "$out/compiled_128k"
             ;;
         kernels-1)
-            # the fused step alone at batch 1, budget 1024, per layer as one CUDA graph: the kernels' own time
-            "$py" -m benchmarks pool-gpu --methods snapkv,cake,slake --budget 1024 --requests 1 --contexts 8192 \
+            # the fused step alone at batch 1, budget 1024, per layer as one CUDA graph: the kernels' own time; beside
+            # it plain SDPA (no mask) over a dense 8K and 128K cache, the full cache's attention at the bandwidth the
+            # bench's masked full-cache step does not reach (docs/gpu.md, "the full cache's baseline")
+            "$py" -m benchmarks pool-gpu --methods snapkv,cake,slake --budget 1024 --requests 1 --contexts 8192,131072 \
                 --kernels triton > "$out/pool_step_fused_1024_b1.jsonl"
             ;;
         pool-8)
