@@ -112,6 +112,18 @@ def test_inductor_compiled_decode_equals_eager(model):
     assert stats["kv_bytes"] == eager_stats["kv_bytes"]
 
 
+def test_inductor_writes_the_new_token_into_the_store_in_place(model):
+    """Under inductor a step writes its token into a static store in place: no loop over a layer's whole keys or
+    values. A ``scatter_`` write compiled into an out-of-place scatter and a copy back, two passes over each
+    layer's store per step (16 ms of a 128K-token full-cache step on an H200, ``docs/compile.md``)."""
+    from torch._inductor.utils import run_and_get_code
+
+    (_, _, cache), code = run_and_get_code(lambda: _decode(model, "full", 2, backend="inductor"))
+    keys = cache.compressor.state.store(0).keys
+    assert code, "inductor compiled nothing"
+    assert not any(f"{keys.numel()}L" in c for c in code), "a compiled step loops over a layer's whole store"
+
+
 def test_transformers_generate_with_compile_config(model):
     """``model.generate(past_key_values=SlakeCache(max_cache_len=...), compile_config=...)`` compiles the decode
     step once (fullgraph) and gives the eager tokens, for a padded batch."""
