@@ -30,6 +30,19 @@ def _where(func: tuple[str, int, str]) -> str:
     return f"{short}:{line}({name})" if line else name
 
 
+#: the packages whose own time :func:`host_profile` adds up (``by_package``), matched in a function's file path
+PACKAGES = ("slake", "transformers", "triton", "torch")
+
+
+def _package(path: str) -> str:
+    """The first of :data:`PACKAGES` named in ``path``'s folders, ``"builtins"`` for C functions, else ``"other"``."""
+    parts = path.replace("\\", "/").split("/")
+    for name in PACKAGES:
+        if name in parts[:-1]:
+            return name
+    return "builtins" if path == "~" else "other"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -70,8 +83,10 @@ def host_profile(
     Returns
     -------
     list[dict]
-        ``{"method", "host_ms", "wall_ms", "profiled_ms", "functions": [{"function", "calls", "own_ms",
-        "cumulative_ms"}, ...]}``: medians over the steps, per-step figures for the functions.
+        ``{"method", "kernels", "host_ms", "wall_ms", "profiled_ms", "by_package", "functions": [{"function",
+        "calls", "own_ms", "cumulative_ms"}, ...]}``: medians over the steps, per-step figures for the functions;
+        ``by_package`` adds up the profiled own time per step of every function by the package its file is in
+        (:data:`PACKAGES`; ``builtins`` for C functions, which include torch's operators called from Python).
     """
     from slake.engines.transformers.generate import prefill
     from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step
@@ -110,6 +125,10 @@ def host_profile(
                 profiled.append((time.perf_counter() - t0) * 1e3)
         stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
         ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        by_package: dict[str, float] = {}
+        for (path, _, _), (_, _, own, _, _) in stats.items():
+            name = _package(path)
+            by_package[name] = by_package.get(name, 0.0) + own * 1e3 / steps
         functions = [
             {
                 "function": _where(func),
@@ -126,6 +145,7 @@ def host_profile(
                 "host_ms": round(statistics.median(host), 3),
                 "wall_ms": round(statistics.median(wall), 3),
                 "profiled_ms": round(statistics.median(profiled), 3),
+                "by_package": {k: round(v, 3) for k, v in sorted(by_package.items(), key=lambda kv: -kv[1])},
                 "functions": functions,
             }
         )

@@ -104,6 +104,9 @@ def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(c
         own = [f["own_ms"] for f in r["functions"]]
         assert len(own) == 4 and own == sorted(own, reverse=True)
         assert all(f["calls"] > 0 and f["cumulative_ms"] >= f["own_ms"] for f in r["functions"])
+        assert {"transformers", "torch", "builtins"} <= set(r["by_package"])
+        assert sum(r["by_package"].values()) >= sum(own)  # every function's own time, not only the top ones
+    assert "slake" in rows[1]["by_package"]  # the cache's own step
 
 
 def test_host_profile_refuses_a_run_without_steps():
