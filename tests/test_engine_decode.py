@@ -123,3 +123,27 @@ def test_unrouted_model_raises_instead_of_silently_not_compressing():
     ids = random_ids(80, seed=8)
     with pytest.raises(RuntimeError, match="registered attention function"):
         _generate(model, ids, SlakeCache("snapkv", 40, model.config.num_hidden_layers), 3)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_layer_that_never_evicts_attends_without_a_mask_when_its_slots_are_a_prefix(llama_gqa, padded):
+    """An unpadded batch of the full cache keeps every layer's valid slots as one prefix: the eager step calls SDPA
+    over those slots with no mask (what a GPU runs with its decode kernel; the masked call read an H200's cache at a
+    twentieth of its bandwidth) and gives the logits of the masked call; a left-padded batch keeps the mask."""
+    model = llama_gqa
+    ids = torch.cat([random_ids(40, seed=1), random_ids(40, seed=2)])
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0
+    runs = {}
+    for prefix in (True, False):
+        cache = SlakeCache("full", 16, model.config.num_hidden_layers)
+        decoder = cache.compressor.decoder
+        if not prefix:  # the masked call: a layer whose slots are not known to be a prefix
+            decoder._prefix_of = lambda layer_idx, store: None
+        out = _generate(model, ids, cache, 6, attention_mask=mask)
+        runs[prefix] = torch.stack(out.logits)
+        if prefix:
+            kept = [decoder._prefix[i] for i in range(model.config.num_hidden_layers)]
+            assert kept == ([-1] * len(kept) if padded else [40 + 5] * len(kept))  # 40 prompt + 5 attended steps
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-5)

@@ -423,14 +423,18 @@ def _newest(slots: StepSlots) -> torch.Tensor:
     return slots.newest.view(-1, 1, 1) if slots.newest.ndim else slots.newest
 
 
-def sdpa_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float):
+def sdpa_step(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
     """One new query per row over every valid slot of a dense layer: one SDPA call, no score, no copy of the cache.
 
-    ``query`` ``(R, Hq, d)``, ``keys``/``values`` ``(R, Hkv, W, d)``, ``valid`` ``(R, Hkv, W)``; the ``g`` query
-    heads of a KV head are the ``g`` query rows of one SDPA head, so nothing is expanded per query head. Returns
-    ``(R, Hq, d)`` float32."""
+    ``query`` ``(R, Hq, d)``, ``keys``/``values`` ``(R, Hkv, W, d)``, ``valid`` ``(R, Hkv, W)``, or None when every
+    slot given is valid (no mask: the call a GPU runs with its decode kernel); the ``g`` query heads of a KV head
+    are the ``g`` query rows of one SDPA head, so nothing is expanded per query head. Returns ``(R, Hq, d)``
+    float32."""
     R, Hq, d = query.shape
     H = keys.shape[1]
     q = query.reshape(R, H, Hq // H, d).to(keys.dtype)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, :, None, :], scale=scaling)
+    mask = None if valid is None else valid[:, :, None, :]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(R, Hq, d).float()

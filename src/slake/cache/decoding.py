@@ -45,6 +45,9 @@ class Decoder:
         self._free: list[int | None] = [None] * state.num_layers
         #: per layer, the single new token appended and not yet attended ``(keys, values)`` (``(B, Hkv, 1, d)``)
         self._staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * state.num_layers
+        #: per layer of an eager cache, ``n`` when every row's and KV head's valid slots are exactly its first ``n``
+        #: (an unpadded batch in a layer that never evicts), -1 when not, None when not yet read (:meth:`_prefix_of`)
+        self._prefix: list[int | None] = [None] * state.num_layers
 
     def reset_all(self) -> None:
         """Forget the host bookkeeping of every layer (after the batch was reordered or repeated)."""
@@ -55,6 +58,7 @@ class Decoder:
         """Forget what the decoder knew of a layer whose slots changed outside a decode step (a prefill, a chunk)."""
         self._free[layer_idx] = None
         self._staged[layer_idx] = None
+        self._prefix[layer_idx] = None
 
     # ------------------------------------------------------------------ new tokens
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:
@@ -88,6 +92,7 @@ class Decoder:
         state.seen[layer_idx] = start + n_new
         self.position_of(layer_idx).add_(n_new)
         self._free[layer_idx] = None
+        self._prefix[layer_idx] = None
         return store
 
     def _make_room(self, layer_idx: int, store: LayerStore) -> None:
@@ -176,9 +181,18 @@ class Decoder:
         B, Hq, d = query.shape
         if not scored and store.linear is None and not m.linear_cache and store.head_visible is None:
             # no score, no linear term: write the token, then one SDPA call over the store
+            n = None if self.static else self._prefix_of(layer_idx, store)
             slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
             store._write(slots, key, value, counter.view(1, 1, 1).expand(B, store.valid.shape[1], 1), 0.0)
-            out = sdpa_step(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
+            if n is None:
+                out = sdpa_step(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
+            else:
+                # every slot up to the new token's (slot n) is valid and none after it: SDPA over those slots with
+                # no mask, which a GPU runs with its split-over-the-keys decode kernel (a masked call read the cache
+                # at a twentieth of an H200's bandwidth, docs/gpu.md)
+                self._prefix[layer_idx] = n + 1
+                out = sdpa_step(query, store.dense_keys()[:, :, : n + 1], store.dense_values()[:, :, : n + 1], None,
+                                scaling)  # fmt: skip
             counter.add_(1)
             return out
         info = state.prefill_info()
@@ -202,6 +216,20 @@ class Decoder:
         B, H = store.valid.shape[:2]
         kv = key.view(B, H, d), value.view(B, H, d)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
+
+    def _prefix_of(self, layer_idx: int, store: LayerStore) -> int | None:
+        """``n`` when every row's and KV head's valid slots in layer ``layer_idx`` are exactly its first ``n`` and a
+        free slot follows them, else None. Read from the device once per layer after its prefill (a few read-backs,
+        beside :meth:`_make_room`'s), then kept on the host: the layer's step writes slot ``n`` and advances it."""
+        n = self._prefix[layer_idx]
+        if n is None:
+            valid = store.valid
+            counts = valid.sum(-1)
+            n = int(counts.max()) if valid.numel() else 0
+            dense = valid.numel() > 0 and n < valid.shape[-1] and bool((counts == n).all())
+            n = n if dense and bool(valid[..., :n].all()) else -1
+            self._prefix[layer_idx] = n
+        return None if n < 0 or n >= store.valid.shape[-1] else n
 
     def _slot_weights(self, layer_idx: int) -> torch.Tensor:
         """The method's per-slot weights of every slot of layer ``layer_idx`` (``Method.slot_weighted``)."""
