@@ -229,7 +229,10 @@ class Decoder:
             dense = valid.numel() > 0 and n < valid.shape[-1] and bool((counts == n).all())
             n = n if dense and bool(valid[..., :n].all()) else -1
             self._prefix[layer_idx] = n
-        return None if n < 0 or n >= store.valid.shape[-1] else n
+        if n >= store.valid.shape[-1]:  # no free slot after the prefix (never after _make_room): read it again
+            self._prefix[layer_idx] = None
+            return None
+        return None if n < 0 else n
 
     def _slot_weights(self, layer_idx: int) -> torch.Tensor:
         """The method's per-slot weights of every slot of layer ``layer_idx`` (``Method.slot_weighted``)."""
