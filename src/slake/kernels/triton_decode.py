@@ -11,7 +11,7 @@ its own block table) and arbitrary strides for keys and values:
    slot is empty or hidden), written to a scratch buffer, and its partial softmax: each query head's maximum,
    normaliser and weighted sum of the values. With SLAKE's linear state, each program also reads its share of the
    state's ``d x d`` block (:func:`state_rows` rows) and writes that share of the linear term's numerator, so that
-   the state is read by every program of the row at once rather than by one.
+   the state is read by several of the row's programs at once rather than by one.
 2. :func:`_evict_attend_kernel`, one program per (row, KV head): the method's decode scores
    (:class:`slake.methods.decode_rule.FusedDecodeRule`, from the logits and the pieces' combined maxima and
    normalisers; positional pooling through an in-program sort), the protected slots, the victim (the first minimum,
@@ -53,8 +53,7 @@ from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
     "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "TARGET_PROGRAMS",
-    "WIDE_ROW",
-    "evict_warps", "fused_step", "fused_step_op", "ratio_parts", "split_size", "state_rows",
+    "WIDE_ROW", "evict_warps", "fused_step", "fused_step_op", "ratio_parts", "split_size", "state_rows",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
