@@ -124,10 +124,12 @@ def test_inductor_writes_the_new_token_into_the_store_in_place(model):
     assert not any(f"{keys.numel()}L" in c for c in code), "a compiled step loops over a layer's whole store"
 
 
-def test_transformers_generate_with_compile_config(model):
-    """``model.generate(past_key_values=SlakeCache(max_cache_len=...), compile_config=...)`` compiles the decode
-    step once (fullgraph) and gives the eager tokens, for a padded batch."""
-    from transformers import CompileConfig
+@pytest.mark.parametrize("lean_guards", [True, False])
+def test_transformers_generate_with_compile_config(model, lean_guards):
+    """``model.generate(past_key_values=SlakeCache(max_cache_len=...), compile_config=...)`` with slake's
+    ``compile_config`` (its guard filter, or every guard) compiles the decode step once (fullgraph) and gives the
+    eager tokens, for a padded batch."""
+    from slake.engines.transformers.generate import compile_config
 
     ids, mask = _prompt(2)
     graphs = []
@@ -150,8 +152,8 @@ def test_transformers_generate_with_compile_config(model):
                 **kw,
             )
 
-    cfg = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    cfg._compile_all_devices = True
+    cfg = compile_config(torch.device("cpu"), lean_guards=lean_guards)
+    cfg.backend = backend
     assert torch.equal(run(cfg), run(None))
     assert len(graphs) == 1
 
@@ -216,11 +218,11 @@ def test_bench_compile_pairs_each_configuration_with_its_eager_run(tmp_path, cap
 
     from slake.cli import main
     from slake.engines.transformers import measure
+    from slake.engines.transformers.compile_options import compile_kwargs
 
     counter = CompileCounter()
-    monkeypatch.setitem(
-        measure._COMPILED, "default", torch.compile(measure._step, fullgraph=True, dynamic=False, backend=counter)
-    )
+    compiled = torch.compile(measure._step, backend=counter, **compile_kwargs("cpu"))
+    monkeypatch.setattr(measure, "_compile_step", lambda model: compiled)
     rc = main(
         [
             "bench",

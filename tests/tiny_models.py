@@ -9,8 +9,9 @@ import slake
 ARCHS = ["llama-mha", "llama-gqa", "mistral", "qwen2", "qwen3"]
 
 
-def tiny_model(arch: str, layers: int = 3, seed: int = 0):
-    """A randomly initialised causal LM of the given architecture, fp32, eval mode, slake attention."""
+def tiny_model(arch: str, layers: int = 3, seed: int = 0, **config):
+    """A randomly initialised causal LM of the given architecture, fp32, eval mode, slake attention; ``config``
+    overrides the small default sizes (e.g. ``intermediate_size``)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -32,6 +33,7 @@ def tiny_model(arch: str, layers: int = 3, seed: int = 0):
         max_position_embeddings=4096,
         attn_implementation="sdpa",
     )
+    common.update(config)
     torch.manual_seed(seed)
     if arch == "llama-mha":
         model = LlamaForCausalLM(LlamaConfig(**{**common, "num_key_value_heads": 4}))

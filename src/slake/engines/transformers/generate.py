@@ -13,6 +13,7 @@ from slake.engines.result import GenerationResult
 from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.compile_options import compile_kwargs
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
@@ -298,14 +299,18 @@ def generate(
     )
 
 
-def compile_config(device: torch.device):
+def compile_config(device: torch.device, *, lean_guards: bool = True):
     """transformers' ``CompileConfig`` for compiled decoding with a static ``SlakeCache``: one graph per step
-    (``fullgraph=True``), fixed shapes, CUDA graphs on CUDA (``mode="reduce-overhead"``), and allowed on CPU."""
+    (``fullgraph=True``), fixed shapes, CUDA graphs on CUDA (``mode="reduce-overhead"``), the guards on the model's
+    modules left out unless ``lean_guards=False``
+    (:func:`~slake.engines.transformers.compile_options.compile_kwargs`: a compiled step then assumes the model's
+    modules do not change while it is used), and allowed on CPU."""
     from transformers import CompileConfig
 
-    cfg = CompileConfig(
-        fullgraph=True, dynamic=False, mode="reduce-overhead" if torch.device(device).type == "cuda" else "default"
-    )
+    kwargs = compile_kwargs(device, lean_guards=lean_guards)
+    cfg = CompileConfig(fullgraph=kwargs["fullgraph"], dynamic=kwargs["dynamic"], options=kwargs.get("options"))
+    # None where the options carry the mode's settings: torch.compile takes a mode or options, not both
+    cfg.mode = kwargs.get("mode")  # type: ignore[assignment]
     setattr(cfg, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers); CUDA only unless asked
     return cfg
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.compile_options import compile_kwargs
 from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
@@ -92,22 +94,31 @@ def _step(model, cache: SlakeCache, tok: torch.Tensor) -> torch.Tensor:
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-_COMPILED: dict[str, Any] = {}  # mode -> the compiled step, shared by every cache (graphs reused when guards match)
+#: per model, its compiled step (one per model: the guards on the model's modules are filtered out,
+#: :mod:`slake.engines.transformers.compile_options`, so a graph must never serve another model); every cache of that
+#: model shares it (a cache of the same configuration reuses a graph, another one recompiles)
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compile_step(model):
+    """The compiled :func:`_step` for ``model`` (a fresh ``torch.compile``: its graphs serve this model only)."""
+    return torch.compile(_step, **compile_kwargs(model.device))
 
 
 def compiled_step(model, cache: SlakeCache):
     """``tok -> next tok`` for one cache, as one graph (``torch.compile(fullgraph=True, dynamic=False)``; CUDA graphs
-    on CUDA). The cache must be static (built with ``max_cache_len``, prefilled). Compilation happens at the first
-    call; every later call of the same cache runs the same graph, and a cache of the same configuration reuses it
+    on CUDA; the guard filter of :func:`~slake.engines.transformers.compile_options.compile_kwargs`). The cache must
+    be static (built with ``max_cache_len``, prefilled). Compilation happens at the first call; every later call of
+    the same cache runs the same graph, and a cache of the same model and configuration reuses it
     (``docs/compile.md``)."""
-    mode = "reduce-overhead" if model.device.type == "cuda" else "default"
+    cuda = model.device.type == "cuda"
     # one graph per benchmark configuration: the limit guards a function whose shapes should not change, not this
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
-    fn = _COMPILED.get(mode)
+    fn = _COMPILED.get(model)
     if fn is None:
-        fn = _COMPILED[mode] = torch.compile(_step, fullgraph=True, dynamic=False, mode=mode)
-    if mode == "default":
+        fn = _COMPILED[model] = _compile_step(model)
+    if not cuda:
         return lambda tok: fn(model, cache, tok)
 
     def graph_step(tok: torch.Tensor) -> torch.Tensor:

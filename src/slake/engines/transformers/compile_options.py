@@ -1,0 +1,81 @@
+"""How slake compiles a decode step: ``torch.compile``'s arguments, and which of dynamo's guards it keeps.
+
+Every call of a compiled function first checks its guards: conditions on the inputs under which the compiled code is
+valid. A transformers model passed to a compiled decode step is guarded attribute by attribute, module by module
+(each module's hook dictionaries, its ``__dict__``, its parameters' dtypes, shapes and strides): on a random
+Llama-3-8B of 8 layers (small widths) that is 1,405 guards and 325 µs per step on this project's two-core CPU, 732 µs
+at 16 layers, and so more than a millisecond at 32 layers, before the CUDA graph is replayed. That host work sat in
+front of every compiled step on the H200 (``docs/compile.md``: 1.4 ms of host work around a 9.5 ms step).
+
+:func:`decode_guard_filter` (torch's ``guard_filter_fn``) keeps every guard on the cache, the input tokens and the
+global state, and drops the guards on the model's modules except those on its tensors outside the repeated blocks
+(embeddings, final norm, output head: their dtype, device and shape change with any ``model.to(...)``) and on the
+model object itself: 93 µs per step on the 8-layer model above. This is torch's
+``skip_guard_on_all_nn_modules_unsafe`` with those tensors kept, and it has the same assumption, which the docs state
+(``docs/compile.md#guards``): **a compiled step assumes the model's modules do not change while it is used** (hooks
+added, submodules replaced, a block's parameters swapped for tensors of another dtype or shape). Weights updated in
+place are fine: parameters are inputs of the graph, read at every call. Each model gets its own compiled function
+(transformers' ``model._compiled_call``, :func:`slake.engines.transformers.measure.compiled_step`), so another model
+never runs a graph traced for this one; a cache of another shape, method or dtype still recompiles, since every guard
+on the cache is kept.
+
+``lean_guards=False`` keeps every guard (torch's default). Where this torch has no guard filter (before 2.7), every
+guard is kept.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["compile_kwargs", "decode_guard_filter", "guard_filter_supported"]
+
+#: a module inside a ``ModuleList`` or ``Sequential`` (``_modules['12']``): the model's repeated blocks
+_NUMBERED_MODULE = re.compile(r"\[\s*'\d+'\s*\]|\[\s*\"\d+\"\s*\]")
+#: a bare local or closure name: the compiled function's argument itself (``model``, ``self``), not an attribute
+_ROOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def guard_filter_supported() -> bool:
+    """Whether this torch takes ``guard_filter_fn`` in ``torch.compile``'s options (torch 2.7 and later)."""
+    return hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
+
+
+def decode_guard_filter(entries: Sequence[Any]) -> list[bool]:
+    """Which of a compiled decode step's guards to keep (torch's ``guard_filter_fn``; ``entries`` are dynamo's
+    ``GuardFilterEntry`` objects: ``name``, ``guard_type``, ``orig_guard.source``).
+
+    Kept: every guard whose source is not an attribute of an ``nn.Module`` (the cache, its tensors and Python
+    state, the tokens, globals, grad mode and the other global state); of the guards on modules, the tensor guards
+    (``TENSOR_MATCH``) of tensors outside numbered submodules (a ``ModuleList``'s blocks), and the guards on the
+    model argument itself. Dropped: the other guards on modules (hook dictionaries, module ``__dict__`` contents, the
+    blocks' parameters). See the module's docstring for what that assumes.
+    """
+    keep = []
+    for entry in entries:
+        if not entry.orig_guard.source.is_unspecialized_nn_module():
+            keep.append(True)
+        elif entry.guard_type == "TENSOR_MATCH":
+            keep.append(not _NUMBERED_MODULE.search(entry.name))
+        else:
+            keep.append(bool(_ROOT.match(entry.name)))
+    return keep
+
+
+def compile_kwargs(device: torch.device | str, *, lean_guards: bool = True) -> dict[str, Any]:
+    """Keyword arguments of ``torch.compile`` for a decode step on ``device``: one graph (``fullgraph=True``), fixed
+    shapes (``dynamic=False``), CUDA graphs on CUDA (``mode="reduce-overhead"``, given as its inductor options when a
+    guard filter is given too, since ``torch.compile`` takes ``mode`` or ``options``, not both), and
+    :func:`decode_guard_filter` when ``lean_guards`` and this torch has guard filters."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+    kwargs: dict[str, Any] = {"fullgraph": True, "dynamic": False}
+    if lean_guards and guard_filter_supported():
+        from torch._inductor import list_mode_options
+
+        kwargs["options"] = {**list_mode_options(mode), "guard_filter_fn": decode_guard_filter}
+    else:
+        kwargs["mode"] = mode
+    return kwargs
