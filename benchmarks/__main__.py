@@ -11,6 +11,9 @@
 * ``host-profile``: on the device of ``--device`` (CUDA by default), per method, the host's and the wall's milliseconds
   of an eager decode step of a random model and the functions with the most own time (``cProfile``;
   :mod:`benchmarks.host_profile`; ``docs/gpu.md``);
+* ``compile-guards``: per method, the guards a compiled decode step checks and what one check costs, with torch's
+  default guards and with slake's filter, beside the compiled step's host and wall milliseconds
+  (:mod:`benchmarks.compile_guards`; ``docs/compile.md``);
 * ``vllm-steps``: vLLM's engine steps (prefill, decode-only, mixed) for plain vLLM and each method, in one process
   (:func:`slake.engines.vllm.bench.step_bench`; ``docs/serving.md``).
 """
@@ -84,6 +87,23 @@ def parser() -> argparse.ArgumentParser:
     hp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     hp.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
 
+    cg = sub.add_parser("compile-guards", help="what dynamo's guards cost a compiled decode step, all and lean")
+    cg.add_argument("--methods", default="full,slake", help="comma-separated methods")
+    cg.add_argument("--budget", type=int, default=64)
+    cg.add_argument(
+        "--shape",
+        default="llama3-8b:hidden_size=256,intermediate_size=512,num_attention_heads=4,num_key_value_heads=2,"
+        "vocab_size=1024,num_hidden_layers=8",
+        help="a shape name of slake.engines.transformers.shapes, with overrides",
+    )
+    cg.add_argument("--length", type=int, default=512, help="prompt tokens")
+    cg.add_argument("--steps", type=int, default=10, help="compiled steps timed (median reported)")
+    cg.add_argument("--checks", type=int, default=1000, help="guard checks timed")
+    cg.add_argument("--variants", default="all,lean", help="comma-separated: all (torch's guards), lean (slake's)")
+    cg.add_argument("--device", default="cpu")
+    cg.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
+    cg.add_argument("--backend", default="inductor", help="torch.compile's backend (eager: the same guards, CPU only)")
+
     steps = sub.add_parser("vllm-steps", parents=[common], help="vLLM's engine steps, plain and with the plugin")
     steps.add_argument("model_dir", help="a model folder vLLM loads")
     steps.add_argument("--requests", type=int, default=8)
@@ -95,6 +115,28 @@ def parser() -> argparse.ArgumentParser:
 
 def _emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
+
+
+def compile_guards(a: argparse.Namespace) -> None:
+    import torch
+
+    from benchmarks.compile_guards import guard_costs
+    from slake.engines.base import load_avg
+
+    for row in guard_costs(
+        _methods(a.methods),
+        shape=a.shape,
+        device=a.device,
+        dtype=getattr(torch, a.dtype),
+        length=a.length,
+        budget=a.budget,
+        steps=a.steps,
+        checks=a.checks,
+        variants=tuple(_split(a.variants)),
+        backend=a.backend,
+    ):
+        meta = {"shape": a.shape, "device": a.device, "backend": a.backend, "torch": torch.__version__}
+        _emit({**row, **meta, "load_avg_1m": load_avg()})
 
 
 def pool_cpu(a: argparse.Namespace) -> None:
@@ -222,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         "pool-gpu": pool_gpu,
         "host-step": host_step,
         "host-profile": host_profile,
+        "compile-guards": compile_guards,
         "vllm-steps": vllm_steps,
     }
     commands[a.command](a)

@@ -4,14 +4,15 @@
 #
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
-# PART: short | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host | all
+# PART: short | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
+#       guards | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 520) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|guards|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -63,6 +64,12 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         # where the eager step's host time goes (cProfile), full cache beside the compressed ones, 8K, budget 1024
         "$py" -m benchmarks host-profile --methods full,snapkv,cake,slake --length 8192 --budget 1024 --steps 10 \
             > "$out/host_profile.jsonl"
+        ;;
+    guards)
+        # what dynamo's guards cost a compiled step on this host, all of them and slake's filter (32 layers at
+        # Llama-3-8B's widths, 2K tokens: two compiles per method)
+        "$py" -m benchmarks compile-guards --methods slake --shape llama3-8b --device cuda --dtype bfloat16 \
+            --length 2048 --budget 1024 > "$out/compile_guards.jsonl"
         ;;
     kernels)
         # the fused step alone at the transformers rows' budget: batch 1 (rows split over programs) and 8, per layer
@@ -140,7 +147,7 @@ fi
 
 if [ "$part" = all ]; then
     status=0
-    for p in info tests profile eager compiled-short compiled-long torch pool kernels host; do
+    for p in info tests profile eager compiled-short compiled-long torch pool kernels host guards; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status

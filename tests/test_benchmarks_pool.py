@@ -114,3 +114,31 @@ def test_host_profile_refuses_a_run_without_steps():
 
     with pytest.raises(ValueError, match="steps"):
         host_profile(["full"], shape="tiny", device="cpu", steps=0)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compile_guards_reports_each_variants_guards_and_their_cost(capsys):
+    """``python -m benchmarks compile-guards`` on the CPU: per method, every guard and slake's filter, the filter
+    checking fewer guards (their times are reported, not asserted)."""
+    from slake.engines.transformers.compile_options import guard_filter_supported
+
+    if not guard_filter_supported():
+        pytest.skip("this torch has no guard_filter_fn")
+    main(
+        ["compile-guards", "--methods", "slake", "--shape", "tiny:num_hidden_layers=2", "--length", "64"]
+        + ["--budget", "40", "--steps", "1", "--checks", "300", "--backend", "eager"]
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["method"], r["variant"]) for r in rows] == [("slake", "all"), ("slake", "lean")]
+    every, lean = rows
+    assert 0 < lean["guards"] < every["guards"]
+    assert all(r["guard_check_us"] > 0 and 0 < r["host_ms"] <= r["wall_ms"] for r in rows)
+
+
+def test_compile_guards_refuses_an_unknown_variant():
+    from benchmarks.compile_guards import guard_costs
+
+    with pytest.raises(ValueError, match="variants"):
+        guard_costs(["full"], shape="tiny", variants=("some",))
+    with pytest.raises(ValueError, match="inductor"):
+        guard_costs(["full"], shape="tiny", device="cuda", backend="eager")
