@@ -117,6 +117,20 @@ def _emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def _random_model_run(a: argparse.Namespace) -> dict:
+    """The random model, prompt and steps of a command that decodes one (``host-profile``, ``compile-guards``)."""
+    import torch
+
+    return dict(
+        shape=a.shape,
+        device=a.device,
+        dtype=getattr(torch, a.dtype),
+        length=a.length,
+        budget=a.budget,
+        steps=a.steps,
+    )
+
+
 def compile_guards(a: argparse.Namespace) -> None:
     import torch
 
@@ -125,12 +139,7 @@ def compile_guards(a: argparse.Namespace) -> None:
 
     for row in guard_costs(
         _methods(a.methods),
-        shape=a.shape,
-        device=a.device,
-        dtype=getattr(torch, a.dtype),
-        length=a.length,
-        budget=a.budget,
-        steps=a.steps,
+        **_random_model_run(a),
         checks=a.checks,
         variants=tuple(_split(a.variants)),
         backend=a.backend,
@@ -218,7 +227,6 @@ def host_step(a: argparse.Namespace) -> None:
 
 
 def host_profile(a: argparse.Namespace) -> None:
-    import torch
 
     from slake.kernels import load
 
@@ -226,17 +234,7 @@ def host_profile(a: argparse.Namespace) -> None:
     from benchmarks.host_profile import host_profile as run
     from slake.engines.base import load_avg
 
-    rows = run(
-        _methods(a.methods),
-        shape=a.shape,
-        device=a.device,
-        dtype=getattr(torch, a.dtype),
-        length=a.length,
-        budget=a.budget,
-        steps=a.steps,
-        top=a.top,
-        kernels=a.kernels,
-    )
+    rows = run(_methods(a.methods), **_random_model_run(a), top=a.top, kernels=a.kernels)
     for row in rows:
         _emit({**row, "length": a.length, "budget": a.budget, "load_avg_1m": load_avg()})
 
