@@ -227,7 +227,6 @@ def host_step(a: argparse.Namespace) -> None:
 
 
 def host_profile(a: argparse.Namespace) -> None:
-
     from slake.kernels import load
 
     load()  # before transformers imports Triton: on a machine without CUDA, through Triton's interpreter
