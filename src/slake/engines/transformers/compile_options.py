@@ -3,14 +3,14 @@
 Every call of a compiled function first checks its guards: conditions on the inputs under which the compiled code is
 valid. A transformers model passed to a compiled decode step is guarded attribute by attribute, module by module
 (each module's hook dictionaries, its ``__dict__``, its parameters' dtypes, shapes and strides): on a random
-Llama-3-8B of 8 layers (small widths) that is 1,405 guards and 325 µs per step on this project's two-core CPU, 732 µs
-at 16 layers, and so more than a millisecond at 32 layers, before the CUDA graph is replayed. That host work sat in
-front of every compiled step on the H200 (``docs/compile.md``: 1.4 ms of host work around a 9.5 ms step).
+Llama-3-8B shape of 32 layers (small widths) a compiled SLAKE step checked 4,308 guards in 1.83 ms on this project's
+two-core CPU (``python -m benchmarks compile-guards``, ``docs/compile.md#guards``), host work in front of every
+compiled step, before its CUDA graph is replayed (the H200 showed 1.4 ms of host work around a 9.5 ms step).
 
 :func:`decode_guard_filter` (torch's ``guard_filter_fn``) keeps every guard on the cache, the input tokens and the
 global state, and drops the guards on the model's modules except those on its tensors outside the repeated blocks
 (embeddings, final norm, output head: their dtype, device and shape change with any ``model.to(...)``) and on the
-model object itself: 93 µs per step on the 8-layer model above. This is torch's
+model object itself: 1,777 guards in 0.25 ms on the model above. This is torch's
 ``skip_guard_on_all_nn_modules_unsafe`` with those tensors kept, and it has the same assumption, which the docs state
 (``docs/compile.md#guards``): **a compiled step assumes the model's modules do not change while it is used** (hooks
 added, submodules replaced, a block's parameters swapped for tensors of another dtype or shape). Weights updated in
