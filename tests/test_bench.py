@@ -56,12 +56,20 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     by = {(r["method"], r["length"]): r for r in rows}
     assert by[("slake", 96)]["compressed"] and by[("slake", 96)]["kv_bytes_detail"]["linear_state"] > 0
     assert by[("snapkv", 96)]["kv_bytes"] < by[("full", 96)]["kv_bytes"]
+    # beside each decode time, the memory's floor: the same weights for every row, the cache's bytes per method
+    for r in rows:
+        assert r["bandwidth_gbs"] > 0 and r["roofline_bytes"] > r["kv_bytes_detail"]["kept"]
+        assert r["roofline_ms"] == pytest.approx(r["roofline_bytes"] / (r["bandwidth_gbs"] * 1e9) * 1e3, rel=1e-2)
+        assert r["vs_roofline"] == pytest.approx(r["decode_ms_per_token"] / r["roofline_ms"], rel=1e-2)
+    weights = {r["roofline_bytes"] - r["kv_bytes_detail"]["kept"] - r["kv_bytes_detail"]["linear_state"] for r in rows}
+    assert len(weights) == 1
     # which decode step ran (auto on the CPU: the torch step; the full cache's layers take one SDPA call each)
     assert by[("slake", 96)]["kernels"] == "torch" and by[("snapkv", 96)]["kernels"] == "torch"
     lines = (out / "bench.jsonl").read_text().strip().splitlines()
     assert len(lines) == 6 and json.loads(lines[0])["method"] == "full"
     md = (out / "bench.md").read_text()
     assert "| slake | 40 | 96 |" in md
+    assert "x roofline" in md and "copy bandwidth" in md
     # on CPU the three configurations of each length are timed again in turn (interleaved, the default)
     assert all(r["decode_timing"] == "interleaved" and r["decode_ms_sequential"] > 0 for r in rows)
     assert "timed in turn" in md and "decode vs first" in md

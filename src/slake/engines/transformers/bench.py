@@ -24,6 +24,7 @@ from typing import Any
 
 from slake.engines.base import BenchPlan, BenchReport, ModelSpec, load_avg
 from slake.engines.transformers.measure import BenchConfig
+from slake.engines.transformers.roofline import copy_bandwidth, decode_weight_bytes, roofline_fields
 
 __all__ = ["configs", "run_bench"]
 
@@ -138,6 +139,11 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         "load_avg_1m": load_avg(),
     }
     interleave = interleaved_timing(plan, model)
+    floor = None  # the roofline's terms (roofline.py): weights read per step, the device's copy bandwidth
+    if model is not None:
+        floor = decode_weight_bytes(model, plan.batch), copy_bandwidth(model.device)
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
     rows = []
     with open(out / "bench.jsonl", "a", encoding="utf-8") as f:
         for group in length_groups(cfgs):
@@ -145,11 +151,12 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             for cfg in group:
                 if bar is not None:
                     bar.set_postfix_str(f"{cfg.method} {cfg.length}")
-                row = _isolated(spec, plan, cfg) if plan.isolate else measure(model, cfg)
+                row = _isolated(spec, plan, cfg) if plan.isolate else measure(model, cfg)  # isolated: its own roofline
                 row.update({k: v for k, v in env.items() if k not in row})
                 row["load_avg_1m_after"] = load_avg()
                 group_rows.append(row)
                 if not interleave:
+                    _add_roofline(row, floor)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                 if bar is not None:
@@ -160,6 +167,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
                 apply_interleaved(group_rows, time_decode_interleaved(model, group, plan.decode_steps, plan.warmup))
             if interleave:
                 for row in group_rows:
+                    _add_roofline(row, floor)
                     f.write(json.dumps(row) + "\n")
                 f.flush()
             rows += group_rows
@@ -188,6 +196,13 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             "/proc/self/clear_refs; includes the model weights)"
         ),
     ]
+    if any("vs_roofline" in r for r in rows):
+        r0 = next(r for r in rows if "vs_roofline" in r)
+        notes.append(
+            "x roofline: decode ms/token over the memory's floor, the bytes a step must read (the weights, the input "
+            "embedding's looked-up rows only, plus the kept keys and values and the linear state) at the device's "
+            f"measured copy bandwidth ({r0['bandwidth_gbs']} GB/s; roofline_ms in bench.jsonl)"
+        )
     (out / "bench.md").write_text(markdown_table(rows, "slake bench", notes), encoding="utf-8")
     files = [out / "bench.jsonl", out / "bench.md"]
     if plan.profile_steps:
@@ -198,6 +213,13 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
     ordered = [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}} for r in rows]
     return BenchReport(rows=ordered, table=markdown_table(rows), files=files)
+
+
+def _add_roofline(row: dict, floor: tuple[int, float] | None) -> None:
+    """Put the roofline fields (:func:`~slake.engines.transformers.roofline.roofline_fields`) into a measured row,
+    from ``floor`` = (weight bytes per step, copy bandwidth); a row from an isolated run brought its own."""
+    if floor is not None:
+        row.update(roofline_fields(row["decode_ms_per_token"], floor[0], row["kv_bytes_detail"], floor[1]))
 
 
 def interleaved_timing(plan: BenchPlan, model: Any) -> bool:

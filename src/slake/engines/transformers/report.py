@@ -28,21 +28,25 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
     paired = any("decode_vs_first" in r for r in rows)
     compiled = any(r.get("compile") for r in rows)
     second = any(r.get("second_pass_s") is not None for r in rows)  # KVzip's reconstruction pass, inside prefill s
+    roof = any(r.get("vs_roofline") is not None for r in rows)  # the memory's floor (roofline.py)
     head = (
         "| method | budget | length | batch | chunk | prefill s | "
         + ("of which 2nd pass s | " if second else "")
         + "TTFT s | decode ms/token (min-max) | "
+        + ("x roofline | " if roof else "")
         + ("decode vs first | " if paired else "")
         + ("compiled vs eager | compile s | " if compiled else "")
         + "peak MiB | KV MiB (kept / padding / linear) |"
     )
     lines = [f"# {title}", ""] if title else []
-    lines += [head, "|" + "---|" * (10 + second + paired + 2 * compiled)]
+    lines += [head, "|" + "---|" * (10 + second + roof + paired + 2 * compiled)]
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         vs = ""
+        if roof:
+            vs = f"{r['vs_roofline']:.2f} | " if r.get("vs_roofline") is not None else "- | "
         if paired:
-            vs = f"{r['decode_vs_first']:.3f} × {r['decode_first']} | " if "decode_vs_first" in r else "- | "
+            vs += f"{r['decode_vs_first']:.3f} × {r['decode_first']} | " if "decode_vs_first" in r else "- | "
         if compiled:
             vs += f"{r['decode_vs_eager']:.3f} | " if r.get("decode_vs_eager") is not None else "- | "
             vs += f"{r['compile_s']:.1f} | " if r.get("compile_s") is not None else "- | "
