@@ -138,6 +138,7 @@ def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tm
         r["decode_timing"] == "sequential" and "decode_ms_sequential" not in r and "decode_vs_first" not in r
         for r in rows
     )
+    assert all(r["vs_roofline"] == pytest.approx(r["decode_ms_per_token"] / r["roofline_ms"], rel=1e-2) for r in rows)
     assert "decode vs first" not in (tmp_path / "a" / "bench.md").read_text()
     # one configuration per length: nothing to interleave with
     assert main(base + ["--methods", "cake", "--out", str(tmp_path / "b")]) == 0
