@@ -13,7 +13,8 @@ global state, and drops the guards on the model's modules except those on its te
 model object itself: 1,777 guards in 0.25 ms on the model above. This is torch's
 ``skip_guard_on_all_nn_modules_unsafe`` with those tensors kept, and it has the same assumption, which the docs state
 (``docs/compile.md#guards``): **a compiled step assumes the model's modules do not change while it is used** (hooks
-added, submodules replaced, a block's parameters swapped for tensors of another dtype or shape). Weights updated in
+added, submodules replaced, settings of the config the modules read, a block's parameters swapped for tensors of
+another dtype or shape). Weights updated in
 place are fine: parameters are inputs of the graph, read at every call. Each model gets its own compiled function
 (transformers' ``model._compiled_call``, :func:`slake.engines.transformers.measure.compiled_step`), so another model
 never runs a graph traced for this one; a cache of another shape, method or dtype still recompiles, since every guard
