@@ -25,24 +25,6 @@ __all__ = ["guard_costs"]
 VARIANTS = ("all", "lean")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _stepper(fn, model, cache):
-    """``tok -> next tok`` through the compiled ``fn`` (on CUDA: a step marked, its token taken out of the graph's
-    memory, as :func:`slake.engines.transformers.measure.compiled_step` does)."""
-    if model.device.type != "cuda":
-        return lambda tok: fn(model, cache, tok)
-
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        torch.compiler.cudagraph_mark_step_begin()
-        return fn(model, cache, tok).clone()
-
-    return step
-
-
 def guard_costs(
     methods: list[str],
     *,
@@ -79,9 +61,10 @@ def guard_costs(
     """
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    from benchmarks.host_profile import _sync, timed_steps
     from slake.engines.transformers.compile_options import compile_kwargs, guard_filter_supported
     from slake.engines.transformers.generate import prefill
-    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step
+    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step, stepper_of
     from slake.engines.transformers.shapes import random_model
 
     unknown = set(variants) - set(VARIANTS)
@@ -101,7 +84,7 @@ def guard_costs(
             cache = _new_cache(model, cfg)
             ids = _prompt(model, cfg)
             kwargs = compile_kwargs(dev, lean_guards=variant == "lean")
-            step = _stepper(torch.compile(_step, backend=backend, **kwargs), model, cache)
+            step = stepper_of(torch.compile(_step, backend=backend, **kwargs), model, cache)
             with torch.inference_mode():
                 tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
                 t0 = time.perf_counter()
@@ -110,15 +93,7 @@ def guard_costs(
                 compile_s = time.perf_counter() - t0
                 for _ in range(2):  # CUDA graphs: recorded at the second call, replayed from the third
                     tok = step(tok)
-                host, wall = [], []
-                for _ in range(steps):
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    tok = step(tok)
-                    t1 = time.perf_counter()
-                    _sync(dev)
-                    host.append((t1 - t0) * 1e3)
-                    wall.append((time.perf_counter() - t0) * 1e3)
+                tok, host, wall = timed_steps(step, tok, steps, dev)
                 entries = _debug_get_cache_entry_list(_step.__code__)
                 if len(entries) != 1:
                     raise RuntimeError(f"expected one compiled entry for the decode step, found {len(entries)}")

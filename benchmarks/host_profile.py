@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["host_profile"]
+__all__ = ["host_profile", "timed_steps"]
 
 
 def _where(func: tuple[str, int, str]) -> str:
@@ -46,6 +46,21 @@ def _package(path: str) -> str:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_steps(step, tok: torch.Tensor, steps: int, device: torch.device) -> tuple[torch.Tensor, list, list]:
+    """``steps`` calls of ``step`` (``tok -> next tok``), each timed twice over in milliseconds: the host's time until
+    it returns, and the wall's once the device is synchronised; returns the last token and the two lists."""
+    host, wall = [], []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        tok = step(tok)
+        t1 = time.perf_counter()
+        _sync(device)
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return tok, host, wall
 
 
 def host_profile(
@@ -105,15 +120,7 @@ def host_profile(
             tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
             for _ in range(warmup):
                 tok = _step(model, cache, tok)
-            _sync(dev)
-            host, wall = [], []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                tok = _step(model, cache, tok)
-                t1 = time.perf_counter()
-                _sync(dev)
-                host.append((t1 - t0) * 1e3)
-                wall.append((time.perf_counter() - t0) * 1e3)
+            tok, host, wall = timed_steps(lambda t, cache=cache: _step(model, cache, t), tok, steps, dev)
             prof = cProfile.Profile()
             profiled = []
             for _ in range(steps):

@@ -34,7 +34,7 @@ from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
 
-__all__ = ["BenchConfig", "compiled_step", "measure", "time_decode_interleaved"]
+__all__ = ["BenchConfig", "compiled_step", "measure", "stepper_of", "time_decode_interleaved"]
 
 
 @dataclass
@@ -111,14 +111,19 @@ def compiled_step(model, cache: SlakeCache):
     be static (built with ``max_cache_len``, prefilled). Compilation happens at the first call; every later call of
     the same cache runs the same graph, and a cache of the same model and configuration reuses it
     (``docs/compile.md``)."""
-    cuda = model.device.type == "cuda"
     # one graph per benchmark configuration: the limit guards a function whose shapes should not change, not this
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
     fn = _COMPILED.get(model)
     if fn is None:
         fn = _COMPILED[model] = _compile_step(model)
-    if not cuda:
+    return stepper_of(fn, model, cache)
+
+
+def stepper_of(fn, model, cache: SlakeCache):
+    """``tok -> next tok`` through ``fn``, a compiled :func:`_step`; on CUDA each call marks a new CUDA-graph step
+    and takes the token out of the graph's memory."""
+    if model.device.type != "cuda":
         return lambda tok: fn(model, cache, tok)
 
     def graph_step(tok: torch.Tensor) -> torch.Tensor:
