@@ -117,3 +117,32 @@ def test_pool_step_replays_as_one_cuda_graph(method):
     )
     assert row["graph_max_abs_diff"] == 0.0
     assert row["graph_same_kept"]
+
+
+def test_unmasked_decode_attention_runs_without_cudnn():
+    """The eager full cache's unmasked step (``sdpa_step`` with ``valid=None``, its slots one prefix) runs with
+    cuDNN's backend off: on an H200 PyTorch picked cuDNN's flash forward, which does not split the keys and builds a
+    plan for every new key length (104 ms per token at 8K against the masked call's 44). Batch 1, Llama-3-8B's
+    heads, bfloat16: no cuDNN kernel runs, the output is the masked call's over the same slots, and cuDNN is enabled
+    again after the call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slake.cache.decode_step import sdpa_step
+
+    torch.manual_seed(0)
+    R, H, g, n, d = 1, 8, 4, 4096, 128
+    query = torch.randn(R, H * g, d, device="cuda")
+    keys = torch.randn(R, H, n + 64, d, device="cuda", dtype=torch.bfloat16)  # free slots after the prefix
+    values = torch.randn(R, H, n + 64, d, device="cuda", dtype=torch.bfloat16)
+    valid = torch.zeros(R, H, n + 64, dtype=torch.bool, device="cuda")
+    valid[..., :n] = True
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    sdpa_step(query, keys[:, :, :n], values[:, :, :n], None, d**-0.5)  # warm-up: kernels load outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = sdpa_step(query, keys[:, :, :n], values[:, :, :n], None, d**-0.5)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert names and not [k for k in names if "cudnn" in k.lower()], names
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    masked = sdpa_step(query, keys, values, valid, d**-0.5)
+    torch.testing.assert_close(out, masked, rtol=2e-2, atol=2e-2)

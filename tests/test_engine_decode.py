@@ -147,3 +147,32 @@ def test_a_layer_that_never_evicts_attends_without_a_mask_when_its_slots_are_a_p
             kept = [decoder._prefix[i] for i in range(model.config.num_hidden_layers)]
             assert kept == ([-1] * len(kept) if padded else [40 + 5] * len(kept))  # 40 prompt + 5 attended steps
     torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-5)
+
+
+def test_unmasked_sdpa_turns_cudnn_off_for_the_call_and_back_on(monkeypatch):
+    """The unmasked step's SDPA runs with cuDNN's backend off (on an H200 it picked cuDNN's flash forward, which
+    does not split the keys and builds a plan per key length: tests/test_cuda.py checks the kernels there) and
+    restores the flag after the call, also when the call raises; its output is the plain call's."""
+    from slake.cache import decode_step
+
+    seen = []
+    plain = decode_step.F.scaled_dot_product_attention
+
+    def recording(*args, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return plain(*args, **kw)
+
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(decode_step.F, "scaled_dot_product_attention", recording)
+    out = decode_step._sdpa_without_cudnn(q, k, v, 0.3)
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()
+    torch.testing.assert_close(out, plain(q, k, v, scale=0.3))
+
+    def failing(*args, **kw):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(decode_step.F, "scaled_dot_product_attention", failing)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        decode_step._sdpa_without_cudnn(q, k, v, 0.3)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

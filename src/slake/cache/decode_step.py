@@ -435,6 +435,29 @@ def sdpa_step(
     R, Hq, d = query.shape
     H = keys.shape[1]
     q = query.reshape(R, H, Hq // H, d).to(keys.dtype)
-    mask = None if valid is None else valid[:, :, None, :]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    if valid is not None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, :, None, :], scale=scaling)
+    elif query.device.type == "cuda":
+        out = _sdpa_without_cudnn(q, keys, values, scaling)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
     return out.reshape(R, Hq, d).float()
+
+
+def _sdpa_without_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """SDPA with no mask on CUDA, cuDNN's backend turned off for the call (flash attention, else the
+    memory-efficient kernel, else the math one).
+
+    On the H200 (torch 2.11) PyTorch picked cuDNN's flash forward for this call, which does not split the keys (a
+    batch-1 layer at 128K took 1.7 ms, 0.3 TB/s) and builds a plan for each new key length, which this call has at
+    every step (2 ms of host time per layer at 8K: the eager full cache took 104 ms per token where the masked call,
+    one fixed length, took 44). Flash attention's forward splits the keys over the multiprocessors (the same call
+    over a dense 128K cache read at 3.6 TB/s there). docs/gpu.md, "Measured on an H200, again"."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    if enabled:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, keys, values, scale=scaling)
+    finally:
+        if enabled:
+            torch.backends.cuda.enable_cudnn_sdp(True)
