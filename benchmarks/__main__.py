@@ -3,8 +3,9 @@
 * ``pool-cpu``: CPU milliseconds of the plugin's batched decode step for ``--requests`` compressed requests over all
   layers of ``--shape`` (:func:`benchmarks.pool.pool_step_cpu_ms`), per method;
 * ``pool-gpu``: on a CUDA device, per batch size, the weights' matrix products and a full cache's attention per
-  ``--contexts`` length, then the plugin's step per method, eager and replayed as one CUDA graph
-  (:func:`benchmarks.pool.pool_step_cuda`; ``docs/gpu.md``);
+  ``--contexts`` length, then the plugin's step per method, eager and replayed as one CUDA graph, with the graphed
+  step's roofline at the copy bandwidth measured first (:func:`benchmarks.pool.pool_step_cuda`,
+  :func:`benchmarks.pool.pool_roofline`; ``docs/gpu.md``);
 * ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
   kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
   ``docs/gpu.md``);
@@ -188,9 +189,13 @@ def pool_gpu(a: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("pool-gpu: CUDA is not available (this benchmark measures a GPU; see docs/gpu.md)")
+    from slake.engines.transformers.roofline import copy_bandwidth
+
     shape = model_shape(a.shape)
     dtype = getattr(torch, a.dtype)
     _emit({"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__})
+    bandwidth = copy_bandwidth(a.device)  # the pool rows' roofline: their bytes at what a copy moves
+    _emit({"what": "bandwidth", "copy_gbs": round(bandwidth / 1e9, 2)})
     _emit({"what": "shape", "shape": a.shape, **asdict(shape)})
     for r in (int(x) for x in _split(a.requests)):
         _emit(weights_cuda(shape, requests=r, device=a.device, dtype=dtype))
@@ -209,6 +214,7 @@ def pool_gpu(a: argparse.Namespace) -> None:
                     dtype=dtype,
                     block_size=a.block_size,
                     kernels=a.kernels,
+                    bandwidth=bandwidth,
                     **shape.attention(),
                 )
             )

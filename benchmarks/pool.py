@@ -30,6 +30,7 @@ __all__ = [
     "RandomPool",
     "full_attention_cuda",
     "model_shape",
+    "pool_roofline",
     "pool_shape",
     "pool_step_cpu_ms",
     "pool_step_cuda",
@@ -245,6 +246,7 @@ def pool_step_cuda(
     dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
     kernels: str = "auto",
+    bandwidth: float | None = None,
 ) -> dict:
     """GPU milliseconds of one decode step of ``requests`` compressed requests over all layers, eager and replayed
     as one CUDA graph, and whether the graph computes what the eager step does.
@@ -252,7 +254,9 @@ def pool_step_cuda(
     Two identical pools (:func:`random_pool`, FlashAttention layout) each run two warm-up steps; one then runs
     ``steps`` eager steps, the other is captured once and replayed ``steps`` times. The outputs of the first
     ``check`` steps and the kept positions and validity after the last must agree: ``graph_max_abs_diff`` (expected
-    0: the same kernels on the same data) and ``graph_same_kept``."""
+    0: the same kernels on the same data) and ``graph_same_kept``. With ``bandwidth`` (bytes per second, e.g.
+    :func:`slake.engines.transformers.roofline.copy_bandwidth`), the row also has the graphed step's roofline
+    (:func:`pool_roofline`)."""
     shape = dict(
         requests=requests,
         budget=budget,
@@ -285,6 +289,7 @@ def pool_step_cuda(
     )
     W = eager.pool.width
     kept_bytes = layers * requests * kv_heads * W * 2 * head_dim * torch.finfo(dtype).bits // 8
+    roofline = {} if bandwidth is None else pool_roofline(eager.pool, requests, dtype, graph_ms, bandwidth)
     return {
         "what": "pool",
         "method": method,
@@ -298,6 +303,32 @@ def pool_step_cuda(
         "graph_max_abs_diff": diff,
         "graph_same_kept": same,
         "kernels": eager.pool.report.summary(),
+        **roofline,
+    }
+
+
+def pool_roofline(pool: DecodePool, requests: int, dtype: torch.dtype, step_ms: float, bandwidth: float) -> dict:
+    """The memory roofline of one decode step of ``requests`` rows of ``pool`` over all its layers: the bytes the
+    step must read (every slot's key and value, in ``dtype``; the slots' metadata, positions, validity, scores and
+    the slot weights of a two-stage rule; SLAKE's linear state) at ``bandwidth`` bytes per second.
+
+    Returns ``step_mb_per_layer``, ``bandwidth_gbs``, ``roofline_us_per_layer`` and ``vs_roofline`` (``step_ms``
+    over the roofline; 1.0 is the memory's floor: a step far above it is bound by its kernels' latency and launches,
+    not by what it reads)."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    L, H, W, d = pool.num_layers, pool.kv_heads, pool.width, pool.head_dim
+    meta, linear = pool.row_bytes()
+    kv = L * H * W * 2 * d * torch.finfo(dtype).bits // 8
+    per_layer = requests * (kv + meta + linear) / L
+    floor_us = per_layer / bandwidth * 1e6
+    return {
+        "step_mb_per_layer": round(per_layer / 1e6, 3),
+        "bandwidth_gbs": round(bandwidth / 1e9, 2),
+        "roofline_us_per_layer": float(f"{floor_us:.4g}"),
+        "vs_roofline": round(step_ms * 1e3 / L / floor_us, 2),
     }
 
 

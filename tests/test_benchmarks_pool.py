@@ -89,6 +89,40 @@ def test_the_weights_step_takes_any_shape(monkeypatch):
     assert row["what"] == "weights" and row["requests"] == 3 and row["graph_ms"] == 1.0
 
 
+@pytest.mark.parametrize("method", ["snapkv", "slake"])
+def test_the_pool_rows_roofline_counts_keys_values_metadata_and_the_linear_state(method):
+    """A pool step's roofline: every slot's key and value in the cache's dtype, the slots' positions (8 bytes),
+    validity (1) and scores (4), the targets (8 per KV head) and SLAKE's (d + 1)^2 float32 linear state, per layer,
+    at the bandwidth given; ``vs_roofline`` is the step over it."""
+    import benchmarks.pool as bp
+
+    rp = random_pool(method, requests=3, budget=64, **SMALL)
+    W, H, d, L = rp.pool.width, SMALL["kv_heads"], SMALL["head_dim"], SMALL["layers"]
+    per_row_layer = H * W * 2 * d * 2 + H * W * (8 + 1 + 4) + H * 8 + (H * (d + 1) ** 2 * 4 if method == "slake" else 0)
+    row = bp.pool_roofline(rp.pool, 3, torch.bfloat16, step_ms=0.5, bandwidth=1e12)
+    assert row["step_mb_per_layer"] == round(3 * per_row_layer / 1e6, 3)
+    floor_us = 3 * per_row_layer / 1e12 * 1e6
+    assert row["roofline_us_per_layer"] == pytest.approx(floor_us, rel=1e-3)
+    assert row["vs_roofline"] == round(0.5e3 / L / floor_us, 2) and row["bandwidth_gbs"] == 1000.0
+    with pytest.raises(ValueError, match="bandwidth"):
+        bp.pool_roofline(rp.pool, 3, torch.bfloat16, step_ms=0.5, bandwidth=0)
+
+
+def test_the_gpu_pool_row_carries_its_roofline_when_given_a_bandwidth(monkeypatch):
+    """``pool_step_cuda`` (run on the CPU, the CUDA graph and events replaced by plain calls) adds the roofline of
+    its graphed step to its row when it is given a bandwidth, and leaves it out otherwise."""
+    import benchmarks.pool as bp
+
+    monkeypatch.setattr(bp, "_capture", lambda fn: (types.SimpleNamespace(replay=fn), fn()))
+    monkeypatch.setattr(bp, "_events_ms", lambda fn, n: (fn(), 2.0)[1])
+    kw = dict(requests=2, budget=64, steps=1, check=1, device="cpu", dtype=torch.float32, **SMALL)
+    row = bp.pool_step_cuda("slake", bandwidth=1e11, **kw)
+    assert row["graph_ms"] == 2.0 and row["bandwidth_gbs"] == 100.0
+    expected = bp.pool_roofline(random_pool("slake", requests=2, budget=64, **SMALL).pool, 2, torch.float32, 2.0, 1e11)
+    assert {k: row[k] for k in expected} == expected
+    assert "vs_roofline" not in bp.pool_step_cuda("slake", **kw)
+
+
 def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(capsys):
     """``python -m benchmarks host-profile`` on the CPU: one row per method, the host's time at most the wall's,
     the functions ranked by their own time, and the cache's step (torch) named."""
