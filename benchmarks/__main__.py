@@ -10,8 +10,8 @@
   kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
   ``docs/gpu.md``);
 * ``host-profile``: on the device of ``--device`` (CUDA by default), per method, the host's and the wall's milliseconds
-  of an eager decode step of a random model and the functions with the most own time (``cProfile``;
-  :mod:`benchmarks.host_profile`; ``docs/gpu.md``);
+  of an eager (with ``--compile``, a compiled) decode step of a random model and the functions with the most own
+  time (``cProfile``; :mod:`benchmarks.host_profile`; ``docs/gpu.md``);
 * ``compile-guards``: per method, the guards a compiled decode step checks and what one check costs, with torch's
   default guards and with slake's filter, beside the compiled step's host and wall milliseconds
   (:mod:`benchmarks.compile_guards`; ``docs/compile.md``);
@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--steps", type=int, default=30, help="steps timed per variant (median reported)")
     host.add_argument("--repeats", type=int, default=3, help="rounds over every variant, alternating")
 
-    hp = sub.add_parser("host-profile", help="where an eager decode step's host time goes (cProfile), per method")
+    hp = sub.add_parser("host-profile", help="where a decode step's host time goes (cProfile), per method")
     hp.add_argument("--methods", default="full,cake,slake", help="comma-separated methods")
     hp.add_argument("--budget", type=int, default=1024)
     hp.add_argument("--shape", default="llama3-8b", help="a shape name of slake.engines.transformers.shapes")
@@ -87,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     hp.add_argument("--device", default="cuda")
     hp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     hp.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    hp.add_argument("--compile", action="store_true", help="the compiled step (slake bench --compile's), not eager")
+    hp.add_argument("--backend", default="inductor", help="torch.compile's backend with --compile (eager: CPU checks)")
 
     cg = sub.add_parser("compile-guards", help="what dynamo's guards cost a compiled decode step, all and lean")
     cg.add_argument("--methods", default="full,slake", help="comma-separated methods")
@@ -239,7 +241,9 @@ def host_profile(a: argparse.Namespace) -> None:
     from benchmarks.host_profile import host_profile as run
     from slake.engines.base import load_avg
 
-    rows = run(_methods(a.methods), **_random_model_run(a), top=a.top, kernels=a.kernels)
+    rows = run(
+        _methods(a.methods), **_random_model_run(a), top=a.top, kernels=a.kernels, compile=a.compile, backend=a.backend
+    )
     for row in rows:
         _emit({**row, "length": a.length, "budget": a.budget, "load_avg_1m": load_avg()})
 

@@ -8,6 +8,10 @@ fresh cache prefilled with a random prompt, ``warmup`` untimed steps, then ``ste
 the host's time until the step returns (the kernels queued, not finished) and the wall time once the device is
 synchronised; then the same steps again under ``cProfile``, which reports the functions with the most own time per
 step (the profiler slows Python down, so its milliseconds are shares, not timings).
+
+With ``compile=True`` the step is the compiled one of ``slake bench --compile`` (one CUDA graph per step on CUDA):
+what the host does around a replay (dynamo's guards, the CUDA-graph tree's bookkeeping, the token's copy), which
+on the H200 was 1.3-1.4 ms of compiled SLAKE's 9.1-9.5 ms step at 128K.
 """
 
 from __future__ import annotations
@@ -75,8 +79,10 @@ def host_profile(
     warmup: int = 3,
     top: int = 25,
     kernels: str = "auto",
+    compile: bool = False,
+    backend: str = "inductor",
 ) -> list[dict[str, Any]]:
-    """One row per method: its host and wall milliseconds per eager decode step and its ``top`` functions by own time.
+    """One row per method: its host and wall milliseconds per decode step and its ``top`` functions by own time.
 
     Parameters
     ----------
@@ -94,39 +100,59 @@ def host_profile(
         Functions reported per method.
     kernels : str
         The cache's decode step (``SlakeCache``'s ``kernels``).
+    compile : bool
+        Profile the compiled step (:func:`slake.engines.transformers.measure.compiled_step`, on a static cache)
+        instead of the eager one; its compilation happens in the warm-up steps (at least two).
+    backend : str
+        ``torch.compile``'s backend with ``compile``: inductor's (what ``slake bench --compile`` runs) or another,
+        for checks on a CPU (``"eager"``: dynamo's guards and graph without code generation).
 
     Returns
     -------
     list[dict]
-        ``{"method", "kernels", "host_ms", "wall_ms", "profiled_ms", "by_package", "functions": [{"function",
+        ``{"method", "compile", "kernels", "host_ms", "wall_ms", "profiled_ms", "by_package", "functions": [{"function",
         "calls", "own_ms", "cumulative_ms"}, ...]}``: medians over the steps, per-step figures for the functions;
         ``by_package`` adds up the profiled own time per step of every function by the package its file is in
         (:data:`PACKAGES`; ``builtins`` for C functions, which include torch's operators called from Python).
     """
+    from slake.engines.transformers.compile_options import compile_kwargs
     from slake.engines.transformers.generate import prefill
-    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step
+    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step, compiled_step, stepper_of
     from slake.engines.transformers.shapes import random_model
 
     if steps < 1 or warmup < 0 or top < 1:
         raise ValueError("steps and top must be >= 1, warmup >= 0")
+    if compile and backend != "inductor" and torch.device(device).type == "cuda":
+        raise ValueError("on CUDA the compiled step is inductor's (CUDA graphs); other backends are for CPU checks")
     model = random_model(shape, device=device, dtype=dtype)
     dev = model.device
+    if compile:
+        warmup = max(warmup, 2)  # the first call compiles, the second replays (CUDA graphs record at the first)
     rows = []
     for method in methods:
-        cfg = BenchConfig(method, budget, length, decode_steps=steps, warmup=warmup, kernels=kernels)
+        # timed and profiled steps: a static cache holds every step it will take
+        cfg = BenchConfig(method, budget, length, decode_steps=2 * steps, warmup=warmup, kernels=kernels,
+                          compile=compile)  # fmt: skip
         cache = _new_cache(model, cfg)
         ids = _prompt(model, cfg)
+        if not compile:
+            step = lambda t, cache=cache: _step(model, cache, t)  # noqa: E731
+        elif backend == "inductor":
+            step = compiled_step(model, cache)
+        else:
+            torch._dynamo.reset()
+            step = stepper_of(torch.compile(_step, backend=backend, **compile_kwargs(dev)), model, cache)
         with torch.inference_mode():
             tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
             for _ in range(warmup):
-                tok = _step(model, cache, tok)
-            tok, host, wall = timed_steps(lambda t, cache=cache: _step(model, cache, t), tok, steps, dev)
+                tok = step(tok)
+            tok, host, wall = timed_steps(step, tok, steps, dev)
             prof = cProfile.Profile()
             profiled = []
             for _ in range(steps):
                 t0 = time.perf_counter()
                 prof.enable()
-                tok = _step(model, cache, tok)
+                tok = step(tok)
                 prof.disable()
                 _sync(dev)
                 profiled.append((time.perf_counter() - t0) * 1e3)
@@ -148,6 +174,7 @@ def host_profile(
         rows.append(
             {
                 "method": method,
+                "compile": compile,
                 "kernels": cache.statistics()["kernels"],
                 "host_ms": round(statistics.median(host), 3),
                 "wall_ms": round(statistics.median(wall), 3),

@@ -143,6 +143,22 @@ def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(c
     assert "slake" in rows[1]["by_package"]  # the cache's own step
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_host_profile_profiles_the_compiled_step_with_compile(capsys):
+    """``host-profile --compile`` profiles the compiled step (dynamo's eager backend on the CPU): its rows say so,
+    and the profile holds the compiled call, not the eager model's modules (no ``modeling_llama`` function runs)."""
+    main(
+        ["host-profile", "--methods", "slake", "--shape", "tiny", "--device", "cpu", "--dtype", "float32"]
+        + ["--length", "96", "--budget", "32", "--steps", "2", "--top", "40", "--kernels", "torch"]
+        + ["--compile", "--backend", "eager"]
+    )
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["method"] == "slake" and row["compile"] is True
+    assert 0 < row["host_ms"] <= row["wall_ms"]
+    names = [f["function"] for f in row["functions"]]
+    assert not [n for n in names if "modeling_llama" in n and "forward" in n], names
+
+
 def test_host_profile_refuses_a_run_without_steps():
     from benchmarks.host_profile import host_profile
 
