@@ -6,6 +6,9 @@
   ``--contexts`` length, then the plugin's step per method, eager and replayed as one CUDA graph, with the graphed
   step's roofline at the copy bandwidth measured first (:func:`benchmarks.pool.pool_step_cuda`,
   :func:`benchmarks.pool.pool_roofline`; ``docs/gpu.md``);
+* ``kernel-parts``: on a CUDA device, per method, the plugin's step as one CUDA graph with the fused kernels as they
+  are and with each part of the second kernel left out: what each part costs per layer
+  (:func:`benchmarks.pool.kernel_parts_cuda`; ``docs/gpu.md``);
 * ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
   kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
   ``docs/gpu.md``);
@@ -69,6 +72,17 @@ def parser() -> argparse.ArgumentParser:
     gpu.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     gpu.add_argument("--steps", type=int, default=50)
     gpu.add_argument("--device", default="cuda")
+
+    parts = sub.add_parser(
+        "kernel-parts", parents=[common], help="what each part of the fused step's second kernel costs on a GPU"
+    )
+    parts.add_argument("--shape", default="llama3-8b", help=shape_help)
+    parts.add_argument("--requests", type=int, default=1)
+    parts.add_argument("--parts", default=None, help="comma-separated parts to leave out (default: every one)")
+    parts.add_argument("--block-size", type=int, default=16, help="vLLM's GPU block size")
+    parts.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parts.add_argument("--steps", type=int, default=50)
+    parts.add_argument("--device", default="cuda")
 
     host = sub.add_parser("host-step", help="the host's share of an eager decode step (kernels left out)")
     host.add_argument("--methods", default="full,snapkv,slake", help="comma-separated methods")
@@ -223,6 +237,30 @@ def pool_gpu(a: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+def kernel_parts(a: argparse.Namespace) -> None:
+    import torch
+
+    from benchmarks.pool import kernel_parts_cuda, model_shape
+
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel-parts: CUDA is not available (this benchmark times GPU kernels; see docs/gpu.md)")
+    shape = model_shape(a.shape)
+    _emit({"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__})
+    for m in _methods(a.methods):
+        for row in kernel_parts_cuda(
+            m,
+            None if a.parts is None else _split(a.parts),
+            requests=a.requests,
+            budget=a.budget,
+            steps=a.steps,
+            device=a.device,
+            dtype=getattr(torch, a.dtype),
+            block_size=a.block_size,
+            **shape.attention(),
+        ):
+            _emit(row)
+
+
 def host_step(a: argparse.Namespace) -> None:
     from slake.kernels import load
 
@@ -269,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {
         "pool-cpu": pool_cpu,
         "pool-gpu": pool_gpu,
+        "kernel-parts": kernel_parts,
         "host-step": host_step,
         "host-profile": host_profile,
         "compile-guards": compile_guards,

@@ -5,14 +5,14 @@
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
 # PART: short | short2 | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
-#       host-compiled | guards | all
+#       host-compiled | kernel-parts | guards | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 530) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|guards|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|guards|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -65,6 +65,11 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "$py" -m benchmarks host-profile --methods full,snapkv,cake,slake --length 8192 --budget 1024 --steps 10 \
             > "$out/host_profile.jsonl"
         ;;
+    kernel-parts)
+        # what each part of SLAKE's second kernel costs at batch 1, budget 1024 (51 µs per layer on the H200): the
+        # pool's step as one CUDA graph as it is and with each part left out
+        "$py" -m benchmarks kernel-parts --methods slake --budget 1024 --requests 1 > "$out/kernel_parts.jsonl"
+        ;;
     host-compiled)
         # where the host's time around a compiled step's replay goes (cProfile): compiled SLAKE at 8K, budget 1024
         # (1.3 ms of its 9.1 ms step at 128K on the H200; one compile of the 32-layer model)
@@ -101,7 +106,8 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
 SHORT_STEPS=("info 10" "smoke 100" "compiled-targets 375" "eager-targets 150" "host 60" "host-compiled 80")
-SHORT2_STEPS=("eager-targets 150" "host 60" "host-compiled 80" "pool-8 65" "kernels-1 130" "profile 200")
+SHORT2_STEPS=("eager-targets 150" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
+    "profile 200")
 
 run_short() {
     local deadline=$((SECONDS + ${SHORT_SECONDS:-530}))
@@ -165,7 +171,8 @@ fi
 
 if [ "$part" = all ]; then
     status=0
-    for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled guards; do
+    for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled kernel-parts \
+        guards; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status

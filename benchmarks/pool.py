@@ -29,6 +29,7 @@ __all__ = [
     "ModelShape",
     "RandomPool",
     "full_attention_cuda",
+    "kernel_parts_cuda",
     "model_shape",
     "pool_roofline",
     "pool_shape",
@@ -305,6 +306,40 @@ def pool_step_cuda(
         "kernels": eager.pool.report.summary(),
         **roofline,
     }
+
+
+def kernel_parts_cuda(method: str, parts: list[str] | None = None, **pool: object) -> list[dict]:
+    """What each part of the fused step's second kernel costs: :func:`pool_step_cuda` with the fused kernels as
+    they are, then once with each of ``parts`` (default: every name of
+    :data:`slake.kernels.triton_decode.SKIP_PARTS`) left out (:func:`slake.kernels.triton_decode.leaving_out`).
+
+    A step without a part computes something else (its rows' outputs and kept slots are not the method's); what it
+    tells is time: ``part_us_per_layer``, the step as it is less the step without the part, per layer (CUDA-graph
+    replays of every layer, ``pool``: :func:`pool_step_cuda`'s keywords, ``kernels`` forced to ``"triton"``)."""
+    from slake.kernels import load
+
+    triton_decode = load()
+    names = list(triton_decode.SKIP_PARTS) if parts is None else list(parts)
+    pool = {**pool, "kernels": "triton"}
+    whole = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
+    rows = [{"what": "kernel_parts", "method": method, "left_out": None, **_step_times(whole)}]
+    for part in names:
+        with triton_decode.leaving_out(part):
+            without = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
+        rows.append(
+            {
+                "what": "kernel_parts",
+                "method": method,
+                "left_out": part,
+                **_step_times(without),
+                "part_us_per_layer": round(whole["graph_us_per_layer"] - without["graph_us_per_layer"], 1),
+            }
+        )
+    return rows
+
+
+def _step_times(row: dict) -> dict:
+    return {k: row[k] for k in ("budget", "requests", "slots", "graph_ms", "graph_us_per_layer", "kernels")}
 
 
 def pool_roofline(pool: DecodePool, requests: int, dtype: torch.dtype, step_ms: float, bandwidth: float) -> dict:

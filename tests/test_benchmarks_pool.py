@@ -123,6 +123,39 @@ def test_the_gpu_pool_row_carries_its_roofline_when_given_a_bandwidth(monkeypatc
     assert "vs_roofline" not in bp.pool_step_cuda("slake", **kw)
 
 
+def test_kernel_parts_times_the_step_without_each_part_of_the_second_kernel(monkeypatch):
+    """``kernel-parts`` times the fused step as it is, then with each part left out (the switch on during that
+    step only), and reports each part's cost as the difference per layer; the kernels' variants themselves run in
+    ``test_fused_decode.py`` (interpreter) and compile in ``test_kernels_compile.py``. Here the timed step is
+    replaced by one that records the switch and returns 64 µs per layer as it is, 48 without any part."""
+    import benchmarks.pool as bp
+    from slake.kernels import load
+
+    triton_decode = load()
+    seen = []
+
+    def step(method, **kw):
+        seen.append((method, kw["kernels"], triton_decode._left_out))
+        us = 64.0 if triton_decode._left_out == 0 else 48.0
+        return {"budget": kw["budget"], "requests": 1, "slots": 129, "graph_ms": us * 32 / 1e3,
+                "graph_us_per_layer": us, "kernels": "triton"}  # fmt: skip
+
+    monkeypatch.setattr(bp, "pool_step_cuda", step)
+    rows = bp.kernel_parts_cuda("slake", ["sort", "fold"], budget=64, kernels="torch")
+    masks = triton_decode.SKIP_PARTS
+    assert seen == [("slake", "triton", 0), ("slake", "triton", masks["sort"]), ("slake", "triton", masks["fold"])]
+    assert [r["left_out"] for r in rows] == [None, "sort", "fold"]
+    assert [r.get("part_us_per_layer") for r in rows] == [None, 16.0, 16.0]
+    assert triton_decode._left_out == 0
+    assert [r["left_out"] for r in bp.kernel_parts_cuda("cake", budget=64)] == [None, *masks]
+
+
+def test_kernel_parts_refuses_a_machine_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="kernel-parts: CUDA is not available"):
+        main(["kernel-parts"])
+
+
 def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(capsys):
     """``python -m benchmarks host-profile`` on the CPU: one row per method, the host's time at most the wall's,
     the functions ranked by their own time, and the cache's step (torch) named."""

@@ -132,6 +132,7 @@ def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
     "name, options",
     [
         ("slake", {"G": 1, "H": 3}),  # MHA
+        ("slake", {"G": 3, "H": 2}),  # a group that is not a power of two (padded rows in both row layouts)
         ("tova", {"G": 1, "H": 3}),
         ("h2o", {"G": 4, "H": 1, "pad": False, "B": 1}),
         ("slake", {"kv_dtype": "int8"}),
@@ -447,3 +448,31 @@ def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
         for programs in (1, 8, 64, 1000):
             split = triton_decode.split_size(width, programs)
             assert split >= triton_decode.MIN_SPLIT and split & (split - 1) == 0
+
+
+def test_leaving_out_a_part_of_the_second_kernel_is_for_timing_only():
+    """``triton_decode.leaving_out`` (``python -m benchmarks kernel-parts``) launches the second kernel without a
+    part: every variant runs; without the fold SLAKE's ``d x d`` state keeps what the prefill left, where a real
+    step folds each victim into it; outside the block the step is the real one again."""
+    from slake.kernels import load
+
+    triton_decode = load()
+    m = _method("slake")
+    run = dict(B=1, steps=2, layers=1, pad=False)
+    prefilled, _ = _run(m, "triton", **{**run, "steps": 0})
+    real, real_out = _run(m, "triton", **run)
+    d = prefilled.layers[0].keys.shape[-1]
+    block = prefilled.layers[0].linear.aug[..., :d, :d]
+    assert not torch.equal(real.layers[0].linear.aug[..., :d, :d], block)  # the real step folded its victims
+    for part in triton_decode.SKIP_PARTS:
+        with triton_decode.leaving_out(part):
+            eng, outs = _run(m, "triton", **run)
+        assert all(bool(torch.isfinite(o).all()) for o in outs), part
+        if part == "fold":
+            assert torch.equal(eng.layers[0].linear.aug[..., :d, :d], block)
+    again, again_out = _run(m, "triton", **run)
+    for a, b in zip(real_out, again_out, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="unknown kernel parts"):
+        with triton_decode.leaving_out("everything"):
+            pass

@@ -83,3 +83,15 @@ def test_every_fused_kernel_compiles_for_an_h100(shape):
             if r["case"].endswith("@bfloat16"):  # a model's dtype on a GPU: every value stays in registers
                 spilled = k["spill_stores"] + k["spill_loads"]
                 assert spilled == 0, f"{r['case']}: {k['kernel']} spills {spilled} bytes to local memory ({k})"
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
+    """``python -m benchmarks kernel-parts`` times SLAKE's second kernel with each of its parts left out
+    (``triton_decode.leaving_out``): every part left out at once takes each alternative the kernel has, and it
+    compiles for an H100 (a variant that does not would cost a GPU session its measurement)."""
+    from slake.kernels.triton_decode import SKIP_PARTS
+
+    (r,) = _compile({"slake@bfloat16": 2}, "--leave-out", ",".join(SKIP_PARTS))
+    assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
+    assert all(k["cubin"] for k in r["compiled"]), r

@@ -40,7 +40,9 @@ the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -52,8 +54,9 @@ from slake.kernels.triton_rules import _value_projection_kernel, head_signal, ke
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
-    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "TARGET_PROGRAMS",
-    "WIDE_ROW", "evict_warps", "fused_step", "fused_step_op", "ratio_parts", "split_size", "state_rows",
+    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "SKIP_PARTS",
+    "TARGET_PROGRAMS", "WIDE_ROW", "evict_warps", "fused_step", "fused_step_op", "leaving_out", "ratio_parts",
+    "split_size", "state_rows",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -94,7 +97,7 @@ def _evict_attend_kernel(
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
-    COMBINE: tl.constexpr, VB: tl.constexpr,
+    COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -121,7 +124,10 @@ def _evict_attend_kernel(
             sig += head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
         new = sig / H
     elif RULE <= 2 or RULE == 6:
-        sig = head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
+        if SKIP & 16:  # timing only (SKIP_PARTS): the stored scores instead of this step's attention
+            sig = tl.where(valid, stored, 0.0)
+        else:
+            sig = head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
         if RULE == 0:
             new = sig
             if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
@@ -152,9 +158,12 @@ def _evict_attend_kernel(
         new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
     if RULE == 0 and POOL_K > 1:
         # positional pooling: sort the slots by position (empty ones last, score 0), pool, scatter back
-        key = tl.where(valid, pos, 1 << 40)
-        key = tl.where(wmask, key, (1 << 40) + 1) * BW + sw
-        order = (tl.sort(key, 0) % BW).to(tl.int32)
+        if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
+            order = sw
+        else:
+            key = tl.where(valid, pos, 1 << 40)
+            key = tl.where(wmask, key, (1 << 40) + 1) * BW + sw
+            order = (tl.sort(key, 0) % BW).to(tl.int32)
         base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
         tl.store(base + sw, tl.where(valid, new, 0.0))
         tl.debug_barrier()
@@ -202,9 +211,11 @@ def _evict_attend_kernel(
     # 3. the fold of the victim into the linear state
     dd = tl.arange(0, DP)
     dmask = dd < D
-    g = tl.arange(0, GP)
+    g = tl.arange(0, GP)  # the query heads as the rows of a tl.dot operand (at least 16: the victim's piece)
     gmask = g < G
-    q = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, dd, dmask, G) * scale
+    gc = tl.arange(0, GC)  # the query heads as the rows of everything else (a power of two, G = 4 rows: not 16)
+    gcmask = gc < G
+    q = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, gc, gcmask, dd, dmask, G) * scale
     vb = tl.load(table_ptr + r * t_sr + victim // block_size).to(tl.int64)
     vo = (victim % block_size).to(tl.int64)
     vs = vb * s_sb + h * s_sh + vo * s_so
@@ -227,7 +238,7 @@ def _evict_attend_kernel(
         tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + D * a_sj, cnt2, mask=chosen)
-        for i0 in tl.static_range(0, DP, LB):
+        for i0 in tl.static_range(0, DP if (SKIP & 2) == 0 else 0, LB):  # SKIP & 2: timing only, no fold
             ii = i0 + tl.arange(0, LB)
             imask = ii < D
             k_i = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT)
@@ -237,14 +248,15 @@ def _evict_attend_kernel(
                 mask=imask[:, None] & dmask[None, :] & chosen,
                 sem="relaxed",
             )
-        lin = tl.zeros([GP, DP], tl.float32)
+        lin = tl.zeros([GC, DP], tl.float32)
         if EVICT_FIRST:
             lin += (tl.sum(q * kv_k[None, :], 1) * cf)[:, None] * kv_v[None, :]
             ksum, vsum, cnt = ksum2, vsum2, cnt2
     # 4. the output: the first kernel's partial softmax sums of every split, combined; when the victim is evicted
     # before the output, its split is summed again here without it (subtracting its term instead would cancel
     # catastrophically when it held most of a query head's weight)
-    if EVICT_FIRST:
+    RECOMPUTE: tl.constexpr = EVICT_FIRST and (SKIP & 4) == 0  # SKIP & 4: timing only, the piece as stored
+    if RECOMPUTE:
         vlo = (victim // SPLIT) * SPLIT
         vhi = tl.minimum(vlo + SPLIT, W)
         m_v = tl.full([GP], -3.4028234663852886e38, tl.float32)
@@ -264,25 +276,31 @@ def _evict_attend_kernel(
                 m_v, den_v, acc_v, x, b, o, ok, h, dd, dmask,
                 v_ptr, v_sb, v_sh, v_so, v_sd, vs_ptr, s_sb, s_sh, s_so, QUANT, LOW_DOT,
             )  # fmt: skip
-    m_run = tl.full([GP], -3.4028234663852886e38, tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
+        # the piece in the combination's GC rows: rows G.. of the GP are padding (maximum -3.4e38, normaliser and
+        # sums 0), so the GP rows taken GC at a time and summed (maximised) are the GC rows
+        m_v = tl.max(tl.reshape(m_v, [GP // GC, GC]), 0)
+        den_v = tl.sum(tl.reshape(den_v, [GP // GC, GC]), 0)
+        acc_v = tl.sum(tl.reshape(acc_v, [GP // GC, GC, DP]), 0)
+    # the combination works on the G query heads' rows (GC), a quarter of the GP a tl.dot needs at G = 4: it runs
+    # once per piece, 17 pieces at batch 1 and budget 1,024
+    m_run = tl.full([GC], -3.4028234663852886e38, tl.float32)
+    den = tl.zeros([GC], tl.float32)
+    acc = tl.zeros([GC, DP], tl.float32)
     # the pieces in order, COMBINE at a time: their loads do not depend on each other, so an unrolled group keeps
     # COMBINE of them in flight instead of one round trip to memory per piece (a piece past the last adds nothing)
-    for s0 in range(0, S, COMBINE):
+    for s0 in range(0, S if (SKIP & 8) == 0 else 0, COMBINE):  # SKIP & 8: timing only, no piece combined
         for nth in tl.static_range(COMBINE):
             sp = s0 + nth
             live = sp < S
-            sb = (((r * H + h) * G + g) * S + sp) * 2
-            pm = tl.load(stat_ptr + sb, mask=gmask & live, other=-3.4028234663852886e38)
-            pl = tl.load(stat_ptr + sb + 1, mask=gmask & live, other=0.0)
-            pb = (((r * H + h) * S + sp) * G + g).to(tl.int64) * D
-            pa = tl.load(part_ptr + pb[:, None] + dd[None, :], mask=(gmask & live)[:, None] & dmask[None, :], other=0.0)
+            sb = (((r * H + h) * G + gc) * S + sp) * 2
+            pm = tl.load(stat_ptr + sb, mask=gcmask & live, other=-3.4028234663852886e38)
+            pl = tl.load(stat_ptr + sb + 1, mask=gcmask & live, other=0.0)
+            pb = (((r * H + h) * S + sp) * G + gc).to(tl.int64) * D
+            live_rows = (gcmask & live)[:, None] & dmask[None, :]
+            pa = tl.load(part_ptr + pb[:, None] + dd[None, :], mask=live_rows, other=0.0)
             if HAS_LINEAR:  # the first kernel's shares of the linear term
-                lin += tl.load(
-                    lin_ptr + pb[:, None] + dd[None, :], mask=(gmask & live)[:, None] & dmask[None, :], other=0.0
-                )
-            if EVICT_FIRST:
+                lin += tl.load(lin_ptr + pb[:, None] + dd[None, :], mask=live_rows, other=0.0)
+            if RECOMPUTE:
                 mine = sp * SPLIT == vlo
                 pm = tl.where(mine, m_v, pm)
                 pl = tl.where(mine, den_v, pl)
@@ -304,9 +322,9 @@ def _evict_attend_kernel(
         den = den * alpha + lam * cnt
     out = acc / tl.maximum(den, 1.1754943508222875e-38)[:, None]
     tl.store(
-        out_ptr + r * o_sr + (h * G + g)[:, None] * o_sh + dd[None, :] * o_sd,
+        out_ptr + r * o_sr + (h * G + gc)[:, None] * o_sh + dd[None, :] * o_sd,
         out.to(out_ptr.dtype.element_ty),
-        mask=gmask[:, None] & dmask[None, :],
+        mask=gcmask[:, None] & dmask[None, :],
     )
     if ADVANCE:  # the layer's position counter (read by no program of this kernel: the new slot holds it)
         if (r == 0) & (h == 0):
@@ -335,6 +353,31 @@ WIDE_ROW = 1024
 #: ``RECOMPUTE_BLOCK x d``; at 64 x 128 it took 64 registers a thread at 4 warps, and the kernel spilled at the vLLM
 #: pool's shape (8 rows, budget 128; ``tests/test_kernels_compile.py``)
 RECOMPUTE_BLOCK = 32
+
+
+#: parts of the second kernel that :func:`leaving_out` switches off, to time what each costs (``python -m benchmarks
+#: kernel-parts``): the positional pooling's sort by position, SLAKE's fold into the linear state, the re-summing of
+#: the victim's piece, the combination of the first kernel's pieces, and the decode rule's attention signal. A step
+#: without one of them computes something else: for timing only.
+SKIP_PARTS = {"sort": 1, "fold": 2, "recompute": 4, "combine": 8, "signal": 16}
+_left_out = 0
+
+
+@contextlib.contextmanager
+def leaving_out(*parts: str) -> Iterator[None]:
+    """Within the block, the fused steps launched (:func:`fused_step`) run their second kernel without ``parts``
+    (names of :data:`SKIP_PARTS`), to time the rest; their results are not the step's. Restores the previous
+    setting on exit."""
+    global _left_out
+    unknown = set(parts) - set(SKIP_PARTS)
+    if unknown:
+        raise ValueError(f"unknown kernel parts {sorted(unknown)}; known: {sorted(SKIP_PARTS)}")
+    before = _left_out
+    _left_out = before | sum(SKIP_PARTS[p] for p in set(parts))
+    try:
+        yield
+    finally:
+        _left_out = before
 
 
 def evict_warps(padded_width: int) -> int:
@@ -513,7 +556,8 @@ def fused_step(
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
-        COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), num_warps=evict_warps(BW), **{**common, "LOW_DOT": False},
+        COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), SKIP=_left_out, GC=_pow2(G), num_warps=evict_warps(BW),
+        **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out
 
