@@ -130,7 +130,7 @@ class AheadOfTime:
                     signature[name] = "fp32"
                 else:
                     raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
-            options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+            options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
             source = triton.compiler.ASTSource(fn, signature, constants)
             binary = triton.compile(source, target=self.target, options=options)
             self.compiled.append(

@@ -156,6 +156,70 @@ def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, option
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
+def test_positional_pooling_sorts_long_keys_as_it_sorts_short_ones(monkeypatch, split_rows):
+    """The positional pooling sorts int32 keys where the row's positions allow (``triton_decode.key_span``) and
+    int64 keys otherwise; with the short keys switched off the step is the same as the torch step."""
+    from slake.kernels import load
+
+    monkeypatch.setattr(load(), "SHORT_KEYS", False)
+    for name in ("slake", "ada-snapkv"):
+        method = _method(name)
+        ref, ref_out = _run(method, "torch", garbage=True)
+        fused, fused_out = _run(method, "triton", garbage=True)
+        _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_width():
+    """:func:`slake.kernels.triton_rules.position_order` on rows whose positions span less than the int32 keys'
+    limit, exactly the limit, and far more: the valid slots by position, then the empty ones and those past the
+    row's width by slot (a 32-bit key would overflow in the last two and rank them wrongly)."""
+    from slake.kernels import load
+
+    triton_decode = load()
+    from kernel_probes import order_kernel
+
+    BW, W = 16, 13
+    limit = triton_decode.key_span(BW)
+    assert limit == (1 << 31) // BW - 2
+    g = torch.Generator().manual_seed(0)
+    for span in (40, limit - 1, limit, 1 << 36):
+        for trial in range(3):
+            valid = torch.rand(W, generator=g) < 0.7
+            valid[:2] = True
+            pos = torch.randint(0, span + 1, (W,), generator=g)
+            pos[0], pos[1] = 5, 5 + span  # the lowest and the highest valid position
+            pos = torch.where(valid, pos + 1000 * trial, torch.full_like(pos, -1))
+            if int(pos[valid].unique().numel()) != int(valid.sum()):
+                continue  # positions of valid slots are distinct
+            out = torch.empty(BW, dtype=torch.int32)
+            order_kernel[(1,)](pos, valid.to(torch.int8), out, W, BW=BW, KEY_SPAN=limit)
+            slots = torch.arange(W)
+            held = slots[valid][pos[valid].argsort()]
+            want = torch.cat([held, slots[~valid], torch.arange(W, BW)])
+            assert torch.equal(out.long(), want), (span, trial, out, want)
+
+
+def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
+    """:func:`slake.kernels.triton_rules.ranked_argmin` on scores with ties (a pooled row of equal attention ties
+    everywhere) and guarded slots, ranked by a random order: the first lowest in slot order, as ``argmin`` over the
+    slots picks it (with every slot guarded: slot 0)."""
+    from slake.kernels import load
+
+    load()
+    from kernel_probes import victim_kernel
+
+    BW = 16
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        scores = torch.randint(0, 3, (BW,), generator=g).float()  # many ties
+        guard = torch.rand(BW, generator=g) < (0.3 if trial < 11 else 1.1)
+        order = torch.randperm(BW, generator=g).to(torch.int32)
+        out = torch.empty(1, dtype=torch.int32)
+        victim_kernel[(1,)](scores, guard.to(torch.int8), order, out, BW=BW)
+        want = int(scores.masked_fill(guard, float("inf")).argmin())
+        assert int(out) == want, (trial, scores, guard, order)
+
+
 def test_the_two_stages_count_their_first_stage_in_float64():
     """Rows of 10 held slots at ratio 0.7: ``floor(10 * 0.7)`` is 7 in float64, as the torch rule computes it, and
     6 with the ratio rounded to float32 (a kernel's float argument is float32)."""

@@ -14,9 +14,11 @@ its own block table) and arbitrary strides for keys and values:
    the state is read by several of the row's programs at once rather than by one.
 2. :func:`_evict_attend_kernel`, one program per (row, KV head): the method's decode scores
    (:class:`slake.methods.decode_rule.FusedDecodeRule`, from the logits and the pieces' combined maxima and
-   normalisers; positional pooling through an in-program sort), the protected slots, the victim (the first minimum,
-   as ``argmin``), the fold of the victim into the PTAA linear state (the block's ``k v^T`` as atomic adds, which
-   need no read of it), the eviction, and the attention output: the pieces' partial sums combined, plus the linear
+   normalisers; the positional pooling ranks the slots by position with an in-program sort of int32 keys where the
+   positions allow, and pools the ranked scores in registers with ``tl.gather``, no round trip through memory),
+   the protected slots, the victim (the first minimum, as ``argmin``, found among the ranks after a pooling), the
+   fold of the victim into the PTAA linear state (the block's ``k v^T`` as atomic adds, which need no read of it),
+   the eviction, and the attention output: the pieces' partial sums combined, plus the linear
    term (the first kernel's shares, and the victim's rank-one part when it is folded first). A method that evicts
    before its output (SLAKE's Algorithm 1) has the victim's piece summed again without it, in float32 whatever the
    cache's dtype (half-precision operands there cost the kernel its registers: it spilled at Llama-3-8B's shape in
@@ -50,13 +52,21 @@ import triton.language as tl
 from torch.library import custom_op
 
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
-from slake.kernels.triton_rules import _value_projection_kernel, head_signal, key_diversity, two_stage
+from slake.kernels.triton_rules import (
+    _value_projection_kernel,
+    head_signal,
+    key_diversity,
+    pool_ranked,
+    position_order,
+    ranked_argmin,
+    two_stage,
+)
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
-    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "SKIP_PARTS",
-    "TARGET_PROGRAMS", "WIDE_ROW", "evict_warps", "fused_step", "fused_step_op", "leaving_out", "ratio_parts",
-    "split_size", "state_rows",
+    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "SHORT_KEYS",
+    "SKIP_PARTS", "TARGET_PROGRAMS", "WIDE_ROW", "evict_registers", "evict_warps", "fused_step", "fused_step_op",
+    "key_span", "leaving_out", "ratio_parts", "split_size", "state_rows",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -97,7 +107,7 @@ def _evict_attend_kernel(
     POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr, GAIN_FLOOR: tl.constexpr,
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
-    COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr,
+    COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr, KEY_SPAN: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -156,37 +166,21 @@ def _evict_attend_kernel(
     else:
         finite = (stored == stored) & (tl.abs(stored) != float("inf"))
         new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
+    # positional pooling: the slots ranked by position (empty ones last, score 0) and pooled in registers; with
+    # CriticalKV's two stages the pooled scores go back to slot order through the row's scratch buffer, otherwise
+    # they stay ranked and the victim is found among the ranks (RANKED)
+    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE
     if RULE == 0 and POOL_K > 1:
-        # positional pooling: sort the slots by position (empty ones last, score 0), pool, scatter back
         if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
             order = sw
         else:
-            key = tl.where(valid, pos, 1 << 40)
-            key = tl.where(wmask, key, (1 << 40) + 1) * BW + sw
-            order = (tl.sort(key, 0) % BW).to(tl.int32)
-        base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
-        tl.store(base + sw, tl.where(valid, new, 0.0))
-        tl.debug_barrier()
-        ranked = tl.load(base + order, mask=order < W, other=0.0)
-        tl.store(base + BW + sw, ranked)
-        tl.debug_barrier()
-        if POOL_MAX:
-            pooled = tl.full([BW], float("-inf"), tl.float32)
-        else:
-            pooled = tl.zeros([BW], tl.float32)
-        for t in tl.static_range(POOL_K):
-            j = sw + (t - POOL_K // 2)
-            inside = (j >= 0) & (j < W)
-            if POOL_MAX:
-                pooled = tl.maximum(pooled, tl.load(base + BW + j, mask=inside, other=float("-inf")))
-            else:
-                pooled += tl.load(base + BW + j, mask=inside, other=0.0)
-        if not POOL_MAX:
-            pooled = pooled / POOL_K
-        tl.debug_barrier()
-        tl.store(base + order, pooled, mask=order < W)
-        tl.debug_barrier()
-        new = tl.load(base + sw, mask=wmask, other=0.0)
+            order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
+        new = pool_ranked(new, valid, order, W, sw, BW, POOL_K, POOL_MAX)
+        if not RANKED:
+            base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+            tl.store(base + order, new, mask=order < W)
+            tl.debug_barrier()
+            new = tl.load(base + sw, mask=wmask, other=0.0)
     if TWO_STAGE:
         new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
                         two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
@@ -199,13 +193,20 @@ def _evict_attend_kernel(
     else:
         first = 0
     guard = guard | ((pos >= first) & (pos < first + sinks))
-    victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
+    if RANKED:  # the first lowest score in slot order, as argmin takes it, found among the ranks
+        victim = ranked_argmin(new, guard, order, BW)
+    else:
+        victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
     count = tl.sum(valid.to(tl.int32), 0)
     target = tl.load(target_ptr + mr * tg_sr + h * tg_sh)
     hit = sw == victim
     chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)
     gone = hit & chosen
-    tl.store(score_ptr + meta + sw * m_ss, tl.where(gone, float("-inf"), new), mask=wmask)
+    if RANKED:  # the scores back in their slots
+        tl.store(score_ptr + meta + order * m_ss, tl.where((order == victim) & chosen, float("-inf"), new),
+                 mask=order < W)  # fmt: skip
+    else:
+        tl.store(score_ptr + meta + sw * m_ss, tl.where(gone, float("-inf"), new), mask=wmask)
     tl.store(valid_ptr + meta + sw * m_ss, valid & (~gone), mask=wmask)
     tl.store(pos_ptr + meta + sw * m_ss, tl.where(gone, -1, pos), mask=wmask)
     # 3. the fold of the victim into the linear state
@@ -391,6 +392,27 @@ def evict_warps(padded_width: int) -> int:
     return 8 if padded_width >= WIDE_ROW else 4
 
 
+def evict_registers(padded_width: int, device: torch.device) -> int | None:
+    """The register limit per thread of the second kernel (``maxnreg``) for rows padded to ``padded_width`` slots:
+    255 for the wide rows of :func:`evict_warps` on a GPU, else ptxas's choice (None). With the positional pooling's
+    two sorts (:func:`slake.kernels.triton_rules.position_order`) ptxas chose 128 registers at 8 warps and spilled
+    36 bytes at Llama-3-8B's shape; one program per (row, KV head) leaves the multiprocessors' registers idle
+    anyway at the batches where rows are this wide."""
+    return 255 if device.type == "cuda" and evict_warps(padded_width) == 8 else None
+
+
+#: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off only in tests,
+#: to run the int64 sort on small positions
+SHORT_KEYS = True
+
+
+def key_span(padded_width: int) -> int:
+    """The span of valid positions under which the positional pooling sorts int32 keys (the position less the
+    row's lowest, times ``padded_width``, plus the slot: below ``2**31``), or 0 (never) when :data:`SHORT_KEYS`
+    is off."""
+    return (1 << 31) // int(padded_width) - 2 if SHORT_KEYS else 0
+
+
 def state_rows(d: int, pieces: int) -> int:
     """Rows of the PTAA linear state's ``d x d`` block that each of a row's ``pieces`` first-kernel programs reads
     for the linear term: an even share, a power of two of at least 16 (the smallest ``tl.dot`` operand), so that
@@ -489,7 +511,8 @@ def fused_step(
     stat = torch.empty(R, H, G, S, 2, dtype=torch.float32, device=dev)
     part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
-    scratch = pool_k > 1 or rule == RULE_CODES["key_diversity"]  # the pooling's or KeyDiff's row buffers
+    # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order
+    scratch = (pool_k > 1 and two_stage) or rule == RULE_CODES["key_diversity"]
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
     map_q = rule == RULE_CODES["expected_attention"]
     estat = torch.empty_like(stat) if map_q else stat
@@ -556,7 +579,8 @@ def fused_step(
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
-        COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), SKIP=_left_out, GC=_pow2(G), num_warps=evict_warps(BW),
+        COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), SKIP=_left_out, GC=_pow2(G), KEY_SPAN=key_span(BW),
+        num_warps=evict_warps(BW), maxnreg=evict_registers(BW, dev),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out

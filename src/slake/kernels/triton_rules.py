@@ -1,7 +1,8 @@
 """The decode rules' per-slot signals inside the fused decode kernels' second kernel
 (:mod:`slake.kernels.triton_decode`, :class:`slake.methods.decode_rule.FusedDecodeRule`): each query head's
 softmax statistics combined over the first kernel's pieces, the attention a KV head's query heads give each slot,
-KeyDiff's key diversity, and CriticalKV's two stages with the kernel that weighs each new slot."""
+the positional pooling of SnapKV's and CAKE's rules, KeyDiff's key diversity, and CriticalKV's two stages with the
+kernel that weighs each new slot."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = ["head_signal", "key_diversity", "row_stats", "two_stage"]
+__all__ = ["head_signal", "key_diversity", "pool_ranked", "position_order", "ranked_argmin", "row_stats", "two_stage"]
 
 
 @triton.jit
@@ -52,6 +53,62 @@ def head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr, 
     if GROUP_MAX:
         return tl.where(wmask, acc, 0.0)
     return acc / G
+
+
+@triton.jit
+def position_order(pos, valid, wmask, sw, BW: tl.constexpr, KEY_SPAN: tl.constexpr):
+    """The row's slots in position order: ``order[i]`` is the slot of rank ``i``; the valid slots come first, by
+    position, then the empty ones and those past the row's width, by slot (a permutation of ``0 .. BW - 1``).
+
+    One sort of keys that carry the slot in their low bits. The keys are int32 when the valid positions span fewer
+    than ``KEY_SPAN`` (:func:`slake.kernels.triton_decode.key_span`: ``2**31 / BW - 2``, a million tokens at 2,048
+    slots; the key is the position less the lowest valid one), int64 otherwise: a 64-bit sort is emulated with
+    twice the registers and shuffles of a 32-bit one (at Llama-3-8B's shape and 1,025 slots, 1,050 shuffles against
+    570, ``tests/kernel_aot.py``)."""
+    lo = tl.min(tl.where(valid, pos, 1 << 60), 0)
+    hi = tl.max(tl.where(valid, pos, -(1 << 60)), 0)
+    if hi - lo < KEY_SPAN:
+        rel = tl.where(valid, pos - lo, KEY_SPAN).to(tl.int32)
+        order = tl.sort(tl.where(wmask, rel, KEY_SPAN + 1) * BW + sw, 0) % BW
+    else:
+        key = tl.where(valid, pos, 1 << 40)
+        order = (tl.sort(tl.where(wmask, key, (1 << 40) + 1) * BW + sw, 0) % BW).to(tl.int32)
+    return order
+
+
+@triton.jit
+def pool_ranked(scores, valid, order, W, sw, BW: tl.constexpr, POOL_K: tl.constexpr, POOL_MAX: tl.constexpr):
+    """SnapKV's pooling of ``scores`` (slot order; 0 where a slot is empty) over each slot's ``POOL_K`` neighbours
+    in position order (``order``, :func:`position_order`), average or maximum, with the row's ends padded as
+    ``avg_pool1d``/``max_pool1d`` pad them (a neighbour past an end adds 0 to the average, nothing to the maximum).
+    Returned in rank order (entry ``i`` belongs to slot ``order[i]``). The ranking and the shifts are gathers within
+    the program's registers (``tl.gather``), no round trip through memory."""
+    ranked = tl.gather(tl.where(valid, scores, 0.0), order, 0)
+    if POOL_MAX:
+        pooled = tl.full([BW], float("-inf"), tl.float32)
+    else:
+        pooled = tl.zeros([BW], tl.float32)
+    for t in tl.static_range(POOL_K):
+        j = sw + (t - POOL_K // 2)
+        inside = (j >= 0) & (j < W)
+        got = tl.gather(ranked, tl.minimum(tl.maximum(j, 0), BW - 1), 0)
+        if POOL_MAX:
+            pooled = tl.maximum(pooled, tl.where(inside, got, float("-inf")))
+        else:
+            pooled += tl.where(inside, got, 0.0)
+    if not POOL_MAX:
+        pooled = pooled / POOL_K
+    return pooled
+
+
+@triton.jit
+def ranked_argmin(ranked, guard, order, BW: tl.constexpr):
+    """The slot ``argmin`` would pick from a row's scores in slot order (the first lowest, guarded slots at
+    ``+inf``), given the scores in rank order (``ranked``, entry ``i`` of slot ``order[i]``) and the guard in slot
+    order: among the ranks holding the lowest score, the lowest slot, so that ties go where the torch step's
+    ``argmin`` sends them, not to the oldest position."""
+    scores = tl.where(tl.gather(guard.to(tl.int32), order, 0) != 0, float("inf"), ranked)
+    return tl.min(tl.where(scores == tl.min(scores, 0), order, BW), 0)
 
 
 @triton.jit
