@@ -76,6 +76,9 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     # each length's first configuration is the reference of the paired ratios (1.0 against itself)
     assert by[("full", 48)]["decode_vs_first"] == 1.0 and by[("slake", 96)]["decode_first"] == "full@40"
     assert "| 1.000 × full@40 |" in md
+    # steps issued back to back are timed on CUDA only (a CPU step is synchronous)
+    assert all(r["decode_ms_pipelined"] is None and "pipelined_vs_roofline" not in r for r in rows)
+    assert "back to back" not in md
     for png in ("decode_latency.png", "peak_memory.png"):
         assert (out / png).stat().st_size > 1000
 
@@ -247,3 +250,31 @@ def test_bench_runs_the_fused_kernels_when_asked_and_records_them(tmp_path, caps
     assert rc == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["kernels"] for r in rows] == ["triton"]
+
+
+def test_steps_issued_back_to_back_feed_each_token_to_the_next_and_sync_once(monkeypatch):
+    """``time_pipelined`` runs the steps in order on the device's tokens and synchronises once, at the end (where
+    the synchronised timing waits for every step); the table shows the column when a row has it."""
+    from slake.engines.transformers import measure
+    from slake.engines.transformers.report import markdown_table
+
+    syncs: list[str] = []
+    monkeypatch.setattr(measure, "_sync", lambda device: syncs.append(device.type))
+    fed: list[int] = []
+
+    def stepper(tok: torch.Tensor) -> torch.Tensor:
+        fed.append(int(tok))
+        return tok + 1
+
+    ms, tok = measure.time_pipelined(stepper, torch.tensor([[7]]), 5, torch.device("cuda"))
+    assert fed == [7, 8, 9, 10, 11] and int(tok) == 12 and ms >= 0
+    assert syncs == ["cuda", "cuda"]  # before the first step and after the last: none between
+    with pytest.raises(ValueError, match="steps"):
+        measure.time_pipelined(stepper, tok, 0, torch.device("cpu"))
+    row = {
+        "method": "slake", "budget": 1024, "length": 131072, "batch": 1, "prefill_s": 1.0, "ttft_s": 1.0,
+        "decode_ms_per_token": 9.1, "decode_ms_min": 9.0, "decode_ms_max": 9.3, "decode_ms_pipelined": 7.25,
+        "peak_mem_bytes": 1 << 30, "kv_bytes": 1 << 20, "kv_bytes_detail": {},
+    }  # fmt: skip
+    table = markdown_table([row, {**row, "decode_ms_pipelined": None}])
+    assert "back to back ms/token" in table and "| 7.2 |" in table and "| - |" in table

@@ -220,6 +220,8 @@ def _add_roofline(row: dict, floor: tuple[int, float] | None) -> None:
     from ``floor`` = (weight bytes per step, copy bandwidth); a row from an isolated run brought its own."""
     if floor is not None:
         row.update(roofline_fields(row["decode_ms_per_token"], floor[0], row["kv_bytes_detail"], floor[1]))
+        if row.get("decode_ms_pipelined") is not None and row["roofline_ms"] > 0:  # the steps issued back to back
+            row["pipelined_vs_roofline"] = round(row["decode_ms_pipelined"] / row["roofline_ms"], 3)
 
 
 def interleaved_timing(plan: BenchPlan, model: Any) -> bool:

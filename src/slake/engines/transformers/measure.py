@@ -6,7 +6,8 @@ on content) with
 :func:`slake.engines.transformers.generate.prefill` (exact or chunked), then decodes greedily: ``warmup`` steps that
 are not timed,
 then ``decode_steps`` timed steps (each synchronised on CUDA). Reported: prefill time, time to first token (prefill +
-picking the first token), decode milliseconds per token (median, min, max over the timed steps), peak memory
+picking the first token), decode milliseconds per token (median, min, max over the timed steps; on CUDA also the
+mean of ``decode_steps`` more steps issued back to back, :func:`time_pipelined`), peak memory
 (:class:`~slake.engines.transformers.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding,
 metadata, linear state).
 
@@ -34,7 +35,15 @@ from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
 
-__all__ = ["BenchConfig", "compiled_step", "measure", "stepper_of", "time_decode_interleaved"]
+__all__ = [
+    "BenchConfig",
+    "compiled_step",
+    "measure",
+    "pipelined_steps",
+    "stepper_of",
+    "time_decode_interleaved",
+    "time_pipelined",
+]
 
 
 @dataclass
@@ -67,9 +76,32 @@ def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
     return torch.randint(min(3, vocab - 1), vocab, (cfg.batch, cfg.length), generator=g).to(model.device)
 
 
+def pipelined_steps(model, cfg: BenchConfig) -> int:
+    """Decode steps :func:`measure` times back to back after the synchronised ones: ``decode_steps`` on CUDA, where
+    the host can run ahead of the device; none elsewhere (a CPU step is synchronous: the number would repeat the
+    median's)."""
+    return cfg.decode_steps if model.device.type == "cuda" else 0
+
+
+def time_pipelined(stepper, tok: torch.Tensor, steps: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Milliseconds per token of ``steps`` decode steps issued back to back, each step's token fed to the next on
+    the device, with one synchronisation at the end: the host prepares step ``t + 1`` while the device runs step
+    ``t``, as a generation loop that does not read each token back (a server's, or one that checks for the end of
+    its sequences every few tokens) runs. Where the host's work per step is less than the device's, this is the
+    device's time per step; the synchronised median adds the host's on top. Returns ``(ms per token, last token)``."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    _sync(device)
+    s = time.perf_counter()
+    for _ in range(steps):
+        tok = stepper(tok)
+    _sync(device)
+    return (time.perf_counter() - s) * 1e3 / steps, tok
+
+
 def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
     # a compiled configuration preallocates its append-only layers for every step it will take
-    steps = max(cfg.warmup, 2) + cfg.decode_steps + cfg.profile_steps
+    steps = max(cfg.warmup, 2) + cfg.decode_steps + pipelined_steps(model, cfg) + cfg.profile_steps
     max_len = cfg.length + steps + 2 if cfg.compile else None
     cache = SlakeCache(
         cfg.method,
@@ -210,6 +242,9 @@ def measure(model, cfg: BenchConfig) -> dict:
                 compile_s = time.perf_counter() - s  # tracing, compiling and running the first step
             if step >= warmup:
                 times.append((time.perf_counter() - s) * 1e3)
+        pipelined = None
+        if pipelined_steps(model, cfg):
+            pipelined, tok = time_pipelined(stepper, tok, pipelined_steps(model, cfg), device)
         step_profile = None
         if cfg.profile_steps:  # after the timed steps, so that the profiler's overhead is in none of them
             step_profile, tok = profile_decode(stepper, tok, cfg.profile_steps, device)
@@ -238,6 +273,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "decode_ms_max": max(times) if times else 0.0,
         "decode_steps": len(times),
         "decode_timing": "sequential",
+        "decode_ms_pipelined": pipelined,  # steps back to back, one synchronisation (CUDA only; None elsewhere)
         "peak_mem_bytes": int(peak),
         "peak_mem_baseline_bytes": int(meter.baseline),
         "peak_mem_kind": meter.kind,

@@ -29,22 +29,26 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
     compiled = any(r.get("compile") for r in rows)
     second = any(r.get("second_pass_s") is not None for r in rows)  # KVzip's reconstruction pass, inside prefill s
     roof = any(r.get("vs_roofline") is not None for r in rows)  # the memory's floor (roofline.py)
+    piped = any(r.get("decode_ms_pipelined") is not None for r in rows)  # steps back to back (CUDA)
     head = (
         "| method | budget | length | batch | chunk | prefill s | "
         + ("of which 2nd pass s | " if second else "")
         + "TTFT s | decode ms/token (min-max) | "
+        + ("back to back ms/token | " if piped else "")
         + ("x roofline | " if roof else "")
         + ("decode vs first | " if paired else "")
         + ("compiled vs eager | compile s | " if compiled else "")
         + "peak MiB | KV MiB (kept / padding / linear) |"
     )
     lines = [f"# {title}", ""] if title else []
-    lines += [head, "|" + "---|" * (10 + second + roof + paired + 2 * compiled)]
+    lines += [head, "|" + "---|" * (10 + second + piped + roof + paired + 2 * compiled)]
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         vs = ""
+        if piped:
+            vs = f"{r['decode_ms_pipelined']:.1f} | " if r.get("decode_ms_pipelined") is not None else "- | "
         if roof:
-            vs = f"{r['vs_roofline']:.2f} | " if r.get("vs_roofline") is not None else "- | "
+            vs += f"{r['vs_roofline']:.2f} | " if r.get("vs_roofline") is not None else "- | "
         if paired:
             vs += f"{r['decode_vs_first']:.3f} × {r['decode_first']} | " if "decode_vs_first" in r else "- | "
         if compiled:
