@@ -392,13 +392,13 @@ def evict_warps(padded_width: int) -> int:
     return 8 if padded_width >= WIDE_ROW else 4
 
 
-def evict_registers(padded_width: int, device: torch.device) -> int | None:
+def evict_registers(padded_width: int) -> int | None:
     """The register limit per thread of the second kernel (``maxnreg``) for rows padded to ``padded_width`` slots:
-    255 for the wide rows of :func:`evict_warps` on a GPU, else ptxas's choice (None). With the positional pooling's
-    two sorts (:func:`slake.kernels.triton_rules.position_order`) ptxas chose 128 registers at 8 warps and spilled
-    36 bytes at Llama-3-8B's shape; one program per (row, KV head) leaves the multiprocessors' registers idle
-    anyway at the batches where rows are this wide."""
-    return 255 if device.type == "cuda" and evict_warps(padded_width) == 8 else None
+    255 for the wide rows of :func:`evict_warps`, else ptxas's choice (None; the interpreter ignores it). With the
+    positional pooling's two sorts (:func:`slake.kernels.triton_rules.position_order`) ptxas chose 128 registers
+    at 8 warps and spilled 36 bytes at Llama-3-8B's shape; one program per (row, KV head) leaves the
+    multiprocessors' registers idle anyway at the batches where rows are this wide."""
+    return 255 if evict_warps(padded_width) == 8 else None
 
 
 #: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off only in tests,
@@ -580,7 +580,7 @@ def fused_step(
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), SKIP=_left_out, GC=_pow2(G), KEY_SPAN=key_span(BW),
-        num_warps=evict_warps(BW), maxnreg=evict_registers(BW, dev),
+        num_warps=evict_warps(BW), maxnreg=evict_registers(BW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out
