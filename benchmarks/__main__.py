@@ -9,6 +9,9 @@
 * ``kernel-parts``: on a CUDA device, per method, the plugin's step as one CUDA graph with the fused kernels as they
   are and with each part of the second kernel left out: what each part costs per layer
   (:func:`benchmarks.pool.kernel_parts_cuda`; ``docs/gpu.md``);
+* ``kernel-tune``: on a CUDA device, per method, the plugin's step as one CUDA graph with the fused kernels' launch
+  constants as they are and with each variant of ``--variants`` (:func:`benchmarks.pool.kernel_tune_cuda`;
+  ``docs/gpu.md``);
 * ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
   kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
   ``docs/gpu.md``);
@@ -83,6 +86,22 @@ def parser() -> argparse.ArgumentParser:
     parts.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parts.add_argument("--steps", type=int, default=50)
     parts.add_argument("--device", default="cuda")
+
+    tune = sub.add_parser(
+        "kernel-tune", parents=[common], help="the fused step with other launch constants, timed on a GPU"
+    )
+    tune.add_argument("--shape", default="llama3-8b", help=shape_help)
+    tune.add_argument("--requests", type=int, default=1)
+    tune.add_argument(
+        "--variants",
+        default=None,
+        help="';'-separated variants of ','-separated NAME=VALUE (names: triton_decode.TUNABLE), e.g. "
+        "'COMBINE=8;COMBINE=8,RECOMPUTE_BLOCK=64' (default: benchmarks.pool.TUNE_VARIANTS)",
+    )
+    tune.add_argument("--block-size", type=int, default=16, help="vLLM's GPU block size")
+    tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    tune.add_argument("--steps", type=int, default=50)
+    tune.add_argument("--device", default="cuda")
 
     host = sub.add_parser("host-step", help="the host's share of an eager decode step (kernels left out)")
     host.add_argument("--methods", default="full,snapkv,slake", help="comma-separated methods")
@@ -237,6 +256,50 @@ def pool_gpu(a: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+def parse_variants(text: str) -> list[dict[str, int]]:
+    """``kernel-tune``'s ``--variants``: ``'A=1,B=2;C=3'`` -> ``[{"A": 1, "B": 2}, {"C": 3}]`` (names and values are
+    checked when a variant is applied, :func:`slake.kernels.triton_decode.tuned`)."""
+    variants = []
+    for chunk in text.split(";"):
+        if not chunk.strip():
+            continue
+        variant = {}
+        for item in chunk.split(","):
+            name, eq, value = item.strip().partition("=")
+            if not eq or not name or not value.strip().lstrip("-").isdigit():
+                raise SystemExit(f"kernel-tune: a variant's item must be NAME=INTEGER, got {item.strip()!r}")
+            variant[name.strip()] = int(value)
+        variants.append(variant)
+    if not variants:
+        raise SystemExit("kernel-tune: --variants names no variant")
+    return variants
+
+
+def kernel_tune(a: argparse.Namespace) -> None:
+    import torch
+
+    from benchmarks.pool import kernel_tune_cuda, model_shape
+
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel-tune: CUDA is not available (this benchmark times GPU kernels; see docs/gpu.md)")
+    variants = None if a.variants is None else parse_variants(a.variants)
+    shape = model_shape(a.shape)
+    _emit({"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__})
+    for m in _methods(a.methods):
+        for row in kernel_tune_cuda(
+            m,
+            variants,
+            requests=a.requests,
+            budget=a.budget,
+            steps=a.steps,
+            device=a.device,
+            dtype=getattr(torch, a.dtype),
+            block_size=a.block_size,
+            **shape.attention(),
+        ):
+            _emit(row)
+
+
 def kernel_parts(a: argparse.Namespace) -> None:
     import torch
 
@@ -308,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         "pool-cpu": pool_cpu,
         "pool-gpu": pool_gpu,
         "kernel-parts": kernel_parts,
+        "kernel-tune": kernel_tune,
         "host-step": host_step,
         "host-profile": host_profile,
         "compile-guards": compile_guards,

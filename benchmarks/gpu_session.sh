@@ -5,14 +5,14 @@
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
 # PART: short | short2 | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
-#       host-compiled | kernel-parts | guards | all
+#       host-compiled | kernel-parts | kernel-tune | guards | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 530) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|guards|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|guards|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -70,6 +70,12 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         # pool's step as one CUDA graph as it is and with each part left out
         "$py" -m benchmarks kernel-parts --methods slake --budget 1024 --requests 1 > "$out/kernel_parts.jsonl"
         ;;
+    kernel-tune)
+        # SLAKE's step at batch 1, budget 1024 with other launch constants (benchmarks.pool.TUNE_VARIANTS: pieces
+        # combined per round, the victim piece's block, 16 warps, the first kernel's split), each against the step
+        # as it is: which constants to keep
+        "$py" -m benchmarks kernel-tune --methods slake --budget 1024 --requests 1 > "$out/kernel_tune.jsonl"
+        ;;
     host-compiled)
         # where the host's time around a compiled step's replay goes (cProfile): compiled SLAKE at 8K, budget 1024
         # (1.3 ms of its 9.1 ms step at 128K on the H200; one compile of the 32-layer model)
@@ -106,7 +112,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
 SHORT_STEPS=("info 10" "smoke 100" "compiled-targets 375" "eager-targets 150" "host 60" "host-compiled 80")
-SHORT2_STEPS=("eager-targets 150" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
+SHORT2_STEPS=("eager-targets 150" "kernel-parts 90" "kernel-tune 120" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
     "profile 200")
 
 run_short() {
@@ -122,11 +128,13 @@ run_short() {
         case $1 in smoke | eager-targets | compiled-targets | pool-8 | kernels-1) echo "== $1 $(date -u +%H:%M:%S)" ;; esac
         case $1 in
         smoke)
-            # the kernels compiled for this GPU against the torch step, CUDA-graph capture, and the full cache's
-            # unmasked attention without cuDNN
+            # the kernels compiled for this GPU against the torch step (the pooling's sort and gathers on the GPU
+            # first met there), CUDA-graph capture, and the full cache's unmasked attention without cuDNN
             "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
                 "tests/test_fused_decode.py::test_fused_step_equals_the_torch_step_for_every_method" \
-                -k "test_cuda or slake or snapkv or cake" 2>&1 | tee "$out/smoke.log" | tail -n 5
+                tests/test_fused_decode.py::test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_width \
+                tests/test_fused_decode.py::test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots \
+                -k "test_cuda or slake or snapkv or cake or position_order or ranks" 2>&1 | tee "$out/smoke.log" | tail -n 5
             ;;
         eager-targets)
             # the eager targets against the full cache's unmasked step without cuDNN (its baseline since 2026-11-27;
@@ -171,7 +179,7 @@ fi
 
 if [ "$part" = all ]; then
     status=0
-    for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled kernel-parts \
+    for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled kernel-parts kernel-tune \
         guards; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done

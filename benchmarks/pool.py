@@ -30,6 +30,7 @@ __all__ = [
     "RandomPool",
     "full_attention_cuda",
     "kernel_parts_cuda",
+    "kernel_tune_cuda",
     "model_shape",
     "pool_roofline",
     "pool_shape",
@@ -333,6 +334,50 @@ def kernel_parts_cuda(method: str, parts: list[str] | None = None, **pool: objec
                 "left_out": part,
                 **_step_times(without),
                 "part_us_per_layer": round(whole["graph_us_per_layer"] - without["graph_us_per_layer"], 1),
+            }
+        )
+    return rows
+
+
+#: the launch constants ``kernel-tune`` tries by default (:func:`slake.kernels.triton_decode.tuned`), one change
+#: from the constants as they are at a time, then the two that read more at once together: the pieces the second
+#: kernel combines per round of loads, the slots per block of the victim piece's second sum, 16 warps for wide rows
+#: (28 bytes spilled at sm_90), and the first kernel's split of a row (more or fewer pieces for the second to combine)
+TUNE_VARIANTS: list[dict[str, int]] = [
+    {"COMBINE": 8},
+    {"RECOMPUTE_BLOCK": 64},
+    {"COMBINE": 8, "RECOMPUTE_BLOCK": 64},
+    {"WIDE_WARPS": 16},
+    {"TARGET_PROGRAMS": 128},
+    {"TARGET_PROGRAMS": 512},
+    {"MIN_SPLIT": 128},
+]
+
+
+def kernel_tune_cuda(method: str, variants: list[dict[str, int]] | None = None, **pool: object) -> list[dict]:
+    """The fused step with other launch constants: :func:`pool_step_cuda` with the constants as they are, then with
+    each of ``variants`` (default :data:`TUNE_VARIANTS`; :func:`slake.kernels.triton_decode.tuned`). The constants
+    change how the work is cut, not what is computed (``tests/test_fused_decode.py`` holds the step with other
+    constants equal to the torch step); each row keeps its graph's check against its eager step
+    (``graph_same_kept``). ``vs_as_is``: the variant's graphed step over the step as it is (below 1: faster).
+    ``pool``: :func:`pool_step_cuda`'s keywords, ``kernels`` forced to ``"triton"``."""
+    from slake.kernels import load
+
+    triton_decode = load()
+    pool = {**pool, "kernels": "triton"}
+    whole = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
+    rows = [{"what": "kernel_tune", "method": method, "variant": {}, **_step_times(whole)}]
+    for variant in TUNE_VARIANTS if variants is None else variants:
+        with triton_decode.tuned(**variant):
+            row = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
+        rows.append(
+            {
+                "what": "kernel_tune",
+                "method": method,
+                "variant": dict(variant),
+                **_step_times(row),
+                "graph_same_kept": row["graph_same_kept"],
+                "vs_as_is": round(row["graph_us_per_layer"] / whole["graph_us_per_layer"], 3),
             }
         )
     return rows

@@ -5,7 +5,8 @@ kernel module is imported here with ``TRITON_INTERPRET`` unset. Each case of ``a
 ``method@dtype``, dtype ``float32``/``bfloat16``/``int8``/``fp8_e4m3``) runs one decode step of the transformers
 engine at Llama-3-8B's head shape (8 KV heads, 4 query heads each, 128 dims, 1,024 kept slots, batch 1; ``--shape
 batch8-128`` before the target: 8 rows of 128, the vLLM pool's; ``--leave-out sort,fold,...`` after it: the second
-kernel without those parts, as ``python -m benchmarks kernel-parts`` times it), with every kernel
+kernel without those parts, as ``python -m benchmarks kernel-parts`` times it; ``--tune COMBINE=8,...`` after that:
+other launch constants, as ``python -m benchmarks kernel-tune`` times them), with every kernel
 launch replaced by an ahead-of-time compilation for the target ``argv[1]`` (e.g. ``cuda:90``: an H100) through
 Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with the arguments and constants the step
 would launch them with (half-precision keys take the low-precision products where the step would on a GPU,
@@ -163,6 +164,10 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "--leave-out":  # the second kernel's variants of ``benchmarks kernel-parts``
         left_out = argv[1].split(",")
         argv = argv[2:]
+    tune: dict[str, int] = {}
+    if argv and argv[0] == "--tune":  # other launch constants (triton_decode.tuned), as ``kernel-tune`` times them
+        tune = {k: int(v) for k, v in (item.split("=") for item in argv[1].split(","))}
+        argv = argv[2:]
     backend, arch = argv[0].split(":")
     target = GPUTarget(backend, int(arch), 32)
     compiled: list = []
@@ -180,7 +185,7 @@ def main(argv: list[str]) -> None:
         elif storage:
             options["kv_dtype"] = storage
         compiled.clear()
-        with triton_decode.leaving_out(*left_out):
+        with triton_decode.leaving_out(*left_out), triton_decode.tuned(**tune):
             harness._run(harness._method(method), "triton", **shape, **options)
         print(json.dumps({"case": case, "compiled": compiled}), flush=True)
 

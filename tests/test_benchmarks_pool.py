@@ -156,6 +156,39 @@ def test_kernel_parts_refuses_a_machine_without_cuda(monkeypatch):
         main(["kernel-parts"])
 
 
+def test_kernel_tune_times_the_step_with_each_variant_of_the_launch_constants(monkeypatch):
+    """``kernel-tune`` times the fused step as it is, then under each variant (the constants set during that step
+    only), and reports each against the step as it is; the variants' arithmetic is held to the torch step in
+    ``test_fused_decode.py``. Here the timed step is replaced by one that records the constants in force and takes
+    40 µs per layer with COMBINE=8, 50 otherwise."""
+    import benchmarks.pool as bp
+    from benchmarks.__main__ import parse_variants
+    from slake.kernels import load
+
+    triton_decode = load()
+    seen = []
+
+    def step(method, **kw):
+        seen.append((method, kw["kernels"], triton_decode.COMBINE, triton_decode.WIDE_WARPS))
+        us = 40.0 if triton_decode.COMBINE == 8 else 50.0
+        return {"budget": kw["budget"], "requests": 1, "slots": 1025, "graph_ms": us * 32 / 1e3,
+                "graph_us_per_layer": us, "kernels": "triton", "graph_same_kept": True}  # fmt: skip
+
+    monkeypatch.setattr(bp, "pool_step_cuda", step)
+    rows = bp.kernel_tune_cuda("slake", parse_variants("COMBINE=8;WIDE_WARPS=16,COMBINE=2"), budget=1024)
+    assert seen == [("slake", "triton", 4, 8), ("slake", "triton", 8, 8), ("slake", "triton", 2, 16)]
+    assert [r["variant"] for r in rows] == [{}, {"COMBINE": 8}, {"WIDE_WARPS": 16, "COMBINE": 2}]
+    assert [r.get("vs_as_is") for r in rows] == [None, 0.8, 1.0]
+    assert triton_decode.COMBINE == 4 and triton_decode.WIDE_WARPS == 8
+    assert len(bp.kernel_tune_cuda("cake", budget=64)) == 1 + len(bp.TUNE_VARIANTS)
+    for bad in ("COMBINE", "COMBINE=x", ";"):
+        with pytest.raises(SystemExit, match="kernel-tune"):
+            parse_variants(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="kernel-tune: CUDA is not available"):
+        main(["kernel-tune"])
+
+
 def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(capsys):
     """``python -m benchmarks host-profile`` on the CPU: one row per method, the host's time at most the wall's,
     the functions ranked by their own time, and the cache's step (torch) named."""

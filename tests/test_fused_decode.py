@@ -191,12 +191,12 @@ def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_wi
             pos = torch.where(valid, pos + 1000 * trial, torch.full_like(pos, -1))
             if int(pos[valid].unique().numel()) != int(valid.sum()):
                 continue  # positions of valid slots are distinct
-            out = torch.empty(BW, dtype=torch.int32)
-            order_kernel[(1,)](pos, valid.to(torch.int8), out, W, BW=BW, KEY_SPAN=limit)
+            out = torch.empty(BW, dtype=torch.int32, device=DEVICE)
+            order_kernel[(1,)](pos.to(DEVICE), valid.to(DEVICE, torch.int8), out, W, BW=BW, KEY_SPAN=limit)
             slots = torch.arange(W)
             held = slots[valid][pos[valid].argsort()]
             want = torch.cat([held, slots[~valid], torch.arange(W, BW)])
-            assert torch.equal(out.long(), want), (span, trial, out, want)
+            assert torch.equal(out.cpu().long(), want), (span, trial, out, want)
 
 
 def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
@@ -214,10 +214,10 @@ def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
         scores = torch.randint(0, 3, (BW,), generator=g).float()  # many ties
         guard = torch.rand(BW, generator=g) < (0.3 if trial < 11 else 1.1)
         order = torch.randperm(BW, generator=g).to(torch.int32)
-        out = torch.empty(1, dtype=torch.int32)
-        victim_kernel[(1,)](scores, guard.to(torch.int8), order, out, BW=BW)
+        out = torch.empty(1, dtype=torch.int32, device=DEVICE)
+        victim_kernel[(1,)](scores.to(DEVICE), guard.to(DEVICE, torch.int8), order.to(DEVICE), out, BW=BW)
         want = int(scores.masked_fill(guard, float("inf")).argmin())
-        assert int(out) == want, (trial, scores, guard, order)
+        assert int(out.cpu()) == want, (trial, scores, guard, order)
 
 
 def test_the_two_stages_count_their_first_stage_in_float64():
@@ -512,6 +512,32 @@ def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
         for programs in (1, 8, 64, 1000):
             split = triton_decode.split_size(width, programs)
             assert split >= triton_decode.MIN_SPLIT and split & (split - 1) == 0
+
+
+@pytest.mark.parametrize(
+    "constants",
+    [
+        {"COMBINE": 1, "RECOMPUTE_BLOCK": 16, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 512},  # many pieces, one at a time
+        {"COMBINE": 8, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 1, "WIDE_WARPS": 16},  # one piece per row
+    ],
+)
+def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(constants):
+    """``triton_decode.tuned`` (``python -m benchmarks kernel-tune``): SLAKE's step with rows cut into more or fewer
+    pieces, combined more or fewer at a time, equals the torch step; bad constants are refused."""
+    from slake.kernels import load
+
+    triton_decode = load()
+    method = _method("slake")
+    ref, ref_out = _run(method, "torch")
+    with triton_decode.tuned(**constants):
+        assert all(getattr(triton_decode, k) == v for k, v in constants.items())
+        fused, fused_out = _run(method, "triton")
+    assert triton_decode.COMBINE == 4 and triton_decode.MIN_SPLIT == 64  # restored
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    for bad in ({"COMBINE": 0}, {"MIN_SPLIT": 24}, {"WIDE_WARPS": 2}, {"BLOCK": 8}, {"COMBINE": True}):
+        with pytest.raises(ValueError):
+            with triton_decode.tuned(**bad):
+                pass
 
 
 def test_leaving_out_a_part_of_the_second_kernel_is_for_timing_only():

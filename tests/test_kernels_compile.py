@@ -95,3 +95,16 @@ def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
     (r,) = _compile({"slake@bfloat16": 2}, "--leave-out", ",".join(SKIP_PARTS))
     assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
     assert all(k["cubin"] for k in r["compiled"]), r
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+@pytest.mark.parametrize("variant", ["COMBINE=8,RECOMPUTE_BLOCK=64,TARGET_PROGRAMS=512", "WIDE_WARPS=16"])
+def test_the_second_kernel_compiles_with_the_launch_constants_kernel_tune_tries(variant):
+    """``python -m benchmarks kernel-tune`` times the step with other launch constants (``benchmarks.pool
+    .TUNE_VARIANTS``): the ones that take the most of a program (the most pieces and slots in flight; 16 warps, whose
+    threads get 128 registers each) compile for an H100, so that a GPU session does not lose its measurement."""
+    (r,) = _compile({"slake@bfloat16": 2}, "--tune", variant)
+    assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
+    assert all(k["cubin"] for k in r["compiled"]), r
+    if variant.startswith("WIDE_WARPS"):
+        assert r["compiled"][1]["warps"] == 16, r

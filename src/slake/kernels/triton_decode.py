@@ -65,8 +65,8 @@ from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
     "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "SHORT_KEYS",
-    "SKIP_PARTS", "TARGET_PROGRAMS", "WIDE_ROW", "evict_registers", "evict_warps", "fused_step", "fused_step_op",
-    "key_span", "leaving_out", "ratio_parts", "split_size", "state_rows",
+    "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers", "evict_warps", "fused_step", "fused_step_op",
+    "key_span", "leaving_out", "ratio_parts", "split_size", "state_rows", "tuned",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -348,8 +348,10 @@ TARGET_PROGRAMS = 256
 FREE_BLOCK = 2048
 #: pieces the second kernel combines per group of loads in flight
 COMBINE = 4
-#: rows of at least this many slots (padded to a power of two) run the second kernel with twice the warps
+#: rows of at least this many slots (padded to a power of two) run the second kernel with more warps
 WIDE_ROW = 1024
+#: the second kernel's warps per program for those rows
+WIDE_WARPS = 8
 #: slots per block when the second kernel sums the victim's piece again (SLAKE): its float32 values tile is
 #: ``RECOMPUTE_BLOCK x d``; at 64 x 128 it took 64 registers a thread at 4 warps, and the kernel spilled at the vLLM
 #: pool's shape (8 rows, budget 128; ``tests/test_kernels_compile.py``)
@@ -381,24 +383,57 @@ def leaving_out(*parts: str) -> Iterator[None]:
         _left_out = before
 
 
+#: the launch constants :func:`tuned` may change (each is read when a step is launched)
+TUNABLE = ("COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT")
+
+
+@contextlib.contextmanager
+def tuned(**values: int) -> Iterator[None]:
+    """Within the block, the fused steps launched use other values of the launch constants named in
+    :data:`TUNABLE` (``python -m benchmarks kernel-tune`` times the alternatives on a GPU); the step computes the
+    same thing with any of them. Values are checked: ``COMBINE`` and ``TARGET_PROGRAMS`` positive, ``WIDE_WARPS``
+    4, 8 or 16, the others powers of two of at least 16 (a ``tl.dot`` operand's smallest width). Restores the
+    previous values on exit."""
+    unknown = set(values) - set(TUNABLE)
+    if unknown:
+        raise ValueError(f"unknown launch constants {sorted(unknown)}; tunable: {list(TUNABLE)}")
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if name == "WIDE_WARPS" and v not in (4, 8, 16):
+            raise ValueError(f"WIDE_WARPS must be 4, 8 or 16, got {v}")
+        if name in ("RECOMPUTE_BLOCK", "WIDE_ROW", "MIN_SPLIT") and (v < 16 or v & (v - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    here = globals()
+    before = {name: here[name] for name in values}
+    here.update(values)
+    try:
+        yield
+    finally:
+        here.update(before)
+
+
 def evict_warps(padded_width: int) -> int:
-    """Warps per program of the second kernel for rows padded to ``padded_width`` slots: 8 for wide rows, else 4.
+    """Warps per program of the second kernel for rows padded to ``padded_width`` slots: :data:`WIDE_WARPS` (8) for
+    wide rows, else 4.
 
     The second kernel runs one program per (row, KV head), which at batch 1 is 8 programs on a GPU of 132
     multiprocessors; a wide row's vectors (its slots' positions, scores and validity, its sort for the positional
     pooling) then hold 16 values per thread at 4 warps, which is what made the kernel spill registers at
     Llama-3-8B's shape and budget 1,024 (``tests/test_kernels_compile.py``). Twice the threads halve that and
     hide more of each program's memory latency."""
-    return 8 if padded_width >= WIDE_ROW else 4
+    return WIDE_WARPS if padded_width >= WIDE_ROW else 4
 
 
 def evict_registers(padded_width: int) -> int | None:
     """The register limit per thread of the second kernel (``maxnreg``) for rows padded to ``padded_width`` slots:
-    255 for the wide rows of :func:`evict_warps`, else ptxas's choice (None; the interpreter ignores it). With the
+    255 for the wide rows of :func:`evict_warps` (what a multiprocessor's 64K registers give each thread of one
+    program, at 16 warps 128), else ptxas's choice (None; the interpreter ignores it). With the
     positional pooling's two sorts (:func:`slake.kernels.triton_rules.position_order`) ptxas chose 128 registers
     at 8 warps and spilled 36 bytes at Llama-3-8B's shape; one program per (row, KV head) leaves the
     multiprocessors' registers idle anyway at the batches where rows are this wide."""
-    return 255 if evict_warps(padded_width) == 8 else None
+    warps = evict_warps(padded_width)
+    return min(255, 65536 // (32 * warps)) if warps >= 8 else None
 
 
 #: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off only in tests,
