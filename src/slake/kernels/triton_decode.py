@@ -65,8 +65,8 @@ from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
     "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "SHORT_KEYS",
-    "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers", "evict_warps", "fused_step", "fused_step_op",
-    "key_span", "leaving_out", "ratio_parts", "split_size", "state_rows", "tuned",
+    "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers", "evict_warps",
+    "fused_step", "fused_step_op", "key_span", "leaving_out", "ratio_parts", "split_size", "state_rows", "tuned",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
