@@ -76,32 +76,27 @@ def parser() -> argparse.ArgumentParser:
     gpu.add_argument("--steps", type=int, default=50)
     gpu.add_argument("--device", default="cuda")
 
+    # the fused kernels' benches: the pool's step at one batch, as one CUDA graph
+    graphed = argparse.ArgumentParser(add_help=False, parents=[common])
+    graphed.add_argument("--shape", default="llama3-8b", help=shape_help)
+    graphed.add_argument("--requests", type=int, default=1)
+    graphed.add_argument("--block-size", type=int, default=16, help="vLLM's GPU block size")
+    graphed.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    graphed.add_argument("--steps", type=int, default=50)
+    graphed.add_argument("--device", default="cuda")
     parts = sub.add_parser(
-        "kernel-parts", parents=[common], help="what each part of the fused step's second kernel costs on a GPU"
+        "kernel-parts", parents=[graphed], help="what each part of the fused step's second kernel costs on a GPU"
     )
-    parts.add_argument("--shape", default="llama3-8b", help=shape_help)
-    parts.add_argument("--requests", type=int, default=1)
     parts.add_argument("--parts", default=None, help="comma-separated parts to leave out (default: every one)")
-    parts.add_argument("--block-size", type=int, default=16, help="vLLM's GPU block size")
-    parts.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parts.add_argument("--steps", type=int, default=50)
-    parts.add_argument("--device", default="cuda")
-
     tune = sub.add_parser(
-        "kernel-tune", parents=[common], help="the fused step with other launch constants, timed on a GPU"
+        "kernel-tune", parents=[graphed], help="the fused step with other launch constants, timed on a GPU"
     )
-    tune.add_argument("--shape", default="llama3-8b", help=shape_help)
-    tune.add_argument("--requests", type=int, default=1)
     tune.add_argument(
         "--variants",
         default=None,
         help="';'-separated variants of ','-separated NAME=VALUE (names: triton_decode.TUNABLE), e.g. "
         "'COMBINE=8;COMBINE=8,RECOMPUTE_BLOCK=64' (default: benchmarks.pool.TUNE_VARIANTS)",
     )
-    tune.add_argument("--block-size", type=int, default=16, help="vLLM's GPU block size")
-    tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    tune.add_argument("--steps", type=int, default=50)
-    tune.add_argument("--device", default="cuda")
 
     host = sub.add_parser("host-step", help="the host's share of an eager decode step (kernels left out)")
     host.add_argument("--methods", default="full,snapkv,slake", help="comma-separated methods")
@@ -275,53 +270,35 @@ def parse_variants(text: str) -> list[dict[str, int]]:
     return variants
 
 
-def kernel_tune(a: argparse.Namespace) -> None:
+def _graphed_rows(a: argparse.Namespace, command: str, rows) -> None:
+    """Emit, per method of ``a``, the rows of ``rows(method, **pool)`` (``kernel-parts``, ``kernel-tune``: the pool's
+    step at ``a``'s shape and batch as one CUDA graph), after the device's row; refuses a machine without CUDA."""
     import torch
 
-    from benchmarks.pool import kernel_tune_cuda, model_shape
+    from benchmarks.pool import model_shape
 
     if not torch.cuda.is_available():
-        raise SystemExit("kernel-tune: CUDA is not available (this benchmark times GPU kernels; see docs/gpu.md)")
-    variants = None if a.variants is None else parse_variants(a.variants)
+        raise SystemExit(f"{command}: CUDA is not available (this benchmark times GPU kernels; see docs/gpu.md)")
     shape = model_shape(a.shape)
     _emit({"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__})
+    pool = dict(requests=a.requests, budget=a.budget, steps=a.steps, device=a.device, dtype=getattr(torch, a.dtype))
     for m in _methods(a.methods):
-        for row in kernel_tune_cuda(
-            m,
-            variants,
-            requests=a.requests,
-            budget=a.budget,
-            steps=a.steps,
-            device=a.device,
-            dtype=getattr(torch, a.dtype),
-            block_size=a.block_size,
-            **shape.attention(),
-        ):
+        for row in rows(m, block_size=a.block_size, **pool, **shape.attention()):
             _emit(row)
+
+
+def kernel_tune(a: argparse.Namespace) -> None:
+    from benchmarks.pool import kernel_tune_cuda
+
+    variants = None if a.variants is None else parse_variants(a.variants)
+    _graphed_rows(a, "kernel-tune", lambda m, **pool: kernel_tune_cuda(m, variants, **pool))
 
 
 def kernel_parts(a: argparse.Namespace) -> None:
-    import torch
+    from benchmarks.pool import kernel_parts_cuda
 
-    from benchmarks.pool import kernel_parts_cuda, model_shape
-
-    if not torch.cuda.is_available():
-        raise SystemExit("kernel-parts: CUDA is not available (this benchmark times GPU kernels; see docs/gpu.md)")
-    shape = model_shape(a.shape)
-    _emit({"what": "device", "name": torch.cuda.get_device_name(a.device), "torch": torch.__version__})
-    for m in _methods(a.methods):
-        for row in kernel_parts_cuda(
-            m,
-            None if a.parts is None else _split(a.parts),
-            requests=a.requests,
-            budget=a.budget,
-            steps=a.steps,
-            device=a.device,
-            dtype=getattr(torch, a.dtype),
-            block_size=a.block_size,
-            **shape.attention(),
-        ):
-            _emit(row)
+    parts = None if a.parts is None else _split(a.parts)
+    _graphed_rows(a, "kernel-parts", lambda m, **pool: kernel_parts_cuda(m, parts, **pool))
 
 
 def host_step(a: argparse.Namespace) -> None:

@@ -189,6 +189,37 @@ def test_kernel_tune_times_the_step_with_each_variant_of_the_launch_constants(mo
         main(["kernel-tune"])
 
 
+def test_kernel_parts_and_tune_emit_the_rows_of_each_method_at_the_shape_asked(monkeypatch, capsys):
+    """The command lines of ``kernel-parts`` and ``kernel-tune`` pass the shape, batch and variants to the benches
+    and print one JSON row each after the device's (a machine with CUDA stood in for: the benches are replaced)."""
+    import json
+
+    import benchmarks.pool as bp
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    calls = []
+
+    def bench(name):
+        def rows(method, extra, **pool):
+            calls.append((name, method, extra, pool["requests"], pool["budget"], pool["kv_heads"], pool["block_size"]))
+            return [{"what": name, "method": method}]
+
+        return rows
+
+    monkeypatch.setattr(bp, "kernel_parts_cuda", bench("parts"))
+    monkeypatch.setattr(bp, "kernel_tune_cuda", bench("tune"))
+    main(["kernel-parts", "--methods", "slake,cake", "--parts", "sort", "--budget", "1024", "--requests", "2"])
+    main(["kernel-tune", "--methods", "slake", "--variants", "COMBINE=8", "--block-size", "32"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["what"] for r in rows] == ["device", "parts", "parts", "device", "tune"]
+    assert calls == [
+        ("parts", "slake", ["sort"], 2, 1024, 8, 16),
+        ("parts", "cake", ["sort"], 2, 1024, 8, 16),
+        ("tune", "slake", [{"COMBINE": 8}], 1, 128, 8, 32),
+    ]
+
+
 def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(capsys):
     """``python -m benchmarks host-profile`` on the CPU: one row per method, the host's time at most the wall's,
     the functions ranked by their own time, and the cache's step (torch) named."""
