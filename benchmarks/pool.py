@@ -342,7 +342,9 @@ def kernel_parts_cuda(method: str, parts: list[str] | None = None, **pool: objec
 #: the launch constants ``kernel-tune`` tries by default (:func:`slake.kernels.triton_decode.tuned`), one change
 #: from the constants as they are at a time, then the two that read more at once together: the pieces the second
 #: kernel combines per round of loads, the slots per block of the victim piece's second sum, 16 warps for wide rows
-#: (28 bytes spilled at sm_90), and the first kernel's split of a row (more or fewer pieces for the second to combine)
+#: (28 bytes spilled at sm_90), and the first kernel's split of a row (more or fewer pieces for the second to combine);
+#: then the positional pooling as it was before 2026-11-27's last change (int64 sort keys, through memory, both), to
+#: time what that change gained
 TUNE_VARIANTS: list[dict[str, int]] = [
     {"COMBINE": 8},
     {"RECOMPUTE_BLOCK": 64},
@@ -351,6 +353,9 @@ TUNE_VARIANTS: list[dict[str, int]] = [
     {"TARGET_PROGRAMS": 128},
     {"TARGET_PROGRAMS": 512},
     {"MIN_SPLIT": 128},
+    {"SHORT_KEYS": 0},
+    {"POOL_GATHER": 0},
+    {"POOL_GATHER": 0, "SHORT_KEYS": 0},
 ]
 
 

@@ -519,11 +519,13 @@ def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
     [
         {"COMBINE": 1, "RECOMPUTE_BLOCK": 16, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 512},  # many pieces, one at a time
         {"COMBINE": 8, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 1, "WIDE_WARPS": 16},  # one piece per row
+        {"POOL_GATHER": 0, "SHORT_KEYS": 0},  # the pooling of before, through memory, on int64 keys
     ],
 )
 def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(constants):
     """``triton_decode.tuned`` (``python -m benchmarks kernel-tune``): SLAKE's step with rows cut into more or fewer
-    pieces, combined more or fewer at a time, equals the torch step; bad constants are refused."""
+    pieces, combined more or fewer at a time, or pooled as before (through memory), equals the torch step; bad
+    constants are refused."""
     from slake.kernels import load
 
     triton_decode = load()
@@ -532,9 +534,10 @@ def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(consta
     with triton_decode.tuned(**constants):
         assert all(getattr(triton_decode, k) == v for k, v in constants.items())
         fused, fused_out = _run(method, "triton")
-    assert triton_decode.COMBINE == 4 and triton_decode.MIN_SPLIT == 64  # restored
+    assert triton_decode.COMBINE == 4 and triton_decode.MIN_SPLIT == 64 and triton_decode.POOL_GATHER  # restored
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
-    for bad in ({"COMBINE": 0}, {"MIN_SPLIT": 24}, {"WIDE_WARPS": 2}, {"BLOCK": 8}, {"COMBINE": True}):
+    bad_values = ({"COMBINE": 0}, {"MIN_SPLIT": 24}, {"WIDE_WARPS": 2}, {"BLOCK": 8}, {"COMBINE": True})
+    for bad in (*bad_values, {"SHORT_KEYS": 2}, {"POOL_GATHER": True}):
         with pytest.raises(ValueError):
             with triton_decode.tuned(**bad):
                 pass

@@ -98,11 +98,14 @@ def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
 
 
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
-@pytest.mark.parametrize("variant", ["COMBINE=8,RECOMPUTE_BLOCK=64,TARGET_PROGRAMS=512", "WIDE_WARPS=16"])
+@pytest.mark.parametrize(
+    "variant", ["COMBINE=8,RECOMPUTE_BLOCK=64,TARGET_PROGRAMS=512", "WIDE_WARPS=16", "POOL_GATHER=0,SHORT_KEYS=0"]
+)
 def test_the_second_kernel_compiles_with_the_launch_constants_kernel_tune_tries(variant):
     """``python -m benchmarks kernel-tune`` times the step with other launch constants (``benchmarks.pool
     .TUNE_VARIANTS``): the ones that take the most of a program (the most pieces and slots in flight; 16 warps, whose
-    threads get 128 registers each) compile for an H100, so that a GPU session does not lose its measurement."""
+    threads get 128 registers each) and the pooling of before (through memory, int64 keys) compile for an H100, so
+    that a GPU session does not lose its measurement."""
     (r,) = _compile({"slake@bfloat16": 2}, "--tune", variant)
     assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
     assert all(k["cubin"] for k in r["compiled"]), r

@@ -57,6 +57,7 @@ from slake.kernels.triton_rules import (
     head_signal,
     key_diversity,
     pool_ranked,
+    pool_through_memory,
     position_order,
     ranked_argmin,
     two_stage,
@@ -64,9 +65,10 @@ from slake.kernels.triton_rules import (
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = [
-    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES", "SHORT_KEYS",
-    "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers", "evict_warps",
-    "fused_step", "fused_step_op", "key_span", "leaving_out", "ratio_parts", "split_size", "state_rows", "tuned",
+    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES",
+    "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers",
+    "evict_warps", "fused_step", "fused_step_op", "key_span", "leaving_out", "ratio_parts", "split_size",
+    "state_rows", "tuned",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -108,6 +110,7 @@ def _evict_attend_kernel(
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
     COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr, KEY_SPAN: tl.constexpr,
+    POOL_GATHER: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -168,19 +171,23 @@ def _evict_attend_kernel(
         new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
     # positional pooling: the slots ranked by position (empty ones last, score 0) and pooled in registers; with
     # CriticalKV's two stages the pooled scores go back to slot order through the row's scratch buffer, otherwise
-    # they stay ranked and the victim is found among the ranks (RANKED)
-    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE
+    # they stay ranked and the victim is found among the ranks (RANKED). Without POOL_GATHER (timing only), the
+    # pooling of before, through memory
+    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER
     if RULE == 0 and POOL_K > 1:
         if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
             order = sw
         else:
             order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
-        new = pool_ranked(new, valid, order, W, sw, BW, POOL_K, POOL_MAX)
-        if not RANKED:
-            base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
-            tl.store(base + order, new, mask=order < W)
-            tl.debug_barrier()
-            new = tl.load(base + sw, mask=wmask, other=0.0)
+        base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+        if POOL_GATHER:
+            new = pool_ranked(new, valid, order, W, sw, BW, POOL_K, POOL_MAX)
+            if not RANKED:
+                tl.store(base + order, new, mask=order < W)
+                tl.debug_barrier()
+                new = tl.load(base + sw, mask=wmask, other=0.0)
+        else:
+            new = pool_through_memory(new, valid, order, base, W, sw, wmask, BW, POOL_K, POOL_MAX)
     if TWO_STAGE:
         new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
                         two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
@@ -384,7 +391,9 @@ def leaving_out(*parts: str) -> Iterator[None]:
 
 
 #: the launch constants :func:`tuned` may change (each is read when a step is launched)
-TUNABLE = ("COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT")
+TUNABLE = (
+    "COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT", "SHORT_KEYS", "POOL_GATHER",
+)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -392,12 +401,16 @@ def tuned(**values: int) -> Iterator[None]:
     """Within the block, the fused steps launched use other values of the launch constants named in
     :data:`TUNABLE` (``python -m benchmarks kernel-tune`` times the alternatives on a GPU); the step computes the
     same thing with any of them. Values are checked: ``COMBINE`` and ``TARGET_PROGRAMS`` positive, ``WIDE_WARPS``
-    4, 8 or 16, the others powers of two of at least 16 (a ``tl.dot`` operand's smallest width). Restores the
-    previous values on exit."""
+    4, 8 or 16, the switches ``SHORT_KEYS`` and ``POOL_GATHER`` 0 or 1, the others powers of two of at least 16 (a
+    ``tl.dot`` operand's smallest width). Restores the previous values on exit."""
     unknown = set(values) - set(TUNABLE)
     if unknown:
         raise ValueError(f"unknown launch constants {sorted(unknown)}; tunable: {list(TUNABLE)}")
     for name, v in values.items():
+        if name in ("SHORT_KEYS", "POOL_GATHER"):
+            if isinstance(v, bool) or v not in (0, 1):
+                raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if name == "WIDE_WARPS" and v not in (4, 8, 16):
@@ -406,7 +419,7 @@ def tuned(**values: int) -> Iterator[None]:
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     here = globals()
     before = {name: here[name] for name in values}
-    here.update(values)
+    here.update({k: bool(v) if k in ("SHORT_KEYS", "POOL_GATHER") else v for k, v in values.items()})
     try:
         yield
     finally:
@@ -436,9 +449,12 @@ def evict_registers(padded_width: int) -> int | None:
     return min(255, 65536 // (32 * warps)) if warps >= 8 else None
 
 
-#: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off only in tests,
-#: to run the int64 sort on small positions
+#: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off in tests, to
+#: run the int64 sort on small positions, and in ``kernel-tune``'s variant that times what the short keys gain
 SHORT_KEYS = True
+#: whether the positional pooling ranks and shifts the scores in registers (``tl.gather``); off only to time the
+#: pooling of before, through the row's scratch buffer in memory (``kernel-tune``)
+POOL_GATHER = True
 
 
 def key_span(padded_width: int) -> int:
@@ -546,8 +562,9 @@ def fused_step(
     stat = torch.empty(R, H, G, S, 2, dtype=torch.float32, device=dev)
     part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
-    # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order
-    scratch = (pool_k > 1 and two_stage) or rule == RULE_CODES["key_diversity"]
+    # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order (or
+    # the pooling goes through memory, POOL_GATHER off)
+    scratch = (pool_k > 1 and (two_stage or not POOL_GATHER)) or rule == RULE_CODES["key_diversity"]
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
     map_q = rule == RULE_CODES["expected_attention"]
     estat = torch.empty_like(stat) if map_q else stat
@@ -615,6 +632,7 @@ def fused_step(
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), SKIP=_left_out, GC=_pow2(G), KEY_SPAN=key_span(BW),
+        POOL_GATHER=bool(POOL_GATHER),
         num_warps=evict_warps(BW), maxnreg=evict_registers(BW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip

@@ -11,7 +11,16 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = ["head_signal", "key_diversity", "pool_ranked", "position_order", "ranked_argmin", "row_stats", "two_stage"]
+__all__ = [
+    "head_signal",
+    "key_diversity",
+    "pool_ranked",
+    "pool_through_memory",
+    "position_order",
+    "ranked_argmin",
+    "row_stats",
+    "two_stage",
+]
 
 
 @triton.jit
@@ -99,6 +108,37 @@ def pool_ranked(scores, valid, order, W, sw, BW: tl.constexpr, POOL_K: tl.conste
     if not POOL_MAX:
         pooled = pooled / POOL_K
     return pooled
+
+
+@triton.jit
+def pool_through_memory(scores, valid, order, base, W, sw, wmask, BW: tl.constexpr, POOL_K: tl.constexpr,
+                        POOL_MAX: tl.constexpr):  # fmt: skip
+    """:func:`pool_ranked`'s pooling as the second kernel did it before it (kept to time one against the other,
+    ``triton_decode.POOL_GATHER``): the scores ranked, shifted and put back in slot order through the row's scratch
+    buffer in global memory (``base``, ``2 * BW`` floats), three store-barrier-load round trips. Returns the pooled
+    scores in slot order."""
+    tl.store(base + sw, tl.where(valid, scores, 0.0))
+    tl.debug_barrier()
+    ranked = tl.load(base + order, mask=order < W, other=0.0)
+    tl.store(base + BW + sw, ranked)
+    tl.debug_barrier()
+    if POOL_MAX:
+        pooled = tl.full([BW], float("-inf"), tl.float32)
+    else:
+        pooled = tl.zeros([BW], tl.float32)
+    for t in tl.static_range(POOL_K):
+        j = sw + (t - POOL_K // 2)
+        inside = (j >= 0) & (j < W)
+        if POOL_MAX:
+            pooled = tl.maximum(pooled, tl.load(base + BW + j, mask=inside, other=float("-inf")))
+        else:
+            pooled += tl.load(base + BW + j, mask=inside, other=0.0)
+    if not POOL_MAX:
+        pooled = pooled / POOL_K
+    tl.debug_barrier()
+    tl.store(base + order, pooled, mask=order < W)
+    tl.debug_barrier()
+    return tl.load(base + sw, mask=wmask, other=0.0)
 
 
 @triton.jit
