@@ -71,10 +71,13 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "$py" -m benchmarks kernel-parts --methods slake --budget 1024 --requests 1 > "$out/kernel_parts.jsonl"
         ;;
     kernel-tune)
-        # SLAKE's step at batch 1, budget 1024 with other launch constants (benchmarks.pool.TUNE_VARIANTS: pieces
-        # combined per round, the victim piece's block, 16 warps, the first kernel's split), each against the step
-        # as it is: which constants to keep
-        "$py" -m benchmarks kernel-tune --methods slake --budget 1024 --requests 1 > "$out/kernel_tune.jsonl"
+        # SLAKE's step at batch 1, budget 1024 with other launch constants, each against the step as it is: the
+        # pooling of before (int64 keys through memory: what the last kernel change gained), more pieces combined
+        # per round, the victim piece in one block, 16 warps, fewer first-kernel programs (the whole list,
+        # benchmarks.pool.TUNE_VARIANTS, is the command without --variants)
+        "$py" -m benchmarks kernel-tune --methods slake --budget 1024 --requests 1 \
+            --variants "POOL_GATHER=0,SHORT_KEYS=0;COMBINE=8;RECOMPUTE_BLOCK=64;WIDE_WARPS=16;TARGET_PROGRAMS=128" \
+            > "$out/kernel_tune.jsonl"
         ;;
     host-compiled)
         # where the host's time around a compiled step's replay goes (cProfile): compiled SLAKE at 8K, budget 1024
@@ -112,7 +115,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
 SHORT_STEPS=("info 10" "smoke 110" "compiled-targets 390" "eager-targets 150" "host 60" "host-compiled 80")
-SHORT2_STEPS=("eager-targets 150" "kernel-parts 90" "kernel-tune 120" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
+SHORT2_STEPS=("eager-targets 150" "kernel-tune 100" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
     "profile 200")
 
 run_short() {
