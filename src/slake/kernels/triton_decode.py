@@ -56,8 +56,7 @@ from slake.kernels.triton_rules import (
     _value_projection_kernel,
     head_signal,
     key_diversity,
-    pool_ranked,
-    pool_through_memory,
+    pool_by_position,
     position_order,
     ranked_argmin,
     two_stage,
@@ -180,14 +179,11 @@ def _evict_attend_kernel(
         else:
             order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
         base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
-        if POOL_GATHER:
-            new = pool_ranked(new, valid, order, W, sw, BW, POOL_K, POOL_MAX)
-            if not RANKED:
-                tl.store(base + order, new, mask=order < W)
-                tl.debug_barrier()
-                new = tl.load(base + sw, mask=wmask, other=0.0)
-        else:
-            new = pool_through_memory(new, valid, order, base, W, sw, wmask, BW, POOL_K, POOL_MAX)
+        new = pool_by_position(new, valid, order, base, W, sw, wmask, BW, POOL_K, POOL_MAX, POOL_GATHER)
+        if POOL_GATHER and not RANKED:  # ranked: back to slot order
+            tl.store(base + order, new, mask=order < W)
+            tl.debug_barrier()
+            new = tl.load(base + sw, mask=wmask, other=0.0)
     if TWO_STAGE:
         new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
                         two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip

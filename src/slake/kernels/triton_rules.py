@@ -14,8 +14,7 @@ from slake.kernels.triton_slots import block_keys, load_row
 __all__ = [
     "head_signal",
     "key_diversity",
-    "pool_ranked",
-    "pool_through_memory",
+    "pool_by_position",
     "position_order",
     "ranked_argmin",
     "row_stats",
@@ -86,59 +85,42 @@ def position_order(pos, valid, wmask, sw, BW: tl.constexpr, KEY_SPAN: tl.constex
 
 
 @triton.jit
-def pool_ranked(scores, valid, order, W, sw, BW: tl.constexpr, POOL_K: tl.constexpr, POOL_MAX: tl.constexpr):
+def pool_by_position(scores, valid, order, base, W, sw, wmask, BW: tl.constexpr, POOL_K: tl.constexpr,
+                     POOL_MAX: tl.constexpr, IN_REGISTERS: tl.constexpr):  # fmt: skip
     """SnapKV's pooling of ``scores`` (slot order; 0 where a slot is empty) over each slot's ``POOL_K`` neighbours
     in position order (``order``, :func:`position_order`), average or maximum, with the row's ends padded as
     ``avg_pool1d``/``max_pool1d`` pad them (a neighbour past an end adds 0 to the average, nothing to the maximum).
-    Returned in rank order (entry ``i`` belongs to slot ``order[i]``). The ranking and the shifts are gathers within
-    the program's registers (``tl.gather``), no round trip through memory."""
-    ranked = tl.gather(tl.where(valid, scores, 0.0), order, 0)
-    if POOL_MAX:
-        pooled = tl.full([BW], float("-inf"), tl.float32)
+
+    ``IN_REGISTERS``: the ranking and the shifts are gathers within the program (``tl.gather``), and the pooled
+    scores come back in rank order (entry ``i`` belongs to slot ``order[i]``). Otherwise (the pooling of before,
+    kept to time one against the other: ``triton_decode.POOL_GATHER``) they go through the row's scratch buffer in
+    global memory (``base``, ``2 * BW`` floats), three store-barrier-load round trips, and come back in slot
+    order."""
+    if IN_REGISTERS:
+        ranked = tl.gather(tl.where(valid, scores, 0.0), order, 0)
     else:
-        pooled = tl.zeros([BW], tl.float32)
+        tl.store(base + sw, tl.where(valid, scores, 0.0))
+        tl.debug_barrier()
+        tl.store(base + BW + sw, tl.load(base + order, mask=order < W, other=0.0))
+        tl.debug_barrier()
+    pad = float("-inf") if POOL_MAX else 0.0
+    pooled = tl.full([BW], pad, tl.float32)
     for t in tl.static_range(POOL_K):
         j = sw + (t - POOL_K // 2)
         inside = (j >= 0) & (j < W)
-        got = tl.gather(ranked, tl.minimum(tl.maximum(j, 0), BW - 1), 0)
-        if POOL_MAX:
-            pooled = tl.maximum(pooled, tl.where(inside, got, float("-inf")))
+        if IN_REGISTERS:
+            got = tl.where(inside, tl.gather(ranked, tl.minimum(tl.maximum(j, 0), BW - 1), 0), pad)
         else:
-            pooled += tl.where(inside, got, 0.0)
+            got = tl.load(base + BW + j, mask=inside, other=pad)
+        pooled = tl.maximum(pooled, got) if POOL_MAX else pooled + got
     if not POOL_MAX:
         pooled = pooled / POOL_K
+    if not IN_REGISTERS:
+        tl.debug_barrier()
+        tl.store(base + order, pooled, mask=order < W)
+        tl.debug_barrier()
+        pooled = tl.load(base + sw, mask=wmask, other=0.0)
     return pooled
-
-
-@triton.jit
-def pool_through_memory(scores, valid, order, base, W, sw, wmask, BW: tl.constexpr, POOL_K: tl.constexpr,
-                        POOL_MAX: tl.constexpr):  # fmt: skip
-    """:func:`pool_ranked`'s pooling as the second kernel did it before it (kept to time one against the other,
-    ``triton_decode.POOL_GATHER``): the scores ranked, shifted and put back in slot order through the row's scratch
-    buffer in global memory (``base``, ``2 * BW`` floats), three store-barrier-load round trips. Returns the pooled
-    scores in slot order."""
-    tl.store(base + sw, tl.where(valid, scores, 0.0))
-    tl.debug_barrier()
-    ranked = tl.load(base + order, mask=order < W, other=0.0)
-    tl.store(base + BW + sw, ranked)
-    tl.debug_barrier()
-    if POOL_MAX:
-        pooled = tl.full([BW], float("-inf"), tl.float32)
-    else:
-        pooled = tl.zeros([BW], tl.float32)
-    for t in tl.static_range(POOL_K):
-        j = sw + (t - POOL_K // 2)
-        inside = (j >= 0) & (j < W)
-        if POOL_MAX:
-            pooled = tl.maximum(pooled, tl.load(base + BW + j, mask=inside, other=float("-inf")))
-        else:
-            pooled += tl.load(base + BW + j, mask=inside, other=0.0)
-    if not POOL_MAX:
-        pooled = pooled / POOL_K
-    tl.debug_barrier()
-    tl.store(base + order, pooled, mask=order < W)
-    tl.debug_barrier()
-    return tl.load(base + sw, mask=wmask, other=0.0)
 
 
 @triton.jit
