@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--variants",
         default=None,
-        help="';'-separated variants of ','-separated NAME=VALUE (names: triton_decode.TUNABLE), e.g. "
+        help="';'-separated variants of ','-separated NAME=VALUE (names: launch_config.TUNABLE), e.g. "
         "'COMBINE=8;COMBINE=8,RECOMPUTE_BLOCK=64' (default: benchmarks.pool.TUNE_VARIANTS)",
     )
 
@@ -253,7 +253,7 @@ def pool_gpu(a: argparse.Namespace) -> None:
 
 def parse_variants(text: str) -> list[dict[str, int]]:
     """``kernel-tune``'s ``--variants``: ``'A=1,B=2;C=3'`` -> ``[{"A": 1, "B": 2}, {"C": 3}]`` (names and values are
-    checked when a variant is applied, :func:`slake.kernels.triton_decode.tuned`)."""
+    checked when a variant is applied, :func:`slake.kernels.launch_config.tuned`)."""
     variants = []
     for chunk in text.split(";"):
         if not chunk.strip():

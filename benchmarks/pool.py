@@ -312,20 +312,19 @@ def pool_step_cuda(
 def kernel_parts_cuda(method: str, parts: list[str] | None = None, **pool: object) -> list[dict]:
     """What each part of the fused step's second kernel costs: :func:`pool_step_cuda` with the fused kernels as
     they are, then once with each of ``parts`` (default: every name of
-    :data:`slake.kernels.triton_decode.SKIP_PARTS`) left out (:func:`slake.kernels.triton_decode.leaving_out`).
+    :data:`slake.kernels.launch_config.SKIP_PARTS`) left out (:func:`slake.kernels.launch_config.leaving_out`).
 
     A step without a part computes something else (its rows' outputs and kept slots are not the method's); what it
     tells is time: ``part_us_per_layer``, the step as it is less the step without the part, per layer (CUDA-graph
     replays of every layer, ``pool``: :func:`pool_step_cuda`'s keywords, ``kernels`` forced to ``"triton"``)."""
-    from slake.kernels import load
+    from slake.kernels import launch_config
 
-    triton_decode = load()
-    names = list(triton_decode.SKIP_PARTS) if parts is None else list(parts)
+    names = list(launch_config.SKIP_PARTS) if parts is None else list(parts)
     pool = {**pool, "kernels": "triton"}
     whole = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
     rows = [{"what": "kernel_parts", "method": method, "left_out": None, **_step_times(whole)}]
     for part in names:
-        with triton_decode.leaving_out(part):
+        with launch_config.leaving_out(part):
             without = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
         rows.append(
             {
@@ -339,7 +338,7 @@ def kernel_parts_cuda(method: str, parts: list[str] | None = None, **pool: objec
     return rows
 
 
-#: the launch constants ``kernel-tune`` tries by default (:func:`slake.kernels.triton_decode.tuned`), one change
+#: the launch constants ``kernel-tune`` tries by default (:func:`slake.kernels.launch_config.tuned`), one change
 #: from the constants as they are at a time, then the two that read more at once together: the pieces the second
 #: kernel combines per round of loads, the slots per block of the victim piece's second sum, 16 warps for wide rows
 #: (28 bytes spilled at sm_90), and the first kernel's split of a row (more or fewer pieces for the second to combine);
@@ -361,19 +360,18 @@ TUNE_VARIANTS: list[dict[str, int]] = [
 
 def kernel_tune_cuda(method: str, variants: list[dict[str, int]] | None = None, **pool: object) -> list[dict]:
     """The fused step with other launch constants: :func:`pool_step_cuda` with the constants as they are, then with
-    each of ``variants`` (default :data:`TUNE_VARIANTS`; :func:`slake.kernels.triton_decode.tuned`). The constants
+    each of ``variants`` (default :data:`TUNE_VARIANTS`; :func:`slake.kernels.launch_config.tuned`). The constants
     change how the work is cut, not what is computed (``tests/test_fused_decode.py`` holds the step with other
     constants equal to the torch step); each row keeps its graph's check against its eager step
     (``graph_same_kept``). ``vs_as_is``: the variant's graphed step over the step as it is (below 1: faster).
     ``pool``: :func:`pool_step_cuda`'s keywords, ``kernels`` forced to ``"triton"``."""
-    from slake.kernels import load
+    from slake.kernels import launch_config
 
-    triton_decode = load()
     pool = {**pool, "kernels": "triton"}
     whole = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
     rows = [{"what": "kernel_tune", "method": method, "variant": {}, **_step_times(whole)}]
     for variant in TUNE_VARIANTS if variants is None else variants:
-        with triton_decode.tuned(**variant):
+        with launch_config.tuned(**variant):
             row = pool_step_cuda(method, **pool)  # type: ignore[arg-type]
         rows.append(
             {

@@ -37,7 +37,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from slake.cache import fused_step  # noqa: E402
-from slake.kernels import triton_decode  # noqa: E402
+from slake.kernels import launch_config, triton_decode  # noqa: E402
 
 # the module is imported in compiled mode; from now on slake.kernels.load() returns it as it is
 os.environ["TRITON_INTERPRET"] = "1"
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> None:
         left_out = argv[1].split(",")
         argv = argv[2:]
     tune: dict[str, int] = {}
-    if argv and argv[0] == "--tune":  # other launch constants (triton_decode.tuned), as ``kernel-tune`` times them
+    if argv and argv[0] == "--tune":  # other launch constants (launch_config.tuned), as ``kernel-tune`` times them
         tune = {k: int(v) for k, v in (item.split("=") for item in argv[1].split(","))}
         argv = argv[2:]
     backend, arch = argv[0].split(":")
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> None:
         elif storage:
             options["kv_dtype"] = storage
         compiled.clear()
-        with triton_decode.leaving_out(*left_out), triton_decode.tuned(**tune):
+        with launch_config.leaving_out(*left_out), launch_config.tuned(**tune):
             harness._run(harness._method(method), "triton", **shape, **options)
         print(json.dumps({"case": case, "compiled": compiled}), flush=True)
 

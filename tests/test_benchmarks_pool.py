@@ -129,24 +129,23 @@ def test_kernel_parts_times_the_step_without_each_part_of_the_second_kernel(monk
     ``test_fused_decode.py`` (interpreter) and compile in ``test_kernels_compile.py``. Here the timed step is
     replaced by one that records the switch and returns 64 µs per layer as it is, 48 without any part."""
     import benchmarks.pool as bp
-    from slake.kernels import load
+    from slake.kernels import launch_config
 
-    triton_decode = load()
     seen = []
 
     def step(method, **kw):
-        seen.append((method, kw["kernels"], triton_decode._left_out))
-        us = 64.0 if triton_decode._left_out == 0 else 48.0
+        seen.append((method, kw["kernels"], launch_config._left_out))
+        us = 64.0 if launch_config._left_out == 0 else 48.0
         return {"budget": kw["budget"], "requests": 1, "slots": 129, "graph_ms": us * 32 / 1e3,
                 "graph_us_per_layer": us, "kernels": "triton"}  # fmt: skip
 
     monkeypatch.setattr(bp, "pool_step_cuda", step)
     rows = bp.kernel_parts_cuda("slake", ["sort", "fold"], budget=64, kernels="torch")
-    masks = triton_decode.SKIP_PARTS
+    masks = launch_config.SKIP_PARTS
     assert seen == [("slake", "triton", 0), ("slake", "triton", masks["sort"]), ("slake", "triton", masks["fold"])]
     assert [r["left_out"] for r in rows] == [None, "sort", "fold"]
     assert [r.get("part_us_per_layer") for r in rows] == [None, 16.0, 16.0]
-    assert triton_decode._left_out == 0
+    assert launch_config._left_out == 0
     assert [r["left_out"] for r in bp.kernel_parts_cuda("cake", budget=64)] == [None, *masks]
 
 
@@ -163,14 +162,13 @@ def test_kernel_tune_times_the_step_with_each_variant_of_the_launch_constants(mo
     40 µs per layer with COMBINE=8, 50 otherwise."""
     import benchmarks.pool as bp
     from benchmarks.__main__ import parse_variants
-    from slake.kernels import load
+    from slake.kernels import launch_config
 
-    triton_decode = load()
     seen = []
 
     def step(method, **kw):
-        seen.append((method, kw["kernels"], triton_decode.COMBINE, triton_decode.WIDE_WARPS))
-        us = 40.0 if triton_decode.COMBINE == 8 else 50.0
+        seen.append((method, kw["kernels"], launch_config.COMBINE, launch_config.WIDE_WARPS))
+        us = 40.0 if launch_config.COMBINE == 8 else 50.0
         return {"budget": kw["budget"], "requests": 1, "slots": 1025, "graph_ms": us * 32 / 1e3,
                 "graph_us_per_layer": us, "kernels": "triton", "graph_same_kept": True}  # fmt: skip
 
@@ -179,7 +177,7 @@ def test_kernel_tune_times_the_step_with_each_variant_of_the_launch_constants(mo
     assert seen == [("slake", "triton", 4, 8), ("slake", "triton", 8, 8), ("slake", "triton", 2, 16)]
     assert [r["variant"] for r in rows] == [{}, {"COMBINE": 8}, {"WIDE_WARPS": 16, "COMBINE": 2}]
     assert [r.get("vs_as_is") for r in rows] == [None, 0.8, 1.0]
-    assert triton_decode.COMBINE == 4 and triton_decode.WIDE_WARPS == 8
+    assert launch_config.COMBINE == 4 and launch_config.WIDE_WARPS == 8
     assert len(bp.kernel_tune_cuda("cake", budget=64)) == 1 + len(bp.TUNE_VARIANTS)
     for bad in ("COMBINE", "COMBINE=x", ";"):
         with pytest.raises(SystemExit, match="kernel-tune"):

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from slake.cache.compressed import CompressedKV, resolve_kernels
 from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, slot_blocks
+from slake.kernels import launch_config
 from slake.methods import available_methods, make_method
 from slake.methods.base import DecodeInputs, LayerContext, Method
 from slake.methods.rotary import Rotary
@@ -100,17 +101,15 @@ def split_rows(monkeypatch):
     """The first kernel's rows split over programs of 16 slots (flash-decoding), so that the tiny rows of these
     tests span several programs as a GPU's long rows do (the new slot, the victim and the combination of the
     programs' partial sums then fall in different programs); fails if no row was split."""
-    from slake.kernels import triton_decode
-
     used: list[tuple[int, int]] = []
-    choose = triton_decode.split_size
+    choose = launch_config.split_size
 
     def recording(width: int, programs: int) -> int:
         used.append((width, choose(width, programs)))
         return used[-1][1]
 
-    monkeypatch.setattr(triton_decode, "MIN_SPLIT", 16)
-    monkeypatch.setattr(triton_decode, "split_size", recording)
+    monkeypatch.setattr(launch_config, "MIN_SPLIT", 16)
+    monkeypatch.setattr(launch_config, "split_size", recording)
     yield
     assert any(split < width for width, split in used), f"no row was split: {used}"
 
@@ -157,11 +156,9 @@ def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, option
 
 
 def test_positional_pooling_sorts_long_keys_as_it_sorts_short_ones(monkeypatch, split_rows):
-    """The positional pooling sorts int32 keys where the row's positions allow (``triton_decode.key_span``) and
+    """The positional pooling sorts int32 keys where the row's positions allow (``launch_config.key_span``) and
     int64 keys otherwise; with the short keys switched off the step is the same as the torch step."""
-    from slake.kernels import load
-
-    monkeypatch.setattr(load(), "SHORT_KEYS", False)
+    monkeypatch.setattr(launch_config, "SHORT_KEYS", False)
     for name in ("slake", "ada-snapkv"):
         method = _method(name)
         ref, ref_out = _run(method, "torch", garbage=True)
@@ -175,11 +172,11 @@ def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_wi
     row's width by slot (a 32-bit key would overflow in the last two and rank them wrongly)."""
     from slake.kernels import load
 
-    triton_decode = load()
+    load()  # the interpreter on a machine without CUDA, before kernel_probes imports Triton
     from kernel_probes import order_kernel
 
     BW, W = 16, 13
-    limit = triton_decode.key_span(BW)
+    limit = launch_config.key_span(BW)
     assert limit == (1 << 31) // BW - 2
     g = torch.Generator().manual_seed(0)
     for span in (40, limit - 1, limit, 1 << 36):
@@ -503,15 +500,13 @@ def test_torch_compile_captures_the_fused_step_as_one_operator(name):
 def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
     """One row of 8 KV heads at 1,056 slots (batch 1, budget 1024 on Llama-3-8B) runs as 17 programs per head, not
     one; 32 rows of 8 heads already fill a GPU and are not split; a split is never under MIN_SPLIT slots."""
-    from slake.kernels import triton_decode
-
-    assert triton_decode.split_size(1056, 8) == 64
-    assert triton_decode.split_size(1056, 256) >= 1056
-    assert triton_decode.split_size(40, 8) == triton_decode.MIN_SPLIT
+    assert launch_config.split_size(1056, 8) == 64
+    assert launch_config.split_size(1056, 256) >= 1056
+    assert launch_config.split_size(40, 8) == launch_config.MIN_SPLIT
     for width in (1, 17, 1000, 16384):
         for programs in (1, 8, 64, 1000):
-            split = triton_decode.split_size(width, programs)
-            assert split >= triton_decode.MIN_SPLIT and split & (split - 1) == 0
+            split = launch_config.split_size(width, programs)
+            assert split >= launch_config.MIN_SPLIT and split & (split - 1) == 0
 
 
 @pytest.mark.parametrize(
@@ -523,33 +518,27 @@ def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
     ],
 )
 def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(constants):
-    """``triton_decode.tuned`` (``python -m benchmarks kernel-tune``): SLAKE's step with rows cut into more or fewer
+    """``launch_config.tuned`` (``python -m benchmarks kernel-tune``): SLAKE's step with rows cut into more or fewer
     pieces, combined more or fewer at a time, or pooled as before (through memory), equals the torch step; bad
     constants are refused."""
-    from slake.kernels import load
-
-    triton_decode = load()
     method = _method("slake")
     ref, ref_out = _run(method, "torch")
-    with triton_decode.tuned(**constants):
-        assert all(getattr(triton_decode, k) == v for k, v in constants.items())
+    with launch_config.tuned(**constants):
+        assert all(getattr(launch_config, k) == v for k, v in constants.items())
         fused, fused_out = _run(method, "triton")
-    assert triton_decode.COMBINE == 4 and triton_decode.MIN_SPLIT == 64 and triton_decode.POOL_GATHER  # restored
+    assert launch_config.COMBINE == 4 and launch_config.MIN_SPLIT == 64 and launch_config.POOL_GATHER  # restored
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
     bad_values = ({"COMBINE": 0}, {"MIN_SPLIT": 24}, {"WIDE_WARPS": 2}, {"BLOCK": 8}, {"COMBINE": True})
     for bad in (*bad_values, {"SHORT_KEYS": 2}, {"POOL_GATHER": True}):
         with pytest.raises(ValueError):
-            with triton_decode.tuned(**bad):
+            with launch_config.tuned(**bad):
                 pass
 
 
 def test_leaving_out_a_part_of_the_second_kernel_is_for_timing_only():
-    """``triton_decode.leaving_out`` (``python -m benchmarks kernel-parts``) launches the second kernel without a
+    """``launch_config.leaving_out`` (``python -m benchmarks kernel-parts``) launches the second kernel without a
     part: every variant runs; without the fold SLAKE's ``d x d`` state keeps what the prefill left, where a real
     step folds each victim into it; outside the block the step is the real one again."""
-    from slake.kernels import load
-
-    triton_decode = load()
     m = _method("slake")
     run = dict(B=1, steps=2, layers=1, pad=False)
     prefilled, _ = _run(m, "triton", **{**run, "steps": 0})
@@ -557,8 +546,8 @@ def test_leaving_out_a_part_of_the_second_kernel_is_for_timing_only():
     d = prefilled.layers[0].keys.shape[-1]
     block = prefilled.layers[0].linear.aug[..., :d, :d]
     assert not torch.equal(real.layers[0].linear.aug[..., :d, :d], block)  # the real step folded its victims
-    for part in triton_decode.SKIP_PARTS:
-        with triton_decode.leaving_out(part):
+    for part in launch_config.SKIP_PARTS:
+        with launch_config.leaving_out(part):
             eng, outs = _run(m, "triton", **run)
         assert all(bool(torch.isfinite(o).all()) for o in outs), part
         if part == "fold":
@@ -567,5 +556,5 @@ def test_leaving_out_a_part_of_the_second_kernel_is_for_timing_only():
     for a, b in zip(real_out, again_out, strict=True):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="unknown kernel parts"):
-        with triton_decode.leaving_out("everything"):
+        with launch_config.leaving_out("everything"):
             pass

@@ -88,9 +88,9 @@ def test_every_fused_kernel_compiles_for_an_h100(shape):
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
     """``python -m benchmarks kernel-parts`` times SLAKE's second kernel with each of its parts left out
-    (``triton_decode.leaving_out``): every part left out at once takes each alternative the kernel has, and it
+    (``launch_config.leaving_out``): every part left out at once takes each alternative the kernel has, and it
     compiles for an H100 (a variant that does not would cost a GPU session its measurement)."""
-    from slake.kernels.triton_decode import SKIP_PARTS
+    from slake.kernels.launch_config import SKIP_PARTS
 
     (r,) = _compile({"slake@bfloat16": 2}, "--leave-out", ",".join(SKIP_PARTS))
     assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r

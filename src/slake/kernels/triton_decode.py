@@ -5,24 +5,25 @@ slots addressed through a block table (a dense ``(B, Hkv, n, d)`` store is one b
 its own block table) and arbitrary strides for keys and values:
 
 1. :func:`_append_logits_kernel`, one program per (row, KV head, split of the row's slots), flash-decoding style:
-   rows are cut into pieces of :func:`split_size` slots so that a batch of one still occupies a GPU. The program
-   whose piece holds the row's first free slot writes the new key/value there (quantised for 8-bit storage) and
-   its metadata; every program computes the logits of the row's ``g`` query heads over its slots (``-inf`` where a
-   slot is empty or hidden), written to a scratch buffer, and its partial softmax: each query head's maximum,
-   normaliser and weighted sum of the values. With SLAKE's linear state, each program also reads its share of the
-   state's ``d x d`` block (:func:`state_rows` rows) and writes that share of the linear term's numerator, so that
-   the state is read by several of the row's programs at once rather than by one.
+   rows are cut into pieces of :func:`~slake.kernels.launch_config.split_size` slots so that a batch of one still
+   occupies a GPU. The program whose piece holds the row's first free slot writes the new key/value there (quantised
+   for 8-bit storage) and its metadata; every program computes the logits of the row's ``g`` query heads over its
+   slots (``-inf`` where a slot is empty or hidden), written to a scratch buffer, and its partial softmax: each query
+   head's maximum, normaliser and weighted sum of the values. With SLAKE's linear state, each program also reads its
+   share of the state's ``d x d`` block (:func:`~slake.kernels.launch_config.state_rows` rows) and writes that share
+   of the linear term's numerator, so that the state is read by several of the row's programs at once rather than by
+   one.
 2. :func:`_evict_attend_kernel`, one program per (row, KV head): the method's decode scores
    (:class:`slake.methods.decode_rule.FusedDecodeRule`, from the logits and the pieces' combined maxima and
    normalisers; the positional pooling ranks the slots by position with an in-program sort of int32 keys where the
-   positions allow, and pools the ranked scores in registers with ``tl.gather``, no round trip through memory),
-   the protected slots, the victim (the first minimum, as ``argmin``, found among the ranks after a pooling), the
-   fold of the victim into the PTAA linear state (the block's ``k v^T`` as atomic adds, which need no read of it),
-   the eviction, and the attention output: the pieces' partial sums combined, plus the linear
-   term (the first kernel's shares, and the victim's rank-one part when it is folded first). A method that evicts
-   before its output (SLAKE's Algorithm 1) has the victim's piece summed again without it, in float32 whatever the
-   cache's dtype (half-precision operands there cost the kernel its registers: it spilled at Llama-3-8B's shape in
-   bfloat16), :data:`RECOMPUTE_BLOCK` slots at a time; optionally the layer's position counter.
+   positions allow, and pools the ranked scores in registers with ``tl.gather``, no round trip through memory), the
+   protected slots, the victim (the first minimum, as ``argmin``, found among the ranks after a pooling), the fold of
+   the victim into the PTAA linear state (the block's ``k v^T`` as atomic adds, which need no read of it), the
+   eviction, and the attention output: the pieces' partial sums combined, plus the linear term (the first kernel's
+   shares, and the victim's rank-one part when it is folded first). A method that evicts before its output (SLAKE's
+   Algorithm 1) has the victim's piece summed again without it, in float32 whatever the cache's dtype (half-precision
+   operands there cost the kernel its registers: it spilled at Llama-3-8B's shape in bfloat16),
+   :data:`~slake.kernels.launch_config.RECOMPUTE_BLOCK` slots at a time; optionally the layer's position counter.
 
 A rule that reads the step's queries through a fixed map (Expected Attention) has the first kernel compute its
 logits and softmax statistics beside the attention's, and each slot's value norm. CriticalKV's two stages weigh
@@ -37,20 +38,19 @@ kernels is what Triton's interpreter cannot do, and there is nothing for inducto
 without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by :mod:`slake.kernels` before
 this module is imported), which is how the tests check them against the torch step. The first kernel lives in
 :mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in :mod:`slake.kernels.triton_slots`,
-the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`.
+the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`, the
+launch configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
+:mod:`slake.kernels.launch_config`.
 """
 
 from __future__ import annotations
-
-import contextlib
-import struct
-from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import custom_op
 
+from slake.kernels import launch_config as launch
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_rules import (
     _value_projection_kernel,
@@ -63,12 +63,7 @@ from slake.kernels.triton_rules import (
 )
 from slake.kernels.triton_slots import load_queries, load_row
 
-__all__ = [
-    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "RULE_CODES",
-    "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers",
-    "evict_warps", "fused_step", "fused_step_op", "key_span", "leaving_out", "ratio_parts", "split_size",
-    "state_rows", "tuned",
-]  # fmt: skip
+__all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
 RULE_CODES = {
@@ -335,164 +330,9 @@ def _evict_attend_kernel(
             tl.store(counter_ptr, newest + 1)
 
 
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(int(n) - 1, 0).bit_length())
-
-
-#: the fewest slots one program of the first kernel reads (a power of two; a block of the slot loop, and the
-#: smallest ``tl.dot`` operand a GPU takes is 16 wide)
-MIN_SPLIT = 64
-#: about how many programs the first kernel should run in all: enough to occupy a GPU's streaming multiprocessors
-#: (an H100 has 132) when few rows and KV heads would leave most of them idle
-TARGET_PROGRAMS = 256
-
-
-#: the most slots the first kernel's search for the free slot reads at once (a power of two)
-FREE_BLOCK = 2048
-#: pieces the second kernel combines per group of loads in flight
-COMBINE = 4
-#: rows of at least this many slots (padded to a power of two) run the second kernel with more warps
-WIDE_ROW = 1024
-#: the second kernel's warps per program for those rows
-WIDE_WARPS = 8
-#: slots per block when the second kernel sums the victim's piece again (SLAKE): its float32 values tile is
-#: ``RECOMPUTE_BLOCK x d``; at 64 x 128 it took 64 registers a thread at 4 warps, and the kernel spilled at the vLLM
-#: pool's shape (8 rows, budget 128; ``tests/test_kernels_compile.py``)
-RECOMPUTE_BLOCK = 32
-
-
-#: parts of the second kernel that :func:`leaving_out` switches off, to time what each costs (``python -m benchmarks
-#: kernel-parts``): the positional pooling's sort by position, SLAKE's fold into the linear state, the re-summing of
-#: the victim's piece, the combination of the first kernel's pieces, and the decode rule's attention signal. A step
-#: without one of them computes something else: for timing only.
-SKIP_PARTS = {"sort": 1, "fold": 2, "recompute": 4, "combine": 8, "signal": 16}
-_left_out = 0
-
-
-@contextlib.contextmanager
-def leaving_out(*parts: str) -> Iterator[None]:
-    """Within the block, the fused steps launched (:func:`fused_step`) run their second kernel without ``parts``
-    (names of :data:`SKIP_PARTS`), to time the rest; their results are not the step's. Restores the previous
-    setting on exit."""
-    global _left_out
-    unknown = set(parts) - set(SKIP_PARTS)
-    if unknown:
-        raise ValueError(f"unknown kernel parts {sorted(unknown)}; known: {sorted(SKIP_PARTS)}")
-    before = _left_out
-    _left_out = before | sum(SKIP_PARTS[p] for p in set(parts))
-    try:
-        yield
-    finally:
-        _left_out = before
-
-
-#: the launch constants :func:`tuned` may change (each is read when a step is launched)
-TUNABLE = (
-    "COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT", "SHORT_KEYS", "POOL_GATHER",
-)  # fmt: skip
-
-
-@contextlib.contextmanager
-def tuned(**values: int) -> Iterator[None]:
-    """Within the block, the fused steps launched use other values of the launch constants named in
-    :data:`TUNABLE` (``python -m benchmarks kernel-tune`` times the alternatives on a GPU); the step computes the
-    same thing with any of them. Values are checked: ``COMBINE`` and ``TARGET_PROGRAMS`` positive, ``WIDE_WARPS``
-    4, 8 or 16, the switches ``SHORT_KEYS`` and ``POOL_GATHER`` 0 or 1, the others powers of two of at least 16 (a
-    ``tl.dot`` operand's smallest width). Restores the previous values on exit."""
-    unknown = set(values) - set(TUNABLE)
-    if unknown:
-        raise ValueError(f"unknown launch constants {sorted(unknown)}; tunable: {list(TUNABLE)}")
-    for name, v in values.items():
-        if name in ("SHORT_KEYS", "POOL_GATHER"):
-            if isinstance(v, bool) or v not in (0, 1):
-                raise ValueError(f"{name} must be 0 or 1, got {v!r}")
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if name == "WIDE_WARPS" and v not in (4, 8, 16):
-            raise ValueError(f"WIDE_WARPS must be 4, 8 or 16, got {v}")
-        if name in ("RECOMPUTE_BLOCK", "WIDE_ROW", "MIN_SPLIT") and (v < 16 or v & (v - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    here = globals()
-    before = {name: here[name] for name in values}
-    here.update({k: bool(v) if k in ("SHORT_KEYS", "POOL_GATHER") else v for k, v in values.items()})
-    try:
-        yield
-    finally:
-        here.update(before)
-
-
-def evict_warps(padded_width: int) -> int:
-    """Warps per program of the second kernel for rows padded to ``padded_width`` slots: :data:`WIDE_WARPS` (8) for
-    wide rows, else 4.
-
-    The second kernel runs one program per (row, KV head), which at batch 1 is 8 programs on a GPU of 132
-    multiprocessors; a wide row's vectors (its slots' positions, scores and validity, its sort for the positional
-    pooling) then hold 16 values per thread at 4 warps, which is what made the kernel spill registers at
-    Llama-3-8B's shape and budget 1,024 (``tests/test_kernels_compile.py``). Twice the threads halve that and
-    hide more of each program's memory latency."""
-    return WIDE_WARPS if padded_width >= WIDE_ROW else 4
-
-
-def evict_registers(padded_width: int) -> int | None:
-    """The register limit per thread of the second kernel (``maxnreg``) for rows padded to ``padded_width`` slots:
-    255 for the wide rows of :func:`evict_warps` (what a multiprocessor's 64K registers give each thread of one
-    program, at 16 warps 128), else ptxas's choice (None; the interpreter ignores it). With the
-    positional pooling's two sorts (:func:`slake.kernels.triton_rules.position_order`) ptxas chose 128 registers
-    at 8 warps and spilled 36 bytes at Llama-3-8B's shape; one program per (row, KV head) leaves the
-    multiprocessors' registers idle anyway at the batches where rows are this wide."""
-    warps = evict_warps(padded_width)
-    return min(255, 65536 // (32 * warps)) if warps >= 8 else None
-
-
-#: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off in tests, to
-#: run the int64 sort on small positions, and in ``kernel-tune``'s variant that times what the short keys gain
-SHORT_KEYS = True
-#: whether the positional pooling ranks and shifts the scores in registers (``tl.gather``); off only to time the
-#: pooling of before, through the row's scratch buffer in memory (``kernel-tune``)
-POOL_GATHER = True
-
-
-def key_span(padded_width: int) -> int:
-    """The span of valid positions under which the positional pooling sorts int32 keys (the position less the
-    row's lowest, times ``padded_width``, plus the slot: below ``2**31``), or 0 (never) when :data:`SHORT_KEYS`
-    is off."""
-    return (1 << 31) // int(padded_width) - 2 if SHORT_KEYS else 0
-
-
-def state_rows(d: int, pieces: int) -> int:
-    """Rows of the PTAA linear state's ``d x d`` block that each of a row's ``pieces`` first-kernel programs reads
-    for the linear term: an even share, a power of two of at least 16 (the smallest ``tl.dot`` operand), so that
-    the programs together cover every row once (the last ones may have none)."""
-    return _pow2(-(-int(d) // max(int(pieces), 1)), 16)
-
-
-def ratio_parts(ratio: float) -> list[float]:
-    """``ratio`` as three float32 values whose float64 sum is exactly ``ratio`` (a kernel's float arguments are
-    float32; the two-stage rule computes ``floor(n * ratio)`` in float64, as the torch rule does)."""
-    parts = []
-    rest = float(ratio)
-    for _ in range(3):
-        parts.append(struct.unpack("f", struct.pack("f", rest))[0])  # rounded to float32
-        rest -= parts[-1]
-    if rest != 0.0 or (parts[0] + parts[1]) + parts[2] != float(ratio):
-        raise ValueError(f"cannot split the ratio {ratio!r} into three float32 parts")
-    return parts
-
-
-def split_size(width: int, programs: int) -> int:
-    """Slots per program of the first kernel for rows of ``width`` slots and ``programs`` (rows x KV heads): rows
-    are split over several programs (flash-decoding) until about :data:`TARGET_PROGRAMS` run, never into pieces of
-    fewer than :data:`MIN_SPLIT` slots. A power of two."""
-    wanted = -(-TARGET_PROGRAMS // max(int(programs), 1))  # splits per row and KV head
-    return _pow2(-(-int(width) // wanted), MIN_SPLIT)
-
-
 _MUTATED = (
     "k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter", "weights",
 )  # fmt: skip
-#: output channels of ``W_o`` per program of the projection kernel
-PROJECTION_BLOCK = 64
 
 
 def fused_step(
@@ -548,8 +388,8 @@ def fused_step(
     H = key.shape[1]
     G = Hq // H
     W = int(width)
-    GP, DP, BW = _pow2(G, 16), _pow2(d, 16), _pow2(W, 16)
-    split = min(split_size(W, R * H), BW)
+    GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
+    split = min(launch.split_size(W, R * H), BW)
     S = -(-W // split)
     BLOCK_N = min(64, split)
     dev = query.device
@@ -560,12 +400,12 @@ def fused_step(
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
     # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order (or
     # the pooling goes through memory, POOL_GATHER off)
-    scratch = (pool_k > 1 and (two_stage or not POOL_GATHER)) or rule == RULE_CODES["key_diversity"]
+    scratch = (pool_k > 1 and (two_stage or not launch.POOL_GATHER)) or rule == RULE_CODES["key_diversity"]
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
     map_q = rule == RULE_CODES["expected_attention"]
     estat = torch.empty_like(stat) if map_q else stat
     vn = torch.empty(R, H, W, dtype=torch.float32, device=dev) if value_norm else x
-    NB = -(-out_proj.shape[0] // PROJECTION_BLOCK) if two_stage else 1
+    NB = -(-out_proj.shape[0] // launch.PROJECTION_BLOCK) if two_stage else 1
     pw = torch.empty(R, Hq, NB, dtype=torch.float32, device=dev) if two_stage else x
     lin = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev) if has_linear else x
     w_strides = weights.stride() if two_stage else (0, 0, 0)
@@ -593,8 +433,8 @@ def fused_step(
         query_map, estat, vn,
         aug, *a_strides, lin,
         W, H, S, float(scaling),
-        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, FREE_BLOCK), MB=16,
-        HAS_LINEAR=bool(has_linear), RB=state_rows(d, S), **common,
+        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, launch.FREE_BLOCK), MB=16,
+        HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
     )  # fmt: skip
     if two_stage:
         _value_projection_kernel[(Hq, NB)](
@@ -603,7 +443,7 @@ def fused_step(
             table, table.stride(0), block_size,
             newslot, out_proj, *out_proj.stride(), pw,
             R, H, out_proj.shape[0], NB,
-            G=G, D=d, DP=DP, HB=PROJECTION_BLOCK, QUANT=quant,
+            G=G, D=d, DP=DP, HB=launch.PROJECTION_BLOCK, QUANT=quant,
         )  # fmt: skip
     _evict_attend_kernel[(R, H)](
         query, *query.stride(),
@@ -621,15 +461,15 @@ def fused_step(
         counter,
         estat, vn, weights, *w_strides, pw, NB, lin,
         W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
-        *ratio_parts(ratio),
-        SP=_pow2(S), BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
+        *launch.ratio_parts(ratio),
+        SP=launch.pow2(S), BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
         GROUP_MAX=bool(group_max),
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
-        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=_pow2(NB), GEN_FIRST=bool(generated_first),
-        COMBINE=COMBINE, VB=min(RECOMPUTE_BLOCK, BLOCK_N), SKIP=_left_out, GC=_pow2(G), KEY_SPAN=key_span(BW),
-        POOL_GATHER=bool(POOL_GATHER),
-        num_warps=evict_warps(BW), maxnreg=evict_registers(BW),
+        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
+        COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
+        KEY_SPAN=launch.key_span(BW), POOL_GATHER=bool(launch.POOL_GATHER),
+        num_warps=launch.evict_warps(BW), maxnreg=launch.evict_registers(BW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out

@@ -69,7 +69,7 @@ def position_order(pos, valid, wmask, sw, BW: tl.constexpr, KEY_SPAN: tl.constex
     position, then the empty ones and those past the row's width, by slot (a permutation of ``0 .. BW - 1``).
 
     One sort of keys that carry the slot in their low bits. The keys are int32 when the valid positions span fewer
-    than ``KEY_SPAN`` (:func:`slake.kernels.triton_decode.key_span`: ``2**31 / BW - 2``, a million tokens at 2,048
+    than ``KEY_SPAN`` (:func:`slake.kernels.launch_config.key_span`: ``2**31 / BW - 2``, a million tokens at 2,048
     slots; the key is the position less the lowest valid one), int64 otherwise: a 64-bit sort is emulated with
     twice the registers and shuffles of a 32-bit one (at Llama-3-8B's shape and 1,025 slots, 1,050 shuffles against
     570, ``tests/kernel_aot.py``)."""
@@ -93,7 +93,7 @@ def pool_by_position(scores, valid, order, base, W, sw, wmask, BW: tl.constexpr,
 
     ``IN_REGISTERS``: the ranking and the shifts are gathers within the program (``tl.gather``), and the pooled
     scores come back in rank order (entry ``i`` belongs to slot ``order[i]``). Otherwise (the pooling of before,
-    kept to time one against the other: ``triton_decode.POOL_GATHER``) they go through the row's scratch buffer in
+    kept to time one against the other: ``launch_config.POOL_GATHER``) they go through the row's scratch buffer in
     global memory (``base``, ``2 * BW`` floats), three store-barrier-load round trips, and come back in slot
     order."""
     if IN_REGISTERS:
