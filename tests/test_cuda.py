@@ -39,6 +39,27 @@ def test_fused_kernels_give_the_torch_steps_tokens(method):
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
 
 
+@pytest.mark.parametrize("method", ["snapkv", "slake", "criticalkv"])
+def test_cached_launches_give_the_tokens_of_launches_through_triton(method, monkeypatch):
+    """On a GPU the fused kernels are launched through :mod:`slake.kernels.launch_cache` (Triton binds a launch's
+    arguments once per key): eager decoding of a left-padded batch (rows that are views at offsets) gives the
+    tokens and kept counts of launches that all go through ``kernel[grid](...)``, and most launches skipped the
+    binding. CriticalKV adds the third kernel."""
+    from slake.kernels import launch_cache, launch_config
+
+    model = tiny_model("llama-gqa", layers=2).cuda()
+    monkeypatch.setattr(launch_config, "CACHED_LAUNCH", False)
+    ref, ref_stats = _decode(model, method, 24, None, kernels="triton", static=False)
+    monkeypatch.setattr(launch_config, "CACHED_LAUNCH", True)
+    hits = sum(launcher.hits for _, launcher in launch_cache._launchers.values())
+    fused, stats = _decode(model, method, 24, None, kernels="triton", static=False)
+    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "triton"
+    assert torch.equal(fused, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
+    launches = sum(launcher.hits + launcher.misses for _, launcher in launch_cache._launchers.values())
+    assert launches > 0 and sum(launcher.hits for _, launcher in launch_cache._launchers.values()) - hits > 24
+
+
 @pytest.mark.parametrize("method", ["full", "snapkv", "h2o", "cake", "slake", "lava", "ahakv", "sagekv"])
 def test_decode_replayed_as_cuda_graphs_equals_eager(method):
     """Dynamo's CUDA-graph backend (no code generation: what a graph needs, static addresses and no host read-back)

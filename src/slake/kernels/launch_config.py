@@ -10,13 +10,14 @@ made here, or within :func:`tuned`, takes effect at the next launch.
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 from collections.abc import Iterator
 
 __all__ = [
-    "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK", "SHORT_KEYS",
-    "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers", "evict_warps",
-    "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size", "state_rows", "tuned",
+    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK",
+    "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers",
+    "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size", "state_rows", "tuned",
 ]  # fmt: skip
 
 
@@ -132,6 +133,12 @@ def evict_registers(padded_width: int) -> int | None:
     warps = evict_warps(padded_width)
     return min(255, 65536 // (32 * warps)) if warps >= 8 else None
 
+
+#: whether the kernels are launched through :mod:`slake.kernels.launch_cache` on a GPU (Triton binds a launch's
+#: arguments once per key, not at every launch: ``docs/gpu.md`` measures what that saves); off, every launch goes
+#: through ``kernel[grid](...)``. No effect in the interpreter. The environment variable ``SLAKE_CACHED_LAUNCH=0``
+#: turns it off for a whole run (read when this module is imported).
+CACHED_LAUNCH = os.environ.get("SLAKE_CACHED_LAUNCH", "1").strip().lower() not in ("0", "false", "off", "no")
 
 #: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off in tests, to
 #: run the int64 sort on small positions, and in ``kernel-tune``'s variant that times what the short keys gain

@@ -40,7 +40,8 @@ this module is imported), which is how the tests check them against the torch st
 :mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in :mod:`slake.kernels.triton_slots`,
 the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`, the
 launch configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
-:mod:`slake.kernels.launch_config`.
+:mod:`slake.kernels.launch_config`, and the launches that skip Triton's per-call argument binding on a GPU in
+:mod:`slake.kernels.launch_cache`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import triton.language as tl
 from torch.library import custom_op
 
 from slake.kernels import launch_config as launch
+from slake.kernels.launch_cache import cached
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_rules import (
     _value_projection_kernel,
@@ -417,7 +419,7 @@ def fused_step(
         G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, SPLIT=split, QUANT=quant, LOW_DOT=bool(low_dot),
         HAS_ROWS=bool(has_rows),
     )  # fmt: skip
-    _append_logits_kernel[(R, H, S)](
+    cached(_append_logits_kernel)[(R, H, S)](
         query, *query.stride(),
         key, *key.stride(),
         value, *value.stride(),
@@ -437,7 +439,7 @@ def fused_step(
         HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
     )  # fmt: skip
     if two_stage:
-        _value_projection_kernel[(Hq, NB)](
+        cached(_value_projection_kernel)[(Hq, NB)](
             v_mem, *v_strides,
             v_scale, *s_strides,
             table, table.stride(0), block_size,
@@ -445,7 +447,7 @@ def fused_step(
             R, H, out_proj.shape[0], NB,
             G=G, D=d, DP=DP, HB=launch.PROJECTION_BLOCK, QUANT=quant,
         )  # fmt: skip
-    _evict_attend_kernel[(R, H)](
+    cached(_evict_attend_kernel)[(R, H)](
         query, *query.stride(),
         k_mem, *k_strides,
         v_mem, *v_strides,

@@ -1,0 +1,192 @@
+"""Launching the fused kernels without Triton's per-call argument binding, where nothing it decides has changed.
+
+``kernel[grid](*args)`` in Triton 3.6 (``JITFunction.run``) binds every argument by name and specializes each one
+(a tensor's dtype and whether its address is a multiple of 16; an integer's width, whether it is 1 and whether it
+is a multiple of 16; ``native_specialize_impl``), hashes the result to find the compiled kernel, and only then
+hands the arguments to the C launcher. The fused step's kernels take 77 and 106 arguments (strides, placeholders,
+constants), and that binding is the larger part of their host time: measured on this project's two-core CPU with
+Triton's CUDA backend (the binder and cache key alone, no GPU needed), 51 and 70 µs per launch, while the C
+launcher reads the 23 and 27 tensors' addresses in about 5 µs each time. In eager decoding on a GPU the host is the
+bottleneck (``docs/gpu.md``), and a 32-layer model makes 64 such launches per token.
+
+:class:`CachedLaunch` keys a launch on what decides the compiled kernel, in a form that costs a fraction of the
+binding: every runtime argument's type and value (an integer's value decides its specialization; a float's
+does not, so only its type counts), every tensor's dtype and 16-byte alignment, the constants and launch options,
+the current device, and Triton's two run-time knobs that enter its own cache key (``debug`` and the
+instrumentation mode). The first launch with a key goes through Triton (which binds, compiles or finds the kernel,
+launches it and returns it); later launches with the same key call that compiled kernel's launcher directly, with
+the arguments in the order Triton passes them. The key is at least as fine as Triton's specialization (two
+launches with one key are specialized alike: ``tests/test_launch_cache.py`` holds it against Triton's own binder for
+the CUDA backend), so a cached kernel is never launched with arguments Triton would have compiled differently.
+
+Where Triton would do more than bind and launch, the launch goes through Triton: a launch hook set (a profiler's,
+``knobs.runtime.launch_enter_hook``), a pre-run hook on the kernel, a global variable the kernel reads changed since
+it was compiled (Triton raises then), or the interpreter (``TRITON_INTERPRET=1``, where kernels are not
+:class:`~triton.runtime.jit.JITFunction`). :data:`slake.kernels.launch_config.CACHED_LAUNCH` turns the cache off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_ENTRIES", "CachedLaunch", "cached", "launch_key", "launch_mode"]
+
+#: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
+#: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
+MAX_ENTRIES = 64
+
+_MISSING = object()
+_TENSOR = torch.Tensor
+
+
+def launch_key(args: Sequence[Any]) -> tuple:
+    """What decides how Triton specializes ``args`` (a launch's runtime arguments, in order), as a hashable tuple:
+    per tensor its dtype and its address modulo 16 (Triton asks whether it is a multiple of 16); per float its type
+    only (Triton does not specialize float arguments); per other value its type and the value itself (an integer's
+    specialization - its width, whether it is 1, whether a multiple of 16 - is a function of its value; the type
+    keeps ``True`` apart from ``1``). Equal keys mean equal specializations; the converse need not hold (two strides
+    of 32 and 48 specialize alike and key apart), which only costs a second pass through Triton."""
+    parts: list[Any] = []
+    add = parts.append
+    for a in args:  # the common classes by identity first: this loop is most of a cached launch's host time
+        c = a.__class__
+        if c is int or c is bool:
+            add(c)
+            add(a)
+        elif c is float:
+            add(c)
+        elif c is _TENSOR or isinstance(a, _TENSOR):
+            add(a.dtype)
+            add(a.data_ptr() & 15)
+        else:
+            add(c)
+            add(a)
+    return tuple(parts)
+
+
+def _knobs() -> Any:
+    """``triton.knobs`` (imported on first use: this module loads without Triton)."""
+    global _KNOBS
+    if _KNOBS is None:
+        from triton import knobs
+
+        _KNOBS = knobs
+    return _KNOBS
+
+
+_KNOBS: Any = None
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook of Triton's is set: in Triton 3.6 a ``HookChain``, set when it holds a call."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class CachedLaunch:
+    """A Triton kernel launched through its compiled kernel once Triton has bound a launch of the same key
+    (:func:`launch_key`; the module's docstring says what the key holds and when a launch still goes through
+    Triton). ``launcher[grid](*args, **constants)`` launches as ``kernel[grid](*args, **constants)`` would: runtime
+    arguments positional, constants and options (``num_warps``, ``maxnreg``) by name.
+
+    ``driver``: where the current device and stream come from (Triton's active driver unless given; tests pass a
+    stand-in). ``hits`` and ``misses`` count the launches that skipped Triton's binding and those that went through
+    it."""
+
+    def __init__(self, kernel: Any, driver: Any = None) -> None:
+        self.kernel = kernel
+        self._driver = driver
+        self.entries: dict[tuple, tuple[Any, tuple]] = {}
+        self.hits = 0
+        self.misses = 0
+        self._names = list(kernel.arg_names)
+        self._defaults = {p.name: p.default for p in kernel.params if p.has_default}
+
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _through_triton(self, grid: Sequence[int], args: tuple, kwargs: dict) -> Any:
+        self.misses += 1
+        return self.kernel[tuple(grid)](*args, **kwargs)
+
+    def launch(self, grid: Sequence[int], args: tuple, kwargs: dict) -> None:
+        """Launch the kernel on ``grid`` (one to three program counts) with runtime ``args`` and named
+        ``kwargs``."""
+        knobs = _knobs()
+        runtime = knobs.runtime
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or self.kernel.pre_run_hooks:
+            self._through_triton(grid, args, kwargs)
+            return
+        driver = self._driver
+        if driver is None:
+            from triton.runtime.driver import driver as triton_driver
+
+            driver = self._driver = triton_driver.active
+        device = driver.get_current_device()
+        key = (
+            device,
+            runtime.debug,
+            knobs.compilation.instrumentation_mode,
+            tuple(kwargs.items()),
+            launch_key(args),
+        )
+        entry = self.entries.get(key)
+        if entry is not None:
+            for (name, _), (value, where) in self.kernel.used_global_vals.items():
+                if where.get(name, _MISSING) != value:  # Triton raises for this: let it
+                    entry = None
+                    break
+        if entry is None:
+            compiled = self._through_triton(grid, args, kwargs)
+            if compiled is not None:
+                if len(self.entries) >= MAX_ENTRIES:
+                    self.entries.clear()
+                # the constants in the order of the kernel's signature, after the runtime arguments: Triton passes
+                # every parameter to the launcher, which skips the constants
+                tail = tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(args) :])
+                self.entries[key] = (compiled, tail)
+            return
+        compiled, tail = entry
+        self.hits += 1
+        g0 = grid[0]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = driver.get_current_stream(device)
+        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+
+
+_launchers: dict[int, tuple[Any, CachedLaunch]] = {}
+
+
+def cached(kernel: Any) -> Any:
+    """``kernel`` to launch as ``cached(kernel)[grid](...)``: its :class:`CachedLaunch` when it is a compiled Triton
+    kernel (one per kernel, made on first use) and :data:`~slake.kernels.launch_config.CACHED_LAUNCH` is on;
+    ``kernel`` itself otherwise (the interpreter's kernels, and the stand-ins the benchmarks and the ahead-of-time
+    compilation put in the kernels' place)."""
+    from slake.kernels import launch_config
+
+    if not launch_config.CACHED_LAUNCH:
+        return kernel
+    hit = _launchers.get(id(kernel))
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    launcher = CachedLaunch(kernel)
+    _launchers[id(kernel)] = (kernel, launcher)
+    return launcher
+
+
+def launch_mode() -> str:
+    """How the fused kernels are launched now: ``"interpreter"`` (Triton's interpreter, CPU tensors), ``"cached"``
+    (:class:`CachedLaunch` on a GPU) or ``"triton"`` (``kernel[grid](...)`` at every launch, with
+    :data:`~slake.kernels.launch_config.CACHED_LAUNCH` off). ``slake bench`` records it in its rows."""
+    from slake.kernels import interpreted, launch_config
+
+    if interpreted():
+        return "interpreter"
+    return "cached" if launch_config.CACHED_LAUNCH else "triton"

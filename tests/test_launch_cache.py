@@ -1,0 +1,256 @@
+"""Launches without Triton's per-call binding (:mod:`slake.kernels.launch_cache`): the key is at least as fine as
+Triton's own specialization, checked against the binder Triton builds for its CUDA backend (which runs without a
+GPU) on the arguments of real fused steps; and the launcher's bookkeeping (when it goes through Triton, what it
+hands the compiled kernel) with stand-ins for a kernel and a driver. The launches themselves need a GPU:
+``tests/test_cuda.py``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+
+import pytest
+import torch
+
+from slake.kernels import launch_cache, launch_config, load
+from slake.kernels.launch_cache import CachedLaunch, cached, launch_key
+
+pytestmark = pytest.mark.transformers_free
+
+KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+
+
+def _triton_binder(kernel):
+    """The function Triton's ``JITFunction.run`` binds and specializes a launch's arguments with, built for the
+    CUDA backend of an sm_90 GPU from ``kernel``'s Python signature: ``(args, kwargs) -> specialization``."""
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import KernelParam, create_function_from_signature
+
+    sig = inspect.signature(kernel.fn)
+    params = [KernelParam(i, p, False, False) for i, p in enumerate(sig.parameters.values())]
+    binder = create_function_from_signature(sig, params, backends["nvidia"].compiler(GPUTarget("cuda", 90, 32)))
+    return lambda args, kwargs: binder(*args, **kwargs)[1]
+
+
+@pytest.fixture(scope="module")
+def recorded_launches():
+    """The arguments of the fused step's launches for SLAKE, SnapKV and CriticalKV (its third kernel too), bf16 keys,
+    a padded batch, recorded by stand-ins in the kernels' place: ``[(kernel, args, kwargs)]``."""
+    decode = load()
+    import test_fused_decode as harness
+
+    seen: list = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((self.kernel, args, kwargs))
+
+    saved = {name: getattr(decode, name) for name in KERNELS}
+    try:
+        for name in KERNELS:
+            setattr(decode, name, Recorder(saved[name]))
+        for method in ("slake", "snapkv", "criticalkv"):
+            harness._run(harness._method(method), "triton", steps=1, layers=1, dtype=torch.bfloat16)
+    finally:
+        for name, kernel in saved.items():
+            setattr(decode, name, kernel)
+    assert len({id(k) for k, _, _ in seen}) == 3 and len(seen) == 7
+    return seen
+
+
+def _variants(args: tuple, rng: random.Random) -> list[tuple]:
+    """Copies of ``args`` with one argument changed in a way Triton's specialization may or may not see: a tensor
+    moved off (or onto) a 16-byte boundary, or given another dtype; an integer set to 0, 1, 2, 16, 17, -16,
+    2**31, 2**31 + 16 or 2**63; a bool flipped; a float changed."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            flat = torch.zeros(a.numel() + 8, dtype=a.dtype)
+            for shift in (0, 1, 4):
+                out.append(args[:i] + (flat[shift : shift + a.numel()],) + args[i + 1 :])
+            other = torch.int32 if a.dtype != torch.int32 else torch.int64
+            out.append(args[:i] + (a.to(other),) + args[i + 1 :])
+        elif isinstance(a, bool):
+            out.append(args[:i] + (not a,) + args[i + 1 :])
+        elif isinstance(a, int):
+            for v in rng.sample([0, 1, 2, 16, 17, -16, 2**31, 2**31 + 16, 2**63, a + 1, a * 16], 4):
+                out.append(args[:i] + (v,) + args[i + 1 :])
+            out.append(args[:i] + (bool(a),) + args[i + 1 :])  # True == 1 and hashes alike: the key must not
+        elif isinstance(a, float):
+            out.append(args[:i] + (a * 3.0 + 1.0,) + args[i + 1 :])
+    return out
+
+
+def test_equal_keys_mean_equal_triton_specializations(recorded_launches):
+    """Over the recorded launches and one-argument variants of each, two argument lists with one
+    :func:`launch_key` get one specialization from Triton's CUDA binder: a cached kernel is never launched with
+    arguments Triton would have compiled apart. And the key is not so fine that it never repeats: the same
+    arguments in fresh tensors of the same dtypes (as every step allocates) key alike."""
+    rng = random.Random(0)
+    for kernel, args, kwargs in recorded_launches:
+        spec = _triton_binder(kernel)
+        lists = [args, *_variants(args, rng)]
+        by_key: dict[tuple, list] = {}
+        for a in lists:
+            by_key.setdefault(launch_key(a), []).append(spec(a, kwargs))
+        for specs in by_key.values():
+            assert all(s == specs[0] for s in specs), "one key, two specializations"
+        # every variant Triton specializes differently keys apart, so the key saw it
+        assert len(by_key) >= len({tuple(map(str, spec(a, kwargs))) for a in lists})
+        fresh = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        assert launch_key(fresh) == launch_key(args)
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+        self.has_default = default is not inspect.Parameter.empty
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: records what its launcher is handed."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launched: list = []
+
+    def run(self, *args):
+        self.launched.append(args)
+
+
+class _Kernel:
+    """A Triton kernel's stand-in with parameters ``x, n, A, B=7``, the last two constants."""
+
+    arg_names = ["x", "n", "A", "B"]
+    params = [_Param("x"), _Param("n"), _Param("A"), _Param("B", 7)]
+
+    def __init__(self):
+        self.pre_run_hooks: list = []
+        self.used_global_vals: dict = {}
+        self.through: list = []
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.through.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+class _Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 1234
+
+
+def test_a_repeated_launch_skips_triton_and_hands_the_compiled_kernel_its_arguments():
+    kernel = _Kernel()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    x = torch.zeros(8)
+    launcher[(3, 2)](x, 5, A=2, num_warps=4)
+    assert launcher.misses == 1 and len(kernel.through) == 1 and kernel.through[0][2] == {"A": 2, "num_warps": 4}
+    launcher[(3, 2)](torch.ones(8), 5, A=2, num_warps=4)  # a fresh tensor of the same dtype and alignment
+    assert launcher.hits == 1 and len(kernel.through) == 1
+    # the grid padded to three, the stream, the kernel's handles, no launch metadata or hooks, then every parameter
+    # in the signature's order: the constants after the runtime arguments, defaults included, options left out
+    (launched,) = kernel.compiled.launched
+    assert launched[:9] == (3, 2, 1, 1234, "function", "metadata", None, None, None)
+    assert launched[10:] == (5, 2, 7)
+    # what Triton specializes on sends the launch through Triton again: another int, a misaligned tensor, another
+    # constant, another option
+    launcher[(3, 2)](x, 1, A=2, num_warps=4)
+    launcher[(3, 2)](torch.zeros(9)[1:], 5, A=2, num_warps=4)
+    launcher[(3, 2)](x, 5, A=3, num_warps=4)
+    launcher[(3, 2)](x, 5, A=2, num_warps=8)
+    assert launcher.misses == 5 and launcher.hits == 1
+
+
+def test_launches_go_through_triton_under_hooks_and_changed_globals(monkeypatch):
+    from triton import knobs
+
+    kernel = _Kernel()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    x = torch.zeros(8)
+    launcher[(1,)](x, 5, A=2)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launcher[(1,)](x, 5, A=2)  # a profiler's hook: Triton passes it what it asks for
+    monkeypatch.undo()
+    kernel.pre_run_hooks.append(lambda *a, **k: None)
+    launcher[(1,)](x, 5, A=2)
+    kernel.pre_run_hooks.clear()
+    where = {"CONSTANT": 1}
+    kernel.used_global_vals[("CONSTANT", id(where))] = (1, where)
+    launcher[(1,)](x, 5, A=2)
+    assert launcher.hits == 1  # the globals as they were compiled
+    where["CONSTANT"] = 2
+    launcher[(1,)](x, 5, A=2)  # Triton raises for a changed global; it is Triton's to say
+    assert launcher.hits == 1 and launcher.misses == 4
+
+
+def test_the_cache_is_bounded():
+    kernel = _Kernel()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    x = torch.zeros(8)
+    for n in range(launch_cache.MAX_ENTRIES + 5):
+        launcher[(1,)](x, n + 2, A=2)
+    assert len(launcher.entries) <= launch_cache.MAX_ENTRIES
+
+
+def test_cached_passes_interpreted_kernels_and_stand_ins_through(monkeypatch):
+    """In the interpreter (this machine) and for the benchmarks' stand-ins the launches are Triton's own; with
+    ``CACHED_LAUNCH`` off, everywhere."""
+    decode = load()
+    assert cached(decode._evict_attend_kernel) is decode._evict_attend_kernel
+    stand_in = _Kernel()
+    assert cached(stand_in) is stand_in
+    monkeypatch.setattr(launch_config, "CACHED_LAUNCH", False)
+    assert cached(decode._append_logits_kernel) is decode._append_logits_kernel
+
+
+def test_the_environment_turns_the_cache_off_for_a_run(monkeypatch):
+    """``SLAKE_CACHED_LAUNCH=0`` (or off/false/no) in the environment when the module is imported."""
+    try:
+        for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), (None, True)):
+            if value is None:
+                monkeypatch.delenv("SLAKE_CACHED_LAUNCH", raising=False)
+            else:
+                monkeypatch.setenv("SLAKE_CACHED_LAUNCH", value)
+            assert importlib.reload(launch_config).CACHED_LAUNCH is expected
+    finally:
+        monkeypatch.undo()
+        importlib.reload(launch_config)
+
+
+def test_host_step_times_each_launch_variant(monkeypatch):
+    """``python -m benchmarks host-step`` on a two-layer model: a row per launch variant, the stand-in for Triton's
+    binding binds every launch (the CUDA backend's binder, built without a GPU), and the kernels are back after."""
+    from benchmarks import host_step
+
+    decode = load()
+    before = decode._evict_attend_kernel
+    bindings: list = []
+    made = host_step.TritonBinding
+
+    def recording(kernel):
+        bindings.append(made(kernel))
+        return bindings[-1]
+
+    monkeypatch.setattr(host_step, "TritonBinding", recording)
+    rows = host_step.host_step_ms(["full", "snapkv"], layers=2, prompt=80, budget=32, steps=2, repeats=1)
+    assert [(r["method"], r["launch"]) for r in rows] == [
+        ("full", "sdpa"), ("snapkv", "none"), ("snapkv", "triton"), ("snapkv", "cached"),
+    ]  # fmt: skip
+    assert all(r["ms_per_layer_step"] > 0 for r in rows)
+    assert sum(b.binds for b in bindings) >= 2 * 2 * 5  # two kernels, two layers, five steps at least
+    assert decode._evict_attend_kernel is before
+    with pytest.raises(ValueError, match="unknown launch"):
+        host_step.host_step_ms(["snapkv"], launches=("fast",))
