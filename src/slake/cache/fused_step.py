@@ -90,6 +90,22 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
     return None
 
 
+_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor for a kernel argument its flags turn off (never read or written): one per device and dtype,
+    made once, in eager code (each ``torch.empty`` is host time of an eager step on a GPU); under ``torch.compile``
+    a new one, which the graph makes for free (a module-level tensor would be a guarded global)."""
+    if torch.compiler.is_compiling():
+        return torch.empty(0, dtype=dtype, device=device)
+    key = (device, dtype)
+    hit = _PLACEHOLDERS.get(key)
+    if hit is None:
+        hit = _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
+    return hit
+
+
 def fused_decode_step(
     method: Method,
     slots: StepSlots,
@@ -113,8 +129,8 @@ def fused_decode_step(
 
     assert slots.target is not None
     dev = query.device
-    empty_f = torch.empty(0, dtype=torch.float32, device=dev)
-    empty_i = torch.empty(0, dtype=torch.int64, device=dev)
+    empty_f = _placeholder(dev, torch.float32)
+    empty_i = _placeholder(dev, torch.int64)
     rows = slots.rows
     row_index = empty_i
     if isinstance(rows, slice):  # a contiguous run of rows: views of the per-row tensors, no index needed
@@ -185,7 +201,7 @@ def fused_decode_step(
         slots.positions,
         slots.valid,
         slots.scores,
-        torch.empty(0, dtype=torch.bool, device=dev) if slots.head_visible is None else slots.head_visible,
+        _placeholder(dev, torch.bool) if slots.head_visible is None else slots.head_visible,
         slots.newest,
         slots.target,
         slots.prompt_len,
