@@ -65,6 +65,7 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     assert len(weights) == 1
     # which decode step ran (auto on the CPU: the torch step; the full cache's layers take one SDPA call each)
     assert by[("slake", 96)]["kernels"] == "torch" and by[("snapkv", 96)]["kernels"] == "torch"
+    assert all(r["triton_launch"] is None for r in rows)  # no fused kernel launched
     lines = (out / "bench.jsonl").read_text().strip().splitlines()
     assert len(lines) == 6 and json.loads(lines[0])["method"] == "full"
     md = (out / "bench.md").read_text()
@@ -243,13 +244,15 @@ def test_paired_ratio_survives_drift_that_misleads_the_medians():
 
 
 def test_bench_runs_the_fused_kernels_when_asked_and_records_them(tmp_path, capsys):
-    """``--kernels triton`` (on the CPU through Triton's interpreter) runs the fused decode step; the row says so."""
+    """``--kernels triton`` (on the CPU through Triton's interpreter) runs the fused decode step; the row says so,
+    and how the kernels were launched."""
     argv = ["bench", "--methods", "snapkv", "--budget", "40", "--lengths", "48", "--random-model", "tiny"]
     argv += ["--device", "cpu", "--decode-steps", "2", "--warmup", "0", "--no-plots", "--no-progress", "--json"]
     rc = main([*argv, "--kernels", "triton", "--out", str(tmp_path / "b")])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["kernels"] for r in rows] == ["triton"]
+    assert [r["triton_launch"] for r in rows] == ["interpreter"]
 
 
 def test_steps_issued_back_to_back_feed_each_token_to_the_next_and_sync_once(monkeypatch):

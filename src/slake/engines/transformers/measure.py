@@ -99,6 +99,12 @@ def time_pipelined(stepper, tok: torch.Tensor, steps: int, device: torch.device)
     return (time.perf_counter() - s) * 1e3 / steps, tok
 
 
+def _launch_mode() -> str:
+    from slake.kernels.launch_cache import launch_mode
+
+    return launch_mode()
+
+
 def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
     # a compiled configuration preallocates its append-only layers for every step it will take
     steps = max(cfg.warmup, 2) + cfg.decode_steps + pipelined_steps(model, cfg) + cfg.profile_steps
@@ -263,6 +269,8 @@ def measure(model, cfg: BenchConfig) -> dict:
         "kv_dtype": cfg.kv_dtype,
         "compile": cfg.compile,
         "kernels": ran,
+        # how the fused kernels were launched (slake.kernels.launch_cache.launch_mode); None where none ran
+        "triton_launch": _launch_mode() if "triton" in str(ran).split(" (")[0].split("+") else None,
         "compile_s": compile_s,
         "prefill_chunk": cfg.prefill_chunk,
         "prefill_s": t1 - t0,
