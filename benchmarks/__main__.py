@@ -13,8 +13,8 @@
   constants as they are and with each variant of ``--variants`` (:func:`benchmarks.pool.kernel_tune_cuda`;
   ``docs/gpu.md``);
 * ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
-  kernels' launches replaced by nothing, through the custom operator and directly (:mod:`benchmarks.host_step`;
-  ``docs/gpu.md``);
+  kernels replaced by stand-ins that launch nothing, with each launch free, bound as Triton binds it for a GPU, or
+  through slake's launch cache (:mod:`benchmarks.host_step`; ``docs/gpu.md``);
 * ``host-profile``: on the device of ``--device`` (CUDA by default), per method, the host's and the wall's milliseconds
   of an eager (with ``--compile``, a compiled) decode step of a random model and the functions with the most own
   time (``cProfile``; :mod:`benchmarks.host_profile`; ``docs/gpu.md``);
@@ -104,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--layers", type=int, default=8)
     host.add_argument("--steps", type=int, default=30, help="steps timed per variant (median reported)")
     host.add_argument("--repeats", type=int, default=3, help="rounds over every variant, alternating")
+    host.add_argument(
+        "--launches", default="none,triton,cached", help="comma-separated launch variants (benchmarks.host_step)"
+    )
 
     hp = sub.add_parser("host-profile", help="where a decode step's host time goes (cProfile), per method")
     hp.add_argument("--methods", default="full,cake,slake", help="comma-separated methods")
@@ -308,7 +311,15 @@ def host_step(a: argparse.Namespace) -> None:
     from benchmarks.host_step import host_step_ms
     from slake.engines.base import load_avg
 
-    for row in host_step_ms(_methods(a.methods), budget=a.budget, layers=a.layers, steps=a.steps, repeats=a.repeats):
+    rows = host_step_ms(
+        _methods(a.methods),
+        budget=a.budget,
+        layers=a.layers,
+        steps=a.steps,
+        repeats=a.repeats,
+        launches=tuple(_split(a.launches)),
+    )
+    for row in rows:
         _emit({**row, "load_avg_1m": load_avg()})
 
 

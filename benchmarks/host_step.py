@@ -2,23 +2,36 @@
 
 On a GPU an eager decode step is bound by its host work when the kernels are short (``docs/gpu.md``): the device
 waits for the next launch. This measures that host work on any machine: a small random Llama (transformers, in
-process, no download) decodes with ``SlakeCache(kernels="triton")`` while the two fused Triton kernels are replaced
-by launches that do nothing, so what is timed is everything around them (the model's own operations, the cache's
-Python, the fused step's argument preparation and dispatch). ``dispatch="op"`` calls the step through its custom
-operator (``slake::fused_decode_step``, what ``torch.compile`` captures), ``"direct"`` through the function (what
-eager code does); the full cache runs plain SDPA. One torch thread. Variants alternate within each repetition, so
-a drift of the machine's speed affects both sides of a pair alike.
+process, no download) decodes with ``SlakeCache(kernels="triton")`` while the fused Triton kernels are replaced by
+stand-ins that launch nothing, so what is timed is everything around them (the model's own operations, the cache's
+Python, the fused step's argument preparation) and, per ``launch`` variant, what a launch costs the host before
+Triton's C launcher would take over:
+
+* ``"none"``: nothing (the launch is free);
+* ``"triton"``: what Triton 3.6's ``kernel[grid](...)`` does on the host before its C launcher, for the CUDA backend
+  of an sm_90 GPU (which runs without one): bind and specialize every argument, look the compiled kernel up by the
+  result's key, check the kernel's globals (:class:`TritonBinding`);
+* ``"cached"``: what :class:`slake.kernels.launch_cache.CachedLaunch` does instead once a launch's key is known (its
+  key, then the compiled kernel's launcher, a stand-in that does nothing here).
+
+Neither counts the C launcher itself (the same in both: it reads the tensors' addresses and calls the driver) or the
+device. The full cache runs plain SDPA. One torch thread. Variants alternate within each repetition, so a drift of
+the machine's speed affects both sides of a pair alike.
 """
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from typing import Any
 
 import torch
 
-__all__ = ["host_step_ms"]
+__all__ = ["LAUNCHES", "TritonBinding", "host_step_ms"]
+
+#: the launch variants :func:`host_step_ms` times, in order
+LAUNCHES = ("none", "triton", "cached")
 
 
 class _NoLaunch:
@@ -26,6 +39,96 @@ class _NoLaunch:
 
     def __getitem__(self, grid: Any):
         return lambda *args, **kwargs: None
+
+
+def _params(kernel: Any) -> list:
+    """Triton's parameter records of a kernel (compiled or interpreted), from its Python signature."""
+    from triton.runtime.jit import KernelParam
+
+    sig = inspect.signature(kernel.fn)
+    return [KernelParam(i, p, False, False) for i, p in enumerate(sig.parameters.values())]
+
+
+class TritonBinding:
+    """A kernel whose launches do on the host what Triton 3.6's ``JITFunction.run`` does before its C launcher, for
+    the CUDA backend of an sm_90 GPU: the run-time knobs, the argument binding and specialization (the binder
+    Triton generates for the kernel), the cache key and its lookup, the check of the kernel's globals, the grid and
+    the launch metadata. ``binds`` counts the launches."""
+
+    def __init__(self, kernel: Any) -> None:
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.jit import create_function_from_signature
+
+        backend = backends["nvidia"].compiler(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(inspect.signature(kernel.fn), _params(kernel), backend)
+        self.key_cache: dict = {}
+        self.kernels: dict = {}
+        self.launched: tuple = ()
+        self.binds = 0
+
+    def __getitem__(self, grid: Any):
+        from triton import knobs
+        from triton.runtime.jit import compute_cache_key
+
+        def run(*args: Any, **kwargs: Any) -> None:
+            kwargs["debug"] = kwargs.get("debug", False) or knobs.runtime.debug
+            kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            bound, specialization, options = self.binder(*args, **kwargs)
+            key = compute_cache_key(self.key_cache, specialization, options)
+            kernel = self.kernels.get(key)
+            if kernel is None:  # Triton compiles here, once per key; the key stands for the compiled kernel
+                kernel = self.kernels[key] = key
+            grid_xyz = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+            # the launch metadata Triton builds for its (empty) launch hooks, and the arguments it unpacks
+            metadata = {"name": "kernel", "function": kernel, "stream": 0, "grid": grid_xyz}
+            self.launched = (metadata, *bound.values())
+            self.binds += 1
+
+        return run
+
+
+class _CompiledStandIn:
+    """A compiled kernel whose launcher does nothing."""
+
+    function = packed_metadata = None
+
+    def run(self, *args: Any) -> None:
+        return None
+
+
+class _KernelStandIn:
+    """What :class:`~slake.kernels.launch_cache.CachedLaunch` reads of a kernel (its parameters, hooks and
+    globals), whose first launch per key hands back a :class:`_CompiledStandIn`."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.params = _params(kernel)
+        self.arg_names = [p.name for p in self.params]
+        self.pre_run_hooks: list = []
+        self.used_global_vals: dict = {}
+
+    def __getitem__(self, grid: Any):
+        return lambda *args, **kwargs: _CompiledStandIn()
+
+
+class _Driver:
+    """The current device and stream, as Triton's active driver gives them on a GPU."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+def _stand_ins(launch: str, kernels: tuple) -> tuple:
+    from slake.kernels.launch_cache import CachedLaunch
+
+    if launch == "none":
+        return tuple(_NoLaunch() for _ in kernels)
+    if launch == "triton":
+        return tuple(TritonBinding(k) for k in kernels)
+    return tuple(CachedLaunch(_KernelStandIn(k), driver=_Driver()) for k in kernels)
 
 
 def _model(layers: int, hidden: int, heads: int, kv_heads: int):
@@ -56,34 +159,38 @@ def host_step_ms(
     kv_heads: int = 2,
     steps: int = 30,
     repeats: int = 3,
+    launches: tuple[str, ...] = LAUNCHES,
 ) -> list[dict]:
-    """Median host milliseconds per layer and decode step, per method and dispatch, ``repeats`` times each.
+    """Median host milliseconds per layer and decode step, per method and launch variant (:data:`LAUNCHES`),
+    ``repeats`` times each.
 
-    Returns one row per (repeat, method, dispatch): ``{"method", "dispatch", "repeat", "ms_per_layer_step"}``
-    (``dispatch`` is ``"sdpa"`` for the full cache)."""
+    Returns one row per (repeat, method, launch): ``{"method", "launch", "repeat", "ms_per_layer_step"}``
+    (``launch`` is ``"sdpa"`` for the full cache)."""
     from slake.engines.transformers.cache import SlakeCache
     from slake.kernels import triton_decode
     from slake.methods import make_method
 
+    unknown = set(launches) - set(LAUNCHES)
+    if unknown:
+        raise ValueError(f"unknown launch variants {sorted(unknown)}; known: {list(LAUNCHES)}")
     torch.set_num_threads(1)  # the host's work is one thread's; more only adds contention on a shared machine
-    kernels = (triton_decode._append_logits_kernel, triton_decode._evict_attend_kernel, triton_decode.fused_step)
-    direct = triton_decode.fused_step
+    names = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+    kernels = tuple(getattr(triton_decode, n) for n in names)
     model = _model(layers, hidden, heads, kv_heads)
     ids = torch.randint(0, 512, (1, prompt))
     variants = [("full", "sdpa")] if "full" in methods else []
-    variants += [(m, d) for m in methods if m != "full" for d in ("op", "direct")]
+    variants += [(m, launch) for m in methods if m != "full" for launch in launches]
     rows = []
     try:
-        triton_decode._append_logits_kernel = _NoLaunch()
-        triton_decode._evict_attend_kernel = _NoLaunch()
         for rep in range(repeats):
-            for name, dispatch in variants:
-                triton_decode.fused_step = triton_decode.fused_step_op if dispatch == "op" else direct
+            for name, launch in variants:
+                for n, k in zip(names, _stand_ins("none" if launch == "sdpa" else launch, kernels), strict=True):
+                    setattr(triton_decode, n, k)
                 kind = "auto" if name == "full" else "triton"
                 cache = SlakeCache(make_method(name), budget, model.config, kernels=kind)
                 with torch.no_grad():
                     tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                    for _ in range(3):  # warm-up
+                    for _ in range(3):  # warm-up (and the cached launches' first pass through Triton)
                         model(tok, past_key_values=cache, use_cache=True)
                     times = []
                     for _ in range(steps):
@@ -91,7 +198,8 @@ def host_step_ms(
                         model(tok, past_key_values=cache, use_cache=True)
                         times.append(time.perf_counter() - t0)
                 ms = statistics.median(times) * 1e3 / layers
-                rows.append({"method": name, "dispatch": dispatch, "repeat": rep, "ms_per_layer_step": round(ms, 4)})
+                rows.append({"method": name, "launch": launch, "repeat": rep, "ms_per_layer_step": round(ms, 4)})
     finally:
-        triton_decode._append_logits_kernel, triton_decode._evict_attend_kernel, triton_decode.fused_step = kernels
+        for n, k in zip(names, kernels, strict=True):
+            setattr(triton_decode, n, k)
     return rows
