@@ -14,7 +14,7 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["interpreted", "load", "triton_available"]
+__all__ = ["interpreted", "launch_mode", "load", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -25,6 +25,17 @@ def triton_available() -> bool:
 def interpreted() -> bool:
     """True when Triton kernels run through its interpreter (``TRITON_INTERPRET=1``), i.e. on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def launch_mode() -> str:
+    """How the fused kernels are launched now: ``"interpreter"`` (Triton's interpreter, CPU tensors), ``"cached"``
+    (:class:`slake.kernels.launch_cache.CachedLaunch` on a GPU) or ``"triton"`` (``kernel[grid](...)`` at every
+    launch, with :data:`slake.kernels.launch_config.CACHED_LAUNCH` off). ``slake bench`` records it in its rows."""
+    from slake.kernels import launch_config
+
+    if interpreted():
+        return "interpreter"
+    return "cached" if launch_config.CACHED_LAUNCH else "triton"
 
 
 def load() -> ModuleType:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_ENTRIES", "CachedLaunch", "cached", "launch_key", "launch_mode"]
+__all__ = ["MAX_ENTRIES", "CachedLaunch", "cached", "launch_key"]
 
 #: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
 #: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
@@ -179,14 +179,3 @@ def cached(kernel: Any) -> Any:
     launcher = CachedLaunch(kernel)
     _launchers[id(kernel)] = (kernel, launcher)
     return launcher
-
-
-def launch_mode() -> str:
-    """How the fused kernels are launched now: ``"interpreter"`` (Triton's interpreter, CPU tensors), ``"cached"``
-    (:class:`CachedLaunch` on a GPU) or ``"triton"`` (``kernel[grid](...)`` at every launch, with
-    :data:`~slake.kernels.launch_config.CACHED_LAUNCH` off). ``slake bench`` records it in its rows."""
-    from slake.kernels import interpreted, launch_config
-
-    if interpreted():
-        return "interpreter"
-    return "cached" if launch_config.CACHED_LAUNCH else "triton"

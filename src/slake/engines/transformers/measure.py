@@ -100,7 +100,7 @@ def time_pipelined(stepper, tok: torch.Tensor, steps: int, device: torch.device)
 
 
 def _launch_mode() -> str:
-    from slake.kernels.launch_cache import launch_mode
+    from slake.kernels import launch_mode
 
     return launch_mode()
 
@@ -269,7 +269,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "kv_dtype": cfg.kv_dtype,
         "compile": cfg.compile,
         "kernels": ran,
-        # how the fused kernels were launched (slake.kernels.launch_cache.launch_mode); None where none ran
+        # how the fused kernels were launched (slake.kernels.launch_mode); None where none ran
         "triton_launch": _launch_mode() if "triton" in str(ran).split(" (")[0].split("+") else None,
         "compile_s": compile_s,
         "prefill_chunk": cfg.prefill_chunk,
