@@ -228,29 +228,3 @@ def test_the_environment_turns_the_cache_off_for_a_run(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(launch_config)
-
-
-def test_host_step_times_each_launch_variant(monkeypatch):
-    """``python -m benchmarks host-step`` on a two-layer model: a row per launch variant, the stand-in for Triton's
-    binding binds every launch (the CUDA backend's binder, built without a GPU), and the kernels are back after."""
-    from benchmarks import host_step
-
-    decode = load()
-    before = decode._evict_attend_kernel
-    bindings: list = []
-    made = host_step.TritonBinding
-
-    def recording(kernel):
-        bindings.append(made(kernel))
-        return bindings[-1]
-
-    monkeypatch.setattr(host_step, "TritonBinding", recording)
-    rows = host_step.host_step_ms(["full", "snapkv"], layers=2, prompt=80, budget=32, steps=2, repeats=1)
-    assert [(r["method"], r["launch"]) for r in rows] == [
-        ("full", "sdpa"), ("snapkv", "none"), ("snapkv", "triton"), ("snapkv", "cached"),
-    ]  # fmt: skip
-    assert all(r["ms_per_layer_step"] > 0 for r in rows)
-    assert sum(b.binds for b in bindings) >= 2 * 2 * 5  # two kernels, two layers, five steps at least
-    assert decode._evict_attend_kernel is before
-    with pytest.raises(ValueError, match="unknown launch"):
-        host_step.host_step_ms(["snapkv"], launches=("fast",))

@@ -3,9 +3,9 @@
 ``make test-oldest`` runs the unit tier again with the oldest transformers the project allows. A test module marked
 ``transformers_free`` runs the same code under either transformers (the fused kernels in Triton's interpreter, the
 methods' tensor math), so that tier skips it. The mark is checked here, for every module that carries it: nothing
-it imports, at any level, reaches a file that imports transformers (followed through src/ and the tests' helper
-modules, function-level imports included), no test in it asks for a fixture that builds a model, and it starts no
-subprocess (which could load anything)."""
+it imports, at any level, reaches a file that imports transformers (followed through src/, benchmarks/ and the
+tests' helper modules, function-level imports included), no test in it asks for a fixture that builds a model, and
+it starts no subprocess (which could load anything)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
+BENCHMARKS = TESTS.parent / "benchmarks"
 MARK = "transformers_free"
 #: what :func:`imported_modules` reports for an import whose module is computed at run time
 DYNAMIC = "<import_module>"
@@ -81,15 +82,20 @@ def model_fixtures() -> set[str]:
 
 
 def loads_transformers(modules: set[str]) -> list[str]:
-    """The files of src/ and tests/ that ``modules`` reach and that import transformers themselves (or a module
-    computed at run time), as ``module: transformers...``. A module named by an import is followed through all its
-    imports, function-level ones included (the importer may call any of its functions), and so is every module it
-    reaches; a package whose
+    """The files of src/, benchmarks/ and tests/ that ``modules`` reach and that import transformers themselves (or a
+    module computed at run time), as ``module: transformers...``. A module named by an import is followed through
+    all its imports, function-level ones included (the importer may call any of its functions), and so is every
+    module it reaches; a package whose
     ``__init__`` only runs because a module below it is imported is followed through what that import runs, and no
     further (nothing calls its functions unless it is imported by name, and then it is followed whole). Empty:
     importing ``modules`` and calling anything in them loads no transformers, unless a third-party package does."""
     src = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p for p in SRC.rglob("*.py")}
-    files = {**src, **{p.stem: p for p in TESTS.glob("*.py")}}
+    # the repository's benchmarks package, which tests import as ``benchmarks.<module>``
+    bench = {
+        ".".join(p.relative_to(BENCHMARKS.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in BENCHMARKS.glob("*.py")
+    }
+    files = {**src, **bench, **{p.stem: p for p in TESTS.glob("*.py")}}
     seen: set[tuple[str, bool]] = set()
     todo = [(name, False) for name in modules]
     bad = []
@@ -108,6 +114,13 @@ def loads_transformers(modules: set[str]) -> list[str]:
         elif name.split(".")[0] == "transformers":
             bad.append(name)
     return sorted(set(bad))
+
+
+def test_the_benchmarks_package_is_followed():
+    """A test importing ``benchmarks.host_step`` (whose model is transformers' Llama) reaches transformers: the
+    check follows the repository's benchmarks package as it follows src/ (it did not, and a marked module that ran
+    the host-step benchmark passed it)."""
+    assert any(b.startswith("benchmarks.host_step: transformers") for b in loads_transformers({"benchmarks.host_step"}))
 
 
 def test_the_marker_is_set_where_expected():
