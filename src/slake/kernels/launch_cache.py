@@ -120,10 +120,10 @@ class CachedLaunch:
             self._through_triton(grid, args, kwargs)
             return
         driver = self._driver
-        if driver is None:
+        if driver is None:  # Triton's active driver, read at each launch as Triton does (it can be swapped)
             from triton.runtime.driver import driver as triton_driver
 
-            driver = self._driver = triton_driver.active
+            driver = triton_driver.active
         device = driver.get_current_device()
         key = (
             device,
