@@ -123,7 +123,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
 SHORT_STEPS=("info 10" "smoke 110" "compiled-targets 390" "eager-targets 150" "host 60" "host-compiled 80")
-SHORT2_STEPS=("eager-targets 150" "launch 110" "kernel-tune 100" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
+SHORT2_STEPS=("eager-targets 150" "launch 130" "kernel-tune 100" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
     "profile 200")
 
 run_short() {
