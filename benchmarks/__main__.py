@@ -15,6 +15,8 @@
 * ``host-step``: the host's milliseconds per layer of an eager decode step of a small random Llama, the fused
   kernels replaced by stand-ins that launch nothing, with each launch free, bound as Triton binds it for a GPU, or
   through slake's launch cache (:mod:`benchmarks.host_step`; ``docs/gpu.md``);
+* ``launch-cost``: the host's microseconds of one launch of each fused kernel, bound as Triton binds it for a GPU
+  and through slake's launch cache (the kernels' arguments from one step of the host-step model);
 * ``host-profile``: on the device of ``--device`` (CUDA by default), per method, the host's and the wall's milliseconds
   of an eager (with ``--compile``, a compiled) decode step of a random model and the functions with the most own
   time (``cProfile``; :mod:`benchmarks.host_profile`; ``docs/gpu.md``);
@@ -107,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument(
         "--launches", default="none,triton,cached", help="comma-separated launch variants (benchmarks.host_step)"
     )
+
+    lc = sub.add_parser("launch-cost", help="host microseconds of one fused-kernel launch: Triton's binding, cached")
+    lc.add_argument("--methods", default="snapkv,slake", help="comma-separated methods")
+    lc.add_argument("--number", type=int, default=2000, help="launches per timing (the best of three is reported)")
 
     hp = sub.add_parser("host-profile", help="where a decode step's host time goes (cProfile), per method")
     hp.add_argument("--methods", default="full,cake,slake", help="comma-separated methods")
@@ -323,6 +329,17 @@ def host_step(a: argparse.Namespace) -> None:
         _emit({**row, "load_avg_1m": load_avg()})
 
 
+def launch_cost(a: argparse.Namespace) -> None:
+    from slake.kernels import load
+
+    load()  # before transformers imports Triton: on a machine without CUDA, through Triton's interpreter
+    from benchmarks.host_step import launch_cost_us
+    from slake.engines.base import load_avg
+
+    for row in launch_cost_us(_methods(a.methods), number=a.number):
+        _emit({**row, "load_avg_1m": load_avg()})
+
+
 def host_profile(a: argparse.Namespace) -> None:
     from slake.kernels import load
 
@@ -361,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         "kernel-parts": kernel_parts,
         "kernel-tune": kernel_tune,
         "host-step": host_step,
+        "launch-cost": launch_cost,
         "host-profile": host_profile,
         "compile-guards": compile_guards,
         "vllm-steps": vllm_steps,

@@ -82,10 +82,12 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
     launch)
         # what the launch cache (slake.kernels.launch_cache) saves an eager step on this host: snapkv and slake at 8K
         # with every launch through Triton's binding, then cached, the full cache beside them; and the host-step
-        # benchmark on this machine's CPU (stand-ins for the kernels: Triton's binding against the cache's key)
+        # and launch-cost benchmarks on this machine's CPU (stand-ins for the kernels: Triton's binding against the
+        # cache's key)
         SLAKE_CACHED_LAUNCH=0 "${bench[@]}" --methods full,snapkv,slake --lengths 8192 --out "$out/launch_triton"
         SLAKE_CACHED_LAUNCH=1 "${bench[@]}" --methods full,snapkv,slake --lengths 8192 --out "$out/launch_cached"
         TRITON_INTERPRET=1 "$py" -m benchmarks host-step --methods full,snapkv,slake --repeats 5 > "$out/host_step.jsonl"
+        TRITON_INTERPRET=1 "$py" -m benchmarks launch-cost --methods snapkv,slake > "$out/launch_cost.jsonl"
         ;;
     host-compiled)
         # where the host's time around a compiled step's replay goes (cProfile): compiled SLAKE at 8K, budget 1024

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LAUNCHES", "TritonBinding", "host_step_ms"]
+__all__ = ["LAUNCHES", "TritonBinding", "host_step_ms", "launch_cost_us"]
 
 #: the launch variants :func:`host_step_ms` times, in order
 LAUNCHES = ("none", "triton", "cached")
@@ -202,4 +202,77 @@ def host_step_ms(
     finally:
         for n, k in zip(names, kernels, strict=True):
             setattr(triton_decode, n, k)
+    return rows
+
+
+class _Recorder:
+    """A kernel whose launches are recorded, not run: ``launched`` holds ``(kernel, grid, args, kwargs)``."""
+
+    def __init__(self, kernel: Any, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid: Any):
+        return lambda *args, **kwargs: self.launched.append((self.kernel, grid, args, kwargs))
+
+
+def launch_cost_us(methods: list[str], *, budget: int = 64, number: int = 2000, repeats: int = 3) -> list[dict]:
+    """Host microseconds of one launch of each fused kernel, per method: bound as Triton binds it for a GPU
+    (:class:`TritonBinding`), through :class:`~slake.kernels.launch_cache.CachedLaunch` once its key is known, and
+    the cache's key alone (:func:`~slake.kernels.launch_cache.launch_key`), each the best of ``repeats`` means over
+    ``number`` launches. The arguments are those of the first layer's launches in one decode step of the host-step
+    model (their number and kinds do not depend on the model's size). Neither counts the C launcher.
+
+    Returns one row per (method, kernel): ``{"method", "kernel", "runtime_args", "named_args", "tensors",
+    "triton_us", "cached_us", "key_us"}``."""
+    import timeit
+
+    from slake.engines.transformers.cache import SlakeCache
+    from slake.kernels import triton_decode
+    from slake.kernels.launch_cache import CachedLaunch, launch_key
+    from slake.methods import make_method
+
+    names = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+    kernels = tuple(getattr(triton_decode, n) for n in names)
+    model = _model(2, 64, 4, 2)
+    ids = torch.randint(0, 512, (1, 300))
+    rows = []
+
+    def best(fn, args: tuple, kwargs: dict) -> float:
+        """The best of ``repeats`` means over ``number`` calls of ``fn(*args, **kwargs)``, in microseconds (a
+        fresh copy of ``kwargs`` per call, as a call site makes it)."""
+        return min(timeit.repeat(lambda: fn(*args, **kwargs), number=number, repeat=repeats)) / number * 1e6
+
+    for method in methods:
+        launched: list = []
+        try:
+            for n, k in zip(names, kernels, strict=True):
+                setattr(triton_decode, n, _Recorder(k, launched))
+            cache = SlakeCache(make_method(method), budget, model.config, kernels="triton")
+            with torch.no_grad():
+                tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                launched.clear()
+                model(tok, past_key_values=cache, use_cache=True)
+        finally:
+            for n, k in zip(names, kernels, strict=True):
+                setattr(triton_decode, n, k)
+        seen = set()
+        for kernel, grid, args, kwargs in launched:
+            if id(kernel) in seen:  # the first layer's launches
+                continue
+            seen.add(id(kernel))
+            binding = TritonBinding(kernel)
+            cached = CachedLaunch(_KernelStandIn(kernel), driver=_Driver())
+            cached[grid](*args, **kwargs)  # the first launch of the key goes through (a stand-in of) Triton
+            rows.append(
+                {
+                    "method": method,
+                    "kernel": kernel.fn.__name__,
+                    "runtime_args": len(args),
+                    "named_args": len(kwargs),
+                    "tensors": sum(isinstance(a, torch.Tensor) for a in args),
+                    "triton_us": round(best(binding[grid], args, dict(kwargs)), 2),
+                    "cached_us": round(best(cached[grid], args, kwargs), 2),
+                    "key_us": round(best(launch_key, (args,), {}), 2),
+                }
+            )
     return rows

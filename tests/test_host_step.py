@@ -33,3 +33,21 @@ def test_host_step_times_each_launch_variant(monkeypatch):
     assert decode._evict_attend_kernel is before
     with pytest.raises(ValueError, match="unknown launch"):
         host_step.host_step_ms(["snapkv"], launches=("fast",))
+
+
+def test_launch_cost_times_each_kernel_of_a_step():
+    """``python -m benchmarks launch-cost``: a row per fused kernel of one step (CriticalKV's three), with the
+    numbers of arguments the launch passes and positive times for Triton's binding, the cached launch and its key."""
+    from benchmarks import host_step
+
+    load()
+    rows = host_step.launch_cost_us(["snapkv", "criticalkv"], number=5, repeats=1)
+    kernels = [(r["method"], r["kernel"]) for r in rows]
+    assert kernels == [
+        ("snapkv", "_append_logits_kernel"), ("snapkv", "_evict_attend_kernel"),
+        ("criticalkv", "_append_logits_kernel"), ("criticalkv", "_value_projection_kernel"),
+        ("criticalkv", "_evict_attend_kernel"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["runtime_args"] > r["tensors"] > 0 and r["named_args"] > 0
+        assert r["triton_us"] > 0 and r["cached_us"] > 0 and r["key_us"] > 0

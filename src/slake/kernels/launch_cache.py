@@ -3,10 +3,11 @@
 ``kernel[grid](*args)`` in Triton 3.6 (``JITFunction.run``) binds every argument by name and specializes each one
 (a tensor's dtype and whether its address is a multiple of 16; an integer's width, whether it is 1 and whether it
 is a multiple of 16; ``native_specialize_impl``), hashes the result to find the compiled kernel, and only then
-hands the arguments to the C launcher. The fused step's kernels take 77 and 106 arguments (strides, placeholders,
-constants), and that binding is the larger part of their host time: measured on this project's two-core CPU with
-Triton's CUDA backend (the binder and cache key alone, no GPU needed), 51 and 70 µs per launch, while the C
-launcher reads the 23 and 27 tensors' addresses in about 5 µs each time. In eager decoding on a GPU the host is the
+hands the arguments to the C launcher. SLAKE's fused step passes its two kernels 77 and 104 arguments (strides,
+placeholders, constants) and two launch options, and that binding is the larger part of their host time: on this
+project's two-core CPU, with Triton's CUDA binder (which runs without a GPU; ``benchmarks.host_step.TritonBinding``),
+56 and 78 µs per launch, before the C launcher reads the 23 and 27 tensors' addresses again (about 10 µs). A cached
+launch took 31 and 39 µs (``python -m benchmarks launch-cost``). In eager decoding on a GPU the host is the
 bottleneck (``docs/gpu.md``), and a 32-layer model makes 64 such launches per token.
 
 :class:`CachedLaunch` keys a launch on what decides the compiled kernel, in a form that costs a fraction of the
