@@ -196,6 +196,15 @@ def test_launches_go_through_triton_under_hooks_and_changed_globals(monkeypatch)
     assert launcher.hits == 1 and launcher.misses == 4
 
 
+def test_an_argument_that_cannot_be_hashed_goes_through_triton():
+    kernel = _Kernel()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    for _ in range(2):
+        launcher[(1,)](torch.zeros(8), [1, 2], A=2)
+        launcher[(1,)](torch.zeros(8), 5, A=[2])
+    assert launcher.misses == 4 and launcher.hits == 0 and not launcher.entries
+
+
 def test_the_cache_is_bounded():
     kernel = _Kernel()
     launcher = CachedLaunch(kernel, driver=_Driver())

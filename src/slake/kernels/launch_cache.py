@@ -133,7 +133,11 @@ class CachedLaunch:
             tuple(kwargs.items()),
             launch_key(args),
         )
-        entry = self.entries.get(key)
+        try:
+            entry = self.entries.get(key)
+        except TypeError:  # an argument that cannot be hashed (none of slake's): Triton binds it as it can
+            self._through_triton(grid, args, kwargs)
+            return
         if entry is not None:
             for (name, _), (value, where) in self.kernel.used_global_vals.items():
                 if where.get(name, _MISSING) != value:  # Triton raises for this: let it
