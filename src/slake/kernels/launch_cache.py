@@ -81,6 +81,19 @@ def _knobs() -> Any:
 _KNOBS: Any = None
 
 
+def _drivers() -> Any:
+    """Triton's driver configuration (``triton.runtime.driver.driver``, imported on first use)."""
+    global _DRIVERS
+    if _DRIVERS is None:
+        from triton.runtime.driver import driver
+
+        _DRIVERS = driver
+    return _DRIVERS
+
+
+_DRIVERS: Any = None
+
+
 def _hooked(hook: Any) -> bool:
     """Whether a launch hook of Triton's is set: in Triton 3.6 a ``HookChain``, set when it holds a call."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -122,9 +135,7 @@ class CachedLaunch:
             return
         driver = self._driver
         if driver is None:  # Triton's active driver, read at each launch as Triton does (it can be swapped)
-            from triton.runtime.driver import driver as triton_driver
-
-            driver = triton_driver.active
+            driver = _drivers().active
         device = driver.get_current_device()
         key = (
             device,
