@@ -68,30 +68,19 @@ def launch_key(args: Sequence[Any]) -> tuple:
     return tuple(parts)
 
 
-def _knobs() -> Any:
-    """``triton.knobs`` (imported on first use: this module loads without Triton)."""
-    global _KNOBS
-    if _KNOBS is None:
+def _triton() -> tuple[Any, Any]:
+    """``triton.knobs`` and Triton's driver configuration (``triton.runtime.driver.driver``), imported on first use
+    (this module loads without Triton)."""
+    global _TRITON
+    if _TRITON is None:
         from triton import knobs
-
-        _KNOBS = knobs
-    return _KNOBS
-
-
-_KNOBS: Any = None
-
-
-def _drivers() -> Any:
-    """Triton's driver configuration (``triton.runtime.driver.driver``, imported on first use)."""
-    global _DRIVERS
-    if _DRIVERS is None:
         from triton.runtime.driver import driver
 
-        _DRIVERS = driver
-    return _DRIVERS
+        _TRITON = (knobs, driver)
+    return _TRITON
 
 
-_DRIVERS: Any = None
+_TRITON: tuple[Any, Any] | None = None
 
 
 def _hooked(hook: Any) -> bool:
@@ -128,14 +117,14 @@ class CachedLaunch:
     def launch(self, grid: Sequence[int], args: tuple, kwargs: dict) -> None:
         """Launch the kernel on ``grid`` (one to three program counts) with runtime ``args`` and named
         ``kwargs``."""
-        knobs = _knobs()
+        knobs, drivers = _triton()
         runtime = knobs.runtime
         if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or self.kernel.pre_run_hooks:
             self._through_triton(grid, args, kwargs)
             return
         driver = self._driver
         if driver is None:  # Triton's active driver, read at each launch as Triton does (it can be swapped)
-            driver = _drivers().active
+            driver = drivers.active
         device = driver.get_current_device()
         key = (
             device,
