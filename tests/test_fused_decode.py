@@ -41,10 +41,10 @@ def _layer_context(out_proj: torch.Tensor, D: int) -> LayerContext:
 
 
 def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, steps=3, layers=2, pad=True,
-         kv_dtype=None, dtype=torch.float32, seed=0, garbage=False):  # fmt: skip
+         kv_dtype=None, dtype=torch.float32, seed=0, garbage=False, meddle=None):  # fmt: skip
     """Prefill ``layers`` random layers, then decode ``steps`` tokens; the engine and every step's outputs.
     ``garbage``: three more free slots per row, holding random keys and values (as freed slots hold their last
-    token's), which no rule may read."""
+    token's), which no rule may read. ``meddle``: ``(step, f)``, call ``f(engine)`` before that step."""
     g = torch.Generator().manual_seed(seed)
     eng = CompressedKV(method, budget, layers, kv_dtype=kv_dtype, kernels=kernels)
     padding = torch.zeros(B, S, dtype=torch.bool)
@@ -68,7 +68,9 @@ def _run(method: Method, kernels: str, *, B=2, H=2, G=2, D=16, S=40, budget=16, 
             st.keys[empty] = rnd(int(empty.sum()), D)
             st.values[empty] = rnd(int(empty.sum()), D)
     outs = []
-    for _ in range(steps):
+    for step in range(steps):
+        if meddle is not None and meddle[0] == step:
+            meddle[1](eng)
         for li in range(layers):
             eng.append(li, rnd(B, H, 1, D), rnd(B, H, 1, D))
             outs.append(eng.decode_attention(li, rnd(B, H * G, 1, D), D**-0.5))
@@ -199,7 +201,8 @@ def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_wi
 def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
     """:func:`slake.kernels.triton_rules.ranked_argmin` on scores with ties (a pooled row of equal attention ties
     everywhere) and guarded slots, ranked by a random order: the first lowest in slot order, as ``argmin`` over the
-    slots picks it (with every slot guarded: slot 0)."""
+    slots picks it (with every slot guarded: slot 0). Ranks past ``count`` (a row's empty slots, left unlisted by
+    the held order) hold any slot and are not read: the slots they leave out are guarded, as empty slots are."""
     from slake.kernels import load
 
     load()
@@ -207,14 +210,119 @@ def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
 
     BW = 16
     g = torch.Generator().manual_seed(0)
-    for trial in range(12):
+    for trial in range(24):
         scores = torch.randint(0, 3, (BW,), generator=g).float()  # many ties
-        guard = torch.rand(BW, generator=g) < (0.3 if trial < 11 else 1.1)
+        guard = torch.rand(BW, generator=g) < (0.3 if trial % 12 < 11 else 1.1)
         order = torch.randperm(BW, generator=g).to(torch.int32)
+        count = BW if trial < 12 else int(torch.randint(1, BW, (1,), generator=g))
+        if count < BW:
+            guard[order[count:].long()] = True  # the unlisted slots are empty
+            order[count:] = torch.randint(0, BW, (BW - count,), generator=g).to(torch.int32)
         out = torch.empty(1, dtype=torch.int32, device=DEVICE)
-        victim_kernel[(1,)](scores.to(DEVICE), guard.to(DEVICE, torch.int8), order.to(DEVICE), out, BW=BW)
+        victim_kernel[(1,)](scores.to(DEVICE), guard.to(DEVICE, torch.int8), order.to(DEVICE), out, count, BW=BW)
         want = int(scores.masked_fill(guard, float("inf")).argmin())
-        assert int(out.cpu()) == want, (trial, scores, guard, order)
+        assert int(out.cpu()) == want, (trial, scores, guard, order, count)
+
+
+def test_a_held_order_is_used_only_when_it_proves_to_be_the_sorted_order():
+    """:func:`slake.kernels.triton_rules.listed_order`: the order a row's previous step left (its valid slots but
+    the new token's, by position) holds, and gives the sorted order with the new token last; every corruption of
+    it (empty, reordered, a slot missing, repeated, empty or out of range, the new token listed, a slot newer than
+    the new token) and random buffers either fail the check or give the sorted order, never another."""
+    from slake.kernels import load
+
+    load()
+    from kernel_probes import listed_kernel
+
+    BW, W = 16, 13
+    g = torch.Generator().manual_seed(1)
+
+    def check(buf, pos, valid, newslot) -> int:
+        out = torch.empty(BW, dtype=torch.int32, device=DEVICE)
+        holds = torch.empty(1, dtype=torch.int32, device=DEVICE)
+        padded = torch.zeros(BW, dtype=torch.int32)
+        padded[: buf.numel()] = buf
+        listed_kernel[(1,)](padded.to(DEVICE), pos.to(DEVICE), valid.to(DEVICE, torch.int8), out, holds, W, newslot,
+                            BW=BW)  # fmt: skip
+        live = valid.clone()
+        live[newslot] = True
+        slots = torch.arange(W)
+        want = slots[live][pos[live].argsort()]
+        if int(holds.cpu()):
+            assert torch.equal(out.cpu()[: want.numel()].long(), want), (buf, pos, valid, newslot, out)
+        return int(holds.cpu())
+
+    rejected = 0
+    for trial in range(30):
+        valid = torch.rand(W, generator=g) < 0.7
+        newslot = int(torch.nonzero(~valid)[0]) if (~valid).any() else 0
+        valid[newslot] = False
+        pos = torch.randperm(100, generator=g)[:W]
+        pos[newslot] = 100 + trial  # the new token's position: the newest
+        pos = torch.where(valid | (torch.arange(W) == newslot), pos, torch.full_like(pos, -1))
+        held = torch.arange(W)[valid][pos[valid].argsort()].to(torch.int32)
+        assert check(held, pos, valid, newslot) == 1, "the order a step left must hold"
+        n = held.numel()
+        corrupt = [torch.zeros(n, dtype=torch.int32), torch.randint(-3, BW + 3, (n,), generator=g).to(torch.int32)]
+        if n >= 2:
+            corrupt += [held.flip(0), torch.cat([held[1:], held[:1]]), torch.cat([held[:1], held])[:n]]
+            corrupt.append(torch.cat([held[:-1], torch.tensor([newslot], dtype=torch.int32)]))
+        if n >= 1 and (~valid).sum() > 1:
+            empty = int(torch.nonzero(~valid & (torch.arange(W) != newslot))[0])
+            corrupt.append(torch.cat([held[:-1], torch.tensor([empty], dtype=torch.int32)]))
+        for buf in corrupt:
+            if not torch.equal(buf, held):
+                rejected += 1 - check(buf, pos, valid, newslot)
+        if n >= 1:  # a valid slot newer than the new token: the sorted order does not end with it
+            late = pos.clone()
+            late[held[-1].long()] = 200 + trial
+            assert check(held, late, valid, newslot) == 0
+    assert rejected > 60
+
+
+def test_the_fused_step_keeps_each_rows_order_and_survives_a_corrupted_one(monkeypatch):
+    """After fused steps, the order a store keeps (``LayerStore.kernel_order``) lists each row's valid slots by
+    position, and the next step sorts no row (counted in the interpreter); random contents written into it between
+    steps change nothing but the sorts."""
+    from slake.kernels import load, triton_rules
+
+    load()
+    sorts: list[int] = []
+    if DEVICE == "cpu":  # the interpreter runs the kernels' helpers as Python: count the sorts
+        sort = triton_rules.position_order
+        monkeypatch.setattr(triton_rules, "position_order", lambda *a, **k: sorts.append(1) or sort(*a, **k))
+    method = _method("snapkv")
+    ref, ref_out = _run(method, "torch", steps=4, garbage=True)
+    seen = []
+    rows = 2 * 2 * 2  # layers x rows x KV heads
+
+    def corrupt(eng) -> None:
+        if DEVICE == "cpu":
+            assert len(sorts) == rows, "the first step sorts every row, the second none"
+        for st in eng.layers:
+            order = st.kernel_order()
+            _assert_order_held(order, st.positions, st.valid)
+            seen.append(order.data_ptr())
+            gen = torch.Generator().manual_seed(5)
+            order.copy_(torch.randint(-2, order.shape[-1] + 2, order.shape, generator=gen))
+
+    fused, fused_out = _run(method, "triton", steps=4, garbage=True, meddle=(2, corrupt))
+    assert len(seen) == 2
+    if DEVICE == "cpu":
+        assert len(sorts) == 2 * rows, "the step after the corruption sorts every row, the next none"
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    for st, ptr in zip(fused.layers, seen, strict=True):
+        assert st.kernel_order().data_ptr() == ptr  # the same buffer, step after step
+        _assert_order_held(st.kernel_order(), st.positions, st.valid)
+
+
+def _assert_order_held(order: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+    """Every row's and KV head's first ``count`` order entries are its valid slots by position."""
+    for o, p, v in zip(order.reshape(-1, order.shape[-1]), positions.reshape(-1, order.shape[-1]),
+                       valid.reshape(-1, order.shape[-1]), strict=True):  # fmt: skip
+        slots = torch.nonzero(v).flatten()
+        want = slots[p[slots].argsort()]
+        assert torch.equal(o[: want.numel()].long().cpu(), want.cpu()), (o, p, v)
 
 
 def test_the_two_stages_count_their_first_stage_in_float64():
@@ -317,6 +425,9 @@ def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, spl
         torch.testing.assert_close(fused.linear, ref.linear, rtol=1e-5, atol=1e-5)
     if ref.weights is not None:
         torch.testing.assert_close(fused.weights[ref.valid], ref.weights[ref.valid], rtol=1e-5, atol=1e-5)
+    assert ref.order is None and (fused.order is not None) == (name in ("snapkv", "slake"))
+    if fused.order is not None:  # the step's rows keep their order for the next step
+        _assert_order_held(fused.order[:, :3], fused.positions[:, :3], fused.valid[:, :3])
 
 
 # ---------------------------------------------------------------------------------------------- launches
@@ -460,6 +571,37 @@ def test_kernel_choice_is_checked():
     assert resolve_kernels("torch", "cpu") == "torch"
 
 
+def test_the_slots_order_is_kept_where_the_kernels_read_it_and_counted_as_memory():
+    """Only a fused step whose rule pools by position keeps the order (SnapKV's, CAKE's, SLAKE's; not CriticalKV's two
+    stages, not the torch step); its 4 bytes per slot count in the store's metadata and the pool's row bytes; an
+    order of another dtype or layout than the positions' is refused, not misread."""
+    from slake.cache.fused_step import keeps_order
+
+    for name in ("snapkv", "cake", "slake", "ada-snapkv"):
+        assert keeps_order(make_method(name), "triton") and not keeps_order(make_method(name), "torch")
+    for name in ("h2o", "tova", "criticalkv", "keydiff", "streamingllm"):
+        assert not keeps_order(make_method(name), "triton")
+    torch_eng, _ = _run(_method("snapkv"), "torch", steps=1)
+    fused, _ = _run(_method("snapkv"), "triton", steps=1)
+    for a, b in zip(torch_eng.layers, fused.layers, strict=True):
+        assert a._order is None and b._order is not None
+        slots = b.positions.numel()
+        assert b.byte_counts()["metadata"] - a.byte_counts()["metadata"] == 4 * slots
+    pools = {k: DecodePool(_method("snapkv"), 2, H, D, 10, BS, rows=2, kernels=k, device=DEVICE)
+             for k in ("torch", "triton")}  # fmt: skip
+    assert pools["torch"].order is None and pools["triton"].order.shape == pools["triton"].positions.shape
+    assert pools["triton"].row_bytes()[0] - pools["torch"].row_bytes()[0] == 2 * H * 10 * 4
+    st = fused.layers[0]
+    other_layout = st.kernel_order().transpose(0, 1).contiguous().transpose(0, 1)
+    st._order = other_layout
+    assert st.kernel_order() is not other_layout  # made again in the positions' layout, not misread
+    assert st.kernel_order().stride() == st.positions.stride()
+    st._order = st.kernel_order().long()
+    fused.append(0, torch.randn(2, 2, 1, 16, device=DEVICE), torch.randn(2, 2, 1, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="order must be int32 with the strides"):
+        fused.decode_attention(0, torch.randn(2, 4, 1, 16, device=DEVICE), 0.25)
+
+
 @pytest.mark.parametrize("name", ["slake", "criticalkv", "expected-attention"])
 def test_torch_compile_captures_the_fused_step_as_one_operator(name):
     """A static cache's decode step with the fused kernels compiles to one graph (``fullgraph=True``): the kernels
@@ -515,12 +657,13 @@ def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
         {"COMBINE": 1, "RECOMPUTE_BLOCK": 16, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 512},  # many pieces, one at a time
         {"COMBINE": 8, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 1, "WIDE_WARPS": 16},  # one piece per row
         {"POOL_GATHER": 0, "SHORT_KEYS": 0},  # the pooling of before, through memory, on int64 keys
+        {"HELD_ORDER": 0},  # every row sorted at every step
     ],
 )
 def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(constants):
     """``launch_config.tuned`` (``python -m benchmarks kernel-tune``): SLAKE's step with rows cut into more or fewer
-    pieces, combined more or fewer at a time, or pooled as before (through memory), equals the torch step; bad
-    constants are refused."""
+    pieces, combined more or fewer at a time, pooled as before (through memory), or sorted at every step, equals the
+    torch step; bad constants are refused."""
     method = _method("slake")
     ref, ref_out = _run(method, "torch")
     with launch_config.tuned(**constants):
@@ -529,7 +672,7 @@ def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(consta
     assert launch_config.COMBINE == 4 and launch_config.MIN_SPLIT == 64 and launch_config.POOL_GATHER  # restored
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
     bad_values = ({"COMBINE": 0}, {"MIN_SPLIT": 24}, {"WIDE_WARPS": 2}, {"BLOCK": 8}, {"COMBINE": True})
-    for bad in (*bad_values, {"SHORT_KEYS": 2}, {"POOL_GATHER": True}):
+    for bad in (*bad_values, {"SHORT_KEYS": 2}, {"POOL_GATHER": True}, {"HELD_ORDER": -1}):
         with pytest.raises(ValueError):
             with launch_config.tuned(**bad):
                 pass

@@ -78,6 +78,11 @@ class StepSlots:
     weights : torch.Tensor | None
         ``(R, Hkv, W)`` float32 per-slot weights of a method with ``slot_weighted`` (exact for every valid slot; the
         step writes the new token's), or None: the decode rule then computes them over every slot.
+    order : torch.Tensor | None
+        ``(R, Hkv, W)`` int32 with the strides of ``positions``: each row's valid slots in position order as the
+        fused kernels' last step left them, which spares the positional pooling a sort when it still holds
+        (:func:`slake.kernels.triton_rules.held_order` checks it; any content is safe), or None. Only the fused
+        step reads and writes it (:func:`slake.cache.fused_step.keeps_order` says for which methods).
     """
 
     positions: torch.Tensor
@@ -93,6 +98,7 @@ class StepSlots:
     rows: torch.Tensor | slice | None = None
     layer: LayerContext | None = None
     weights: torch.Tensor | None = None
+    order: torch.Tensor | None = None
 
     def take_rows(self) -> StepSlots:
         """The step's own rows (views for a slice, copies for an index tensor; see :meth:`put_rows`)."""
@@ -119,6 +125,7 @@ class StepSlots:
             linear=None if self.linear is None else LinearState(take(self.linear.aug)),
             layer=self.layer,
             weights=maybe(self.weights),
+            order=maybe(self.order),
         )
 
     def put_rows(self, taken: StepSlots) -> None:
@@ -126,7 +133,7 @@ class StepSlots:
         rows = self.rows
         if rows is None or isinstance(rows, slice):
             return
-        for name in ("positions", "valid", "scores", "head_visible", "weights"):
+        for name in ("positions", "valid", "scores", "head_visible", "weights", "order"):
             t = getattr(self, name)
             if t is not None:
                 t.index_copy_(0, rows, getattr(taken, name))

@@ -15,7 +15,7 @@ import torch
 from slake.attention.ptaa import attend
 from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
 from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, protected_slots, sdpa_step
-from slake.cache.fused_step import KernelReport, run_step
+from slake.cache.fused_step import KernelReport, keeps_order, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
 from slake.methods.base import DecodeInputs
@@ -48,6 +48,16 @@ class Decoder:
         #: per layer of an eager cache, ``n`` when every row's and KV head's valid slots are exactly its first ``n``
         #: (an unpadded batch in a layer that never evicts), -1 when not, None when not yet read (:meth:`_prefix_of`)
         self._prefix: list[int | None] = [None] * state.num_layers
+        self._order_for: tuple[str, bool] | None = None  # (kernels, whether the stores keep the slots' order)
+
+    @property
+    def _keeps_order(self) -> bool:
+        """Whether the stores keep the fused step's slot order (:func:`slake.cache.fused_step.keeps_order`), for the
+        kernels chosen now (worked out once per choice, not at every step)."""
+        known = self._order_for
+        if known is None or known[0] != self.kernels:
+            known = self._order_for = (self.kernels, keeps_order(self.state.method, self.kernels))
+        return known[1]
 
     def reset_all(self) -> None:
         """Forget the host bookkeeping of every layer (after the batch was reordered or repeated)."""
@@ -212,6 +222,7 @@ class Decoder:
             linear=store.linear,
             layer=state.layer_context[layer_idx],
             weights=store.weights if scored else None,
+            order=store.kernel_order() if scored and self._keeps_order else None,
         )
         B, H = store.valid.shape[:2]
         kv = key.view(B, H, d), value.view(B, H, d)
@@ -342,6 +353,7 @@ class Decoder:
             raise ValueError(f"max_cache_len leaves no room to decode: the prompt has {state.seen[0]} tokens")
         if any(s is None for s in state.layers):
             raise RuntimeError("prepare_static needs every layer prefilled")
+        keeps_order = self._keeps_order  # worked out now: a compiled step that set it would compile again
         for i in range(state.num_layers):
             store = state.store(i)
             store.reserve(1 if state.evicts(i) else max(int(decode_tokens), 1))
@@ -352,9 +364,11 @@ class Decoder:
             if store.linear is not None:
                 store.linear.attention_parts()  # made now: a lazily cached view would change the first step's guards
             if self.kernels == "triton":
-                # the fused kernels' row table, made now: one made inside a captured step would be a CUDA graph's
-                # output, overwritten by the next replay while the store still holds it
+                # the fused kernels' row table and slot order, made now: one made inside a captured step would be a
+                # CUDA graph's output, overwritten by the next replay while the store still holds it
                 store.kernel_memory()
+                if keeps_order and state.scored(i):
+                    store.kernel_order()
             # a decode rule's per-layer map (Expected Attention's rotation), made now rather than in a compiled step
             state.method.decode_query_map(state.layer_context[i], store.values.shape[-1], store.values.device)
         info = state.prefill_info()
@@ -382,6 +396,8 @@ class Decoder:
                 out.append(s.linear.aug)
             if s._row_table is not None:
                 out.append(s._row_table)
+            if s._order is not None:
+                out.append(s._order)
         out += [t for t in state.targets if t is not None]
         if state.info is not None:
             out += list(state.info.on_device.values())

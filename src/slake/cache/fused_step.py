@@ -18,7 +18,10 @@ from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
 from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
-__all__ = ["MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "half_precision_dots", "run_step"]
+__all__ = [
+    "MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "half_precision_dots", "keeps_order",
+    "run_step",
+]  # fmt: skip
 
 logger = logging.getLogger("slake.kernels")
 
@@ -60,6 +63,17 @@ def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
     interpreter), for float32 or 8-bit keys, and in the second kernel's re-summed victim piece, the products are
     float32."""
     return device.type == "cuda" and keys_dtype in (torch.float16, torch.bfloat16)
+
+
+def keeps_order(method: Method, kernels: str) -> bool:
+    """Whether an engine running ``method``'s decode with ``kernels`` (``"torch"``, ``"triton"``) keeps the
+    ``order`` of :class:`~slake.cache.decode_step.StepSlots` for the fused step: with the fused kernels, for a decode
+    rule that pools by position in registers (SnapKV's, CAKE's, SLAKE's; not CriticalKV's two stages, which sort
+    again). The order costs 4 bytes per slot beside the 13 of a slot's position, validity and score."""
+    if kernels != "triton":
+        return False
+    rule = method.fused_rule()
+    return rule is not None and rule.kind == "pooled_attention" and rule.kernel > 1 and rule.two_stage is None
 
 
 def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem: KVMemory | None) -> str | None:
@@ -147,6 +161,7 @@ def fused_decode_step(
             linear=None if slots.linear is None else type(slots.linear)(slots.linear.aug[rows]),
             layer=slots.layer,
             weights=None if slots.weights is None else slots.weights[rows],
+            order=None if slots.order is None else slots.order[rows],
         )
     elif rows is not None:
         row_index = rows
@@ -170,7 +185,14 @@ def fused_decode_step(
         int(rule.value_norm),
         int(rule.two_stage is not None),
         int(rule.generated_first),
+        int(slots.order is not None),
     ]
+    order = slots.order
+    if order is not None and (order.dtype != torch.int32 or order.stride() != slots.positions.stride()):
+        raise ValueError(
+            f"slake: the slots' order must be int32 with the strides of their positions {slots.positions.stride()}, "
+            f"got {order.dtype} with {order.stride()}"
+        )
     d = query.shape[-1]
     query_map = method.decode_query_map(slots.layer, d, dev) if rule.kind == "expected_attention" else empty_f
     if query_map is None:
@@ -201,6 +223,7 @@ def fused_decode_step(
         slots.positions,
         slots.valid,
         slots.scores,
+        _placeholder(dev, torch.int32) if slots.order is None else slots.order,
         _placeholder(dev, torch.bool) if slots.head_visible is None else slots.head_visible,
         slots.newest,
         slots.target,

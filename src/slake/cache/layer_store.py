@@ -119,6 +119,7 @@ class LayerStore:
         #: per-slot weights of a ``slot_weighted`` method, exact for every valid slot, or None (module docstring)
         self.weights: torch.Tensor | None = None
         self._row_table: torch.Tensor | None = None  # (B, 1) row numbers: the fused kernels' block table
+        self._order: torch.Tensor | None = None  # the fused kernels' order of the slots (kernel_order)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -361,6 +362,19 @@ class LayerStore:
             scales,
         )
 
+    def kernel_order(self) -> torch.Tensor:
+        """``(B, Hkv, n)`` int32 with the strides of :attr:`positions`: each row's valid slots in position order as
+        the fused kernels' last step left them (:attr:`slake.cache.decode_step.StepSlots.order`). Made on first use
+        and again when the slots' tensors change shape; whatever it holds is safe, the kernels check it (a stale one
+        costs one sort)."""
+        t, pos = self._order, self.positions
+        if t is None or t.shape != pos.shape or t.stride() != pos.stride() or t.device != pos.device:
+            t = self._order = torch.zeros_like(pos, dtype=torch.int32)
+            if t.stride() != pos.stride():  # positions that are a view with gaps: an order of the same layout
+                t = self._order = torch.empty_strided(pos.shape, pos.stride(), dtype=torch.int32, device=pos.device)
+                t.zero_()
+        return t
+
     def fold_kv(
         self,
         linear: LinearState,
@@ -464,6 +478,8 @@ class LayerStore:
             meta_per_slot += self.head_visible.shape[2] * self.head_visible.element_size()
         if self.weights is not None or weighted:
             meta_per_slot += 4  # float32
+        if self._order is not None:
+            meta_per_slot += 4  # int32
         linear = self.linear.nbytes() if self.linear is not None else 0
         if sequence is None:
             kept = int(self.valid.sum().item())

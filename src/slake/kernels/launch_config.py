@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 __all__ = [
     "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK",
-    "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers",
+    "HELD_ORDER", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers",
     "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size", "state_rows", "tuned",
 ]  # fmt: skip
 
@@ -51,9 +51,9 @@ RECOMPUTE_BLOCK = 32
 
 
 #: parts of the second kernel that :func:`leaving_out` switches off, to time what each costs (``python -m benchmarks
-#: kernel-parts``): the positional pooling's sort by position, SLAKE's fold into the linear state, the re-summing of
-#: the victim's piece, the combination of the first kernel's pieces, and the decode rule's attention signal. A step
-#: without one of them computes something else: for timing only.
+#: kernel-parts``): the positional pooling's order by position (the held order's check, or the sort), SLAKE's fold
+#: into the linear state, the re-summing of the victim's piece, the combination of the first kernel's pieces, and
+#: the decode rule's attention signal. A step without one of them computes something else: for timing only.
 SKIP_PARTS = {"sort": 1, "fold": 2, "recompute": 4, "combine": 8, "signal": 16}
 _left_out = 0
 
@@ -78,7 +78,11 @@ def leaving_out(*parts: str) -> Iterator[None]:
 #: the launch constants :func:`tuned` may change (each is read when a step is launched)
 TUNABLE = (
     "COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT", "SHORT_KEYS", "POOL_GATHER",
+    "HELD_ORDER",
 )  # fmt: skip
+
+
+_SWITCHES = ("SHORT_KEYS", "POOL_GATHER", "HELD_ORDER")
 
 
 @contextlib.contextmanager
@@ -86,13 +90,13 @@ def tuned(**values: int) -> Iterator[None]:
     """Within the block, the fused steps launched use other values of the launch constants named in
     :data:`TUNABLE` (``python -m benchmarks kernel-tune`` times the alternatives on a GPU); the step computes the
     same thing with any of them. Values are checked: ``COMBINE`` and ``TARGET_PROGRAMS`` positive, ``WIDE_WARPS``
-    4, 8 or 16, the switches ``SHORT_KEYS`` and ``POOL_GATHER`` 0 or 1, the others powers of two of at least 16 (a
-    ``tl.dot`` operand's smallest width). Restores the previous values on exit."""
+    4, 8 or 16, the switches ``SHORT_KEYS``, ``POOL_GATHER`` and ``HELD_ORDER`` 0 or 1, the others powers of two
+    of at least 16 (a ``tl.dot`` operand's smallest width). Restores the previous values on exit."""
     unknown = set(values) - set(TUNABLE)
     if unknown:
         raise ValueError(f"unknown launch constants {sorted(unknown)}; tunable: {list(TUNABLE)}")
     for name, v in values.items():
-        if name in ("SHORT_KEYS", "POOL_GATHER"):
+        if name in _SWITCHES:
             if isinstance(v, bool) or v not in (0, 1):
                 raise ValueError(f"{name} must be 0 or 1, got {v!r}")
             continue
@@ -104,7 +108,7 @@ def tuned(**values: int) -> Iterator[None]:
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     here = globals()
     before = {name: here[name] for name in values}
-    here.update({k: bool(v) if k in ("SHORT_KEYS", "POOL_GATHER") else v for k, v in values.items()})
+    here.update({k: bool(v) if k in _SWITCHES else v for k, v in values.items()})
     try:
         yield
     finally:
@@ -146,6 +150,10 @@ SHORT_KEYS = True
 #: whether the positional pooling ranks and shifts the scores in registers (``tl.gather``); off only to time the
 #: pooling of before, through the row's scratch buffer in memory (``kernel-tune``)
 POOL_GATHER = True
+#: whether the positional pooling starts from the order of the row's slots that its previous step left, when that
+#: proves to hold, instead of sorting the row again (:func:`slake.kernels.triton_rules.held_order`; the engines keep
+#: the order in an int32 tensor beside the slots' positions); off only to time the sort (``kernel-tune``)
+HELD_ORDER = True
 
 
 def key_span(padded_width: int) -> int:

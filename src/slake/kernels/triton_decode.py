@@ -15,8 +15,9 @@ its own block table) and arbitrary strides for keys and values:
    one.
 2. :func:`_evict_attend_kernel`, one program per (row, KV head): the method's decode scores
    (:class:`slake.methods.decode_rule.FusedDecodeRule`, from the logits and the pieces' combined maxima and
-   normalisers; the positional pooling ranks the slots by position with an in-program sort of int32 keys where the
-   positions allow, and pools the ranked scores in registers with ``tl.gather``, no round trip through memory), the
+   normalisers; the positional pooling ranks the slots by position, starting from the order the row's previous step
+   left when it proves to hold, else with an in-program sort of int32 keys where the positions allow, and pools the
+   ranked scores in registers with ``tl.gather``, no round trip through memory), the
    protected slots, the victim (the first minimum, as ``argmin``, found among the ranks after a pooling), the fold of
    the victim into the PTAA linear state (the block's ``k v^T`` as atomic adds, which need no read of it), the
    eviction, and the attention output: the pieces' partial sums combined, plus the linear term (the first kernel's
@@ -57,6 +58,7 @@ from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_rules import (
     _value_projection_kernel,
     head_signal,
+    held_order,
     key_diversity,
     pool_by_position,
     position_order,
@@ -93,7 +95,7 @@ def _evict_attend_kernel(
     target_ptr, tg_sr, tg_sh,
     plen_ptr, budget_ptr, first_ptr,
     aug_ptr, a_sr, a_sh, a_si, a_sj,
-    x_ptr, stat_ptr, part_ptr, newslot_ptr, pool_ptr,
+    x_ptr, stat_ptr, part_ptr, newslot_ptr, pool_ptr, order_ptr,
     out_ptr, o_sr, o_sh, o_sd,
     counter_ptr,
     estat_ptr, norm_ptr, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, lin_ptr,
@@ -106,7 +108,7 @@ def _evict_attend_kernel(
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
     COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr, KEY_SPAN: tl.constexpr,
-    POOL_GATHER: tl.constexpr,
+    POOL_GATHER: tl.constexpr, HELD_ORDER: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,6 +121,7 @@ def _evict_attend_kernel(
     valid = ((tl.load(valid_ptr + meta + sw * m_ss, mask=wmask, other=0) != 0) | (sw == newslot)) & wmask
     stored = tl.load(score_ptr + meta + sw * m_ss, mask=wmask, other=float("-inf"))
     newest = tl.load(pos_ptr + meta + newslot * m_ss)
+    count = tl.sum(valid.to(tl.int32), 0)
     # 1. the method's decode score of every slot
     c = 1.0
     if RULE == 2:  # AhaKV's gain c = sqrt(2 ln(max(N, B + 1) / B)) from the row's prompt length and budget
@@ -168,15 +171,19 @@ def _evict_attend_kernel(
     # positional pooling: the slots ranked by position (empty ones last, score 0) and pooled in registers; with
     # CriticalKV's two stages the pooled scores go back to slot order through the row's scratch buffer, otherwise
     # they stay ranked and the victim is found among the ranks (RANKED). Without POOL_GATHER (timing only), the
-    # pooling of before, through memory
+    # pooling of before, through memory. Ranked, the order is the one the row's previous step left (HELD_ORDER) when
+    # it proves to hold, else sorted; either way only its first ``count`` ranks, the valid slots, are read
     RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER
+    HELD: tl.constexpr = RANKED and HELD_ORDER and (SKIP & 1) == 0
     if RULE == 0 and POOL_K > 1:
         if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
             order = sw
+        elif HELD:
+            order = held_order(order_ptr, meta, m_ss, pos, valid, wmask, sw, newslot, newest, count, BW, KEY_SPAN)
         else:
             order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
         base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
-        new = pool_by_position(new, valid, order, base, W, sw, wmask, BW, POOL_K, POOL_MAX, POOL_GATHER)
+        new = pool_by_position(new, valid, order, count, base, W, sw, wmask, BW, POOL_K, POOL_MAX, POOL_GATHER)
         if POOL_GATHER and not RANKED:  # ranked: back to slot order
             tl.store(base + order, new, mask=order < W)
             tl.debug_barrier()
@@ -194,17 +201,26 @@ def _evict_attend_kernel(
         first = 0
     guard = guard | ((pos >= first) & (pos < first + sinks))
     if RANKED:  # the first lowest score in slot order, as argmin takes it, found among the ranks
-        victim = ranked_argmin(new, guard, order, BW)
+        victim = ranked_argmin(new, guard, order, count, sw, BW)
     else:
         victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
-    count = tl.sum(valid.to(tl.int32), 0)
     target = tl.load(target_ptr + mr * tg_sr + h * tg_sh)
     hit = sw == victim
     chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)
     gone = hit & chosen
-    if RANKED:  # the scores back in their slots
+    if RANKED:  # the scores back in their slots: the valid ones by their ranks, then the empty ones of the row's
+        # width, which rank after them in slot order (as the sort ranks them)
+        ranked_valid = sw < count
         tl.store(score_ptr + meta + order * m_ss, tl.where((order == victim) & chosen, float("-inf"), new),
-                 mask=order < W)  # fmt: skip
+                 mask=ranked_valid)  # fmt: skip
+        empty = wmask & (~valid)
+        erank = count + tl.cumsum(empty.to(tl.int32), 0) - 1
+        tl.store(score_ptr + meta + sw * m_ss, tl.gather(new, tl.minimum(tl.maximum(erank, 0), BW - 1), 0),
+                 mask=empty)  # fmt: skip
+        if HELD:  # the order for the row's next step: this one's without the victim
+            vrank = tl.min(tl.where((order == victim) & ranked_valid & chosen, sw, BW), 0)
+            after_victim = tl.gather(order, tl.minimum(sw + (sw >= vrank).to(tl.int32), BW - 1), 0)
+            tl.store(order_ptr + meta + sw * m_ss, after_victim, mask=sw < count - chosen.to(tl.int32))
     else:
         tl.store(score_ptr + meta + sw * m_ss, tl.where(gone, float("-inf"), new), mask=wmask)
     tl.store(valid_ptr + meta + sw * m_ss, valid & (~gone), mask=wmask)
@@ -333,7 +349,8 @@ def _evict_attend_kernel(
 
 
 _MUTATED = (
-    "k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible", "aug", "counter", "weights",
+    "k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "order", "head_visible", "aug", "counter",
+    "weights",
 )  # fmt: skip
 
 
@@ -354,6 +371,7 @@ def fused_step(
     positions: torch.Tensor,
     valid: torch.Tensor,
     scores: torch.Tensor,
+    order: torch.Tensor,
     head_visible: torch.Tensor,
     newest: torch.Tensor,
     target: torch.Tensor,
@@ -379,13 +397,17 @@ def fused_step(
     """One decode step of one layer for ``R`` rows (:mod:`slake.kernels.triton_decode`); returns ``(R, Hq, d)``.
 
     ``flags``: ``[quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_kernel, pool_max,
-    zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first]``
-    (the kernels' constexprs). Tensors a flag turns off are passed as empty placeholders. The metadata tensors
-    ``(P, Hkv, >= width)`` share their strides. ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule;
-    ``weights`` ``(P, Hkv, >= width)`` and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output
-    projection of a two-stage rule (a third kernel projects the new values); ``ratio``: the two stages' ratio."""
+    zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
+    held_order]`` (the kernels' constexprs). Tensors a flag turns off are passed as empty placeholders. The
+    metadata tensors ``(P, Hkv, >= width)`` share their strides: ``positions``, ``valid``, ``scores`` and, with
+    ``held_order``, ``order`` (int32: each row's slots in position order as the last step left them, read by the
+    positional pooling when it proves to hold, :func:`slake.kernels.triton_rules.held_order`; any content is
+    safe). ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule; ``weights`` ``(P, Hkv, >= width)``
+    and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output projection of a two-stage rule (a third
+    kernel projects the new values); ``ratio``: the two stages' ratio."""
     (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
-     gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first) = flags  # fmt: skip
+     gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
+     held) = flags  # fmt: skip
     R, Hq, d = query.shape
     H = key.shape[1]
     G = Hq // H
@@ -458,7 +480,7 @@ def fused_step(
         target, target.stride(0), target.stride(1),
         prompt_len, budget, first_real,
         aug, *a_strides,
-        x, stat, part, newslot, pool,
+        x, stat, part, newslot, pool, order,
         out, *out.stride(),
         counter,
         estat, vn, weights, *w_strides, pw, NB, lin,
@@ -471,6 +493,7 @@ def fused_step(
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
         KEY_SPAN=launch.key_span(BW), POOL_GATHER=bool(launch.POOL_GATHER),
+        HELD_ORDER=bool(held and launch.HELD_ORDER),
         num_warps=launch.evict_warps(BW), maxnreg=launch.evict_registers(BW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip

@@ -4,7 +4,9 @@ After a compressed request's prefill (done per request by :class:`slake.cache.co
 per-slot metadata moves into one row of a :class:`DecodePool`: persistent per-layer tensors ``(rows, Hkv, W)``
 (positions, validity, scores), the layer's target size ``(rows, Hkv)`` and, for methods with a PTAA linear state
 (SLAKE, ``cake[linear_cache=true]``), ``(rows, Hkv, d + 1, d + 1)``; for methods that weigh each slot by its value
-(``Method.slot_weighted``: CriticalKV), the slots' weights ``(rows, Hkv, W)``. ``W`` is the most slots a compressed
+(``Method.slot_weighted``: CriticalKV), the slots' weights ``(rows, Hkv, W)``; with the fused kernels and a decode
+rule that pools by position, the slots' order as the last step left it ``(rows, Hkv, W)`` int32
+(:func:`slake.cache.fused_step.keeps_order`). ``W`` is the most slots a compressed
 request holds (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.slots`); a row's slots beyond its own are
 invalid.
 Keys and values stay in vLLM's paged blocks only.
@@ -27,7 +29,7 @@ import torch
 from slake.attention.linear_state import LinearState
 from slake.cache.compressed import resolve_kernels
 from slake.cache.decode_step import KVMemory, StepSlots
-from slake.cache.fused_step import KernelReport, run_step
+from slake.cache.fused_step import KernelReport, keeps_order, run_step
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout
 from slake.methods.base import LayerContext, Method
 
@@ -118,6 +120,10 @@ class DecodePool:
             self.weights = cat(getattr(self, "weights", None), new((L, n, H, W), 0.0, torch.float32))
         else:
             self.weights = None
+        if keeps_order(self.method, self.kernels):  # the fused step's slot order (any content is safe)
+            self.order = cat(getattr(self, "order", None), new((L, n, H, W), 0, torch.int32))
+        else:
+            self.order = None
         if self.linear_cache:
             self.linear = cat(getattr(self, "linear", None), new((L, n, H, d + 1, d + 1), 0.0, torch.float32))
         else:
@@ -222,7 +228,8 @@ class DecodePool:
     def row_bytes(self) -> tuple[int, int]:
         """Bytes one row holds: (per-slot metadata, linear state), all layers."""
         L, H, W = self.num_layers, self.kv_heads, self.width
-        meta = L * H * W * (8 + 1 + 4 + (0 if self.weights is None else 4)) + L * H * 8
+        extra = (0 if self.weights is None else 4) + (0 if self.order is None else 4)
+        meta = L * H * W * (8 + 1 + 4 + extra) + L * H * 8
         lin = 0 if self.linear is None else L * H * (self.head_dim + 1) ** 2 * 4
         return meta, lin
 
@@ -289,6 +296,7 @@ class DecodePool:
             rows=None if isinstance(rows, slice) else rows,
             layer=None if self.layer_context is None else self.layer_context[layer],
             weights=None if self.weights is None else self.weights[layer, r, :, :W],
+            order=None if self.order is None else self.order[layer, r, :, :W],
         )
         kv = PagedSlots(self, kv_cache, table[:, :nb], blocks[:, :W], offsets[:W], W)
         return run_step(self.kernels, self.method, slots, kv, query, key, value, scaling, report=self.report)
