@@ -71,12 +71,12 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "$py" -m benchmarks kernel-parts --methods slake --budget 1024 --requests 1 > "$out/kernel_parts.jsonl"
         ;;
     kernel-tune)
-        # SLAKE's step at batch 1, budget 1024 with other launch constants, each against the step as it is: the
-        # pooling of before (int64 keys through memory: what the last kernel change gained), more pieces combined
-        # per round, the victim piece in one block, 16 warps, fewer first-kernel programs (the whole list,
-        # benchmarks.pool.TUNE_VARIANTS, is the command without --variants)
+        # SLAKE's step at batch 1, budget 1024 with other launch constants, each against the step as it is: every
+        # row sorted again instead of the order its last step left (what the held order gains), the pooling of
+        # before (int64 keys through memory), more pieces combined per round, the victim piece in one block, 16
+        # warps (the whole list, benchmarks.pool.TUNE_VARIANTS, is the command without --variants)
         "$py" -m benchmarks kernel-tune --methods slake --budget 1024 --requests 1 \
-            --variants "POOL_GATHER=0,SHORT_KEYS=0;COMBINE=8;RECOMPUTE_BLOCK=64;WIDE_WARPS=16;TARGET_PROGRAMS=128" \
+            --variants "HELD_ORDER=0;POOL_GATHER=0,SHORT_KEYS=0;COMBINE=8;RECOMPUTE_BLOCK=64;WIDE_WARPS=16" \
             > "$out/kernel_tune.jsonl"
         ;;
     launch)

@@ -355,6 +355,7 @@ TUNE_VARIANTS: list[dict[str, int]] = [
     {"SHORT_KEYS": 0},
     {"POOL_GATHER": 0},
     {"POOL_GATHER": 0, "SHORT_KEYS": 0},
+    {"HELD_ORDER": 0},
 ]
 
 
@@ -392,8 +393,9 @@ def _step_times(row: dict) -> dict:
 
 def pool_roofline(pool: DecodePool, requests: int, dtype: torch.dtype, step_ms: float, bandwidth: float) -> dict:
     """The memory roofline of one decode step of ``requests`` rows of ``pool`` over all its layers: the bytes the
-    step must read (every slot's key and value, in ``dtype``; the slots' metadata, positions, validity, scores and
-    the slot weights of a two-stage rule; SLAKE's linear state) at ``bandwidth`` bytes per second.
+    step must read (every slot's key and value, in ``dtype``; the slots' metadata, positions, validity, scores, the
+    slot weights of a two-stage rule and the fused step's slot order; SLAKE's linear state) at ``bandwidth`` bytes
+    per second.
 
     Returns ``step_mb_per_layer``, ``bandwidth_gbs``, ``roofline_us_per_layer`` and ``vs_roofline`` (``step_ms``
     over the roofline; 1.0 is the memory's floor: a step far above it is bound by its kernels' latency and launches,
