@@ -226,14 +226,17 @@ def test_cached_passes_interpreted_kernels_and_stand_ins_through(monkeypatch):
 
 
 def test_the_environment_turns_the_cache_off_for_a_run(monkeypatch):
-    """``SLAKE_CACHED_LAUNCH=0`` (or off/false/no) in the environment when the module is imported."""
+    """``SLAKE_CACHED_LAUNCH=0`` (or off/false/no) in the environment when the module is imported; the same for the
+    kept slot order (``SLAKE_HELD_ORDER``), which a GPU session turns off if its tests fail on that GPU."""
     try:
-        for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), (None, True)):
-            if value is None:
-                monkeypatch.delenv("SLAKE_CACHED_LAUNCH", raising=False)
-            else:
-                monkeypatch.setenv("SLAKE_CACHED_LAUNCH", value)
-            assert importlib.reload(launch_config).CACHED_LAUNCH is expected
+        for variable, switch in (("SLAKE_CACHED_LAUNCH", "CACHED_LAUNCH"), ("SLAKE_HELD_ORDER", "HELD_ORDER")):
+            for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), (None, True)):
+                if value is None:
+                    monkeypatch.delenv(variable, raising=False)
+                else:
+                    monkeypatch.setenv(variable, value)
+                assert getattr(importlib.reload(launch_config), switch) is expected, (variable, value)
+            monkeypatch.delenv(variable, raising=False)
     finally:
         monkeypatch.undo()
         importlib.reload(launch_config)

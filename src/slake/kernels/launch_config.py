@@ -138,11 +138,16 @@ def evict_registers(padded_width: int) -> int | None:
     return min(255, 65536 // (32 * warps)) if warps >= 8 else None
 
 
+def _switched_on(variable: str) -> bool:
+    """A switch's value from the environment: on unless ``variable`` is ``0``, ``false``, ``off`` or ``no``."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 #: whether the kernels are launched through :mod:`slake.kernels.launch_cache` on a GPU (Triton binds a launch's
 #: arguments once per key, not at every launch: ``docs/gpu.md`` measures what that saves); off, every launch goes
 #: through ``kernel[grid](...)``. No effect in the interpreter. The environment variable ``SLAKE_CACHED_LAUNCH=0``
 #: turns it off for a whole run (read when this module is imported).
-CACHED_LAUNCH = os.environ.get("SLAKE_CACHED_LAUNCH", "1").strip().lower() not in ("0", "false", "off", "no")
+CACHED_LAUNCH = _switched_on("SLAKE_CACHED_LAUNCH")
 
 #: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off in tests, to
 #: run the int64 sort on small positions, and in ``kernel-tune``'s variant that times what the short keys gain
@@ -152,8 +157,9 @@ SHORT_KEYS = True
 POOL_GATHER = True
 #: whether the positional pooling starts from the order of the row's slots that its previous step left, when that
 #: proves to hold, instead of sorting the row again (:func:`slake.kernels.triton_rules.held_order`; the engines keep
-#: the order in an int32 tensor beside the slots' positions); off only to time the sort (``kernel-tune``)
-HELD_ORDER = True
+#: the order in an int32 tensor beside the slots' positions); off to time the sort (``kernel-tune``), or for a whole
+#: run with ``SLAKE_HELD_ORDER=0`` in the environment (read when this module is imported)
+HELD_ORDER = _switched_on("SLAKE_HELD_ORDER")
 
 
 def key_span(padded_width: int) -> int:
