@@ -87,7 +87,8 @@ def _assert_same(ref, ref_out, fused, fused_out, tol: float) -> None:
         assert torch.equal(sa.keys, sb.keys) and torch.equal(sa.values, sb.values)
         if sa.k_scale is not None:
             assert torch.equal(sa.k_scale, sb.k_scale) and torch.equal(sa.v_scale, sb.v_scale)
-        torch.testing.assert_close(sb.scores[sb.valid], sa.scores[sa.valid], rtol=tol, atol=tol)
+        # every slot's score, the empty slots' too (the pooled rules store theirs by rank after the valid slots)
+        torch.testing.assert_close(sb.scores, sa.scores, rtol=tol, atol=tol)
         if sa.head_visible is not None:
             assert torch.equal(sa.head_visible, sb.head_visible)
         if sa.linear is not None:
@@ -420,6 +421,7 @@ def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, spl
     for a, b in zip(ref_out, out, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert torch.equal(ref.valid, fused.valid) and torch.equal(ref.positions, fused.positions)
+    torch.testing.assert_close(fused.scores, ref.scores, rtol=1e-5, atol=1e-5)  # the empty slots' too
     assert torch.equal(ref_cache, cache)
     if ref.linear is not None:
         torch.testing.assert_close(fused.linear, ref.linear, rtol=1e-5, atol=1e-5)

@@ -214,9 +214,10 @@ def _evict_attend_kernel(
         tl.store(score_ptr + meta + order * m_ss, tl.where((order == victim) & chosen, float("-inf"), new),
                  mask=ranked_valid)  # fmt: skip
         empty = wmask & (~valid)
-        erank = count + tl.cumsum(empty.to(tl.int32), 0) - 1
-        tl.store(score_ptr + meta + sw * m_ss, tl.gather(new, tl.minimum(tl.maximum(erank, 0), BW - 1), 0),
-                 mask=empty)  # fmt: skip
+        if count < W:  # a row full to its width (every row of a uniform layer at batch 1) has none
+            erank = count + tl.cumsum(empty.to(tl.int32), 0) - 1
+            tl.store(score_ptr + meta + sw * m_ss, tl.gather(new, tl.minimum(tl.maximum(erank, 0), BW - 1), 0),
+                     mask=empty)  # fmt: skip
         if HELD:  # the order for the row's next step: this one's without the victim
             vrank = tl.min(tl.where((order == victim) & ranked_valid & chosen, sw, BW), 0)
             after_victim = tl.gather(order, tl.minimum(sw + (sw >= vrank).to(tl.int32), BW - 1), 0)
