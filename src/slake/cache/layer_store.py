@@ -369,10 +369,9 @@ class LayerStore:
         costs one sort)."""
         t, pos = self._order, self.positions
         if t is None or t.shape != pos.shape or t.stride() != pos.stride() or t.device != pos.device:
-            t = self._order = torch.zeros_like(pos, dtype=torch.int32)
-            if t.stride() != pos.stride():  # positions that are a view with gaps: an order of the same layout
-                t = self._order = torch.empty_strided(pos.shape, pos.stride(), dtype=torch.int32, device=pos.device)
-                t.zero_()
+            # the positions' own layout, even when they are a view with gaps (the kernels share one set of strides)
+            t = self._order = torch.empty_strided(pos.shape, pos.stride(), dtype=torch.int32, device=pos.device)
+            t.zero_()
         return t
 
     def fold_kv(
