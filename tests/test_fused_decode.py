@@ -170,7 +170,7 @@ def test_positional_pooling_sorts_long_keys_as_it_sorts_short_ones(monkeypatch, 
 
 
 def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_width():
-    """:func:`slake.kernels.triton_rules.position_order` on rows whose positions span less than the int32 keys'
+    """:func:`slake.kernels.triton_pooling.position_order` on rows whose positions span less than the int32 keys'
     limit, exactly the limit, and far more: the valid slots by position, then the empty ones and those past the
     row's width by slot (a 32-bit key would overflow in the last two and rank them wrongly)."""
     from slake.kernels import load
@@ -200,10 +200,12 @@ def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_wi
 
 
 def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
-    """:func:`slake.kernels.triton_rules.ranked_argmin` on scores with ties (a pooled row of equal attention ties
-    everywhere) and guarded slots, ranked by a random order: the first lowest in slot order, as ``argmin`` over the
-    slots picks it (with every slot guarded: slot 0). Ranks past ``count`` (a row's empty slots, left unlisted by
-    the held order) hold any slot and are not read: the slots they leave out are guarded, as empty slots are."""
+    """:func:`slake.kernels.triton_pooling.lane_victim` on scores with ties (a pooled row of equal attention ties
+    everywhere) and guarded slots, the lanes ranked by a random order and the new token apart: the first lowest in
+    slot order, as ``argmin`` over the slots picks it (with every slot guarded: slot 0), whether it is the new
+    token or a kept slot. Ranks past ``held`` (a row's empty slots) hold any lane and are not read: the slots they
+    leave out are guarded, as empty slots are. Rows whose width less one is a power of two (every lane used) and
+    rows with lanes past the row."""
     from slake.kernels import load
 
     load()
@@ -211,58 +213,110 @@ def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
 
     BW = 16
     g = torch.Generator().manual_seed(0)
-    for trial in range(24):
-        scores = torch.randint(0, 3, (BW,), generator=g).float()  # many ties
-        guard = torch.rand(BW, generator=g) < (0.3 if trial % 12 < 11 else 1.1)
+    for trial in range(48):
+        W = 17 if trial % 2 else 13
+        newslot = int(torch.randint(0, W, (1,), generator=g))
+        scores = torch.randint(0, 3, (W,), generator=g).float()  # many ties
+        guard = torch.rand(W, generator=g) < (0.3 if trial % 12 < 11 else 1.1)
+        lanes = torch.arange(BW)
+        lslot = torch.where(lanes == newslot, W - 1, lanes)
         order = torch.randperm(BW, generator=g).to(torch.int32)
-        count = BW if trial < 12 else int(torch.randint(1, BW, (1,), generator=g))
-        if count < BW:
-            guard[order[count:].long()] = True  # the unlisted slots are empty
-            order[count:] = torch.randint(0, BW, (BW - count,), generator=g).to(torch.int32)
+        order = torch.cat([order[order < W - 1], order[order >= W - 1]])  # the lanes past the row rank last
+        held = W - 1 if trial < 24 else int(torch.randint(0, W, (1,), generator=g))
+        empty = lslot[order[held:].long()]
+        guard[empty[empty < W]] = True  # the unlisted lanes' slots are empty
+        if held < BW:
+            order[held:] = torch.randint(0, BW, (BW - held,), generator=g).to(torch.int32)
         out = torch.empty(1, dtype=torch.int32, device=DEVICE)
-        victim_kernel[(1,)](scores.to(DEVICE), guard.to(DEVICE, torch.int8), order.to(DEVICE), out, count, BW=BW)
+        victim_kernel[(1,)](scores.to(DEVICE), guard.to(DEVICE, torch.int8), order.to(DEVICE), out, W, held, newslot,
+                            BW=BW)  # fmt: skip
         want = int(scores.masked_fill(guard, float("inf")).argmin())
-        assert int(out.cpu()) == want, (trial, scores, guard, order, count)
+        assert int(out.cpu()) == want, (trial, scores, guard, order, held, newslot)
+
+
+def test_the_pooling_with_the_new_token_apart_pools_the_row_in_position_order():
+    """:func:`slake.kernels.triton_pooling.pool_lanes` after a sort of the lanes: each valid slot's score pooled
+    (average and maximum) over its neighbours in the row's position order, the new token's included wherever its
+    position falls (last in a real step, anywhere here), as ``avg_pool1d``/``max_pool1d`` pool the row's scores
+    sorted by position with the empty slots after them at 0."""
+    from slake.kernels import load
+
+    load()
+    from kernel_probes import pool_kernel
+
+    BW = 16
+    g = torch.Generator().manual_seed(2)
+    for trial in range(24):
+        W = (17, 13, 9)[trial % 3]
+        K, pool_max = (5, 3, 4, 7)[trial % 4], trial % 2 == 1
+        newslot = int(torch.randint(0, W, (1,), generator=g))
+        valid = torch.rand(W, generator=g) < (0.7 if trial % 5 else 1.1)
+        valid[newslot] = False
+        pos = torch.randperm(60, generator=g)[:W]
+        if trial % 3 == 0:
+            pos[newslot] = 100  # the newest, as in a step
+        pos = torch.where(valid | (torch.arange(W) == newslot), pos, torch.full_like(pos, -1))
+        scores = torch.rand(W, generator=g)
+        out = torch.full((W,), -7.0, device=DEVICE)
+        pool_kernel[(1,)](scores.to(DEVICE), pos.to(DEVICE), valid.to(DEVICE, torch.int8), out, W, newslot, BW=BW,
+                          KEY_SPAN=launch_config.key_span(2 * BW), POOL_K=K, POOL_MAX=pool_max)  # fmt: skip
+        live = valid.clone()
+        live[newslot] = True
+        slots = torch.arange(W)[live][pos[live].argsort()]
+        row = torch.zeros(W)
+        row[: slots.numel()] = scores[slots]
+        if pool_max:
+            padded = torch.nn.functional.pad(row, (K // 2, K - 1 - K // 2), value=float("-inf"))
+        else:
+            padded = torch.nn.functional.pad(row, (K // 2, K - 1 - K // 2), value=0.0)
+        windows = padded.unfold(0, K, 1)
+        pooled = windows.amax(1) if pool_max else windows.sum(1) / K
+        want = torch.full((W,), -7.0)
+        want[slots] = pooled[: slots.numel()]
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6, msg=lambda m: f"{trial}: {m}")
 
 
 def test_a_held_order_is_used_only_when_it_proves_to_be_the_sorted_order():
-    """:func:`slake.kernels.triton_rules.listed_order`: the order a row's previous step left (its valid slots but
-    the new token's, by position) holds, and gives the sorted order with the new token last; every corruption of
-    it (empty, reordered, a slot missing, repeated, empty or out of range, the new token listed, a slot newer than
-    the new token) and random buffers either fail the check or give the sorted order, never another."""
+    """:func:`slake.kernels.triton_pooling.listed_lanes`: the order a row's previous step left (its valid slots but
+    the new token's, by position) holds, and gives those slots sorted by position; every corruption of it (empty,
+    reordered, a slot missing, repeated, empty or out of range, the new token listed, a slot newer than the new
+    token) and random buffers either fail the check or give the sorted order, never another. Rows whose new token
+    is in the last slot and rows whose last slot sits in the new token's lane."""
     from slake.kernels import load
 
     load()
     from kernel_probes import listed_kernel
 
-    BW, W = 16, 13
+    BW = 16
     g = torch.Generator().manual_seed(1)
 
-    def check(buf, pos, valid, newslot) -> int:
+    def check(buf, pos, valid, newslot, W) -> int:
         out = torch.empty(BW, dtype=torch.int32, device=DEVICE)
         holds = torch.empty(1, dtype=torch.int32, device=DEVICE)
         padded = torch.zeros(BW, dtype=torch.int32)
         padded[: buf.numel()] = buf
         listed_kernel[(1,)](padded.to(DEVICE), pos.to(DEVICE), valid.to(DEVICE, torch.int8), out, holds, W, newslot,
                             BW=BW)  # fmt: skip
-        live = valid.clone()
-        live[newslot] = True
         slots = torch.arange(W)
-        want = slots[live][pos[live].argsort()]
+        want = slots[valid][pos[valid].argsort()]
         if int(holds.cpu()):
             assert torch.equal(out.cpu()[: want.numel()].long(), want), (buf, pos, valid, newslot, out)
         return int(holds.cpu())
 
     rejected = 0
-    for trial in range(30):
+    for trial in range(40):
+        W = 17 if trial % 2 else 13
         valid = torch.rand(W, generator=g) < 0.7
-        newslot = int(torch.nonzero(~valid)[0]) if (~valid).any() else 0
+        if trial % 4 == 1:
+            newslot = W - 1
+        else:
+            newslot = int(torch.nonzero(~valid)[0]) if (~valid).any() else 0
         valid[newslot] = False
         pos = torch.randperm(100, generator=g)[:W]
         pos[newslot] = 100 + trial  # the new token's position: the newest
         pos = torch.where(valid | (torch.arange(W) == newslot), pos, torch.full_like(pos, -1))
         held = torch.arange(W)[valid][pos[valid].argsort()].to(torch.int32)
-        assert check(held, pos, valid, newslot) == 1, "the order a step left must hold"
+        assert check(held, pos, valid, newslot, W) == 1, "the order a step left must hold"
         n = held.numel()
         corrupt = [torch.zeros(n, dtype=torch.int32), torch.randint(-3, BW + 3, (n,), generator=g).to(torch.int32)]
         if n >= 2:
@@ -273,25 +327,25 @@ def test_a_held_order_is_used_only_when_it_proves_to_be_the_sorted_order():
             corrupt.append(torch.cat([held[:-1], torch.tensor([empty], dtype=torch.int32)]))
         for buf in corrupt:
             if not torch.equal(buf, held):
-                rejected += 1 - check(buf, pos, valid, newslot)
+                rejected += 1 - check(buf, pos, valid, newslot, W)
         if n >= 1:  # a valid slot newer than the new token: the sorted order does not end with it
             late = pos.clone()
             late[held[-1].long()] = 200 + trial
-            assert check(held, late, valid, newslot) == 0
-    assert rejected > 60
+            assert check(held, late, valid, newslot, W) == 0
+    assert rejected > 80
 
 
 def test_the_fused_step_keeps_each_rows_order_and_survives_a_corrupted_one(monkeypatch):
     """After fused steps, the order a store keeps (``LayerStore.kernel_order``) lists each row's valid slots by
     position, and the next step sorts no row (counted in the interpreter); random contents written into it between
     steps change nothing but the sorts."""
-    from slake.kernels import load, triton_rules
+    from slake.kernels import load, triton_pooling
 
     load()
     sorts: list[int] = []
     if DEVICE == "cpu":  # the interpreter runs the kernels' helpers as Python: count the sorts
-        sort = triton_rules.position_order
-        monkeypatch.setattr(triton_rules, "position_order", lambda *a, **k: sorts.append(1) or sort(*a, **k))
+        sort = triton_pooling.position_order
+        monkeypatch.setattr(triton_pooling, "position_order", lambda *a, **k: sorts.append(1) or sort(*a, **k))
     method = _method("snapkv")
     ref, ref_out = _run(method, "torch", steps=4, garbage=True)
     seen = []

@@ -81,7 +81,7 @@ class StepSlots:
     order : torch.Tensor | None
         ``(R, Hkv, W)`` int32 with the strides of ``positions``: each row's valid slots in position order as the
         fused kernels' last step left them, which spares the positional pooling a sort when it still holds
-        (:func:`slake.kernels.triton_rules.held_order` checks it; any content is safe), or None. Only the fused
+        (:func:`slake.kernels.triton_pooling.listed_lanes` checks it; any content is safe), or None. Only the fused
         step reads and writes it (:func:`slake.cache.fused_step.keeps_order` says for which methods).
     """
 

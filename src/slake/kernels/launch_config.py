@@ -131,7 +131,7 @@ def evict_registers(padded_width: int) -> int | None:
     """The register limit per thread of the second kernel (``maxnreg``) for rows padded to ``padded_width`` slots:
     255 for the wide rows of :func:`evict_warps` (what a multiprocessor's 64K registers give each thread of one
     program, at 16 warps 128), else ptxas's choice (None; the interpreter ignores it). With the
-    positional pooling's two sorts (:func:`slake.kernels.triton_rules.position_order`) ptxas chose 128 registers
+    positional pooling's two sorts (:func:`slake.kernels.triton_pooling.position_order`) ptxas chose 128 registers
     at 8 warps and spilled 36 bytes at Llama-3-8B's shape; one program per (row, KV head) leaves the
     multiprocessors' registers idle anyway at the batches where rows are this wide."""
     warps = evict_warps(padded_width)
@@ -156,7 +156,7 @@ SHORT_KEYS = True
 #: pooling of before, through the row's scratch buffer in memory (``kernel-tune``)
 POOL_GATHER = True
 #: whether the positional pooling starts from the order of the row's slots that its previous step left, when that
-#: proves to hold, instead of sorting the row again (:func:`slake.kernels.triton_rules.held_order`; the engines keep
+#: proves to hold, instead of sorting the row again (:func:`slake.kernels.triton_pooling.held_lanes`; the engines keep
 #: the order in an int32 tensor beside the slots' positions); off to time the sort (``kernel-tune``), or for a whole
 #: run with ``SLAKE_HELD_ORDER=0`` in the environment (read when this module is imported)
 HELD_ORDER = _switched_on("SLAKE_HELD_ORDER")

@@ -40,7 +40,7 @@ without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`
 this module is imported), which is how the tests check them against the torch step. The first kernel lives in
 :mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in :mod:`slake.kernels.triton_slots`,
 the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`, the
-launch configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
+positional pooling of SnapKV's, CAKE's and SLAKE's rule in :mod:`slake.kernels.triton_pooling`, the launch configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
 :mod:`slake.kernels.launch_config`, and the launches that skip Triton's per-call argument binding on a GPU in
 :mod:`slake.kernels.launch_cache`.
 """
@@ -55,16 +55,8 @@ from torch.library import custom_op
 from slake.kernels import launch_config as launch
 from slake.kernels.launch_cache import cached
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
-from slake.kernels.triton_rules import (
-    _value_projection_kernel,
-    head_signal,
-    held_order,
-    key_diversity,
-    pool_by_position,
-    position_order,
-    ranked_argmin,
-    two_stage,
-)
+from slake.kernels.triton_pooling import pool_by_position, pooled_eviction, position_order
+from slake.kernels.triton_rules import _value_projection_kernel, head_signal, key_diversity, two_stage
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
@@ -114,118 +106,107 @@ def _evict_attend_kernel(
     h = tl.program_id(1)
     mr = tl.load(rows_ptr + r).to(tl.int64) if HAS_ROWS else r.to(tl.int64)
     meta = mr * m_sr + h * m_sh
-    sw = tl.arange(0, BW)
-    wmask = sw < W
     newslot = tl.load(newslot_ptr + r * H + h)
-    pos = tl.load(pos_ptr + meta + sw * m_ss, mask=wmask, other=-1)
-    valid = ((tl.load(valid_ptr + meta + sw * m_ss, mask=wmask, other=0) != 0) | (sw == newslot)) & wmask
-    stored = tl.load(score_ptr + meta + sw * m_ss, mask=wmask, other=float("-inf"))
     newest = tl.load(pos_ptr + meta + newslot * m_ss)
-    count = tl.sum(valid.to(tl.int32), 0)
-    # 1. the method's decode score of every slot
-    c = 1.0
-    if RULE == 2:  # AhaKV's gain c = sqrt(2 ln(max(N, B + 1) / B)) from the row's prompt length and budget
-        n = tl.load(plen_ptr + mr).to(tl.float32)
-        bb = tl.maximum(tl.load(budget_ptr + mr).to(tl.float32), 1.0)
-        c = tl.sqrt(2.0 * tl.log(tl.maximum(n, bb + 1.0) / bb))
-        if GAIN_FLOOR:
-            c = tl.maximum(c, 1.0)
-    if RULE == 3:  # TOVA: the mean over every query head of the layer
-        sig = tl.zeros([BW], tl.float32)
-        for hh in range(0, H):
-            sig += head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
-        new = sig / H
-    elif RULE <= 2 or RULE == 6:
-        if SKIP & 16:  # timing only (SKIP_PARTS): the stored scores instead of this step's attention
-            sig = tl.where(valid, stored, 0.0)
-        else:
-            sig = head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
-        if RULE == 0:
-            new = sig
-            if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
-                new = tl.where((pos > newest - window) | (~valid), 0.0, new)
-        elif RULE == 1:  # H2O: accumulate onto the stored score (0 where it is not finite)
-            finite = (stored == stored) & (tl.abs(stored) != float("inf"))
-            new = tl.where(finite, stored, 0.0) + sig
-        elif RULE == 2:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
-            finite = (stored == stored) & (tl.abs(stored) != float("inf"))
-            new = tl.where((~finite) & valid, 0.0, stored) + sig
-        else:  # KVzip: the running max of the attention a slot receives
-            if GEN_FIRST:  # generated tokens (the new slot, or a stored score >= 1) carry 1 + their running max
-                sig = sig + ((sw == newslot) | (stored >= 1.0)).to(tl.float32)
-            new = tl.maximum(stored, sig)
-    elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots held
-        new = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                             valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
-                             D, DP, BW, LB, QUANT)  # fmt: skip
-    elif RULE == 8:  # Expected Attention: the softmax of the mapped queries' logits, group mean, value-weighted
-        new = head_signal(x_ptr, estat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
-        if VNORM:
-            vnorm = tl.load(norm_ptr + (r * H + h).to(tl.int64) * W + sw, mask=wmask, other=0.0)
-            new = (new + epsilon) * vnorm
-    elif RULE == 4:
-        new = pos.to(tl.float32)
-    else:
-        finite = (stored == stored) & (tl.abs(stored) != float("inf"))
-        new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
-    # positional pooling: the slots ranked by position (empty ones last, score 0) and pooled in registers; with
-    # CriticalKV's two stages the pooled scores go back to slot order through the row's scratch buffer, otherwise
-    # they stay ranked and the victim is found among the ranks (RANKED). Without POOL_GATHER (timing only), the
-    # pooling of before, through memory. Ranked, the order is the one the row's previous step left (HELD_ORDER) when
-    # it proves to hold, else sorted; either way only its first ``count`` ranks, the valid slots, are read
-    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER
-    HELD: tl.constexpr = RANKED and HELD_ORDER and (SKIP & 1) == 0
-    if RULE == 0 and POOL_K > 1:
-        if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
-            order = sw
-        elif HELD:
-            order = held_order(order_ptr, meta, m_ss, pos, valid, wmask, sw, newslot, newest, count, BW, KEY_SPAN)
-        else:
-            order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
-        base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
-        new = pool_by_position(new, valid, order, count, base, W, sw, wmask, BW, POOL_K, POOL_MAX, POOL_GATHER)
-        if POOL_GATHER and not RANKED:  # ranked: back to slot order
-            tl.store(base + order, new, mask=order < W)
-            tl.debug_barrier()
-            new = tl.load(base + sw, mask=wmask, other=0.0)
-    if TWO_STAGE:
-        new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
-                        two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
-    # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
-    guard = ~valid
-    if PROTECT_WINDOW:
-        guard = guard | (pos > newest - window)
     if HAS_FIRST:
         first = tl.load(first_ptr + mr)
     else:
         first = 0
-    guard = guard | ((pos >= first) & (pos < first + sinks))
-    if RANKED:  # the first lowest score in slot order, as argmin takes it, found among the ranks
-        victim = ranked_argmin(new, guard, order, count, sw, BW)
-    else:
-        victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
     target = tl.load(target_ptr + mr * tg_sr + h * tg_sh)
-    hit = sw == victim
-    chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)
-    gone = hit & chosen
-    if RANKED:  # the scores back in their slots: the valid ones by their ranks, then the empty ones of the row's
-        # width, which rank after them in slot order (as the sort ranks them)
-        ranked_valid = sw < count
-        tl.store(score_ptr + meta + order * m_ss, tl.where((order == victim) & chosen, float("-inf"), new),
-                 mask=ranked_valid)  # fmt: skip
-        empty = wmask & (~valid)
-        if count < W:  # a row full to its width (every row of a uniform layer at batch 1) has none
-            erank = count + tl.cumsum(empty.to(tl.int32), 0) - 1
-            tl.store(score_ptr + meta + sw * m_ss, tl.gather(new, tl.minimum(tl.maximum(erank, 0), BW - 1), 0),
-                     mask=empty)  # fmt: skip
-        if HELD:  # the order for the row's next step: this one's without the victim
-            vrank = tl.min(tl.where((order == victim) & ranked_valid & chosen, sw, BW), 0)
-            after_victim = tl.gather(order, tl.minimum(sw + (sw >= vrank).to(tl.int32), BW - 1), 0)
-            tl.store(order_ptr + meta + sw * m_ss, after_victim, mask=sw < count - chosen.to(tl.int32))
+    # SnapKV's, CAKE's and SLAKE's rule (positional pooling, in registers, without CriticalKV's two stages): the
+    # row's kept slots in vectors of pow2(W - 1) and the new token apart (triton_pooling), its order by position the
+    # one its previous step left when that proves to hold (HELD_ORDER), else sorted. Every other rule: the row's
+    # slots, the new token's among them, padded to pow2(W)
+    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER
+    HELD: tl.constexpr = HELD_ORDER and (SKIP & 1) == 0
+    if RANKED:
+        victim, chosen = pooled_eviction(
+            pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, r, h, H, W, S,
+            newslot, newest, window, first, sinks, target,
+            G, SP, BW, GROUP_MAX, POOL_K, POOL_MAX, ZERO_WINDOW, PROTECT_WINDOW, KEY_SPAN, HELD, SKIP,
+        )  # fmt: skip
     else:
+        sw = tl.arange(0, BW)
+        wmask = sw < W
+        pos = tl.load(pos_ptr + meta + sw * m_ss, mask=wmask, other=-1)
+        valid = ((tl.load(valid_ptr + meta + sw * m_ss, mask=wmask, other=0) != 0) | (sw == newslot)) & wmask
+        stored = tl.load(score_ptr + meta + sw * m_ss, mask=wmask, other=float("-inf"))
+        count = tl.sum(valid.to(tl.int32), 0)
+        # 1. the method's decode score of every slot
+        c = 1.0
+        if RULE == 2:  # AhaKV's gain c = sqrt(2 ln(max(N, B + 1) / B)) from the row's prompt length and budget
+            n = tl.load(plen_ptr + mr).to(tl.float32)
+            bb = tl.maximum(tl.load(budget_ptr + mr).to(tl.float32), 1.0)
+            c = tl.sqrt(2.0 * tl.log(tl.maximum(n, bb + 1.0) / bb))
+            if GAIN_FLOOR:
+                c = tl.maximum(c, 1.0)
+        if RULE == 3:  # TOVA: the mean over every query head of the layer
+            sig = tl.zeros([BW], tl.float32)
+            for hh in range(0, H):
+                sig += head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
+            new = sig / H
+        elif RULE <= 2 or RULE == 6:
+            if SKIP & 16:  # timing only (SKIP_PARTS): the stored scores instead of this step's attention
+                sig = tl.where(valid, stored, 0.0)
+            else:
+                sig = head_signal(x_ptr, stat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, GROUP_MAX)
+            if RULE == 0:
+                new = sig
+                if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
+                    new = tl.where((pos > newest - window) | (~valid), 0.0, new)
+            elif RULE == 1:  # H2O: accumulate onto the stored score (0 where it is not finite)
+                finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+                new = tl.where(finite, stored, 0.0) + sig
+            elif RULE == 2:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
+                finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+                new = tl.where((~finite) & valid, 0.0, stored) + sig
+            else:  # KVzip: the running max of the attention a slot receives
+                if GEN_FIRST:  # generated tokens (the new slot, or a stored score >= 1) carry 1 + their running max
+                    sig = sig + ((sw == newslot) | (stored >= 1.0)).to(tl.float32)
+                new = tl.maximum(stored, sig)
+        elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots
+            new = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                                 valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
+                                 D, DP, BW, LB, QUANT)  # fmt: skip
+        elif RULE == 8:  # Expected Attention: the softmax of the mapped queries' logits, group mean, value-weighted
+            new = head_signal(x_ptr, estat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
+            if VNORM:
+                vnorm = tl.load(norm_ptr + (r * H + h).to(tl.int64) * W + sw, mask=wmask, other=0.0)
+                new = (new + epsilon) * vnorm
+        elif RULE == 4:
+            new = pos.to(tl.float32)
+        else:
+            finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+            new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
+        # positional pooling in slot order (CriticalKV's two stages need the pooled scores there; without
+        # POOL_GATHER, timing only, the pooling of before, through memory): the slots sorted by position, pooled, and
+        # back in slot order through the row's scratch buffer
+        if RULE == 0 and POOL_K > 1:
+            if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
+                order = sw
+            else:
+                order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
+            base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+            new = pool_by_position(new, valid, order, count, base, W, sw, wmask, BW, POOL_K, POOL_MAX, POOL_GATHER)
+            if POOL_GATHER:  # ranked: back to slot order
+                tl.store(base + order, new, mask=order < W)
+                tl.debug_barrier()
+                new = tl.load(base + sw, mask=wmask, other=0.0)
+        if TWO_STAGE:
+            new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
+                            two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
+        # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
+        guard = ~valid
+        if PROTECT_WINDOW:
+            guard = guard | (pos > newest - window)
+        guard = guard | ((pos >= first) & (pos < first + sinks))
+        victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
+        hit = sw == victim
+        chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)
+        gone = hit & chosen
         tl.store(score_ptr + meta + sw * m_ss, tl.where(gone, float("-inf"), new), mask=wmask)
-    tl.store(valid_ptr + meta + sw * m_ss, valid & (~gone), mask=wmask)
-    tl.store(pos_ptr + meta + sw * m_ss, tl.where(gone, -1, pos), mask=wmask)
+        tl.store(valid_ptr + meta + sw * m_ss, valid & (~gone), mask=wmask)
+        tl.store(pos_ptr + meta + sw * m_ss, tl.where(gone, -1, pos), mask=wmask)
     # 3. the fold of the victim into the linear state
     dd = tl.arange(0, DP)
     dmask = dd < D
@@ -402,7 +383,7 @@ def fused_step(
     held_order]`` (the kernels' constexprs). Tensors a flag turns off are passed as empty placeholders. The
     metadata tensors ``(P, Hkv, >= width)`` share their strides: ``positions``, ``valid``, ``scores`` and, with
     ``held_order``, ``order`` (int32: each row's slots in position order as the last step left them, read by the
-    positional pooling when it proves to hold, :func:`slake.kernels.triton_rules.held_order`; any content is
+    positional pooling when it proves to hold, :func:`slake.kernels.triton_pooling.listed_lanes`; any content is
     safe). ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule; ``weights`` ``(P, Hkv, >= width)``
     and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output projection of a two-stage rule (a third
     kernel projects the new values); ``ratio``: the two stages' ratio."""
@@ -414,6 +395,10 @@ def fused_step(
     G = Hq // H
     W = int(width)
     GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
+    # the second kernel's vectors: with SnapKV's, CAKE's and SLAKE's pooling (the kernel's RANKED) the row's kept
+    # slots only, the new token apart (slake.kernels.triton_pooling): budget + 1 slots in pow2(budget) lanes
+    ranked = rule == RULE_CODES["pooled_attention"] and pool_k > 1 and not two_stage and launch.POOL_GATHER
+    EW = launch.pow2(W - 1, 16) if ranked else BW
     split = min(launch.split_size(W, R * H), BW)
     S = -(-W // split)
     BLOCK_N = min(64, split)
@@ -487,15 +472,15 @@ def fused_step(
         estat, vn, weights, *w_strides, pw, NB, lin,
         W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
         *launch.ratio_parts(ratio),
-        SP=launch.pow2(S), BW=BW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
+        SP=launch.pow2(S), BW=EW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
         GROUP_MAX=bool(group_max),
         POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
-        KEY_SPAN=launch.key_span(BW), POOL_GATHER=bool(launch.POOL_GATHER),
+        KEY_SPAN=launch.key_span(2 * EW if ranked else BW), POOL_GATHER=bool(launch.POOL_GATHER),
         HELD_ORDER=bool(held and launch.HELD_ORDER),
-        num_warps=launch.evict_warps(BW), maxnreg=launch.evict_registers(BW),
+        num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip
     return out

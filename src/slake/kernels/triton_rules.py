@@ -1,8 +1,8 @@
 """The decode rules' per-slot signals inside the fused decode kernels' second kernel
 (:mod:`slake.kernels.triton_decode`, :class:`slake.methods.decode_rule.FusedDecodeRule`): each query head's
 softmax statistics combined over the first kernel's pieces, the attention a KV head's query heads give each slot,
-the positional pooling of SnapKV's and CAKE's rules, KeyDiff's key diversity, and CriticalKV's two stages with the
-kernel that weighs each new slot."""
+KeyDiff's key diversity, and CriticalKV's two stages with the kernel that weighs each new slot. The positional
+pooling of SnapKV's, CAKE's and SLAKE's rule is in :mod:`slake.kernels.triton_pooling`."""
 
 from __future__ import annotations
 
@@ -11,17 +11,7 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = [
-    "head_signal",
-    "held_order",
-    "key_diversity",
-    "listed_order",
-    "pool_by_position",
-    "position_order",
-    "ranked_argmin",
-    "row_stats",
-    "two_stage",
-]
+__all__ = ["head_signal", "key_diversity", "row_stats", "two_stage"]
 
 
 @triton.jit
@@ -63,119 +53,6 @@ def head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr, 
     if GROUP_MAX:
         return tl.where(wmask, acc, 0.0)
     return acc / G
-
-
-@triton.jit
-def position_order(pos, valid, wmask, sw, BW: tl.constexpr, KEY_SPAN: tl.constexpr):
-    """The row's slots in position order: ``order[i]`` is the slot of rank ``i``; the valid slots come first, by
-    position, then the empty ones and those past the row's width, by slot (a permutation of ``0 .. BW - 1``).
-
-    One sort of keys that carry the slot in their low bits. The keys are int32 when the valid positions span fewer
-    than ``KEY_SPAN`` (:func:`slake.kernels.launch_config.key_span`: ``2**31 / BW - 2``, a million tokens at 2,048
-    slots; the key is the position less the lowest valid one), int64 otherwise: a 64-bit sort is emulated with
-    twice the registers and shuffles of a 32-bit one (at Llama-3-8B's shape and 1,025 slots, 1,050 shuffles against
-    570, ``tests/kernel_aot.py``)."""
-    lo = tl.min(tl.where(valid, pos, 1 << 60), 0)
-    hi = tl.max(tl.where(valid, pos, -(1 << 60)), 0)
-    if hi - lo < KEY_SPAN:
-        rel = tl.where(valid, pos - lo, KEY_SPAN).to(tl.int32)
-        order = tl.sort(tl.where(wmask, rel, KEY_SPAN + 1) * BW + sw, 0) % BW
-    else:
-        key = tl.where(valid, pos, 1 << 40)
-        order = (tl.sort(tl.where(wmask, key, (1 << 40) + 1) * BW + sw, 0) % BW).to(tl.int32)
-    return order
-
-
-@triton.jit
-def pool_by_position(scores, valid, order, count, base, W, sw, wmask, BW: tl.constexpr, POOL_K: tl.constexpr,
-                     POOL_MAX: tl.constexpr, IN_REGISTERS: tl.constexpr):  # fmt: skip
-    """SnapKV's pooling of ``scores`` (slot order; 0 where a slot is empty) over each slot's ``POOL_K`` neighbours
-    in position order (``order``, :func:`position_order`), average or maximum, with the row's ends padded as
-    ``avg_pool1d``/``max_pool1d`` pad them (a neighbour past an end adds 0 to the average, nothing to the maximum).
-
-    ``IN_REGISTERS``: the ranking and the shifts are gathers within the program (``tl.gather``), and the pooled
-    scores come back in rank order (entry ``i`` belongs to slot ``order[i]``). Only the first ``count`` ranks (the
-    valid slots) are read from ``order``; the ranks after them are empty slots, whose score is 0 whichever they are
-    (:func:`held_order` leaves them unlisted). Otherwise (the pooling of before,
-    kept to time one against the other: ``launch_config.POOL_GATHER``) they go through the row's scratch buffer in
-    global memory (``base``, ``2 * BW`` floats), three store-barrier-load round trips, and come back in slot
-    order."""
-    if IN_REGISTERS:
-        ranked = tl.where(sw < count, tl.gather(tl.where(valid, scores, 0.0), order, 0), 0.0)
-    else:
-        tl.store(base + sw, tl.where(valid, scores, 0.0))
-        tl.debug_barrier()
-        tl.store(base + BW + sw, tl.load(base + order, mask=order < W, other=0.0))
-        tl.debug_barrier()
-    pad = float("-inf") if POOL_MAX else 0.0
-    pooled = tl.full([BW], pad, tl.float32)
-    for t in tl.static_range(POOL_K):
-        j = sw + (t - POOL_K // 2)
-        inside = (j >= 0) & (j < W)
-        if IN_REGISTERS:
-            got = tl.where(inside, tl.gather(ranked, tl.minimum(tl.maximum(j, 0), BW - 1), 0), pad)
-        else:
-            got = tl.load(base + BW + j, mask=inside, other=pad)
-        pooled = tl.maximum(pooled, got) if POOL_MAX else pooled + got
-    if not POOL_MAX:
-        pooled = pooled / POOL_K
-    if not IN_REGISTERS:
-        tl.debug_barrier()
-        tl.store(base + order, pooled, mask=order < W)
-        tl.debug_barrier()
-        pooled = tl.load(base + sw, mask=wmask, other=0.0)
-    return pooled
-
-
-@triton.jit
-def ranked_argmin(ranked, guard, order, count, sw, BW: tl.constexpr):
-    """The slot ``argmin`` would pick from a row's scores in slot order (the first lowest, guarded slots at
-    ``+inf``), given the scores in rank order (``ranked``, entry ``i`` of slot ``order[i]``; the first ``count``
-    ranks are the valid slots, the others empty, so guarded) and the guard in slot order: among the ranks holding
-    the lowest score, the lowest slot, so that ties go where the torch step's ``argmin`` sends them, not to the
-    oldest position. When every slot is guarded, slot 0, as ``argmin`` over a row of ``+inf``."""
-    scores = tl.where((sw < count) & (tl.gather(guard.to(tl.int32), order, 0) == 0), ranked, float("inf"))
-    low = tl.min(scores, 0)
-    return tl.where(low == float("inf"), 0, tl.min(tl.where(scores == low, order, BW), 0))
-
-
-@triton.jit
-def listed_order(order_ptr, meta, m_ss, pos, valid, sw, newslot, newest, count, BW: tl.constexpr):
-    """Whether the order the kernel left at ``order_ptr`` after the row's previous step still holds, and the order
-    it gives: ``(holds, order)``, ``order`` the row's valid slots by position in its first ``count`` ranks (0 after
-    them), as :func:`position_order` ranks them when ``holds``.
-
-    A row's order changes little from one step to the next: the new token (``newslot``, at position ``newest``)
-    comes last, and the step's victim leaves. The buffer is trusted only when it proves itself: its first
-    ``count - 1`` entries are valid slots in strictly increasing positions, all below ``newest``. Those are then
-    ``count - 1`` distinct valid slots other than the new one, which is all of them, in the one order a sort by
-    position gives; so any content (a new row's, a step of the torch path's, another request's in the vLLM pool)
-    is safe. The check is three gathers and two reductions over the row."""
-    held = count - 1  # the slots the row held before this step's token
-    listed = sw < held
-    buf = tl.load(order_ptr + meta + sw * m_ss, mask=listed, other=0)
-    buf = tl.minimum(tl.maximum(buf, 0), BW - 1)
-    bpos = tl.gather(pos, buf, 0)
-    bvalid = tl.gather(valid.to(tl.int32), buf, 0)
-    after = tl.gather(bpos, tl.minimum(sw + 1, BW - 1), 0)
-    each = (~listed) | ((bvalid != 0) & ((sw >= held - 1) | (bpos < after)))
-    last = tl.max(tl.where(listed, bpos, -1), 0)
-    holds = (tl.min(each.to(tl.int32), 0) == 1) & (last < newest)
-    return holds, tl.where(listed, buf, tl.where(sw == held, newslot, 0))
-
-
-@triton.jit
-def held_order(order_ptr, meta, m_ss, pos, valid, wmask, sw, newslot, newest, count, BW: tl.constexpr,
-               KEY_SPAN: tl.constexpr):  # fmt: skip
-    """The row's valid slots in position order (ranks ``0 .. count - 1`` of :func:`position_order`): the order its
-    previous step left when it holds (:func:`listed_order`), else by :func:`position_order`'s sort, a bitonic
-    network of ``log2(BW) (log2(BW) + 1) / 2`` stages over the row."""
-    holds, listed = listed_order(order_ptr, meta, m_ss, pos, valid, sw, newslot, newest, count, BW)
-    if holds:
-        order = listed
-    else:
-        order = position_order(pos, valid, wmask, sw, BW, KEY_SPAN)
-    return order
 
 
 @triton.jit
