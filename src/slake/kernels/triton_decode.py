@@ -40,7 +40,8 @@ without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`
 this module is imported), which is how the tests check them against the torch step. The first kernel lives in
 :mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in :mod:`slake.kernels.triton_slots`,
 the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`, the
-positional pooling of SnapKV's, CAKE's and SLAKE's rule in :mod:`slake.kernels.triton_pooling`, the launch configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
+positional pooling of SnapKV's, CAKE's and SLAKE's rule in :mod:`slake.kernels.triton_pooling`, the launch
+configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
 :mod:`slake.kernels.launch_config`, and the launches that skip Triton's per-call argument binding on a GPU in
 :mod:`slake.kernels.launch_cache`.
 """
