@@ -72,11 +72,12 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         ;;
     kernel-tune)
         # SLAKE's step at batch 1, budget 1024 with other launch constants, each against the step as it is: every
-        # row sorted again instead of the order its last step left (what the held order gains), the pooling of
+        # row sorted again instead of the order its last step left (what the held order gains), the row's slots
+        # padded to pow2(budget + 1) with the new token among them (what keeping it apart gains), the pooling of
         # before (int64 keys through memory), more pieces combined per round, the victim piece in one block, 16
         # warps (the whole list, benchmarks.pool.TUNE_VARIANTS, is the command without --variants)
         "$py" -m benchmarks kernel-tune --methods slake --budget 1024 --requests 1 \
-            --variants "HELD_ORDER=0;POOL_GATHER=0,SHORT_KEYS=0;COMBINE=8;RECOMPUTE_BLOCK=64;WIDE_WARPS=16" \
+            --variants "HELD_ORDER=0;NEW_TOKEN_APART=0;POOL_GATHER=0,SHORT_KEYS=0;COMBINE=8;RECOMPUTE_BLOCK=64;WIDE_WARPS=16" \
             > "$out/kernel_tune.jsonl"
         ;;
     launch)
@@ -125,7 +126,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
 SHORT_STEPS=("info 10" "smoke 110" "compiled-targets 390" "eager-targets 150" "host 60" "host-compiled 80")
-SHORT2_STEPS=("eager-targets 150" "launch 130" "kernel-tune 100" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
+SHORT2_STEPS=("eager-targets 150" "launch 130" "kernel-tune 115" "kernel-parts 90" "host-compiled 80" "host 60" "pool-8 65" "kernels-1 130" \
     "profile 200")
 
 run_short() {
@@ -149,7 +150,9 @@ run_short() {
                 tests/test_fused_decode.py::test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots \
                 tests/test_fused_decode.py::test_a_held_order_is_used_only_when_it_proves_to_be_the_sorted_order \
                 tests/test_fused_decode.py::test_the_fused_step_keeps_each_rows_order_and_survives_a_corrupted_one \
-                -k "test_cuda or slake or snapkv or cake or position_order or ranks or held_order or rows_order" 2>&1 \
+                tests/test_fused_decode.py::test_the_pooling_with_the_new_token_apart_pools_the_row_in_position_order \
+                -k "test_cuda or slake or snapkv or cake or position_order or ranks or held_order or rows_order \
+                    or new_token_apart" 2>&1 \
                 | tee "$out/smoke.log" | tail -n 5
             if grep -q "FAILED.*test_cached_launches" "$out/smoke.log"; then
                 # launches that skip Triton's binding failed on this GPU: the measurements after go through Triton
@@ -160,6 +163,12 @@ run_short() {
                 # the slot order kept from step to step failed on this GPU: the measurements after sort every row
                 export SLAKE_HELD_ORDER=0
                 echo "== the kept slot order failed on this GPU: what follows runs with SLAKE_HELD_ORDER=0"
+            fi
+            if grep -q "FAILED.*new_token_apart\|FAILED.*victim_found_among_ranks" "$out/smoke.log"; then
+                # the pooled rules' eviction with the new token apart failed on this GPU: the measurements after pool
+                # the row's slots with the new token among them
+                export SLAKE_NEW_TOKEN_APART=0
+                echo "== the new token apart failed on this GPU: what follows runs with SLAKE_NEW_TOKEN_APART=0"
             fi
             ;;
         eager-targets)

@@ -356,6 +356,7 @@ TUNE_VARIANTS: list[dict[str, int]] = [
     {"POOL_GATHER": 0},
     {"POOL_GATHER": 0, "SHORT_KEYS": 0},
     {"HELD_ORDER": 0},
+    {"NEW_TOKEN_APART": 0},
 ]
 
 

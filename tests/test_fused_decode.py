@@ -714,12 +714,13 @@ def test_rows_are_split_over_programs_when_few_rows_would_leave_a_gpu_idle():
         {"COMBINE": 8, "MIN_SPLIT": 16, "TARGET_PROGRAMS": 1, "WIDE_WARPS": 16},  # one piece per row
         {"POOL_GATHER": 0, "SHORT_KEYS": 0},  # the pooling of before, through memory, on int64 keys
         {"HELD_ORDER": 0},  # every row sorted at every step
+        {"NEW_TOKEN_APART": 0},  # the pooled rules over the row's slots, the new token's among them
     ],
 )
 def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(constants):
     """``launch_config.tuned`` (``python -m benchmarks kernel-tune``): SLAKE's step with rows cut into more or fewer
-    pieces, combined more or fewer at a time, pooled as before (through memory), or sorted at every step, equals the
-    torch step; bad constants are refused."""
+    pieces, combined more or fewer at a time, pooled as before (through memory), sorted at every step, or pooled over
+    the row's slots with the new token among them, equals the torch step; bad constants are refused."""
     method = _method("slake")
     ref, ref_out = _run(method, "torch")
     with launch_config.tuned(**constants):
@@ -728,7 +729,7 @@ def test_launch_constants_change_how_the_step_is_cut_not_what_it_computes(consta
     assert launch_config.COMBINE == 4 and launch_config.MIN_SPLIT == 64 and launch_config.POOL_GATHER  # restored
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
     bad_values = ({"COMBINE": 0}, {"MIN_SPLIT": 24}, {"WIDE_WARPS": 2}, {"BLOCK": 8}, {"COMBINE": True})
-    for bad in (*bad_values, {"SHORT_KEYS": 2}, {"POOL_GATHER": True}, {"HELD_ORDER": -1}):
+    for bad in (*bad_values, {"SHORT_KEYS": 2}, {"POOL_GATHER": True}, {"HELD_ORDER": -1}, {"NEW_TOKEN_APART": 2}):
         with pytest.raises(ValueError):
             with launch_config.tuned(**bad):
                 pass

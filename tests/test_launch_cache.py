@@ -227,9 +227,14 @@ def test_cached_passes_interpreted_kernels_and_stand_ins_through(monkeypatch):
 
 def test_the_environment_turns_the_cache_off_for_a_run(monkeypatch):
     """``SLAKE_CACHED_LAUNCH=0`` (or off/false/no) in the environment when the module is imported; the same for the
-    kept slot order (``SLAKE_HELD_ORDER``), which a GPU session turns off if its tests fail on that GPU."""
+    kept slot order (``SLAKE_HELD_ORDER``) and the new token apart (``SLAKE_NEW_TOKEN_APART``), which a GPU session
+    turns off if their tests fail on that GPU."""
+    switches = (
+        ("SLAKE_CACHED_LAUNCH", "CACHED_LAUNCH"), ("SLAKE_HELD_ORDER", "HELD_ORDER"),
+        ("SLAKE_NEW_TOKEN_APART", "NEW_TOKEN_APART"),
+    )  # fmt: skip
     try:
-        for variable, switch in (("SLAKE_CACHED_LAUNCH", "CACHED_LAUNCH"), ("SLAKE_HELD_ORDER", "HELD_ORDER")):
+        for variable, switch in switches:
             for value, expected in (("0", False), ("off", False), ("No", False), ("1", True), (None, True)):
                 if value is None:
                     monkeypatch.delenv(variable, raising=False)

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 __all__ = [
     "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK",
-    "HELD_ORDER", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS", "evict_registers",
-    "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size", "state_rows", "tuned",
+    "HELD_ORDER", "NEW_TOKEN_APART", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS",
+    "evict_registers", "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size",
+    "state_rows", "tuned",
 ]  # fmt: skip
 
 
@@ -78,11 +79,11 @@ def leaving_out(*parts: str) -> Iterator[None]:
 #: the launch constants :func:`tuned` may change (each is read when a step is launched)
 TUNABLE = (
     "COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT", "SHORT_KEYS", "POOL_GATHER",
-    "HELD_ORDER",
+    "HELD_ORDER", "NEW_TOKEN_APART",
 )  # fmt: skip
 
 
-_SWITCHES = ("SHORT_KEYS", "POOL_GATHER", "HELD_ORDER")
+_SWITCHES = ("SHORT_KEYS", "POOL_GATHER", "HELD_ORDER", "NEW_TOKEN_APART")
 
 
 @contextlib.contextmanager
@@ -90,7 +91,8 @@ def tuned(**values: int) -> Iterator[None]:
     """Within the block, the fused steps launched use other values of the launch constants named in
     :data:`TUNABLE` (``python -m benchmarks kernel-tune`` times the alternatives on a GPU); the step computes the
     same thing with any of them. Values are checked: ``COMBINE`` and ``TARGET_PROGRAMS`` positive, ``WIDE_WARPS``
-    4, 8 or 16, the switches ``SHORT_KEYS``, ``POOL_GATHER`` and ``HELD_ORDER`` 0 or 1, the others powers of two
+    4, 8 or 16, the switches ``SHORT_KEYS``, ``POOL_GATHER``, ``HELD_ORDER`` and ``NEW_TOKEN_APART`` 0 or 1, the
+    others powers of two
     of at least 16 (a ``tl.dot`` operand's smallest width). Restores the previous values on exit."""
     unknown = set(values) - set(TUNABLE)
     if unknown:
@@ -160,6 +162,12 @@ POOL_GATHER = True
 #: the order in an int32 tensor beside the slots' positions); off to time the sort (``kernel-tune``), or for a whole
 #: run with ``SLAKE_HELD_ORDER=0`` in the environment (read when this module is imported)
 HELD_ORDER = _switched_on("SLAKE_HELD_ORDER")
+#: whether SnapKV's, CAKE's and SLAKE's eviction holds the row's kept slots in vectors of ``pow2(W - 1)`` with the
+#: new token apart (:func:`slake.kernels.triton_pooling.pooled_eviction`: a row of budget + 1 slots is not padded to
+#: twice its width); off, the row's slots padded to ``pow2(W)``, pooled in registers and put back in slot order
+#: through the row's scratch buffer, as CriticalKV's two stages are, and sorted at every step (``kernel-tune``'s
+#: variant, or ``SLAKE_NEW_TOKEN_APART=0`` in the environment for a whole run, read when this module is imported)
+NEW_TOKEN_APART = _switched_on("SLAKE_NEW_TOKEN_APART")
 
 
 def key_span(padded_width: int) -> int:

@@ -101,7 +101,7 @@ def _evict_attend_kernel(
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
     COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr, KEY_SPAN: tl.constexpr,
-    POOL_GATHER: tl.constexpr, HELD_ORDER: tl.constexpr,
+    POOL_GATHER: tl.constexpr, HELD_ORDER: tl.constexpr, APART: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -117,8 +117,8 @@ def _evict_attend_kernel(
     # SnapKV's, CAKE's and SLAKE's rule (positional pooling, in registers, without CriticalKV's two stages): the
     # row's kept slots in vectors of pow2(W - 1) and the new token apart (triton_pooling), its order by position the
     # one its previous step left when that proves to hold (HELD_ORDER), else sorted. Every other rule: the row's
-    # slots, the new token's among them, padded to pow2(W)
-    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER
+    # slots, the new token's among them, padded to pow2(W) (and these rules too without APART, to time it)
+    RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER and APART
     HELD: tl.constexpr = HELD_ORDER and (SKIP & 1) == 0
     if RANKED:
         victim, chosen = pooled_eviction(
@@ -180,8 +180,8 @@ def _evict_attend_kernel(
             finite = (stored == stored) & (tl.abs(stored) != float("inf"))
             new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
         # positional pooling in slot order (CriticalKV's two stages need the pooled scores there; without
-        # POOL_GATHER, timing only, the pooling of before, through memory): the slots sorted by position, pooled, and
-        # back in slot order through the row's scratch buffer
+        # POOL_GATHER or APART, timing only, the pooling of before, through memory, or the new token among the
+        # slots): the slots sorted by position, pooled, and back in slot order through the row's scratch buffer
         if RULE == 0 and POOL_K > 1:
             if SKIP & 1:  # timing only (SKIP_PARTS): the slots' own order
                 order = sw
@@ -398,7 +398,10 @@ def fused_step(
     GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
     # the second kernel's vectors: with SnapKV's, CAKE's and SLAKE's pooling (the kernel's RANKED) the row's kept
     # slots only, the new token apart (slake.kernels.triton_pooling): budget + 1 slots in pow2(budget) lanes
-    ranked = rule == RULE_CODES["pooled_attention"] and pool_k > 1 and not two_stage and launch.POOL_GATHER
+    ranked = (
+        rule == RULE_CODES["pooled_attention"] and pool_k > 1 and not two_stage and launch.POOL_GATHER
+        and launch.NEW_TOKEN_APART
+    )  # fmt: skip
     EW = launch.pow2(W - 1, 16) if ranked else BW
     split = min(launch.split_size(W, R * H), BW)
     S = -(-W // split)
@@ -411,7 +414,7 @@ def fused_step(
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
     # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order (or
     # the pooling goes through memory, POOL_GATHER off)
-    scratch = (pool_k > 1 and (two_stage or not launch.POOL_GATHER)) or rule == RULE_CODES["key_diversity"]
+    scratch = (pool_k > 1 and not ranked) or rule == RULE_CODES["key_diversity"]
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
     map_q = rule == RULE_CODES["expected_attention"]
     estat = torch.empty_like(stat) if map_q else stat
@@ -480,7 +483,7 @@ def fused_step(
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
         KEY_SPAN=launch.key_span(2 * EW if ranked else BW), POOL_GATHER=bool(launch.POOL_GATHER),
-        HELD_ORDER=bool(held and launch.HELD_ORDER),
+        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=ranked,
         num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip
