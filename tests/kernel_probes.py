@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from slake.kernels.triton_eviction import lane_argmin
 from slake.kernels.triton_pooling import held_lanes, lane_victim, listed_lanes, pool_lanes, position_order
 
 
@@ -38,7 +39,8 @@ def _lanes(pos_ptr, valid_ptr, W, newslot, BW: tl.constexpr):
 @triton.jit
 def victim_kernel(scores_ptr, guard_ptr, order_ptr, out_ptr, W, held, newslot, BW: tl.constexpr):
     """``out[0]`` = :func:`lane_victim` of a row of ``W`` slots (``scores`` and ``guard``, int8, in slot order) with
-    its lanes ranked by ``order``, whose first ``held`` ranks are read."""
+    its lanes ranked by ``order``, whose first ``held`` ranks are read; ``out[1]`` = :func:`lane_argmin` of the same
+    row, its lanes in their own order."""
     sw = tl.arange(0, BW)
     lslot = tl.where(sw == newslot, W - 1, sw)
     lmask = sw < W - 1
@@ -47,8 +49,10 @@ def victim_kernel(scores_ptr, guard_ptr, order_ptr, out_ptr, W, held, newslot, B
     oslot = tl.gather(lslot, order, 0)
     pooled = tl.load(scores_ptr + oslot, mask=oslot < W, other=0.0)
     new_guarded = tl.load(guard_ptr + newslot) != 0
-    victim = lane_victim(pooled, tl.load(scores_ptr + newslot), guard, new_guarded, order, oslot, held, newslot, W, sw)
-    tl.store(out_ptr, victim)
+    new_score = tl.load(scores_ptr + newslot)
+    tl.store(out_ptr, lane_victim(pooled, new_score, guard, new_guarded, order, oslot, held, newslot, W, sw))
+    lane_scores = tl.load(scores_ptr + lslot, mask=lmask, other=0.0)
+    tl.store(out_ptr + 1, lane_argmin(lane_scores, new_score, guard | (~lmask), new_guarded, lslot, newslot, W))
 
 
 @triton.jit

@@ -201,11 +201,12 @@ def test_the_position_order_ranks_valid_slots_by_position_with_keys_of_either_wi
 
 def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
     """:func:`slake.kernels.triton_pooling.lane_victim` on scores with ties (a pooled row of equal attention ties
-    everywhere) and guarded slots, the lanes ranked by a random order and the new token apart: the first lowest in
-    slot order, as ``argmin`` over the slots picks it (with every slot guarded: slot 0), whether it is the new
-    token or a kept slot. Ranks past ``held`` (a row's empty slots) hold any lane and are not read: the slots they
-    leave out are guarded, as empty slots are. Rows whose width less one is a power of two (every lane used) and
-    rows with lanes past the row."""
+    everywhere) and guarded slots, the lanes ranked by a random order and the new token apart, and
+    :func:`slake.kernels.triton_eviction.lane_argmin` on the lanes in their own order: the first lowest in slot
+    order, as ``argmin`` over the slots picks it (with every slot guarded: slot 0), whether it is the new token or a
+    kept slot. Ranks past ``held`` (a row's empty slots) hold any lane and are not read: the slots they leave out are
+    guarded, as empty slots are. Rows whose width less one is a power of two (every lane used) and rows with lanes
+    past the row."""
     from slake.kernels import load
 
     load()
@@ -227,11 +228,11 @@ def test_the_victim_found_among_ranks_is_the_one_argmin_finds_among_slots():
         guard[empty[empty < W]] = True  # the unlisted lanes' slots are empty
         if held < BW:
             order[held:] = torch.randint(0, BW, (BW - held,), generator=g).to(torch.int32)
-        out = torch.empty(1, dtype=torch.int32, device=DEVICE)
+        out = torch.empty(2, dtype=torch.int32, device=DEVICE)
         victim_kernel[(1,)](scores.to(DEVICE), guard.to(DEVICE, torch.int8), order.to(DEVICE), out, W, held, newslot,
                             BW=BW)  # fmt: skip
         want = int(scores.masked_fill(guard, float("inf")).argmin())
-        assert int(out.cpu()) == want, (trial, scores, guard, order, held, newslot)
+        assert out.cpu().tolist() == [want, want], (trial, scores, guard, order, held, newslot)
 
 
 def test_the_pooling_with_the_new_token_apart_pools_the_row_in_position_order():

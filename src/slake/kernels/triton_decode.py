@@ -56,6 +56,7 @@ from torch.library import custom_op
 from slake.kernels import launch_config as launch
 from slake.kernels.launch_cache import cached
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
+from slake.kernels.triton_eviction import rule_eviction
 from slake.kernels.triton_pooling import pool_by_position, pooled_eviction, position_order
 from slake.kernels.triton_rules import _value_projection_kernel, head_signal, key_diversity, two_stage
 from slake.kernels.triton_slots import load_queries, load_row
@@ -114,17 +115,28 @@ def _evict_attend_kernel(
     else:
         first = 0
     target = tl.load(target_ptr + mr * tg_sr + h * tg_sh)
-    # SnapKV's, CAKE's and SLAKE's rule (positional pooling, in registers, without CriticalKV's two stages): the
-    # row's kept slots in vectors of pow2(W - 1) and the new token apart (triton_pooling), its order by position the
-    # one its previous step left when that proves to hold (HELD_ORDER), else sorted. Every other rule: the row's
-    # slots, the new token's among them, padded to pow2(W) (and these rules too without APART, to time it)
+    # With APART (every rule but CriticalKV's two stages) the row's kept slots are in vectors of pow2(W - 1) and the
+    # new token is apart, so a row of budget + 1 slots is not padded to twice its width: SnapKV's, CAKE's and SLAKE's
+    # positional pooling in registers (triton_pooling), its order by position the one the row's previous step left
+    # when that proves to hold (HELD_ORDER), else sorted; the other rules in triton_eviction. CriticalKV's two
+    # stages, and without APART (or POOL_GATHER: timing only) every rule: the row's slots, the new token's among
+    # them, padded to pow2(W)
     RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER and APART
+    PLAIN: tl.constexpr = (RULE != 0 or POOL_K == 1) and not TWO_STAGE and APART
     HELD: tl.constexpr = HELD_ORDER and (SKIP & 1) == 0
     if RANKED:
         victim, chosen = pooled_eviction(
             pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, r, h, H, W, S,
             newslot, newest, window, first, sinks, target,
             G, SP, BW, GROUP_MAX, POOL_K, POOL_MAX, ZERO_WINDOW, PROTECT_WINDOW, KEY_SPAN, HELD, SKIP,
+        )  # fmt: skip
+    elif PLAIN:
+        victim, chosen = rule_eviction(
+            k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+            pos_ptr, valid_ptr, score_ptr, meta, m_ss, x_ptr, stat_ptr, estat_ptr, norm_ptr, pool_ptr,
+            plen_ptr, budget_ptr, r, h, mr, H, W, S, newslot, newest, window, first, sinks, target, pinned, epsilon,
+            G, SP, BW, D, DP, LB, QUANT, RULE, GROUP_MAX, ZERO_WINDOW, GAIN_FLOOR, PROTECT_WINDOW, VNORM, GEN_FIRST,
+            SKIP,
         )  # fmt: skip
     else:
         sw = tl.arange(0, BW)
@@ -166,9 +178,9 @@ def _evict_attend_kernel(
                     sig = sig + ((sw == newslot) | (stored >= 1.0)).to(tl.float32)
                 new = tl.maximum(stored, sig)
         elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots
-            new = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                                 valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
-                                 D, DP, BW, LB, QUANT)  # fmt: skip
+            new, _ = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr,
+                                    block_size, valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
+                                    count, D, DP, BW, LB, QUANT)  # fmt: skip
         elif RULE == 8:  # Expected Attention: the softmax of the mapped queries' logits, group mean, value-weighted
             new = head_signal(x_ptr, estat_ptr, r, h, H, W, S, sw, wmask, c, G, SP, BW, RULE, False)
             if VNORM:
@@ -396,13 +408,11 @@ def fused_step(
     G = Hq // H
     W = int(width)
     GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
-    # the second kernel's vectors: with SnapKV's, CAKE's and SLAKE's pooling (the kernel's RANKED) the row's kept
-    # slots only, the new token apart (slake.kernels.triton_pooling): budget + 1 slots in pow2(budget) lanes
-    ranked = (
-        rule == RULE_CODES["pooled_attention"] and pool_k > 1 and not two_stage and launch.POOL_GATHER
-        and launch.NEW_TOKEN_APART
-    )  # fmt: skip
-    EW = launch.pow2(W - 1, 16) if ranked else BW
+    # the second kernel's vectors: but for CriticalKV's two stages (and the timing variants without NEW_TOKEN_APART or
+    # POOL_GATHER), the row's kept slots only, the new token apart: budget + 1 slots in pow2(budget) lanes
+    pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
+    apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
+    EW = launch.pow2(W - 1, 16) if apart else BW
     split = min(launch.split_size(W, R * H), BW)
     S = -(-W // split)
     BLOCK_N = min(64, split)
@@ -413,8 +423,8 @@ def fused_step(
     part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
     # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order (or
-    # the pooling goes through memory, POOL_GATHER off)
-    scratch = (pool_k > 1 and not ranked) or rule == RULE_CODES["key_diversity"]
+    # the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off)
+    scratch = (pools and not apart) or rule == RULE_CODES["key_diversity"]
     pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
     map_q = rule == RULE_CODES["expected_attention"]
     estat = torch.empty_like(stat) if map_q else stat
@@ -482,8 +492,8 @@ def fused_step(
         PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
-        KEY_SPAN=launch.key_span(2 * EW if ranked else BW), POOL_GATHER=bool(launch.POOL_GATHER),
-        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=ranked,
+        KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
+        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart,
         num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip

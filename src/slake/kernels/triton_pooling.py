@@ -23,11 +23,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slake.kernels.triton_rules import row_stats
+from slake.kernels.triton_rules import lane_signal
+from slake.kernels.triton_slots import row_lanes, settle_row
 
 __all__ = [
     "held_lanes",
-    "lane_signal",
     "lane_victim",
     "listed_lanes",
     "pool_by_position",
@@ -98,36 +98,6 @@ def pool_by_position(scores, valid, order, count, base, W, sw, wmask, BW: tl.con
         tl.debug_barrier()
         pooled = tl.load(base + sw, mask=wmask, other=0.0)
     return pooled
-
-
-@triton.jit
-def lane_signal(x_ptr, stat_ptr, r, hh, H, W, S, lslot, lmask, newslot, G: tl.constexpr, SP: tl.constexpr,
-                BW: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
-    """The attention a KV head's ``G`` query heads give each lane's slot (``lslot``) this step and the new token's
-    (``newslot``), reduced over them (mean, or max with ``GROUP_MAX``): ``(lanes, new)``, as
-    :func:`slake.kernels.triton_rules.head_signal` computes it over the slots."""
-    if GROUP_MAX:
-        acc = tl.full([BW], float("-inf"), tl.float32)
-        acc_new = float("-inf")
-    else:
-        acc = tl.zeros([BW], tl.float32)
-        acc_new = 0.0
-    xbase = (r * H + hh).to(tl.int64) * G * W
-    for gi in tl.static_range(G):
-        x = tl.load(x_ptr + xbase + gi * W + lslot, mask=lmask, other=float("-inf"))
-        x_new = tl.load(x_ptr + xbase + gi * W + newslot)
-        m, lsum = row_stats(stat_ptr, r, hh, gi, H, S, G, SP)
-        p = tl.where(lsum > 0, tl.exp(x - m) / lsum, 0.0)
-        p_new = tl.where(lsum > 0, tl.exp(x_new - m) / lsum, 0.0)
-        if GROUP_MAX:
-            acc = tl.maximum(acc, p)
-            acc_new = tl.maximum(acc_new, p_new)
-        else:
-            acc = acc + p
-            acc_new = acc_new + p_new
-    if GROUP_MAX:
-        return tl.where(lmask, acc, 0.0), acc_new
-    return acc / G, acc_new / G
 
 
 @triton.jit
@@ -248,11 +218,7 @@ def pooled_eviction(pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr,
     ``BW`` is ``pow2(W - 1)``: lane ``i`` holds slot ``i``, but lane ``newslot`` holds slot ``W - 1`` (when the new
     token's slot is not the last)."""
     L = W - 1  # the lanes in use: every slot but the new token's
-    sw = tl.arange(0, BW)
-    lmask = sw < L
-    lslot = tl.where(sw == newslot, L, sw)
-    pos = tl.load(pos_ptr + meta + lslot * m_ss, mask=lmask, other=-1)
-    valid = (tl.load(valid_ptr + meta + lslot * m_ss, mask=lmask, other=0) != 0) & lmask
+    sw, lmask, lslot, pos, valid = row_lanes(pos_ptr, valid_ptr, meta, m_ss, W, newslot, BW)
     held = tl.sum(valid.to(tl.int32), 0)  # the row's slots but the new token's
     count = held + 1
     # 1. the rule's attention signal of every slot; CAKE's window adds 0 to its neighbours' pooling
@@ -260,7 +226,8 @@ def pooled_eviction(pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr,
         scores = tl.where(valid, tl.load(score_ptr + meta + lslot * m_ss, mask=lmask, other=0.0), 0.0)
         new_score = tl.load(score_ptr + meta + newslot * m_ss)
     else:
-        scores, new_score = lane_signal(x_ptr, stat_ptr, r, h, H, W, S, lslot, lmask, newslot, G, SP, BW, GROUP_MAX)
+        scores, new_score = lane_signal(x_ptr, stat_ptr, r, h, H, W, S, lslot, lmask, newslot, 1.0, G, SP, BW, 0,
+                                        GROUP_MAX)  # fmt: skip
     if ZERO_WINDOW:
         scores = tl.where((pos > newest - window) | (~valid), 0.0, scores)
         new_score = tl.where(window > 0, 0.0, new_score)
@@ -296,10 +263,7 @@ def pooled_eviction(pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr,
         e = tl.where(sw == newslot, tl.sum(empty.to(tl.int32), 0), e)  # the row's last slot: the last empty one
         src = tl.minimum(tl.maximum(count + e - 2, 0), BW - 1)
         tl.store(score_ptr + meta + lslot * m_ss, tl.gather(pooled, src, 0), mask=empty)
-    # the new token is held from now on, unless it is the victim; the victim's slot is freed
-    tl.store(valid_ptr + meta + newslot * m_ss, ~new_gone)
-    tl.store(valid_ptr + meta + victim * m_ss, victim != victim, mask=chosen & (victim != newslot))
-    tl.store(pos_ptr + meta + victim * m_ss, newest - newest - 1, mask=chosen)
+    settle_row(pos_ptr, valid_ptr, meta, m_ss, newslot, newest, victim, chosen)
     if HELD:  # the order for the row's next step: the row's, without the victim (a row that keeps all W slots has
         # no free slot for a next step: its W-th entry is not written)
         vlane = tl.min(tl.where((oslot == victim) & ranked_valid, sw, BW), 0)

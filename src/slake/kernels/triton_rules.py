@@ -11,7 +11,7 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = ["head_signal", "key_diversity", "row_stats", "two_stage"]
+__all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "two_stage"]
 
 
 @triton.jit
@@ -56,15 +56,54 @@ def head_signal(x_ptr, stat_ptr, r, hh, H, W, S, sw, wmask, c, G: tl.constexpr, 
 
 
 @triton.jit
+def lane_signal(x_ptr, stat_ptr, r, hh, H, W, S, lslot, lmask, newslot, c, G: tl.constexpr, SP: tl.constexpr,
+                BW: tl.constexpr, RULE: tl.constexpr, GROUP_MAX: tl.constexpr):  # fmt: skip
+    """:func:`head_signal` with the new token apart (:func:`slake.kernels.triton_slots.row_lanes`): the attention a
+    KV head's ``G`` query heads give each lane's slot (``lslot``) and the new token (``newslot``) this step,
+    reduced over them (mean, or max with ``GROUP_MAX``): ``(lanes, new)``. AhaKV's sharpened rule (``RULE`` 2)
+    normalises ``softmax(c * logits)`` over the lanes and the new token together."""
+    if GROUP_MAX:
+        acc = tl.full([BW], float("-inf"), tl.float32)
+        acc_new = float("-inf")
+    else:
+        acc = tl.zeros([BW], tl.float32)
+        acc_new = 0.0
+    xbase = (r * H + hh).to(tl.int64) * G * W
+    for gi in tl.static_range(G):
+        x = tl.load(x_ptr + xbase + gi * W + lslot, mask=lmask, other=float("-inf"))
+        x_new = tl.load(x_ptr + xbase + gi * W + newslot)
+        m, lsum = row_stats(stat_ptr, r, hh, gi, H, S, G, SP)
+        if RULE == 2:
+            t = tl.exp(c * (x - m))
+            t_new = tl.exp(c * (x_new - m))
+            tot = tl.sum(t, 0) + t_new
+            p = tl.where(tot > 0, t / tot, 0.0)
+            p_new = tl.where(tot > 0, t_new / tot, 0.0)
+        else:
+            p = tl.where(lsum > 0, tl.exp(x - m) / lsum, 0.0)
+            p_new = tl.where(lsum > 0, tl.exp(x_new - m) / lsum, 0.0)
+        if GROUP_MAX:
+            acc = tl.maximum(acc, p)
+            acc_new = tl.maximum(acc_new, p_new)
+        else:
+            acc = acc + p
+            acc_new = acc_new + p_new
+    if GROUP_MAX:
+        return tl.where(lmask, acc, 0.0), acc_new
+    return acc / G, acc_new / G
+
+
+@triton.jit
 def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
+                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, idx, imask, valid, count,
                    D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
                    QUANT: tl.constexpr):  # fmt: skip
-    """KeyDiff's decode score of a row's ``BW`` slots (:func:`slake.methods.keydiff.keydiff_scores`): the anchor is
-    the mean of the held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), a slot's score minus its
-    key's cosine to it (``F.cosine_similarity``: ``k . a / (max(|k|, 1e-8) max(|a|, 1e-8))``), 0 where the slot is
-    empty. Two passes over the keys, ``LB`` slots at a time; the cosines go through the row's scratch buffer into
-    a ``(BW,)`` vector."""
+    """KeyDiff's decode score (:func:`slake.methods.keydiff.keydiff_scores`) of the slots ``idx`` (``(BW,)``, where
+    ``imask``; ``valid`` whether each is held) and of the new token (slot ``newslot``): ``(scores, new)``. The
+    anchor is the mean of the row's ``count`` held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), a
+    slot's score minus its key's cosine to it (``F.cosine_similarity``: ``k . a / (max(|k|, 1e-8) max(|a|,
+    1e-8))``), 0 where the slot is empty. Two passes over the row's ``W`` keys, ``LB`` slots at a time; the cosines
+    go through the row's scratch buffer (``2 BW`` floats, of which the first ``W``)."""
     dd = tl.arange(0, DP)
     dmask = dd < D
     anchor = tl.zeros([DP], tl.float32)
@@ -76,7 +115,7 @@ def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
         unit = kt / tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-12)[:, None]
         anchor += tl.sum(tl.where(held[:, None], unit, 0.0), 0)
-    anchor = anchor / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
+    anchor = anchor / tl.maximum(count.to(tl.float32), 1.0)
     anorm = tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-8)
     base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
     for s0 in range(0, W, LB):
@@ -87,7 +126,7 @@ def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         knorm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-8)
         tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
     tl.debug_barrier()
-    return tl.where(valid, -tl.load(base + sw, mask=wmask, other=0.0), 0.0)
+    return tl.where(valid, -tl.load(base + idx, mask=imask, other=0.0), 0.0), -tl.load(base + newslot)
 
 
 @triton.jit

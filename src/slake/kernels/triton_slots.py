@@ -1,13 +1,17 @@
 """How the fused decode kernels (:mod:`slake.kernels.triton_decode`) read and write a layer's slots: one key or value
 row at a time or a block of them, through a block table and four strides, as stored (model dtype) or as 8-bit codes
-with one float32 scale per row (:mod:`slake.cache.quant`'s rounding, reproduced bit for bit)."""
+with one float32 scale per row (:mod:`slake.cache.quant`'s rounding, reproduced bit for bit); and a row's
+metadata with its new token apart (``row_lanes``, ``settle_row``)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["block_keys", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even", "store_row"]
+__all__ = [
+    "block_keys", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even", "row_lanes", "settle_row",
+    "store_row",
+]  # fmt: skip
 
 
 @triton.jit
@@ -97,3 +101,28 @@ def block_keys(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_pt
         k_ptr, b * k_sb + h * k_sh + o * k_so, dd * k_sd, ok[:, None] & dmask[None, :],
         ks_ptr, b * s_sb + h * s_sh + o * s_so, ok, QUANT,
     )  # fmt: skip
+
+
+@triton.jit
+def row_lanes(pos_ptr, valid_ptr, meta, m_ss, W, newslot, BW: tl.constexpr):
+    """A row of ``W`` slots with its new token (in slot ``newslot``) apart, as the second kernel's eviction holds it:
+    ``(sw, lmask, lslot, pos, valid)``. ``BW`` lanes (``pow2(W - 1)``), of which ``lmask`` the ``W - 1`` in use;
+    lane ``i`` holds slot ``i`` (``lslot``), but lane ``newslot`` holds the row's last slot ``W - 1`` when the new
+    token's is not the last, so the lanes cover every slot but the new token's. ``pos``, ``valid``: their slots'
+    positions (-1 past the row) and validity (false past the row)."""
+    sw = tl.arange(0, BW)
+    lmask = sw < W - 1
+    lslot = tl.where(sw == newslot, W - 1, sw)
+    pos = tl.load(pos_ptr + meta + lslot * m_ss, mask=lmask, other=-1)
+    valid = (tl.load(valid_ptr + meta + lslot * m_ss, mask=lmask, other=0) != 0) & lmask
+    return sw, lmask, lslot, pos, valid
+
+
+@triton.jit
+def settle_row(pos_ptr, valid_ptr, meta, m_ss, newslot, newest, victim, chosen):
+    """A row's slots after its eviction: the new token (slot ``newslot``, position ``newest``) held from now on
+    unless it is the victim, and the victim's slot freed (not valid, position -1) when ``chosen``."""
+    new_gone = chosen & (victim == newslot)
+    tl.store(valid_ptr + meta + newslot * m_ss, ~new_gone)
+    tl.store(valid_ptr + meta + victim * m_ss, victim != victim, mask=chosen & (victim != newslot))
+    tl.store(pos_ptr + meta + victim * m_ss, newest - newest - 1, mask=chosen)
