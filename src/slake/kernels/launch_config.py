@@ -162,11 +162,13 @@ POOL_GATHER = True
 #: the order in an int32 tensor beside the slots' positions); off to time the sort (``kernel-tune``), or for a whole
 #: run with ``SLAKE_HELD_ORDER=0`` in the environment (read when this module is imported)
 HELD_ORDER = _switched_on("SLAKE_HELD_ORDER")
-#: whether SnapKV's, CAKE's and SLAKE's eviction holds the row's kept slots in vectors of ``pow2(W - 1)`` with the
-#: new token apart (:func:`slake.kernels.triton_pooling.pooled_eviction`: a row of budget + 1 slots is not padded to
-#: twice its width); off, the row's slots padded to ``pow2(W)``, pooled in registers and put back in slot order
-#: through the row's scratch buffer, as CriticalKV's two stages are, and sorted at every step (``kernel-tune``'s
-#: variant, or ``SLAKE_NEW_TOKEN_APART=0`` in the environment for a whole run, read when this module is imported)
+#: whether the second kernel's eviction holds the row's kept slots in vectors of ``pow2(W - 1)`` with the new token
+#: apart, for every rule but CriticalKV's two stages (:func:`slake.kernels.triton_pooling.pooled_eviction`,
+#: :func:`slake.kernels.triton_eviction.rule_eviction`: a row of budget + 1 slots is not padded to twice its width);
+#: off, the row's slots padded to ``pow2(W)``, the new token among them, and the positional pooling put back in slot
+#: order through the row's scratch buffer, as CriticalKV's two stages are, and sorted at every step
+#: (``kernel-tune``'s variant, or ``SLAKE_NEW_TOKEN_APART=0`` in the environment for a whole run, read when this
+#: module is imported)
 NEW_TOKEN_APART = _switched_on("SLAKE_NEW_TOKEN_APART")
 
 
