@@ -58,7 +58,13 @@ from slake.kernels.launch_cache import cached
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_eviction import rule_eviction
 from slake.kernels.triton_pooling import pool_by_position, pooled_eviction, position_order
-from slake.kernels.triton_rules import _value_projection_kernel, head_signal, key_diversity, two_stage
+from slake.kernels.triton_rules import (
+    _value_projection_kernel,
+    head_signal,
+    key_diversity,
+    sharpening_gain,
+    two_stage,
+)
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
@@ -147,12 +153,8 @@ def _evict_attend_kernel(
         count = tl.sum(valid.to(tl.int32), 0)
         # 1. the method's decode score of every slot
         c = 1.0
-        if RULE == 2:  # AhaKV's gain c = sqrt(2 ln(max(N, B + 1) / B)) from the row's prompt length and budget
-            n = tl.load(plen_ptr + mr).to(tl.float32)
-            bb = tl.maximum(tl.load(budget_ptr + mr).to(tl.float32), 1.0)
-            c = tl.sqrt(2.0 * tl.log(tl.maximum(n, bb + 1.0) / bb))
-            if GAIN_FLOOR:
-                c = tl.maximum(c, 1.0)
+        if RULE == 2:  # AhaKV's gain from the row's prompt length and budget
+            c = sharpening_gain(plen_ptr, budget_ptr, mr, GAIN_FLOOR)
         if RULE == 3:  # TOVA: the mean over every query head of the layer
             sig = tl.zeros([BW], tl.float32)
             for hh in range(0, H):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slake.kernels.triton_rules import key_diversity, lane_signal
+from slake.kernels.triton_rules import key_diversity, lane_signal, sharpening_gain
 from slake.kernels.triton_slots import row_lanes, settle_row
 
 __all__ = ["lane_argmin", "rule_eviction"]
@@ -58,12 +58,8 @@ def rule_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
     count = tl.sum(valid.to(tl.int32), 0) + 1  # the kept slots and the new token
     # 1. the method's decode score of every slot, and of the new token
     c = 1.0
-    if RULE == 2:  # AhaKV's gain c = sqrt(2 ln(max(N, B + 1) / B)) from the row's prompt length and budget
-        n = tl.load(plen_ptr + mr).to(tl.float32)
-        bb = tl.maximum(tl.load(budget_ptr + mr).to(tl.float32), 1.0)
-        c = tl.sqrt(2.0 * tl.log(tl.maximum(n, bb + 1.0) / bb))
-        if GAIN_FLOOR:
-            c = tl.maximum(c, 1.0)
+    if RULE == 2:  # AhaKV's gain from the row's prompt length and budget
+        c = sharpening_gain(plen_ptr, budget_ptr, mr, GAIN_FLOOR)
     if RULE == 3:  # TOVA: the mean over every query head of the layer
         new = tl.zeros([BW], tl.float32)
         new_s = tl.sum(new, 0)  # 0.0, a float32 scalar carried through the loop

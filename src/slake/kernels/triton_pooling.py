@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from slake.kernels.triton_eviction import lane_argmin
 from slake.kernels.triton_rules import lane_signal
 from slake.kernels.triton_slots import row_lanes, settle_row
 
@@ -193,13 +194,8 @@ def lane_victim(pooled, new_pooled, guard, new_guarded, order, oslot, held, news
     ``oslot`` each rank's slot) and the new token (``new_pooled``, ``new_guarded``), the lowest score, ties to the
     lowest slot, so that they go where the torch step's ``argmin`` sends them, not to the oldest position. When
     every slot is guarded, slot 0, as ``argmin`` over a row of ``+inf``."""
-    scores = tl.where((sw < held) & (tl.gather(guard.to(tl.int32), order, 0) == 0), pooled, float("inf"))
-    low = tl.min(scores, 0)
-    slot = tl.min(tl.where(scores == low, oslot, W), 0)
-    new = tl.where(new_guarded, float("inf"), new_pooled)
-    take_new = (new < low) | ((new == low) & (newslot < slot))
-    best = tl.minimum(low, new)
-    return tl.where(best == float("inf"), 0, tl.where(take_new, newslot, slot))
+    held_open = (sw < held) & (tl.gather(guard.to(tl.int32), order, 0) == 0)
+    return lane_argmin(pooled, new_pooled, ~held_open, new_guarded, oslot, newslot, W)
 
 
 @triton.jit

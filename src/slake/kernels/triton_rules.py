@@ -11,7 +11,7 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "two_stage"]
+__all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "sharpening_gain", "two_stage"]
 
 
 @triton.jit
@@ -25,6 +25,18 @@ def row_stats(stat_ptr, r, hh, gi, H, S, G: tl.constexpr, SP: tl.constexpr):
     ls = tl.load(stat_ptr + sb + 1, mask=smask, other=0.0)
     m = tl.max(ms, 0)
     return m, tl.sum(ls * tl.exp(ms - m), 0)
+
+
+@triton.jit
+def sharpening_gain(plen_ptr, budget_ptr, mr, GAIN_FLOOR: tl.constexpr):
+    """AhaKV's gain ``c = sqrt(2 ln(max(N, B + 1) / B))`` of row ``mr`` from its prompt length ``N`` and budget
+    ``B`` (at least 1 with ``GAIN_FLOOR``), as :mod:`slake.methods.ahakv` computes it."""
+    n = tl.load(plen_ptr + mr).to(tl.float32)
+    bb = tl.maximum(tl.load(budget_ptr + mr).to(tl.float32), 1.0)
+    c = tl.sqrt(2.0 * tl.log(tl.maximum(n, bb + 1.0) / bb))
+    if GAIN_FLOOR:
+        c = tl.maximum(c, 1.0)
+    return c
 
 
 @triton.jit
