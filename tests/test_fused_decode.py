@@ -759,3 +759,36 @@ def test_leaving_out_a_part_of_the_second_kernel_is_for_timing_only():
     with pytest.raises(ValueError, match="unknown kernel parts"):
         with launch_config.leaving_out("everything"):
             pass
+
+
+@pytest.mark.parametrize("name", ["slake", "snapkv", "h2o", "keydiff", "criticalkv"])
+def test_the_second_kernel_holds_a_row_of_budget_plus_one_slots_in_pow2_budget_lanes(name, monkeypatch):
+    """A row is its budget plus one slot wide (the slot the next token is written into). With the new token apart
+    (``launch_config.NEW_TOKEN_APART``) the second kernel's vectors are ``pow2(budget)`` wide, not twice that: for
+    every rule but CriticalKV's two stages, which keep the row's slots in slot order; with it off, for none."""
+    from slake.kernels import load, triton_decode
+
+    load()
+    seen: list[tuple[int, bool]] = []
+    kernel = triton_decode._evict_attend_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+
+            def run(*args, **kwargs):
+                seen.append((kwargs["BW"], kwargs["APART"]))
+                return launch(*args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(triton_decode, "_evict_attend_kernel", Recording())
+    run = dict(B=1, pad=False, steps=2, layers=1, budget=16)
+    eng, _ = _run(_method(name), "triton", **run)
+    assert eng.layers[0].positions.shape[-1] == 17  # budget + 1
+    apart = name != "criticalkv"
+    assert seen == [(16, True)] * 2 if apart else seen == [(32, False)] * 2
+    seen.clear()
+    with launch_config.tuned(NEW_TOKEN_APART=0):
+        _run(_method(name), "triton", **run)
+    assert seen == [(32, False)] * 2
