@@ -62,6 +62,7 @@ from slake.kernels.triton_rules import (
     _value_projection_kernel,
     head_signal,
     key_diversity,
+    rule_score,
     sharpening_gain,
     two_stage,
 )
@@ -169,16 +170,8 @@ def _evict_attend_kernel(
                 new = sig
                 if ZERO_WINDOW:  # the window's slots contribute 0 to their neighbours' pooling (CAKE)
                     new = tl.where((pos > newest - window) | (~valid), 0.0, new)
-            elif RULE == 1:  # H2O: accumulate onto the stored score (0 where it is not finite)
-                finite = (stored == stored) & (tl.abs(stored) != float("inf"))
-                new = tl.where(finite, stored, 0.0) + sig
-            elif RULE == 2:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
-                finite = (stored == stored) & (tl.abs(stored) != float("inf"))
-                new = tl.where((~finite) & valid, 0.0, stored) + sig
-            else:  # KVzip: the running max of the attention a slot receives
-                if GEN_FIRST:  # generated tokens (the new slot, or a stored score >= 1) carry 1 + their running max
-                    sig = sig + ((sw == newslot) | (stored >= 1.0)).to(tl.float32)
-                new = tl.maximum(stored, sig)
+            else:  # H2O's and AhaKV's accumulation, KVzip's running max
+                new = rule_score(stored, sig, pos, valid, sw == newslot, pinned, RULE, GEN_FIRST)
         elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots
             new, _ = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr,
                                     block_size, valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, sw, wmask, valid,
@@ -188,11 +181,8 @@ def _evict_attend_kernel(
             if VNORM:
                 vnorm = tl.load(norm_ptr + (r * H + h).to(tl.int64) * W + sw, mask=wmask, other=0.0)
                 new = (new + epsilon) * vnorm
-        elif RULE == 4:
-            new = pos.to(tl.float32)
-        else:
-            finite = (stored == stored) & (tl.abs(stored) != float("inf"))
-            new = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
+        else:  # recency, SAGE-KV's pinned recency
+            new = rule_score(stored, 0.0, pos, valid, sw == newslot, pinned, RULE, GEN_FIRST)
         # positional pooling in slot order (CriticalKV's two stages need the pooled scores there; without
         # POOL_GATHER or APART, timing only, the pooling of before, through memory, or the new token among the
         # slots): the slots sorted by position, pooled, and back in slot order through the row's scratch buffer

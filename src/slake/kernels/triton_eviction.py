@@ -13,15 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slake.kernels.triton_rules import key_diversity, lane_signal, sharpening_gain
+from slake.kernels.triton_rules import key_diversity, lane_signal, rule_score, sharpening_gain
 from slake.kernels.triton_slots import row_lanes, settle_row
 
 __all__ = ["lane_argmin", "rule_eviction"]
-
-
-@triton.jit
-def _finite(x):
-    return (x == x) & (tl.abs(x) != float("inf"))
 
 
 @triton.jit
@@ -56,6 +51,7 @@ def rule_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
     stored = tl.load(score_ptr + meta + lslot * m_ss, mask=lmask, other=float("-inf"))
     stored_new = tl.load(score_ptr + meta + newslot * m_ss)
     count = tl.sum(valid.to(tl.int32), 0) + 1  # the kept slots and the new token
+    always = newslot == newslot  # the new token is valid, and generated
     # 1. the method's decode score of every slot, and of the new token
     c = 1.0
     if RULE == 2:  # AhaKV's gain from the row's prompt length and budget
@@ -83,18 +79,9 @@ def rule_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
             if ZERO_WINDOW:  # the window's slots score 0 (CAKE's rule)
                 new = tl.where((pos > newest - window) | (~valid), 0.0, new)
                 new_s = tl.where(window > 0, 0.0, new_s)
-        elif RULE == 1:  # H2O: accumulate onto the stored score (0 where it is not finite)
-            new = tl.where(_finite(stored), stored, 0.0) + sig
-            new_s = tl.where(_finite(stored_new), stored_new, 0.0) + sig_new
-        elif RULE == 2:  # AhaKV: accumulate onto the stored score (0 where a valid slot's is not finite)
-            new = tl.where((~_finite(stored)) & valid, 0.0, stored) + sig
-            new_s = tl.where(_finite(stored_new), stored_new, 0.0) + sig_new
-        else:  # KVzip: the running max of the attention a slot receives
-            if GEN_FIRST:  # generated tokens (the new slot, or a stored score >= 1) carry 1 + their running max
-                sig = sig + (stored >= 1.0).to(tl.float32)
-                sig_new = sig_new + 1.0
-            new = tl.maximum(stored, sig)
-            new_s = tl.maximum(stored_new, sig_new)
+        else:  # H2O's and AhaKV's accumulation, KVzip's running max: the new token is valid and generated
+            new = rule_score(stored, sig, pos, valid, sw < 0, pinned, RULE, GEN_FIRST)
+            new_s = rule_score(stored_new, sig_new, newest, always, always, pinned, RULE, GEN_FIRST)
     elif RULE == 7:  # KeyDiff: minus the cosine of each slot's key to the anchor, the mean unit key of the slots
         new, new_s = key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr,
                                    block_size, valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, lslot, lmask,
@@ -105,12 +92,9 @@ def rule_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
             nbase = norm_ptr + (r * H + h).to(tl.int64) * W
             new = (new + epsilon) * tl.load(nbase + lslot, mask=lmask, other=0.0)
             new_s = (new_s + epsilon) * tl.load(nbase + newslot)
-    elif RULE == 4:  # recency
-        new = pos.to(tl.float32)
-        new_s = newest.to(tl.float32)
-    else:  # SAGE-KV's pinned recency
-        new = tl.where(_finite(stored) & (stored >= pinned / 2), pinned, pos.to(tl.float32))
-        new_s = tl.where(_finite(stored_new) & (stored_new >= pinned / 2), pinned, newest.to(tl.float32))
+    else:  # recency, SAGE-KV's pinned recency
+        new = rule_score(stored, 0.0, pos, valid, sw < 0, pinned, RULE, GEN_FIRST)
+        new_s = rule_score(stored_new, 0.0, newest, always, always, pinned, RULE, GEN_FIRST)
     # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
     guard = (~valid) | ((pos >= first) & (pos < first + sinks))
     new_guarded = (newest >= first) & (newest < first + sinks)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "sharpening_gain", "two_stage"]
+__all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "rule_score", "sharpening_gain", "two_stage"]
 
 
 @triton.jit
@@ -25,6 +25,30 @@ def row_stats(stat_ptr, r, hh, gi, H, S, G: tl.constexpr, SP: tl.constexpr):
     ls = tl.load(stat_ptr + sb + 1, mask=smask, other=0.0)
     m = tl.max(ms, 0)
     return m, tl.sum(ls * tl.exp(ms - m), 0)
+
+
+@triton.jit
+def rule_score(stored, sig, pos, valid, generated, pinned, RULE: tl.constexpr, GEN_FIRST: tl.constexpr):
+    """The new decode score of the rules that update a slot's stored score, elementwise (a row's slots, its lanes,
+    or the new token alone): H2O's accumulation (``RULE`` 1: 0 where the stored score is not finite), AhaKV's (2: 0
+    where a valid slot's is not finite), KVzip's running maximum (6: generated tokens, ``generated`` or a stored
+    score >= 1, carry 1 + their maximum with ``GEN_FIRST``), recency (4: the position) and SAGE-KV's pinned recency
+    (5: ``pinned`` where the stored score is at least half of it, else the position). ``sig``: this step's attention
+    signal (unread by 4 and 5)."""
+    finite = (stored == stored) & (tl.abs(stored) != float("inf"))
+    if RULE == 1:
+        score = tl.where(finite, stored, 0.0) + sig
+    elif RULE == 2:
+        score = tl.where((~finite) & valid, 0.0, stored) + sig
+    elif RULE == 6:
+        if GEN_FIRST:
+            sig = sig + (generated | (stored >= 1.0)).to(tl.float32)
+        score = tl.maximum(stored, sig)
+    elif RULE == 4:
+        score = pos.to(tl.float32)
+    else:
+        score = tl.where(finite & (stored >= pinned / 2), pinned, pos.to(tl.float32))
+    return score
 
 
 @triton.jit
