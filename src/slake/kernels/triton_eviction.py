@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from slake.kernels.triton_rules import key_diversity, lane_signal, rule_score, sharpening_gain
-from slake.kernels.triton_slots import row_lanes, settle_row
+from slake.kernels.triton_slots import lane_guard, row_lanes, settle_row
 
 __all__ = ["lane_argmin", "rule_eviction"]
 
@@ -96,11 +96,7 @@ def rule_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         new = rule_score(stored, 0.0, pos, valid, sw < 0, pinned, RULE, GEN_FIRST)
         new_s = rule_score(stored_new, 0.0, newest, always, always, pinned, RULE, GEN_FIRST)
     # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
-    guard = (~valid) | ((pos >= first) & (pos < first + sinks))
-    new_guarded = (newest >= first) & (newest < first + sinks)
-    if PROTECT_WINDOW:
-        guard = guard | (pos > newest - window)
-        new_guarded = new_guarded | (window > 0)
+    guard, new_guarded = lane_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW)
     victim = lane_argmin(new, new_s, guard, new_guarded, lslot, newslot, W)
     victim_valid = (victim == newslot) | (tl.sum(((lslot == victim) & valid).to(tl.int32), 0) > 0)
     chosen = (count > target) & (target >= 0) & victim_valid

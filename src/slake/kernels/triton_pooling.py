@@ -25,7 +25,7 @@ import triton.language as tl
 
 from slake.kernels.triton_eviction import lane_argmin
 from slake.kernels.triton_rules import lane_signal
-from slake.kernels.triton_slots import row_lanes, settle_row
+from slake.kernels.triton_slots import lane_guard, row_lanes, settle_row
 
 __all__ = [
     "held_lanes",
@@ -236,11 +236,7 @@ def pooled_eviction(pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr,
                                  KEY_SPAN, HELD)  # fmt: skip
     pooled, new_pooled = pool_lanes(scores, new_score, valid, order, held, rank, W, L, sw, BW, POOL_K, POOL_MAX)
     # 3. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
-    guard = (~valid) | ((pos >= first) & (pos < first + sinks))
-    new_guarded = (newest >= first) & (newest < first + sinks)
-    if PROTECT_WINDOW:
-        guard = guard | (pos > newest - window)
-        new_guarded = new_guarded | (window > 0)
+    guard, new_guarded = lane_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW)
     oslot = tl.gather(lslot, order, 0)  # each lane rank's slot
     victim = lane_victim(pooled, new_pooled, guard, new_guarded, order, oslot, held, newslot, W, sw)
     victim_valid = (victim == newslot) | (tl.sum(((lslot == victim) & valid).to(tl.int32), 0) > 0)

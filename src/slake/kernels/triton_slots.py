@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "block_keys", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even", "row_lanes", "settle_row",
+    "block_keys", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even", "lane_guard", "row_lanes",
+    "settle_row",
     "store_row",
 ]  # fmt: skip
 
@@ -126,3 +127,16 @@ def settle_row(pos_ptr, valid_ptr, meta, m_ss, newslot, newest, victim, chosen):
     tl.store(valid_ptr + meta + newslot * m_ss, ~new_gone)
     tl.store(valid_ptr + meta + victim * m_ss, victim != victim, mask=chosen & (victim != newslot))
     tl.store(pos_ptr + meta + victim * m_ss, newest - newest - 1, mask=chosen)
+
+
+@triton.jit
+def lane_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW: tl.constexpr):
+    """The slots no eviction may take, for a row's lanes and its new token (at ``newest``): ``(guard, new_guarded)``.
+    Empty lanes, the sinks (positions ``first .. first + sinks - 1``) and with ``PROTECT_WINDOW`` the newest
+    ``window`` positions, the new token's among them when ``window > 0``."""
+    guard = (~valid) | ((pos >= first) & (pos < first + sinks))
+    new_guarded = (newest >= first) & (newest < first + sinks)
+    if PROTECT_WINDOW:
+        guard = guard | (pos > newest - window)
+        new_guarded = new_guarded | (window > 0)
+    return guard, new_guarded
