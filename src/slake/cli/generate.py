@@ -76,7 +76,7 @@ def add_generate_parser(sub: Any) -> None:
         choices=["auto", "torch", "triton"],
         default="auto",
         help="the decode step's implementation: Triton's fused kernels (auto: on CUDA) or the torch step "
-        "(docs/gpu.md#fused-decode-step)",
+        "(docs/gpu.md#the-fused-decode-step)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_arg(p, "generate")

@@ -1,4 +1,4 @@
-"""The single-token decode step of one compressed layer as two Triton kernels (``docs/gpu.md#fused-decode-step``).
+"""The single-token decode step of one compressed layer as two Triton kernels (``docs/gpu.md#the-fused-decode-step``).
 
 :func:`slake.cache.decode_step.decode_step` is the reference; these kernels compute the same step, with the row's
 slots addressed through a block table (a dense ``(B, Hkv, n, d)`` store is one block per row; vLLM's paged cache is

@@ -174,7 +174,7 @@ class SlakeCache(Cache):
     kernels : str
         The single-token decode step's implementation: ``"auto"`` (default: Triton's fused kernels on CUDA, the
         torch step elsewhere), ``"torch"`` or ``"triton"`` (on the CPU through Triton's interpreter, for tests;
-        ``docs/gpu.md#fused-decode-step``). Which ran is ``cache.statistics()["kernels"]``.
+        ``docs/gpu.md#the-fused-decode-step``). Which ran is ``cache.statistics()["kernels"]``.
     **hyperparameters
         Overrides of the method's hyperparameters (e.g. ``window=16``).
 
