@@ -217,7 +217,8 @@ class _Recorder:
 
 def launch_cost_us(methods: list[str], *, budget: int = 64, number: int = 2000, repeats: int = 3) -> list[dict]:
     """Host microseconds of one launch of each fused kernel, per method: bound as Triton binds it for a GPU
-    (:class:`TritonBinding`), through :class:`~slake.kernels.launch_cache.CachedLaunch` once its key is known, and
+    (:class:`TritonBinding`), through :class:`~slake.kernels.launch_cache.CachedLaunch` once its key is known (with
+    the constants made once, :class:`~slake.kernels.launch_cache.Constants`, as the fused step launches), and
     the cache's key alone (:func:`~slake.kernels.launch_cache.launch_key`), each the best of ``repeats`` means over
     ``number`` launches. The arguments are those of the first layer's launches in one decode step of the host-step
     model (their number and kinds do not depend on the model's size). Neither counts the C launcher.
@@ -228,7 +229,7 @@ def launch_cost_us(methods: list[str], *, budget: int = 64, number: int = 2000, 
 
     from slake.engines.transformers.cache import SlakeCache
     from slake.kernels import triton_decode
-    from slake.kernels.launch_cache import CachedLaunch, launch_key
+    from slake.kernels.launch_cache import CachedLaunch, Constants, launch, launch_key
     from slake.methods import make_method
 
     names = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
@@ -262,7 +263,8 @@ def launch_cost_us(methods: list[str], *, budget: int = 64, number: int = 2000, 
             seen.add(id(kernel))
             binding = TritonBinding(kernel)
             cached = CachedLaunch(_KernelStandIn(kernel), driver=_Driver())
-            cached[grid](*args, **kwargs)  # the first launch of the key goes through (a stand-in of) Triton
+            constants = Constants(kwargs)  # made once per launch plan, as the fused step does
+            launch(cached, grid, args, constants)  # the first launch of the key goes through (a stand-in of) Triton
             rows.append(
                 {
                     "method": method,
@@ -271,7 +273,7 @@ def launch_cost_us(methods: list[str], *, budget: int = 64, number: int = 2000, 
                     "named_args": len(kwargs),
                     "tensors": sum(isinstance(a, torch.Tensor) for a in args),
                     "triton_us": round(best(binding[grid], args, dict(kwargs)), 2),
-                    "cached_us": round(best(cached[grid], args, kwargs), 2),
+                    "cached_us": round(best(launch, (cached, grid, args, constants), {}), 2),
                     "key_us": round(best(launch_key, (args,), {}), 2),
                 }
             )

@@ -245,3 +245,26 @@ def test_the_environment_turns_the_cache_off_for_a_run(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(launch_config)
+
+
+def test_constants_made_once_key_a_launch_as_their_content_does():
+    """:class:`~slake.kernels.launch_cache.Constants` (a launch's named constants, hashed once for many launches):
+    two with the same content are one key, so the second launch skips Triton; another content goes through it; the
+    compiled kernel gets the constants in the signature's order, the defaults included."""
+    from slake.kernels.launch_cache import Constants, launch
+
+    a, b = Constants({"A": 2, "num_warps": 4}), Constants({"A": 2, "num_warps": 4})
+    assert a == b and hash(a) == hash(b) and a != Constants({"A": 3, "num_warps": 4}) and a != {"A": 2}
+    kernel = _Kernel()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    x = torch.zeros(8)
+    launcher.launch((3,), (x, 5), a)
+    launcher.launch((3,), (torch.ones(8), 5), b)
+    assert launcher.misses == 1 and launcher.hits == 1 and kernel.through[0][2] == {"A": 2, "num_warps": 4}
+    assert kernel.compiled.launched[0][10:] == (5, 2, 7)
+    launcher.launch((3,), (x, 5), Constants({"A": 3, "num_warps": 4}))
+    assert launcher.misses == 2
+    # launch(): a kernel that cached() passes through (the interpreter's, a stand-in) gets the constants by name
+    stand_in = _Kernel()
+    launch(stand_in, (2,), (x, 5), a)
+    assert stand_in.through == [((2,), (x, 5), {"A": 2, "num_warps": 4})]

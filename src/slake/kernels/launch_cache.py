@@ -28,12 +28,14 @@ it was compiled (Triton raises then), or the interpreter (``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_ENTRIES", "CachedLaunch", "cached", "launch_key"]
+from slake.kernels import launch_config
+
+__all__ = ["MAX_ENTRIES", "CachedLaunch", "Constants", "cached", "launch", "launch_key"]
 
 #: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
 #: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
@@ -66,6 +68,28 @@ def launch_key(args: Sequence[Any]) -> tuple:
             add(c)
             add(a)
     return tuple(parts)
+
+
+class Constants:
+    """A launch's constants and launch options (``num_warps``, ``maxnreg``), made once and passed to many launches
+    (:func:`launch`): their part of :class:`CachedLaunch`'s key is hashed once, when it is made, not at every
+    launch (a launch of the fused step's second kernel names 37 of them). Treat ``kwargs`` as read-only."""
+
+    __slots__ = ("_hash", "items", "kwargs")
+
+    def __init__(self, kwargs: Mapping[str, Any]) -> None:
+        self.kwargs = dict(kwargs)
+        self.items = tuple(self.kwargs.items())
+        self._hash = hash(self.items)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Constants) and self.items == other.items
+
+    def __repr__(self) -> str:
+        return f"Constants({self.kwargs!r})"
 
 
 def _triton() -> tuple[Any, Any]:
@@ -110,13 +134,18 @@ class CachedLaunch:
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def _through_triton(self, grid: Sequence[int], args: tuple, kwargs: dict) -> Any:
+    def _through_triton(self, grid: Sequence[int], args: tuple, kwargs: Mapping[str, Any]) -> Any:
         self.misses += 1
         return self.kernel[tuple(grid)](*args, **kwargs)
 
-    def launch(self, grid: Sequence[int], args: tuple, kwargs: dict) -> None:
-        """Launch the kernel on ``grid`` (one to three program counts) with runtime ``args`` and named
-        ``kwargs``."""
+    def launch(self, grid: Sequence[int], args: tuple, kwargs: Mapping[str, Any] | Constants) -> None:
+        """Launch the kernel on ``grid`` (one to three program counts) with runtime ``args`` and named ``kwargs``
+        (a dict, or :class:`Constants` made once for many launches)."""
+        if isinstance(kwargs, Constants):
+            named: Any = kwargs  # hashed when it was made
+            kwargs = kwargs.kwargs
+        else:
+            named = tuple(kwargs.items())
         knobs, drivers = _triton()
         runtime = knobs.runtime
         if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or self.kernel.pre_run_hooks:
@@ -130,7 +159,7 @@ class CachedLaunch:
             device,
             runtime.debug,
             knobs.compilation.instrumentation_mode,
-            tuple(kwargs.items()),
+            named,
             launch_key(args),
         )
         try:
@@ -163,6 +192,8 @@ class CachedLaunch:
 
 
 _launchers: dict[int, tuple[Any, CachedLaunch]] = {}
+#: the kernels :func:`cached` passes through (the interpreter's, stand-ins), by id
+_as_is: dict[int, Any] = {}
 
 
 def cached(kernel: Any) -> Any:
@@ -170,17 +201,30 @@ def cached(kernel: Any) -> Any:
     kernel (one per kernel, made on first use) and :data:`~slake.kernels.launch_config.CACHED_LAUNCH` is on;
     ``kernel`` itself otherwise (the interpreter's kernels, and the stand-ins the benchmarks and the ahead-of-time
     compilation put in the kernels' place)."""
-    from slake.kernels import launch_config
-
     if not launch_config.CACHED_LAUNCH:
         return kernel
     hit = _launchers.get(id(kernel))
     if hit is not None and hit[0] is kernel:
         return hit[1]
+    if _as_is.get(id(kernel)) is kernel:
+        return kernel
     from triton.runtime.jit import JITFunction
 
     if not isinstance(kernel, JITFunction):
+        if len(_as_is) >= MAX_ENTRIES:
+            _as_is.clear()
+        _as_is[id(kernel)] = kernel  # launched as it is, found so at the next launch without the import
         return kernel
     launcher = CachedLaunch(kernel)
     _launchers[id(kernel)] = (kernel, launcher)
     return launcher
+
+
+def launch(kernel: Any, grid: Sequence[int], args: tuple, constants: Constants) -> None:
+    """``kernel[grid](*args, **constants.kwargs)``, through its :class:`CachedLaunch` where :func:`cached` gives one
+    (which then hashes ``constants`` no more)."""
+    launcher = cached(kernel)
+    if isinstance(launcher, CachedLaunch):
+        launcher.launch(grid, args, constants)
+    else:
+        launcher[grid](*args, **constants.kwargs)

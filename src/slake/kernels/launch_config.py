@@ -18,7 +18,7 @@ __all__ = [
     "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK",
     "HELD_ORDER", "NEW_TOKEN_APART", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS",
     "evict_registers", "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size",
-    "state_rows", "tuned",
+    "settings", "state_rows", "tuned",
 ]  # fmt: skip
 
 
@@ -205,6 +205,17 @@ def split_size(width: int, programs: int) -> int:
     fewer than :data:`MIN_SPLIT` slots. A power of two."""
     wanted = -(-TARGET_PROGRAMS // max(int(programs), 1))  # splits per row and KV head
     return pow2(-(-int(width) // wanted), MIN_SPLIT)
+
+
+def settings() -> tuple:
+    """Every launch constant and switch the fused step's launches read besides :func:`split_size`'s (which is
+    called at every step), as one tuple: what a reused launch plan must match (``triton_decode._plan``), so that a
+    change made here, by :func:`tuned` or :func:`leaving_out`, or by assigning a constant takes effect at the next
+    step."""
+    return (
+        FREE_BLOCK, COMBINE, RECOMPUTE_BLOCK, WIDE_ROW, WIDE_WARPS, PROJECTION_BLOCK, SHORT_KEYS, POOL_GATHER,
+        HELD_ORDER, NEW_TOKEN_APART, _left_out,
+    )  # fmt: skip
 
 
 def left_out() -> int:

@@ -48,13 +48,15 @@ configuration (how rows are cut, warps, blocks, and the switches that time the k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import custom_op
 
+from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
-from slake.kernels.launch_cache import cached
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_eviction import rule_eviction
 from slake.kernels.triton_pooling import pool_by_position, pooled_eviction, position_order
@@ -335,6 +337,112 @@ def _evict_attend_kernel(
             tl.store(counter_ptr, newest + 1)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a fused step's launches need besides its tensors, worked out once per shape, flags and launch
+    configuration (:func:`_plan`): in eager decoding on a GPU the host is the bottleneck, and working these out at
+    every launch (a dozen powers of two, the three kernels' 16, 9 and 37 named constants, the ratio's parts) was
+    about half the launcher's own host time (``docs/gpu.md``)."""
+
+    G: int
+    S: int
+    BW: int
+    NB: int
+    scratch: bool
+    map_q: bool
+    value_norm: bool
+    two_stage: bool
+    has_hv: bool
+    has_linear: bool
+    ratio_parts: tuple[float, ...]
+    append_grid: tuple[int, ...]
+    projection_grid: tuple[int, ...]
+    evict_grid: tuple[int, ...]
+    append_constants: launch_cache.Constants
+    projection_constants: launch_cache.Constants
+    evict_constants: launch_cache.Constants
+
+
+#: the plans made so far, by :func:`_plan`'s key (a handful per model: one per layer shape and flags); emptied when
+#: full, never grown without bound
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _plan(R: int, Hq: int, d: int, H: int, W: int, flags: tuple[int, ...], proj_rows: int, ratio: float) -> _Plan:
+    """The :class:`_Plan` of a step of ``R`` rows, ``Hq`` query and ``H`` KV heads of ``d`` dims, rows of ``W``
+    slots, the kernels' ``flags`` (:func:`fused_step`), ``proj_rows`` output channels of a two-stage rule's ``W_o``
+    (else 0) and its ``ratio``. The first kernel's split of a row (:func:`~slake.kernels.launch_config.split_size`)
+    is chosen at every step, and every launch constant is read at every step (``launch_config.settings``): a plan
+    is reused only for the same values, so a change of the launch configuration takes effect at the next step."""
+    split = launch.split_size(W, R * H)
+    key = (R, Hq, d, H, W, split, flags, proj_rows, ratio, launch.settings())
+    hit = _PLANS.get(key)
+    if hit is not None:
+        return hit
+    (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
+     gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
+     held) = flags  # fmt: skip
+    G = Hq // H
+    GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
+    # the second kernel's vectors: but for CriticalKV's two stages (and the timing variants without NEW_TOKEN_APART or
+    # POOL_GATHER), the row's kept slots only, the new token apart: budget + 1 slots in pow2(budget) lanes
+    pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
+    apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
+    EW = launch.pow2(W - 1, 16) if apart else BW
+    split = min(split, BW)
+    S = -(-W // split)
+    BLOCK_N = min(64, split)
+    NB = -(-proj_rows // launch.PROJECTION_BLOCK) if two_stage else 1
+    common = dict(
+        G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, SPLIT=split, QUANT=quant, LOW_DOT=bool(low_dot),
+        HAS_ROWS=bool(has_rows),
+    )  # fmt: skip
+    map_q = rule == RULE_CODES["expected_attention"]
+    append = dict(
+        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, launch.FREE_BLOCK), MB=16,
+        HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
+    )  # fmt: skip
+    projection = dict(G=G, D=d, DP=DP, HB=launch.PROJECTION_BLOCK, QUANT=quant)
+    evict = dict(
+        SP=launch.pow2(S), BW=EW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
+        GROUP_MAX=bool(group_max),
+        POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
+        PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
+        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
+        COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
+        KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
+        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart,
+        num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
+        **{**common, "LOW_DOT": False},
+    )  # fmt: skip
+    made = _Plan(
+        G=G,
+        S=S,
+        BW=BW,
+        NB=NB,
+        # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order
+        # (or the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off)
+        scratch=bool((pools and not apart) or rule == RULE_CODES["key_diversity"]),
+        map_q=map_q,
+        value_norm=bool(value_norm),
+        two_stage=bool(two_stage),
+        has_hv=bool(has_hv),
+        has_linear=bool(has_linear),
+        ratio_parts=tuple(launch.ratio_parts(ratio)),
+        append_grid=(R, H, S),
+        projection_grid=(Hq, NB),
+        evict_grid=(R, H),
+        append_constants=launch_cache.Constants(append),
+        projection_constants=launch_cache.Constants(projection),
+        evict_constants=launch_cache.Constants(evict),
+    )
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = made
+    return made
+
+
 _MUTATED = (
     "k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "order", "head_visible", "aug", "counter",
     "weights",
@@ -392,48 +500,27 @@ def fused_step(
     safe). ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule; ``weights`` ``(P, Hkv, >= width)``
     and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output projection of a two-stage rule (a third
     kernel projects the new values); ``ratio``: the two stages' ratio."""
-    (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
-     gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
-     held) = flags  # fmt: skip
     R, Hq, d = query.shape
     H = key.shape[1]
-    G = Hq // H
     W = int(width)
-    GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
-    # the second kernel's vectors: but for CriticalKV's two stages (and the timing variants without NEW_TOKEN_APART or
-    # POOL_GATHER), the row's kept slots only, the new token apart: budget + 1 slots in pow2(budget) lanes
-    pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
-    apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
-    EW = launch.pow2(W - 1, 16) if apart else BW
-    split = min(launch.split_size(W, R * H), BW)
-    S = -(-W // split)
-    BLOCK_N = min(64, split)
-    dev = query.device
+    p = _plan(R, Hq, d, H, W, tuple(flags), out_proj.shape[0] if flags[16] else 0, ratio)
+    G, S, dev = p.G, p.S, query.device
     out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
     x = torch.empty(R, H, G, W, dtype=torch.float32, device=dev)
     stat = torch.empty(R, H, G, S, 2, dtype=torch.float32, device=dev)
     part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
     newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
-    # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order (or
-    # the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off)
-    scratch = (pools and not apart) or rule == RULE_CODES["key_diversity"]
-    pool = torch.empty(R, H, 2, BW, dtype=torch.float32, device=dev) if scratch else x
-    map_q = rule == RULE_CODES["expected_attention"]
-    estat = torch.empty_like(stat) if map_q else stat
-    vn = torch.empty(R, H, W, dtype=torch.float32, device=dev) if value_norm else x
-    NB = -(-out_proj.shape[0] // launch.PROJECTION_BLOCK) if two_stage else 1
-    pw = torch.empty(R, Hq, NB, dtype=torch.float32, device=dev) if two_stage else x
-    lin = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev) if has_linear else x
-    w_strides = weights.stride() if two_stage else (0, 0, 0)
+    pool = torch.empty(R, H, 2, p.BW, dtype=torch.float32, device=dev) if p.scratch else x
+    estat = torch.empty_like(stat) if p.map_q else stat
+    vn = torch.empty(R, H, W, dtype=torch.float32, device=dev) if p.value_norm else x
+    pw = torch.empty(R, Hq, p.NB, dtype=torch.float32, device=dev) if p.two_stage else x
+    lin = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev) if p.has_linear else x
+    w_strides = weights.stride() if p.two_stage else (0, 0, 0)
     m_sr, m_sh, m_ss = positions.stride()
-    hv_strides = head_visible.stride() if has_hv else (0, 0, 0, 0)
-    a_strides = aug.stride() if has_linear else (0, 0, 0, 0)
+    hv_strides = head_visible.stride() if p.has_hv else (0, 0, 0, 0)
+    a_strides = aug.stride() if p.has_linear else (0, 0, 0, 0)
     newest_sr = newest.stride(0) if newest.ndim else 0
-    common = dict(
-        G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, SPLIT=split, QUANT=quant, LOW_DOT=bool(low_dot),
-        HAS_ROWS=bool(has_rows),
-    )  # fmt: skip
-    cached(_append_logits_kernel)[(R, H, S)](
+    launch_cache.launch(_append_logits_kernel, p.append_grid, (
         query, *query.stride(),
         key, *key.stride(),
         value, *value.stride(),
@@ -449,19 +536,16 @@ def fused_step(
         query_map, estat, vn,
         aug, *a_strides, lin,
         W, H, S, float(scaling),
-        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, launch.FREE_BLOCK), MB=16,
-        HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
-    )  # fmt: skip
-    if two_stage:
-        cached(_value_projection_kernel)[(Hq, NB)](
+    ), p.append_constants)  # fmt: skip
+    if p.two_stage:
+        launch_cache.launch(_value_projection_kernel, p.projection_grid, (
             v_mem, *v_strides,
             v_scale, *s_strides,
             table, table.stride(0), block_size,
             newslot, out_proj, *out_proj.stride(), pw,
-            R, H, out_proj.shape[0], NB,
-            G=G, D=d, DP=DP, HB=launch.PROJECTION_BLOCK, QUANT=quant,
-        )  # fmt: skip
-    cached(_evict_attend_kernel)[(R, H)](
+            R, H, out_proj.shape[0], p.NB,
+        ), p.projection_constants)  # fmt: skip
+    launch_cache.launch(_evict_attend_kernel, p.evict_grid, (
         query, *query.stride(),
         k_mem, *k_strides,
         v_mem, *v_strides,
@@ -475,20 +559,10 @@ def fused_step(
         x, stat, part, newslot, pool, order,
         out, *out.stride(),
         counter,
-        estat, vn, weights, *w_strides, pw, NB, lin,
+        estat, vn, weights, *w_strides, pw, p.NB, lin,
         W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
-        *launch.ratio_parts(ratio),
-        SP=launch.pow2(S), BW=EW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
-        GROUP_MAX=bool(group_max),
-        POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
-        PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
-        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
-        COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
-        KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
-        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart,
-        num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
-        **{**common, "LOW_DOT": False},
-    )  # fmt: skip
+        *p.ratio_parts,
+    ), p.evict_constants)  # fmt: skip
     return out
 
 
