@@ -19,6 +19,8 @@ launches it and returns it); later launches with the same key call that compiled
 the arguments in the order Triton passes them. The key is at least as fine as Triton's specialization (two
 launches with one key are specialized alike: ``tests/test_launch_cache.py`` holds it against Triton's own binder for
 the CUDA backend), so a cached kernel is never launched with arguments Triton would have compiled differently.
+The fused step makes its kernels' constants once per launch plan (:class:`Constants`, launched with
+:func:`launch`), so that their part of the key is hashed once, not at every launch.
 
 Where Triton would do more than bind and launch, the launch goes through Triton: a launch hook set (a profiler's,
 ``knobs.runtime.launch_enter_hook``), a pre-run hook on the kernel, a global variable the kernel reads changed since
