@@ -7,6 +7,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from benchmarks.__main__ import parse_variants
 from slake.kernels import launch_config
 
@@ -37,3 +39,43 @@ def test_every_kernel_tune_variant_is_a_valid_launch_constant():
         for variant in parse_variants(chunk):
             with launch_config.tuned(**variant):
                 assert all(int(getattr(launch_config, k)) == v for k, v in variant.items())
+
+
+def _command_lines(text: str) -> list[str]:
+    """The script's command lines (continuation lines joined, comments left out)."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def test_every_command_the_script_runs_parses(tmp_path):
+    """Each ``python -m benchmarks ...`` and ``slake bench ...`` line of the script, with its options as written,
+    is accepted by its command's parser: an option misspelt or renamed would otherwise be found only on the GPU
+    machine, and cost a short session that step."""
+    import shlex
+
+    from benchmarks.__main__ import parser as benchmarks_parser
+    from slake.cli import build_parser
+
+    text = SCRIPT.read_text()
+    bench = re.search(r"^bench=\((.*)\)$", text, re.M)
+    assert bench is not None
+    bench_args = shlex.split(bench.group(1))
+    assert bench_args[:3] == ["$py", "-m", "slake.cli"]
+    parsed = {"benchmarks": 0, "bench": 0}
+    for line in _command_lines(text):
+        m = re.search(r'"\$py" -m benchmarks (.*)', line) or re.search(r'"\$\{bench\[@\]\}" (.*)', line)
+        if m is None:
+            continue
+        words = shlex.split(m.group(1).replace("$out", str(tmp_path)))
+        if ">" in words:  # the rows' file
+            words = words[: words.index(">")]
+        kind = "benchmarks" if "benchmarks" in m.group(0) else "bench"
+        try:
+            if kind == "benchmarks":
+                benchmarks_parser().parse_args(words)
+            else:
+                build_parser().parse_args(bench_args[3:] + words)
+        except SystemExit:
+            pytest.fail(f"its parser rejects: {line}")
+        parsed[kind] += 1
+    assert parsed["benchmarks"] >= 10 and parsed["bench"] >= 8, parsed
