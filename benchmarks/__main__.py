@@ -101,7 +101,11 @@ def parser() -> argparse.ArgumentParser:
     )
 
     host = sub.add_parser("host-step", help="the host's share of an eager decode step (kernels left out)")
-    host.add_argument("--methods", default="full,snapkv,slake", help="comma-separated methods")
+    host.add_argument(
+        "--methods",
+        default="transformers,full,snapkv,slake",
+        help="comma-separated methods; 'transformers': transformers' own DynamicCache, the reference",
+    )
     host.add_argument("--budget", type=int, default=64)
     host.add_argument("--layers", type=int, default=8)
     host.add_argument("--steps", type=int, default=30, help="steps timed per variant (median reported)")
@@ -317,8 +321,9 @@ def host_step(a: argparse.Namespace) -> None:
     from benchmarks.host_step import host_step_ms
     from slake.engines.base import load_avg
 
+    names = _split(a.methods)  # "transformers": transformers' own cache, the reference beside slake's
     rows = host_step_ms(
-        _methods(a.methods),
+        [n for n in names if n == "transformers"] + _methods(",".join(n for n in names if n != "transformers")),
         budget=a.budget,
         layers=a.layers,
         steps=a.steps,

@@ -164,8 +164,11 @@ def host_step_ms(
     """Median host milliseconds per layer and decode step, per method and launch variant (:data:`LAUNCHES`),
     ``repeats`` times each.
 
+    ``methods`` may name ``"transformers"``: transformers' own ``DynamicCache`` on the same model (slake's
+    attention function passes it through to SDPA), the host work a user's decode has without slake.
+
     Returns one row per (repeat, method, launch): ``{"method", "launch", "repeat", "ms_per_layer_step"}``
-    (``launch`` is ``"sdpa"`` for the full cache)."""
+    (``launch`` is ``"sdpa"`` for the full cache and transformers' own)."""
     from slake.engines.transformers.cache import SlakeCache
     from slake.kernels import triton_decode
     from slake.methods import make_method
@@ -173,21 +176,28 @@ def host_step_ms(
     unknown = set(launches) - set(LAUNCHES)
     if unknown:
         raise ValueError(f"unknown launch variants {sorted(unknown)}; known: {list(LAUNCHES)}")
+    from transformers import DynamicCache
+
     torch.set_num_threads(1)  # the host's work is one thread's; more only adds contention on a shared machine
     names = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
     kernels = tuple(getattr(triton_decode, n) for n in names)
     model = _model(layers, hidden, heads, kv_heads)
     ids = torch.randint(0, 512, (1, prompt))
-    variants = [("full", "sdpa")] if "full" in methods else []
-    variants += [(m, launch) for m in methods if m != "full" for launch in launches]
+    plain = {"full", "transformers"}
+    variants: list[tuple[str, str]] = [(m, "sdpa") for m in ("transformers", "full") if m in methods]
+    variants += [(m, launch) for m in methods if m not in plain for launch in launches]
     rows = []
     try:
         for rep in range(repeats):
             for name, launch in variants:
                 for n, k in zip(names, _stand_ins("none" if launch == "sdpa" else launch, kernels), strict=True):
                     setattr(triton_decode, n, k)
-                kind = "auto" if name == "full" else "triton"
-                cache = SlakeCache(make_method(name), budget, model.config, kernels=kind)
+                cache: Any
+                if name == "transformers":  # transformers' own cache: the reference a user compares with
+                    cache = DynamicCache(config=model.config)
+                else:
+                    kind = "auto" if name == "full" else "triton"
+                    cache = SlakeCache(make_method(name), budget, model.config, kernels=kind)
                 with torch.no_grad():
                     tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
                     for _ in range(3):  # warm-up (and the cached launches' first pass through Triton)

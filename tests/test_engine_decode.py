@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -147,6 +149,37 @@ def test_a_layer_that_never_evicts_attends_without_a_mask_when_its_slots_are_a_p
             kept = [decoder._prefix[i] for i in range(model.config.num_hidden_layers)]
             assert kept == ([-1] * len(kept) if padded else [40 + 5] * len(kept))  # 40 prompt + 5 attended steps
     torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype, visible", [(None, False), ("int8", False), ("fp8_e4m3", True)])
+def test_writing_a_token_into_a_slot_known_on_the_host_writes_what_the_slots_scatter_writes(kv_dtype, visible):
+    """``LayerStore.write_at`` (the eager full cache's step, whose first free slot is known on the host) leaves the
+    store as ``_write`` by a slot tensor does: keys, values (8-bit codes and scales), position, validity, score and
+    per-head visibility."""
+    from slake.cache.layer_store import LayerStore
+
+    g = torch.Generator().manual_seed(0)
+    B, H, n, d, slot = 2, 3, 10, 8, 6
+
+    def store() -> LayerStore:
+        valid = torch.arange(n).expand(B, H, n) < slot
+        vis = valid[:, :, None, :].expand(B, H, 2, n).clone() if visible else None
+        return LayerStore(
+            torch.randn(B, H, n, d, generator=g), torch.randn(B, H, n, d, generator=g),
+            torch.where(valid, torch.arange(n), -1), valid.clone(), torch.rand(B, H, n, generator=g), None, vis,
+            kv_dtype,
+        )  # fmt: skip
+
+    a = store()
+    b = copy.deepcopy(a)
+    k, v, pos = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H, 1, d, generator=g), torch.tensor(41)
+    a._write(torch.full((B, H, 1), slot), k, v, pos.view(1, 1, 1).expand(B, H, 1), 0.0)
+    b.write_at(slot, k, v, pos)
+    for name in ("keys", "values", "k_scale", "v_scale", "positions", "valid", "scores", "head_visible"):
+        assert (getattr(a, name) is None) == (getattr(b, name) is None), name
+        if getattr(a, name) is not None:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert b.valid[:, :, slot].all() and (b.positions[:, :, slot] == 41).all()
 
 
 def test_unmasked_sdpa_turns_cudnn_off_for_the_call_and_back_on(monkeypatch):

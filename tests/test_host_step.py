@@ -24,9 +24,11 @@ def test_host_step_times_each_launch_variant(monkeypatch):
         return bindings[-1]
 
     monkeypatch.setattr(host_step, "TritonBinding", recording)
-    rows = host_step.host_step_ms(["full", "snapkv"], layers=2, prompt=80, budget=32, steps=2, repeats=1)
+    rows = host_step.host_step_ms(
+        ["snapkv", "full", "transformers"], layers=2, prompt=80, budget=32, steps=2, repeats=1
+    )
     assert [(r["method"], r["launch"]) for r in rows] == [
-        ("full", "sdpa"), ("snapkv", "none"), ("snapkv", "triton"), ("snapkv", "cached"),
+        ("transformers", "sdpa"), ("full", "sdpa"), ("snapkv", "none"), ("snapkv", "triton"), ("snapkv", "cached"),
     ]  # fmt: skip
     assert all(r["ms_per_layer_step"] > 0 for r in rows)
     assert sum(b.binds for b in bindings) >= 2 * 2 * 5  # two kernels, two layers, five steps at least

@@ -192,11 +192,12 @@ class Decoder:
         if not scored and store.linear is None and not m.linear_cache and store.head_visible is None:
             # no score, no linear term: write the token, then one SDPA call over the store
             n = None if self.static else self._prefix_of(layer_idx, store)
-            slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
-            store._write(slots, key, value, counter.view(1, 1, 1).expand(B, store.valid.shape[1], 1), 0.0)
             if n is None:
+                slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
+                store._write(slots, key, value, counter.view(1, 1, 1).expand(B, store.valid.shape[1], 1), 0.0)
                 out = sdpa_step(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
             else:
+                store.write_at(n, key, value, counter)  # slot n: the first free one, known on the host
                 # every slot up to the new token's (slot n) is valid and none after it: SDPA over those slots with
                 # no mask, which a GPU runs with its split-over-the-keys decode kernel (a masked call read the cache
                 # at a twentieth of an H200's bandwidth, docs/gpu.md)

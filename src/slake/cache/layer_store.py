@@ -311,6 +311,27 @@ class LayerStore:
             g = self.head_visible.shape[2]
             self.head_visible.scatter_(-1, slots[:, :, None, :].expand(-1, -1, g, -1), True)
 
+    def write_at(self, slot: int, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """:meth:`_write` of one new token per row into ``slot``, the same slot of every row and KV head, known on the
+        host (the eager full cache's valid prefix, :meth:`slake.cache.decoding.Decoder._prefix_of`): slice writes,
+        a few operations where the scatters by a slot tensor are a dozen (an eager decode step on a GPU is bound by
+        its host). ``keys``/``values`` ``(B, Hkv, 1, d)``, ``position`` the 0-dim int64 position; the slot's score is
+        0 and it is visible to every query head."""
+        at = slice(slot, slot + 1)
+        if self.k_scale is not None and self.v_scale is not None and self.kv_dtype is not None:
+            keys, ks = quantize_rows(keys, self.kv_dtype)
+            values, vs = quantize_rows(values, self.kv_dtype)
+            self.k_scale[:, :, at] = ks
+            self.v_scale[:, :, at] = vs
+        self.keys[:, :, at] = keys
+        self.values[:, :, at] = values
+        self.weights = None
+        self.positions[:, :, slot] = position
+        self.valid[:, :, slot] = True
+        self.scores[:, :, slot] = 0.0
+        if self.head_visible is not None:
+            self.head_visible[:, :, :, slot] = True
+
     # ------------------------------------------------------------------ the decode step's view (SlotKV)
     def write_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``(B, Hkv, n, d)`` in ``slots`` ``(B, Hkv, n)`` (quantised under 8-bit storage);
