@@ -39,6 +39,14 @@ def _split(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
+def _methods_and_transformers(text: str) -> list[str]:
+    """:func:`_methods`, where ``transformers`` may also be named: transformers' own ``DynamicCache`` (``host-step``,
+    ``host-profile``), put first."""
+    names = _split(text)
+    rest = ",".join(n for n in names if n != "transformers")
+    return ["transformers"] * ("transformers" in names) + (_methods(rest) if rest else [])
+
+
 def _methods(text: str) -> list[str]:
     """A method list whose specs may hold commas (``snapkv,slake[alpha=0.5,beta=0.4]``), each checked."""
     from slake.methods.base import parse_method_list
@@ -119,7 +127,11 @@ def parser() -> argparse.ArgumentParser:
     lc.add_argument("--number", type=int, default=2000, help="launches per timing (the best of three is reported)")
 
     hp = sub.add_parser("host-profile", help="where a decode step's host time goes (cProfile), per method")
-    hp.add_argument("--methods", default="full,cake,slake", help="comma-separated methods")
+    hp.add_argument(
+        "--methods",
+        default="transformers,full,cake,slake",
+        help="comma-separated methods; 'transformers': transformers' own DynamicCache (eager), the reference",
+    )
     hp.add_argument("--budget", type=int, default=1024)
     hp.add_argument("--shape", default="llama3-8b", help="a shape name of slake.engines.transformers.shapes")
     hp.add_argument("--length", type=int, default=8192, help="prompt tokens")
@@ -321,9 +333,8 @@ def host_step(a: argparse.Namespace) -> None:
     from benchmarks.host_step import host_step_ms
     from slake.engines.base import load_avg
 
-    names = _split(a.methods)  # "transformers": transformers' own cache, the reference beside slake's
     rows = host_step_ms(
-        [n for n in names if n == "transformers"] + _methods(",".join(n for n in names if n != "transformers")),
+        _methods_and_transformers(a.methods),
         budget=a.budget,
         layers=a.layers,
         steps=a.steps,
@@ -353,7 +364,12 @@ def host_profile(a: argparse.Namespace) -> None:
     from slake.engines.base import load_avg
 
     rows = run(
-        _methods(a.methods), **_random_model_run(a), top=a.top, kernels=a.kernels, compile=a.compile, backend=a.backend
+        _methods_and_transformers(a.methods),
+        **_random_model_run(a),
+        top=a.top,
+        kernels=a.kernels,
+        compile=a.compile,
+        backend=a.backend,
     )
     for row in rows:
         _emit({**row, "length": a.length, "budget": a.budget, "load_avg_1m": load_avg()})

@@ -87,7 +87,8 @@ def host_profile(
     Parameters
     ----------
     methods : list[str]
-        Method specs (``full`` for the uncompressed cache).
+        Method specs (``full`` for the uncompressed cache), or ``transformers``: transformers' own ``DynamicCache``
+        (eager only), the step a user has without slake, beside slake's full cache.
     shape : str
         A random model's shape (:func:`slake.engines.transformers.shapes.random_model`).
     device, dtype : str, torch.dtype
@@ -124,6 +125,10 @@ def host_profile(
         raise ValueError("steps and top must be >= 1, warmup >= 0")
     if compile and backend != "inductor" and torch.device(device).type == "cuda":
         raise ValueError("on CUDA the compiled step is inductor's (CUDA graphs); other backends are for CPU checks")
+    if compile and "transformers" in methods:
+        raise ValueError("'transformers' (transformers' DynamicCache) is profiled eager only")
+    from transformers import DynamicCache
+
     model = random_model(shape, device=device, dtype=dtype)
     dev = model.device
     if compile:
@@ -131,9 +136,10 @@ def host_profile(
     rows = []
     for method in methods:
         # timed and profiled steps: a static cache holds every step it will take
-        cfg = BenchConfig(method, budget, length, decode_steps=2 * steps, warmup=warmup, kernels=kernels,
-                          compile=compile)  # fmt: skip
-        cache = _new_cache(model, cfg)
+        plain = method == "transformers"
+        cfg = BenchConfig("full" if plain else method, budget, length, decode_steps=2 * steps, warmup=warmup,
+                          kernels=kernels, compile=compile)  # fmt: skip
+        cache: Any = DynamicCache(config=model.config) if plain else _new_cache(model, cfg)
         ids = _prompt(model, cfg)
         if not compile:
             step = lambda t, cache=cache: _step(model, cache, t)  # noqa: E731
@@ -143,7 +149,10 @@ def host_profile(
             torch._dynamo.reset()
             step = stepper_of(torch.compile(_step, backend=backend, **compile_kwargs(dev)), model, cache)
         with torch.inference_mode():
-            tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
+            if plain:
+                tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            else:
+                tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
             for _ in range(warmup):
                 tok = step(tok)
             tok, host, wall = timed_steps(step, tok, steps, dev)
@@ -175,7 +184,7 @@ def host_profile(
             {
                 "method": method,
                 "compile": compile,
-                "kernels": cache.statistics()["kernels"],
+                "kernels": "transformers' DynamicCache" if plain else cache.statistics()["kernels"],
                 "host_ms": round(statistics.median(host), 3),
                 "wall_ms": round(statistics.median(wall), 3),
                 "profiled_ms": round(statistics.median(profiled), 3),

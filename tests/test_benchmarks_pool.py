@@ -222,12 +222,12 @@ def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(c
     """``python -m benchmarks host-profile`` on the CPU: one row per method, the host's time at most the wall's,
     the functions ranked by their own time, and the cache's step (torch) named."""
     main(
-        ["host-profile", "--methods", "full,slake", "--shape", "tiny", "--device", "cpu", "--dtype", "float32"]
-        + ["--length", "96", "--budget", "32", "--steps", "2", "--top", "4", "--kernels", "torch"]
+        ["host-profile", "--methods", "full,slake,transformers", "--shape", "tiny", "--device", "cpu"]
+        + ["--dtype", "float32", "--length", "96", "--budget", "32", "--steps", "2", "--top", "4", "--kernels", "torch"]
     )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["method"] for r in rows] == ["full", "slake"]
-    assert rows[1]["kernels"] == "torch"
+    assert [r["method"] for r in rows] == ["transformers", "full", "slake"]  # transformers' own cache first
+    assert rows[0]["kernels"] == "transformers' DynamicCache" and rows[2]["kernels"] == "torch"
     for r in rows:
         assert 0 < r["host_ms"] <= r["wall_ms"]
         own = [f["own_ms"] for f in r["functions"]]
@@ -235,7 +235,7 @@ def test_host_profile_reports_each_methods_host_time_and_its_busiest_functions(c
         assert all(f["calls"] > 0 and f["cumulative_ms"] >= f["own_ms"] for f in r["functions"])
         assert {"transformers", "torch", "builtins"} <= set(r["by_package"])
         assert sum(r["by_package"].values()) >= sum(own)  # every function's own time, not only the top ones
-    assert "slake" in rows[1]["by_package"]  # the cache's own step
+    assert "slake" in rows[2]["by_package"]  # the cache's own step
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
