@@ -834,3 +834,37 @@ def test_a_steps_launch_plan_is_made_once_and_follows_the_launch_configuration(m
     _run(_method("slake"), "triton", **run)
     assert [(k["KEY_SPAN"], k["SPLIT"], k["COMBINE"]) for k in seen] == [(0, 16, launch_config.COMBINE)] * 3
     assert len(triton_decode._PLANS) == 4
+
+
+def test_a_layers_fused_arguments_are_made_once_and_again_when_what_they_came_from_is_replaced(monkeypatch):
+    """In eager decoding the transformers engine makes a layer's fused-step arguments once
+    (``fused_step.fused_arguments``) and reuses them while every object they were made from is the same
+    (``Decoder._fused_sources``): replacing one of them, as a reordered batch, a grown store or a new prefill does,
+    makes them again, and every step still equals the torch step."""
+    from slake.cache import decoding
+
+    made: list[int] = []
+    real = decoding.fused_arguments
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "fused_arguments", counting)
+    method = _method("slake")
+    ref, ref_out = _run(method, "torch", steps=4)
+    fused, fused_out = _run(method, "triton", steps=4)
+    assert len(made) == 2  # one per layer; the three later steps of each reuse them
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+    def replace(eng):  # the same contents in new tensors: the arguments' old ones are no longer the store's
+        for st in eng.layers:
+            st.scores, st.positions = st.scores.clone(), st.positions.clone()
+        eng.state.targets[1] = eng.state.targets[1].clone()
+
+    made.clear()
+    ref, ref_out = _run(method, "torch", steps=4, meddle=(2, replace))
+    fused, fused_out = _run(method, "triton", steps=4, meddle=(2, replace))
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    assert len(made) == 4  # the first step and the one after the replacement, per layer
+    assert fused.decoder.report.steps == {"triton": 8}

@@ -15,12 +15,26 @@ import torch
 from slake.attention.ptaa import attend
 from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
 from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, protected_slots, sdpa_step
-from slake.cache.fused_step import KernelReport, keeps_order, run_step
+from slake.cache.fused_step import KernelReport, fused_arguments, keeps_order, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
 from slake.methods.base import DecodeInputs
 
 __all__ = ["Decoder", "layer_logits"]
+
+
+def _triton_decode():
+    """:mod:`slake.kernels.triton_decode` (loaded by :func:`slake.cache.compressed.resolve_kernels` when the fused
+    kernels were chosen), looked up once."""
+    global _TRITON_DECODE
+    if _TRITON_DECODE is None:
+        import slake.kernels.triton_decode as module
+
+        _TRITON_DECODE = module
+    return _TRITON_DECODE
+
+
+_TRITON_DECODE = None
 
 
 class Decoder:
@@ -49,6 +63,9 @@ class Decoder:
         #: (an unpadded batch in a layer that never evicts), -1 when not, None when not yet read (:meth:`_prefix_of`)
         self._prefix: list[int | None] = [None] * state.num_layers
         self._order_for: tuple[str, bool] | None = None  # (kernels, whether the stores keep the slots' order)
+        #: per layer, the fused step's arguments after its query, key and value, with the objects and facts they were
+        #: made from: reused while those are the same objects (:meth:`_fused_sources`)
+        self._fused: list[tuple[tuple, tuple, tuple, tuple] | None] = [None] * state.num_layers
 
     @property
     def _keeps_order(self) -> bool:
@@ -69,6 +86,7 @@ class Decoder:
         self._free[layer_idx] = None
         self._staged[layer_idx] = None
         self._prefix[layer_idx] = None
+        self._fused[layer_idx] = None
 
     # ------------------------------------------------------------------ new tokens
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerStore:
@@ -210,6 +228,17 @@ class Decoder:
         dev = store.valid.device
         if scored and m.slot_weighted and store.weights is None:  # once after prefill (prepare_static in static mode)
             store.weights = self._slot_weights(layer_idx)
+        B, H = store.valid.shape[:2]
+        kv = key.view(B, H, d), value.view(B, H, d)
+        # the fused kernels in eager code: the step's arguments but its query, key and value are made once and then
+        # reused while every object they were made from is the same (an eager step on a GPU is bound by its host)
+        reuse = scored and self.kernels == "triton" and not torch.compiler.is_compiling()
+        if reuse:
+            held = self._fused[layer_idx]
+            facts = (query.device, d, float(scaling))
+            if held is not None and held[1] == facts and held[0] == self._fused_sources(layer_idx, store, counter)[0]:
+                self.report.record("triton")
+                return _triton_decode().fused_step(query, *kv, *held[3])
         slots_ = StepSlots(
             positions=store.positions,
             valid=store.valid,
@@ -225,9 +254,37 @@ class Decoder:
             weights=store.weights if scored else None,
             order=store.kernel_order() if scored and self._keeps_order else None,
         )
-        B, H = store.valid.shape[:2]
-        kv = key.view(B, H, d), value.view(B, H, d)
+        if reuse:
+            arguments, _ = fused_arguments(m, slots_, store, query, scaling, counter)
+            if arguments is not None:
+                ids, sources = self._fused_sources(layer_idx, store, counter)
+                self._fused[layer_idx] = (ids, facts, sources, arguments)
+                self.report.record("triton")
+                return _triton_decode().fused_step(query, *kv, *arguments)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
+
+    def _fused_sources(self, layer_idx: int, store: LayerStore, counter: torch.Tensor) -> tuple[tuple, tuple]:
+        """What the fused step's arguments of layer ``layer_idx`` are made from
+        (:func:`~slake.cache.fused_step.fused_arguments`): the store and each of its tensors the kernels read or
+        write, the layer's targets, position counter and context, the per-sequence facts' device copies, the method;
+        as ``(their ids, themselves)``. A tensor that is the same object has the same shape, strides, dtype and
+        memory (slake never resizes one in place), so the arguments made from them hold; any one replaced (a prefill,
+        a grown store, a reordered batch, new slot weights) makes them again. The method's hyperparameters and
+        launch configuration are read when the arguments are made: the first is fixed at prefill, the second is read
+        again at every launch (``launch_config``)."""
+        state = self.state
+        info = state.info
+        copies = info.on_device if info is not None else {}
+        linear = store.linear
+        layer = state.layer_context[layer_idx]
+        sources = (
+            store, store.keys, store.values, store.k_scale, store.v_scale, store._row_table, store.positions,
+            store.valid, store.scores, store.head_visible, linear, None if linear is None else linear.aug,
+            store.weights, store._order, state.targets[layer_idx], counter, info, copies.get("real_len"),
+            copies.get("budget"), copies.get("first_real"), layer, None if layer is None else layer.out_proj,
+            state.method,
+        )  # fmt: skip
+        return tuple(map(id, sources)), sources
 
     def _prefix_of(self, layer_idx: int, store: LayerStore) -> int | None:
         """``n`` when every row's and KV head's valid slots in layer ``layer_idx`` are exactly its first ``n`` and a

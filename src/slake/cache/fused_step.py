@@ -19,8 +19,8 @@ from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
 __all__ = [
-    "MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_decode_step", "half_precision_dots", "keeps_order",
-    "run_step",
+    "MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_arguments", "fused_decode_step", "half_precision_dots",
+    "keeps_order", "run_step",
 ]  # fmt: skip
 
 logger = logging.getLogger("slake.kernels")
@@ -120,26 +120,25 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return hit
 
 
-def fused_decode_step(
+def fused_arguments(
     method: Method,
     slots: StepSlots,
     kv: SlotKV,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
     scaling: float,
     counter: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, str | None]:
-    """:func:`~slake.cache.decode_step.decode_step` through the fused kernels: ``(output, None)``, or
-    ``(None, reason)`` when they do not cover the step. ``counter`` (a 0-dim int64 tensor holding the new token's
-    position, as ``slots.newest``) is advanced by one by the kernels."""
+) -> tuple[tuple | None, str | None]:
+    """What :func:`slake.kernels.triton_decode.fused_step` takes after the step's query, key and value:
+    ``(arguments, None)``, or ``(None, reason)`` when the fused kernels do not cover the step. Made from the step's
+    slots and storage, the method's fused rule, and the query's device and head size only; an engine may reuse them
+    for a later step whose slots, storage and those facts are the same objects (``Decoder.step``)."""
     memory = getattr(kv, "kernel_memory", None)
     mem = memory() if memory is not None else None
     rule = method.fused_rule()
     reason = _why_not(method, rule, slots, mem)
     if reason is not None or mem is None or rule is None:
         return None, reason
-    from slake.kernels.triton_decode import RULE_CODES, fused_step, fused_step_op  # loaded by resolve_kernels
+    from slake.kernels.triton_decode import RULE_CODES  # loaded by resolve_kernels
 
     assert slots.target is not None
     dev = query.device
@@ -202,14 +201,8 @@ def fused_decode_step(
     if ratio is not None:  # _why_not made sure both exist
         assert slots.weights is not None and slots.layer is not None and slots.layer.out_proj is not None
         weights, out_proj = slots.weights, slots.layer.out_proj
-    # the custom operator for torch.compile to capture; in eager code the function itself (the operator's Python
-    # dispatch cost more than the step's own host work)
-    op = fused_step_op if torch.compiler.is_compiling() else fused_step
     assert slots.target is not None  # a layer without targets never reaches the fused step (it only attends)
-    out = op(
-        query,
-        key,
-        value,
+    arguments = (
         mem.keys,
         mem.values,
         list(mem.k_strides),
@@ -246,7 +239,31 @@ def fused_decode_step(
         flags,
         torch.float32,
     )
-    return out, None
+    return arguments, None
+
+
+def fused_decode_step(
+    method: Method,
+    slots: StepSlots,
+    kv: SlotKV,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    counter: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, str | None]:
+    """:func:`~slake.cache.decode_step.decode_step` through the fused kernels: ``(output, None)``, or
+    ``(None, reason)`` when they do not cover the step. ``counter`` (a 0-dim int64 tensor holding the new token's
+    position, as ``slots.newest``) is advanced by one by the kernels."""
+    arguments, reason = fused_arguments(method, slots, kv, query, scaling, counter)
+    if arguments is None:
+        return None, reason
+    from slake.kernels.triton_decode import fused_step, fused_step_op  # loaded by resolve_kernels
+
+    # the custom operator for torch.compile to capture; in eager code the function itself (the operator's Python
+    # dispatch cost more than the step's own host work)
+    op = fused_step_op if torch.compiler.is_compiling() else fused_step
+    return op(query, key, value, *arguments), None
 
 
 def run_step(
