@@ -868,3 +868,26 @@ def test_a_layers_fused_arguments_are_made_once_and_again_when_what_they_came_fr
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
     assert len(made) == 4  # the first step and the one after the replacement, per layer
     assert fused.decoder.report.steps == {"triton": 8}
+
+
+def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monkeypatch):
+    """A step the fused kernels do not cover (an eviction across a layer's KV heads) runs the torch step, says why,
+    and works out the fused arguments once per step, not again inside the torch fallback."""
+    from slake.cache import decoding, fused_step
+
+    made: list[int] = []
+    real = fused_step.fused_arguments
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "fused_arguments", counting)
+    monkeypatch.setattr(fused_step, "fused_arguments", counting)
+    method = _method("ada-snapkv", decode_scope="layer")
+    ref, ref_out = _run(method, "torch", steps=2)
+    fused, fused_out = _run(method, "triton", steps=2)
+    assert len(made) == 4  # two layers, two steps, once each
+    assert "decode_scope=layer" in fused.decoder.report.summary()
+    for a, b in zip(ref_out, fused_out, strict=True):
+        torch.testing.assert_close(b, a)

@@ -255,12 +255,14 @@ class Decoder:
             order=store.kernel_order() if scored and self._keeps_order else None,
         )
         if reuse:
-            arguments, _ = fused_arguments(m, slots_, store, query, scaling, counter)
-            if arguments is not None:
-                ids, sources = self._fused_sources(layer_idx, store, counter)
-                self._fused[layer_idx] = (ids, facts, sources, arguments)
-                self.report.record("triton")
-                return _triton_decode().fused_step(query, *kv, *arguments)
+            arguments, reason = fused_arguments(m, slots_, store, query, scaling, counter)
+            if arguments is None:  # not covered: the torch step, the reason recorded once (not worked out again)
+                self.report.record("torch", reason)
+                return run_step("torch", m, slots_, store, query, *kv, scaling, counter=counter)
+            ids, sources = self._fused_sources(layer_idx, store, counter)
+            self._fused[layer_idx] = (ids, facts, sources, arguments)
+            self.report.record("triton")
+            return _triton_decode().fused_step(query, *kv, *arguments)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
 
     def _fused_sources(self, layer_idx: int, store: LayerStore, counter: torch.Tensor) -> tuple[tuple, tuple]:
