@@ -119,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--steps", type=int, default=30, help="steps timed per variant (median reported)")
     host.add_argument("--repeats", type=int, default=3, help="rounds over every variant, alternating")
     host.add_argument(
-        "--launches", default="none,triton,cached", help="comma-separated launch variants (benchmarks.host_step)"
+        "--launches", default="none,triton,cached,afresh", help="comma-separated launch variants (benchmarks.host_step)"
     )
 
     lc = sub.add_parser("launch-cost", help="host microseconds of one fused-kernel launch: Triton's binding, cached")

@@ -89,11 +89,14 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
             > "$out/kernel_tune.jsonl"
         ;;
     launch)
-        # what the launch cache (slake.kernels.launch_cache) saves an eager step on this host: snapkv and slake at 8K
-        # with every launch through Triton's binding, then cached, the full cache beside them; and the host-step
-        # and launch-cost benchmarks on this machine's CPU (stand-ins for the kernels: Triton's binding against the
-        # cache's key)
+        # what the launch cache (slake.kernels.launch_cache) and the held steps (slake.kernels.held_step) save an
+        # eager step on this host: snapkv and slake at 8K with every launch through Triton's binding, then cached
+        # with every step made afresh, then cached and held (as by default), the full cache beside them; and the
+        # host-step and launch-cost benchmarks on this machine's CPU (stand-ins for the kernels: Triton's binding
+        # against the cache's key)
         SLAKE_CACHED_LAUNCH=0 "${bench[@]}" --methods full,snapkv,slake --lengths 8192 --out "$out/launch_triton"
+        SLAKE_CACHED_LAUNCH=1 SLAKE_HELD_STEP=0 "${bench[@]}" --methods snapkv,slake --lengths 8192 \
+            --out "$out/launch_afresh"
         SLAKE_CACHED_LAUNCH=1 "${bench[@]}" --methods full,snapkv,slake --lengths 8192 --out "$out/launch_cached"
         TRITON_INTERPRET=1 "$py" -m benchmarks host-step --methods transformers,full,snapkv,slake --repeats 5 > "$out/host_step.jsonl"
         TRITON_INTERPRET=1 "$py" -m benchmarks launch-cost --methods snapkv,slake > "$out/launch_cost.jsonl"
@@ -134,7 +137,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
 SHORT_STEPS=("info 10" "smoke 110" "compiled-targets 390" "eager-targets 150" "host 70" "host-compiled 80")
-SHORT2_STEPS=("pool-8 65" "eager-targets 150" "pool-tune 50" "launch 130" "kernel-tune 115" "kernel-parts 90" "host-compiled 80" \
+SHORT2_STEPS=("pool-8 65" "eager-targets 150" "pool-tune 50" "launch 170" "kernel-tune 115" "kernel-parts 90" "host-compiled 80" \
     "host 70" "kernels-1 130" "profile 200")
 
 run_short() {
@@ -166,6 +169,12 @@ run_short() {
                 # launches that skip Triton's binding failed on this GPU: the measurements after go through Triton
                 export SLAKE_CACHED_LAUNCH=0
                 echo "== the cached launches failed on this GPU: what follows runs with SLAKE_CACHED_LAUNCH=0"
+            fi
+            if grep -q "FAILED.*test_held_steps" "$out/smoke.log"; then
+                # the eager steps held with their arguments made once failed on this GPU: what follows makes them
+                # at every step
+                export SLAKE_HELD_STEP=0
+                echo "== the held steps failed on this GPU: what follows runs with SLAKE_HELD_STEP=0"
             fi
             if grep -q "FAILED.*held_order\|FAILED.*rows_order" "$out/smoke.log"; then
                 # the slot order kept from step to step failed on this GPU: the measurements after sort every row

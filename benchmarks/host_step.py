@@ -12,7 +12,10 @@ Triton's C launcher would take over:
   of an sm_90 GPU (which runs without one): bind and specialize every argument, look the compiled kernel up by the
   result's key, check the kernel's globals (:class:`TritonBinding`);
 * ``"cached"``: what :class:`slake.kernels.launch_cache.CachedLaunch` does instead once a launch's key is known (its
-  key, then the compiled kernel's launcher, a stand-in that does nothing here).
+  key, then the compiled kernel's launcher, a stand-in that does nothing here), with each layer's step held
+  (:class:`slake.kernels.held_step.HeldStep`: its launch arguments, their part of the key and its scratch made once);
+* ``"afresh"``: cached launches with :data:`slake.kernels.launch_config.HELD_STEP` off (every step makes its scratch,
+  arguments and whole key again).
 
 Neither counts the C launcher itself (the same in both: it reads the tensors' addresses and calls the driver) or the
 device. The full cache runs plain SDPA. One torch thread. Variants alternate within each repetition, so a drift of
@@ -31,7 +34,7 @@ import torch
 __all__ = ["LAUNCHES", "TritonBinding", "host_step_ms", "launch_cost_us"]
 
 #: the launch variants :func:`host_step_ms` times, in order
-LAUNCHES = ("none", "triton", "cached")
+LAUNCHES = ("none", "triton", "cached", "afresh")
 
 
 class _NoLaunch:
@@ -128,7 +131,7 @@ def _stand_ins(launch: str, kernels: tuple) -> tuple:
         return tuple(_NoLaunch() for _ in kernels)
     if launch == "triton":
         return tuple(TritonBinding(k) for k in kernels)
-    return tuple(CachedLaunch(_KernelStandIn(k), driver=_Driver()) for k in kernels)
+    return tuple(CachedLaunch(_KernelStandIn(k), driver=_Driver()) for k in kernels)  # "cached", "afresh"
 
 
 def _model(layers: int, hidden: int, heads: int, kv_heads: int):
@@ -170,9 +173,10 @@ def host_step_ms(
     Returns one row per (repeat, method, launch): ``{"method", "launch", "repeat", "ms_per_layer_step"}``
     (``launch`` is ``"sdpa"`` for the full cache and transformers' own)."""
     from slake.engines.transformers.cache import SlakeCache
-    from slake.kernels import triton_decode
+    from slake.kernels import launch_config, triton_decode
     from slake.methods import make_method
 
+    held = launch_config.HELD_STEP
     unknown = set(launches) - set(LAUNCHES)
     if unknown:
         raise ValueError(f"unknown launch variants {sorted(unknown)}; known: {list(LAUNCHES)}")
@@ -192,6 +196,7 @@ def host_step_ms(
             for name, launch in variants:
                 for n, k in zip(names, _stand_ins("none" if launch == "sdpa" else launch, kernels), strict=True):
                     setattr(triton_decode, n, k)
+                launch_config.HELD_STEP = launch != "afresh"
                 cache: Any
                 if name == "transformers":  # transformers' own cache: the reference a user compares with
                     cache = DynamicCache(config=model.config)
@@ -212,6 +217,7 @@ def host_step_ms(
     finally:
         for n, k in zip(names, kernels, strict=True):
             setattr(triton_decode, n, k)
+        launch_config.HELD_STEP = held
     return rows
 
 

@@ -60,6 +60,24 @@ def test_cached_launches_give_the_tokens_of_launches_through_triton(method, monk
     assert launches > 0 and sum(launcher.hits for _, launcher in launch_cache._launchers.values()) - hits > 24
 
 
+@pytest.mark.parametrize("method", ["snapkv", "slake", "criticalkv"])
+def test_held_steps_give_the_tokens_of_steps_made_afresh(method, monkeypatch):
+    """Eager decoding on a GPU holds each layer's fused step (:class:`slake.kernels.held_step.HeldStep`): its launch
+    arguments made once, CUDA tensors passed to Triton's launcher as their addresses, the scratch shared by the
+    layers. A left-padded batch decodes the tokens and kept counts of steps that make all of it afresh
+    (``HELD_STEP`` off), with the launches cached in both."""
+    from slake.kernels import launch_config
+
+    model = tiny_model("llama-gqa", layers=2).cuda()
+    monkeypatch.setattr(launch_config, "HELD_STEP", False)
+    ref, ref_stats = _decode(model, method, 24, None, kernels="triton", static=False)
+    monkeypatch.setattr(launch_config, "HELD_STEP", True)
+    held, stats = _decode(model, method, 24, None, kernels="triton", static=False)
+    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "triton"
+    assert torch.equal(held, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
+
+
 @pytest.mark.parametrize("method", ["full", "snapkv", "h2o", "cake", "slake", "lava", "ahakv", "sagekv"])
 def test_decode_replayed_as_cuda_graphs_equals_eager(method):
     """Dynamo's CUDA-graph backend (no code generation: what a graph needs, static addresses and no host read-back)

@@ -870,6 +870,72 @@ def test_a_layers_fused_arguments_are_made_once_and_again_when_what_they_came_fr
     assert fused.decoder.report.steps == {"triton": 8}
 
 
+def test_the_layers_held_steps_share_one_scratch_arena_and_carve_it_again_when_it_grows():
+    """Eager decoding holds each layer's fused step (:class:`slake.kernels.held_step.HeldStep`) with its scratch
+    carved from one arena the layers share. A layer widened mid-decode makes its step again with more scratch than
+    the arena holds: the arena grows, the other layer carves its scratch again at its next step, and every step
+    still equals the torch step."""
+    from slake.kernels.held_step import HeldStep
+
+    method = _method("slake")
+
+    def widen(eng):  # layer 1's rows get 40 more free slots: new tensors, so a new held step
+        eng.layers[1]._grow(40)
+
+    ref, ref_out = _run(method, "torch", steps=4, meddle=(2, widen))
+    fused, fused_out = _run(method, "triton", steps=4, meddle=(2, widen))
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    arena = fused.decoder._arena
+    assert arena.generation == 2 and len(arena._flat) == 1  # made once, grown once, one device
+    (flat,) = arena._flat.values()
+    for li in range(2):
+        step = fused.decoder._fused[li][3]
+        assert isinstance(step, HeldStep) and step._made[1] == arena.generation
+        carved = [
+            t for run in step._made[2] for t in run.args
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        ]  # fmt: skip
+        assert len({t.storage_offset() for t in carved}) >= 4, li  # x, stat, part, newslot and the linear share
+
+
+def test_steps_made_afresh_equal_held_steps(monkeypatch):
+    """With :data:`~slake.kernels.launch_config.HELD_STEP` off, each step makes its scratch and launch arguments
+    again (:class:`slake.kernels.held_step.Afresh`), with the same results."""
+    from slake.kernels.held_step import Afresh
+
+    monkeypatch.setattr(launch_config, "HELD_STEP", False)
+    for name in ("snapkv", "criticalkv"):
+        method = _method(name)
+        ref, ref_out = _run(method, "torch", steps=3)
+        fused, fused_out = _run(method, "triton", steps=3)
+        _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+        assert isinstance(fused.decoder._fused[0][3], Afresh) and fused.decoder._arena is not None
+
+
+def test_the_scratch_arena_carves_aligned_buffers_that_do_not_overlap():
+    """:class:`slake.kernels.held_step.ScratchArena`: views of one float32 buffer per device, each starting on a
+    multiple of 128 bytes, none overlapping; grown to at least twice its size when a carve needs more, which
+    ``generation`` counts; 4-byte dtypes only."""
+    from slake.kernels.held_step import ScratchArena
+
+    cpu = torch.device("cpu")
+    arena = ScratchArena()
+    specs = (((2, 3, 5), torch.float32), None, ((7,), torch.int32), ((1, 33), torch.float32))
+    a, unused, b, c = arena.carve(specs, cpu)
+    assert unused is None and a.shape == (2, 3, 5) and b.shape == (7,) and b.dtype == torch.int32
+    assert c.shape == (1, 33) and c.dtype == torch.float32
+    spans = sorted((t.storage_offset(), t.storage_offset() + t.numel()) for t in (a, b, c))
+    assert all(start % 32 == 0 for start, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    assert arena.generation == 1 and arena.nbytes() == 4 * (32 + 32 + 64)  # each rounded up to 32 elements
+    arena.carve(specs, cpu)
+    assert arena.generation == 1  # it fits: the same buffer
+    (big,) = arena.carve((((200,), torch.float32),), cpu)
+    assert arena.generation == 2 and big.numel() == 200 and arena.nbytes() == 4 * 2 * 128  # twice its size
+    with pytest.raises(ValueError, match="4-byte"):
+        arena.carve((((4,), torch.float16),), cpu)
+
+
 def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monkeypatch):
     """A step the fused kernels do not cover (an eviction across a layer's KV heads) runs the torch step, says why,
     and works out the fused arguments once per step, not again inside the torch fallback."""

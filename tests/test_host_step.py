@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from slake.kernels import load
+from slake.kernels import launch_config, load
 
 
 def test_host_step_times_each_launch_variant(monkeypatch):
     """``python -m benchmarks host-step`` on a two-layer model: a row per launch variant, the stand-in for Triton's
-    binding binds every launch (the CUDA backend's binder, built without a GPU), and the kernels are back after."""
+    binding binds every launch (the CUDA backend's binder, built without a GPU), and the kernels and the held steps'
+    switch are back after."""
     from benchmarks import host_step
 
     decode = load()
@@ -29,10 +30,12 @@ def test_host_step_times_each_launch_variant(monkeypatch):
     )
     assert [(r["method"], r["launch"]) for r in rows] == [
         ("transformers", "sdpa"), ("full", "sdpa"), ("snapkv", "none"), ("snapkv", "triton"), ("snapkv", "cached"),
+        ("snapkv", "afresh"),
     ]  # fmt: skip
     assert all(r["ms_per_layer_step"] > 0 for r in rows)
     assert sum(b.binds for b in bindings) >= 2 * 2 * 5  # two kernels, two layers, five steps at least
     assert decode._evict_attend_kernel is before
+    assert launch_config.HELD_STEP  # "afresh" turned it off for its rows only
     with pytest.raises(ValueError, match="unknown launch"):
         host_step.host_step_ms(["snapkv"], launches=("fast",))
 

@@ -227,11 +227,11 @@ def test_cached_passes_interpreted_kernels_and_stand_ins_through(monkeypatch):
 
 def test_the_environment_turns_the_cache_off_for_a_run(monkeypatch):
     """``SLAKE_CACHED_LAUNCH=0`` (or off/false/no) in the environment when the module is imported; the same for the
-    kept slot order (``SLAKE_HELD_ORDER``) and the new token apart (``SLAKE_NEW_TOKEN_APART``), which a GPU session
-    turns off if their tests fail on that GPU."""
+    kept slot order (``SLAKE_HELD_ORDER``), the new token apart (``SLAKE_NEW_TOKEN_APART``) and the held eager steps
+    (``SLAKE_HELD_STEP``), which a GPU session turns off if their tests fail on that GPU."""
     switches = (
         ("SLAKE_CACHED_LAUNCH", "CACHED_LAUNCH"), ("SLAKE_HELD_ORDER", "HELD_ORDER"),
-        ("SLAKE_NEW_TOKEN_APART", "NEW_TOKEN_APART"),
+        ("SLAKE_NEW_TOKEN_APART", "NEW_TOKEN_APART"), ("SLAKE_HELD_STEP", "HELD_STEP"),
     )  # fmt: skip
     try:
         for variable, switch in switches:
@@ -268,3 +268,39 @@ def test_constants_made_once_key_a_launch_as_their_content_does():
     stand_in = _Kernel()
     launch(stand_in, (2,), (x, 5), a)
     assert stand_in.through == [((2,), (x, 5), {"A": 2, "num_warps": 4})]
+
+
+def test_a_fixed_run_keys_as_its_arguments_do_and_reaches_the_launcher_as_addresses():
+    """:class:`~slake.kernels.launch_cache.Fixed`: a run of arguments made once, whose part of the key is
+    :func:`launch_key` of the run, and whose tensors reach the compiled kernel's launcher as their addresses (CUDA
+    tensors by default; forced here on CPU tensors). A launch that goes through Triton gets the tensors themselves;
+    a launch of the same arguments as one tuple has the same key."""
+    from slake.kernels.launch_cache import Constants, Fixed, launch_parts
+
+    x, y = torch.zeros(8), torch.ones(8)
+    run = Fixed((y, 5))
+    assert run.key == launch_key((y, 5)) and run.fast == (y, 5)  # CPU tensors stay tensors unless asked
+    forced = Fixed((y, 5), addresses=True)
+    assert forced.fast == (y.data_ptr(), 5) and forced.args == (y, 5) and forced.key == run.key
+
+    class _TwoTensors(_Kernel):  # parameters x, y, n and the constant A, B=7
+        arg_names = ["x", "y", "n", "A", "B"]
+        params = [_Param("x"), _Param("y"), _Param("n"), _Param("A"), _Param("B", 7)]
+
+    kernel = _TwoTensors()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    constants = Constants({"A": 2})
+    launcher.launch_parts((2,), ((x,), forced), constants)
+    assert launcher.misses == 1 and kernel.through[0][1] == (x, y, 5)  # Triton binds the tensors
+    launcher.launch_parts((2,), ((torch.ones(8),), forced), constants)
+    launcher.launch((2,), (x, y, 5), constants)  # the same arguments as one tuple: the same key
+    assert launcher.hits == 2 and launcher.misses == 1
+    first, second = kernel.compiled.launched
+    assert torch.equal(first[9], torch.ones(8)) and first[10:] == (y.data_ptr(), 5, 2, 7)
+    assert second[9] is x and second[10] is y and second[11:] == (5, 2, 7)
+    # a kernel cached() passes through gets the tensors, joined
+    stand_in = _TwoTensors()
+    launch_parts(stand_in, (2,), ((x,), forced), constants)
+    launch_parts(stand_in, (2,), ((x,), (y, 5)), constants)
+    for _, args, kwargs in stand_in.through:
+        assert args[0] is x and args[1] is y and args[2:] == (5,) and kwargs == {"A": 2}

@@ -10,6 +10,8 @@ appended first, attended causally by position, then evicted back to the targets.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from slake.attention.ptaa import attend
@@ -18,23 +20,23 @@ from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, pro
 from slake.cache.fused_step import KernelReport, fused_arguments, keeps_order, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
+from slake.kernels import launch_config
 from slake.methods.base import DecodeInputs
 
 __all__ = ["Decoder", "layer_logits"]
 
 
-def _triton_decode():
-    """:mod:`slake.kernels.triton_decode` (loaded by :func:`slake.cache.compressed.resolve_kernels` when the fused
-    kernels were chosen), looked up once."""
-    global _TRITON_DECODE
-    if _TRITON_DECODE is None:
-        import slake.kernels.triton_decode as module
+def _held_step():
+    """:mod:`slake.kernels.held_step` (loaded with the fused kernels), looked up once."""
+    global _HELD_STEP
+    if _HELD_STEP is None:
+        import slake.kernels.held_step as module
 
-        _TRITON_DECODE = module
-    return _TRITON_DECODE
+        _HELD_STEP = module
+    return _HELD_STEP
 
 
-_TRITON_DECODE = None
+_HELD_STEP = None
 
 
 class Decoder:
@@ -63,9 +65,13 @@ class Decoder:
         #: (an unpadded batch in a layer that never evicts), -1 when not, None when not yet read (:meth:`_prefix_of`)
         self._prefix: list[int | None] = [None] * state.num_layers
         self._order_for: tuple[str, bool] | None = None  # (kernels, whether the stores keep the slots' order)
-        #: per layer, the fused step's arguments after its query, key and value, with the objects and facts they were
-        #: made from: reused while those are the same objects (:meth:`_fused_sources`)
-        self._fused: list[tuple[tuple, tuple, tuple, tuple] | None] = [None] * state.num_layers
+        #: per layer, the fused step with its arguments after its query, key and value made once
+        #: (:class:`~slake.kernels.held_step.HeldStep`), with the objects and facts they were made from: reused while
+        #: those are the same objects (:meth:`_fused_sources`)
+        self._fused: list[tuple[tuple, tuple, tuple, Any] | None] = [None] * state.num_layers
+        #: the fused steps' scratch, shared by the layers (:class:`~slake.kernels.held_step.ScratchArena`; made with
+        #: the first held step)
+        self._arena: Any = None
 
     @property
     def _keeps_order(self) -> bool:
@@ -238,7 +244,7 @@ class Decoder:
             facts = (query.device, d, float(scaling))
             if held is not None and held[1] == facts and held[0] == self._fused_sources(layer_idx, store, counter)[0]:
                 self.report.record("triton")
-                return _triton_decode().fused_step(query, *kv, *held[3])
+                return held[3](query, *kv)
         slots_ = StepSlots(
             positions=store.positions,
             valid=store.valid,
@@ -260,9 +266,13 @@ class Decoder:
                 self.report.record("torch", reason)
                 return run_step("torch", m, slots_, store, query, *kv, scaling, counter=counter)
             ids, sources = self._fused_sources(layer_idx, store, counter)
-            self._fused[layer_idx] = (ids, facts, sources, arguments)
+            module = _held_step()
+            if self._arena is None:
+                self._arena = module.ScratchArena()
+            step = module.HeldStep(arguments, self._arena) if launch_config.HELD_STEP else module.Afresh(arguments)
+            self._fused[layer_idx] = (ids, facts, sources, step)
             self.report.record("triton")
-            return _triton_decode().fused_step(query, *kv, *arguments)
+            return step(query, *kv)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
 
     def _fused_sources(self, layer_idx: int, store: LayerStore, counter: torch.Tensor) -> tuple[tuple, tuple]:

@@ -37,7 +37,7 @@ import torch
 
 from slake.kernels import launch_config
 
-__all__ = ["MAX_ENTRIES", "CachedLaunch", "Constants", "cached", "launch", "launch_key"]
+__all__ = ["MAX_ENTRIES", "CachedLaunch", "Constants", "Fixed", "cached", "launch", "launch_key", "launch_parts"]
 
 #: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
 #: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
@@ -143,6 +143,24 @@ class CachedLaunch:
     def launch(self, grid: Sequence[int], args: tuple, kwargs: Mapping[str, Any] | Constants) -> None:
         """Launch the kernel on ``grid`` (one to three program counts) with runtime ``args`` and named ``kwargs``
         (a dict, or :class:`Constants` made once for many launches)."""
+        self._launch(grid, args, (), kwargs)
+
+    def launch_parts(
+        self, grid: Sequence[int], parts: Sequence[tuple | Fixed], kwargs: Mapping[str, Any] | Constants
+    ) -> None:
+        """Launch the kernel with the runtime arguments ``parts`` hold, in order: tuples made for this launch and
+        :class:`Fixed` runs made once, whose part of the key is not worked out again and whose CUDA tensors reach
+        the compiled kernel's launcher as their addresses."""
+        self._launch(grid, None, parts, kwargs)
+
+    def _launch(
+        self,
+        grid: Sequence[int],
+        args: tuple | None,
+        parts: Sequence[tuple | Fixed],
+        kwargs: Mapping[str, Any] | Constants,
+    ) -> None:
+        """:meth:`launch` (``args``, ``parts`` empty) or :meth:`launch_parts` (``parts``, ``args`` None)."""
         if isinstance(kwargs, Constants):
             named: Any = kwargs  # hashed when it was made
             kwargs = kwargs.kwargs
@@ -151,7 +169,7 @@ class CachedLaunch:
         knobs, drivers = _triton()
         runtime = knobs.runtime
         if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or self.kernel.pre_run_hooks:
-            self._through_triton(grid, args, kwargs)
+            self._through_triton(grid, _joined(parts, True) if args is None else args, kwargs)
             return
         driver = self._driver
         if driver is None:  # Triton's active driver, read at each launch as Triton does (it can be swapped)
@@ -162,12 +180,12 @@ class CachedLaunch:
             runtime.debug,
             knobs.compilation.instrumentation_mode,
             named,
-            launch_key(args),
+            launch_key(args) if args is not None else _parts_key(parts),
         )
         try:
             entry = self.entries.get(key)
         except TypeError:  # an argument that cannot be hashed (none of slake's): Triton binds it as it can
-            self._through_triton(grid, args, kwargs)
+            self._through_triton(grid, _joined(parts, True) if args is None else args, kwargs)
             return
         if entry is not None:
             for (name, _), (value, where) in self.kernel.used_global_vals.items():
@@ -175,13 +193,14 @@ class CachedLaunch:
                     entry = None
                     break
         if entry is None:
-            compiled = self._through_triton(grid, args, kwargs)
+            real = _joined(parts, True) if args is None else args
+            compiled = self._through_triton(grid, real, kwargs)
             if compiled is not None:
                 if len(self.entries) >= MAX_ENTRIES:
                     self.entries.clear()
                 # the constants in the order of the kernel's signature, after the runtime arguments: Triton passes
                 # every parameter to the launcher, which skips the constants
-                tail = tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(args) :])
+                tail = tuple(kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(real) :])
                 self.entries[key] = (compiled, tail)
             return
         compiled, tail = entry
@@ -190,7 +209,53 @@ class CachedLaunch:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = driver.get_current_stream(device)
-        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+        fast = _joined(parts, False) if args is None else args
+        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *fast, *tail)
+
+
+class Fixed:
+    """A run of a launch's runtime arguments made once and passed to many launches (:func:`launch_parts`): the same
+    objects every time, tensors included, which must keep their memory (slake never resizes a tensor in place).
+
+    ``key`` is the run's part of :class:`CachedLaunch`'s key (:func:`launch_key`), worked out once. ``fast`` is the
+    run as the compiled kernel's launcher gets it: each CUDA tensor as its address (``addresses``: which tensors;
+    default those on CUDA). Triton 3.6's C launcher takes an integer for a pointer parameter as the address itself;
+    for a tensor it calls ``data_ptr()`` and asks the CUDA driver for the device pointer (``cuPointerGetAttribute``),
+    at every launch, for each of the fused step's 20-odd tensors. Launches that go through Triton get ``args``,
+    the tensors themselves."""
+
+    __slots__ = ("args", "fast", "key")
+
+    def __init__(self, args: Sequence[Any], *, addresses: bool | None = None) -> None:
+        self.args = tuple(args)
+        self.key = launch_key(self.args)
+
+        def fast(a: Any) -> Any:
+            if isinstance(a, _TENSOR) and (a.is_cuda if addresses is None else addresses):
+                return a.data_ptr()
+            return a
+
+        self.fast = tuple(map(fast, self.args))
+
+    def __repr__(self) -> str:
+        return f"Fixed({len(self.args)} arguments)"
+
+
+def _parts_key(parts: Sequence[tuple | Fixed]) -> tuple:
+    """:func:`launch_key` of the arguments ``parts`` hold, joined (the key is made argument by argument)."""
+    key: tuple = ()
+    for p in parts:
+        key += p.key if isinstance(p, Fixed) else launch_key(p)
+    return key
+
+
+def _joined(parts: Sequence[tuple | Fixed], real: bool) -> tuple:
+    """The runtime arguments ``parts`` hold, in order: :class:`Fixed` runs as their tensors (``real``) or as the
+    compiled kernel's launcher takes them fastest."""
+    out: tuple = ()
+    for p in parts:
+        out += (p.args if real else p.fast) if isinstance(p, Fixed) else p
+    return out
 
 
 _launchers: dict[int, tuple[Any, CachedLaunch]] = {}
@@ -230,3 +295,20 @@ def launch(kernel: Any, grid: Sequence[int], args: tuple, constants: Constants) 
         launcher.launch(grid, args, constants)
     else:
         launcher[grid](*args, **constants.kwargs)
+
+
+def launch_parts(kernel: Any, grid: Sequence[int], parts: Sequence[tuple | Fixed], constants: Constants) -> None:
+    """:func:`launch` with the runtime arguments in ``parts`` (tuples, and :class:`Fixed` runs made once), through
+    :meth:`CachedLaunch.launch_parts` where :func:`cached` gives a launcher (parts that are all tuples are joined and
+    launched as :func:`launch` launches, their key made once over the whole)."""
+    for p in parts:
+        if p.__class__ is Fixed:
+            break
+    else:
+        launch(kernel, grid, _joined(parts, True), constants)
+        return
+    launcher = cached(kernel)
+    if isinstance(launcher, CachedLaunch):
+        launcher.launch_parts(grid, parts, constants)
+    else:
+        launcher[grid](*_joined(parts, True), **constants.kwargs)

@@ -15,8 +15,9 @@ import struct
 from collections.abc import Iterator
 
 __all__ = [
-    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RECOMPUTE_BLOCK",
-    "HELD_ORDER", "NEW_TOKEN_APART", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE", "WIDE_ROW", "WIDE_WARPS",
+    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "HELD_STEP", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK",
+    "RECOMPUTE_BLOCK", "HELD_ORDER", "NEW_TOKEN_APART", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE",
+    "WIDE_ROW", "WIDE_WARPS",
     "evict_registers", "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size",
     "settings", "state_rows", "tuned",
 ]  # fmt: skip
@@ -150,6 +151,12 @@ def _switched_on(variable: str) -> bool:
 #: through ``kernel[grid](...)``. No effect in the interpreter. The environment variable ``SLAKE_CACHED_LAUNCH=0``
 #: turns it off for a whole run (read when this module is imported).
 CACHED_LAUNCH = _switched_on("SLAKE_CACHED_LAUNCH")
+#: whether eager decoding holds each layer's fused step with its launch arguments and scratch made once
+#: (:class:`slake.kernels.held_step.HeldStep`: the arguments' part of the launch key worked out once, CUDA tensors
+#: passed to Triton's launcher as their addresses, the scratch shared by the layers); off, every step makes them
+#: afresh (:func:`slake.kernels.triton_decode.fused_step`). ``SLAKE_HELD_STEP=0`` in the environment turns it off for
+#: a whole run (read when this module is imported)
+HELD_STEP = _switched_on("SLAKE_HELD_STEP")
 
 #: whether the positional pooling sorts int32 keys where the positions allow (:func:`key_span`); off in tests, to
 #: run the int64 sort on small positions, and in ``kernel-tune``'s variant that times what the short keys gain

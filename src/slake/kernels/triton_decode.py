@@ -48,7 +48,9 @@ configuration (how rows are cut, warps, blocks, and the switches that time the k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -504,26 +506,115 @@ def fused_step(
     H = key.shape[1]
     W = int(width)
     p = _plan(R, Hq, d, H, W, tuple(flags), out_proj.shape[0] if flags[16] else 0, ratio)
-    G, S, dev = p.G, p.S, query.device
+    dev = query.device
+    scratch = [None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev) for spec in
+               scratch_specs(p, R, Hq, H, W, d)]  # fmt: skip
     out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
-    x = torch.empty(R, H, G, W, dtype=torch.float32, device=dev)
-    stat = torch.empty(R, H, G, S, 2, dtype=torch.float32, device=dev)
-    part = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev)
-    newslot = torch.empty(R, H, dtype=torch.int32, device=dev)
-    pool = torch.empty(R, H, 2, p.BW, dtype=torch.float32, device=dev) if p.scratch else x
-    estat = torch.empty_like(stat) if p.map_q else stat
-    vn = torch.empty(R, H, W, dtype=torch.float32, device=dev) if p.value_norm else x
-    pw = torch.empty(R, Hq, p.NB, dtype=torch.float32, device=dev) if p.two_stage else x
-    lin = torch.empty(R, H, S, G, d, dtype=torch.float32, device=dev) if p.has_linear else x
+    launch_step(p, query, key, value, out, *launch_runs(
+        p, _Scratch.of(scratch), H, k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size,
+        rows, positions, valid, scores, order, head_visible, newest, target, prompt_len, budget, first_real, aug,
+        counter, query_map, weights, out_proj, W, scaling, window, sinks, pinned, epsilon, two_stage_epsilon,
+    ))  # fmt: skip
+    return out
+
+
+class _Scratch(NamedTuple):
+    """A step's scratch buffers, written by one kernel and read by the next within the step (never across steps):
+    the logits ``x``, the pieces' softmax statistics ``stat`` and partial sums ``part``, the new token's slot
+    ``newslot``, and the buffers only some rules use (:func:`scratch_specs`), each ``x`` where unused."""
+
+    x: torch.Tensor
+    stat: torch.Tensor
+    part: torch.Tensor
+    newslot: torch.Tensor
+    pool: torch.Tensor
+    estat: torch.Tensor
+    vn: torch.Tensor
+    pw: torch.Tensor
+    lin: torch.Tensor
+
+    @classmethod
+    def of(cls, buffers: Sequence[torch.Tensor | None]) -> _Scratch:
+        """The scratch from :func:`scratch_specs`' buffers in order (None: unused, ``x`` in its place; an unused
+        ``estat`` is ``stat``)."""
+        x, stat, part, newslot, pool, estat, vn, pw, lin = buffers
+        assert x is not None and stat is not None and part is not None and newslot is not None
+        return cls(x, stat, part, newslot, pool if pool is not None else x, estat if estat is not None else stat,
+                   vn if vn is not None else x, pw if pw is not None else x, lin if lin is not None else x)  # fmt: skip
+
+
+#: a scratch buffer's shape and dtype, or None for one a step does not use
+ScratchSpec = tuple[tuple[int, ...], torch.dtype] | None
+
+
+def scratch_specs(p: _Plan, R: int, Hq: int, H: int, W: int, d: int) -> tuple[ScratchSpec, ...]:
+    """The shapes and dtypes of a step's scratch buffers, in :class:`_Scratch`'s order (None: a buffer the step does
+    not use)."""
+    f32 = torch.float32
+    G, S = p.G, p.S
+    return (
+        ((R, H, G, W), f32),
+        ((R, H, G, S, 2), f32),
+        ((R, H, S, G, d), f32),
+        ((R, H), torch.int32),
+        ((R, H, 2, p.BW), f32) if p.scratch else None,
+        ((R, H, G, S, 2), f32) if p.map_q else None,
+        ((R, H, W), f32) if p.value_norm else None,
+        ((R, Hq, p.NB), f32) if p.two_stage else None,
+        ((R, H, S, G, d), f32) if p.has_linear else None,
+    )
+
+
+def launch_runs(
+    p: _Plan,
+    scratch: _Scratch,
+    H: int,
+    k_mem: torch.Tensor,
+    v_mem: torch.Tensor,
+    k_strides: list[int],
+    v_strides: list[int],
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    s_strides: list[int],
+    table: torch.Tensor,
+    block_size: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    scores: torch.Tensor,
+    order: torch.Tensor,
+    head_visible: torch.Tensor,
+    newest: torch.Tensor,
+    target: torch.Tensor,
+    prompt_len: torch.Tensor,
+    budget: torch.Tensor,
+    first_real: torch.Tensor,
+    aug: torch.Tensor,
+    counter: torch.Tensor,
+    query_map: torch.Tensor,
+    weights: torch.Tensor,
+    out_proj: torch.Tensor,
+    W: int,
+    scaling: float,
+    window: int,
+    sinks: int,
+    pinned: float,
+    epsilon: float,
+    two_stage_epsilon: float,
+) -> tuple[tuple, tuple, tuple, tuple]:
+    """The runs of a step's runtime arguments that do not depend on its query, key, value or output, in the order
+    the kernels take them (:func:`launch_step` puts those four in): the first kernel's after the key and value, the
+    projection kernel's (all of them; empty without two stages), the second kernel's between the query and the
+    output, and after the output. A step whose slots, storage and scratch are the same objects as an earlier
+    step's has the same runs (:class:`slake.kernels.held_step.HeldStep` makes them once)."""
+    x, stat, part, newslot, pool, estat, vn, pw, lin = scratch
     w_strides = weights.stride() if p.two_stage else (0, 0, 0)
     m_sr, m_sh, m_ss = positions.stride()
     hv_strides = head_visible.stride() if p.has_hv else (0, 0, 0, 0)
     a_strides = aug.stride() if p.has_linear else (0, 0, 0, 0)
     newest_sr = newest.stride(0) if newest.ndim else 0
-    launch_cache.launch(_append_logits_kernel, p.append_grid, (
-        query, *query.stride(),
-        key, *key.stride(),
-        value, *value.stride(),
+    S = p.S
+    append = (
         k_mem, *k_strides,
         v_mem, *v_strides,
         k_scale, v_scale, *s_strides,
@@ -536,17 +627,17 @@ def fused_step(
         query_map, estat, vn,
         aug, *a_strides, lin,
         W, H, S, float(scaling),
-    ), p.append_constants)  # fmt: skip
+    )  # fmt: skip
+    projection: tuple = ()
     if p.two_stage:
-        launch_cache.launch(_value_projection_kernel, p.projection_grid, (
+        projection = (
             v_mem, *v_strides,
             v_scale, *s_strides,
             table, table.stride(0), block_size,
             newslot, out_proj, *out_proj.stride(), pw,
-            R, H, out_proj.shape[0], p.NB,
-        ), p.projection_constants)  # fmt: skip
-    launch_cache.launch(_evict_attend_kernel, p.evict_grid, (
-        query, *query.stride(),
+            newslot.shape[0], H, out_proj.shape[0], p.NB,
+        )  # fmt: skip
+    evict_before_out = (
         k_mem, *k_strides,
         v_mem, *v_strides,
         k_scale, v_scale, *s_strides,
@@ -557,13 +648,44 @@ def fused_step(
         prompt_len, budget, first_real,
         aug, *a_strides,
         x, stat, part, newslot, pool, order,
-        out, *out.stride(),
+    )  # fmt: skip
+    evict_after_out = (
         counter,
         estat, vn, weights, *w_strides, pw, p.NB, lin,
         W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
         *p.ratio_parts,
-    ), p.evict_constants)  # fmt: skip
-    return out
+    )  # fmt: skip
+    return append, projection, evict_before_out, evict_after_out
+
+
+Run = tuple | launch_cache.Fixed
+
+
+def launch_step(
+    p: _Plan,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    append: Run,
+    projection: Run,
+    evict_before_out: Run,
+    evict_after_out: Run,
+) -> None:
+    """Launch a step's kernels with the runs of :func:`launch_runs` (tuples, or
+    :class:`~slake.kernels.launch_cache.Fixed` runs made once) and the step's ``query``, ``key``, ``value`` and
+    ``out`` put in their places."""
+    qs = query.stride()
+    launch_cache.launch_parts(
+        _append_logits_kernel, p.append_grid, ((query, *qs, key, *key.stride(), value, *value.stride()), append),
+        p.append_constants,
+    )  # fmt: skip
+    if p.two_stage:
+        launch_cache.launch_parts(_value_projection_kernel, p.projection_grid, (projection,), p.projection_constants)
+    launch_cache.launch_parts(
+        _evict_attend_kernel, p.evict_grid, ((query, *qs), evict_before_out, (out, *out.stride()), evict_after_out),
+        p.evict_constants,
+    )  # fmt: skip
 
 
 #: the same as a custom operator with declared mutations, for ``torch.compile`` (captured as one node, no graph
