@@ -510,7 +510,7 @@ def fused_step(
     scratch = [None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev) for spec in
                scratch_specs(p, R, Hq, H, W, d)]  # fmt: skip
     out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
-    launch_step(p, query, key, value, out, *launch_runs(
+    _launch_joined(p, query, key, value, out, *launch_runs(
         p, _Scratch.of(scratch), H, k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size,
         rows, positions, valid, scores, order, head_visible, newest, target, prompt_len, budget, first_real, aug,
         counter, query_map, weights, out_proj, W, scaling, window, sinks, pinned, epsilon, two_stage_epsilon,
@@ -686,6 +686,29 @@ def launch_step(
         _evict_attend_kernel, p.evict_grid, ((query, *qs), evict_before_out, (out, *out.stride()), evict_after_out),
         p.evict_constants,
     )  # fmt: skip
+
+
+def _launch_joined(
+    p: _Plan,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    append: tuple,
+    projection: tuple,
+    evict_before_out: tuple,
+    evict_after_out: tuple,
+) -> None:
+    """:func:`launch_step` for runs made for this step (tuples): each launch's arguments joined into one tuple and
+    launched with :func:`~slake.kernels.launch_cache.launch` (its key made once over the whole), the step's
+    ``query``, ``key``, ``value`` and ``out`` in the places :func:`launch_step` puts them."""
+    qs = query.stride()
+    head = (query, *qs, key, *key.stride(), value, *value.stride())
+    launch_cache.launch(_append_logits_kernel, p.append_grid, head + append, p.append_constants)
+    if p.two_stage:
+        launch_cache.launch(_value_projection_kernel, p.projection_grid, projection, p.projection_constants)
+    evict = (query, *qs, *evict_before_out, out, *out.stride(), *evict_after_out)
+    launch_cache.launch(_evict_attend_kernel, p.evict_grid, evict, p.evict_constants)
 
 
 #: the same as a custom operator with declared mutations, for ``torch.compile`` (captured as one node, no graph
