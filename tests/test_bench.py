@@ -281,3 +281,36 @@ def test_steps_issued_back_to_back_feed_each_token_to_the_next_and_sync_once(mon
     }  # fmt: skip
     table = markdown_table([row, {**row, "decode_ms_pipelined": None}])
     assert "back to back ms/token" in table and "| 7.2 |" in table and "| - |" in table
+
+
+def test_bench_times_transformers_own_cache_beside_slakes_full_cache(tmp_path, capsys):
+    """``--methods transformers``: transformers' own ``DynamicCache``, decoded eager without a slake cache (the decode
+    a user has without slake), once per length beside slake's full cache: every token kept, its keys' and values'
+    bytes, no kernels of slake's."""
+    argv = ["bench", "--methods", "transformers,full,snapkv", "--budget", "40,36", "--lengths", "48", "--random-model"]
+    argv += ["tiny", "--device", "cpu", "--decode-steps", "3", "--warmup", "1", "--no-plots", "--no-progress", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("transformers", 40), ("full", 40), ("snapkv", 40),
+                                                          ("snapkv", 36)]  # fmt: skip
+    plain, full = rows[0], rows[1]
+    assert plain["kernels"] == "sdpa" and plain["triton_launch"] is None and plain["compressed"] is False
+    config = parse_shape("tiny")[1]
+    layers, kv_heads = config["num_hidden_layers"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    tokens = 48 + 1 + 3  # the prompt, then the token each decode step fed (one warm-up, three timed)
+    assert plain["kept_tokens_mean"] == tokens
+    assert plain["kv_bytes"] == plain["kv_bytes_detail"]["kept"] == layers * 2 * kv_heads * tokens * head_dim * 4
+    assert full["kv_bytes_detail"]["kept"] == plain["kv_bytes"]  # slake's full cache keeps the same entries
+    assert "transformers" in (tmp_path / "b" / "bench.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "flags", [["--compile"], ["--kv-dtype", "int8"], ["--prefill-chunk", "16"], ["--engine", "vllm"]]
+)
+def test_bench_refuses_transformers_own_cache_where_it_would_time_something_else(tmp_path, capsys, flags):
+    """transformers' own cache is timed eager, unchunked, in its own dtype, by the transformers engine: anything else
+    under its name is refused before a model is loaded."""
+    argv = ["bench", "--methods", "transformers,full", "--random-model", "tiny", "--lengths", "48"]
+    assert main([*argv, *flags, "--out", str(tmp_path / "b"), "--no-progress"]) == 2
+    assert "transformers' own DynamicCache" in capsys.readouterr().err

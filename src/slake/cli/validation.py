@@ -124,14 +124,14 @@ def _check_fidelity(args: argparse.Namespace) -> None:
 
 def _check_bench(args: argparse.Namespace) -> None:
     from slake.budgets.budget import Budget
-    from slake.cli.bench import bench_lengths, check_serve_options
-    from slake.methods.base import parse_method_list
+    from slake.cli.bench import TRANSFORMERS, bench_lengths, bench_methods, check_serve_options, check_transformers_row
 
     _at_least(args, "threads", 1)
-    methods = parse_method_list(args.methods)
+    methods = bench_methods(args.methods)
     budgets = [Budget(b).value for b in split_list(args.budget, "--budget")]
-    _pairs([m for m in methods if m != "full"], budgets)
+    _pairs([m for m in methods if m not in ("full", TRANSFORMERS)], budgets)
     check_serve_options(args)
+    check_transformers_row(args)
     bench_lengths(args)
     if args.random_model:
         from slake.engines.transformers.shapes import parse_shape
@@ -156,7 +156,7 @@ def validate_args(args: argparse.Namespace) -> None:
     ``--temperature`` and ``--top-p`` when sampling, and the prompt (missing, empty or non-UTF-8 file).
     ``fidelity``: methods, budgets and their pairs, ``--steps``, ``--length``, the prompt file. ``bench``:
     ``--threads >= 1``, methods, budgets and their pairs, ``--lengths``, ``--random-model`` (unknown shapes and
-    config keys).
+    config keys), and that ``transformers`` (transformers' own cache) is asked for in an eager transformers run.
     """
     _check_common(args)
     check = _CHECKS.get(str(getattr(args, "command", "")))

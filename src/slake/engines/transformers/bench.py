@@ -30,12 +30,13 @@ __all__ = ["configs", "run_bench"]
 
 
 def configs(plan: BenchPlan) -> list[BenchConfig]:
-    """The plan's configurations, length by length (the full cache once per length, at the first budget)."""
+    """The plan's configurations, length by length (the full cache and transformers' own once per length, at the
+    first budget)."""
     out = []
     for n in plan.lengths:
         for m in plan.methods:
             for kvd in plan.kv_dtypes:
-                for b in plan.budgets[:1] if m == "full" else plan.budgets:
+                for b in plan.budgets[:1] if m in ("full", "transformers") else plan.budgets:
                     for compiled in (False, True) if plan.compile else (False,):  # eager and compiled, paired
                         out.append(
                             BenchConfig(

@@ -36,6 +36,7 @@ from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
 
 __all__ = [
+    "TRANSFORMERS",
     "BenchConfig",
     "compiled_step",
     "measure",
@@ -44,6 +45,11 @@ __all__ = [
     "time_decode_interleaved",
     "time_pipelined",
 ]
+
+
+#: ``slake bench``'s name for transformers' own cache: a ``DynamicCache``, decoded eager with no slake cache, the
+#: decode a user has without slake (beside slake's full cache, whether that is an honest baseline)
+TRANSFORMERS = "transformers"
 
 
 @dataclass
@@ -105,7 +111,13 @@ def _launch_mode() -> str:
     return launch_mode()
 
 
-def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
+def _new_cache(model, cfg: BenchConfig) -> Any:
+    """The configuration's empty cache: a :class:`SlakeCache`, or transformers' ``DynamicCache`` for
+    :data:`TRANSFORMERS`."""
+    if cfg.method == TRANSFORMERS:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
     # a compiled configuration preallocates its append-only layers for every step it will take
     steps = max(cfg.warmup, 2) + cfg.decode_steps + pipelined_steps(model, cfg) + cfg.profile_steps
     max_len = cfg.length + steps + 2 if cfg.compile else None
@@ -124,6 +136,36 @@ def _new_cache(model, cfg: BenchConfig) -> SlakeCache:
 
         cache.reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
     return cache
+
+
+def _prefill(model, cache: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The prompt into ``cache``; the last position's ``(batch, vocab)`` logits. A :class:`SlakeCache` through
+    :func:`~slake.engines.transformers.generate.prefill`; transformers' own cache through the model's forward, as
+    ``generate`` prefills it (the prompts are unpadded)."""
+    if isinstance(cache, SlakeCache):
+        return prefill(model, cache, ids, mask)
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
+def _statistics(cache: Any) -> dict:
+    """What :func:`measure` reports of a cache: :meth:`SlakeCache.statistics`, or for transformers' own cache its
+    keys' and values' bytes (``kv_bytes`` ``{"kept": ...}``: it holds every token) and tokens per layer."""
+    if isinstance(cache, SlakeCache):
+        return cache.statistics()
+    held = [
+        (t.numel() * t.element_size(), int(layer.keys.shape[-2]))
+        for layer in cache.layers
+        if getattr(layer, "keys", None) is not None and layer.keys.numel()
+        for t in (layer.keys, layer.values)
+    ]  # fmt: skip
+    return {
+        "kernels": "sdpa",
+        "compressed": False,
+        "kv_bytes": {"kept": sum(b for b, _ in held)},
+        "kept_tokens_per_layer": [n for _, n in held[::2]],
+    }
 
 
 def _step(model, cache: SlakeCache, tok: torch.Tensor) -> torch.Tensor:
@@ -198,7 +240,7 @@ def time_decode_interleaved(model, cfgs: list[BenchConfig], steps: int, warmup: 
         for cfg in cfgs:
             cache = _new_cache(model, cfg)
             ids = _prompt(model, cfg)
-            tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
+            tok = _prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
             step = _stepper(model, cfg, cache)
             for _ in range(max(warmup, 2 if cfg.compile else 0)):  # compiled: the first call compiles
                 tok = step(tok)
@@ -228,7 +270,7 @@ def measure(model, cfg: BenchConfig) -> dict:
     cache = _new_cache(model, cfg)
     _sync(device)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids, mask)
+    logits = _prefill(model, cache, ids, mask)
     _sync(device)
     t1 = time.perf_counter()
     with torch.inference_mode():  # an inference tensor like every later token (a compiled step guards on it)
@@ -255,9 +297,9 @@ def measure(model, cfg: BenchConfig) -> dict:
         if cfg.profile_steps:  # after the timed steps, so that the profiler's overhead is in none of them
             step_profile, tok = profile_decode(stepper, tok, cfg.profile_steps, device)
     peak = meter.peak()
-    stats = cache.statistics()
+    stats = _statistics(cache)
     kv = stats["kv_bytes"]
-    second_pass_s = cache.second_pass_s
+    second_pass_s = getattr(cache, "second_pass_s", None)
     # which implementation ran the decode steps (a compiled step records nothing: the choice it was built with)
     ran = stats["kernels"] if stats["kernels"] != "none" else cache.compressor.decoder.kernels
     del cache, logits

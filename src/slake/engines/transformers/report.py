@@ -14,7 +14,7 @@ def series_label(row: dict, rows: list[dict]) -> str:
     label = row["method"] + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
     if row.get("compile"):
         label += " compiled"
-    if len({r["budget"] for r in rows}) > 1 and row["method"] != "full":
+    if len({r["budget"] for r in rows}) > 1 and row["method"] not in ("full", "transformers"):
         label += f"@{row['budget']}"
     if len({r["batch"] for r in rows}) > 1:
         label += f" b{row['batch']}"

@@ -120,7 +120,7 @@ def profile_decode(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tens
 def _label(row: dict) -> str:
     return (
         row["method"]
-        + ("" if row["method"] == "full" else f"@{row['budget']}")
+        + ("" if row["method"] in ("full", "transformers") else f"@{row['budget']}")
         + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
         + f", {row['length']} tokens, batch {row['batch']}"
         + (", compiled" if row.get("compile") else ", eager")
