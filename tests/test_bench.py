@@ -306,11 +306,17 @@ def test_bench_times_transformers_own_cache_beside_slakes_full_cache(tmp_path, c
 
 
 @pytest.mark.parametrize(
-    "flags", [["--compile"], ["--kv-dtype", "int8"], ["--prefill-chunk", "16"], ["--engine", "vllm"]]
+    ("flags", "says"),
+    [
+        (["--compile"], "cannot run with --compile"),
+        (["--kv-dtype", "int8"], "cannot run with --kv-dtype"),
+        (["--prefill-chunk", "16"], "cannot run with --prefill-chunk"),
+        (["--engine", "vllm"], "unknown method 'transformers'"),  # a baseline of the transformers engine only
+    ],
 )
-def test_bench_refuses_transformers_own_cache_where_it_would_time_something_else(tmp_path, capsys, flags):
-    """transformers' own cache is timed eager, unchunked, in its own dtype, by the transformers engine: anything else
-    under its name is refused before a model is loaded."""
+def test_bench_refuses_transformers_own_cache_where_it_would_time_something_else(tmp_path, capsys, flags, says):
+    """transformers' own cache is the transformers engine's baseline, timed eager, unchunked, in the model's dtype:
+    anything else under its name is refused before a model is loaded."""
     argv = ["bench", "--methods", "transformers,full", "--random-model", "tiny", "--lengths", "48"]
     assert main([*argv, *flags, "--out", str(tmp_path / "b"), "--no-progress"]) == 2
-    assert "transformers' own DynamicCache" in capsys.readouterr().err
+    assert says in capsys.readouterr().err

@@ -27,8 +27,8 @@ from typing import Any
 from slake.cli.options import add_engine_arg, engine_from_args, split_list
 
 __all__ = [
-    "TRANSFORMERS", "add_bench_parser", "add_serve_args", "bench_lengths", "bench_methods", "bench_plan",
-    "check_serve_options", "check_transformers_row", "cmd_bench",
+    "add_bench_parser", "add_serve_args", "bench_lengths", "bench_methods", "bench_plan", "check_serve_options",
+    "cmd_bench",
 ]  # fmt: skip
 
 
@@ -75,8 +75,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--methods",
         default="full,snapkv,cake,slake",
-        help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]; 'transformers': "
-        "transformers' own DynamicCache, eager (the decode without slake, beside slake's full cache)",
+        help="comma-separated methods; variants as name[key=value,...], e.g. slake[vabs=false]; and the engine's own "
+        "baselines (the transformers engine's 'transformers': its own DynamicCache, eager, the decode without slake)",
     )
     p.add_argument(
         "--budget",
@@ -269,52 +269,29 @@ def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
     )
 
 
-#: the row that times transformers' own cache (``DynamicCache``, eager, no slake cache): the decode a user has without
-#: slake, beside slake's full cache (:data:`slake.engines.transformers.measure.TRANSFORMERS`)
-TRANSFORMERS = "transformers"
-
-
-def bench_methods(text: str) -> list[str]:
-    """The methods of ``--methods`` (validated as :func:`slake.methods.base.parse_method_list` does), where
-    ``transformers`` names transformers' own cache."""
+def bench_methods(text: str, baselines: tuple[str, ...] = ()) -> list[str]:
+    """The methods of ``--methods``, validated as :func:`slake.methods.base.parse_method_list` does, but for the
+    engine's own baselines (``baselines``: :attr:`slake.engines.base.Engine.bench_baselines`), taken as they are."""
     from slake.methods.base import parse_method_list
     from slake.methods.spec import split_method_list
 
     methods = split_method_list(text)
-    if TRANSFORMERS in methods:
-        others = [m for m in methods if m != TRANSFORMERS]
-        if others:
-            parse_method_list(",".join(others))
+    others = [m for m in methods if m not in baselines]
+    if others and len(others) < len(methods):
+        parse_method_list(",".join(others))
         return methods
     return parse_method_list(text)
 
 
-def check_transformers_row(args: argparse.Namespace) -> None:
-    """``transformers`` (transformers' own cache) is a row of the transformers engine's eager benchmark only: refuse
-    what would time something else under its name."""
-    if TRANSFORMERS not in bench_methods(args.methods):
-        return
-    kv_dtypes = split_list(getattr(args, "kv_dtype", None) or "auto", "--kv-dtype")
-    refused = [
-        (getattr(args, "engine", "transformers") != "transformers", "--engine vllm"),
-        (bool(getattr(args, "compile", False)), "--compile (it is timed eager only: it is not slake's static cache)"),
-        (any(k != "auto" for k in kv_dtypes), "--kv-dtype other than auto"),
-        (args.prefill_chunk is not None, "--prefill-chunk"),
-        (bool(getattr(args, "serve", False)), "--serve"),
-    ]
-    for bad, what in refused:
-        if bad:
-            raise ValueError(f"--methods transformers (transformers' own DynamicCache) cannot run with {what}")
-
-
-def bench_plan(args: argparse.Namespace) -> Any:
-    """The :class:`slake.engines.base.BenchPlan` of a parsed ``slake bench`` command line (validated)."""
+def bench_plan(args: argparse.Namespace, baselines: tuple[str, ...] = ()) -> Any:
+    """The :class:`slake.engines.base.BenchPlan` of a parsed ``slake bench`` command line (validated; ``baselines``:
+    the engine's rows besides slake's methods, :func:`bench_methods`)."""
     from slake.budgets.budget import Budget
     from slake.cache.quant import parse_kv_dtype
     from slake.engines.base import BenchPlan
 
     check_serve_options(args)
-    methods = bench_methods(args.methods)
+    methods = bench_methods(args.methods, baselines)
     kv_dtypes = tuple(parse_kv_dtype(k) for k in split_list(getattr(args, "kv_dtype", None) or "auto", "--kv-dtype"))
     budgets = tuple(Budget(b) for b in split_list(args.budget, "--budget"))
     lengths = bench_lengths(args)
@@ -354,7 +331,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from slake.methods.base import check_compileable, make_method
 
     engine = engine_from_args(args)
-    plan = bench_plan(args)
+    plan = bench_plan(args, engine.bench_baselines)
     engine.check(
         random_model=args.random_model,
         isolate=plan.isolate,
@@ -365,11 +342,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kernels=None if plan.kernels == "auto" else plan.kernels,
         profile_steps=plan.profile_steps or None,
         serve=plan.serve is not None,
+        methods=plan.methods,
     )
-    check_transformers_row(args)
     for m in plan.methods:
         for b in plan.budgets:
-            if m not in ("full", TRANSFORMERS):
+            if m != "full":
                 engine.check_pair(m, b.value)
             if plan.compile:
                 check_compileable(make_method(m))

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slake.cli.options import parse_hyperparameters, split_list
+from slake.cli.options import engine_from_args, parse_hyperparameters, split_list
 from slake.engines.transformers.models import check_device
 from slake.methods.budget_check import check_method_budget
 
@@ -124,14 +124,14 @@ def _check_fidelity(args: argparse.Namespace) -> None:
 
 def _check_bench(args: argparse.Namespace) -> None:
     from slake.budgets.budget import Budget
-    from slake.cli.bench import TRANSFORMERS, bench_lengths, bench_methods, check_serve_options, check_transformers_row
+    from slake.cli.bench import bench_lengths, bench_methods, check_serve_options
 
     _at_least(args, "threads", 1)
-    methods = bench_methods(args.methods)
+    baselines = engine_from_args(args).bench_baselines
+    methods = bench_methods(args.methods, baselines)
     budgets = [Budget(b).value for b in split_list(args.budget, "--budget")]
-    _pairs([m for m in methods if m not in ("full", TRANSFORMERS)], budgets)
+    _pairs([m for m in methods if m != "full" and m not in baselines], budgets)
     check_serve_options(args)
-    check_transformers_row(args)
     bench_lengths(args)
     if args.random_model:
         from slake.engines.transformers.shapes import parse_shape
@@ -156,7 +156,7 @@ def validate_args(args: argparse.Namespace) -> None:
     ``--temperature`` and ``--top-p`` when sampling, and the prompt (missing, empty or non-UTF-8 file).
     ``fidelity``: methods, budgets and their pairs, ``--steps``, ``--length``, the prompt file. ``bench``:
     ``--threads >= 1``, methods, budgets and their pairs, ``--lengths``, ``--random-model`` (unknown shapes and
-    config keys), and that ``transformers`` (transformers' own cache) is asked for in an eager transformers run.
+    config keys); the engine's own baselines (``Engine.bench_baselines``) are accepted among the methods.
     """
     _check_common(args)
     check = _CHECKS.get(str(getattr(args, "command", "")))

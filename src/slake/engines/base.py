@@ -230,6 +230,10 @@ class Engine(abc.ABC):
     supports_prefill_cache: ClassVar[bool] = False
     #: True when the engine's evaluation can measure the output-level distance to the full cache (``--fidelity``)
     supports_fidelity: ClassVar[bool] = False
+    #: names ``slake bench --methods`` takes besides slake's methods: rows of the engine's own baselines (the
+    #: transformers engine's ``transformers``, its own cache without slake's); :meth:`check` refuses what they cannot
+    #: be timed with, :meth:`check_pair` takes them at any budget
+    bench_baselines: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: ModelSpec | None = None) -> None:
         self.model_spec = model or ModelSpec()
@@ -240,9 +244,12 @@ class Engine(abc.ABC):
         Every option given a value other than None, False or ``"auto"`` that is in :attr:`unsupported` is listed in
         one ``ValueError``, spelled as on the command line (``prefill_chunk`` -> ``--prefill-chunk``), and so is
         ``compile``, ``prefill_cache`` or ``fidelity`` given to an engine whose ``supports_*`` attribute is False.
+        ``methods`` (the benchmark's, when given) is not an option; engines with :attr:`bench_baselines` read it.
         Engines add their own environment checks (:meth:`check_environment`).
         """
-        given = [k for k, v in options.items() if v not in (None, False, "auto") and k in self.unsupported]
+        given = [
+            k for k, v in options.items() if v not in (None, False, "auto") and k in self.unsupported and k != "methods"
+        ]
         for option in ("compile", "prefill_cache", "fidelity"):
             if options.get(option) and not getattr(self, f"supports_{option}", False) and option not in given:
                 given.append(option)
@@ -255,7 +262,10 @@ class Engine(abc.ABC):
 
     def check_pair(self, method: Any, budget: Any) -> None:
         """Raise ValueError for a (method, budget) pair this engine cannot run (by default: what the compressor
-        refuses, e.g. an observation window larger than the budget)."""
+        refuses, e.g. an observation window larger than the budget); the engine's :attr:`bench_baselines` pass at any
+        budget."""
+        if method in self.bench_baselines:
+            return
         check_method_budget(method, budget)
 
     def check_environment(self) -> None:  # noqa: B027 (optional hook)

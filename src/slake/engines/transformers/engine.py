@@ -8,6 +8,7 @@ from typing import Any
 from slake.engines.base import BenchPlan, BenchReport, Engine, EvalOptions, EvalOutput, EvalRequest, ModelSpec
 from slake.engines.result import GenerationResult
 from slake.engines.transformers.generate import eos_token_ids, generate
+from slake.engines.transformers.measure import TRANSFORMERS
 
 __all__ = ["TransformersEngine"]
 
@@ -44,6 +45,9 @@ class TransformersEngine(Engine):
     supports_prefill_cache = True
     supports_fidelity = True
     unsupported = {"serve": "the load benchmark runs vLLM's OpenAI-compatible server: use --engine vllm"}
+    #: ``slake bench``'s row of transformers' own cache (``DynamicCache``, eager, no slake cache): the decode a user
+    #: has without slake, beside slake's full cache (:data:`slake.engines.transformers.measure.TRANSFORMERS`)
+    bench_baselines = (TRANSFORMERS,)
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:
         super().__init__(model)
@@ -105,6 +109,26 @@ class TransformersEngine(Engine):
         tok = self.tokenizer
         prompt = ReconstructionPrompt.from_tokenizer(tok) if tok is not None else None
         return evaluate(self.model, requests, options, self.eos_token_ids(), reconstruction=prompt)
+
+    def check(self, **options: Any) -> None:
+        """:meth:`Engine.check`, and with ``transformers`` among the benchmark's ``methods``: refuse what would time
+        something else under its name (it is transformers' own cache, eager, unchunked, in the model's dtype)."""
+        super().check(**options)
+        if TRANSFORMERS not in (options.get("methods") or ()):
+            return
+        refused = [
+            flag
+            for flag, given in (
+                ("--compile (it is timed eager only: it is not slake's static cache)", options.get("compile")),
+                ("--kv-dtype other than auto", options.get("kv_dtype") not in (None, "auto")),
+                ("--prefill-chunk", options.get("prefill_chunk") is not None),
+            )
+            if given
+        ]
+        if refused:
+            raise ValueError(
+                f"--methods {TRANSFORMERS} (transformers' own DynamicCache) cannot run with {', '.join(refused)}"
+            )
 
     def bench(self, plan: BenchPlan) -> BenchReport:
         from slake.engines.transformers.bench import run_bench
