@@ -130,8 +130,7 @@ class HeldStep:
         a = self.arguments
         W = int(a[_WIDTH])
         scratch = decode._Scratch.of(self.arena.carve(decode.scratch_specs(p, R, Hq, H, W, d), device))
-        tensors_and_facts = (*a[:_WIDTH], W, *a[_WIDTH + 1 : _RATIO])  # launch_runs' parameters after H
-        runs = decode.launch_runs(p, scratch, H, *tensors_and_facts)
+        runs = decode.launch_runs(p, scratch, H, (*a[:_WIDTH], W, *a[_WIDTH + 1 : _RATIO]))
         made = (p, self.arena.generation, tuple(launch_cache.Fixed(run) for run in runs))
         self._made = made
         return made

@@ -510,11 +510,11 @@ def fused_step(
     scratch = [None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev) for spec in
                scratch_specs(p, R, Hq, H, W, d)]  # fmt: skip
     out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
-    _launch_joined(p, query, key, value, out, *launch_runs(
-        p, _Scratch.of(scratch), H, k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size,
-        rows, positions, valid, scores, order, head_visible, newest, target, prompt_len, budget, first_real, aug,
-        counter, query_map, weights, out_proj, W, scaling, window, sinks, pinned, epsilon, two_stage_epsilon,
-    ))  # fmt: skip
+    _launch_joined(p, query, key, value, out, *launch_runs(p, _Scratch.of(scratch), H, (
+        k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size, rows, positions, valid,
+        scores, order, head_visible, newest, target, prompt_len, budget, first_real, aug, counter, query_map, weights,
+        out_proj, W, scaling, window, sinks, pinned, epsilon, two_stage_epsilon,
+    )))  # fmt: skip
     return out
 
 
@@ -565,48 +565,16 @@ def scratch_specs(p: _Plan, R: int, Hq: int, H: int, W: int, d: int) -> tuple[Sc
     )
 
 
-def launch_runs(
-    p: _Plan,
-    scratch: _Scratch,
-    H: int,
-    k_mem: torch.Tensor,
-    v_mem: torch.Tensor,
-    k_strides: list[int],
-    v_strides: list[int],
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    s_strides: list[int],
-    table: torch.Tensor,
-    block_size: int,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
-    scores: torch.Tensor,
-    order: torch.Tensor,
-    head_visible: torch.Tensor,
-    newest: torch.Tensor,
-    target: torch.Tensor,
-    prompt_len: torch.Tensor,
-    budget: torch.Tensor,
-    first_real: torch.Tensor,
-    aug: torch.Tensor,
-    counter: torch.Tensor,
-    query_map: torch.Tensor,
-    weights: torch.Tensor,
-    out_proj: torch.Tensor,
-    W: int,
-    scaling: float,
-    window: int,
-    sinks: int,
-    pinned: float,
-    epsilon: float,
-    two_stage_epsilon: float,
-) -> tuple[tuple, tuple, tuple, tuple]:
+def launch_runs(p: _Plan, scratch: _Scratch, H: int, arguments: Sequence) -> tuple[tuple, tuple, tuple, tuple]:
     """The runs of a step's runtime arguments that do not depend on its query, key, value or output, in the order
     the kernels take them (:func:`launch_step` puts those four in): the first kernel's after the key and value, the
     projection kernel's (all of them; empty without two stages), the second kernel's between the query and the
-    output, and after the output. A step whose slots, storage and scratch are the same objects as an earlier
-    step's has the same runs (:class:`slake.kernels.held_step.HeldStep` makes them once)."""
+    output, and after the output. ``arguments``: :func:`fused_step`'s parameters from ``k_mem`` to
+    ``two_stage_epsilon``, the width an int. A step whose slots, storage and scratch are the same objects as an
+    earlier step's has the same runs (:class:`slake.kernels.held_step.HeldStep` makes them once)."""
+    (k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size, rows, positions, valid, scores,
+     order, head_visible, newest, target, prompt_len, budget, first_real, aug, counter, query_map, weights, out_proj, W,
+     scaling, window, sinks, pinned, epsilon, two_stage_epsilon) = arguments  # fmt: skip
     x, stat, part, newslot, pool, estat, vn, pw, lin = scratch
     w_strides = weights.stride() if p.two_stage else (0, 0, 0)
     m_sr, m_sh, m_ss = positions.stride()
