@@ -102,26 +102,30 @@ class HeldStep:
     launch runs hold those tensors and, on CUDA, their addresses. Its runs are made again when the launch plan
     changes (another batch or launch configuration) or the arena has grown."""
 
-    __slots__ = ("_made", "arena", "arguments")
+    __slots__ = ("_made", "_plan_facts", "arena", "arguments")
 
     def __init__(self, arguments: tuple, arena: ScratchArena) -> None:
         self.arguments = arguments
         self.arena = arena
         self._made: tuple | None = None
+        flags = tuple(arguments[_FLAGS])
+        # what the launch plan takes besides the step's shape: the width, the flags, W_o's rows, the ratio
+        self._plan_facts = (
+            int(arguments[_WIDTH]),
+            flags,
+            arguments[_OUT_PROJ].shape[0] if flags[16] else 0,
+            arguments[_RATIO],
+        )
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The step: ``(R, Hq, d)`` in the arguments' output dtype."""
         R, Hq, d = query.shape
         H = key.shape[1]
-        a = self.arguments
-        flags = a[_FLAGS]
-        p = decode._plan(
-            R, Hq, d, H, int(a[_WIDTH]), tuple(flags), a[_OUT_PROJ].shape[0] if flags[16] else 0, a[_RATIO]
-        )
+        p = decode._plan(R, Hq, d, H, *self._plan_facts)
         made = self._made
         if made is None or made[0] is not p or made[1] != self.arena.generation:
             made = self._make(p, R, Hq, H, d, query.device)
-        out = torch.empty(R, Hq, d, dtype=a[_OUT_DTYPE], device=query.device)
+        out = torch.empty(R, Hq, d, dtype=self.arguments[_OUT_DTYPE], device=query.device)
         decode.launch_step(p, query, key, value, out, *made[2])
         return out
 

@@ -20,7 +20,10 @@ the arguments in the order Triton passes them. The key is at least as fine as Tr
 launches with one key are specialized alike: ``tests/test_launch_cache.py`` holds it against Triton's own binder for
 the CUDA backend), so a cached kernel is never launched with arguments Triton would have compiled differently.
 The fused step makes its kernels' constants once per launch plan (:class:`Constants`, launched with
-:func:`launch`), so that their part of the key is hashed once, not at every launch.
+:func:`launch`), so that their part of the key is hashed once, not at every launch. In eager decoding a layer's step
+also holds the runs of its runtime arguments that stay the same from step to step (:class:`Fixed`, launched with
+:func:`launch_parts`; :mod:`slake.kernels.held_step`): their part of the key is worked out once, and their CUDA
+tensors reach the compiled kernel's launcher as their addresses.
 
 Where Triton would do more than bind and launch, the launch goes through Triton: a launch hook set (a profiler's,
 ``knobs.runtime.launch_enter_hook``), a pre-run hook on the kernel, a global variable the kernel reads changed since
