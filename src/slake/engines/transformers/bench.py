@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slake.engines.base import BenchPlan, BenchReport, ModelSpec, load_avg
+from slake.engines.transformers.baselines import holds_every_token
 from slake.engines.transformers.measure import BenchConfig
 from slake.engines.transformers.roofline import copy_bandwidth, decode_weight_bytes, roofline_fields
 
@@ -36,7 +37,7 @@ def configs(plan: BenchPlan) -> list[BenchConfig]:
     for n in plan.lengths:
         for m in plan.methods:
             for kvd in plan.kv_dtypes:
-                for b in plan.budgets[:1] if m in ("full", "transformers") else plan.budgets:
+                for b in plan.budgets[:1] if holds_every_token(m) else plan.budgets:
                     for compiled in (False, True) if plan.compile else (False,):  # eager and compiled, paired
                         out.append(
                             BenchConfig(

@@ -7,8 +7,8 @@ from typing import Any
 
 from slake.engines.base import BenchPlan, BenchReport, Engine, EvalOptions, EvalOutput, EvalRequest, ModelSpec
 from slake.engines.result import GenerationResult
+from slake.engines.transformers.baselines import TRANSFORMERS
 from slake.engines.transformers.generate import eos_token_ids, generate
-from slake.engines.transformers.measure import TRANSFORMERS
 
 __all__ = ["TransformersEngine"]
 
@@ -46,7 +46,7 @@ class TransformersEngine(Engine):
     supports_fidelity = True
     unsupported = {"serve": "the load benchmark runs vLLM's OpenAI-compatible server: use --engine vllm"}
     #: ``slake bench``'s row of transformers' own cache (``DynamicCache``, eager, no slake cache): the decode a user
-    #: has without slake, beside slake's full cache (:data:`slake.engines.transformers.measure.TRANSFORMERS`)
+    #: has without slake, beside slake's full cache (:mod:`slake.engines.transformers.baselines`)
     bench_baselines = (TRANSFORMERS,)
 
     def __init__(self, model: ModelSpec | None = None, *, loader: Loader | None = None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from slake.engines.transformers.baselines import TRANSFORMERS
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs
@@ -36,7 +37,6 @@ from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
 
 __all__ = [
-    "TRANSFORMERS",
     "BenchConfig",
     "compiled_step",
     "measure",
@@ -45,11 +45,6 @@ __all__ = [
     "time_decode_interleaved",
     "time_pipelined",
 ]
-
-
-#: ``slake bench``'s name for transformers' own cache: a ``DynamicCache``, decoded eager with no slake cache, the
-#: decode a user has without slake (beside slake's full cache, whether that is an honest baseline)
-TRANSFORMERS = "transformers"
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from slake.engines.transformers.baselines import holds_every_token
+
 __all__ = ["markdown_table", "plot_rows", "series_label"]
 
 _MIB = 1024 * 1024
@@ -14,7 +16,7 @@ def series_label(row: dict, rows: list[dict]) -> str:
     label = row["method"] + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
     if row.get("compile"):
         label += " compiled"
-    if len({r["budget"] for r in rows}) > 1 and row["method"] not in ("full", "transformers"):
+    if len({r["budget"] for r in rows}) > 1 and not holds_every_token(row["method"]):
         label += f"@{row['budget']}"
     if len({r["batch"] for r in rows}) > 1:
         label += f" b{row['batch']}"

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from slake.engines.transformers.baselines import holds_every_token
+
 __all__ = ["CATEGORIES", "category", "profile_decode", "profile_markdown", "summarize"]
 
 #: the fused decode step's Triton kernels (:mod:`slake.kernels`)
@@ -120,7 +122,7 @@ def profile_decode(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tens
 def _label(row: dict) -> str:
     return (
         row["method"]
-        + ("" if row["method"] in ("full", "transformers") else f"@{row['budget']}")
+        + ("" if holds_every_token(row["method"]) else f"@{row['budget']}")
         + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
         + f", {row['length']} tokens, batch {row['batch']}"
         + (", compiled" if row.get("compile") else ", eager")
