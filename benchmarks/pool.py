@@ -108,7 +108,8 @@ class RandomPool:
         return newest
 
     def layer(self, li: int, newest: torch.Tensor) -> torch.Tensor:
-        """Layer ``li``'s decode step for every row: ``(R, Hq, d)`` float32."""
+        """Layer ``li``'s decode step for every row: ``(R, Hq, d)`` (float32 from the torch step, the query's dtype from
+        the fused kernels)."""
         R = self.rows.shape[0]
         return self.pool.decode_layer(
             li,
@@ -126,7 +127,7 @@ class RandomPool:
         )
 
     def step(self) -> torch.Tensor:
-        """One decode step over all layers: ``(layers, R, Hq, d)`` float32."""
+        """One decode step over all layers: ``(layers, R, Hq, d)``, in the dtype of :meth:`layer`'s."""
         newest = self.newest()
         return torch.stack([self.layer(li, newest) for li in range(len(self.kv))])
 

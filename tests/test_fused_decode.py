@@ -395,10 +395,13 @@ def test_the_two_stages_count_their_first_stage_in_float64():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["slake", "h2o", "criticalkv", "expected-attention"])
 def test_fused_step_with_a_half_precision_cache(name, dtype):
+    """A half-precision model's step: the fused kernels return the query's dtype (their float32 result rounded once,
+    no cast for the model to launch), the torch step float32; they agree to half precision's rounding."""
     method = _method(name)
     ref, ref_out = _run(method, "torch", dtype=dtype)
     fused, fused_out = _run(method, "triton", dtype=dtype)
     _assert_same(ref, ref_out, fused, fused_out, 2e-2)
+    assert {o.dtype for o in fused_out} == {dtype} and {o.dtype for o in ref_out} == {torch.float32}
 
 
 def test_the_new_token_is_quantised_as_the_torch_step_quantises_it():

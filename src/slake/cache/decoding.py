@@ -158,7 +158,7 @@ class Decoder:
     # ------------------------------------------------------------------ attention
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction; returns
-        ``(B, Hq, n_q, d)`` float32.
+        ``(B, Hq, n_q, d)`` float32 (the query's dtype where the fused kernels ran the step).
 
         One query after a staged token is the shared decode step (:func:`~slake.cache.decode_step.decode_step`).
         Several queries (after a multi-token :meth:`append`) attend causally by position; if the layer is then over
@@ -202,7 +202,8 @@ class Decoder:
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         """The shared single-token decode step of one layer (``query`` ``(B, Hq, d)``, ``key``/``value``
-        ``(B, Hkv, 1, d)``); returns ``(B, Hq, d)`` float32 and advances the layer's position counter.
+        ``(B, Hkv, 1, d)``); returns ``(B, Hq, d)`` (float32, or the query's dtype from the fused kernels) and
+        advances the layer's position counter.
 
         Every choice here is made from host facts fixed at prefill (the method, whether the layer has targets, a
         linear state, per-head visibility); per-sequence and per-head differences live in the ``targets`` tensor
@@ -241,7 +242,7 @@ class Decoder:
         reuse = scored and self.kernels == "triton" and not torch.compiler.is_compiling()
         if reuse:
             held = self._fused[layer_idx]
-            facts = (query.device, d, float(scaling))
+            facts = (query.device, query.dtype, d, float(scaling))
             if held is not None and held[1] == facts and held[0] == self._fused_sources(layer_idx, store, counter)[0]:
                 self.report.record("triton")
                 return held[3](query, *kv)

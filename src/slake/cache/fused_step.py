@@ -130,8 +130,9 @@ def fused_arguments(
 ) -> tuple[tuple | None, str | None]:
     """What :func:`slake.kernels.triton_decode.fused_step` takes after the step's query, key and value:
     ``(arguments, None)``, or ``(None, reason)`` when the fused kernels do not cover the step. Made from the step's
-    slots and storage, the method's fused rule, and the query's device and head size only; an engine may reuse them
-    for a later step whose slots, storage and those facts are the same objects (``Decoder.step``)."""
+    slots and storage, the method's fused rule, and the query's device, dtype and head size only; an engine may reuse
+    them for a later step whose slots, storage and those facts are the same (``Decoder.step``). The step's output is
+    in the query's dtype (the model's: a half-precision model needs no cast of it, a kernel fewer per layer)."""
     memory = getattr(kv, "kernel_memory", None)
     mem = memory() if memory is not None else None
     rule = method.fused_rule()
@@ -237,7 +238,7 @@ def fused_arguments(
         float(rule.two_stage_epsilon),
         0.0 if ratio is None else float(ratio),
         flags,
-        torch.float32,
+        query.dtype,  # the output: the kernels round their float32 result once, as a cast of the torch step's would
     )
     return arguments, None
 
@@ -279,10 +280,10 @@ def run_step(
     counter: torch.Tensor | None = None,
     report: KernelReport | None = None,
 ) -> torch.Tensor:
-    """The single-token decode step with the chosen kernels (``"torch"`` or ``"triton"``); returns ``(R, Hq, d)``
-    float32. ``counter``: the layer's 0-dim position counter, advanced by one after the step (transformers
-    engine). Where ``"triton"`` was asked for and the kernels do not cover the step, the torch step runs and
-    ``report`` records why (a warning is logged the first time)."""
+    """The single-token decode step with the chosen kernels (``"torch"`` or ``"triton"``); returns ``(R, Hq, d)``,
+    float32 from the torch step, the query's dtype from the fused kernels. ``counter``: the layer's 0-dim position
+    counter, advanced by one after the step (transformers engine). Where ``"triton"`` was asked for and the kernels
+    do not cover the step, the torch step runs and ``report`` records why (a warning is logged the first time)."""
     if report is not None and torch.compiler.is_compiling():
         report = None  # a compiled step records nothing (a side effect per step would break the graph)
     if kernels == "triton":
