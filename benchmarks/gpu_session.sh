@@ -191,8 +191,9 @@ run_short() {
         eager-targets)
             # the eager targets against the full cache's unmasked step without cuDNN (its baseline since 2026-11-27;
             # compiled-targets' profile names the full cache's attention kernel), with transformers' own
-            # DynamicCache beside it (the decode without slake: is slake's full cache an honest baseline there?)
-            "${bench[@]}" --methods transformers,full,snapkv,cake,slake --lengths 8192,65536 --out "$out/eager_targets"
+            # DynamicCache after them (the decode without slake: is slake's full cache an honest baseline there?
+            # last, so that the other rows are written whatever it does: on CUDA each row is written when it ends)
+            "${bench[@]}" --methods full,snapkv,cake,slake,transformers --lengths 8192,65536 --out "$out/eager_targets"
             ;;
         compiled-targets)
             # compiled SLAKE at 32K (the row issue 32 asks for) and 128K beside the full cache, eager and compiled;
