@@ -136,8 +136,8 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # short2 is the same for a second call on the still-warm machine, with what short leaves out, its deadline set to
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
-SHORT_STEPS=("info 10" "smoke 110" "compiled-targets 390" "eager-targets 180" "host 70" "host-compiled 80")
-SHORT2_STEPS=("pool-8 65" "eager-targets 180" "pool-tune 50" "launch 170" "kernel-tune 115" "kernel-parts 90" "host-compiled 80" \
+SHORT_STEPS=("info 10" "smoke 110" "compiled-targets 390" "eager-targets 190" "host 70" "host-compiled 80")
+SHORT2_STEPS=("pool-8 65" "eager-targets 190" "pool-tune 50" "launch 170" "kernel-tune 115" "kernel-parts 90" "host-compiled 80" \
     "host 70" "kernels-1 130" "profile 200")
 
 run_short() {
@@ -190,10 +190,11 @@ run_short() {
             ;;
         eager-targets)
             # the eager targets against the full cache's unmasked step without cuDNN (its baseline since 2026-11-27;
-            # compiled-targets' profile names the full cache's attention kernel), with transformers' own
-            # DynamicCache after them (the decode without slake: is slake's full cache an honest baseline there?
-            # last, so that the other rows are written whatever it does: on CUDA each row is written when it ends)
-            "${bench[@]}" --methods full,snapkv,cake,slake,transformers --lengths 8192,65536 --out "$out/eager_targets"
+            # compiled-targets' profile names the full cache's attention kernel); then transformers' own
+            # DynamicCache at the same lengths (the decode without slake: is slake's full cache an honest baseline
+            # there?), in a run of its own so that nothing it does can cost the targets' rows
+            "${bench[@]}" --methods full,snapkv,cake,slake --lengths 8192,65536 --out "$out/eager_targets"
+            "${bench[@]}" --methods transformers --lengths 8192,65536 --out "$out/eager_transformers"
             ;;
         compiled-targets)
             # compiled SLAKE at 32K (the row issue 32 asks for) and 128K beside the full cache, eager and compiled;
