@@ -839,6 +839,23 @@ def test_a_steps_launch_plan_is_made_once_and_follows_the_launch_configuration(m
     assert len(triton_decode._PLANS) == 4
 
 
+def _count_fused_arguments(monkeypatch, *modules) -> list[int]:
+    """Count the calls of ``fused_step.fused_arguments`` made through ``modules`` (each module's name for it replaced
+    by a counting wrapper); the returned list grows by one per call."""
+    from slake.cache import fused_step
+
+    made: list[int] = []
+    real = fused_step.fused_arguments
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, "fused_arguments", counting)
+    return made
+
+
 def test_a_layers_fused_arguments_are_made_once_and_again_when_what_they_came_from_is_replaced(monkeypatch):
     """In eager decoding the transformers engine makes a layer's fused-step arguments once
     (``fused_step.fused_arguments``) and reuses them while every object they were made from is the same
@@ -846,14 +863,7 @@ def test_a_layers_fused_arguments_are_made_once_and_again_when_what_they_came_fr
     makes them again, and every step still equals the torch step."""
     from slake.cache import decoding
 
-    made: list[int] = []
-    real = decoding.fused_arguments
-
-    def counting(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decoding, "fused_arguments", counting)
+    made = _count_fused_arguments(monkeypatch, decoding)
     method = _method("slake")
     ref, ref_out = _run(method, "torch", steps=4)
     fused, fused_out = _run(method, "triton", steps=4)
@@ -944,15 +954,7 @@ def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monk
     and works out the fused arguments once per step, not again inside the torch fallback."""
     from slake.cache import decoding, fused_step
 
-    made: list[int] = []
-    real = fused_step.fused_arguments
-
-    def counting(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decoding, "fused_arguments", counting)
-    monkeypatch.setattr(fused_step, "fused_arguments", counting)
+    made = _count_fused_arguments(monkeypatch, decoding, fused_step)
     method = _method("ada-snapkv", decode_scope="layer")
     ref, ref_out = _run(method, "torch", steps=2)
     fused, fused_out = _run(method, "triton", steps=2)
