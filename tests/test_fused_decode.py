@@ -799,9 +799,9 @@ def test_the_second_kernel_holds_a_row_of_budget_plus_one_slots_in_pow2_budget_l
 
 def test_a_steps_launch_plan_is_made_once_and_follows_the_launch_configuration(monkeypatch):
     """The launches' constants are worked out once per shape, flags and launch configuration
-    (``triton_decode._plan``): later steps of the same layer reuse them, and a change of a launch constant (by
+    (``step_plan.launch_plan``): later steps of the same layer reuse them, and a change of a launch constant (by
     ``tuned``, ``leaving_out`` or an assignment) or of the first kernel's split takes effect at the next step."""
-    from slake.kernels import load, triton_decode
+    from slake.kernels import load, step_plan, triton_decode
 
     load()
     seen: list[dict] = []
@@ -818,10 +818,10 @@ def test_a_steps_launch_plan_is_made_once_and_follows_the_launch_configuration(m
             return run
 
     monkeypatch.setattr(triton_decode, "_evict_attend_kernel", Recording())
-    triton_decode._PLANS.clear()
+    step_plan._PLANS.clear()
     run = dict(B=1, pad=False, steps=3, layers=1, budget=16)
     _run(_method("slake"), "triton", **run)
-    assert len(triton_decode._PLANS) == 1 and len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    assert len(step_plan._PLANS) == 1 and len(seen) == 3 and seen[0] == seen[1] == seen[2]
     assert seen[0]["COMBINE"] == launch_config.COMBINE and seen[0]["SKIP"] == 0 and seen[0]["KEY_SPAN"] > 0
     seen.clear()
     with launch_config.tuned(COMBINE=8, NEW_TOKEN_APART=0):
@@ -836,7 +836,7 @@ def test_a_steps_launch_plan_is_made_once_and_follows_the_launch_configuration(m
     monkeypatch.setattr(launch_config, "MIN_SPLIT", 16)  # rows of 17 slots in two pieces of 16
     _run(_method("slake"), "triton", **run)
     assert [(k["KEY_SPAN"], k["SPLIT"], k["COMBINE"]) for k in seen] == [(0, 16, launch_config.COMBINE)] * 3
-    assert len(triton_decode._PLANS) == 4
+    assert len(step_plan._PLANS) == 4
 
 
 def _count_fused_arguments(monkeypatch, *modules) -> list[int]:

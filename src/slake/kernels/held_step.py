@@ -13,8 +13,8 @@ slots and storage stay the same objects from step to step (``Decoder.step`` chec
   :class:`~slake.kernels.launch_cache.Fixed` runs (their part of the key worked out once, CUDA tensors passed to the
   launcher as their addresses);
 * the scratch, carved out of a :class:`ScratchArena` that the layers of one cache share: they run one after the
-  other on one stream, and a step writes its scratch before it reads it (``triton_decode._Scratch``), so one
-  layer's scratch at a time is what the allocator held before, now without allocating it.
+  other on one stream, and a step writes its scratch before it reads it (:class:`slake.kernels.step_plan.Scratch`),
+  so one layer's scratch at a time is what the allocator held before, now without allocating it.
 
 What stays per step: the launch plan's lookup (the launch configuration can change between steps), the output
 tensor (returned to the model, so never reused), the four varying arguments' part of the key, and the launches.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from slake.kernels import launch_cache
+from slake.kernels import launch_cache, step_plan
 from slake.kernels import triton_decode as decode
 
 __all__ = ["Afresh", "HeldStep", "ScratchArena"]
@@ -37,7 +37,7 @@ __all__ = ["Afresh", "HeldStep", "ScratchArena"]
 #: the arguments a :class:`HeldStep` holds
 _AT = {name: i for i, name in enumerate(list(inspect.signature(decode.fused_step).parameters)[3:])}
 _WIDTH, _OUT_PROJ, _RATIO, _FLAGS, _OUT_DTYPE = (_AT[n] for n in ("width", "out_proj", "ratio", "flags", "out_dtype"))
-# launch_runs takes the parameters up to the two stages' epsilon, the width as an int
+# step_plan.launch_runs takes the parameters up to the two stages' epsilon, the width as an int
 assert list(_AT)[_WIDTH + 1 : _RATIO] == ["scaling", "window", "sinks", "pinned", "epsilon", "two_stage_epsilon"]
 
 #: each buffer carved from the arena starts on a multiple of this many float32 elements (128 bytes): Triton
@@ -121,7 +121,7 @@ class HeldStep:
         """The step: ``(R, Hq, d)`` in the arguments' output dtype."""
         R, Hq, d = query.shape
         H = key.shape[1]
-        p = decode._plan(R, Hq, d, H, *self._plan_facts)
+        p = step_plan.launch_plan(R, Hq, d, H, *self._plan_facts)
         made = self._made
         if made is None or made[0] is not p or made[1] != self.arena.generation:
             made = self._make(p, R, Hq, H, d, query.device)
@@ -133,8 +133,8 @@ class HeldStep:
         """The plan's launch runs, with scratch carved from the arena, kept as ``(plan, generation, runs)``."""
         a = self.arguments
         W = int(a[_WIDTH])
-        scratch = decode._Scratch.of(self.arena.carve(decode.scratch_specs(p, R, Hq, H, W, d), device))
-        runs = decode.launch_runs(p, scratch, H, (*a[:_WIDTH], W, *a[_WIDTH + 1 : _RATIO]))
+        scratch = step_plan.Scratch.of(self.arena.carve(step_plan.scratch_specs(p, R, Hq, H, W, d), device))
+        runs = step_plan.launch_runs(p, scratch, H, (*a[:_WIDTH], W, *a[_WIDTH + 1 : _RATIO]))
         made = (p, self.arena.generation, tuple(launch_cache.Fixed(run) for run in runs))
         self._made = made
         return made

@@ -216,7 +216,7 @@ def split_size(width: int, programs: int) -> int:
 
 def settings() -> tuple:
     """Every launch constant and switch the fused step's launches read besides :func:`split_size`'s (which is
-    called at every step), as one tuple: what a reused launch plan must match (``triton_decode._plan``), so that a
+    called at every step), as one tuple: what a reused launch plan must match (``step_plan.launch_plan``), so that a
     change made here, by :func:`tuned` or :func:`leaving_out`, or by assigning a constant takes effect at the next
     step."""
     return (

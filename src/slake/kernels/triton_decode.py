@@ -42,15 +42,12 @@ this module is imported), which is how the tests check them against the torch st
 the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`, the
 positional pooling of SnapKV's, CAKE's and SLAKE's rule in :mod:`slake.kernels.triton_pooling`, the launch
 configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
-:mod:`slake.kernels.launch_config`, and the launches that skip Triton's per-call argument binding on a GPU in
-:mod:`slake.kernels.launch_cache`.
+:mod:`slake.kernels.launch_config`, a step's launch plan, scratch and runs of arguments in
+:mod:`slake.kernels.step_plan`, the launches that skip Triton's per-call argument binding on a GPU in
+:mod:`slake.kernels.launch_cache`, and eager decoding's held steps in :mod:`slake.kernels.held_step`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -58,7 +55,7 @@ import triton.language as tl
 from torch.library import custom_op
 
 from slake.kernels import launch_cache
-from slake.kernels import launch_config as launch
+from slake.kernels.step_plan import RULE_CODES, LaunchPlan, Run, Scratch, launch_plan, launch_runs, scratch_specs
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_eviction import rule_eviction
 from slake.kernels.triton_pooling import pool_by_position, pooled_eviction, position_order
@@ -73,19 +70,6 @@ from slake.kernels.triton_rules import (
 from slake.kernels.triton_slots import load_queries, load_row
 
 __all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
-
-#: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
-RULE_CODES = {
-    "pooled_attention": 0,
-    "accumulated_attention": 1,
-    "sharpened_accumulation": 2,
-    "layer_attention": 3,
-    "recency": 4,
-    "pinned_recency": 5,
-    "running_max": 6,
-    "key_diversity": 7,
-    "expected_attention": 8,
-}
 
 
 @triton.jit
@@ -339,112 +323,6 @@ def _evict_attend_kernel(
             tl.store(counter_ptr, newest + 1)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What a fused step's launches need besides its tensors, worked out once per shape, flags and launch
-    configuration (:func:`_plan`): in eager decoding on a GPU the host is the bottleneck, and working these out at
-    every launch (a dozen powers of two, the three kernels' 16, 9 and 37 named constants, the ratio's parts) was
-    about half the launcher's own host time (``docs/gpu.md``)."""
-
-    G: int
-    S: int
-    BW: int
-    NB: int
-    scratch: bool
-    map_q: bool
-    value_norm: bool
-    two_stage: bool
-    has_hv: bool
-    has_linear: bool
-    ratio_parts: tuple[float, ...]
-    append_grid: tuple[int, ...]
-    projection_grid: tuple[int, ...]
-    evict_grid: tuple[int, ...]
-    append_constants: launch_cache.Constants
-    projection_constants: launch_cache.Constants
-    evict_constants: launch_cache.Constants
-
-
-#: the plans made so far, by :func:`_plan`'s key (a handful per model: one per layer shape and flags); emptied when
-#: full, never grown without bound
-_PLANS: dict[tuple, _Plan] = {}
-_MAX_PLANS = 256
-
-
-def _plan(R: int, Hq: int, d: int, H: int, W: int, flags: tuple[int, ...], proj_rows: int, ratio: float) -> _Plan:
-    """The :class:`_Plan` of a step of ``R`` rows, ``Hq`` query and ``H`` KV heads of ``d`` dims, rows of ``W``
-    slots, the kernels' ``flags`` (:func:`fused_step`), ``proj_rows`` output channels of a two-stage rule's ``W_o``
-    (else 0) and its ``ratio``. The first kernel's split of a row (:func:`~slake.kernels.launch_config.split_size`)
-    is chosen at every step, and every launch constant is read at every step (``launch_config.settings``): a plan
-    is reused only for the same values, so a change of the launch configuration takes effect at the next step."""
-    split = launch.split_size(W, R * H)
-    key = (R, Hq, d, H, W, split, flags, proj_rows, ratio, launch.settings())
-    hit = _PLANS.get(key)
-    if hit is not None:
-        return hit
-    (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
-     gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
-     held) = flags  # fmt: skip
-    G = Hq // H
-    GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
-    # the second kernel's vectors: but for CriticalKV's two stages (and the timing variants without NEW_TOKEN_APART or
-    # POOL_GATHER), the row's kept slots only, the new token apart: budget + 1 slots in pow2(budget) lanes
-    pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
-    apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
-    EW = launch.pow2(W - 1, 16) if apart else BW
-    split = min(split, BW)
-    S = -(-W // split)
-    BLOCK_N = min(64, split)
-    NB = -(-proj_rows // launch.PROJECTION_BLOCK) if two_stage else 1
-    common = dict(
-        G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, SPLIT=split, QUANT=quant, LOW_DOT=bool(low_dot),
-        HAS_ROWS=bool(has_rows),
-    )  # fmt: skip
-    map_q = rule == RULE_CODES["expected_attention"]
-    append = dict(
-        HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, launch.FREE_BLOCK), MB=16,
-        HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
-    )  # fmt: skip
-    projection = dict(G=G, D=d, DP=DP, HB=launch.PROJECTION_BLOCK, QUANT=quant)
-    evict = dict(
-        SP=launch.pow2(S), BW=EW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
-        GROUP_MAX=bool(group_max),
-        POOL_K=pool_k, POOL_MAX=bool(pool_max), ZERO_WINDOW=bool(zero_window), GAIN_FLOOR=bool(gain_floor),
-        PROTECT_WINDOW=bool(protect_window), EVICT_FIRST=bool(evict_first), ADVANCE=bool(advance),
-        VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
-        COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
-        KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
-        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart,
-        num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
-        **{**common, "LOW_DOT": False},
-    )  # fmt: skip
-    made = _Plan(
-        G=G,
-        S=S,
-        BW=BW,
-        NB=NB,
-        # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order
-        # (or the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off)
-        scratch=bool((pools and not apart) or rule == RULE_CODES["key_diversity"]),
-        map_q=map_q,
-        value_norm=bool(value_norm),
-        two_stage=bool(two_stage),
-        has_hv=bool(has_hv),
-        has_linear=bool(has_linear),
-        ratio_parts=tuple(launch.ratio_parts(ratio)),
-        append_grid=(R, H, S),
-        projection_grid=(Hq, NB),
-        evict_grid=(R, H),
-        append_constants=launch_cache.Constants(append),
-        projection_constants=launch_cache.Constants(projection),
-        evict_constants=launch_cache.Constants(evict),
-    )
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = made
-    return made
-
-
 _MUTATED = (
     "k_mem", "v_mem", "k_scale", "v_scale", "positions", "valid", "scores", "order", "head_visible", "aug", "counter",
     "weights",
@@ -505,12 +383,12 @@ def fused_step(
     R, Hq, d = query.shape
     H = key.shape[1]
     W = int(width)
-    p = _plan(R, Hq, d, H, W, tuple(flags), out_proj.shape[0] if flags[16] else 0, ratio)
+    p = launch_plan(R, Hq, d, H, W, tuple(flags), out_proj.shape[0] if flags[16] else 0, ratio)
     dev = query.device
     scratch = [None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev) for spec in
                scratch_specs(p, R, Hq, H, W, d)]  # fmt: skip
     out = torch.empty(R, Hq, d, dtype=out_dtype, device=dev)
-    _launch_joined(p, query, key, value, out, *launch_runs(p, _Scratch.of(scratch), H, (
+    _launch_joined(p, query, key, value, out, *launch_runs(p, Scratch.of(scratch), H, (
         k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size, rows, positions, valid,
         scores, order, head_visible, newest, target, prompt_len, budget, first_real, aug, counter, query_map, weights,
         out_proj, W, scaling, window, sinks, pinned, epsilon, two_stage_epsilon,
@@ -518,119 +396,8 @@ def fused_step(
     return out
 
 
-class _Scratch(NamedTuple):
-    """A step's scratch buffers, written by one kernel and read by the next within the step (never across steps):
-    the logits ``x``, the pieces' softmax statistics ``stat`` and partial sums ``part``, the new token's slot
-    ``newslot``, and the buffers only some rules use (:func:`scratch_specs`), each ``x`` where unused."""
-
-    x: torch.Tensor
-    stat: torch.Tensor
-    part: torch.Tensor
-    newslot: torch.Tensor
-    pool: torch.Tensor
-    estat: torch.Tensor
-    vn: torch.Tensor
-    pw: torch.Tensor
-    lin: torch.Tensor
-
-    @classmethod
-    def of(cls, buffers: Sequence[torch.Tensor | None]) -> _Scratch:
-        """The scratch from :func:`scratch_specs`' buffers in order (None: unused, ``x`` in its place; an unused
-        ``estat`` is ``stat``)."""
-        x, stat, part, newslot, pool, estat, vn, pw, lin = buffers
-        assert x is not None and stat is not None and part is not None and newslot is not None
-        return cls(x, stat, part, newslot, pool if pool is not None else x, estat if estat is not None else stat,
-                   vn if vn is not None else x, pw if pw is not None else x, lin if lin is not None else x)  # fmt: skip
-
-
-#: a scratch buffer's shape and dtype, or None for one a step does not use
-ScratchSpec = tuple[tuple[int, ...], torch.dtype] | None
-
-
-def scratch_specs(p: _Plan, R: int, Hq: int, H: int, W: int, d: int) -> tuple[ScratchSpec, ...]:
-    """The shapes and dtypes of a step's scratch buffers, in :class:`_Scratch`'s order (None: a buffer the step does
-    not use)."""
-    f32 = torch.float32
-    G, S = p.G, p.S
-    return (
-        ((R, H, G, W), f32),
-        ((R, H, G, S, 2), f32),
-        ((R, H, S, G, d), f32),
-        ((R, H), torch.int32),
-        ((R, H, 2, p.BW), f32) if p.scratch else None,
-        ((R, H, G, S, 2), f32) if p.map_q else None,
-        ((R, H, W), f32) if p.value_norm else None,
-        ((R, Hq, p.NB), f32) if p.two_stage else None,
-        ((R, H, S, G, d), f32) if p.has_linear else None,
-    )
-
-
-def launch_runs(p: _Plan, scratch: _Scratch, H: int, arguments: Sequence) -> tuple[tuple, tuple, tuple, tuple]:
-    """The runs of a step's runtime arguments that do not depend on its query, key, value or output, in the order
-    the kernels take them (:func:`launch_step` puts those four in): the first kernel's after the key and value, the
-    projection kernel's (all of them; empty without two stages), the second kernel's between the query and the
-    output, and after the output. ``arguments``: :func:`fused_step`'s parameters from ``k_mem`` to
-    ``two_stage_epsilon``, the width an int. A step whose slots, storage and scratch are the same objects as an
-    earlier step's has the same runs (:class:`slake.kernels.held_step.HeldStep` makes them once)."""
-    (k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size, rows, positions, valid, scores,
-     order, head_visible, newest, target, prompt_len, budget, first_real, aug, counter, query_map, weights, out_proj, W,
-     scaling, window, sinks, pinned, epsilon, two_stage_epsilon) = arguments  # fmt: skip
-    x, stat, part, newslot, pool, estat, vn, pw, lin = scratch
-    w_strides = weights.stride() if p.two_stage else (0, 0, 0)
-    m_sr, m_sh, m_ss = positions.stride()
-    hv_strides = head_visible.stride() if p.has_hv else (0, 0, 0, 0)
-    a_strides = aug.stride() if p.has_linear else (0, 0, 0, 0)
-    newest_sr = newest.stride(0) if newest.ndim else 0
-    S = p.S
-    append = (
-        k_mem, *k_strides,
-        v_mem, *v_strides,
-        k_scale, v_scale, *s_strides,
-        table, table.stride(0), block_size,
-        rows,
-        positions, valid, scores, m_sr, m_sh, m_ss,
-        head_visible, *hv_strides,
-        newest, newest_sr,
-        x, stat, part, newslot,
-        query_map, estat, vn,
-        aug, *a_strides, lin,
-        W, H, S, float(scaling),
-    )  # fmt: skip
-    projection: tuple = ()
-    if p.two_stage:
-        projection = (
-            v_mem, *v_strides,
-            v_scale, *s_strides,
-            table, table.stride(0), block_size,
-            newslot, out_proj, *out_proj.stride(), pw,
-            newslot.shape[0], H, out_proj.shape[0], p.NB,
-        )  # fmt: skip
-    evict_before_out = (
-        k_mem, *k_strides,
-        v_mem, *v_strides,
-        k_scale, v_scale, *s_strides,
-        table, table.stride(0), block_size,
-        rows,
-        positions, valid, scores, m_sr, m_sh, m_ss,
-        target, target.stride(0), target.stride(1),
-        prompt_len, budget, first_real,
-        aug, *a_strides,
-        x, stat, part, newslot, pool, order,
-    )  # fmt: skip
-    evict_after_out = (
-        counter,
-        estat, vn, weights, *w_strides, pw, p.NB, lin,
-        W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
-        *p.ratio_parts,
-    )  # fmt: skip
-    return append, projection, evict_before_out, evict_after_out
-
-
-Run = tuple | launch_cache.Fixed
-
-
 def launch_step(
-    p: _Plan,
+    p: LaunchPlan,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -657,7 +424,7 @@ def launch_step(
 
 
 def _launch_joined(
-    p: _Plan,
+    p: LaunchPlan,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
