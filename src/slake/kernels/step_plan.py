@@ -208,13 +208,17 @@ def launch_runs(p: LaunchPlan, scratch: Scratch, H: int, arguments: Sequence) ->
     a_strides = aug.stride() if p.has_linear else (0, 0, 0, 0)
     newest_sr = newest.stride(0) if newest.ndim else 0
     S = p.S
-    append = (
+    # the row's slots, as both kernels take them after the query (and the first kernel after the new key and value)
+    slots = (
         k_mem, *k_strides,
         v_mem, *v_strides,
         k_scale, v_scale, *s_strides,
         table, table.stride(0), block_size,
         rows,
         positions, valid, scores, m_sr, m_sh, m_ss,
+    )  # fmt: skip
+    append = (
+        *slots,
         head_visible, *hv_strides,
         newest, newest_sr,
         x, stat, part, newslot,
@@ -232,12 +236,7 @@ def launch_runs(p: LaunchPlan, scratch: Scratch, H: int, arguments: Sequence) ->
             newslot.shape[0], H, out_proj.shape[0], p.NB,
         )  # fmt: skip
     evict_before_out = (
-        k_mem, *k_strides,
-        v_mem, *v_strides,
-        k_scale, v_scale, *s_strides,
-        table, table.stride(0), block_size,
-        rows,
-        positions, valid, scores, m_sr, m_sh, m_ss,
+        *slots,
         target, target.stride(0), target.stride(1),
         prompt_len, budget, first_real,
         aug, *a_strides,
