@@ -293,14 +293,42 @@ def test_a_fixed_run_keys_as_its_arguments_do_and_reaches_the_launcher_as_addres
     launcher.launch_parts((2,), ((x,), forced), constants)
     assert launcher.misses == 1 and kernel.through[0][1] == (x, y, 5)  # Triton binds the tensors
     launcher.launch_parts((2,), ((torch.ones(8),), forced), constants)
-    launcher.launch((2,), (x, y, 5), constants)  # the same arguments as one tuple: the same key
+    assert launcher.hits == 1 and launcher.misses == 1
+    # an equal run made again (a layer's step made afresh) has the same token, so the same key
+    launcher.launch_parts((2,), ((x,), Fixed((y, 5), addresses=True)), constants)
     assert launcher.hits == 2 and launcher.misses == 1
-    first, second = kernel.compiled.launched
+    launcher.launch((2,), (x, y, 5), constants)  # the same arguments as one tuple: keyed apart, through Triton once
+    launcher.launch((2,), (x, y, 5), constants)
+    assert launcher.hits == 3 and launcher.misses == 2
+    first, again, _ = kernel.compiled.launched
     assert torch.equal(first[9], torch.ones(8)) and first[10:] == (y.data_ptr(), 5, 2, 7)
-    assert second[9] is x and second[10] is y and second[11:] == (5, 2, 7)
+    assert again[9] is x and again[10:] == (y.data_ptr(), 5, 2, 7)
+    joined = kernel.compiled.launched[2]
+    assert joined[9] is x and joined[10] is y and joined[11:] == (5, 2, 7)
     # a kernel cached() passes through gets the tensors, joined
     stand_in = _TwoTensors()
     launch_parts(stand_in, (2,), ((x,), forced), constants)
     launch_parts(stand_in, (2,), ((x,), (y, 5)), constants)
     for _, args, kwargs in stand_in.through:
         assert args[0] is x and args[1] is y and args[2:] == (5,) and kwargs == {"A": 2}
+
+
+def test_fixed_runs_with_equal_keys_share_a_token_and_others_never_do(monkeypatch):
+    """A :class:`~slake.kernels.launch_cache.Fixed` run's token stands for its key in a launch's key: equal keys get
+    one token, different keys different ones; the table is bounded, and a key seen again after it was emptied gets a
+    new token (one more pass through Triton), never one that another key holds."""
+    from slake.kernels.launch_cache import Fixed
+
+    monkeypatch.setattr(launch_cache, "_tokens", {})
+    monkeypatch.setattr(launch_cache, "MAX_TOKENS", 3)
+    x = torch.zeros(8)
+    a, b = Fixed((x, 5)), Fixed((torch.ones(8), 5))  # one key: same dtype, alignment and integer
+    c, d = Fixed((x, 6)), Fixed((x.to(torch.int32), 5))
+    assert a.token == b.token and len({a.token, c.token, d.token}) == 3
+    e = Fixed((x, 7))  # the table was full: emptied, then e's key
+    f = Fixed((x, 5))  # a's key again, after the table was emptied
+    assert len(launch_cache._tokens) <= 3
+    assert f.token not in {a.token, c.token, d.token, e.token} and f.key == a.key
+    assert launch_cache._parts_key(((x,), a)) == launch_cache._parts_key(((torch.ones(8),), b))
+    assert launch_cache._parts_key(((x,), a)) != launch_cache._parts_key(((x,), c))
+    assert launch_cache._parts_key(((x,), a)) != launch_key((x, x, 5))  # never a joined key

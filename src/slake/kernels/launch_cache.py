@@ -22,8 +22,8 @@ the CUDA backend), so a cached kernel is never launched with arguments Triton wo
 The fused step makes its kernels' constants once per launch plan (:class:`Constants`, launched with
 :func:`launch`), so that their part of the key is hashed once, not at every launch. In eager decoding a layer's step
 also holds the runs of its runtime arguments that stay the same from step to step (:class:`Fixed`, launched with
-:func:`launch_parts`; :mod:`slake.kernels.held_step`): their part of the key is worked out once, and their CUDA
-tensors reach the compiled kernel's launcher as their addresses.
+:func:`launch_parts`; :mod:`slake.kernels.held_step`): their part of the key is worked out once and stands in
+each launch's key as one int, and their CUDA tensors reach the compiled kernel's launcher as their addresses.
 
 Where Triton would do more than bind and launch, the launch goes through Triton: a launch hook set (a profiler's,
 ``knobs.runtime.launch_enter_hook``), a pre-run hook on the kernel, a global variable the kernel reads changed since
@@ -33,6 +33,7 @@ it was compiled (Triton raises then), or the interpreter (``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 
 from slake.kernels import launch_config
 
-__all__ = ["MAX_ENTRIES", "CachedLaunch", "Constants", "Fixed", "cached", "launch", "launch_key", "launch_parts"]
+__all__ = ["MAX_ENTRIES", "MAX_TOKENS", "CachedLaunch", "Constants", "Fixed", "cached", "launch", "launch_key", "launch_parts"]
 
 #: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
 #: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
@@ -216,22 +217,45 @@ class CachedLaunch:
         compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *fast, *tail)
 
 
+#: the most distinct :class:`Fixed` keys :func:`_token` remembers; past it the table is emptied (tokens already
+#: handed out stay unique: the counter goes on), never grown without bound
+MAX_TOKENS = 4096
+_tokens: dict[tuple, int] = {}
+_next_token = itertools.count(1)
+
+
+def _token(key: tuple) -> int:
+    """One int per distinct ``key`` (a :class:`Fixed` run's :func:`launch_key`): equal keys get the same int while the
+    table holds them, and two different keys never do, so a launch's key can hold the int in the key's place: a few
+    bytes to hash and compare at every launch instead of the run's whole key (a hundred-odd values for the fused
+    step's second kernel). After the table is emptied an equal key gets a new int, which costs one more pass
+    through Triton, never a wrong kernel."""
+    token = _tokens.get(key)
+    if token is None:
+        if len(_tokens) >= MAX_TOKENS:
+            _tokens.clear()
+        token = _tokens[key] = next(_next_token)
+    return token
+
+
 class Fixed:
     """A run of a launch's runtime arguments made once and passed to many launches (:func:`launch_parts`): the same
     objects every time, tensors included, which must keep their memory (slake never resizes a tensor in place).
 
-    ``key`` is the run's part of :class:`CachedLaunch`'s key (:func:`launch_key`), worked out once. ``fast`` is the
+    ``key`` is the run's :func:`launch_key`, worked out once, and ``token`` the int that stands for it in
+    :class:`CachedLaunch`'s key (:func:`_token`: equal keys, equal tokens). ``fast`` is the
     run as the compiled kernel's launcher gets it: each CUDA tensor as its address (``addresses``: which tensors;
     default those on CUDA). Triton 3.6's C launcher takes an integer for a pointer parameter as the address itself;
     for a tensor it calls ``data_ptr()`` and asks the CUDA driver for the device pointer (``cuPointerGetAttribute``),
     at every launch, for each of the fused step's 20-odd tensors. Launches that go through Triton get ``args``,
     the tensors themselves."""
 
-    __slots__ = ("args", "fast", "key")
+    __slots__ = ("args", "fast", "key", "token")
 
     def __init__(self, args: Sequence[Any], *, addresses: bool | None = None) -> None:
         self.args = tuple(args)
         self.key = launch_key(self.args)
+        self.token = _token(self.key)
 
         def fast(a: Any) -> Any:
             if isinstance(a, _TENSOR) and (a.is_cuda if addresses is None else addresses):
@@ -245,11 +269,15 @@ class Fixed:
 
 
 def _parts_key(parts: Sequence[tuple | Fixed]) -> tuple:
-    """:func:`launch_key` of the arguments ``parts`` hold, joined (the key is made argument by argument)."""
-    key: tuple = ()
+    """The runtime arguments' part of a launch key for ``parts``: per part, a :class:`Fixed` run's token or a tuple's
+    :func:`launch_key`. Two launches with one such key have equal :func:`launch_key` over their joined arguments
+    (the parts' boundaries are part of it, and an int token is never equal to a tuple), so they specialize alike;
+    the same arguments launched as one tuple key apart, which costs one more pass through Triton. Nor can it equal
+    a joined key, whose first value is a type or a dtype."""
+    key = []
     for p in parts:
-        key += p.key if isinstance(p, Fixed) else launch_key(p)
-    return key
+        key.append(p.token if p.__class__ is Fixed else launch_key(p))
+    return tuple(key)
 
 
 def _joined(parts: Sequence[tuple | Fixed], real: bool) -> tuple:
