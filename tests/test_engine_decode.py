@@ -182,6 +182,23 @@ def test_writing_a_token_into_a_slot_known_on_the_host_writes_what_the_slots_sca
     assert b.valid[:, :, slot].all() and (b.positions[:, :, slot] == 41).all()
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_full_caches_sdpa_step_returns_sdpas_own_dtype(masked):
+    """The full cache's step returns SDPA's output in the cache's dtype: a bfloat16 model's output is not cast to
+    float32 and back (two kernels per layer and step on a GPU), and its values are those of the cast."""
+    from slake.cache.decode_step import sdpa_step
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 8, generator=g).bfloat16()
+    k, v = torch.randn(2, 3, 10, 8, generator=g).bfloat16(), torch.randn(2, 3, 10, 8, generator=g).bfloat16()
+    valid = torch.arange(10).expand(2, 3, 10) < 7 if masked else None
+    out = sdpa_step(q, k, v, valid, 0.3)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 6, 8)
+    kk, vv = (k[:, :, :7], v[:, :, :7]) if masked else (k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.view(2, 3, 2, 8), kk, vv, scale=0.3)
+    torch.testing.assert_close(out.float(), ref.reshape(2, 6, 8).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_unmasked_sdpa_turns_cudnn_off_for_the_call_and_back_on(monkeypatch):
     """The unmasked step's SDPA runs with cuDNN's backend off (on an H200 it picked cuDNN's flash forward, which
     does not split the keys and builds a plan per key length: tests/test_cuda.py checks the kernels there) and

@@ -263,9 +263,9 @@ class CompressedKV:
 
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction; returns
-        ``(B, Hq, n_q, d)`` float32, or the query's dtype from the fused kernels (:meth:`Decoder.decode_attention`;
-        during a chunked prefill the chunk's attention and the eviction back to the budget,
-        :meth:`ChunkedPrefill.attention`)."""
+        ``(B, Hq, n_q, d)`` float32, or the query's dtype from the fused kernels and the cache's from the full cache's
+        SDPA step (:meth:`Decoder.decode_attention`; during a chunked prefill the chunk's attention and the eviction
+        back to the budget, :meth:`ChunkedPrefill.attention`)."""
         if self.chunks.active:
             return self.chunks.attention(layer_idx, queries, scaling)
         return self.decoder.decode_attention(layer_idx, queries, scaling)

@@ -437,8 +437,9 @@ def sdpa_step(
 
     ``query`` ``(R, Hq, d)``, ``keys``/``values`` ``(R, Hkv, W, d)``, ``valid`` ``(R, Hkv, W)``, or None when every
     slot given is valid (no mask: the call a GPU runs with its decode kernel); the ``g`` query heads of a KV head
-    are the ``g`` query rows of one SDPA head, so nothing is expanded per query head. Returns ``(R, Hq, d)``
-    float32."""
+    are the ``g`` query rows of one SDPA head, so nothing is expanded per query head. Returns ``(R, Hq, d)`` in the
+    keys' dtype, SDPA's own: a half-precision model's output is not cast to float32 and back (two kernels per layer
+    and step on a GPU, and the round trip changes no value)."""
     R, Hq, d = query.shape
     H = keys.shape[1]
     q = query.reshape(R, H, Hq // H, d).to(keys.dtype)
@@ -448,7 +449,7 @@ def sdpa_step(
         out = _sdpa_without_cudnn(q, keys, values, scaling)
     else:
         out = F.scaled_dot_product_attention(q, keys, values, scale=scaling)
-    return out.reshape(R, Hq, d).float()
+    return out.reshape(R, Hq, d)
 
 
 def _sdpa_without_cudnn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:

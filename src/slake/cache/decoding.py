@@ -158,7 +158,8 @@ class Decoder:
     # ------------------------------------------------------------------ attention
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction; returns
-        ``(B, Hq, n_q, d)`` float32 (the query's dtype where the fused kernels ran the step).
+        ``(B, Hq, n_q, d)`` float32 (the query's dtype where the fused kernels ran the step, the cache's where the
+        full cache's SDPA step did).
 
         One query after a staged token is the shared decode step (:func:`~slake.cache.decode_step.decode_step`).
         Several queries (after a multi-token :meth:`append`) attend causally by position; if the layer is then over
@@ -202,8 +203,8 @@ class Decoder:
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         """The shared single-token decode step of one layer (``query`` ``(B, Hq, d)``, ``key``/``value``
-        ``(B, Hkv, 1, d)``); returns ``(B, Hq, d)`` (float32, or the query's dtype from the fused kernels) and
-        advances the layer's position counter.
+        ``(B, Hkv, 1, d)``); returns ``(B, Hq, d)`` (float32; the query's dtype from the fused kernels, the cache's
+        from the full cache's SDPA step) and advances the layer's position counter.
 
         Every choice here is made from host facts fixed at prefill (the method, whether the layer has targets, a
         linear state, per-head visibility); per-sequence and per-head differences live in the ``targets`` tensor

@@ -94,7 +94,12 @@ def slake_attention_forward(
         layer.finish_prefill(query, padding, scaling)
         return out, None
     out = layer.compressor.decode_attention(layer.slot, query, scaling)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    if out.dtype != query.dtype:
+        out = out.to(query.dtype)
+    B, Hq, nq, d = out.shape
+    if nq == 1:  # (B, Hq, 1, d) and (B, 1, Hq, d) are one layout: a view, not a transpose and a copy
+        return out.reshape(B, 1, Hq, d), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION_NAME, slake_attention_forward)
