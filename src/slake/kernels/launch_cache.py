@@ -41,7 +41,9 @@ import torch
 
 from slake.kernels import launch_config
 
-__all__ = ["MAX_ENTRIES", "MAX_TOKENS", "CachedLaunch", "Constants", "Fixed", "cached", "launch", "launch_key", "launch_parts"]
+__all__ = [
+    "MAX_ENTRIES", "MAX_TOKENS", "CachedLaunch", "Constants", "Fixed", "cached", "launch", "launch_key", "launch_parts",
+]  # fmt: skip
 
 #: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
 #: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
