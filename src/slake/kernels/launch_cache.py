@@ -276,9 +276,9 @@ def _parts_key(parts: Sequence[tuple | Fixed]) -> tuple:
     (the parts' boundaries are part of it, and an int token is never equal to a tuple), so they specialize alike;
     the same arguments launched as one tuple key apart, which costs one more pass through Triton. Nor can it equal
     a joined key, whose first value is a type or a dtype."""
-    key = []
+    key: list[Any] = []
     for p in parts:
-        key.append(p.token if p.__class__ is Fixed else launch_key(p))
+        key.append(p.token if isinstance(p, Fixed) else launch_key(p))
     return tuple(key)
 
 
