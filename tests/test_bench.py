@@ -305,6 +305,29 @@ def test_bench_times_transformers_own_cache_beside_slakes_full_cache(tmp_path, c
     assert "transformers" in (tmp_path / "b" / "bench.md").read_text()
 
 
+def test_bench_times_transformers_own_cache_alone(tmp_path, capsys):
+    """``--methods transformers`` with no method of slake's beside it is one row of transformers' own cache (it was
+    refused as an unknown method, which cost a GPU session its baseline row on 2026-11-28)."""
+    argv = ["bench", "--methods", "transformers", "--lengths", "48", "--random-model", "tiny", "--device", "cpu"]
+    argv += ["--decode-steps", "2", "--warmup", "1", "--no-plots", "--no-progress", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["method"], r["kernels"], r["compressed"]) for r in rows] == [("transformers", "sdpa", False)]
+
+
+def test_bench_methods_takes_the_engines_baselines_alone_or_beside_slakes_methods():
+    """The engine's baselines pass as they are, alone or beside slake's methods, which are still validated."""
+    from slake.cli.bench import bench_methods
+
+    assert bench_methods("transformers", ("transformers",)) == ["transformers"]
+    assert bench_methods("transformers,snapkv", ("transformers",)) == ["transformers", "snapkv"]
+    assert bench_methods("snapkv,full", ("transformers",)) == ["snapkv", "full"]
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        bench_methods("transformers,nope", ("transformers",))
+    with pytest.raises(ValueError, match="unknown method 'transformers'"):
+        bench_methods("transformers")  # not a baseline of this engine
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [

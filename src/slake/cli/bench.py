@@ -277,10 +277,11 @@ def bench_methods(text: str, baselines: tuple[str, ...] = ()) -> list[str]:
 
     methods = split_method_list(text)
     others = [m for m in methods if m not in baselines]
-    if others and len(others) < len(methods):
+    if len(others) == len(methods):
+        return parse_method_list(text)
+    if others:  # the baselines alone (``--methods transformers``) need no method of slake's beside them
         parse_method_list(",".join(others))
-        return methods
-    return parse_method_list(text)
+    return methods
 
 
 def bench_plan(args: argparse.Namespace, baselines: tuple[str, ...] = ()) -> Any:
