@@ -10,7 +10,8 @@ other launch constants, as ``python -m benchmarks kernel-tune`` times them), wit
 launch replaced by an ahead-of-time compilation for the target ``argv[1]`` (e.g. ``cuda:90``: an H100) through
 Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with the arguments and constants the step
 would launch them with (half-precision keys take the low-precision products where the step would on a GPU,
-:func:`slake.cache.fused_step.half_precision_dots`). Prints one JSON line per
+:func:`slake.cache.fused_step.half_precision_dots`). A case ``dense@dtype`` compiles the full cache's masked
+attention over a static store of 128K slots instead (:mod:`slake.kernels.triton_dense`). Prints one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
 reports of it (registers per thread, stack frame, bytes spilled to local memory), with its machine code's static
 instruction counts (``sass``). Nothing runs: the outputs of these
@@ -37,7 +38,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from slake.cache import fused_step  # noqa: E402
-from slake.kernels import launch_config, triton_decode  # noqa: E402
+from slake.kernels import launch_config, triton_decode, triton_dense  # noqa: E402
 
 # the module is imported in compiled mode; from now on slake.kernels.load() returns it as it is
 os.environ["TRITON_INTERPRET"] = "1"
@@ -54,6 +55,10 @@ TYPES = {
     torch.float8_e4m3fn: "fp8e4nv",
 }
 KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+DENSE_KERNELS = ("_dense_partials_kernel", "_dense_combine_kernel")
+#: the full cache's static store a ``dense@dtype`` case compiles the dense attention for: Llama-3-8B's heads at
+#: batch 1 over 128K slots (rows split into pieces of 4,096)
+DENSE_SHAPE = dict(R=1, H=8, G=4, D=128, W=131072 + 40)
 
 
 #: machine instructions counted in each kernel's SASS (``sass`` in the report): global loads, stores and reductions
@@ -173,8 +178,11 @@ def main(argv: list[str]) -> None:
     compiled: list = []
     for name in KERNELS:
         setattr(triton_decode, name, AheadOfTime(getattr(triton_decode, name), target, compiled))
+    for name in DENSE_KERNELS:
+        setattr(triton_dense, name, AheadOfTime(getattr(triton_dense, name), target, compiled))
     # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
     fused_step.half_precision_dots = lambda device, dtype: dtype in (torch.float16, torch.bfloat16)
+    triton_dense.half_precision_dots = fused_step.half_precision_dots
     import test_fused_decode as harness
 
     for case in argv[1:]:
@@ -185,6 +193,14 @@ def main(argv: list[str]) -> None:
         elif storage:
             options["kv_dtype"] = storage
         compiled.clear()
+        if method == "dense":  # the full cache's masked step over a static store (slake.kernels.triton_dense)
+            R, H, G, D, W = (DENSE_SHAPE[k] for k in ("R", "H", "G", "D", "W"))
+            dtype = options.get("dtype", torch.float32)
+            keys, values = (torch.empty(R, H, W, D, dtype=dtype) for _ in range(2))
+            valid = torch.ones(R, H, W, dtype=torch.bool)
+            triton_dense.dense_attention(torch.empty(R, H * G, D, dtype=dtype), keys, values, valid, D**-0.5)
+            print(json.dumps({"case": case, "compiled": compiled}), flush=True)
+            continue
         with launch_config.leaving_out(*left_out), launch_config.tuned(**tune):
             harness._run(harness._method(method), "triton", **shape, **options)
         print(json.dumps({"case": case, "compiled": compiled}), flush=True)

@@ -99,10 +99,11 @@ def test_slake_reduce_overhead_equals_eager():
     assert stats["kv_bytes"] == eager_stats["kv_bytes"]
 
 
-@pytest.mark.parametrize("method", ["cake", "slake"])
+@pytest.mark.parametrize("method", ["full", "cake", "slake"])
 def test_bfloat16_decode_replayed_as_cuda_graphs_equals_eager(method):
     """In bfloat16 the fold upcasts the victims' rows to the float32 linear state inside the graph: replayed as CUDA
-    graphs (no code generation) the step gives the eager tokens."""
+    graphs (no code generation) the step gives the eager tokens. The full cache's static step runs the dense
+    kernels over its whole store (:mod:`slake.kernels.triton_dense`), captured and replayed alike."""
     model = tiny_model("llama-gqa", layers=2).to("cuda", torch.bfloat16)
     eager, eager_stats = _decode(model, method, 24, None)
     graphed, stats = _decode(model, method, 24, {"backend": "cudagraphs"})
@@ -185,3 +186,27 @@ def test_unmasked_decode_attention_runs_without_cudnn():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     masked = sdpa_step(query, keys, values, valid, d**-0.5)
     torch.testing.assert_close(out, masked, rtol=2e-2, atol=2e-2)
+
+
+def test_dense_attention_compiled_for_the_gpu_equals_masked_sdpa():
+    """The full cache's masked step over a static store (:func:`slake.kernels.triton_dense.dense_attention`),
+    compiled for the GPU with half-precision dot products, at Llama-3-8B's heads and batch 1 (rows split over
+    programs): the output of SDPA with the validity as its mask, in float32, within bfloat16's rounding."""
+    from slake.cache.compressed import resolve_kernels
+
+    resolve_kernels("triton", "cuda")
+    from slake.kernels.triton_dense import dense_attention
+
+    torch.manual_seed(0)
+    R, H, g, n, d = 1, 8, 4, 4096 + 64, 128
+    query = torch.randn(R, H * g, d, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(R, H, n, d, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn(R, H, n, d, device="cuda", dtype=torch.bfloat16)
+    valid = torch.zeros(R, H, n, dtype=torch.bool, device="cuda")
+    valid[..., :4001] = True  # a static store's slots after the newest token are empty
+    out = dense_attention(query, keys, values, valid, d**-0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.float().reshape(R, H, g, d), keys.float(), values.float(), attn_mask=valid[:, :, None, :], scale=d**-0.5
+    ).reshape(R, H * g, d)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

@@ -62,3 +62,32 @@ def test_static_mode_makes_the_kernels_row_table_before_any_captured_step(llama_
     for store in cache.compressor.layers:
         assert store._row_table is not None and id(store._row_table) in static
     assert stats["kernels"] == "triton"
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_the_full_cache_decodes_the_same_tokens_with_the_dense_kernels(llama_gqa, static):
+    """The full cache with ``kernels="triton"``: a static cache's step (the whole store, masked) and the eager step
+    of a batch whose second prompt is padded at the front (its valid slots are not a prefix) run the dense kernels
+    that split the keys (:mod:`slake.kernels.triton_dense`) and decode the same tokens as the torch step; the cache
+    reports them."""
+    from compiled_decode import decode
+
+    model = llama_gqa.to(DEVICE)
+    ref, ref_stats, _ = decode(model, "full", 5, static=static, kernels="torch")
+    fused, stats, _ = decode(model, "full", 5, static=static, kernels="triton")
+    assert torch.equal(fused, ref)
+    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
+
+
+def test_a_compiled_static_full_cache_captures_the_dense_kernels_in_its_graph(llama_gqa):
+    """``torch.compile(fullgraph=True)`` of a static full cache's step with ``kernels="triton"``: the dense kernels
+    are one operator in the graph (no break), and the compiled steps (``aot_eager`` runs the operator) decode the
+    eager steps' tokens."""
+    from compiled_decode import decode
+
+    model = llama_gqa.to(DEVICE)
+    torch._dynamo.reset()
+    eager, _, _ = decode(model, "full", 4, static=True, kernels="triton")
+    compiled, _, _ = decode(model, "full", 4, static=True, kernels="triton", backend="aot_eager")
+    torch._dynamo.reset()
+    assert torch.equal(compiled, eager)

@@ -17,6 +17,7 @@ import torch
 from slake.attention.ptaa import attend
 from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
 from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, protected_slots, sdpa_step
+from slake.cache.dense_step import masked_dense_attention
 from slake.cache.fused_step import KernelReport, fused_arguments, keeps_order, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
@@ -221,7 +222,10 @@ class Decoder:
             if n is None:
                 slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
                 store._write(slots, key, value, counter.view(1, 1, 1).expand(B, store.valid.shape[1], 1), 0.0)
-                out = sdpa_step(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
+                # a static store's fixed shape, or rows padded at the front: attend over the whole store, masked;
+                # with the fused kernels split over the keys (SDPA with a mask ran as cuDNN's kernel on the H200,
+                # which does not split them: the compiled full cache took 148 ms per token at 128K)
+                out = masked_dense_attention(self.kernels, store, query, scaling, self.report)
             else:
                 store.write_at(n, key, value, counter)  # slot n: the first free one, known on the host
                 # every slot up to the new token's (slot n) is valid and none after it: SDPA over those slots with

@@ -1,0 +1,57 @@
+"""The attention of a layer's decode step over every valid slot of its dense store, with no score to update (the
+full cache; a layer that does not evict at decode), where the valid slots are not a prefix known on the host: a
+static cache's (``torch.compile``, CUDA graphs), or rows padded at the front.
+
+With ``kernels="triton"`` the step runs :func:`slake.kernels.triton_dense.dense_attention` (two launches that split
+the keys over programs, flash-decoding style); otherwise, or for a store the kernels do not read (8-bit entries),
+SDPA with the validity as its mask (:func:`slake.cache.decode_step.sdpa_step`), the reason recorded in the
+:class:`~slake.cache.fused_step.KernelReport` and logged once, never silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slake.cache.decode_step import sdpa_step
+from slake.cache.fused_step import KernelReport
+from slake.cache.layer_store import LayerStore
+
+__all__ = ["dense_kernel_reason", "masked_dense_attention"]
+
+_DOTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dense_kernel_reason(store: LayerStore) -> str | None:
+    """Why :func:`slake.kernels.triton_dense.dense_attention` cannot read ``store`` (None when it can)."""
+    if store.kv_dtype is not None:
+        return f"{store.kv_dtype} storage in the dense attention"
+    if store.keys.dtype not in _DOTS:
+        return f"{store.keys.dtype} keys in the dense attention"
+    return None
+
+
+def masked_dense_attention(
+    kernels: str, store: LayerStore, query: torch.Tensor, scaling: float, report: KernelReport | None = None
+) -> torch.Tensor:
+    """``query`` ``(R, Hq, d)`` over every valid slot of ``store`` (its new token already written): ``(R, Hq, d)`` in
+    the store's dtype, as SDPA with the validity as its mask returns.
+
+    ``kernels="triton"`` runs the split-over-the-keys kernels where they read the store; ``report`` records which
+    ran, and why the torch step did where the kernels were asked for (not under ``torch.compile``: a side effect per
+    step would break the graph)."""
+    if report is not None and torch.compiler.is_compiling():
+        report = None
+    if kernels == "triton":
+        reason = dense_kernel_reason(store)
+        if reason is None:
+            from slake.kernels.triton_dense import dense_attention, dense_attention_op  # loaded by resolve_kernels
+
+            op = dense_attention_op if torch.compiler.is_compiling() else dense_attention
+            if report is not None:
+                report.record("triton")
+            return op(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
+        if report is not None:
+            report.record("torch", reason)
+    elif report is not None:
+        report.record("torch")
+    return sdpa_step(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
