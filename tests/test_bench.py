@@ -269,8 +269,8 @@ def test_steps_issued_back_to_back_feed_each_token_to_the_next_and_sync_once(mon
         fed.append(int(tok))
         return tok + 1
 
-    ms, tok = measure.time_pipelined(stepper, torch.tensor([[7]]), 5, torch.device("cuda"))
-    assert fed == [7, 8, 9, 10, 11] and int(tok) == 12 and ms >= 0
+    ms, host, tok = measure.time_pipelined(stepper, torch.tensor([[7]]), 5, torch.device("cuda"))
+    assert fed == [7, 8, 9, 10, 11] and int(tok) == 12 and ms >= host >= 0
     assert syncs == ["cuda", "cuda"]  # before the first step and after the last: none between
     with pytest.raises(ValueError, match="steps"):
         measure.time_pipelined(stepper, tok, 0, torch.device("cpu"))
@@ -279,8 +279,9 @@ def test_steps_issued_back_to_back_feed_each_token_to_the_next_and_sync_once(mon
         "decode_ms_per_token": 9.1, "decode_ms_min": 9.0, "decode_ms_max": 9.3, "decode_ms_pipelined": 7.25,
         "peak_mem_bytes": 1 << 30, "kv_bytes": 1 << 20, "kv_bytes_detail": {},
     }  # fmt: skip
-    table = markdown_table([row, {**row, "decode_ms_pipelined": None}])
+    table = markdown_table([row, {**row, "decode_ms_pipelined": None}, {**row, "decode_ms_pipelined_host": 6.5}])
     assert "back to back ms/token" in table and "| 7.2 |" in table and "| - |" in table
+    assert "| 7.2 (host 6.5) |" in table  # the host's share, where the row has it
 
 
 def test_bench_times_transformers_own_cache_beside_slakes_full_cache(tmp_path, capsys):

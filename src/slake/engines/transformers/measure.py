@@ -84,20 +84,25 @@ def pipelined_steps(model, cfg: BenchConfig) -> int:
     return cfg.decode_steps if model.device.type == "cuda" else 0
 
 
-def time_pipelined(stepper, tok: torch.Tensor, steps: int, device: torch.device) -> tuple[float, torch.Tensor]:
+def time_pipelined(
+    stepper, tok: torch.Tensor, steps: int, device: torch.device
+) -> tuple[float, float, torch.Tensor]:
     """Milliseconds per token of ``steps`` decode steps issued back to back, each step's token fed to the next on
     the device, with one synchronisation at the end: the host prepares step ``t + 1`` while the device runs step
     ``t``, as a generation loop that does not read each token back (a server's, or one that checks for the end of
     its sequences every few tokens) runs. Where the host's work per step is less than the device's, this is the
-    device's time per step; the synchronised median adds the host's on top. Returns ``(ms per token, last token)``."""
+    device's time per step; the synchronised median adds the host's on top. Returns ``(ms per token, the host's ms
+    per token until the last step was issued, last token)``: where the two are close the host bounds the loop,
+    where the first is larger the device does."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     _sync(device)
     s = time.perf_counter()
     for _ in range(steps):
         tok = stepper(tok)
+    issued = time.perf_counter()
     _sync(device)
-    return (time.perf_counter() - s) * 1e3 / steps, tok
+    return (time.perf_counter() - s) * 1e3 / steps, (issued - s) * 1e3 / steps, tok
 
 
 def _launch_mode() -> str:
@@ -285,9 +290,9 @@ def measure(model, cfg: BenchConfig) -> dict:
                 compile_s = time.perf_counter() - s  # tracing, compiling and running the first step
             if step >= warmup:
                 times.append((time.perf_counter() - s) * 1e3)
-        pipelined = None
+        pipelined = pipelined_host = None
         if pipelined_steps(model, cfg):
-            pipelined, tok = time_pipelined(stepper, tok, pipelined_steps(model, cfg), device)
+            pipelined, pipelined_host, tok = time_pipelined(stepper, tok, pipelined_steps(model, cfg), device)
         step_profile = None
         if cfg.profile_steps:  # after the timed steps, so that the profiler's overhead is in none of them
             step_profile, tok = profile_decode(stepper, tok, cfg.profile_steps, device)
@@ -319,6 +324,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "decode_steps": len(times),
         "decode_timing": "sequential",
         "decode_ms_pipelined": pipelined,  # steps back to back, one synchronisation (CUDA only; None elsewhere)
+        "decode_ms_pipelined_host": pipelined_host,  # of which the host's, until the last step was issued
         "peak_mem_bytes": int(peak),
         "peak_mem_baseline_bytes": int(meter.baseline),
         "peak_mem_kind": meter.kind,

@@ -25,6 +25,15 @@ def series_label(row: dict, rows: list[dict]) -> str:
     return label
 
 
+def _pipelined(row: dict) -> str:
+    """The back-to-back cell: ms per token, and the host's share until the last step was issued where known."""
+    ms = row.get("decode_ms_pipelined")
+    if ms is None:
+        return "- | "
+    host = row.get("decode_ms_pipelined_host")
+    return f"{ms:.1f} (host {host:.1f}) | " if host is not None else f"{ms:.1f} | "
+
+
 def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] | None = None) -> str:
     """A markdown table of the rows, one line per configuration."""
     paired = any("decode_vs_first" in r for r in rows)
@@ -48,7 +57,7 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
         kv = r.get("kv_bytes_detail", {})
         vs = ""
         if piped:
-            vs = f"{r['decode_ms_pipelined']:.1f} | " if r.get("decode_ms_pipelined") is not None else "- | "
+            vs = _pipelined(r)
         if roof:
             vs += f"{r['vs_roofline']:.2f} | " if r.get("vs_roofline") is not None else "- | "
         if paired:
