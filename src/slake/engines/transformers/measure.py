@@ -84,9 +84,7 @@ def pipelined_steps(model, cfg: BenchConfig) -> int:
     return cfg.decode_steps if model.device.type == "cuda" else 0
 
 
-def time_pipelined(
-    stepper, tok: torch.Tensor, steps: int, device: torch.device
-) -> tuple[float, float, torch.Tensor]:
+def time_pipelined(stepper, tok: torch.Tensor, steps: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
     """Milliseconds per token of ``steps`` decode steps issued back to back, each step's token fed to the next on
     the device, with one synchronisation at the end: the host prepares step ``t + 1`` while the device runs step
     ``t``, as a generation loop that does not read each token back (a server's, or one that checks for the end of
