@@ -258,6 +258,13 @@ def pool_gpu(a: argparse.Namespace) -> None:
         for c in (int(x) for x in _split(a.contexts)):
             _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **shape.attention()))
             torch.cuda.empty_cache()
+            if a.kernels == "triton":  # the full cache's static step (the compiled full cache's attention) beside it
+                _emit(
+                    full_attention_cuda(
+                        requests=r, context=c, device=a.device, dtype=dtype, impl="dense", **shape.attention()
+                    )
+                )
+                torch.cuda.empty_cache()
         for m in _methods(a.methods):
             _emit(
                 pool_step_cuda(

@@ -431,33 +431,56 @@ def full_attention_cuda(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     memory_gb: float = 24.0,
+    impl: str = "sdpa",
 ) -> dict:
     """GPU milliseconds of a full cache's decode attention for one step over all layers: one
     ``scaled_dot_product_attention`` per layer (a single query per request over ``context`` dense keys and values),
     captured as one CUDA graph. Layers cycle over as many distinct caches as fit in ``memory_gb`` (at least two,
     each larger than the GPU's L2 at these sizes), so every call reads its cache from memory. ``read_tb_s``: the
-    keys' and values' bytes over the time, against the GPU's memory bandwidth."""
+    keys' and values' bytes over the time, against the GPU's memory bandwidth.
+
+    ``impl="dense"``: the full cache's static step instead (:func:`slake.kernels.triton_dense.dense_attention`, the
+    two kernels that split the keys, with a validity mask over a store 64 slots wider than ``context``), the
+    attention a compiled full cache runs since 2026-11-28."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if impl not in ("sdpa", "dense"):
+        raise ValueError(f"impl must be 'sdpa' or 'dense', got {impl!r}")
+    width = context + (64 if impl == "dense" else 0)
     per_layer = requests * kv_heads * context * head_dim * 2 * torch.finfo(dtype).bits // 8
     n = max(2, min(layers, int(memory_gb * 1e9 // per_layer)))
-    k = [torch.randn(requests, kv_heads, context, head_dim, device=device, dtype=dtype) for _ in range(n)]
-    v = [torch.randn(requests, kv_heads, context, head_dim, device=device, dtype=dtype) for _ in range(n)]
+    k = [torch.randn(requests, kv_heads, width, head_dim, device=device, dtype=dtype) for _ in range(n)]
+    v = [torch.randn(requests, kv_heads, width, head_dim, device=device, dtype=dtype) for _ in range(n)]
     q = torch.randn(requests, kv_heads * group, 1, head_dim, device=device, dtype=dtype)
+    valid = torch.zeros(requests, kv_heads, width, dtype=torch.bool, device=device)
+    valid[..., :context] = True
+    if impl == "dense":
+        from slake.cache.compressed import resolve_kernels
 
-    def step() -> torch.Tensor:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            outs = [
-                torch.nn.functional.scaled_dot_product_attention(q, k[li % n], v[li % n], enable_gqa=True)
-                for li in range(layers)
-            ]
-        return torch.stack(outs)
+        resolve_kernels("triton", device)
+        from slake.kernels.triton_dense import dense_attention
+
+        q3 = q.reshape(requests, kv_heads * group, head_dim)
+
+        def step() -> torch.Tensor:
+            scale = head_dim**-0.5
+            return torch.stack([dense_attention(q3, k[li % n], v[li % n], valid, scale) for li in range(layers)])
+
+    else:
+
+        def step() -> torch.Tensor:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                outs = [
+                    torch.nn.functional.scaled_dot_product_attention(q, k[li % n], v[li % n], enable_gqa=True)
+                    for li in range(layers)
+                ]
+            return torch.stack(outs)
 
     with torch.inference_mode():
         graph, _ = _capture(step)
         ms = _events_ms(graph.replay, steps)
     return {
-        "what": "full_attention",
+        "what": "full_attention" if impl == "sdpa" else "full_attention_dense",
         "requests": requests,
         "context": context,
         "graph_ms": round(ms, 3),

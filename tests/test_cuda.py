@@ -210,3 +210,17 @@ def test_dense_attention_compiled_for_the_gpu_equals_masked_sdpa():
     ).reshape(R, H * g, d)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_the_full_attention_benchmark_times_the_dense_kernels_beside_sdpa():
+    """``python -m benchmarks pool-gpu --kernels triton`` times the full cache's static attention (the dense kernels)
+    beside plain SDPA, each captured as one CUDA graph: both rows come out, with the same bytes read."""
+    from benchmarks.pool import full_attention_cuda
+
+    shape = dict(layers=2, kv_heads=2, group=2, head_dim=64, requests=1, context=4096, steps=2)
+    sdpa = full_attention_cuda(**shape, impl="sdpa")
+    dense = full_attention_cuda(**shape, impl="dense")
+    assert sdpa["what"] == "full_attention" and dense["what"] == "full_attention_dense"
+    assert dense["kv_gb"] == sdpa["kv_gb"] and dense["graph_ms"] > 0
+    with pytest.raises(ValueError, match="impl"):
+        full_attention_cuda(**shape, impl="flash")
