@@ -33,6 +33,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from typing import Any
 
 
 def _split(text: str) -> list[str]:
@@ -259,11 +260,8 @@ def pool_gpu(a: argparse.Namespace) -> None:
             _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **shape.attention()))
             torch.cuda.empty_cache()
             if a.kernels == "triton":  # the full cache's static step (the compiled full cache's attention) beside it
-                _emit(
-                    full_attention_cuda(
-                        requests=r, context=c, device=a.device, dtype=dtype, impl="dense", **shape.attention()
-                    )
-                )
+                dense: dict[str, Any] = {**shape.attention(), "impl": "dense"}
+                _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **dense))
                 torch.cuda.empty_cache()
         for m in _methods(a.methods):
             _emit(
