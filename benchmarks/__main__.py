@@ -257,11 +257,11 @@ def pool_gpu(a: argparse.Namespace) -> None:
         _emit(weights_cuda(shape, requests=r, device=a.device, dtype=dtype))
         torch.cuda.empty_cache()
         for c in (int(x) for x in _split(a.contexts)):
-            _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **shape.attention()))
+            heads: dict[str, Any] = shape.attention()
+            _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **heads))
             torch.cuda.empty_cache()
             if a.kernels == "triton":  # the full cache's static step (the compiled full cache's attention) beside it
-                dense: dict[str, Any] = {**shape.attention(), "impl": "dense"}
-                _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, **dense))
+                _emit(full_attention_cuda(requests=r, context=c, device=a.device, dtype=dtype, impl="dense", **heads))
                 torch.cuda.empty_cache()
         for m in _methods(a.methods):
             _emit(
