@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,48 @@ def test_bench_sequential_timing_and_single_configurations_keep_their_own_run(tm
         == 2
     )
     assert "drop --isolate" in capsys.readouterr().err
+
+
+def test_auto_timing_interleaves_a_gpus_eager_configurations_whose_caches_fit_together(monkeypatch):
+    """``--decode-timing auto`` on CUDA (a GPU host's speed moved 2x between runs on the H200, so sequential medians
+    said nothing there): a length's eager configurations are timed interleaved when their caches and the largest
+    one's working memory fit in the GPU's free memory (the allocator's cached blocks counted as free); not when one
+    is compiled, not when they do not fit; the CPU always, and what was asked for explicitly."""
+    import types
+
+    from slake.engines.base import BenchPlan
+    from slake.engines.transformers import bench
+    from slake.engines.transformers.measure import BenchConfig
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 4 * gib)  # 2 GiB cached, free to reuse
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
+
+    def row(kv_gib: float, working_gib: float = 1.0) -> dict:
+        kv = int(kv_gib * gib)
+        return {
+            "kv_bytes": kv,
+            "peak_mem_baseline_bytes": 4 * gib,
+            "peak_mem_bytes": 4 * gib + kv + int(working_gib * gib),
+        }
+
+    plan = BenchPlan(methods=("full", "slake"), budgets=(), lengths=(8192,), out=Path("."))
+    eager = [BenchConfig("full", 1024, 8192), BenchConfig("slake", 1024, 8192)]
+    compiled = [BenchConfig("full", 1024, 8192, compile=True), BenchConfig("slake", 1024, 8192, compile=True)]
+    assert bench.interleaved_timing(plan, gpu) and bench.interleaved_timing(plan, cpu)
+    assert bench.group_interleaved(plan, gpu, eager, [row(8.0), row(0.2)])  # 8.2 + 1 <= 0.8 x 12
+    assert not bench.group_interleaved(plan, gpu, eager, [row(9.0), row(0.2)])  # 9.2 + 1 > 9.6
+    assert not bench.group_interleaved(plan, gpu, compiled, [row(0.1), row(0.1)])
+    assert bench.group_interleaved(plan, cpu, compiled, [row(90.0), row(90.0)])
+    asked = BenchPlan(
+        methods=("full", "slake"), budgets=(), lengths=(8192,), out=Path("."), decode_timing="interleaved"
+    )
+    assert bench.group_interleaved(asked, gpu, compiled, [row(90.0), row(90.0)])
+    seq = BenchPlan(methods=("full", "slake"), budgets=(), lengths=(8192,), out=Path("."), decode_timing="sequential")
+    assert not bench.interleaved_timing(seq, gpu) and not bench.group_interleaved(seq, cpu, eager, [row(1), row(1)])
 
 
 def test_interleaved_timing_runs_each_configuration_in_alternating_order(monkeypatch):

@@ -157,7 +157,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "together and time their decode steps in turn, so that machine drift cannot bias a "
         "comparison (needs all their caches in memory at once; one more prefill each); "
         "sequential: time each configuration during its own run; auto (default): interleaved on "
-        "CPU, sequential on CUDA and with --isolate",
+        "CPU, and on CUDA for a length whose configurations are eager and whose caches fit in the GPU's "
+        "free memory together; sequential otherwise and with --isolate",
     )
     add_engine_arg(p, "measure")
     add_serve_args(p)

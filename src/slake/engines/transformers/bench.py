@@ -6,7 +6,8 @@ rows are appended to ``OUT/bench.jsonl``, and ``OUT/bench.md`` and the plots are
 ``profile_steps`` also ``OUT/step_profile.md``, where each configuration's decode step spends its time
 (:mod:`slake.engines.transformers.step_profile`).
 With ``isolate`` each configuration runs in a fresh process (exact per-configuration peak memory, at the cost of
-reloading the model). On CPU the decode steps of the configurations of one length are timed again in turn
+reloading the model). On CPU, and on CUDA for eager configurations whose caches fit in the GPU together
+(:func:`group_interleaved`), the decode steps of the configurations of one length are timed again in turn
 (``decode_timing``, :func:`slake.engines.transformers.measure.time_decode_interleaved`), so that comparisons between
 methods do not depend on when each one ran.
 """
@@ -140,7 +141,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         "cpu_count": os.cpu_count(),
         "load_avg_1m": load_avg(),
     }
-    interleave = interleaved_timing(plan, model)
+    interleave = interleaved_timing(plan, model)  # a group's rows wait for its interleaved timing, if it runs one
     floor = None  # the roofline's terms (roofline.py): weights read per step, the device's copy bandwidth
     if model is not None:
         floor = decode_weight_bytes(model, plan.batch), copy_bandwidth(model.device)
@@ -163,7 +164,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
                     f.flush()
                 if bar is not None:
                     bar.update(1)
-            if interleave and len(group) > 1:
+            if interleave and len(group) > 1 and group_interleaved(plan, model, group, group_rows):
                 if bar is not None:
                     bar.set_postfix_str(f"interleaved decode timing, length {group[0].length}")
                 apply_interleaved(group_rows, time_decode_interleaved(model, group, plan.decode_steps, plan.warmup))
@@ -175,6 +176,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             rows += group_rows
     if bar is not None:
         bar.close()
+    timings = {r.get("decode_timing") for r in rows}
     notes = [
         f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
         f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
@@ -187,8 +189,11 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             "decode_ms_sequential in bench.jsonl); decode vs first: median over those "
             "rounds of the step-time ratio to the length's first configuration, the "
             "number to compare methods by"
-            if interleave
+            if timings == {"interleaved"}
             else "medians of each configuration's own run (sequential)"
+            if timings <= {"sequential"}
+            else "interleaved where the rows' decode_timing says so (lengths whose caches fit together), else "
+            "sequential; decode vs first compares the interleaved rows of a length"
         ),
         "peak memory: "
         + (
@@ -227,13 +232,42 @@ def _add_roofline(row: dict, floor: tuple[int, float] | None) -> None:
 
 
 def interleaved_timing(plan: BenchPlan, model: Any) -> bool:
-    """Whether decode steps are timed interleaved (``decode_timing``; auto: on CPU without ``isolate``)."""
+    """Whether decode steps may be timed interleaved (``decode_timing``; auto: on CPU and CUDA without ``isolate``,
+    each length's group then decided by :func:`group_interleaved`)."""
     mode = plan.decode_timing
     if mode == "interleaved" and plan.isolate:
         raise ValueError("--decode-timing interleaved needs the configurations in one process; drop --isolate")
     if mode == "auto":
-        return not plan.isolate and model is not None and model.device.type == "cpu"
+        return not plan.isolate and model is not None and model.device.type in ("cpu", "cuda")
     return mode == "interleaved"
+
+
+#: the share of the GPU's free memory an automatically interleaved group's caches may take together
+INTERLEAVE_MEMORY_SHARE = 0.8
+
+
+def group_interleaved(plan: BenchPlan, model: Any, group: list[BenchConfig], rows: list[dict]) -> bool:
+    """Whether one length's configurations (``group``, measured alone as ``rows``) are timed again interleaved.
+
+    Asked for (``interleaved``): always. ``auto``: on the CPU always; on CUDA when no configuration is compiled (two
+    compiled caches would replay CUDA graphs in turn over different static inputs) and every cache of the group fits
+    in the GPU's free memory at once, with the largest configuration's own peak above its cache beside them
+    (:data:`INTERLEAVE_MEMORY_SHARE` of what is free). A GPU host's speed can move by 2x between runs and within one
+    (the H200 of 2026-11-28, ``docs/gpu.md``): a ratio of two sequential medians says nothing there, the interleaved
+    rounds' ratio does."""
+    if plan.decode_timing != "auto":
+        return plan.decode_timing == "interleaved"
+    if model.device.type == "cpu":
+        return True
+    if model.device.type != "cuda" or any(cfg.compile for cfg in group):
+        return False
+    import torch
+
+    dev = model.device
+    free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    caches = sum(int(r["kv_bytes"]) for r in rows)
+    working = max(int(r["peak_mem_bytes"]) - int(r["peak_mem_baseline_bytes"]) - int(r["kv_bytes"]) for r in rows)
+    return caches + max(working, 0) <= INTERLEAVE_MEMORY_SHARE * free
 
 
 def length_groups(cfgs: list[BenchConfig]) -> list[list[BenchConfig]]:
