@@ -82,10 +82,10 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         # SLAKE's step at batch 1, budget 1024 with other launch constants, each against the step as it is: every
         # row sorted again instead of the order its last step left (what the held order gains), the row's slots
         # padded to pow2(budget + 1) with the new token among them (what keeping it apart gains), the pooling of
-        # before (int64 keys through memory), more pieces combined per round, the victim piece in one block, 16
-        # warps (the whole list, benchmarks.pool.TUNE_VARIANTS, is the command without --variants)
+        # before (int64 keys through memory), the victim's piece summed 32 slots at a time (the default until
+        # 2026-11-28, when 16 removed the kernel's register spill), more pieces combined per round, 16 warps (the whole list, benchmarks.pool.TUNE_VARIANTS, is the command without --variants)
         "$py" -m benchmarks kernel-tune --methods slake --budget 1024 --requests 1 \
-            --variants "HELD_ORDER=0;NEW_TOKEN_APART=0;POOL_GATHER=0,SHORT_KEYS=0;COMBINE=8;RECOMPUTE_BLOCK=64;WIDE_WARPS=16" \
+            --variants "HELD_ORDER=0;NEW_TOKEN_APART=0;POOL_GATHER=0,SHORT_KEYS=0;RECOMPUTE_BLOCK=32;COMBINE=8;WIDE_WARPS=16" \
             > "$out/kernel_tune.jsonl"
         ;;
     launch)

@@ -347,6 +347,7 @@ def kernel_parts_cuda(method: str, parts: list[str] | None = None, **pool: objec
 #: time what that change gained
 TUNE_VARIANTS: list[dict[str, int]] = [
     {"COMBINE": 8},
+    {"RECOMPUTE_BLOCK": 32},
     {"RECOMPUTE_BLOCK": 64},
     {"COMBINE": 8, "RECOMPUTE_BLOCK": 64},
     {"WIDE_WARPS": 16},

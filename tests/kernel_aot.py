@@ -9,7 +9,9 @@ kernel without those parts, as ``python -m benchmarks kernel-parts`` times it; `
 other launch constants, as ``python -m benchmarks kernel-tune`` times them), with every kernel
 launch replaced by an ahead-of-time compilation for the target ``argv[1]`` (e.g. ``cuda:90``: an H100) through
 Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with the arguments and constants the step
-would launch them with (half-precision keys take the low-precision products where the step would on a GPU,
+would launch them with, specialized as Triton's JIT specializes a launch (an int equal to 1 made a constant, pointers
+aligned to 16 bytes and ints divisible by 16 marked so; without it the loads were compiled unvectorized and the
+register counts were not a GPU's, since 2026-11-28) (half-precision keys take the low-precision products where the step would on a GPU,
 :func:`slake.cache.fused_step.half_precision_dots`). A case ``dense@dtype`` compiles the full cache's masked
 attention over a static store of 128K slots instead (:mod:`slake.kernels.triton_dense`). Prints one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 
 from slake.cache import fused_step  # noqa: E402
 from slake.kernels import launch_config, triton_decode, triton_dense  # noqa: E402
@@ -121,23 +124,30 @@ class AheadOfTime:
             fn = self.kernel
             bound = dict(zip(fn.arg_names, args, strict=False))
             bound.update(kwargs)
-            signature, constants = {}, {}
+            signature, constants, attrs = {}, {}, {}
             for i, name in enumerate(fn.arg_names):
                 value = bound[name]
-                if fn.params[i].is_constexpr:
+                param = fn.params[i]
+                if param.is_constexpr:
                     signature[name], constants[name] = "constexpr", value
-                elif isinstance(value, torch.Tensor):
-                    signature[name] = "*" + TYPES[value.dtype]
-                elif isinstance(value, bool):
-                    signature[name] = "i1"
-                elif isinstance(value, int):
-                    signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-                elif isinstance(value, float):
-                    signature[name] = "fp32"
-                else:
+                    continue
+                if not isinstance(value, (torch.Tensor, bool, int, float)):
                     raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
+                # specialized as Triton's JIT does at a launch (triton.runtime.jit): an int equal to 1 becomes a
+                # constant, and a pointer aligned to 16 bytes or an int divisible by 16 is marked so, which lets the
+                # compiler vectorize loads (the CPU's allocator aligns as CUDA's does)
+                kind, spec = native_specialize_impl(
+                    BaseBackend, value, param.is_const, not param.do_not_specialize,
+                    not param.do_not_specialize_on_alignment,
+                )  # fmt: skip
+                if kind == "constexpr":
+                    signature[name], constants[name] = "constexpr", spec
+                    continue
+                signature[name] = kind
+                if isinstance(spec, str) and spec:
+                    attrs[(i,)] = BaseBackend.parse_attr(spec)
             options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-            source = triton.compiler.ASTSource(fn, signature, constants)
+            source = triton.compiler.ASTSource(fn, signature, constants, attrs)
             binary = triton.compile(source, target=self.target, options=options)
             self.compiled.append(
                 {
