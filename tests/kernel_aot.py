@@ -12,8 +12,9 @@ Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with t
 would launch them with, specialized as Triton's JIT specializes a launch (an int equal to 1 made a constant, pointers
 aligned to 16 bytes and ints divisible by 16 marked so; without it the loads were compiled unvectorized and the
 register counts were not a GPU's, since 2026-11-28); half-precision keys take the low-precision products where
-the step would on a GPU (:func:`slake.cache.fused_step.half_precision_dots`). A case ``dense@dtype`` compiles the full cache's masked
-attention over a static store of 128K slots instead (:mod:`slake.kernels.triton_dense`). Prints one JSON line per
+the step would on a GPU (:func:`slake.cache.fused_step.half_precision_dots`). A case ``dense@dtype`` compiles the
+full cache's masked attention over a static store of 128K slots instead (:mod:`slake.kernels.triton_dense`). Prints
+one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
 reports of it (registers per thread, stack frame, bytes spilled to local memory), with its machine code's static
 instruction counts (``sass``). Nothing runs: the outputs of these
