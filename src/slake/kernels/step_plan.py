@@ -103,6 +103,11 @@ def launch_plan(
         HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, launch.FREE_BLOCK), MB=16,
         HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
     )  # fmt: skip
+    if quant:
+        # 8-bit rows dequantised into float32 tiles: with the loop software-pipelined (Triton's default stages) the
+        # first kernel took all 255 registers and spilled 316 bytes on sm_90, unpipelined 64 registers and none (a
+        # program's piece is one or a few blocks of slots; occupancy hides the latency instead)
+        append["num_stages"] = 1
     projection = dict(G=G, D=d, DP=DP, HB=launch.PROJECTION_BLOCK, QUANT=quant)
     evict = dict(
         SP=launch.pow2(S), BW=EW, LB=16, HAS_FIRST=bool(has_first), HAS_LINEAR=bool(has_linear), RULE=rule,
