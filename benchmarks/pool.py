@@ -465,7 +465,10 @@ def full_attention_cuda(
 
         def step() -> torch.Tensor:
             scale = head_dim**-0.5
-            return torch.stack([dense_attention(q3, k[li % n], v[li % n], valid, scale) for li in range(layers)])
+            none = valid.new_empty(0, dtype=torch.float32)
+            return torch.stack(
+                [dense_attention(q3, k[li % n], v[li % n], valid, none, none, scale) for li in range(layers)]
+            )
 
     else:
 

@@ -207,9 +207,12 @@ def main(argv: list[str]) -> None:
         if method == "dense":  # the full cache's masked step over a static store (slake.kernels.triton_dense)
             R, H, G, D, W = (DENSE_SHAPE[k] for k in ("R", "H", "G", "D", "W"))
             dtype = options.get("dtype", torch.float32)
-            keys, values = (torch.empty(R, H, W, D, dtype=dtype) for _ in range(2))
+            codes = {"int8": torch.int8, "fp8_e4m3": torch.uint8}.get(options.get("kv_dtype", ""), dtype)
+            keys, values = (torch.empty(R, H, W, D, dtype=codes) for _ in range(2))
             valid = torch.ones(R, H, W, dtype=torch.bool)
-            triton_dense.dense_attention(torch.empty(R, H * G, D, dtype=dtype), keys, values, valid, D**-0.5)
+            scales = torch.empty(R, H, W, 1) if codes != dtype else torch.empty(0)
+            triton_dense.dense_attention(torch.empty(R, H * G, D, dtype=dtype), keys, values, valid, scales, scales,
+                                         D**-0.5)  # fmt: skip
             print(json.dumps({"case": case, "compiled": compiled}), flush=True)
             continue
         with launch_config.leaving_out(*left_out), launch_config.tuned(**tune):

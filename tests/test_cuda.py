@@ -204,7 +204,8 @@ def test_dense_attention_compiled_for_the_gpu_equals_masked_sdpa():
     values = torch.randn(R, H, n, d, device="cuda", dtype=torch.bfloat16)
     valid = torch.zeros(R, H, n, dtype=torch.bool, device="cuda")
     valid[..., :4001] = True  # a static store's slots after the newest token are empty
-    out = dense_attention(query, keys, values, valid, d**-0.5)
+    none = torch.empty(0, device="cuda")
+    out = dense_attention(query, keys, values, valid, none, none, d**-0.5)
     ref = torch.nn.functional.scaled_dot_product_attention(
         query.float().reshape(R, H, g, d), keys.float(), values.float(), attn_mask=valid[:, :, None, :], scale=d**-0.5
     ).reshape(R, H * g, d)

@@ -91,3 +91,17 @@ def test_a_compiled_static_full_cache_captures_the_dense_kernels_in_its_graph(ll
     compiled, _, _ = decode(model, "full", 4, static=True, kernels="triton", backend="aot_eager")
     torch._dynamo.reset()
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize(("static", "batch"), [(True, 2), (False, 2), (False, 1)])
+def test_an_8bit_full_cache_decodes_the_same_tokens_with_the_dense_kernels(llama_gqa, static, batch):
+    """The full cache with int8 kept entries and ``kernels="triton"``: the dense kernels read the codes and scales
+    (eager too, a batch of one whose slots are one prefix included, where SDPA would dequantise the whole store
+    every layer and step), and decode the torch step's tokens."""
+    from compiled_decode import decode
+
+    model = llama_gqa.to(DEVICE)
+    ref, _, _ = decode(model, "full", 5, batch=batch, static=static, kernels="torch", kv_dtype="int8")
+    fused, stats, _ = decode(model, "full", 5, batch=batch, static=static, kernels="triton", kv_dtype="int8")
+    assert torch.equal(fused, ref)
+    assert stats["kernels"] == "triton"

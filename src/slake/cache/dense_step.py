@@ -3,9 +3,12 @@ full cache; a layer that does not evict at decode), where the valid slots are no
 static cache's (``torch.compile``, CUDA graphs), or rows padded at the front.
 
 With ``kernels="triton"`` the step runs :func:`slake.kernels.triton_dense.dense_attention` (two launches that split
-the keys over programs, flash-decoding style); otherwise, or for a store the kernels do not read (8-bit entries),
-SDPA with the validity as its mask (:func:`slake.cache.decode_step.sdpa_step`), the reason recorded in the
-:class:`~slake.cache.fused_step.KernelReport` and logged once, never silently.
+the keys over programs, flash-decoding style; 8-bit rows are read as codes and scales, never dequantised into a copy
+of the store); otherwise, or for a store the kernels do not read, SDPA with the validity as its mask over the
+(dequantised) store (:func:`slake.cache.decode_step.sdpa_step`), the reason recorded in the
+:class:`~slake.cache.fused_step.KernelReport` and logged once, never silently. With 8-bit rows the eager full cache
+whose slots are one prefix takes the kernels too (:meth:`slake.cache.decoding.Decoder.step`): SDPA over them would
+first dequantise the whole store, every layer and step.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from slake.cache.decode_step import sdpa_step
-from slake.cache.fused_step import KernelReport
+from slake.cache.fused_step import KernelReport, _placeholder
 from slake.cache.layer_store import LayerStore
 
 __all__ = ["dense_kernel_reason", "masked_dense_attention"]
@@ -22,11 +25,12 @@ _DOTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def dense_kernel_reason(store: LayerStore) -> str | None:
-    """Why :func:`slake.kernels.triton_dense.dense_attention` cannot read ``store`` (None when it can)."""
-    if store.kv_dtype is not None:
-        return f"{store.kv_dtype} storage in the dense attention"
-    if store.keys.dtype not in _DOTS:
+    """Why :func:`slake.kernels.triton_dense.dense_attention` cannot read ``store`` (None when it can): float32,
+    float16 and bfloat16 rows, and 8-bit rows with their scales, it reads."""
+    if store.kv_dtype is None and store.keys.dtype not in _DOTS:
         return f"{store.keys.dtype} keys in the dense attention"
+    if store.kv_dtype is not None and (store.k_scale is None or store.v_scale is None):
+        return f"{store.kv_dtype} storage without its scales in the dense attention"
     return None
 
 
@@ -49,7 +53,10 @@ def masked_dense_attention(
             op = dense_attention_op if torch.compiler.is_compiling() else dense_attention
             if report is not None:
                 report.record("triton")
-            return op(query, store.dense_keys(), store.dense_values(), store.valid, scaling)
+            k_scale, v_scale = store.k_scale, store.v_scale
+            if k_scale is None or v_scale is None:  # rows at the model's dtype: the scales are not read
+                k_scale = v_scale = _placeholder(store.valid.device, torch.float32)
+            return op(query, store.keys, store.values, store.valid, k_scale, v_scale, scaling)
         if report is not None:
             report.record("torch", reason)
     elif report is not None:

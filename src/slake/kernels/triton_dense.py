@@ -22,6 +22,8 @@ machine without CUDA the kernels run through Triton's interpreter, where the tes
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -29,12 +31,14 @@ from torch.library import custom_op
 
 from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
-from slake.kernels.triton_slots import load_queries
+from slake.kernels.triton_slots import load_queries, load_rows
 
 __all__ = ["dense_attention", "dense_attention_op"]
 
 #: query heads per program are padded to at least this (``tl.dot``'s smallest operand)
 _MIN_DOT = 16
+#: 8-bit codes' storage dtype -> the kernels' QUANT (the fused step's codes, ``slake.cache.fused_step``)
+_QUANT = {torch.int8: 1, torch.uint8: 2}
 
 
 @triton.jit
@@ -43,10 +47,12 @@ def _dense_partials_kernel(
     k_ptr, k_sr, k_sh, k_ss,
     v_ptr, v_sr, v_sh, v_ss,
     valid_ptr, m_sr, m_sh, m_ss,
+    ks_ptr, vs_ptr, s_sr, s_sh, s_ss,
     stat_ptr, part_ptr,
     W, H, S, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, LOW_DOT: tl.constexpr, OFF64: tl.constexpr, k_sd: tl.constexpr, v_sd: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     # the head dimension's strides are constants (1 in every store slake makes): a row's elements are then known to
     # be contiguous, and loaded as vectors
@@ -67,6 +73,7 @@ def _dense_partials_kernel(
     kbase = k_ptr + r * k_sr + h * k_sh
     vbase = v_ptr + r * v_sr + h * v_sh
     mbase = valid_ptr + r * m_sr + h * m_sh
+    sbase = r * s_sr + h * s_sh  # 8-bit rows: each slot's float32 scale (QUANT 1: int8 codes, 2: fp8 e4m3 bits)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, W)
     for s0 in range(lo, hi, BLOCK_N):
@@ -75,7 +82,10 @@ def _dense_partials_kernel(
             s = s.to(tl.int64)
         ok = s < hi
         mask2 = ok[:, None] & dmask[None, :]
-        kt = tl.load(kbase + s[:, None] * k_ss + dd[None, :] * k_sd, mask=mask2, other=0.0)
+        if QUANT == 0:
+            kt = tl.load(kbase + s[:, None] * k_ss + dd[None, :] * k_sd, mask=mask2, other=0.0)
+        else:
+            kt = load_rows(kbase, s * k_ss, dd * k_sd, mask2, ks_ptr, sbase + s * s_ss, ok, QUANT)
         if LOW_DOT:
             x = tl.dot(q, tl.trans(kt))
         else:
@@ -85,7 +95,10 @@ def _dense_partials_kernel(
         m_new = tl.maximum(m_run, tl.max(x, 1))
         alpha = tl.exp(m_run - m_new)
         e = tl.exp(x - m_new[:, None])
-        vt = tl.load(vbase + s[:, None] * v_ss + dd[None, :] * v_sd, mask=mask2, other=0.0)
+        if QUANT == 0:
+            vt = tl.load(vbase + s[:, None] * v_ss + dd[None, :] * v_sd, mask=mask2, other=0.0)
+        else:
+            vt = load_rows(vbase, s * v_ss, dd * v_sd, mask2, vs_ptr, sbase + s * s_ss, ok, QUANT)
         if LOW_DOT:
             pv = tl.dot(e.to(v_ptr.dtype.element_ty), vt)
         else:
@@ -141,7 +154,13 @@ def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
 
 
 def dense_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
     """One query per row over the valid slots of a dense store, split over the keys (two launches).
 
@@ -151,37 +170,48 @@ def dense_attention(
         ``(R, Hq, d)``, any float dtype (multiplied in the keys' dtype on a GPU for half-precision keys, float32
         otherwise).
     keys, values : torch.Tensor
-        ``(R, Hkv, W, d)`` float32, float16 or bfloat16, any strides; ``Hq`` a multiple of ``Hkv``.
+        ``(R, Hkv, W, d)`` float32, float16 or bfloat16, or 8-bit codes (``int8``; ``uint8``: fp8 e4m3 bit
+        patterns, :mod:`slake.cache.quant`), any strides; ``Hq`` a multiple of ``Hkv``.
     valid : torch.Tensor
         ``(R, Hkv, W)`` bool: the slots attended to (at least one per row and KV head).
+    k_scale, v_scale : torch.Tensor
+        For 8-bit codes, each slot's float32 scale, ``(R, Hkv, W)`` or ``(R, Hkv, W, 1)``; otherwise ignored (an
+        empty tensor will do).
     scaling : float
         The logits' scale.
 
     Returns
     -------
     torch.Tensor
-        ``(R, Hq, d)`` in the keys' dtype, as ``scaled_dot_product_attention`` with ``valid`` as its mask returns.
+        ``(R, Hq, d)``, as ``scaled_dot_product_attention`` over the (dequantised) rows with ``valid`` as its mask
+        returns: in the keys' dtype, float32 for 8-bit codes.
     """
     R, Hq, d = query.shape
     H, W = keys.shape[1], keys.shape[2]
     G = Hq // H
+    quant = _QUANT.get(keys.dtype, 0)
     split = launch.split_size(W, R * H)
     S = -(-W // split)
     dev = query.device
     stat = torch.empty(R * H * S * G * 2, dtype=torch.float32, device=dev)
     part = torch.empty(R * H * S * G * d, dtype=torch.float32, device=dev)
-    out = torch.empty(R, Hq, d, dtype=keys.dtype, device=dev)
-    low_dot = half_precision_dots(dev, keys.dtype)
+    out = torch.empty(R, Hq, d, dtype=torch.float32 if quant else keys.dtype, device=dev)
+    low_dot = not quant and half_precision_dots(dev, keys.dtype)
     GP, DP = launch.pow2(G, _MIN_DOT), launch.pow2(d, _MIN_DOT)
     mask = valid.view(torch.uint8)
+    scales = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2)) if quant else (0, 0, 0)
+    if quant and (k_scale.stride()[:3] != v_scale.stride()[:3]):
+        raise ValueError("slake: the keys' and values' scales must share their layout")
     # a slot's element offsets within its row and KV head in 32 bits where they fit (64-bit addresses of a block of
     # 64 x 128 slots spilled the kernel's registers at 128K slots on sm_90)
     reach = max(abs(t.stride(2)) * (W - 1) + abs(t.stride(3)) * (d - 1) for t in (keys, values))
-    off64 = max(reach, abs(mask.stride(2)) * (W - 1)) >= 2**31
+    off64 = max(reach, abs(mask.stride(2)) * (W - 1), abs(scales[2]) * (W - 1)) >= 2**31
     args = (query, *query.stride(), keys, *keys.stride()[:3], values, *values.stride()[:3], mask, *mask.stride(),
-            stat, part, W, H, S, float(scaling))  # fmt: skip
-    constants = dict(G=G, GP=GP, D=d, DP=DP, BLOCK_N=min(64, split), SPLIT=split, LOW_DOT=low_dot, OFF64=off64)
-    constants.update(k_sd=keys.stride(3), v_sd=values.stride(3))
+            k_scale, v_scale, *scales, stat, part, W, H, S, float(scaling))  # fmt: skip
+    constants: dict[str, Any] = dict(G=G, GP=GP, D=d, DP=DP, BLOCK_N=min(64, split), SPLIT=split, LOW_DOT=low_dot)
+    constants.update(OFF64=off64, k_sd=keys.stride(3), v_sd=values.stride(3), QUANT=quant)
+    if quant:  # dequantised float32 tiles: unpipelined, as the fused step's first kernel (no register spill)
+        constants["num_stages"] = 1
     launch_cache.launch(_dense_partials_kernel, (R * H, S), args, launch_cache.Constants(constants))
     launch_cache.launch(
         _dense_combine_kernel,
@@ -198,6 +228,6 @@ dense_attention_op = custom_op("slake::dense_decode_attention", dense_attention,
 
 
 @dense_attention_op.register_fake
-def _(query, keys, values, valid, scaling) -> torch.Tensor:
-    """The op's output for tracing: ``(R, Hq, d)`` in the keys' dtype."""
-    return query.new_empty(query.shape, dtype=keys.dtype)
+def _(query, keys, values, valid, k_scale, v_scale, scaling) -> torch.Tensor:
+    """The op's output for tracing: ``(R, Hq, d)`` in the keys' dtype (float32 for 8-bit codes)."""
+    return query.new_empty(query.shape, dtype=torch.float32 if keys.dtype in _QUANT else keys.dtype)
