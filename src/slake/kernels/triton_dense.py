@@ -42,6 +42,16 @@ _QUANT = {torch.int8: 1, torch.uint8: 2}
 
 
 @triton.jit
+def _program_head(H, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """A program's (row, KV head) from its first program id ``rh = r * H + h``, as ``(rh, r, h)``, with the head
+    dimension's lanes and the group's query-head lanes and their masks: ``(dd, dd < D, g, g < G)``."""
+    rh = tl.program_id(0)
+    dd = tl.arange(0, DP)
+    g = tl.arange(0, GP)
+    return rh, (rh // H).to(tl.int64), (rh % H).to(tl.int64), dd, dd < D, g, g < G
+
+
+@triton.jit
 def _dense_partials_kernel(
     q_ptr, q_sr, q_sh, q_sd,
     k_ptr, k_sr, k_sh, k_ss,
@@ -56,14 +66,8 @@ def _dense_partials_kernel(
 ):  # fmt: skip
     # the head dimension's strides are constants (1 in every store slake makes): a row's elements are then known to
     # be contiguous, and loaded as vectors
-    rh = tl.program_id(0)
+    rh, r, h, dd, dmask, g, gmask = _program_head(H, G, GP, D, DP)
     sp = tl.program_id(1)
-    r = (rh // H).to(tl.int64)
-    h = (rh % H).to(tl.int64)
-    dd = tl.arange(0, DP)
-    dmask = dd < D
-    g = tl.arange(0, GP)
-    gmask = g < G
     q = load_queries(q_ptr, r, q_sr, q_sh, q_sd, h, g, gmask, dd, dmask, G) * scale
     if LOW_DOT:
         q = q.to(k_ptr.dtype.element_ty)
@@ -119,13 +123,7 @@ def _dense_combine_kernel(
     H, S,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):  # fmt: skip
-    rh = tl.program_id(0)
-    r = (rh // H).to(tl.int64)
-    h = (rh % H).to(tl.int64)
-    dd = tl.arange(0, DP)
-    dmask = dd < D
-    g = tl.arange(0, GP)
-    gmask = g < G
+    rh, r, h, dd, dmask, g, gmask = _program_head(H, G, GP, D, DP)
     top = tl.full([GP], -3.4028234663852886e38, tl.float32)
     for sp in range(0, S):
         sb = ((rh * S + sp) * G + g).to(tl.int64)
