@@ -13,7 +13,11 @@ kernel, which does not split the keys: the compiled full cache took 148 ms per t
    slots (``-inf`` where the mask says empty), and the piece's online softmax: each query head's maximum, normaliser
    and weighted sum of the values, into scratch.
 2. :func:`_dense_combine_kernel`, one program per (row, KV head): the pieces' partial sums combined into the output,
-   in the keys' dtype (SDPA's).
+   in the keys' dtype (SDPA's; float32 for 8-bit rows).
+
+8-bit rows (``int8`` codes, or fp8 e4m3 bit patterns as ``uint8``, with a float32 scale per slot,
+:mod:`slake.cache.quant`) are read as they are stored and dequantised in registers, with the loop unpipelined (as
+the fused step's first kernel: no register spill); SDPA needed the whole store dequantised into a copy first.
 
 Nothing is read back to the host and every buffer is an argument, so the launches are graph-safe; the launcher is
 a custom operator (``slake::dense_decode_attention``, no mutation) that ``torch.compile`` captures as one node. On a
