@@ -163,7 +163,7 @@ run_short() {
             # 200 s of eager-targets' 280 s compiling (slake's first configuration 133 s, cake's 55 s; 2026-11-28),
             # and nothing is timed until it is done (the wait below)
             "${bench[@]}" --methods snapkv,cake,slake --lengths 8192,65536 --decode-steps 1 --warmup 1 --no-plots \
-                --no-progress --out "$out/warm" > "$out/warm.log" 2>&1 &
+                --no-progress --decode-timing sequential --out "$out/warm" > "$out/warm.log" 2>&1 &
             local warm=$!
             "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
                 "tests/test_fused_decode.py::test_fused_step_equals_the_torch_step_for_every_method" \
