@@ -225,3 +225,17 @@ def test_the_full_attention_benchmark_times_the_dense_kernels_beside_sdpa():
     assert dense["kv_gb"] == sdpa["kv_gb"] and dense["graph_ms"] > 0
     with pytest.raises(ValueError, match="impl"):
         full_attention_cuda(**shape, impl="flash")
+
+
+@pytest.mark.parametrize("method", ["full", "h2o", "slake"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_rows_give_the_torch_steps_tokens_with_the_kernels(method, kv_dtype):
+    """8-bit kept entries on CUDA: the fused step's first kernel runs unpipelined for them (no register spill on
+    sm_90), and the full cache's dense kernels read their codes and scales; eager, float32, a left-padded batch:
+    the torch step's tokens and kept counts."""
+    model = tiny_model("llama-gqa", layers=2).cuda()
+    ref, ref_stats = _decode(model, method, 16, None, kernels="torch", static=False, kv_dtype=kv_dtype)
+    fused, stats = _decode(model, method, 16, None, kernels="triton", static=False, kv_dtype=kv_dtype)
+    assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
+    assert torch.equal(fused, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
