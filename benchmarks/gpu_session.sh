@@ -141,7 +141,7 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
 # H200 of 2026-11-27), then the eager targets timed interleaved; smoke's estimate includes the wait for the warm-up
 # bench beside it (the smoke tests alone took 134 s).
 SHORT_STEPS=("info 10" "smoke 250" "compiled-128k 270" "compiled-32k 90" "eager-targets 200" "pool-8 65" "host 70")
-SHORT2_STEPS=("compiled-32k 90" "eager-targets 200" "compiled-128k 270" "host 70" "pool-tune 50" "kernel-tune 115" \
+SHORT2_STEPS=("eager-targets 200" "compiled-32k 90" "compiled-128k 270" "host 70" "pool-tune 50" "kernel-tune 115" \
     "kernel-parts 90" "launch 170" "host-compiled 80" "kernels-1 130" "profile 200")
 
 run_short() {
