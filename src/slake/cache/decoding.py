@@ -226,19 +226,18 @@ class Decoder:
                 # with the fused kernels split over the keys (SDPA with a mask ran as cuDNN's kernel on the H200,
                 # which does not split them: the compiled full cache took 148 ms per token at 128K)
                 out = masked_dense_attention(self.kernels, store, query, scaling, self.report)
-            elif store.kv_dtype is not None and self.kernels == "triton":
-                # 8-bit rows: the dense kernels read the codes and scales (SDPA would dequantise the whole store)
-                store.write_at(n, key, value, counter)
-                self._prefix[layer_idx] = n + 1
-                out = masked_dense_attention(self.kernels, store, query, scaling, self.report)
             else:
                 store.write_at(n, key, value, counter)  # slot n: the first free one, known on the host
-                # every slot up to the new token's (slot n) is valid and none after it: SDPA over those slots with
-                # no mask, which a GPU runs with its split-over-the-keys decode kernel (a masked call read the cache
-                # at a twentieth of an H200's bandwidth, docs/gpu.md)
                 self._prefix[layer_idx] = n + 1
-                out = sdpa_step(query, store.dense_keys()[:, :, : n + 1], store.dense_values()[:, :, : n + 1], None,
-                                scaling)  # fmt: skip
+                if store.kv_dtype is not None and self.kernels == "triton":
+                    # 8-bit rows: the dense kernels read the codes and scales (SDPA would dequantise the whole store)
+                    out = masked_dense_attention(self.kernels, store, query, scaling, self.report)
+                else:
+                    # every slot up to the new token's (slot n) is valid and none after it: SDPA over those slots
+                    # with no mask, which a GPU runs with its split-over-the-keys decode kernel (a masked call read
+                    # the cache at a twentieth of an H200's bandwidth, docs/gpu.md)
+                    out = sdpa_step(query, store.dense_keys()[:, :, : n + 1], store.dense_values()[:, :, : n + 1],
+                                    None, scaling)  # fmt: skip
             counter.add_(1)
             return out
         info = state.prefill_info()
