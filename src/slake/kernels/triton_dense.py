@@ -26,6 +26,7 @@ machine without CUDA the kernels run through Triton's interpreter, where the tes
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -190,38 +191,59 @@ def dense_attention(
     """
     R, Hq, d = query.shape
     H, W = keys.shape[1], keys.shape[2]
-    G = Hq // H
     quant = _QUANT.get(keys.dtype, 0)
-    split = launch.split_size(W, R * H)
-    S = -(-W // split)
     dev = query.device
-    stat = torch.empty(R * H * S * G * 2, dtype=torch.float32, device=dev)
-    part = torch.empty(R * H * S * G * d, dtype=torch.float32, device=dev)
-    out = torch.empty(R, Hq, d, dtype=torch.float32 if quant else keys.dtype, device=dev)
-    low_dot = not quant and half_precision_dots(dev, keys.dtype)
-    GP, DP = launch.pow2(G, _MIN_DOT), launch.pow2(d, _MIN_DOT)
     mask = valid.view(torch.uint8)
     scales = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2)) if quant else (0, 0, 0)
     if quant and (k_scale.stride()[:3] != v_scale.stride()[:3]):
         raise ValueError("slake: the keys' and values' scales must share their layout")
-    # a slot's element offsets within its row and KV head in 32 bits where they fit (64-bit addresses of a block of
-    # 64 x 128 slots spilled the kernel's registers at 128K slots on sm_90)
-    reach = max(abs(t.stride(2)) * (W - 1) + abs(t.stride(3)) * (d - 1) for t in (keys, values))
-    off64 = max(reach, abs(mask.stride(2)) * (W - 1), abs(scales[2]) * (W - 1)) >= 2**31
+    S, partials, combine = _launch_plan(
+        R, Hq, H, W, d, quant, half_precision_dots(dev, keys.dtype), keys.stride(), values.stride(), mask.stride(2),
+        scales[2], launch.TARGET_PROGRAMS, launch.MIN_SPLIT,
+    )  # fmt: skip
+    G = Hq // H
+    stat = torch.empty(R * H * S * G * 2, dtype=torch.float32, device=dev)
+    part = torch.empty(R * H * S * G * d, dtype=torch.float32, device=dev)
+    out = torch.empty(R, Hq, d, dtype=torch.float32 if quant else keys.dtype, device=dev)
     args = (query, *query.stride(), keys, *keys.stride()[:3], values, *values.stride()[:3], mask, *mask.stride(),
             k_scale, v_scale, *scales, stat, part, W, H, S, float(scaling))  # fmt: skip
-    constants: dict[str, Any] = dict(G=G, GP=GP, D=d, DP=DP, BLOCK_N=min(64, split), SPLIT=split, LOW_DOT=low_dot)
-    constants.update(OFF64=off64, k_sd=keys.stride(3), v_sd=values.stride(3), QUANT=quant)
+    launch_cache.launch(_dense_partials_kernel, (R * H, S), args, partials)
+    launch_cache.launch(_dense_combine_kernel, (R * H,), (stat, part, out, *out.stride(), H, S), combine)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(
+    R: int,
+    Hq: int,
+    H: int,
+    W: int,
+    d: int,
+    quant: int,
+    half_dots: bool,
+    k_strides: tuple[int, ...],
+    v_strides: tuple[int, ...],
+    mask_stride: int,
+    scale_stride: int,
+    target_programs: int,
+    min_split: int,
+) -> tuple[int, launch_cache.Constants, launch_cache.Constants]:
+    """The pieces per row and the two launches' constants for one shape, worked out once (an eager step on a GPU is
+    bound by its host); ``target_programs`` and ``min_split`` are :func:`~slake.kernels.launch_config.split_size`'s
+    settings, in the key so that a tuned value takes effect."""
+    G = Hq // H
+    split = launch.split_size(W, R * H)
+    GP, DP = launch.pow2(G, _MIN_DOT), launch.pow2(d, _MIN_DOT)
+    # a slot's element offsets within its row and KV head in 32 bits where they fit (64-bit addresses of a block of
+    # 64 x 128 slots spilled the kernel's registers at 128K slots on sm_90)
+    reach = max(abs(t[2]) * (W - 1) + abs(t[3]) * (d - 1) for t in (k_strides, v_strides))
+    off64 = max(reach, abs(mask_stride) * (W - 1), abs(scale_stride) * (W - 1)) >= 2**31
+    constants: dict[str, Any] = dict(G=G, GP=GP, D=d, DP=DP, BLOCK_N=min(64, split), SPLIT=split, OFF64=off64)
+    constants.update(LOW_DOT=bool(half_dots and not quant), k_sd=k_strides[3], v_sd=v_strides[3], QUANT=quant)
     if quant:  # dequantised float32 tiles: unpipelined, as the fused step's first kernel (no register spill)
         constants["num_stages"] = 1
-    launch_cache.launch(_dense_partials_kernel, (R * H, S), args, launch_cache.Constants(constants))
-    launch_cache.launch(
-        _dense_combine_kernel,
-        (R * H,),
-        (stat, part, out, *out.stride(), H, S),
-        launch_cache.Constants({"G": G, "GP": GP, "D": d, "DP": DP}),
-    )
-    return out
+    combine = launch_cache.Constants({"G": G, "GP": GP, "D": d, "DP": DP})
+    return -(-W // split), launch_cache.Constants(constants), combine
 
 
 #: :func:`dense_attention` as a custom operator, for ``torch.compile`` to capture as one node; eager code calls the
