@@ -6,7 +6,9 @@ kernel module is imported here with ``TRITON_INTERPRET`` unset. Each case of ``a
 engine at Llama-3-8B's head shape (8 KV heads, 4 query heads each, 128 dims, 1,024 kept slots, batch 1; ``--shape
 batch8-128`` before the target: 8 rows of 128, the vLLM pool's; ``--leave-out sort,fold,...`` after it: the second
 kernel without those parts, as ``python -m benchmarks kernel-parts`` times it; ``--tune COMBINE=8,...`` after that:
-other launch constants, as ``python -m benchmarks kernel-tune`` times them), with every kernel
+other launch constants, as ``python -m benchmarks kernel-tune`` times them; ``--keys 70,71,...`` first: no
+compilation, but one step at each of those budgets and the number of distinct compilations Triton's JIT would make
+of each kernel, printed as ``compilations``), with every kernel
 launch replaced by an ahead-of-time compilation for the target ``argv[1]`` (e.g. ``cuda:90``: an H100) through
 Triton's CUDA backend and its bundled ``ptxas``; the kernels are compiled with the arguments and constants the step
 would launch them with, specialized as Triton's JIT specializes a launch (an int equal to 1 made a constant, pointers
@@ -114,6 +116,54 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     }
 
 
+def jit_specialization(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """What Triton's JIT specializes a launch of ``fn`` with these arguments on, as its compiler takes it:
+    ``(signature, constants, attrs)`` (``native_specialize_impl``: an int equal to 1 made a constant unless the
+    parameter is ``do_not_specialize``; pointers aligned to 16 bytes and ints divisible by 16 marked so)."""
+    bound = dict(zip(fn.arg_names, args, strict=False))
+    bound.update(kwargs)
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        value = bound[name]
+        param = fn.params[i]
+        if param.is_constexpr:
+            signature[name], constants[name] = "constexpr", value
+            continue
+        if not isinstance(value, (torch.Tensor, bool, int, float)):
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
+        # specialized as Triton's JIT does at a launch (triton.runtime.jit): an int equal to 1 becomes a
+        # constant, and a pointer aligned to 16 bytes or an int divisible by 16 is marked so, which lets the
+        # compiler vectorize loads (the CPU's allocator aligns as CUDA's does)
+        kind, spec = native_specialize_impl(
+            BaseBackend, value, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        )
+        if kind == "constexpr":
+            signature[name], constants[name] = "constexpr", spec
+            continue
+        signature[name] = kind
+        if isinstance(spec, str) and spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    return signature, constants, attrs
+
+
+class Specializations:
+    """Stands in for a kernel: ``kernel[grid](*args)`` records the specialization Triton's JIT would compile the
+    launch with (:func:`jit_specialization`, and the launch options) in ``seen``, a set shared by the kernels;
+    one entry per compilation a GPU would make."""
+
+    def __init__(self, kernel, seen: set) -> None:
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def record_instead(*args, **kwargs):
+            signature, constants, attrs = jit_specialization(self.kernel, args, kwargs)
+            options = tuple((k, kwargs[k]) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs)
+            key = (tuple(signature.items()), repr(sorted(constants.items())), repr(sorted(attrs.items())), options)
+            self.seen.add((self.kernel.__name__, key))
+
+        return record_instead
+
+
 class AheadOfTime:
     """Stands in for a kernel: ``kernel[grid](*args)`` compiles it for ``target`` instead of launching it."""
 
@@ -123,30 +173,7 @@ class AheadOfTime:
     def __getitem__(self, grid):
         def compile_instead(*args, **kwargs):
             fn = self.kernel
-            bound = dict(zip(fn.arg_names, args, strict=False))
-            bound.update(kwargs)
-            signature, constants, attrs = {}, {}, {}
-            for i, name in enumerate(fn.arg_names):
-                value = bound[name]
-                param = fn.params[i]
-                if param.is_constexpr:
-                    signature[name], constants[name] = "constexpr", value
-                    continue
-                if not isinstance(value, (torch.Tensor, bool, int, float)):
-                    raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
-                # specialized as Triton's JIT does at a launch (triton.runtime.jit): an int equal to 1 becomes a
-                # constant, and a pointer aligned to 16 bytes or an int divisible by 16 is marked so, which lets the
-                # compiler vectorize loads (the CPU's allocator aligns as CUDA's does)
-                kind, spec = native_specialize_impl(
-                    BaseBackend, value, param.is_const, not param.do_not_specialize,
-                    not param.do_not_specialize_on_alignment,
-                )  # fmt: skip
-                if kind == "constexpr":
-                    signature[name], constants[name] = "constexpr", spec
-                    continue
-                signature[name] = kind
-                if isinstance(spec, str) and spec:
-                    attrs[(i,)] = BaseBackend.parse_attr(spec)
+            signature, constants, attrs = jit_specialization(fn, args, kwargs)
             options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
             source = triton.compiler.ASTSource(fn, signature, constants, attrs)
             binary = triton.compile(source, target=self.target, options=options)
@@ -184,13 +211,18 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "--tune":  # other launch constants (launch_config.tuned), as ``kernel-tune`` times them
         tune = {k: int(v) for k, v in (item.split("=") for item in argv[1].split(","))}
         argv = argv[2:]
+    budgets: list[int] = []
+    if argv and argv[0] == "--keys":  # count the compilations instead of compiling (one step at each budget)
+        budgets = [int(b) for b in argv[1].split(",")]
+        argv = argv[2:]
     backend, arch = argv[0].split(":")
     target = GPUTarget(backend, int(arch), 32)
     compiled: list = []
-    for name in KERNELS:
-        setattr(triton_decode, name, AheadOfTime(getattr(triton_decode, name), target, compiled))
-    for name in DENSE_KERNELS:
-        setattr(triton_dense, name, AheadOfTime(getattr(triton_dense, name), target, compiled))
+    seen: set = set()
+    for module, names in ((triton_decode, KERNELS), (triton_dense, DENSE_KERNELS)):
+        for name in names:
+            kernel = getattr(module, name)
+            setattr(module, name, Specializations(kernel, seen) if budgets else AheadOfTime(kernel, target, compiled))
     # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
     fused_step.half_precision_dots = lambda device, dtype: dtype in (torch.float16, torch.bfloat16)
     triton_dense.half_precision_dots = fused_step.half_precision_dots
@@ -214,6 +246,14 @@ def main(argv: list[str]) -> None:
             triton_dense.dense_attention(torch.empty(R, H * G, D, dtype=dtype), keys, values, valid, scales, scales,
                                          D**-0.5)  # fmt: skip
             print(json.dumps({"case": case, "compiled": compiled}), flush=True)
+            continue
+        if budgets:  # one engine per budget: layers whose rows differ in width, as per-layer budgets make them
+            seen.clear()
+            for budget in budgets:
+                harness._run(harness._method(method), "triton", **{**shape, "budget": budget, "S": budget + 40},
+                             **options)  # fmt: skip
+            counts = Counter(name for name, _ in seen)
+            print(json.dumps({"case": case, "budgets": budgets, "compilations": dict(counts)}), flush=True)
             continue
         with launch_config.leaving_out(*left_out), launch_config.tuned(**tune):
             harness._run(harness._method(method), "triton", **shape, **options)

@@ -125,3 +125,41 @@ def test_the_dense_attention_compiles_for_an_h100():
         for k in r["compiled"]:
             assert k["cubin"] and k["shared"] <= H100_SHARED, r
             assert k["spill_stores"] + k["spill_loads"] == 0, r
+
+
+def test_layers_whose_rows_differ_in_width_share_one_compilation():
+    """Per-layer budgets (CAKE, SLAKE, PyramidKV) give a model's layers rows of different widths. Triton's JIT
+    compiles a kernel once per specialization of its arguments, and it specialized the integers that follow a
+    row's width (the number of pieces, the block size, the metadata's and scales' strides) on their values: layers
+    of 71 and 72 slots compiled each kernel twice (9 and 7 compilations of SLAKE's two kernels for one 32-layer
+    model), seconds each before a GPU's first token. With ``launch_config.UNSPECIALIZED`` not specialized, rows of
+    71, 72 and 101 slots (whose powers of two and pieces agree) make one compilation of each kernel, in every
+    layout: 8-bit scales, per-head visibility, CriticalKV's slot weights and projection."""
+    cases = {"slake@bfloat16": 2, "snapkv@int8": 2, "sagekv@bfloat16": 2, "ada-criticalkv": 3}
+    for r in _compile(cases, "--keys", "70,71,100"):
+        assert len(r["compilations"]) == cases[r["case"]], r
+        assert set(r["compilations"].values()) == {1}, r
+
+
+def test_every_unspecialized_argument_is_a_kernel_parameter_marked_so():
+    """:data:`~slake.kernels.launch_config.UNSPECIALIZED` names parameters of the kernels (a misspelt name would be
+    ignored by Triton, silently), and every kernel that takes one of them marks it."""
+    import inspect
+
+    from slake import kernels
+    from slake.kernels import launch_config, triton_dense, triton_rules
+
+    mod = kernels.load()
+    found: set[str] = set()
+    for kernel in (mod._evict_attend_kernel, mod._append_logits_kernel, triton_rules._value_projection_kernel,
+                   triton_dense._dense_partials_kernel, triton_dense._dense_combine_kernel):  # fmt: skip
+        fn = getattr(kernel, "fn", kernel)
+        names = set(inspect.signature(fn).parameters)
+        if hasattr(kernel, "params"):  # compiled mode (a JITFunction)
+            marked = {p.name for p in kernel.params if p.do_not_specialize}
+        else:  # the interpreter keeps the decorator's arguments
+            marked = set(kernel.kwargs.get("do_not_specialize") or ())
+        taken = names & set(launch_config.UNSPECIALIZED)
+        assert taken <= marked, (fn.__name__, taken - marked)
+        found |= taken
+    assert found == set(launch_config.UNSPECIALIZED)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from slake.kernels import launch_config as launch
 from slake.kernels.triton_slots import load_queries, load_rows, store_row
 
 __all__ = ["attend_block"]
@@ -31,7 +32,7 @@ def attend_block(m_run, den, acc, x, b, o, ok, h, dd, dmask, v_ptr, v_sb, v_sh, 
     return m_new, den * alpha + tl.sum(e, 1), acc * alpha[:, None] + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=launch.UNSPECIALIZED)
 def _append_logits_kernel(
     q_ptr, q_sr, q_sh, q_sd,
     kn_ptr, kn_sr, kn_sh, kn_sd,

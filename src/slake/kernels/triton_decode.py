@@ -55,6 +55,7 @@ import triton.language as tl
 from torch.library import custom_op
 
 from slake.kernels import launch_cache
+from slake.kernels import launch_config as launch
 from slake.kernels.step_plan import RULE_CODES, LaunchPlan, Run, Scratch, launch_plan, launch_runs, scratch_specs
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_eviction import rule_eviction
@@ -72,7 +73,7 @@ from slake.kernels.triton_slots import load_queries, load_row
 __all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=launch.UNSPECIALIZED)
 def _evict_attend_kernel(
     q_ptr, q_sr, q_sh, q_sd,
     k_ptr, k_sb, k_sh, k_so, k_sd,

@@ -56,7 +56,7 @@ def _program_head(H, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.
     return rh, (rh // H).to(tl.int64), (rh % H).to(tl.int64), dd, dd < D, g, g < G
 
 
-@triton.jit
+@triton.jit(do_not_specialize=launch.UNSPECIALIZED)
 def _dense_partials_kernel(
     q_ptr, q_sr, q_sh, q_sd,
     k_ptr, k_sr, k_sh, k_ss,
@@ -121,7 +121,7 @@ def _dense_partials_kernel(
     tl.store(part_ptr + sb[:, None] * D + dd[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=launch.UNSPECIALIZED)
 def _dense_combine_kernel(
     stat_ptr, part_ptr,
     o_ptr, o_sr, o_sh, o_sd,

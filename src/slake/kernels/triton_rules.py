@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from slake.kernels import launch_config as launch
 from slake.kernels.triton_slots import block_keys, load_row
 
 __all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "rule_score", "sharpening_gain", "two_stage"]
@@ -199,7 +200,7 @@ def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, 
     return tl.where(chosen, 1e30, (base + eps) * wt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=launch.UNSPECIALIZED)
 def _value_projection_kernel(
     v_ptr, v_sb, v_sh, v_so, v_sd,
     vs_ptr, s_sb, s_sh, s_so,
