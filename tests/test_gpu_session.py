@@ -79,3 +79,20 @@ def test_every_command_the_script_runs_parses(tmp_path):
             pytest.fail(f"its parser rejects: {line}")
         parsed[kind] += 1
     assert parsed["benchmarks"] >= 10 and parsed["bench"] >= 8, parsed
+
+
+def test_the_warm_cache_commands_parse():
+    """The script installs Triton's cache built without a GPU and reports on it (``benchmarks/warm_cache.py``): its
+    commands, as written, are accepted by that module's parser."""
+    import shlex
+
+    from benchmarks.warm_cache import parser
+
+    # each runs inside a command substitution: its words end at the closing parenthesis
+    lines = re.findall(r'"\$py" -m benchmarks\.warm_cache ([^)]*)\)', SCRIPT.read_text())
+    assert len(lines) >= 2, lines
+    for words in lines:
+        try:
+            parser().parse_args(shlex.split(words.replace("$TRITON_CACHE_DIR", "/tmp/x")))
+        except SystemExit:
+            pytest.fail(f"its parser rejects: {words}")

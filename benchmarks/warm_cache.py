@@ -1,0 +1,484 @@
+"""Triton's on-disk cache of the fused kernels for an H100 or H200 (``sm_90``), built on a machine without a GPU.
+
+A GPU session starts on a fresh machine, and the first launch of each specialization of the fused step's kernels
+compiles it there: on the H200 of 2026-11-28 about 200 of a 15-minute session's seconds went to compiling (SLAKE's
+first eager configuration 133 s, CAKE's 55 s), before anything was timed. Triton keeps what it compiled in a cache on
+disk, keyed by a hash of everything that decides the machine code: its own build, the kernel's source and the
+specialization of the launch, the target and the options. Nothing in that key needs the GPU, so the cache can be
+filled here and carried to the device.
+
+``python -m benchmarks.warm_cache build --wheel TRITON_WHEEL`` runs, on CPU tensors, the decode steps a GPU session
+runs (``benchmarks/gpu_session.sh``: the transformers engine's eager and static steps at Llama-3-8B's heads, batch 1,
+in bfloat16, at one row width of every class that compiles differently up to :data:`MAX_WIDTH`; the vLLM pool's step
+at 8 rows of budget 128 and at 1 row of budget 1024; the full cache's dense attention at the benchmarks' widths),
+with Triton's active driver replaced by one that reports an ``sm_90`` target (:class:`Sm90Driver`) and every launch
+replaced by Triton's own ``warmup`` (its JIT specializes and compiles the launch exactly as it would on the GPU, and
+launches nothing; the steps' outputs are garbage and not read). The cache is written to :data:`CACHE_DIR` (Triton's
+groups record absolute paths, so the device extracts it to the same place), its entries reduced to what loading a
+kernel reads (metadata and cubin), and packed with a manifest into ``.warm-cache/triton-sm90.tgz``.
+
+Triton's key begins with a hash of its own installation, libtriton's binary included, and that binary differs
+between Python versions: the device runs Python 3.12, this machine 3.11. ``--wheel`` is the device's Triton wheel
+(the same version for Python 3.12, ``pip download triton==3.6.0 --no-deps --python-version 3.12
+--only-binary=:all: --platform manylinux_2_27_x86_64``); the build checks that every Python file of the wheel is
+the one installed here and takes the wheel's libtriton in the key (:func:`device_triton_key`).
+
+On the device, ``python -m benchmarks.warm_cache install ARCHIVE`` checks that the device's own Triton key and GPU
+match the manifest's, extracts the cache and prints the directory to set as ``TRITON_CACHE_DIR`` (exit status 1 and
+nothing extracted if they do not: every kernel then compiles as before), and ``report`` counts, at the end of the
+session, the fused kernels Triton compiled anyway (entries the archive did not hold: a specialization it missed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+#: where the cache is built and, on the device, extracted: Triton's group files name their members by absolute path
+CACHE_DIR = "/tmp/slake-triton-sm90"
+#: the widest row (slots) whose classes the transformers engine's steps are compiled for: per-layer budgets at an
+#: average of 1,024 (the benchmarks' budget) put a layer's row anywhere from a few hundred to a few thousand slots
+MAX_WIDTH = 4097
+#: the narrowest (below it the benchmarks' budgets of 1,024 never put a layer)
+MIN_WIDTH = 129
+#: the fused kernels, by module; what ``report`` counts
+KERNELS = {
+    "slake.kernels.triton_attend": ("_append_logits_kernel",),
+    "slake.kernels.triton_decode": ("_evict_attend_kernel",),
+    "slake.kernels.triton_rules": ("_value_projection_kernel",),
+    "slake.kernels.triton_dense": ("_dense_partials_kernel", "_dense_combine_kernel"),
+}
+#: what a cached entry needs for a launch: its metadata and its binary (the IRs and PTX are for inspection only)
+KEPT_SUFFIXES = (".json", ".cubin")
+ARCHIVE = Path(".warm-cache") / "triton-sm90.tgz"
+MANIFEST = "slake-warm-cache.json"
+
+
+# ------------------------------------------------------------------ Triton's key for the device
+
+
+def _record_hashes(record: str) -> dict[str, str]:
+    """A wheel's ``RECORD`` (or an installation's) as ``{path: sha256=...}``."""
+    return {row[0]: row[1] for row in csv.reader(io.StringIO(record)) if len(row) >= 2}
+
+
+def device_triton_key(wheel: Path) -> str:
+    """``triton.runtime.cache.triton_key()`` as the device computes it, from its Triton ``wheel``: this machine's
+    key with the wheel's libtriton in place of the one installed here. Raises ``ValueError`` if the wheel is not
+    the installed version or any Python file of the two differs (the key hashes them too)."""
+    import triton
+    from triton.runtime.cache import triton_key
+
+    here = Path(triton.__file__).parent
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        record_name = next((n for n in names if n.endswith(".dist-info/RECORD")), None)
+        if record_name is None or f"triton-{triton.__version__}.dist-info/RECORD" != record_name:
+            raise ValueError(f"{wheel}: not a wheel of triton {triton.__version__} ({record_name})")
+        theirs = _record_hashes(z.read(record_name).decode())
+        lib = z.read("triton/_C/libtriton.so")
+    installed = next(here.parent.glob(f"triton-{triton.__version__}.dist-info/RECORD"), None)
+    if installed is None:
+        raise ValueError(f"no RECORD of triton {triton.__version__} beside {here}")
+    ours = _record_hashes(installed.read_text())
+    differ = sorted(
+        p
+        for p in set(theirs) | set(ours)
+        if p.startswith("triton/") and p.endswith(".py") and theirs.get(p) != ours.get(p)
+    )
+    if differ:
+        raise ValueError(f"{wheel}: {len(differ)} Python files differ from the installed triton's, e.g. {differ[:3]}")
+    local_lib = hashlib.sha256((here / "_C" / "libtriton.so").read_bytes()).hexdigest()
+    key = triton_key()
+    if local_lib not in key:
+        raise ValueError("the installed libtriton's hash is not in triton_key(): this Triton builds its key otherwise")
+    return key.replace(local_lib, hashlib.sha256(lib).hexdigest())
+
+
+def _invalidating_env() -> dict[str, str]:
+    """The environment variables that enter Triton's cache key (compiler debug switches), as set now."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    return dict(get_cache_invalidating_env_vars())
+
+
+def key_digest(key: str) -> str:
+    """A short, comparable form of a Triton key (the manifest's ``triton_key_sha256``)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ compiling without a GPU
+
+
+def sm90_driver() -> object:
+    """A Triton driver that reports an ``sm_90`` CUDA target (an H100 or H200) and launches nothing: enough for
+    ``JITFunction.run(..., warmup=True)``, which specializes and compiles a launch as the GPU's driver would."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class Sm90Driver(DriverBase):
+        @classmethod
+        def is_active(cls) -> bool:
+            return False
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            return ty
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def get_benchmarker(self):  # noqa: ANN201
+            raise NotImplementedError("Sm90Driver compiles only")
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+    return Sm90Driver()
+
+
+class Warmup:
+    """Stands in for a kernel: ``kernel[grid](*args, **constants)`` is Triton's ``warmup`` of the launch (compiled
+    into the cache as the JIT compiles it on a GPU, not launched); ``seen`` counts the launches per kernel."""
+
+    def __init__(self, kernel, seen: dict[str, int]) -> None:  # noqa: ANN001
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid) -> Callable[..., None]:  # noqa: ANN001
+        def warm(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
+            name = self.kernel.__name__
+            self.seen[name] = self.seen.get(name, 0) + 1
+
+        return warm
+
+
+def width_classes(lo: int = MIN_WIDTH, hi: int = MAX_WIDTH) -> list[int]:
+    """One row width of every class in ``[lo, hi]`` that compiles differently at batch 1 with Llama-3-8B's heads: the
+    launch plans' constants and options (powers of two of the width, the pieces' size) and whether the width, which
+    the kernels specialize on, is a multiple of 16; the first width of each class."""
+    from slake.kernels import launch_config
+    from slake.kernels.step_plan import launch_plan
+
+    flags = (0, 1, 0, 0, 1, 1, 0, 0, 7, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1)  # SLAKE's: pooled, linear state, evict first
+    seen: dict[tuple, int] = {}
+    for w in range(lo, hi + 1):
+        p = launch_plan(1, 32, 128, 8, w, flags, 0, 0.0)
+        key = (p.append_constants, p.evict_constants, w % 16 == 0, launch_config.split_size(w, 8))
+        seen.setdefault(key, w)
+    return sorted(seen.values())
+
+
+def _engine_steps(methods: list[str], widths: list[int], static: bool, dtype) -> None:  # noqa: ANN001
+    """One decode step of one layer of the transformers engine (``CompressedKV``, what ``SlakeCache`` runs) per
+    method and row width, at Llama-3-8B's heads, batch 1; ``static``: in fixed-shape mode (``prepare_static``: a
+    compiled step's launches)."""
+    import torch
+
+    from slake.cache.compressed import CompressedKV
+    from slake.methods import make_method
+
+    B, H, G, D = 1, 8, 4, 128
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    for name in methods:
+        for w in widths:
+            budget = w - 1  # a row keeps its budget and takes the new token in one more slot
+            eng = CompressedKV(make_method(name), budget, 1, kernels="triton")
+            n = budget + 40
+            no_padding = torch.zeros(B, n, dtype=torch.bool)
+            eng.prefill_layer(0, rnd(B, H * G, n, D), rnd(B, H, n, D), rnd(B, H, n, D), no_padding, D**-0.5)
+            if static:
+                eng.prepare_static(4)
+            eng.append(0, rnd(B, H, 1, D), rnd(B, H, 1, D))
+            eng.decode_attention(0, rnd(B, H * G, 1, D), D**-0.5)
+
+
+def _pool_steps(methods: list[str], requests: int, budget: int, dtype) -> None:  # noqa: ANN001
+    """One step of the vLLM plugin's pool (``benchmarks.pool.random_pool`` as ``pool-gpu`` makes it: FlashAttention's
+    layout, blocks of 16, 32 layers of Llama-3-8B's heads) per method."""
+    from benchmarks.pool import random_pool
+    from slake.engines.vllm.plugin.paged import FlashAttnLayout
+
+    for name in methods:
+        heads = dict(layers=32, kv_heads=8, group=4, head_dim=128)
+        rp = random_pool(name, **heads, requests=requests, budget=budget, block_size=16, layout=FlashAttnLayout(),
+                         device="cpu", dtype=dtype, kernels="triton")  # fmt: skip
+        rp.step()
+
+
+def _dense_steps(shapes: list[tuple[int, int]], dtype) -> None:  # noqa: ANN001
+    """The full cache's masked attention (:func:`slake.kernels.triton_dense.dense_attention`) over ``(rows, width)``
+    stores of Llama-3-8B's heads."""
+    import torch
+
+    from slake.kernels.triton_dense import dense_attention
+
+    H, G, D = 8, 4, 128
+    for R, W in shapes:
+        keys = torch.zeros(R, H, W, D, dtype=dtype)
+        valid = torch.ones(R, H, W, dtype=torch.bool)
+        none = torch.empty(0)
+        dense_attention(torch.zeros(R, H * G, D, dtype=dtype), keys, keys, valid, none, none, D**-0.5)
+
+
+def _dense_shapes() -> list[tuple[int, int]]:
+    """The dense attention's stores in a GPU session: the compiled full cache at 128K (its store is the prompt plus
+    the steps the bench takes, a width in (131072, 131200]: both classes of a multiple of 16 or not), and
+    ``pool-gpu``'s ``full_attention_dense`` rows (64 slots past the context) at 8 x 2K, 1 x 8K and 1 x 128K."""
+    return [(1, 131073), (1, 131088), (8, 2048 + 64), (1, 8192 + 64), (1, 131072 + 64)]
+
+
+def _slim(cache: Path) -> int:
+    """Reduce each cache entry to what loading a kernel reads (its metadata and cubin, :data:`KEPT_SUFFIXES`),
+    rewriting its group file to list only those; the entries' count."""
+    count = 0
+    for group in cache.glob("*/__grp__*.json"):
+        data = json.loads(group.read_text())
+        kept = {k: v for k, v in data["child_paths"].items() if k.endswith(KEPT_SUFFIXES)}
+        for k, v in data["child_paths"].items():
+            if k not in kept:
+                Path(v).unlink(missing_ok=True)
+        group.write_text(json.dumps({**data, "child_paths": kept}))
+        count += 1
+    return count
+
+
+def _entries(cache: Path) -> dict[str, str]:
+    """``{entry directory: kernel name}`` of a Triton cache (from each entry's group file)."""
+    out = {}
+    for group in cache.glob("*/__grp__*.json"):
+        out[group.parent.name] = group.name[len("__grp__") : -len(".json")]
+    return out
+
+
+#: the parts of a build, in order (``--parts``): the transformers engine's eager and static steps, the pool's step
+#: at 8 rows of budget 128 and at 1 row of budget 1,024, the dense attention
+PARTS = ("eager", "static", "pool-8x128", "pool-1x1024", "dense")
+
+
+def build(
+    wheel: Path | None,
+    archive: Path,
+    methods: list[str],
+    cache_dir: str = CACHE_DIR,
+    widths: list[int] | None = None,
+    parts: tuple[str, ...] = PARTS,
+) -> dict:
+    """Fill ``cache_dir`` with the kernels a GPU session compiles (module docstring), keyed for the Triton of
+    ``wheel`` (None: the one installed here), and pack it into ``archive``; the manifest. ``widths``: the row
+    widths of the transformers engine's steps (default :func:`width_classes`); ``parts``: which of :data:`PARTS`.
+    Run in a process whose Triton was imported with ``TRITON_CACHE_DIR=cache_dir`` and without ``TRITON_INTERPRET``
+    (``main`` starts one)."""
+    if os.environ.get("TRITON_CACHE_DIR") != cache_dir or os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError(f"build needs TRITON_CACHE_DIR={cache_dir} and no TRITON_INTERPRET when Triton is imported")
+    import torch
+    import triton
+    import triton.runtime.cache as triton_cache
+    from triton.runtime.driver import driver
+
+    key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
+    triton_cache.triton_key = lambda: key  # every cache key from now on is the device's
+    driver.set_active(sm90_driver())
+    seen: dict[str, int] = {}
+    import importlib
+
+    for module, names in KERNELS.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            setattr(mod, name, Warmup(getattr(mod, name), seen))
+    # the modules that took the kernels by name before the stand-ins were set
+    from slake.kernels import triton_decode
+
+    triton_decode._append_logits_kernel = sys.modules["slake.kernels.triton_attend"]._append_logits_kernel
+    triton_decode._value_projection_kernel = sys.modules["slake.kernels.triton_rules"]._value_projection_kernel
+    # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
+    from slake.cache import fused_step
+    from slake.kernels import triton_dense
+
+    fused_step.half_precision_dots = lambda device, keys_dtype: keys_dtype in (torch.float16, torch.bfloat16)
+    triton_dense.half_precision_dots = fused_step.half_precision_dots
+    # the kernel modules are imported in compiled mode; from now on slake.kernels.load() returns them as they are
+    os.environ["TRITON_INTERPRET"] = "1"
+    dtype = torch.bfloat16
+    widths = width_classes() if widths is None else list(widths)
+    started = time.time()
+    took: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[], None]) -> None:
+        t = time.time()
+        fn()
+        took[name] = round(time.time() - t, 1)
+        print(f"warm-cache: {name} done in {took[name]} s ({len(_entries(Path(cache_dir)))} entries)", flush=True)
+
+    steps: dict[str, Callable[[], None]] = {
+        "eager": lambda: _engine_steps(methods, widths, False, dtype),
+        "static": lambda: _engine_steps([m for m in methods if m == "slake"], widths, True, dtype),
+        "pool-8x128": lambda: _pool_steps(methods, 8, 128, dtype),
+        "pool-1x1024": lambda: _pool_steps(methods, 1, 1024, dtype),
+        "dense": lambda: _dense_steps(_dense_shapes(), dtype),
+    }
+    for part in parts:
+        timed(part, steps[part])
+    cache = Path(cache_dir)
+    entries = _slim(cache)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    manifest = {
+        "triton": triton.__version__,
+        "triton_key_sha256": key_digest(key),
+        "target": "cuda:90",
+        "env_vars": _invalidating_env(),
+        "cache_dir": cache_dir,
+        "commit": commit,
+        "methods": methods,
+        "widths": widths,
+        "entries": _entries(cache),
+        "launches": seen,
+        "seconds": round(time.time() - started, 1),
+        "parts": took,
+    }
+    (cache / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(cache, arcname=cache.name)
+    print(f"warm-cache: {entries} kernels, {archive} ({archive.stat().st_size / 2**20:.1f} MiB)", flush=True)
+    return manifest
+
+
+# ------------------------------------------------------------------ on the device
+
+
+def _manifest_of(tar: tarfile.TarFile) -> dict | None:
+    """The manifest packed in an archive (the one member named :data:`MANIFEST`), or None."""
+    for member in tar.getmembers():
+        if Path(member.name).name == MANIFEST and member.isfile():
+            f = tar.extractfile(member)
+            return None if f is None else json.loads(f.read())
+    return None
+
+
+def install(archive: Path, capability: tuple[int, int] | None = None) -> int:
+    """On the GPU machine: extract ``archive`` to the directory it was built in (its manifest's ``cache_dir``) if
+    the manifest's Triton key is the device's and the GPU (``capability``, default the current device's) is sm_90;
+    print that directory (for ``TRITON_CACHE_DIR``) and return 0; else say why on stderr and return 1. A directory
+    that already holds this archive (a later call on a still-warm machine) is kept as it is, with the kernels the
+    device compiled into it."""
+    import torch
+    import triton
+    from triton.runtime.cache import triton_key
+
+    if capability is None and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    with tarfile.open(archive) as tar:
+        manifest = _manifest_of(tar)
+        if manifest is None:
+            print(f"warm-cache: {archive} has no manifest", file=sys.stderr)
+            return 1
+        why = []
+        if manifest["triton_key_sha256"] != key_digest(triton_key()):
+            why.append(f"Triton's key differs (triton {triton.__version__} here, the archive's {manifest['triton']})")
+        if manifest.get("env_vars", {}) != _invalidating_env():
+            why.append(f"Triton's compiler switches in the environment differ ({_invalidating_env()})")
+        if tuple(capability or ()) != (9, 0):
+            why.append(f"the GPU is not sm_90 (capability {capability})")
+        if why:
+            print(f"warm-cache: not used: {'; '.join(why)}", file=sys.stderr)
+            return 1
+        target = Path(manifest["cache_dir"])
+        here = target / MANIFEST
+        if here.exists() and json.loads(here.read_text()) == manifest:
+            # installed by an earlier call on this machine: keep it, with what the device compiled since
+            print(target)
+            return 0
+        if target.exists():
+            shutil.rmtree(target)
+        tar.extractall(target.parent, filter="data")
+    print(target)
+    print(f"warm-cache: {len(manifest['entries'])} kernels of {manifest['commit'][:7]} in {target}", file=sys.stderr)
+    return 0
+
+
+def report(cache: Path = Path(CACHE_DIR)) -> dict:
+    """The fused kernels in ``cache`` that its archive did not hold (compiled on the device: a specialization the
+    build missed, or a kernel changed since), per kernel, beside the number it held."""
+    manifest = json.loads((cache / MANIFEST).read_text())
+    fused = {n for names in KERNELS.values() for n in names}
+    missed: dict[str, int] = {}
+    for entry, name in _entries(cache).items():
+        if name in fused and entry not in manifest["entries"]:
+            missed[name] = missed.get(name, 0) + 1
+    return {"held": len(manifest["entries"]), "compiled_on_device": missed}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``build``, ``install``, ``report`` (module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.warm_cache", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="fill and pack the cache (no GPU needed)")
+    b.add_argument(
+        "--wheel",
+        type=Path,
+        default=None,
+        help="the device's Triton wheel (Python 3.12); default: key the cache for the Triton installed here",
+    )
+    b.add_argument("--out", type=Path, default=ARCHIVE, help="the archive to write")
+    b.add_argument("--methods", default="snapkv,cake,slake", help="the transformers engine's and the pool's methods")
+    b.add_argument("--cache-dir", default=CACHE_DIR, help="where to build (the device extracts to the same path)")
+    b.add_argument("--widths", default=None, help="comma-separated row widths (default: one per class)")
+    b.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")  # fmt: skip
+    i = sub.add_parser("install", help="on the GPU machine: extract the cache if it is for this Triton and GPU")
+    i.add_argument("archive", type=Path, nargs="?", default=ARCHIVE)
+    r = sub.add_parser("report", help="on the GPU machine: the fused kernels compiled there anyway")
+    r.add_argument("--cache-dir", default=CACHE_DIR)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line (:func:`parser`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
+    a = ap.parse_args(argv)
+    if a.command == "build":
+        parts = tuple(p for p in a.parts.split(",") if p)
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            ap.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+        if os.environ.get("TRITON_CACHE_DIR") != a.cache_dir or os.environ.get("TRITON_INTERPRET"):
+            # Triton reads both when it is imported: build in a process started with them right
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            env["TRITON_CACHE_DIR"] = a.cache_dir
+            shutil.rmtree(a.cache_dir, ignore_errors=True)
+            return subprocess.run([sys.executable, "-m", "benchmarks.warm_cache", *argv], env=env,
+                                  check=False).returncode  # fmt: skip
+        widths = None if a.widths is None else [int(w) for w in a.widths.split(",") if w]
+        build(a.wheel, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts)
+        return 0
+    if a.command == "install":
+        return install(a.archive)
+    print(json.dumps(report(Path(a.cache_dir))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Triton's cache of the fused kernels for sm_90, built without a GPU (``benchmarks/warm_cache.py``): the device's key,
+the row widths it compiles for, and a small build carried through install and report."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from benchmarks import warm_cache  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _installed_record() -> str:
+    here = Path(triton.__file__).parent
+    return next(here.parent.glob(f"triton-{triton.__version__}.dist-info/RECORD")).read_text()
+
+
+def _wheel(path: Path, record: str, lib: bytes, version: str = triton.__version__) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"triton-{version}.dist-info/RECORD", record)
+        z.writestr("triton/_C/libtriton.so", lib)
+    return path
+
+
+def test_the_devices_key_is_this_machines_with_the_wheels_libtriton(tmp_path):
+    """Triton's cache key hashes its installation, libtriton's binary included, which differs between Python
+    versions: the device's key is this machine's with the wheel's libtriton hash in its place, and a wheel of
+    another version, or whose Python files differ from the ones installed here, is refused."""
+    from triton.runtime.cache import triton_key
+
+    record = _installed_record()
+    key = warm_cache.device_triton_key(_wheel(tmp_path / "a.whl", record, b"another build"))
+    local = hashlib.sha256((Path(triton.__file__).parent / "_C" / "libtriton.so").read_bytes()).hexdigest()
+    assert key == triton_key().replace(local, hashlib.sha256(b"another build").hexdigest())
+    assert key != triton_key()
+    # a Python file that differs: its hash is in the key too
+    line = next(x for x in record.splitlines() if x.startswith("triton/runtime/jit.py,"))
+    changed = record.replace(line, "triton/runtime/jit.py,sha256=AAAA,1")
+    with pytest.raises(ValueError, match="Python files differ"):
+        warm_cache.device_triton_key(_wheel(tmp_path / "b.whl", changed, b"x"))
+    with pytest.raises(ValueError, match="not a wheel of triton"):
+        warm_cache.device_triton_key(_wheel(tmp_path / "c.whl", record, b"x", version="0.0.1"))
+
+
+def _compilations(case: str, widths: list[int]) -> int:
+    script = ROOT / "tests" / "kernel_aot.py"
+    budgets = ",".join(str(w - 1) for w in widths)
+    run = subprocess.run(
+        [sys.executable, str(script), "--keys", budgets, "cuda:90", case],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    return sum(row["compilations"].values())
+
+
+def test_one_width_of_each_class_compiles_every_width_of_it():
+    """The build compiles the transformers engine's step at one row width per class (:func:`width_classes`); any
+    other width adds no compilation to theirs (Triton's JIT specializes it as its class's), so a layer of any width
+    in the range finds its kernels in the cache."""
+    lo, hi = warm_cache.MIN_WIDTH, 1100
+    reps = warm_cache.width_classes(lo, hi)
+    assert reps[0] == lo and len(reps) < 20
+    others = random.Random(0).sample([w for w in range(lo, hi + 1) if w not in reps], 6) + [1024, 1025, 1040]
+    for case in ("slake@bfloat16", "cake@bfloat16"):
+        assert _compilations(case, reps + others) == _compilations(case, reps)
+
+
+def test_a_build_installs_where_it_was_built_and_reports_what_the_device_compiled(tmp_path):
+    """A small build (SnapKV's eager step at one width, keyed for this machine's Triton) packs metadata and cubins
+    only; installed for an sm_90 GPU it lands where it was built, for another GPU it is refused; the report counts
+    the fused kernels that were not in it."""
+    cache = tmp_path / "cache"
+    archive = tmp_path / "warm.tgz"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.warm_cache",
+            "build",
+            "--out",
+            str(archive),
+            "--methods",
+            "snapkv",
+            "--cache-dir",
+            str(cache),
+            "--widths",
+            "129",
+            "--parts",
+            "eager",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    kernels = {n.rsplit("/", 1)[-1] for n in names if n.endswith((".cubin", ".ptx", ".llir"))}
+    assert kernels == {"_append_logits_kernel.cubin", "_evict_attend_kernel.cubin"}, names
+    assert warm_cache.install(archive, capability=(8, 0)) == 1
+    import shutil
+
+    shutil.rmtree(cache)
+    assert warm_cache.install(archive, capability=(9, 0)) == 0
+    manifest = json.loads((cache / warm_cache.MANIFEST).read_text())
+    assert sorted(manifest["entries"].values()) == ["_append_logits_kernel", "_evict_attend_kernel"]
+    for entry in manifest["entries"]:
+        group = json.loads(next((cache / entry).glob("__grp__*.json")).read_text())
+        assert all(Path(p).exists() and Path(p).parent == cache / entry for p in group["child_paths"].values())
+    assert warm_cache.report(cache) == {"held": 2, "compiled_on_device": {}}
+    extra = cache / "NEWENTRY"
+    extra.mkdir()
+    (extra / "__grp___evict_attend_kernel.json").write_text("{}")
+    assert warm_cache.report(cache)["compiled_on_device"] == {"_evict_attend_kernel": 1}
+    # a second call on the same machine keeps the directory, with what the device compiled into it
+    assert warm_cache.install(archive, capability=(9, 0)) == 0
+    assert (extra / "__grp___evict_attend_kernel.json").exists()
+    # an archive keyed for another Triton (the device's wheel) is refused here
+    manifest["triton_key_sha256"] = "0" * 64
+    (cache / warm_cache.MANIFEST).write_text(json.dumps(manifest))
+    other = tmp_path / "other.tgz"
+    with tarfile.open(other, "w:gz") as tar:
+        tar.add(cache, arcname=cache.name)
+    assert warm_cache.install(other, capability=(9, 0)) == 1
