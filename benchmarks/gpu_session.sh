@@ -15,6 +15,10 @@ set -u
 part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
+# every compilation of slake's kernels in this call, logged (slake.kernels.compile_log): the next build of Triton's
+# cache without a GPU (benchmarks/warm_cache.py, its recorded part) compiles the same specializations, so that they
+# load on the next GPU; kept with the rows (docs/results/**/triton_compiles.jsonl)
+export SLAKE_TRITON_COMPILE_LOG=${SLAKE_TRITON_COMPILE_LOG:-$out/triton_compiles.jsonl}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 bench=("$py" -m slake.cli bench --random-model llama3-8b --device cuda --budget 1024 --decode-steps 32)

@@ -10,8 +10,10 @@ filled here and carried to the device.
 ``python -m benchmarks.warm_cache build --wheel TRITON_WHEEL`` runs, on CPU tensors, the decode steps a GPU session
 runs (``benchmarks/gpu_session.sh``: the transformers engine's eager and static steps at Llama-3-8B's heads, batch 1,
 in bfloat16, at one row width of every class that compiles differently up to :data:`MAX_WIDTH`; the vLLM pool's step
-at 8 rows of budget 128 and at 1 row of budget 1024; the full cache's dense attention at the benchmarks' widths),
-with Triton's active driver replaced by one that reports an ``sm_90`` target (:class:`Sm90Driver`) and every launch
+at 8 rows of budget 128 and at 1 row of budget 1024; the full cache's dense attention at the benchmarks' widths;
+the smoke step's tests of ``tests/test_fused_decode.py``, through :mod:`benchmarks.warm_smoke`; every specialization
+an earlier GPU session logged, :mod:`slake.kernels.compile_log`), with Triton's active driver replaced by one that
+reports an ``sm_90`` target (:func:`sm90_driver`) and every launch
 replaced by Triton's own ``warmup`` (its JIT specializes and compiles the launch exactly as it would on the GPU, and
 launches nothing; the steps' outputs are garbage and not read). The cache is written to :data:`CACHE_DIR` (Triton's
 groups record absolute paths, so the device extracts it to the same place), its entries reduced to what loading a
@@ -37,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,13 +48,15 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: where the cache is built and, on the device, extracted: Triton's group files name their members by absolute path
 CACHE_DIR = "/tmp/slake-triton-sm90"
 #: the widest row (slots) whose classes the transformers engine's steps are compiled for: per-layer budgets at an
 #: average of 1,024 (the benchmarks' budget) put a layer's row anywhere from a few hundred to a few thousand slots
 MAX_WIDTH = 4097
-#: the narrowest (below it the benchmarks' budgets of 1,024 never put a layer)
+#: the narrowest (a narrower row, which the benchmarks' budget of 1,024 is not expected to give a layer, compiles on the
+#: device, and the session's compile log brings it to the next build)
 MIN_WIDTH = 129
 #: the fused kernels, by module; what ``report`` counts
 KERNELS = {
@@ -63,6 +68,7 @@ KERNELS = {
 #: what a cached entry needs for a launch: its metadata and its binary (the IRs and PTX are for inspection only)
 KEPT_SUFFIXES = (".json", ".cubin")
 ARCHIVE = Path(".warm-cache") / "triton-sm90.tgz"
+ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = "slake-warm-cache.json"
 
 
@@ -250,6 +256,72 @@ def _dense_shapes() -> list[tuple[int, int]]:
     return [(1, 131073), (1, 131088), (8, 2048 + 64), (1, 8192 + 64), (1, 131072 + 64)]
 
 
+def smoke_selection(script: Path = ROOT / "benchmarks" / "gpu_session.sh") -> tuple[list[str], str]:
+    """The tests of ``tests/test_fused_decode.py`` that ``gpu_session.sh``'s smoke step names, and its ``-k``
+    expression, read from the script (``tests/test_cuda.py``, which it runs too, needs a GPU to run at all)."""
+    text = script.read_text()
+    start = text.index("        smoke)")
+    block = text[start : text.index(";;", start)]
+    nodes = re.findall(r"tests/test_fused_decode\.py::\w+", block)
+    k = re.search(r'-k "([^"]+)"', block)
+    if not nodes or k is None:
+        raise ValueError(f"{script}: the smoke step names no test_fused_decode tests or no -k expression")
+    return nodes, " ".join(k.group(1).replace("\\\n", " ").split())
+
+
+def _smoke_tests(cache_dir: str, wheel: Path | None) -> None:
+    """The smoke step's tests of ``tests/test_fused_decode.py`` (:func:`smoke_selection`), run under the
+    :mod:`benchmarks.warm_smoke` plugin: each launch compiled into ``cache_dir`` for sm_90, nothing run (the tests
+    fail: their kernels computed nothing)."""
+    nodes, k = smoke_selection()
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=cache_dir, SLAKE_WARM_WHEEL="" if wheel is None else str(wheel))
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.warm_smoke", *nodes]
+        + ["-k", k],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    summary = run.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    if "failed" not in summary[0] and "passed" not in summary[0]:
+        raise RuntimeError(f"the smoke tests did not run: {run.stdout[-2000:]}{run.stderr[-2000:]}")
+    print(f"warm-cache: smoke tests (expected to fail, their kernels ran nothing): {summary[0]}", flush=True)
+
+
+def recorded_logs() -> list[Path]:
+    """The compile logs GPU sessions brought back (``docs/results/**/triton_compiles.jsonl``,
+    :mod:`slake.kernels.compile_log`)."""
+    return sorted((ROOT / "docs" / "results").glob("**/triton_compiles.jsonl"))
+
+
+def _recorded(logs: list[Path], originals: dict[tuple[str, str], Any]) -> None:
+    """Compile each specialization the ``logs`` name, of the kernel as it is now (``JITFunction.preload``, Triton's
+    own way to compile a serialized specialization): what a GPU session compiled, the next one finds. A kernel no
+    longer there, or whose parameters changed since, is counted and left out."""
+    import importlib
+
+    done = skipped = 0
+    for log in logs:
+        from slake.kernels import compile_log
+
+        for entry in compile_log.read(log):
+            fn = originals.get((entry["module"], entry["name"]))
+            if fn is None:
+                fn = getattr(importlib.import_module(entry["module"]), entry["name"], None)
+            try:
+                if fn is None:
+                    raise LookupError(f"{entry['module']}.{entry['name']} is gone")
+                fn.preload(entry["specialization"])
+                done += 1
+            except Exception as e:  # noqa: BLE001  (a kernel changed since the log: left out, and said)
+                skipped += 1
+                print(f"warm-cache: {log.name}: {entry['name']} left out ({type(e).__name__}: {e})"[:300], flush=True)
+    print(f"warm-cache: {done} logged specializations compiled, {skipped} left out, from {len(logs)} logs", flush=True)
+
+
 def _slim(cache: Path) -> int:
     """Reduce each cache entry to what loading a kernel reads (its metadata and cubin, :data:`KEPT_SUFFIXES`),
     rewriting its group file to list only those; the entries' count."""
@@ -274,8 +346,10 @@ def _entries(cache: Path) -> dict[str, str]:
 
 
 #: the parts of a build, in order (``--parts``): the transformers engine's eager and static steps, the pool's step
-#: at 8 rows of budget 128 and at 1 row of budget 1,024, the dense attention
-PARTS = ("eager", "static", "pool-8x128", "pool-1x1024", "dense")
+#: at 8 rows of budget 128 and at 1 row of budget 1,024, the dense attention, the smoke step's tests of
+#: ``tests/test_fused_decode.py`` (:func:`_smoke_tests`), and the specializations GPU sessions logged
+#: (:func:`_recorded`)
+PARTS = ("eager", "static", "pool-8x128", "pool-1x1024", "dense", "smoke", "recorded")
 
 
 def build(
@@ -285,10 +359,13 @@ def build(
     cache_dir: str = CACHE_DIR,
     widths: list[int] | None = None,
     parts: tuple[str, ...] = PARTS,
+    recorded: list[Path] | None = None,
 ) -> dict:
     """Fill ``cache_dir`` with the kernels a GPU session compiles (module docstring), keyed for the Triton of
     ``wheel`` (None: the one installed here), and pack it into ``archive``; the manifest. ``widths``: the row
-    widths of the transformers engine's steps (default :func:`width_classes`); ``parts``: which of :data:`PARTS`.
+    widths of the transformers engine's steps (default :func:`width_classes`); ``parts``: which of :data:`PARTS`;
+    ``recorded``: the compile logs of the ``recorded`` part (default :func:`recorded_logs`). With
+    ``SLAKE_TRITON_COMPILE_LOG`` set, what the build compiles is logged there too (:mod:`slake.kernels.compile_log`).
     Run in a process whose Triton was imported with ``TRITON_CACHE_DIR=cache_dir`` and without ``TRITON_INTERPRET``
     (``main`` starts one)."""
     if os.environ.get("TRITON_CACHE_DIR") != cache_dir or os.environ.get("TRITON_INTERPRET"):
@@ -301,12 +378,21 @@ def build(
     key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
     triton_cache.triton_key = lambda: key  # every cache key from now on is the device's
     driver.set_active(sm90_driver())
+    from slake.kernels import compile_log
+
+    if os.environ.get(compile_log.ENV):
+        compile_log.install(os.environ[compile_log.ENV])
     seen: dict[str, int] = {}
     import importlib
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    import kernel_probes  # noqa: F401  (the tests' probe kernels, compiled: the recorded part may name them)
+
+    originals: dict[tuple[str, str], Any] = {}
     for module, names in KERNELS.items():
         mod = importlib.import_module(module)
         for name in names:
+            originals[(module, name)] = getattr(mod, name)
             setattr(mod, name, Warmup(getattr(mod, name), seen))
     # the modules that took the kernels by name before the stand-ins were set
     from slake.kernels import triton_decode
@@ -338,6 +424,8 @@ def build(
         "pool-8x128": lambda: _pool_steps(methods, 8, 128, dtype),
         "pool-1x1024": lambda: _pool_steps(methods, 1, 1024, dtype),
         "dense": lambda: _dense_steps(_dense_shapes(), dtype),
+        "smoke": lambda: _smoke_tests(cache_dir, wheel),
+        "recorded": lambda: _recorded(recorded_logs() if recorded is None else recorded, originals),
     }
     for part in parts:
         timed(part, steps[part])
@@ -447,6 +535,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-dir", default=CACHE_DIR, help="where to build (the device extracts to the same path)")
     b.add_argument("--widths", default=None, help="comma-separated row widths (default: one per class)")
     b.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")  # fmt: skip
+    b.add_argument("--recorded", default=None,
+                   help="comma-separated compile logs (default: docs/results/**/triton_compiles.jsonl)")  # fmt: skip
     i = sub.add_parser("install", help="on the GPU machine: extract the cache if it is for this Triton and GPU")
     i.add_argument("archive", type=Path, nargs="?", default=ARCHIVE)
     r = sub.add_parser("report", help="on the GPU machine: the fused kernels compiled there anyway")
@@ -472,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.run([sys.executable, "-m", "benchmarks.warm_cache", *argv], env=env,
                                   check=False).returncode  # fmt: skip
         widths = None if a.widths is None else [int(w) for w in a.widths.split(",") if w]
-        build(a.wheel, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts)
+        logs = None if a.recorded is None else [Path(p) for p in a.recorded.split(",") if p]
+        build(a.wheel, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts, logs)
         return 0
     if a.command == "install":
         return install(a.archive)

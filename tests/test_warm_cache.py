@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -139,3 +140,106 @@ def test_a_build_installs_where_it_was_built_and_reports_what_the_device_compile
     with tarfile.open(other, "w:gz") as tar:
         tar.add(cache, arcname=cache.name)
     assert warm_cache.install(other, capability=(9, 0)) == 1
+
+
+def test_the_smoke_tests_it_compiles_are_the_ones_the_session_runs():
+    """The build's smoke part runs the tests of ``tests/test_fused_decode.py`` that ``gpu_session.sh``'s smoke step
+    names, with its ``-k`` expression, read from the script: each named test exists, and the expression selects
+    some of them."""
+    nodes, k = warm_cache.smoke_selection()
+    assert len(nodes) >= 4 and all(n.startswith("tests/test_fused_decode.py::test_") for n in nodes)
+    assert "slake" in k and "\\" not in k and "  " not in k
+    source = (ROOT / "tests" / "test_fused_decode.py").read_text()
+    for node in nodes:
+        assert f"def {node.split('::')[1]}(" in source, node
+
+
+def test_the_smoke_part_compiles_the_fused_and_the_probe_kernels(tmp_path):
+    """The smoke part (the :mod:`benchmarks.warm_smoke` plugin over the smoke step's tests) leaves the fused kernels
+    and the tests' probe kernels compiled for sm_90 in the cache, though every test fails (nothing ran)."""
+    archive = tmp_path / "smoke.tgz"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.warm_cache",
+            "build",
+            "--out",
+            str(archive),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--parts",
+            "smoke",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+    assert "failed" in run.stdout
+    with tarfile.open(archive) as tar:
+        cubins = {n.rsplit("/", 1)[-1] for n in tar.getnames() if n.endswith(".cubin")}
+    assert {"_append_logits_kernel.cubin", "_evict_attend_kernel.cubin", "order_kernel.cubin"} <= cubins, cubins
+
+
+def test_a_logged_compilation_is_compiled_again_by_the_recorded_part(tmp_path):
+    """``SLAKE_TRITON_COMPILE_LOG`` logs each compilation of slake's kernels (:mod:`slake.kernels.compile_log`, as a
+    GPU session does); the build's ``recorded`` part compiles the logged specializations again (Triton's
+    ``preload``) into the very cache entries the launches made, and a log naming a kernel that is gone is said and
+    left out."""
+    log = tmp_path / "compiles.jsonl"
+
+    def build(cache: str, *extra: str, log_to: Path | None = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        if log_to is not None:
+            env["SLAKE_TRITON_COMPILE_LOG"] = str(log_to)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.warm_cache",
+                "build",
+                "--out",
+                str(tmp_path / f"{cache}.tgz"),
+                "--cache-dir",
+                str(tmp_path / cache),
+                *extra,
+            ],  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+        return run
+
+    build("launched", "--methods", "cake", "--widths", "200", "--parts", "eager", log_to=log)
+    entries = sorted(json.loads(x)["name"] for x in log.read_text().splitlines())
+    assert entries == ["_append_logits_kernel", "_evict_attend_kernel"]
+    with log.open("a") as f:  # a kernel that no longer exists
+        f.write(json.dumps({"module": "slake.kernels.triton_decode", "name": "_gone_kernel", "specialization": "{}"}))
+        f.write("\n")
+    run = build("preloaded", "--parts", "recorded", "--recorded", str(log))
+    assert "2 logged specializations compiled, 1 left out" in run.stdout
+    launched = {p.name for p in (tmp_path / "launched").iterdir() if p.is_dir()}
+    preloaded = {p.name for p in (tmp_path / "preloaded").iterdir() if p.is_dir()}
+    assert launched == preloaded and len(launched) == 2
+
+
+def test_the_compile_log_keeps_slakes_kernels_once_each(tmp_path, monkeypatch):
+    """:func:`slake.kernels.compile_log.record` logs the compilations of slake's kernels (and the tests' probes), not
+    others' (inductor's, a user's), and :func:`~slake.kernels.compile_log.read` gives each distinct entry once."""
+    from types import SimpleNamespace
+
+    from slake.kernels import compile_log
+
+    monkeypatch.setattr(compile_log, "_path", tmp_path / "log.jsonl")
+    for module in ("slake.kernels.triton_decode", "torch._inductor.x", "slake.kernels.triton_decode"):
+        compile_log.record(fn=SimpleNamespace(module=module, name="k"), compile={"specialization_data": "{}"}, key=1)
+    assert compile_log.read(tmp_path / "log.jsonl") == [
+        {"module": "slake.kernels.triton_decode", "name": "k", "specialization": "{}"}
+    ]

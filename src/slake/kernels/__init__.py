@@ -4,7 +4,8 @@ Nothing here imports Triton until the kernels are asked for (:func:`load`), so s
 without CUDA the kernels run through Triton's interpreter: :func:`load` sets ``TRITON_INTERPRET=1`` before it
 imports them (unless the variable is already set), which is how ``make test`` checks them against the torch step on
 the CPU. The adapter from a layer's slots to the kernels' arguments, and the choice between them and the torch step,
-is :mod:`slake.cache.fused_step`.
+is :mod:`slake.cache.fused_step`. With ``SLAKE_TRITON_COMPILE_LOG=PATH`` set, :func:`load` logs each compilation of
+the kernels to ``PATH`` (:mod:`slake.kernels.compile_log`).
 """
 
 from __future__ import annotations
@@ -56,4 +57,10 @@ def load() -> ModuleType:
         os.environ["TRITON_INTERPRET"] = "1"
     from slake.kernels import triton_decode
 
+    log = os.environ.get("SLAKE_TRITON_COMPILE_LOG")
+    if log and not interpreted():  # the compilations of this process, logged (slake.kernels.compile_log)
+        from slake.kernels import compile_log
+
+        if compile_log._path is None:
+            compile_log.install(log)
     return triton_decode
