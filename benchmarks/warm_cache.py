@@ -177,19 +177,24 @@ class Warmup:
         return warm
 
 
-def width_classes(lo: int = MIN_WIDTH, hi: int = MAX_WIDTH) -> list[int]:
-    """One row width of every class in ``[lo, hi]`` that compiles differently at batch 1 with Llama-3-8B's heads: the
-    launch plans' constants and options (powers of two of the width, the pieces' size) and whether the width, which
-    the kernels specialize on, is a multiple of 16; the first width of each class."""
+def width_class(width: int) -> tuple:
+    """What decides how the fused kernels compile for rows of ``width`` slots at batch 1 with Llama-3-8B's heads: the
+    launch plan's constants and options (powers of two of the width, the pieces' size) and whether the width, which
+    the kernels specialize on, is a multiple of 16. The same for SnapKV's, CAKE's and SLAKE's rules (pooled, the new
+    token apart)."""
     from slake.kernels import launch_config
     from slake.kernels.step_plan import launch_plan
 
     flags = (0, 1, 0, 0, 1, 1, 0, 0, 7, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1)  # SLAKE's: pooled, linear state, evict first
+    p = launch_plan(1, 32, 128, 8, width, flags, 0, 0.0)
+    return (p.append_constants, p.evict_constants, width % 16 == 0, launch_config.split_size(width, 8))
+
+
+def width_classes(lo: int = MIN_WIDTH, hi: int = MAX_WIDTH) -> list[int]:
+    """One row width of every :func:`width_class` in ``[lo, hi]``: the first width of each."""
     seen: dict[tuple, int] = {}
     for w in range(lo, hi + 1):
-        p = launch_plan(1, 32, 128, 8, w, flags, 0, 0.0)
-        key = (p.append_constants, p.evict_constants, w % 16 == 0, launch_config.split_size(w, 8))
-        seen.setdefault(key, w)
+        seen.setdefault(width_class(w), w)
     return sorted(seen.values())
 
 

@@ -243,3 +243,23 @@ def test_the_compile_log_keeps_slakes_kernels_once_each(tmp_path, monkeypatch):
     assert compile_log.read(tmp_path / "log.jsonl") == [
         {"module": "slake.kernels.triton_decode", "name": "k", "specialization": "{}"}
     ]
+
+
+def test_the_builds_steps_specialize_the_kernels_as_a_models_decode_does():
+    """The build runs the engine's steps directly (``CompressedKV`` at Llama-3-8B's heads), not a model: every
+    specialization of the fused kernels that a random model with those heads makes when it decodes through
+    ``SlakeCache`` as ``slake bench`` does (eager and static, SnapKV's, CAKE's and SLAKE's per-layer widths) is one
+    the build's steps make at the widths' classes (``tests/warm_paths.py``: compiling skipped, the JIT's
+    specializations compared). A glue that passed the kernels other strides or dtypes would make the cache miss on
+    the GPU, silently but for the session's report."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "warm_paths.py"), "snapkv,cake,slake"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert row["model"] >= 6 and len(row["widths"]) >= 3, row
+    assert row["missed"] == [], row

@@ -1,0 +1,76 @@
+"""Do the warm cache's steps specialize the fused kernels as a real decode does? (``tests/test_warm_cache.py``)
+
+Run as a script in its own process (Triton is imported with ``TRITON_INTERPRET`` unset, as on a GPU): with Triton's
+driver reporting sm_90 and every launch a ``warmup`` whose compilation a ``jit_cache_hook`` skips (nothing is
+compiled or run; each specialization the JIT would compile is recorded), it decodes two steps of a random model with
+Llama-3-8B's heads (2 layers, small elsewhere) through ``SlakeCache`` as ``slake bench`` does, eager and in static
+mode (a compiled step's launches), for each method of ``argv[1]``; then runs the build's own steps
+(``benchmarks.warm_cache._engine_steps``) at one width of each class the model's layers fell in. Prints one JSON
+line: the model's specializations, and those of them the build's steps did not make.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["SLAKE_CACHED_LAUNCH"] = "0"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+import torch  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from benchmarks import warm_cache  # noqa: E402
+
+seen: set[tuple[str, str]] = set()
+
+
+def _skip_compile(*, fn, compile, **_) -> bool:  # noqa: ANN001
+    seen.add((fn.name, compile["specialization_data"]))
+    return True  # Triton compiles nothing
+
+
+def main(methods: list[str]) -> None:
+    driver.set_active(warm_cache.sm90_driver())
+    JITFunction.__getitem__ = lambda self, grid: lambda *a, **k: self.run(*a, grid=grid, warmup=True, **k)
+    knobs.runtime.jit_cache_hook = _skip_compile
+    from slake.cache import fused_step
+    from slake.kernels import triton_decode, triton_dense  # noqa: F401  (compiled, not interpreted)
+
+    fused_step.half_precision_dots = lambda device, keys_dtype: keys_dtype in (torch.float16, torch.bfloat16)
+    os.environ["TRITON_INTERPRET"] = "1"
+    from slake.engines.transformers.generate import prefill
+    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step
+    from slake.engines.transformers.shapes import random_model
+
+    spec = "llama3-8b:num_hidden_layers=2,hidden_size=256,head_dim=128,intermediate_size=256,vocab_size=512"
+    model = random_model(spec, dtype=torch.bfloat16)
+    widths: set[int] = set()
+    for method in methods:
+        for static in (False, True):
+            cfg = BenchConfig(method, 1024, 2048, decode_steps=2, warmup=1, kernels="triton", compile=static)
+            cache = _new_cache(model, cfg)
+            ids = _prompt(model, cfg)
+            with torch.inference_mode():
+                tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
+                for _ in range(2):
+                    tok = _step(model, cache, tok)
+            widths |= {int(s.capacity) for s in cache.compressor.state.layers}
+    model_specs = set(seen)
+    seen.clear()
+    reps = {warm_cache.width_class(r): r for r in warm_cache.width_classes(warm_cache.MIN_WIDTH, max(widths))}
+    reps = sorted({reps[warm_cache.width_class(w)] for w in widths})
+    for static in (False, True):
+        warm_cache._engine_steps(methods, reps, static, torch.bfloat16)
+    missed = sorted(name for name, s in model_specs - seen)
+    print(json.dumps({"widths": sorted(widths), "model": len(model_specs), "missed": missed}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(","))
