@@ -248,7 +248,8 @@ def test_the_compile_log_keeps_slakes_kernels_once_each(tmp_path, monkeypatch):
 def test_the_builds_steps_specialize_the_kernels_as_a_models_decode_does():
     """The build runs the engine's steps directly (``CompressedKV`` at Llama-3-8B's heads), not a model: every
     specialization of the fused kernels that a random model with those heads makes when it decodes through
-    ``SlakeCache`` as ``slake bench`` does (eager and static, SnapKV's, CAKE's and SLAKE's per-layer widths) is one
+    ``SlakeCache`` as ``slake bench`` does (eager, static and compiled with ``torch.compile``; SnapKV's, CAKE's and
+    SLAKE's per-layer widths) is one
     the build's steps make at the widths' classes (``tests/warm_paths.py``: compiling skipped, the JIT's
     specializations compared). A glue that passed the kernels other strides or dtypes would make the cache miss on
     the GPU, silently but for the session's report."""

@@ -3,8 +3,9 @@
 Run as a script in its own process (Triton is imported with ``TRITON_INTERPRET`` unset, as on a GPU): with Triton's
 driver reporting sm_90 and every launch a ``warmup`` whose compilation a ``jit_cache_hook`` skips (nothing is
 compiled or run; each specialization the JIT would compile is recorded), it decodes two steps of a random model with
-Llama-3-8B's heads (2 layers, small elsewhere) through ``SlakeCache`` as ``slake bench`` does, eager and in static
-mode (a compiled step's launches), for each method of ``argv[1]``; then runs the build's own steps
+Llama-3-8B's heads (2 layers, small elsewhere) through ``SlakeCache`` as ``slake bench`` does, eager, in static
+mode, and compiled (``torch.compile``, inductor on the CPU: the fused step as the graph's custom operator), for each
+method of ``argv[1]``; then runs the build's own steps
 (``benchmarks.warm_cache._engine_steps``) at one width of each class the model's layers fell in. Prints one JSON
 line: the model's specializations, and those of them the build's steps did not make.
 """
@@ -46,21 +47,22 @@ def main(methods: list[str]) -> None:
     fused_step.half_precision_dots = lambda device, keys_dtype: keys_dtype in (torch.float16, torch.bfloat16)
     os.environ["TRITON_INTERPRET"] = "1"
     from slake.engines.transformers.generate import prefill
-    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step
+    from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step, compiled_step
     from slake.engines.transformers.shapes import random_model
 
     spec = "llama3-8b:num_hidden_layers=2,hidden_size=256,head_dim=128,intermediate_size=256,vocab_size=512"
     model = random_model(spec, dtype=torch.bfloat16)
     widths: set[int] = set()
     for method in methods:
-        for static in (False, True):
-            cfg = BenchConfig(method, 1024, 2048, decode_steps=2, warmup=1, kernels="triton", compile=static)
+        for mode in ("eager", "static", "compiled"):
+            cfg = BenchConfig(method, 1024, 2048, decode_steps=2, warmup=1, kernels="triton", compile=mode != "eager")
             cache = _new_cache(model, cfg)
             ids = _prompt(model, cfg)
             with torch.inference_mode():
                 tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
+                step = compiled_step(model, cache) if mode == "compiled" else lambda t, c=cache: _step(model, c, t)
                 for _ in range(2):
-                    tok = _step(model, cache, tok)
+                    tok = step(tok)
             widths |= {int(s.capacity) for s in cache.compressor.state.layers}
     model_specs = set(seen)
     seen.clear()
