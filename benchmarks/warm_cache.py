@@ -54,7 +54,7 @@ from typing import Any
 CACHE_DIR = "/tmp/slake-triton-sm90"
 #: the widest row (slots) whose classes the transformers engine's steps are compiled for: per-layer budgets at an
 #: average of 1,024 (the benchmarks' budget) put a layer's row anywhere from a few hundred to a few thousand slots
-MAX_WIDTH = 4097
+MAX_WIDTH = 8193
 #: the narrowest (a narrower row, which the benchmarks' budget of 1,024 is not expected to give a layer, compiles on the
 #: device, and the session's compile log brings it to the next build)
 MIN_WIDTH = 129
@@ -296,6 +296,50 @@ def _smoke_tests(cache_dir: str, wheel: Path | None) -> None:
     print(f"warm-cache: smoke tests (expected to fail, their kernels ran nothing): {summary[0]}", flush=True)
 
 
+def tuning_runs(script: Path = ROOT / "benchmarks" / "gpu_session.sh") -> list[tuple[str, int, int, str, tuple]]:
+    """The pool steps that ``gpu_session.sh``'s ``kernel-tune`` and ``kernel-parts`` commands time, read from the
+    script with their own parser: ``(method, requests, budget, kind, variant)``, ``kind`` ``"tuned"`` (``variant``:
+    a dict of launch constants, :func:`slake.kernels.launch_config.tuned`) or ``"leaving_out"`` (``variant``: the
+    parts, :func:`slake.kernels.launch_config.leaving_out`; each of ``SKIP_PARTS`` alone by default)."""
+    import shlex
+
+    from benchmarks.__main__ import _methods, parse_variants
+    from benchmarks.__main__ import parser as benchmarks_parser
+    from benchmarks.pool import TUNE_VARIANTS
+    from slake.kernels import launch_config
+
+    text = re.sub(r"\\\n\s*", " ", script.read_text())
+    runs: list[tuple[str, int, int, str, tuple]] = []
+    for line in text.splitlines():
+        m = re.search(r'"\$py" -m benchmarks (kernel-tune|kernel-parts) ([^>]*)', line.split("#")[0])
+        if m is None:
+            continue
+        a = benchmarks_parser().parse_args([m.group(1), *shlex.split(m.group(2))])
+        variants: list[tuple[str, tuple]]
+        if m.group(1) == "kernel-tune":
+            chosen = TUNE_VARIANTS if a.variants is None else parse_variants(a.variants)
+            variants = [("tuned", tuple(sorted(v.items()))) for v in chosen]
+        else:
+            names = launch_config.SKIP_PARTS if a.parts is None else a.parts.split(",")
+            variants = [("leaving_out", (p,)) for p in names]
+        for method in _methods(a.methods):
+            runs += [(method, a.requests, a.budget, kind, v) for kind, v in variants]
+    return runs
+
+
+def _tuning_steps(dtype) -> None:  # noqa: ANN001
+    """One pool step per run of :func:`tuning_runs`, under its launch constants or with its parts left out."""
+    from slake.kernels import launch_config
+
+    for method, requests, budget, kind, variant in tuning_runs():
+        if kind == "tuned":
+            with launch_config.tuned(**dict(variant)):
+                _pool_steps([method], requests, budget, dtype)
+        else:
+            with launch_config.leaving_out(*variant):
+                _pool_steps([method], requests, budget, dtype)
+
+
 def recorded_logs() -> list[Path]:
     """The compile logs GPU sessions brought back (``docs/results/**/triton_compiles.jsonl``,
     :mod:`slake.kernels.compile_log`)."""
@@ -352,9 +396,9 @@ def _entries(cache: Path) -> dict[str, str]:
 
 #: the parts of a build, in order (``--parts``): the transformers engine's eager and static steps, the pool's step
 #: at 8 rows of budget 128 and at 1 row of budget 1,024, the dense attention, the smoke step's tests of
-#: ``tests/test_fused_decode.py`` (:func:`_smoke_tests`), and the specializations GPU sessions logged
-#: (:func:`_recorded`)
-PARTS = ("eager", "static", "pool-8x128", "pool-1x1024", "dense", "smoke", "recorded")
+#: ``tests/test_fused_decode.py`` (:func:`_smoke_tests`), the variants ``kernel-tune`` and ``kernel-parts`` time
+#: (:func:`tuning_runs`), and the specializations GPU sessions logged (:func:`_recorded`)
+PARTS = ("eager", "static", "pool-8x128", "pool-1x1024", "dense", "smoke", "tuning", "recorded")
 
 
 def build(
@@ -430,6 +474,7 @@ def build(
         "pool-1x1024": lambda: _pool_steps(methods, 1, 1024, dtype),
         "dense": lambda: _dense_steps(_dense_shapes(), dtype),
         "smoke": lambda: _smoke_tests(cache_dir, wheel),
+        "tuning": lambda: _tuning_steps(dtype),
         "recorded": lambda: _recorded(recorded_logs() if recorded is None else recorded, originals),
     }
     for part in parts:

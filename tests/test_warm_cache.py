@@ -54,19 +54,48 @@ def test_the_devices_key_is_this_machines_with_the_wheels_libtriton(tmp_path):
         warm_cache.device_triton_key(_wheel(tmp_path / "c.whl", record, b"x", version="0.0.1"))
 
 
-def _compilations(case: str, widths: list[int]) -> int:
-    script = ROOT / "tests" / "kernel_aot.py"
-    budgets = ",".join(str(w - 1) for w in widths)
+def _script_row(script: str, *args: str) -> dict:
+    """The one JSON line a script of ``tests/`` prints, run in its own process (Triton compiled, not interpreted)."""
     run = subprocess.run(
-        [sys.executable, str(script), "--keys", budgets, "cuda:90", case],
+        [sys.executable, str(ROOT / "tests" / script), *args], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    return row
+
+
+def _compilations(case: str, widths: list[int]) -> int:
+    budgets = ",".join(str(w - 1) for w in widths)
+    return sum(_script_row("kernel_aot.py", "--keys", budgets, "cuda:90", case)["compilations"].values())
+
+
+def _build(archive: Path, cache: Path, *extra: str, log_to: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.warm_cache build`` into ``cache``, packed into ``archive`` (keyed for this machine's
+    Triton), with ``extra`` options; ``log_to``: its compile log. Fails the test if the build fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if log_to is not None:
+        env["SLAKE_TRITON_COMPILE_LOG"] = str(log_to)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.warm_cache",
+            "build",
+            "--out",
+            str(archive),
+            "--cache-dir",
+            str(cache),
+            *extra,
+        ],  # fmt: skip
+        cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
         check=False,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    (row,) = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
-    return sum(row["compilations"].values())
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+    return run
 
 
 def test_one_width_of_each_class_compiles_every_width_of_it():
@@ -87,30 +116,7 @@ def test_a_build_installs_where_it_was_built_and_reports_what_the_device_compile
     the fused kernels that were not in it."""
     cache = tmp_path / "cache"
     archive = tmp_path / "warm.tgz"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.warm_cache",
-            "build",
-            "--out",
-            str(archive),
-            "--methods",
-            "snapkv",
-            "--cache-dir",
-            str(cache),
-            "--widths",
-            "129",
-            "--parts",
-            "eager",
-        ],  # fmt: skip
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+    _build(archive, cache, "--methods", "snapkv", "--widths", "129", "--parts", "eager")
     with tarfile.open(archive) as tar:
         names = tar.getnames()
     kernels = {n.rsplit("/", 1)[-1] for n in names if n.endswith((".cubin", ".ptx", ".llir"))}
@@ -158,26 +164,7 @@ def test_the_smoke_part_compiles_the_fused_and_the_probe_kernels(tmp_path):
     """The smoke part (the :mod:`benchmarks.warm_smoke` plugin over the smoke step's tests) leaves the fused kernels
     and the tests' probe kernels compiled for sm_90 in the cache, though every test fails (nothing ran)."""
     archive = tmp_path / "smoke.tgz"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.warm_cache",
-            "build",
-            "--out",
-            str(archive),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--parts",
-            "smoke",
-        ],  # fmt: skip
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
+    run = _build(archive, tmp_path / "cache", "--parts", "smoke")
     assert "failed" in run.stdout
     with tarfile.open(archive) as tar:
         cubins = {n.rsplit("/", 1)[-1] for n in tar.getnames() if n.endswith(".cubin")}
@@ -191,31 +178,8 @@ def test_a_logged_compilation_is_compiled_again_by_the_recorded_part(tmp_path):
     left out."""
     log = tmp_path / "compiles.jsonl"
 
-    def build(cache: str, *extra: str, log_to: Path | None = None) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        if log_to is not None:
-            env["SLAKE_TRITON_COMPILE_LOG"] = str(log_to)
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.warm_cache",
-                "build",
-                "--out",
-                str(tmp_path / f"{cache}.tgz"),
-                "--cache-dir",
-                str(tmp_path / cache),
-                *extra,
-            ],  # fmt: skip
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-2000:]
-        return run
+    def build(name: str, *extra: str, log_to: Path | None = None) -> subprocess.CompletedProcess:
+        return _build(tmp_path / f"{name}.tgz", tmp_path / name, *extra, log_to=log_to)
 
     build("launched", "--methods", "cake", "--widths", "200", "--parts", "eager", log_to=log)
     entries = sorted(json.loads(x)["name"] for x in log.read_text().splitlines())
@@ -249,18 +213,25 @@ def test_the_builds_steps_specialize_the_kernels_as_a_models_decode_does():
     """The build runs the engine's steps directly (``CompressedKV`` at Llama-3-8B's heads), not a model: every
     specialization of the fused kernels that a random model with those heads makes when it decodes through
     ``SlakeCache`` as ``slake bench`` does (eager, static and compiled with ``torch.compile``; SnapKV's, CAKE's and
-    SLAKE's per-layer widths) is one
-    the build's steps make at the widths' classes (``tests/warm_paths.py``: compiling skipped, the JIT's
-    specializations compared). A glue that passed the kernels other strides or dtypes would make the cache miss on
-    the GPU, silently but for the session's report."""
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "warm_paths.py"), "snapkv,cake,slake"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    (row,) = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    SLAKE's per-layer widths) is one the build's steps make at the widths' classes (``tests/warm_paths.py``:
+    compiling skipped, the JIT's specializations compared). A glue that passed the kernels other strides or dtypes
+    would make the cache miss on the GPU, silently but for the session's report."""
+    row = _script_row("warm_paths.py", "snapkv,cake,slake")
     assert row["model"] >= 6 and len(row["widths"]) >= 3, row
     assert row["missed"] == [], row
+
+
+def test_the_tuning_part_compiles_the_variants_the_session_times():
+    """``kernel-tune`` and ``kernel-parts`` in ``gpu_session.sh`` time the pool's step with other launch constants
+    and with parts of the second kernel left out, each a compilation of its own on the GPU: the build reads their
+    commands from the script with their own parser, and every variant they name is one it steps."""
+    from slake.kernels import launch_config
+
+    runs = warm_cache.tuning_runs()
+    kinds = {kind for *_, kind, _ in runs}
+    assert kinds == {"tuned", "leaving_out"}
+    parts = {v[0] for *_, kind, v in runs if kind == "leaving_out"}
+    assert parts == set(launch_config.SKIP_PARTS)
+    tuned = [dict(v) for *_, kind, v in runs if kind == "tuned"]
+    assert {"HELD_ORDER": 0} in tuned and {"RECOMPUTE_BLOCK": 32} in tuned
+    assert {(m, r, b) for m, r, b, *_ in runs} == {("slake", 1, 1024), ("slake", 8, 128)}
