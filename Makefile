@@ -104,7 +104,7 @@ test-oldest: setup-oldest
 
 # Triton's cache of the fused kernels for an H100/H200 (sm_90), built here without a GPU for the next GPU session, which
 # carries .warm-cache/triton-sm90.tgz and loads the kernels instead of compiling them (docs/gpu.md, "The prepared
-# commands"). The device runs Python 3.12: its Triton wheel (same version) gives the cache its key. About 8 minutes.
+# commands"). The device runs Python 3.12: its Triton wheel (same version) gives the cache its key. About 18 minutes.
 TRITON_WHEEL_DIR := build/triton-wheel
 warm-cache: setup
 	$(BIN)/pip download -q triton==3.6.0 --no-deps --python-version 3.12 --only-binary=:all: \
