@@ -48,7 +48,6 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 #: where the cache is built and, on the device, extracted: Triton's group files name their members by absolute path
 CACHE_DIR = "/tmp/slake-triton-sm90"
@@ -161,20 +160,38 @@ def sm90_driver() -> object:
     return Sm90Driver()
 
 
-class Warmup:
-    """Stands in for a kernel: ``kernel[grid](*args, **constants)`` is Triton's ``warmup`` of the launch (compiled
-    into the cache as the JIT compiles it on a GPU, not launched); ``seen`` counts the launches per kernel."""
+def compile_for_sm90(key: str | None = None) -> None:
+    """Make this process compile the kernels it launches for sm_90 instead of running them: Triton's driver reports
+    an sm_90 target (:func:`sm90_driver`), every ``kernel[grid](...)`` is Triton's own ``warmup`` of that launch (its
+    JIT specializes and compiles it into the cache as it would on the GPU, and launches nothing; the outputs are
+    garbage), slake's launch cache is off (it would call a compiled kernel's launcher), and half-precision keys take
+    the low-precision products, as on a GPU. ``key``: Triton's key for the cache (:func:`device_triton_key`; None:
+    this machine's). The fused kernels and the tests' probe kernels are imported compiled, then ``TRITON_INTERPRET``
+    is set so that ``slake.kernels.load`` returns them as they are. With ``SLAKE_TRITON_COMPILE_LOG`` set, what
+    compiles is logged there (:mod:`slake.kernels.compile_log`). Call it before anything imports
+    ``triton.language`` with ``TRITON_INTERPRET`` set."""
+    import torch
+    import triton.runtime.cache as triton_cache
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
 
-    def __init__(self, kernel, seen: dict[str, int]) -> None:  # noqa: ANN001
-        self.kernel, self.seen = kernel, seen
+    if os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError("compile_for_sm90 needs Triton imported without TRITON_INTERPRET")
+    if key is not None:
+        triton_cache.triton_key = lambda: key  # every cache key from now on is the device's
+    driver.set_active(sm90_driver())
+    JITFunction.__getitem__ = lambda self, grid: lambda *a, **k: self.run(*a, grid=grid, warmup=True, **k)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import kernel_probes  # noqa: F401  (the tests' probe kernels, compiled)
+    from slake.cache import fused_step
+    from slake.kernels import compile_log, launch_config, triton_decode, triton_dense  # noqa: F401  (compiled)
 
-    def __getitem__(self, grid) -> Callable[..., None]:  # noqa: ANN001
-        def warm(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-            self.kernel.run(*args, grid=grid, warmup=True, **kwargs)
-            name = self.kernel.__name__
-            self.seen[name] = self.seen.get(name, 0) + 1
-
-        return warm
+    launch_config.CACHED_LAUNCH = False
+    fused_step.half_precision_dots = lambda device, keys_dtype: keys_dtype in (torch.float16, torch.bfloat16)
+    triton_dense.half_precision_dots = fused_step.half_precision_dots
+    if os.environ.get(compile_log.ENV):
+        compile_log.install(os.environ[compile_log.ENV])
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def width_class(width: int) -> tuple:
@@ -346,7 +363,7 @@ def recorded_logs() -> list[Path]:
     return sorted((ROOT / "docs" / "results").glob("**/triton_compiles.jsonl"))
 
 
-def _recorded(logs: list[Path], originals: dict[tuple[str, str], Any]) -> None:
+def _recorded(logs: list[Path]) -> None:
     """Compile each specialization the ``logs`` name, of the kernel as it is now (``JITFunction.preload``, Triton's
     own way to compile a serialized specialization): what a GPU session compiled, the next one finds. A kernel no
     longer there, or whose parameters changed since, is counted and left out."""
@@ -357,9 +374,7 @@ def _recorded(logs: list[Path], originals: dict[tuple[str, str], Any]) -> None:
         from slake.kernels import compile_log
 
         for entry in compile_log.read(log):
-            fn = originals.get((entry["module"], entry["name"]))
-            if fn is None:
-                fn = getattr(importlib.import_module(entry["module"]), entry["name"], None)
+            fn = getattr(importlib.import_module(entry["module"]), entry["name"], None)
             try:
                 if fn is None:
                     raise LookupError(f"{entry['module']}.{entry['name']} is gone")
@@ -422,40 +437,9 @@ def build(
     import torch
     import triton
     import triton.runtime.cache as triton_cache
-    from triton.runtime.driver import driver
 
     key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
-    triton_cache.triton_key = lambda: key  # every cache key from now on is the device's
-    driver.set_active(sm90_driver())
-    from slake.kernels import compile_log
-
-    if os.environ.get(compile_log.ENV):
-        compile_log.install(os.environ[compile_log.ENV])
-    seen: dict[str, int] = {}
-    import importlib
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    import kernel_probes  # noqa: F401  (the tests' probe kernels, compiled: the recorded part may name them)
-
-    originals: dict[tuple[str, str], Any] = {}
-    for module, names in KERNELS.items():
-        mod = importlib.import_module(module)
-        for name in names:
-            originals[(module, name)] = getattr(mod, name)
-            setattr(mod, name, Warmup(getattr(mod, name), seen))
-    # the modules that took the kernels by name before the stand-ins were set
-    from slake.kernels import triton_decode
-
-    triton_decode._append_logits_kernel = sys.modules["slake.kernels.triton_attend"]._append_logits_kernel
-    triton_decode._value_projection_kernel = sys.modules["slake.kernels.triton_rules"]._value_projection_kernel
-    # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
-    from slake.cache import fused_step
-    from slake.kernels import triton_dense
-
-    fused_step.half_precision_dots = lambda device, keys_dtype: keys_dtype in (torch.float16, torch.bfloat16)
-    triton_dense.half_precision_dots = fused_step.half_precision_dots
-    # the kernel modules are imported in compiled mode; from now on slake.kernels.load() returns them as they are
-    os.environ["TRITON_INTERPRET"] = "1"
+    compile_for_sm90(key)
     dtype = torch.bfloat16
     widths = width_classes() if widths is None else list(widths)
     started = time.time()
@@ -475,7 +459,7 @@ def build(
         "dense": lambda: _dense_steps(_dense_shapes(), dtype),
         "smoke": lambda: _smoke_tests(cache_dir, wheel),
         "tuning": lambda: _tuning_steps(dtype),
-        "recorded": lambda: _recorded(recorded_logs() if recorded is None else recorded, originals),
+        "recorded": lambda: _recorded(recorded_logs() if recorded is None else recorded),
     }
     for part in parts:
         timed(part, steps[part])
@@ -492,7 +476,6 @@ def build(
         "methods": methods,
         "widths": widths,
         "entries": _entries(cache),
-        "launches": seen,
         "seconds": round(time.time() - started, 1),
         "parts": took,
     }

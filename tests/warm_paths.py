@@ -18,14 +18,11 @@ import sys
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
-os.environ["SLAKE_CACHED_LAUNCH"] = "0"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch  # noqa: E402
 from triton import knobs  # noqa: E402
-from triton.runtime.driver import driver  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from benchmarks import warm_cache  # noqa: E402
 
@@ -38,14 +35,8 @@ def _skip_compile(*, fn, compile, **_) -> bool:  # noqa: ANN001
 
 
 def main(methods: list[str]) -> None:
-    driver.set_active(warm_cache.sm90_driver())
-    JITFunction.__getitem__ = lambda self, grid: lambda *a, **k: self.run(*a, grid=grid, warmup=True, **k)
+    warm_cache.compile_for_sm90()
     knobs.runtime.jit_cache_hook = _skip_compile
-    from slake.cache import fused_step
-    from slake.kernels import triton_decode, triton_dense  # noqa: F401  (compiled, not interpreted)
-
-    fused_step.half_precision_dots = lambda device, keys_dtype: keys_dtype in (torch.float16, torch.bfloat16)
-    os.environ["TRITON_INTERPRET"] = "1"
     from slake.engines.transformers.generate import prefill
     from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step, compiled_step
     from slake.engines.transformers.shapes import random_model
