@@ -33,9 +33,9 @@ def pow2(n: int, floor: int = 1) -> int:
 #: slots per row), and the row and head strides of the slots' metadata, 8-bit scales, per-head visibility and slot
 #: weights. Triton's JIT specializes an integer argument on its value (equal to 1, a multiple of 16), so the layers
 #: of one model, whose rows differ in width under per-layer budgets (CAKE, SLAKE, PyramidKV), compiled each kernel
-#: once per combination these took: 9 and 7 compilations of SLAKE's two kernels for one 32-layer model, now 6 and 4
-#: (what is left follows the powers of two the launch constants are rounded to; ``docs/gpu.md``), each seconds of a
-#: GPU host's time before the first token. The usual rows (budget + 1 slots, not a multiple of 16) compile to the
+#: once per combination these took: 10 and 8 compilations of SLAKE's two kernels over 32 layers' widths, now 7 and
+#: 5 (what is left follows the powers of two the launch constants are rounded to; ``docs/gpu.md``), each seconds of
+#: a GPU host's time before the first token. The usual rows (budget + 1 slots, not a multiple of 16) compile to the
 #: same machine code as before. The row's width ``W`` is still specialized: it is the row stride of the logits'
 #: scratch, whose loads the compiler can vectorize when it is a multiple of 16.
 UNSPECIALIZED = ("S", "block_size", "m_sr", "m_sh", "s_sb", "s_sh", "s_sr", "hv_sr", "hv_sh", "hv_sg", "w_sr", "w_sh")
