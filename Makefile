@@ -105,11 +105,18 @@ test-oldest: setup-oldest
 # Triton's cache of the fused kernels for an H100/H200 (sm_90), built here without a GPU for the next GPU session, which
 # carries .warm-cache/triton-sm90.tgz and loads the kernels instead of compiling them (docs/gpu.md, "The prepared
 # commands"). The device runs Python 3.12: its Triton wheel (same version) gives the cache its key. About 18 minutes.
+# A GPU session writes its machine's own key (OUT/triton_key.txt): `make warm-cache WARM_KEY=that/file` keys the
+# cache with it, and needs no wheel.
 TRITON_WHEEL_DIR := build/triton-wheel
+WARM_KEY ?=
 warm-cache: setup
+ifeq ($(WARM_KEY),)
 	$(BIN)/pip download -q triton==3.6.0 --no-deps --python-version 3.12 --only-binary=:all: \
 	    --platform manylinux_2_27_x86_64 -d $(TRITON_WHEEL_DIR)
 	$(BIN)/python -m benchmarks.warm_cache build --wheel "$$(ls $(TRITON_WHEEL_DIR)/triton-3.6.0-cp312-*.whl)"
+else
+	$(BIN)/python -m benchmarks.warm_cache build --key-file $(WARM_KEY)
+endif
 
 # Regenerate tests/fixtures/reference (docs/faithfulness.md): our methods and the authors' code on the same captured
 # tensors. Needs a virtual environment with kvpress (KVPRESS_VENV) and checkouts of the authors' repositories at the

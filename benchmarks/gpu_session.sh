@@ -155,6 +155,8 @@ SHORT2_STEPS=("eager-targets 200" "compiled-32k 90" "compiled-128k 270" "host 70
 # fused kernels compiled anyway (a specialization the build did not cover).
 warm_cache() {
     local dir
+    # this machine's Triton key, for a later build that needs no wheel (benchmarks/warm_cache.py build --key-file)
+    "$py" -m benchmarks.warm_cache key > "$out/triton_key.txt" || true
     if [ -f .warm-cache/triton-sm90.tgz ]; then
         if dir=$("$py" -m benchmarks.warm_cache install .warm-cache/triton-sm90.tgz); then
             export TRITON_CACHE_DIR=$dir

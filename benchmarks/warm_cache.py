@@ -25,6 +25,9 @@ between Python versions: the device runs Python 3.12, this machine 3.11. ``--whe
 --only-binary=:all: --platform manylinux_2_27_x86_64``); the build checks that every Python file of the wheel is
 the one installed here and takes the wheel's libtriton in the key (:func:`device_triton_key`).
 
+A GPU session also writes the device's own key (``python -m benchmarks.warm_cache key``, ``OUT/triton_key.txt``):
+a later build given it (``--key-file``) needs no wheel and no assumption about where the device's Triton came from.
+
 On the device, ``python -m benchmarks.warm_cache install ARCHIVE`` checks that the device's own Triton key and GPU
 match the manifest's, extracts the cache and prints the directory to set as ``TRITON_CACHE_DIR`` (exit status 1 and
 nothing extracted if they do not: every kernel then compiles as before), and ``report`` counts, at the end of the
@@ -417,7 +420,7 @@ PARTS = ("eager", "static", "pool-8x128", "pool-1x1024", "dense", "smoke", "tuni
 
 
 def build(
-    wheel: Path | None,
+    wheel: Path | str | None,
     archive: Path,
     methods: list[str],
     cache_dir: str = CACHE_DIR,
@@ -426,7 +429,8 @@ def build(
     recorded: list[Path] | None = None,
 ) -> dict:
     """Fill ``cache_dir`` with the kernels a GPU session compiles (module docstring), keyed for the Triton of
-    ``wheel`` (None: the one installed here), and pack it into ``archive``; the manifest. ``widths``: the row
+    ``wheel`` (a path: the device's wheel; a string: the device's key itself, as ``key`` printed it there; None: the
+    Triton installed here), and pack it into ``archive``; the manifest. ``widths``: the row
     widths of the transformers engine's steps (default :func:`width_classes`); ``parts``: which of :data:`PARTS`;
     ``recorded``: the compile logs of the ``recorded`` part (default :func:`recorded_logs`). With
     ``SLAKE_TRITON_COMPILE_LOG`` set, what the build compiles is logged there too (:mod:`slake.kernels.compile_log`).
@@ -438,7 +442,10 @@ def build(
     import triton
     import triton.runtime.cache as triton_cache
 
-    key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
+    if isinstance(wheel, str):  # the device's key itself (``key`` on the device, ``--key-file``)
+        key = wheel
+    else:
+        key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
     compile_for_sm90(key)
     dtype = torch.bfloat16
     widths = width_classes() if widths is None else list(widths)
@@ -563,6 +570,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="the device's Triton wheel (Python 3.12); default: key the cache for the Triton installed here",
     )
+    b.add_argument("--key-file", type=Path, default=None,
+                   help="the device's Triton key as `key` printed it there (instead of --wheel)")  # fmt: skip
     b.add_argument("--out", type=Path, default=ARCHIVE, help="the archive to write")
     b.add_argument("--methods", default="snapkv,cake,slake", help="the transformers engine's and the pool's methods")
     b.add_argument("--cache-dir", default=CACHE_DIR, help="where to build (the device extracts to the same path)")
@@ -572,6 +581,7 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated compile logs (default: docs/results/**/triton_compiles.jsonl)")  # fmt: skip
     i = sub.add_parser("install", help="on the GPU machine: extract the cache if it is for this Triton and GPU")
     i.add_argument("archive", type=Path, nargs="?", default=ARCHIVE)
+    sub.add_parser("key", help="this machine's Triton key (on the GPU machine: for a later build's --key-file)")
     r = sub.add_parser("report", help="on the GPU machine: the fused kernels compiled there anyway")
     r.add_argument("--cache-dir", default=CACHE_DIR)
     return ap
@@ -596,10 +606,18 @@ def main(argv: list[str] | None = None) -> int:
                                   check=False).returncode  # fmt: skip
         widths = None if a.widths is None else [int(w) for w in a.widths.split(",") if w]
         logs = None if a.recorded is None else [Path(p) for p in a.recorded.split(",") if p]
-        build(a.wheel, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts, logs)
+        if a.key_file is not None and a.wheel is not None:
+            ap.error("give --wheel or --key-file, not both")
+        keyed = a.key_file.read_text().strip() if a.key_file is not None else a.wheel
+        build(keyed, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts, logs)
         return 0
     if a.command == "install":
         return install(a.archive)
+    if a.command == "key":
+        from triton.runtime.cache import triton_key
+
+        print(triton_key())
+        return 0
     print(json.dumps(report(Path(a.cache_dir))))
     return 0
 

@@ -235,3 +235,27 @@ def test_the_tuning_part_compiles_the_variants_the_session_times():
     tuned = [dict(v) for *_, kind, v in runs if kind == "tuned"]
     assert {"HELD_ORDER": 0} in tuned and {"RECOMPUTE_BLOCK": 32} in tuned
     assert {(m, r, b) for m, r, b, *_ in runs} == {("slake", 1, 1024), ("slake", 8, 128)}
+
+
+def test_a_build_keyed_with_the_devices_own_key_installs_there(tmp_path):
+    """A GPU session writes its machine's Triton key (``python -m benchmarks.warm_cache key``); a later build given
+    it (``--key-file``) is keyed with it verbatim, no wheel needed: here the key is this machine's, so the archive
+    installs here for an sm_90 GPU, and one keyed with another key is refused."""
+    key_file = tmp_path / "triton_key.txt"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.warm_cache", "key"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    key_file.write_text(run.stdout)
+    from triton.runtime.cache import triton_key
+
+    assert run.stdout.strip() == triton_key()
+    archive, cache = tmp_path / "k.tgz", tmp_path / "cache"
+    _build(archive, cache, "--key-file", str(key_file), "--methods", "snapkv", "--widths", "129", "--parts", "eager")
+    assert json.loads((cache / warm_cache.MANIFEST).read_text())["triton_key_sha256"] == warm_cache.key_digest(
+        triton_key()
+    )
+    assert warm_cache.install(archive, capability=(9, 0)) == 0
+    key_file.write_text("3.6.0-another-machine")
+    other = tmp_path / "other.tgz"
+    _build(other, tmp_path / "c2", "--key-file", str(key_file), "--methods", "snapkv", "--widths", "129",
+           "--parts", "eager")  # fmt: skip
+    assert warm_cache.install(other, capability=(9, 0)) == 1
