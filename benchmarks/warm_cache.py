@@ -294,13 +294,13 @@ def smoke_selection(script: Path = ROOT / "benchmarks" / "gpu_session.sh") -> tu
     return nodes, " ".join(k.group(1).replace("\\\n", " ").split())
 
 
-def _smoke_tests(cache_dir: str, wheel: Path | None) -> None:
+def _smoke_tests(cache_dir: str, key: str) -> None:
     """The smoke step's tests of ``tests/test_fused_decode.py`` (:func:`smoke_selection`), run under the
     :mod:`benchmarks.warm_smoke` plugin: each launch compiled into ``cache_dir`` for sm_90, nothing run (the tests
     fail: their kernels computed nothing)."""
     nodes, k = smoke_selection()
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=cache_dir, SLAKE_WARM_WHEEL="" if wheel is None else str(wheel))
+    env.update(TRITON_CACHE_DIR=cache_dir, SLAKE_WARM_KEY=key)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.warm_smoke", *nodes]
         + ["-k", k],
@@ -464,7 +464,7 @@ def build(
         "pool-8x128": lambda: _pool_steps(methods, 8, 128, dtype),
         "pool-1x1024": lambda: _pool_steps(methods, 1, 1024, dtype),
         "dense": lambda: _dense_steps(_dense_shapes(), dtype),
-        "smoke": lambda: _smoke_tests(cache_dir, wheel),
+        "smoke": lambda: _smoke_tests(cache_dir, key),
         "tuning": lambda: _tuning_steps(dtype),
         "recorded": lambda: _recorded(recorded_logs() if recorded is None else recorded),
     }
