@@ -51,6 +51,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: where the cache is built and, on the device, extracted: Triton's group files name their members by absolute path
 CACHE_DIR = "/tmp/slake-triton-sm90"
@@ -195,6 +196,19 @@ def compile_for_sm90(key: str | None = None) -> None:
     if os.environ.get(compile_log.ENV):
         compile_log.install(os.environ[compile_log.ENV])
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def skip_compiling(seen: set[tuple[str, str]]) -> None:
+    """From now on Triton's JIT compiles nothing: each specialization it would compile is added to ``seen`` as
+    ``(kernel name, Triton's serialization of the specialization)`` instead (a ``jit_cache_hook``). With
+    :func:`compile_for_sm90`, what a GPU would compile, counted without compiling."""
+    from triton import knobs
+
+    def record(*, fn: Any, compile: dict, **_: Any) -> bool:
+        seen.add((fn.name, compile["specialization_data"]))
+        return True  # the compilation is skipped
+
+    knobs.runtime.jit_cache_hook = record
 
 
 def width_class(width: int) -> tuple:

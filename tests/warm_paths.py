@@ -22,21 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch  # noqa: E402
-from triton import knobs  # noqa: E402
 
 from benchmarks import warm_cache  # noqa: E402
-
-seen: set[tuple[str, str]] = set()
-
-
-def _skip_compile(*, fn, compile, **_) -> bool:  # noqa: ANN001
-    seen.add((fn.name, compile["specialization_data"]))
-    return True  # Triton compiles nothing
 
 
 def main(methods: list[str]) -> None:
     warm_cache.compile_for_sm90()
-    knobs.runtime.jit_cache_hook = _skip_compile
+    seen: set[tuple[str, str]] = set()
+    warm_cache.skip_compiling(seen)
     from slake.engines.transformers.generate import prefill
     from slake.engines.transformers.measure import BenchConfig, _new_cache, _prompt, _step, compiled_step
     from slake.engines.transformers.shapes import random_model
