@@ -32,6 +32,10 @@ On the device, ``python -m benchmarks.warm_cache install ARCHIVE`` checks that t
 match the manifest's, extracts the cache and prints the directory to set as ``TRITON_CACHE_DIR`` (exit status 1 and
 nothing extracted if they do not: every kernel then compiles as before), and ``report`` counts, at the end of the
 session, the fused kernels Triton compiled anyway (entries the archive did not hold: a specialization it missed).
+Where the device's Triton is another build of the same release (its key differs from the manifest's only in
+libtriton's hash, and its ptxas is the same), ``install`` re-keys the entries for it: the build recorded each
+compilation's cache key less Triton's own key (:func:`record_key_suffixes`), so each entry's name under the device's
+key is known (:func:`rekeyed`).
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ def sm90_driver() -> object:
     return Sm90Driver()
 
 
-def compile_for_sm90(key: str | None = None) -> None:
+def compile_for_sm90(key: str | None = None, record_keys: bool = False) -> None:
     """Make this process compile the kernels it launches for sm_90 instead of running them: Triton's driver reports
     an sm_90 target (:func:`sm90_driver`), every ``kernel[grid](...)`` is Triton's own ``warmup`` of that launch (its
     JIT specializes and compiles it into the cache as it would on the GPU, and launches nothing; the outputs are
@@ -173,7 +177,9 @@ def compile_for_sm90(key: str | None = None) -> None:
     this machine's). The fused kernels and the tests' probe kernels are imported compiled, then ``TRITON_INTERPRET``
     is set so that ``slake.kernels.load`` returns them as they are. With ``SLAKE_TRITON_COMPILE_LOG`` set, what
     compiles is logged there (:mod:`slake.kernels.compile_log`). Call it before anything imports
-    ``triton.language`` with ``TRITON_INTERPRET`` set."""
+    ``triton.language`` with ``TRITON_INTERPRET`` set. ``record_keys``: each compilation's cache key, less Triton's
+    key, is recorded in the cache directory (:func:`record_key_suffixes`), for ``install`` to re-key the entries for
+    a device whose libtriton is another build of the same Triton."""
     import torch
     import triton.runtime.cache as triton_cache
     from triton.runtime.driver import driver
@@ -183,6 +189,8 @@ def compile_for_sm90(key: str | None = None) -> None:
         raise RuntimeError("compile_for_sm90 needs Triton imported without TRITON_INTERPRET")
     if key is not None:
         triton_cache.triton_key = lambda: key  # every cache key from now on is the device's
+    if record_keys:
+        record_key_suffixes()
     driver.set_active(sm90_driver())
     JITFunction.__getitem__ = lambda self, grid: lambda *a, **k: self.run(*a, grid=grid, warmup=True, **k)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -196,6 +204,47 @@ def compile_for_sm90(key: str | None = None) -> None:
     if os.environ.get(compile_log.ENV):
         compile_log.install(os.environ[compile_log.ENV])
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+#: where :func:`record_key_suffixes` writes, in the cache directory (one JSON line per compilation)
+SUFFIXES = "slake-key-suffixes.jsonl"
+
+
+def entry_of(key: str) -> tuple[str, str]:
+    """The cache entry of a compilation whose cache key is ``key``: ``(its directory's name, the hash its metadata
+    records)``, as Triton names them (the SHA-256 of the key, in base 32 for the directory)."""
+    import base64
+
+    digest = hashlib.sha256(key.encode("utf-8"))
+    return base64.b32encode(digest.digest()).decode("utf-8").rstrip("="), digest.hexdigest()
+
+
+def record_key_suffixes() -> None:
+    """From now on each compilation in this process appends ``{"entry", "suffix"}`` to :data:`SUFFIXES` in Triton's
+    cache directory: the entry's directory name (the SHA-256 of its cache key) and the key less its first part,
+    Triton's own key. Triton's cache key is ``triton_key()`` followed by the hashes of the kernel's source and
+    specialization, of the backend (ptxas's version and the target) and of the options, and the compiler switches
+    set in the environment, none of which depends on libtriton's binary: with the suffix, an entry's name under
+    another Triton key is ``sha256(other_key + suffix)`` (:func:`rekey`)."""
+    import triton.compiler.compiler as triton_compiler
+    import triton.runtime.cache as triton_cache
+    from triton import knobs
+
+    original = triton_compiler.get_cache_key
+
+    def recording(src: Any, backend: Any, backend_options: Any, env_vars: Any) -> str:
+        key = original(src, backend, backend_options, env_vars)
+        prefix = triton_cache.triton_key()
+        if not key.startswith(prefix):
+            raise RuntimeError("Triton's cache key no longer begins with triton_key(): re-keying cannot work")
+        entry = entry_of(key)[0]
+        cache = Path(knobs.cache.dir)
+        cache.mkdir(parents=True, exist_ok=True)  # before the first compilation, Triton has not made it yet
+        with open(cache / SUFFIXES, "a") as f:
+            f.write(json.dumps({"entry": entry, "suffix": key[len(prefix) :]}) + "\n")
+        return key
+
+    triton_compiler.get_cache_key = recording
 
 
 def skip_compiling(seen: set[tuple[str, str]]) -> None:
@@ -426,6 +475,28 @@ def _entries(cache: Path) -> dict[str, str]:
     return out
 
 
+def _recorded_suffixes(cache: Path) -> dict[str, str]:
+    """``{entry: key suffix}`` from the build's :data:`SUFFIXES` file (:func:`record_key_suffixes`), which is then
+    removed (the manifest holds what the archive needs)."""
+    path = cache / SUFFIXES
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        out[row["entry"]] = row["suffix"]
+    path.unlink()
+    return out
+
+
+def sm90_backend_hash() -> str:
+    """What Triton's CUDA backend puts in the cache key for an sm_90 target (ptxas's version and the target)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    return make_backend(GPUTarget("cuda", 90, 32)).hash()
+
+
 #: the parts of a build, in order (``--parts``): the transformers engine's eager and static steps, the pool's step
 #: at 8 rows of budget 128 and at 1 row of budget 1,024, the dense attention, the smoke step's tests of
 #: ``tests/test_fused_decode.py`` (:func:`_smoke_tests`), the variants ``kernel-tune`` and ``kernel-parts`` time
@@ -460,7 +531,7 @@ def build(
         key = wheel
     else:
         key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
-    compile_for_sm90(key)
+    compile_for_sm90(key, record_keys=True)
     dtype = torch.bfloat16
     widths = width_classes() if widths is None else list(widths)
     started = time.time()
@@ -486,10 +557,13 @@ def build(
         timed(part, steps[part])
     cache = Path(cache_dir)
     entries = _slim(cache)
+    suffixes = _recorded_suffixes(cache)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     manifest = {
         "triton": triton.__version__,
         "triton_key_sha256": key_digest(key),
+        "triton_key": key,
+        "backend_hash": sm90_backend_hash(),
         "target": "cuda:90",
         "env_vars": _invalidating_env(),
         "cache_dir": cache_dir,
@@ -497,6 +571,7 @@ def build(
         "methods": methods,
         "widths": widths,
         "entries": _entries(cache),
+        "suffixes": {entry: suffixes[entry] for entry in _entries(cache) if entry in suffixes},
         "seconds": round(time.time() - started, 1),
         "parts": took,
     }
@@ -520,12 +595,97 @@ def _manifest_of(tar: tarfile.TarFile) -> dict | None:
     return None
 
 
+def _libtriton_hash() -> str:
+    """The SHA-256 of this machine's libtriton binary (the part of ``triton_key()`` that differs between builds)."""
+    import sysconfig
+
+    import triton
+
+    ext = sysconfig.get_config_var("EXT_SUFFIX").split(".")[-1]
+    digest = hashlib.sha256()
+    with open(Path(triton.__file__).parent / "_C" / f"libtriton.{ext}", "rb") as f:
+        for chunk in iter(lambda: f.read(2**24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rekey_refusal(manifest: dict, key: str, lib_hash: str, backend_hash: str) -> str | None:
+    """Why an archive keyed otherwise cannot be re-keyed for a machine whose Triton key is ``key`` (None: it can).
+
+    It can when the two keys differ only in libtriton's hash, and that is ``lib_hash``, this machine's (the same
+    Triton version, every Python file the same: another build of the same release, as PyPI's and PyTorch's indexes
+    may serve), and the build's CUDA backend hash (ptxas's version) is ``backend_hash``. The kernels were compiled here
+    by yet another build of that release anyway (Python 3.11's; the device's is 3.12's): re-keying adds no
+    assumption that the build does not already make."""
+    theirs = manifest.get("triton_key")
+    if theirs is None or "suffixes" not in manifest:
+        return "the archive records no key suffixes (built before re-keying existed)"
+    ours_parts, theirs_parts = key.split("-"), theirs.split("-")
+    if len(ours_parts) != len(theirs_parts):
+        return "Triton's key has another form here (another version)"
+    differ = [i for i, (a, b) in enumerate(zip(ours_parts, theirs_parts, strict=True)) if a != b]
+    if len(differ) != 1 or ours_parts[differ[0]] != lib_hash:
+        return f"Triton's key differs in {len(differ)} of its parts, not only in libtriton's hash"
+    if manifest.get("backend_hash") != backend_hash:
+        return f"the CUDA backend differs (ptxas {backend_hash} here, {manifest.get('backend_hash')} in the archive)"
+    return None
+
+
+def rekeyed(manifest: dict, key: str) -> dict:
+    """The manifest of ``manifest``'s archive re-keyed for Triton key ``key``: each entry's directory renamed to
+    :func:`entry_of` ``key`` followed by its key suffix (Triton's own naming, :func:`record_key_suffixes`); an entry
+    without a recorded suffix is left out."""
+    names = {}
+    suffixes = {}
+    for entry, name in manifest["entries"].items():
+        suffix = manifest["suffixes"].get(entry)
+        if suffix is None:
+            continue
+        new = entry_of(key + suffix)[0]
+        names[new] = name
+        suffixes[new] = suffix
+    return {
+        **manifest,
+        "triton_key_sha256": key_digest(key),
+        "triton_key": key,
+        "entries": names,
+        "suffixes": suffixes,
+        "rekeyed_from": manifest["triton_key_sha256"],
+    }
+
+
+def _rekey_entries(cache: Path, old: dict, new: dict) -> None:
+    """Rename the entries of ``old`` (extracted in ``cache``) to those of ``new`` (:func:`rekeyed`): each directory,
+    the absolute paths its group file lists, and the ``hash`` its metadata records; an entry ``new`` left out is
+    removed."""
+    by_suffix = {suffix: entry for entry, suffix in new["suffixes"].items()}
+    key = new["triton_key"]
+    for entry in old["entries"]:
+        suffix = old["suffixes"].get(entry)
+        target = by_suffix.get(suffix) if suffix is not None else None
+        if target is None:
+            shutil.rmtree(cache / entry)
+            continue
+        (cache / entry).rename(cache / target)
+        for group in (cache / target).glob("__grp__*.json"):
+            data = json.loads(group.read_text())
+            paths = {k: str(cache / target / Path(v).name) for k, v in data["child_paths"].items()}
+            group.write_text(json.dumps({**data, "child_paths": paths}))
+            for child, path in paths.items():
+                if child.endswith(".json"):
+                    meta = json.loads(Path(path).read_text())
+                    if "hash" in meta:
+                        meta["hash"] = entry_of(key + suffix)[1]
+                        Path(path).write_text(json.dumps(meta))
+
+
 def install(archive: Path, capability: tuple[int, int] | None = None) -> int:
     """On the GPU machine: extract ``archive`` to the directory it was built in (its manifest's ``cache_dir``) if
     the manifest's Triton key is the device's and the GPU (``capability``, default the current device's) is sm_90;
-    print that directory (for ``TRITON_CACHE_DIR``) and return 0; else say why on stderr and return 1. A directory
-    that already holds this archive (a later call on a still-warm machine) is kept as it is, with the kernels the
-    device compiled into it."""
+    print that directory (for ``TRITON_CACHE_DIR``) and return 0; else say why on stderr and return 1. An archive
+    keyed for another build of the same Triton (only libtriton's hash differs, :func:`rekey_refusal`) is re-keyed for
+    this one (:func:`rekeyed`). A directory that already holds this archive (a later call on a still-warm machine)
+    is kept as it is, with the kernels the device compiled into it."""
     import torch
     import triton
     from triton.runtime.cache import triton_key
@@ -538,8 +698,20 @@ def install(archive: Path, capability: tuple[int, int] | None = None) -> int:
             print(f"warm-cache: {archive} has no manifest", file=sys.stderr)
             return 1
         why = []
-        if manifest["triton_key_sha256"] != key_digest(triton_key()):
-            why.append(f"Triton's key differs (triton {triton.__version__} here, the archive's {manifest['triton']})")
+        wanted = manifest
+        key = triton_key()
+        backend = sm90_backend_hash()
+        if manifest["triton_key_sha256"] != key_digest(key):
+            refusal = rekey_refusal(manifest, key, _libtriton_hash(), backend)
+            if refusal is None:
+                wanted = rekeyed(manifest, key)
+            else:
+                why.append(
+                    f"Triton's key differs (triton {triton.__version__} here, the archive's {manifest['triton']}), "
+                    f"and it cannot be re-keyed: {refusal}"
+                )
+        elif manifest.get("backend_hash", backend) != backend:  # every entry's key holds ptxas's version
+            why.append(f"the CUDA backend differs (ptxas {backend} here, {manifest['backend_hash']} in the archive)")
         if manifest.get("env_vars", {}) != _invalidating_env():
             why.append(f"Triton's compiler switches in the environment differ ({_invalidating_env()})")
         if tuple(capability or ()) != (9, 0):
@@ -549,15 +721,21 @@ def install(archive: Path, capability: tuple[int, int] | None = None) -> int:
             return 1
         target = Path(manifest["cache_dir"])
         here = target / MANIFEST
-        if here.exists() and json.loads(here.read_text()) == manifest:
+        if here.exists() and json.loads(here.read_text()) == wanted:
             # installed by an earlier call on this machine: keep it, with what the device compiled since
             print(target)
             return 0
         if target.exists():
             shutil.rmtree(target)
         tar.extractall(target.parent, filter="data")
+    if wanted is not manifest:
+        _rekey_entries(target, manifest, wanted)
+        here.write_text(json.dumps(wanted, indent=1))
+        print(f"warm-cache: re-keyed {len(wanted['entries'])} of {len(manifest['entries'])} kernels for this "
+              f"machine's libtriton (the archive's was another build of triton {manifest['triton']})",
+              file=sys.stderr)  # fmt: skip
     print(target)
-    print(f"warm-cache: {len(manifest['entries'])} kernels of {manifest['commit'][:7]} in {target}", file=sys.stderr)
+    print(f"warm-cache: {len(wanted['entries'])} kernels of {manifest['commit'][:7]} in {target}", file=sys.stderr)
     return 0
 
 

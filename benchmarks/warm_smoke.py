@@ -15,4 +15,4 @@ import os
 
 from benchmarks.warm_cache import compile_for_sm90
 
-compile_for_sm90(os.environ.get("SLAKE_WARM_KEY") or None)
+compile_for_sm90(os.environ.get("SLAKE_WARM_KEY") or None, record_keys=True)

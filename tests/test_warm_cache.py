@@ -259,3 +259,66 @@ def test_a_build_keyed_with_the_devices_own_key_installs_there(tmp_path):
     _build(other, tmp_path / "c2", "--key-file", str(key_file), "--methods", "snapkv", "--widths", "129",
            "--parts", "eager")  # fmt: skip
     assert warm_cache.install(other, capability=(9, 0)) == 1
+
+
+def test_a_build_for_another_libtriton_of_the_same_triton_is_rekeyed_on_install(tmp_path):
+    """The device's Triton may be another build of the same release than the one the build keyed for (PyPI's wheel,
+    or PyTorch's index's): then only libtriton's hash differs in Triton's key, and install re-keys the archive's
+    entries (each one's cache key less Triton's key was recorded at the build). Re-keyed, they are exactly the
+    entries a build keyed for this machine makes, directory names and metadata included; a key that differs in
+    another part, or a build of another ptxas, is refused."""
+    from triton.runtime.cache import triton_key
+
+    lib = warm_cache._libtriton_hash()
+    assert lib in triton_key()
+    small = ("--methods", "snapkv", "--widths", "129", "--parts", "eager")
+    here_archive, here_cache = tmp_path / "here.tgz", tmp_path / "here"
+    _build(here_archive, here_cache, *small)
+    here = json.loads((here_cache / warm_cache.MANIFEST).read_text())
+
+    key_file = tmp_path / "key.txt"
+    key_file.write_text(triton_key().replace(lib, "0" * 64))
+    other_archive, other_cache = tmp_path / "other.tgz", tmp_path / "other"
+    _build(other_archive, other_cache, "--key-file", str(key_file), *small)
+    other = json.loads((other_cache / warm_cache.MANIFEST).read_text())
+    assert set(other["entries"]).isdisjoint(here["entries"]) and len(other["suffixes"]) == 2
+    import shutil
+
+    shutil.rmtree(other_cache)
+    assert warm_cache.install(other_archive, capability=(9, 0)) == 0
+    installed = json.loads((other_cache / warm_cache.MANIFEST).read_text())
+    assert installed["entries"] == here["entries"] and installed["rekeyed_from"] == other["triton_key_sha256"]
+    for entry in here["entries"]:
+        group = json.loads(next((other_cache / entry).glob("__grp__*.json")).read_text())
+        for child, path in group["child_paths"].items():
+            assert Path(path) == other_cache / entry / child
+            assert Path(path).read_bytes() == (here_cache / entry / child).read_bytes(), child
+    # a second call keeps it; the report counts nothing compiled on the device
+    assert warm_cache.install(other_archive, capability=(9, 0)) == 0
+    assert warm_cache.report(other_cache) == {"held": 2, "compiled_on_device": {}}
+
+    # refused: a key that differs in a Python file's hash too, or a build whose ptxas differs
+    parts = triton_key().split("-")
+    assert warm_cache.rekey_refusal(other, "-".join(parts), lib, warm_cache.sm90_backend_hash()) is None
+    changed = "-".join([parts[0], "f" * 64, *parts[2:]])
+    assert "not only in libtriton" in warm_cache.rekey_refusal(other, changed, lib, warm_cache.sm90_backend_hash())
+    assert "CUDA backend" in warm_cache.rekey_refusal(other, triton_key(), lib, "12.0-90")
+    assert "no key suffixes" in warm_cache.rekey_refusal(
+        {k: v for k, v in other.items() if k != "suffixes"}, triton_key(), lib, warm_cache.sm90_backend_hash()
+    )
+
+
+def test_an_archive_of_another_ptxas_is_refused_though_the_key_is_the_same(tmp_path):
+    """Every entry's cache key holds the CUDA backend's hash (ptxas's version): an archive built with another ptxas
+    would install and then miss every kernel; install refuses it and says why."""
+    archive, cache = tmp_path / "a.tgz", tmp_path / "cache"
+    _build(archive, cache, "--methods", "snapkv", "--widths", "129", "--parts", "eager")
+    manifest = json.loads((cache / warm_cache.MANIFEST).read_text())
+    assert manifest["backend_hash"] == warm_cache.sm90_backend_hash()
+    manifest["backend_hash"] = "12.0-90"
+    (cache / warm_cache.MANIFEST).write_text(json.dumps(manifest))
+    other = tmp_path / "other.tgz"
+    with tarfile.open(other, "w:gz") as tar:
+        tar.add(cache, arcname=cache.name)
+    assert warm_cache.install(other, capability=(9, 0)) == 1
+    assert warm_cache.install(archive, capability=(9, 0)) == 0
