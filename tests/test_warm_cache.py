@@ -169,6 +169,8 @@ def test_the_smoke_part_compiles_the_fused_and_the_probe_kernels(tmp_path):
     with tarfile.open(archive) as tar:
         cubins = {n.rsplit("/", 1)[-1] for n in tar.getnames() if n.endswith(".cubin")}
     assert {"_append_logits_kernel.cubin", "_evict_attend_kernel.cubin", "order_kernel.cubin"} <= cubins, cubins
+    manifest = json.loads((tmp_path / "cache" / warm_cache.MANIFEST).read_text())
+    assert set(manifest["suffixes"]) == set(manifest["entries"])  # recorded in the tests' own process too
 
 
 def test_a_logged_compilation_is_compiled_again_by_the_recorded_part(tmp_path):
@@ -192,6 +194,10 @@ def test_a_logged_compilation_is_compiled_again_by_the_recorded_part(tmp_path):
     launched = {p.name for p in (tmp_path / "launched").iterdir() if p.is_dir()}
     preloaded = {p.name for p in (tmp_path / "preloaded").iterdir() if p.is_dir()}
     assert launched == preloaded and len(launched) == 2
+    # each entry's key suffix was recorded however it compiled (a launch, Triton's preload): install can re-key it
+    for name in ("launched", "preloaded"):
+        manifest = json.loads((tmp_path / name / warm_cache.MANIFEST).read_text())
+        assert set(manifest["suffixes"]) == set(manifest["entries"]) == launched, name
 
 
 def test_the_compile_log_keeps_slakes_kernels_once_each(tmp_path, monkeypatch):
