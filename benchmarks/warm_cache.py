@@ -113,7 +113,7 @@ def device_triton_key(wheel: Path) -> str:
     )
     if differ:
         raise ValueError(f"{wheel}: {len(differ)} Python files differ from the installed triton's, e.g. {differ[:3]}")
-    local_lib = hashlib.sha256((here / "_C" / "libtriton.so").read_bytes()).hexdigest()
+    local_lib = _libtriton_hash()
     key = triton_key()
     if local_lib not in key:
         raise ValueError("the installed libtriton's hash is not in triton_key(): this Triton builds its key otherwise")
@@ -225,7 +225,7 @@ def record_key_suffixes() -> None:
     Triton's own key. Triton's cache key is ``triton_key()`` followed by the hashes of the kernel's source and
     specialization, of the backend (ptxas's version and the target) and of the options, and the compiler switches
     set in the environment, none of which depends on libtriton's binary: with the suffix, an entry's name under
-    another Triton key is ``sha256(other_key + suffix)`` (:func:`rekey`)."""
+    another Triton key is :func:`entry_of` ``(other_key + suffix)`` (:func:`rekeyed`)."""
     import triton.compiler.compiler as triton_compiler
     import triton.runtime.cache as triton_cache
     from triton import knobs
@@ -658,14 +658,13 @@ def _rekey_entries(cache: Path, old: dict, new: dict) -> None:
     """Rename the entries of ``old`` (extracted in ``cache``) to those of ``new`` (:func:`rekeyed`): each directory,
     the absolute paths its group file lists, and the ``hash`` its metadata records; an entry ``new`` left out is
     removed."""
-    by_suffix = {suffix: entry for entry, suffix in new["suffixes"].items()}
     key = new["triton_key"]
     for entry in old["entries"]:
         suffix = old["suffixes"].get(entry)
-        target = by_suffix.get(suffix) if suffix is not None else None
-        if target is None:
+        if suffix is None:
             shutil.rmtree(cache / entry)
             continue
+        target, digest = entry_of(key + suffix)
         (cache / entry).rename(cache / target)
         for group in (cache / target).glob("__grp__*.json"):
             data = json.loads(group.read_text())
@@ -675,7 +674,7 @@ def _rekey_entries(cache: Path, old: dict, new: dict) -> None:
                 if child.endswith(".json"):
                     meta = json.loads(Path(path).read_text())
                     if "hash" in meta:
-                        meta["hash"] = entry_of(key + suffix)[1]
+                        meta["hash"] = digest
                         Path(path).write_text(json.dumps(meta))
 
 
