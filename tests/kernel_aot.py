@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
 
 from slake.cache import fused_step  # noqa: E402
 from slake.kernels import launch_config, triton_decode, triton_dense  # noqa: E402
@@ -85,7 +86,11 @@ def sass_counts(sass: str) -> dict:
 def ptxas_report(ptx: str, arch: int) -> dict:
     """What Triton's bundled ``ptxas`` says of a kernel's PTX for ``sm_<arch>`` (``-v``, the options Triton compiles
     with): registers per thread, stack frame, and the bytes spilled to local memory (stores and loads); and its
-    machine code's instruction counts (:func:`sass_counts`, through the bundled ``cuobjdump``)."""
+    machine code's instruction counts (:func:`sass_counts`, through the bundled ``cuobjdump``). The ``ptxas`` is the
+    one Triton compiles that target with (Blackwell's, ``sm_100`` and later, is a separate binary)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = Path(get_ptxas(arch).path)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +98,7 @@ def ptxas_report(ptx: str, arch: int) -> dict:
         src.write_text(ptx)
         cubin = Path(tmp, "kernel.cubin")
         run = subprocess.run(
-            [str(tools / "ptxas"), "-v", f"--gpu-name={gpu}", str(src), "-o", str(cubin)],
+            [str(ptxas), "-v", f"--gpu-name={gpu}", str(src), "-o", str(cubin)],
             capture_output=True,
             text=True,
             check=True,
@@ -114,10 +119,30 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     }
 
 
-def jit_specialization(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+def amdgcn_report(asm: str) -> dict:
+    """What an AMD kernel's assembly (Triton's ``amdgcn`` stage) says of its resources, in the fields
+    :func:`ptxas_report` gives a CUDA kernel: vector registers per lane (``registers``), the scratch memory per lane
+    (``stack``) and the registers spilled to it (``spill_stores``: vector and scalar registers together, in
+    registers, not bytes; AMD's assembler reports no spill loads apart)."""
+
+    def number(name: str) -> int:
+        m = re.search(rf"^\s*\.{name}:\s+(\d+)", asm, re.M)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": number("vgpr_count"),
+        "stack": number("private_segment_fixed_size"),
+        "spill_stores": number("vgpr_spill_count") + number("sgpr_spill_count"),
+        "spill_loads": 0,
+        "sass": None,
+    }
+
+
+def jit_specialization(fn, args: tuple, kwargs: dict, backend=BaseBackend) -> tuple[dict, dict, dict]:
     """What Triton's JIT specializes a launch of ``fn`` with these arguments on, as its compiler takes it:
     ``(signature, constants, attrs)`` (``native_specialize_impl``: an int equal to 1 made a constant unless the
-    parameter is ``do_not_specialize``; pointers aligned to 16 bytes and ints divisible by 16 marked so)."""
+    parameter is ``do_not_specialize``; pointers aligned to 16 bytes and ints divisible by 16 marked so; ``backend``'s
+    own marks besides, such as AMD's for a tensor whose storage is within 2 GB)."""
     bound = dict(zip(fn.arg_names, args, strict=False))
     bound.update(kwargs)
     signature, constants, attrs = {}, {}, {}
@@ -133,14 +158,14 @@ def jit_specialization(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]
         # constant, and a pointer aligned to 16 bytes or an int divisible by 16 is marked so, which lets the
         # compiler vectorize loads (the CPU's allocator aligns as CUDA's does)
         kind, spec = native_specialize_impl(
-            BaseBackend, value, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+            backend, value, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
         )
         if kind == "constexpr":
             signature[name], constants[name] = "constexpr", spec
             continue
         signature[name] = kind
         if isinstance(spec, str) and spec:
-            attrs[(i,)] = BaseBackend.parse_attr(spec)
+            attrs[(i,)] = backend.parse_attr(spec)
     return signature, constants, attrs
 
 
@@ -153,17 +178,19 @@ class AheadOfTime:
     def __getitem__(self, grid):
         def compile_instead(*args, **kwargs):
             fn = self.kernel
-            signature, constants, attrs = jit_specialization(fn, args, kwargs)
+            backend = make_backend(self.target).__class__
+            signature, constants, attrs = jit_specialization(fn, args, kwargs, backend)
             options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
             source = triton.compiler.ASTSource(fn, signature, constants, attrs)
             binary = triton.compile(source, target=self.target, options=options)
+            hip = self.target.backend == "hip"
             self.compiled.append(
                 {
                     "kernel": fn.__name__,
-                    "cubin": "cubin" in binary.asm,
+                    "binary": ("hsaco" if hip else "cubin") in binary.asm,
                     "shared": int(binary.metadata.shared),
                     "warps": int(binary.metadata.num_warps),
-                    **ptxas_report(binary.asm["ptx"], self.target.arch),
+                    **(amdgcn_report(binary.asm["amdgcn"]) if hip else ptxas_report(binary.asm["ptx"], self.target.arch)),
                 }
             )
 
@@ -195,8 +222,13 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "--keys":  # count the compilations instead of compiling (one step at each budget)
         budgets = [int(b) for b in argv[1].split(",")]
         argv = argv[2:]
-    backend, arch = argv[0].split(":")
-    target = GPUTarget(backend, int(arch), 32)
+    backend, arch = argv[0].split(":")  # cuda:90 (an H100), cuda:80 (an A100), hip:gfx942 (an MI300X) ...
+    target = GPUTarget("hip", arch, 64) if backend == "hip" else GPUTarget(backend, int(arch), 32)
+    # fp8 codes through their bits where the target has no e4m3 conversion, as slake.kernels.device_support chooses
+    # on that GPU (the tensors here are on the CPU, where it would choose the conversion)
+    from slake.kernels import device_support
+
+    device_support.FP8_BITS = backend == "hip" or int(arch) < 89
     compiled: list = []
     seen: set[tuple[str, str]] = set()
     if budgets:  # Triton's own JIT, for an sm_90 target, counting what it would compile (benchmarks.warm_cache)

@@ -140,11 +140,16 @@ def test_the_dense_kernels_reason_names_what_they_do_not_read():
     assert dense_kernel_reason(_FakeStore(None, torch.int16)) == "torch.int16 keys in the dense attention"
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
-def test_the_dense_attention_reads_8bit_rows_as_codes_and_scales(kind):
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e4m3-bits"])
+def test_the_dense_attention_reads_8bit_rows_as_codes_and_scales(kind, monkeypatch):
     """8-bit rows (int8 codes, or fp8 e4m3 bit patterns as uint8) with a float32 scale per slot: the output equals
-    masked SDPA over the dequantised rows, in float32, and no dequantised copy of the store is made."""
+    masked SDPA over the dequantised rows, in float32, and no dequantised copy of the store is made. fp8 codes are
+    read through the GPU's conversion and through their bits (an A100's path, ``slake.kernels.device_support``)."""
     from slake.cache.quant import dequantize_rows, quantize_rows
+    from slake.kernels import device_support
+
+    kind, _, bits = kind.partition("-")
+    monkeypatch.setattr(device_support, "FP8_BITS", bool(bits))
 
     triton_dense = _kernels()
     g = torch.Generator().manual_seed(11)

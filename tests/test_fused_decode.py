@@ -404,6 +404,20 @@ def test_fused_step_with_a_half_precision_cache(name, dtype):
     assert {o.dtype for o in fused_out} == {dtype} and {o.dtype for o in ref_out} == {torch.float32}
 
 
+@pytest.mark.parametrize("name", ["snapkv", "slake", "criticalkv"])
+def test_fp8_rows_through_their_bits_equal_the_torch_step(name, monkeypatch):
+    """On GPUs where Triton has no e4m3 conversion (an A100, a T4, AMD's) the kernels write and read fp8 codes
+    through integer arithmetic on their bits (``QUANT`` 3, :mod:`slake.kernels.device_support`): the same codes and
+    scales bit for bit, the same victims and outputs, as the torch step (and so as the conversion's path)."""
+    from slake.kernels import device_support
+
+    monkeypatch.setattr(device_support, "FP8_BITS", True)
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", kv_dtype="fp8_e4m3", steps=2, seed=3)
+    fused, fused_out = _run(method, "triton", kv_dtype="fp8_e4m3", steps=2, seed=3)
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
 def test_the_new_token_is_quantised_as_the_torch_step_quantises_it():
     """int8 codes round half to even (``torch.round``) and fp8 codes round to nearest even across binades: the
     kernels' codes and scales are bit-identical (checked in ``_assert_same`` through ``keys``/``k_scale``) on rows

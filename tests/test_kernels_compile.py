@@ -78,7 +78,7 @@ def test_every_fused_kernel_compiles_for_an_h100(shape):
         kernels = r["compiled"]
         assert len(kernels) == cases[r["case"]], r
         for k in kernels:
-            assert k["cubin"], r
+            assert k["binary"], r
             assert k["shared"] <= H100_SHARED, f"{r['case']}: {k['kernel']} needs {k['shared']} bytes of shared memory"
             # every value stays in registers, whatever the storage (8-bit rows spilled 316 bytes in the first kernel
             # until it ran unpipelined, SLAKE's second kernel 16 until its victim's piece was summed 16 slots at a time)
@@ -95,7 +95,7 @@ def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
 
     (r,) = _compile({"slake@bfloat16": 2}, "--leave-out", ",".join(SKIP_PARTS))
     assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
-    assert all(k["cubin"] for k in r["compiled"]), r
+    assert all(k["binary"] for k in r["compiled"]), r
 
 
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
@@ -109,7 +109,7 @@ def test_the_second_kernel_compiles_with_the_launch_constants_kernel_tune_tries(
     that a GPU session does not lose its measurement."""
     (r,) = _compile({"slake@bfloat16": 2}, "--tune", variant)
     assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
-    assert all(k["cubin"] for k in r["compiled"]), r
+    assert all(k["binary"] for k in r["compiled"]), r
     if variant.startswith("WIDE_WARPS"):
         assert r["compiled"][1]["warps"] == 16, r
 
@@ -123,7 +123,7 @@ def test_the_dense_attention_compiles_for_an_h100():
     for r in _compile(cases):
         assert [k["kernel"] for k in r["compiled"]] == ["_dense_partials_kernel", "_dense_combine_kernel"], r
         for k in r["compiled"]:
-            assert k["cubin"] and k["shared"] <= H100_SHARED, r
+            assert k["binary"] and k["shared"] <= H100_SHARED, r
             assert k["spill_stores"] + k["spill_loads"] == 0, r
 
 

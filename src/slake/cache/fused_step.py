@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
+from slake.kernels.device_support import quant_code
 from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
@@ -29,7 +30,8 @@ logger = logging.getLogger("slake.kernels")
 #: uncompressed sequence in a batch with compressed ones, run the torch step)
 MAX_FUSED_SLOTS = 16384
 
-_QUANT = {None: 0, "int8": 1, "fp8_e4m3": 2}
+#: the storages the kernels read (:func:`slake.kernels.device_support.quant_code` gives their ``QUANT``)
+_QUANT_STORAGE = (None, "int8", "fp8_e4m3")
 
 
 @dataclass
@@ -90,7 +92,7 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return "a storage layout the kernels do not address"
     if mem.width > MAX_FUSED_SLOTS:
         return f"rows wider than {MAX_FUSED_SLOTS} slots"
-    if mem.quant not in _QUANT:
+    if mem.quant not in _QUANT_STORAGE:
         return f"{mem.quant} storage"
     if slots.linear is not None and slots.linear.dtype != torch.float32:
         return "a linear state that is not float32"
@@ -167,7 +169,7 @@ def fused_arguments(
         row_index = rows
     low_dot = half_precision_dots(dev, mem.keys.dtype)
     flags = [
-        _QUANT[mem.quant],
+        quant_code(mem.quant, dev),
         int(low_dot),
         int(rows is not None and not isinstance(rows, slice)),
         int(slots.head_visible is not None),

@@ -16,8 +16,9 @@ kernel, which does not split the keys: the compiled full cache took 148 ms per t
    in the keys' dtype (SDPA's; float32 for 8-bit rows).
 
 8-bit rows (``int8`` codes, or fp8 e4m3 bit patterns as ``uint8``, with a float32 scale per slot,
-:mod:`slake.cache.quant`) are read as they are stored and dequantised in registers, with the loop unpipelined (as
-the fused step's first kernel: no register spill); SDPA needed the whole store dequantised into a copy first.
+:mod:`slake.cache.quant`) are read as they are stored and dequantised in registers (fp8 through the bits on GPUs
+without Triton's e4m3 conversion, :mod:`slake.kernels.device_support`), with the loop unpipelined (as the fused
+step's first kernel: no register spill); SDPA needed the whole store dequantised into a copy first.
 
 Nothing is read back to the host and every buffer is an argument, so the launches are graph-safe; the launcher is
 a custom operator (``slake::dense_decode_attention``, no mutation) that ``torch.compile`` captures as one node. On a
@@ -36,14 +37,15 @@ from torch.library import custom_op
 
 from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
+from slake.kernels.device_support import quant_code
 from slake.kernels.triton_slots import load_queries, load_rows
 
 __all__ = ["dense_attention", "dense_attention_op"]
 
 #: query heads per program are padded to at least this (``tl.dot``'s smallest operand)
 _MIN_DOT = 16
-#: 8-bit codes' storage dtype -> the kernels' QUANT (the fused step's codes, ``slake.cache.fused_step``)
-_QUANT = {torch.int8: 1, torch.uint8: 2}
+#: 8-bit codes' storage dtype -> their storage name (the kernels' QUANT: ``slake.kernels.device_support.quant_code``)
+_QUANT = {torch.int8: "int8", torch.uint8: "fp8_e4m3"}
 
 
 @triton.jit
@@ -191,8 +193,8 @@ def dense_attention(
     """
     R, Hq, d = query.shape
     H, W = keys.shape[1], keys.shape[2]
-    quant = _QUANT.get(keys.dtype, 0)
     dev = query.device
+    quant = quant_code(_QUANT.get(keys.dtype), dev)
     mask = valid.view(torch.uint8)
     scales = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2)) if quant else (0, 0, 0)
     if quant and (k_scale.stride()[:3] != v_scale.stride()[:3]):

@@ -1,7 +1,12 @@
 """How the fused decode kernels (:mod:`slake.kernels.triton_decode`) read and write a layer's slots: one key or value
 row at a time or a block of them, through a block table and four strides, as stored (model dtype) or as 8-bit codes
 with one float32 scale per row (:mod:`slake.cache.quant`'s rounding, reproduced bit for bit); and a row's
-metadata with its new token apart (``row_lanes``, ``settle_row``)."""
+metadata with its new token apart (``row_lanes``, ``settle_row``).
+
+8-bit storage is the kernels' ``QUANT``: 0 none, 1 int8 codes, 2 fp8 e4m3 codes through the GPU's own conversion
+(NVIDIA from ``sm_89``), 3 the same codes through integer arithmetic on their bits (:func:`e4m3_bits`,
+:func:`e4m3_value`), for GPUs whose compiler has no e4m3 conversion (Triton refuses ``float8e4nv`` before
+``sm_89``: an A100's, a T4's); :func:`slake.kernels.device_support.quant_code` chooses."""
 
 from __future__ import annotations
 
@@ -9,9 +14,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "block_keys", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even", "lane_guard", "row_lanes",
-    "settle_row",
-    "store_row",
+    "block_keys", "e4m3_bits", "e4m3_value", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even",
+    "lane_guard", "row_lanes", "settle_row", "store_row",
 ]  # fmt: skip
 
 
@@ -29,10 +33,42 @@ def round_e4m3(y):
     """``y`` (within +-448) rounded to the nearest float8 e4m3 value, ties to even, in float32 arithmetic: 3 mantissa
     bits, so the step is ``2^(e - 3)`` in the binade ``2^e`` (``e >= -6``; below, the subnormal step ``2^-9``).
     The conversion of the exact result to e4m3 then needs no rounding (Triton's interpreter rounds some ties across
-    a binade down, triton-lang/triton's numpy emulation of the cast)."""
-    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1.0e-30))), -6.0)
+    a binade down, triton-lang/triton's numpy emulation of the cast). The magnitude is rounded and the sign put
+    back, so that a small negative value becomes ``-0.0``, as in torch's cast (rounding ``y`` itself gave ``+0.0``:
+    the same value, another code)."""
+    a = tl.abs(y)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1.0e-30))), -6.0)
     step = tl.exp2(e - 3.0)
-    return round_half_even(y / step) * step
+    r = round_half_even(a / step) * step
+    # the sign put back as a bit: a negative value that rounds to zero is -0.0 (code 0x80), as torch's cast gives
+    return (r.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits(y):
+    """The float8 e4m3 code (an int32 in 0..255) of ``y``, an exact e4m3 value within +-448 (:func:`round_e4m3`'s
+    result), read off its float32 bits: the sign; for a normal value (``|y| >= 2^-6``) the exponent rebiased from
+    127 to 7 and the top 3 mantissa bits (the others are zero); for a subnormal one ``|y| / 2^-9`` (exact). The code
+    the GPU's conversion gives (``-0.0`` included), for GPUs without one."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    normal = ((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7)
+    sub = (tl.abs(y) * 512.0).to(tl.int32)
+    return sign | tl.where(tl.abs(y) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def e4m3_value(code):
+    """The float32 value of float8 e4m3 codes (integers in 0..255, as loaded from ``uint8``): for a normal code
+    (exponent field ``e > 0``) the float32 with exponent ``e - 7 + 127`` and the code's 3 mantissa bits on top, for
+    a subnormal one ``m * 2^-9``; the sign the code's top bit (set as a bit, so ``0x80`` is ``-0.0``). The codes :func:`store_row` writes never include the two
+    NaN patterns (values are clamped to +-448 first)."""
+    c = code.to(tl.int32) & 0xFF
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = ((e + 120) << 23) | (m << 20)
+    mag = tl.where(e == 0, (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True), normal)
+    return (mag | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)  # the sign as a bit: -0.0 stays -0.0
 
 
 @triton.jit
@@ -50,9 +86,11 @@ def store_row(ptr, scale_ptr, x, dd, dmask, QUANT: tl.constexpr):
         if QUANT == 1:
             code = round_half_even(y).to(tl.int8)
             tl.store(ptr + dd, code, mask=dmask)
-        else:
+        elif QUANT == 2:
             code = round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             tl.store(ptr + dd, code, mask=dmask)
+        else:
+            tl.store(ptr + dd, e4m3_bits(round_e4m3(y)).to(tl.uint8), mask=dmask)
         tl.store(scale_ptr, scale)
 
 
@@ -65,6 +103,8 @@ def load_rows(ptr, addr, dd, mask2, scale_ptr, saddr, smask, QUANT: tl.constexpr
         return x.to(tl.float32)
     if QUANT == 2:
         x = x.to(tl.float8e4nv, bitcast=True)
+    if QUANT == 3:
+        x = e4m3_value(x)
     s = tl.load(scale_ptr + saddr, mask=smask, other=0.0)
     return x.to(tl.float32) * s[:, None]
 
@@ -77,6 +117,8 @@ def load_row(ptr, addr, dd, dmask, scale_ptr, saddr, QUANT: tl.constexpr):
         return x.to(tl.float32)
     if QUANT == 2:
         x = x.to(tl.float8e4nv, bitcast=True)
+    if QUANT == 3:
+        x = e4m3_value(x)
     return x.to(tl.float32) * tl.load(scale_ptr + saddr)
 
 

@@ -1,0 +1,70 @@
+"""What the fused kernels need of the GPU they run on, and how they adapt to it.
+
+The kernels are written once, in Triton, and were timed on Hopper (``sm_90``). Compiled ahead of time for other
+targets on a machine without a GPU (``tests/kernel_aot.py``, ``tests/test_kernels_compile.py``), two things differ:
+
+* **fp8 e4m3 storage.** Triton converts to and from ``float8e4nv`` only on NVIDIA GPUs from ``sm_89`` (Ada,
+  Hopper, Blackwell); before (an A100's ``sm_80``, a T4's ``sm_75``) its compiler refuses the kernels outright, and
+  AMD GPUs have no such conversion of their own. There the kernels read and write the same codes through integer
+  arithmetic on their bits (``QUANT`` 3, :func:`slake.kernels.triton_slots.e4m3_bits` / ``e4m3_value``): the same
+  codes, bit for bit, and the same values (:func:`quant_code`).
+* **Shared memory.** A kernel's pipelined loop stages its tiles in shared memory, and the most one program may use
+  differs: 227 KB on Hopper and Blackwell's ``sm_100``, 163 KB on an A100, 99 KB on Ada and consumer Blackwell, 64
+  KB on a T4 and on AMD's MI200 and MI300. A launch that does not fit is launched again unpipelined
+  (``num_stages=1``), which Triton's error suggests (:func:`slake.kernels.launch_cache.fitting`).
+
+Plain Python over torch; Triton is not imported here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["FP8_BITS", "NATIVE_FP8_CAPABILITY", "native_fp8", "quant_code"]
+
+#: the first NVIDIA compute capability whose conversions Triton compiles for ``float8e4nv``
+NATIVE_FP8_CAPABILITY = (8, 9)
+
+#: the kernels' fp8 conversion: None chooses by the device (:func:`native_fp8`); True forces the bit arithmetic,
+#: False the GPU's conversion (tests run both through Triton's interpreter, which has either)
+FP8_BITS: bool | None = None
+
+#: :mod:`slake.cache.quant`'s storage names -> the kernels' ``QUANT`` (fp8 with the GPU's own conversion)
+_QUANT = {None: 0, "int8": 1, "fp8_e4m3": 2}
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def native_fp8(device: torch.device | str) -> bool:
+    """Whether the kernels convert fp8 e4m3 codes with the GPU's own instructions on ``device``: NVIDIA GPUs of
+    compute capability 8.9 and later, and Triton's interpreter (a CPU ``device``); not AMD GPUs (ROCm builds of
+    torch, whose ``"cuda"`` devices are AMD's) nor older NVIDIA ones. :data:`FP8_BITS` overrides."""
+    if FP8_BITS is not None:
+        return not FP8_BITS
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return True
+    if torch.version.hip is not None:
+        return False
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _capability(index) >= NATIVE_FP8_CAPABILITY
+
+
+def quant_code(quant: str | None, device: torch.device | str) -> int:
+    """The kernels' ``QUANT`` for rows stored as ``quant`` (None: the model's dtype; ``"int8"``, ``"fp8_e4m3"``) on
+    ``device``: 0, 1, and for fp8 2 (the GPU's conversion) or 3 (the bit arithmetic, :func:`native_fp8`).
+
+    Raises
+    ------
+    KeyError
+        For a storage the kernels do not read (the fused step checks first and falls back to torch).
+    """
+    code = _QUANT[quant]
+    if code == 2 and not native_fp8(device):
+        return 3
+    return code
