@@ -184,13 +184,14 @@ class AheadOfTime:
             source = triton.compiler.ASTSource(fn, signature, constants, attrs)
             binary = triton.compile(source, target=self.target, options=options)
             hip = self.target.backend == "hip"
+            report = amdgcn_report(binary.asm["amdgcn"]) if hip else ptxas_report(binary.asm["ptx"], self.target.arch)
             self.compiled.append(
                 {
                     "kernel": fn.__name__,
                     "binary": ("hsaco" if hip else "cubin") in binary.asm,
                     "shared": int(binary.metadata.shared),
                     "warps": int(binary.metadata.num_warps),
-                    **(amdgcn_report(binary.asm["amdgcn"]) if hip else ptxas_report(binary.asm["ptx"], self.target.arch)),
+                    **report,
                 }
             )
 

@@ -61,8 +61,8 @@ def e4m3_bits(y):
 def e4m3_value(code):
     """The float32 value of float8 e4m3 codes (integers in 0..255, as loaded from ``uint8``): for a normal code
     (exponent field ``e > 0``) the float32 with exponent ``e - 7 + 127`` and the code's 3 mantissa bits on top, for
-    a subnormal one ``m * 2^-9``; the sign the code's top bit (set as a bit, so ``0x80`` is ``-0.0``). The codes :func:`store_row` writes never include the two
-    NaN patterns (values are clamped to +-448 first)."""
+    a subnormal one ``m * 2^-9``; the sign the code's top bit (set as a bit, so ``0x80`` is ``-0.0``). The codes
+    :func:`store_row` writes never include the two NaN patterns (values are clamped to +-448 first)."""
     c = code.to(tl.int32) & 0xFF
     e = (c >> 3) & 15
     m = c & 7
