@@ -45,6 +45,7 @@ from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 
+from gpu_targets import SHARED_LIMITS  # noqa: E402
 from slake.cache import fused_step  # noqa: E402
 from slake.kernels import launch_config, triton_decode, triton_dense  # noqa: E402
 
@@ -121,19 +122,22 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 
 def amdgcn_report(asm: str) -> dict:
     """What an AMD kernel's assembly (Triton's ``amdgcn`` stage) says of its resources, in the fields
-    :func:`ptxas_report` gives a CUDA kernel: vector registers per lane (``registers``), the scratch memory per lane
-    (``stack``) and the registers spilled to it (``spill_stores``: vector and scalar registers together, in
-    registers, not bytes; AMD's assembler reports no spill loads apart)."""
+    :func:`ptxas_report` gives a CUDA kernel: vector registers per lane (``registers``, accumulation registers
+    included: the count of gfx90a's and gfx942's unified register file), the scratch memory per lane (``stack``)
+    and the vector registers spilled to it (``spill_stores``, in registers: AMD's assembler reports no bytes, nor
+    loads apart); besides, ``sgpr_spills``: scalar registers spilled into spare lanes of vector registers, which
+    costs no memory traffic."""
 
     def number(name: str) -> int:
-        m = re.search(rf"^\s*\.{name}:\s+(\d+)", asm, re.M)
-        return int(m.group(1)) if m else 0
+        found = re.findall(rf"^\s*-?\s*\.{name}:\s+(\d+)", asm, re.M)
+        return max((int(n) for n in found), default=0)
 
     return {
-        "registers": number("vgpr_count"),
+        "registers": number("vgpr_count"),  # the unified register file's count: accumulation registers included
         "stack": number("private_segment_fixed_size"),
-        "spill_stores": number("vgpr_spill_count") + number("sgpr_spill_count"),
+        "spill_stores": number("vgpr_spill_count"),
         "spill_loads": 0,
+        "sgpr_spills": number("sgpr_spill_count"),
         "sass": None,
     }
 
@@ -183,12 +187,19 @@ class AheadOfTime:
             options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
             source = triton.compiler.ASTSource(fn, signature, constants, attrs)
             binary = triton.compile(source, target=self.target, options=options)
+            # a kernel beyond the target's shared memory is launched again unpipelined on that GPU
+            # (slake.kernels.launch_cache.fitting): compiled so here too
+            limit = SHARED_LIMITS.get(self.target.arch)
+            unpipelined = limit is not None and binary.metadata.shared > limit and options.get("num_stages") != 1
+            if unpipelined:
+                binary = triton.compile(source, target=self.target, options={**options, "num_stages": 1})
             hip = self.target.backend == "hip"
             report = amdgcn_report(binary.asm["amdgcn"]) if hip else ptxas_report(binary.asm["ptx"], self.target.arch)
             self.compiled.append(
                 {
                     "kernel": fn.__name__,
                     "binary": ("hsaco" if hip else "cubin") in binary.asm,
+                    "unpipelined": unpipelined,
                     "shared": int(binary.metadata.shared),
                     "warps": int(binary.metadata.num_warps),
                     **report,
@@ -199,10 +210,12 @@ class AheadOfTime:
 
 
 #: the step shapes a run can compile at (``--shape NAME`` before the target): Llama-3-8B's heads (8 KV heads of 4 query
-#: heads, 128 dims) at the transformers rows' batch 1 and budget 1,024, and at the vLLM pool's 8 rows and budget 128
+#: heads, 128 dims) at the transformers rows' batch 1 and budget 1,024, and at the vLLM pool's 8 rows and budget 128;
+#: heads of 256 dims (Gemma 3's: one KV head of four query heads) at batch 1 and budget 1,024
 SHAPES = {
     "batch1-1024": dict(B=1, H=8, G=4, D=128, S=1100, budget=1024, pad=False, steps=1, layers=1),
     "batch8-128": dict(B=8, H=8, G=4, D=128, S=300, budget=128, pad=False, steps=1, layers=1),
+    "head256": dict(B=1, H=1, G=4, D=256, S=1100, budget=1024, pad=False, steps=1, layers=1),  # Gemma 3's heads
 }
 
 

@@ -1,4 +1,5 @@
-"""The fused decode kernels compile for an H100 (``sm_90``) on this machine, which has no GPU.
+"""The fused decode kernels compile for an H100 (``sm_90``) on this machine, which has no GPU, and for other GPUs: an
+A100, Ada and Blackwell parts, an MI300X (:data:`OTHER_GPUS`).
 
 Triton's interpreter (``tests/test_fused_decode.py``) checks what the kernels compute but not that Triton's GPU compiler
 accepts them: an operation the interpreter allows and the compiler refuses, or a kernel whose shared memory exceeds a
@@ -55,10 +56,10 @@ def _ptxas() -> Path:
 POOL_CASES = {"slake@bfloat16": 2, "cake@bfloat16": 2}
 
 
-def _compile(cases: dict[str, int], *shape: str) -> list[dict]:
+def _compile(cases: dict[str, int], *shape: str, target: str = "cuda:90") -> list[dict]:
     script = Path(__file__).with_name("kernel_aot.py")
     run = subprocess.run(
-        [sys.executable, str(script), *shape, "cuda:90", *cases],
+        [sys.executable, str(script), *shape, target, *cases],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -84,6 +85,67 @@ def test_every_fused_kernel_compiles_for_an_h100(shape):
             # until it ran unpipelined, SLAKE's second kernel 16 until its victim's piece was summed 16 slots at a time)
             spilled = k["spill_stores"] + k["spill_loads"]
             assert spilled == 0, f"{r['case']}: {k['kernel']} spills {spilled} bytes to local memory ({k})"
+
+
+#: other GPUs than the H100, each with the cases whose code or resources differ there (``slake.kernels.device_support``)
+OTHER_GPUS = {
+    # an A100: fp8 rows through their bits (Triton refused the kernels' e4m3 conversion before sm_89); the rest as on
+    # an H100, within 163 KB of shared memory
+    "cuda:80": {
+        "slake": 2, "slake@bfloat16": 2, "slake@fp8_e4m3": 2, "tova@fp8_e4m3": 2, "ada-criticalkv": 3,
+        "dense@fp8_e4m3": 2,
+    },
+    # Ada (an L40S, an RTX 4090) and consumer Blackwell (an RTX 5090, through Blackwell's own ptxas): 99 KB of shared
+    # memory, which the full cache's float32 attention exceeds pipelined (it runs unpipelined there)
+    "cuda:89": {"slake": 2, "ada-expected-attention@bfloat16": 2, "dense@float32": 2},
+    "cuda:120": {"slake@bfloat16": 2, "tova@fp8_e4m3": 2, "dense@float32": 2},
+    # a B200 (Blackwell's ptxas, Hopper's shared memory)
+    "cuda:100": {"slake@bfloat16": 2},
+    # an MI300X: 64 KB of shared memory (float32 rows' first kernel and attention unpipelined), fp8 through the bits,
+    # 64-lane warps
+    "hip:gfx942": {
+        "slake": 2, "slake@bfloat16": 2, "h2o@int8": 2, "tova@fp8_e4m3": 2, "ada-criticalkv": 3, "dense@float32": 2,
+        "dense@fp8_e4m3": 2,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+@pytest.mark.parametrize("target", list(OTHER_GPUS))
+def test_the_fused_kernels_compile_for_other_gpus(target):
+    """Every kernel of those cases compiles for the target (a cubin through the ``ptxas`` Triton uses for it, an
+    hsaco for AMD), within the target's shared memory once a kernel that exceeds it pipelined is compiled
+    unpipelined, as it is launched there (``slake.kernels.launch_cache.fitting``), and without spilling registers
+    to memory (on AMD: no scratch memory; scalar registers spilled into vector lanes cost none). Before these
+    targets were compiled here, an A100 refused every fp8 case, and an RTX 4090's or an MI300's first launch of
+    float32 rows stopped on Triton's ``out of resource: shared memory``."""
+    from gpu_targets import SHARED_LIMITS
+
+    cases = OTHER_GPUS[target]
+    backend, arch = target.split(":")
+    limit = SHARED_LIMITS[arch if backend == "hip" else int(arch)]
+    unpipelined = set()
+    for r in _compile(cases, target=target):
+        kernels = r["compiled"]
+        assert len(kernels) == cases[r["case"]], r
+        for k in kernels:
+            if k["unpipelined"]:
+                unpipelined.add((r["case"], k["kernel"]))
+            assert k["binary"], r
+            assert k["shared"] <= limit, f"{target} {r['case']}: {k['kernel']} needs {k['shared']} bytes"
+            if backend == "hip":
+                assert k["stack"] == 0, f"{target} {r['case']}: {k['kernel']} uses scratch memory ({k})"
+            else:
+                spilled = k["spill_stores"] + k["spill_loads"]
+                assert spilled == 0, f"{target} {r['case']}: {k['kernel']} spills {spilled} bytes ({k})"
+    # what needs the unpipelined launch there: float32 rows, pipelined, beyond 99 and 64 KB
+    expected = {
+        "cuda:89": {("dense@float32", "_dense_partials_kernel")},
+        "cuda:120": {("dense@float32", "_dense_partials_kernel")},
+        "hip:gfx942": {("dense@float32", "_dense_partials_kernel")}
+        | {(case, "_append_logits_kernel") for case in ("slake", "ada-criticalkv")},
+    }
+    assert unpipelined == expected.get(target, set())
 
 
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")

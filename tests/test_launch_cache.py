@@ -332,3 +332,58 @@ def test_fixed_runs_with_equal_keys_share_a_token_and_others_never_do(monkeypatc
     assert launch_cache._parts_key(((x,), a)) == launch_cache._parts_key(((torch.ones(8),), b))
     assert launch_cache._parts_key(((x,), a)) != launch_cache._parts_key(((x,), c))
     assert launch_cache._parts_key(((x,), a)) != launch_key((x, x, 5))  # never a joined key
+
+
+class _TooBigPipelined(_Kernel):
+    """A kernel that needs more shared memory than the GPU's ``limit`` unless launched with ``num_stages=1``
+    (``unpipelined``: what it needs then), as Triton refuses such a kernel: ``OutOfResources`` before it runs."""
+
+    __name__ = "_too_big"
+
+    def __init__(self, limit=65536, unpipelined=40960):
+        super().__init__()
+        self.limit, self.unpipelined = limit, unpipelined
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def run(*args, **kwargs):
+            need = self.unpipelined if kwargs.get("num_stages") == 1 else 69632
+            if need > self.limit:
+                raise OutOfResources(need, self.limit, "shared memory")
+            self.through.append((grid, args, kwargs))
+            return self.compiled
+
+        return run
+
+
+def test_a_launch_beyond_the_gpus_shared_memory_runs_unpipelined_from_then_on(caplog):
+    """An MI300's 64 KB of shared memory refuses the first kernel pipelined for fp32 rows (68 KB when compiled for
+    gfx942): the launch goes again with ``num_stages=1``, and so does every later launch with those constants,
+    through the cache or not, logged once."""
+    from slake.kernels import launch_cache
+
+    kernel = _TooBigPipelined()
+    constants = launch_cache.Constants({"A": 2, "num_stages": 3})
+    x = torch.zeros(8)
+    with caplog.at_level("INFO", logger="slake.kernels"):
+        launch_cache.fitting(kernel, (1,), (x, 5), constants.kwargs)
+        launch_cache.fitting(kernel, (1,), (x, 5), constants.kwargs)
+    assert [k for _, _, k in kernel.through] == [{"A": 2, "num_stages": 1}] * 2
+    assert sum("launched unpipelined" in r.getMessage() for r in caplog.records) == 1
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    launcher.launch((1,), (x, 5), constants)
+    launcher.launch((1,), (x, 5), constants)
+    assert launcher.misses == 1 and launcher.hits == 1 and kernel.through[-1][2]["num_stages"] == 1
+    other = launch_cache.Constants({"A": 3, "num_stages": 3})  # other constants: refitted on their own
+    launch_cache.fitting(kernel, (1,), (x, 5), other.kwargs)
+    assert kernel.through[-1][2] == {"A": 3, "num_stages": 1}
+
+
+def test_a_kernel_too_big_even_unpipelined_says_so():
+    from slake.kernels import launch_cache
+
+    kernel = _TooBigPipelined(limit=32768)
+    with pytest.raises(RuntimeError, match="even unpipelined.*kernels='torch'"):
+        launch_cache.fitting(kernel, (1,), (torch.zeros(8), 5), {"A": 2})
+    assert kernel.through == []

@@ -25,6 +25,11 @@ also holds the runs of its runtime arguments that stay the same from step to ste
 :func:`launch_parts`; :mod:`slake.kernels.held_step`): their part of the key is worked out once and stands in
 each launch's key as one int, and their CUDA tensors reach the compiled kernel's launcher as their addresses.
 
+A launch through Triton whose compiled kernel needs more shared memory than the GPU has (Triton's
+``OutOfResources`` before anything runs) is launched again unpipelined, ``num_stages=1``, and its constants are
+launched so from then on (:func:`fitting`): the kernels were sized on Hopper's 227 KB, and an MI300 has 64 KB
+(``slake.kernels.device_support``).
+
 Where Triton would do more than bind and launch, the launch goes through Triton: a launch hook set (a profiler's,
 ``knobs.runtime.launch_enter_hook``), a pre-run hook on the kernel, a global variable the kernel reads changed since
 it was compiled (Triton raises then), or the interpreter (``TRITON_INTERPRET=1``, where kernels are not
@@ -34,6 +39,7 @@ it was compiled (Triton raises then), or the interpreter (``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,8 +48,11 @@ import torch
 from slake.kernels import launch_config
 
 __all__ = [
-    "MAX_ENTRIES", "MAX_TOKENS", "CachedLaunch", "Constants", "Fixed", "cached", "launch", "launch_key", "launch_parts",
+    "MAX_ENTRIES", "MAX_TOKENS", "CachedLaunch", "Constants", "Fixed", "cached", "fitting", "launch", "launch_key",
+    "launch_parts",
 ]  # fmt: skip
+
+logger = logging.getLogger("slake.kernels")
 
 #: compiled kernels one :class:`CachedLaunch` keeps (the fused step's launches take a handful of keys: one per
 #: layer shape and dtype); past it the cache is emptied and refilled, never grown without bound
@@ -144,7 +153,7 @@ class CachedLaunch:
 
     def _through_triton(self, grid: Sequence[int], args: tuple, kwargs: Mapping[str, Any]) -> Any:
         self.misses += 1
-        return self.kernel[tuple(grid)](*args, **kwargs)
+        return fitting(self.kernel, grid, args, kwargs)
 
     def launch(self, grid: Sequence[int], args: tuple, kwargs: Mapping[str, Any] | Constants) -> None:
         """Launch the kernel on ``grid`` (one to three program counts) with runtime ``args`` and named ``kwargs``
@@ -291,6 +300,57 @@ def _joined(parts: Sequence[tuple | Fixed], real: bool) -> tuple:
     return out
 
 
+#: per kernel (by id), the constants whose launches did not fit the GPU's shared memory pipelined -> the constants
+#: they are launched with (``num_stages=1``); a handful at most, one per launch plan that did not fit
+_refitted: dict[int, dict[tuple, dict[str, Any]]] = {}
+
+
+def _out_of_shared_memory() -> type[Exception]:
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources
+
+
+def _too_big(name: str, exc: Any) -> RuntimeError:
+    return RuntimeError(
+        f"slake: the fused kernel {name} needs {exc.required} bytes of shared memory even unpipelined, more than "
+        f"this GPU's {exc.limit}; decode with kernels='torch'"
+    )
+
+
+def fitting(kernel: Any, grid: Sequence[int], args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """``kernel[grid](*args, **kwargs)``, returning what Triton's launch returns (the compiled kernel). Where Triton
+    refuses the compiled kernel because it needs more shared memory than the GPU has (``OutOfResources``, raised
+    before anything runs) and the kernel was pipelined (``num_stages`` other than 1), it is launched again with
+    ``num_stages=1``, which stages one tile at a time, and launches with the same constants go so from then on
+    (logged once). A kernel that does not fit unpipelined either raises RuntimeError saying so."""
+    refitted = _refitted.get(id(kernel))
+    if refitted is not None:
+        kwargs = refitted.get(tuple(kwargs.items()), kwargs)
+    out_of_resources = _out_of_shared_memory()
+    name = getattr(kernel, "__name__", repr(kernel))
+    try:
+        return kernel[tuple(grid)](*args, **kwargs)
+    except out_of_resources as exc:
+        if exc.name != "shared memory":
+            raise
+        if kwargs.get("num_stages") == 1:
+            raise _too_big(name, exc) from exc
+        unpipelined = {**kwargs, "num_stages": 1}
+        try:
+            compiled = kernel[tuple(grid)](*args, **unpipelined)
+        except out_of_resources as again:
+            if again.name != "shared memory":
+                raise
+            raise _too_big(name, again) from again
+        logger.info(
+            "slake: the fused kernel %s needs %d bytes of shared memory pipelined, more than this GPU's %d: "
+            "launched unpipelined (num_stages=1)", name, exc.required, exc.limit,
+        )  # fmt: skip
+        _refitted.setdefault(id(kernel), {})[tuple(kwargs.items())] = unpipelined
+        return compiled
+
+
 _launchers: dict[int, tuple[Any, CachedLaunch]] = {}
 #: the kernels :func:`cached` passes through (the interpreter's, stand-ins), by id
 _as_is: dict[int, Any] = {}
@@ -327,7 +387,7 @@ def launch(kernel: Any, grid: Sequence[int], args: tuple, constants: Constants) 
     if isinstance(launcher, CachedLaunch):
         launcher.launch(grid, args, constants)
     else:
-        launcher[grid](*args, **constants.kwargs)
+        fitting(launcher, grid, args, constants.kwargs)
 
 
 def launch_parts(kernel: Any, grid: Sequence[int], parts: Sequence[tuple | Fixed], constants: Constants) -> None:
@@ -344,4 +404,4 @@ def launch_parts(kernel: Any, grid: Sequence[int], parts: Sequence[tuple | Fixed
     if isinstance(launcher, CachedLaunch):
         launcher.launch_parts(grid, parts, constants)
     else:
-        launcher[grid](*_joined(parts, True), **constants.kwargs)
+        fitting(launcher, grid, _joined(parts, True), constants.kwargs)
