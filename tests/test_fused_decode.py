@@ -645,6 +645,23 @@ def test_kernel_choice_is_checked():
     assert resolve_kernels("torch", "cpu") == "torch"
 
 
+def test_auto_is_the_torch_step_on_an_amd_gpu_and_says_so(monkeypatch, caplog):
+    """On an NVIDIA GPU ``"auto"`` is the fused kernels; on an AMD one (a ROCm build of torch: ``torch.version.hip``
+    set, devices still ``"cuda"``) the torch step, with a warning once, since the kernels compile for it but have
+    not run on one; ``"triton"`` asked for is the kernels there too."""
+    from slake.cache import compressed
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert resolve_kernels("auto", "cuda") == "triton"
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(compressed, "_told_amd", False)
+    with caplog.at_level("WARNING", logger="slake.kernels"):
+        assert resolve_kernels("auto", "cuda") == "torch"
+        assert resolve_kernels("auto", "cuda:1") == "torch"
+    assert sum("have not run on an AMD GPU" in r.message for r in caplog.records) == 1
+    assert resolve_kernels("triton", "cuda") == "triton"
+
+
 def test_the_slots_order_is_kept_where_the_kernels_read_it_and_counted_as_memory():
     """Only a fused step whose rule pools by position keeps the order (SnapKV's, CAKE's, SLAKE's; not CriticalKV's two
     stages, not the torch step); its 4 bytes per slot count in the store's metadata and the pool's row bytes; an

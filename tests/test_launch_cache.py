@@ -387,3 +387,28 @@ def test_a_kernel_too_big_even_unpipelined_says_so():
     with pytest.raises(RuntimeError, match="even unpipelined.*kernels='torch'"):
         launch_cache.fitting(kernel, (1,), (torch.zeros(8), 5), {"A": 2})
     assert kernel.through == []
+
+
+def _a_kernel(x_ptr, n):
+    pass
+
+
+def _another_kernel(x_ptr, n):
+    pass
+
+
+def test_amd_gpus_launch_every_kernel_through_triton(monkeypatch):
+    """Triton's AMD backend specializes a tensor on whether its storage is within 2 GB (32-bit buffer offsets), which
+    the cache's key does not hold: on a ROCm build of torch every launch goes through Triton's binding, as
+    ``slake.kernels.launch_mode`` then says."""
+    from triton.runtime.jit import JITFunction
+
+    from slake.kernels import launch_mode
+
+    nvidia = JITFunction(_a_kernel)
+    assert isinstance(cached(nvidia), CachedLaunch)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    amd = JITFunction(_another_kernel)
+    assert cached(amd) is amd
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert launch_mode() == "triton"

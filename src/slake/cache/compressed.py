@@ -16,6 +16,8 @@ Conventions: ``docs/conventions.md``; positions index the (left-padded) input se
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from slake.budgets.budget import Budget
@@ -31,15 +33,24 @@ from slake.methods.budget_check import check_method_budget
 
 __all__ = ["KERNELS", "CompressedKV", "PrefillInfo", "linear_state_slots"]
 
-#: the decode-step implementations :class:`CompressedKV` accepts (``"auto"``: Triton's fused kernels on CUDA when
+#: the decode-step implementations :class:`CompressedKV` accepts (``"auto"``: Triton's fused kernels on NVIDIA GPUs when
 #: Triton is installed, the torch step elsewhere; :func:`resolve_kernels`)
 KERNELS = ("auto", "torch", "triton")
+
+logger = logging.getLogger("slake.kernels")
+
+
+#: whether :func:`resolve_kernels` has said why ``"auto"`` is the torch step on an AMD GPU
+_told_amd = False
 
 
 def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> str:
     """``"torch"`` or ``"triton"`` for a :data:`KERNELS` choice on ``device``.
 
-    ``"auto"`` is Triton's fused kernels on CUDA when Triton is installed, the torch step elsewhere. Choosing
+    ``"auto"`` is Triton's fused kernels on an NVIDIA GPU when Triton is installed, the torch step elsewhere: on the
+    CPU, and on AMD GPUs (a ROCm build of torch, whose devices are ``"cuda"``), where the kernels compile
+    (``tests/test_kernels_compile.py``) but have never run, so they are not chosen unasked (logged once; ``"triton"``
+    chooses them). Choosing
     ``"triton"`` loads the kernels (:func:`slake.kernels.load`; on a machine without CUDA through Triton's
     interpreter, for tests).
 
@@ -56,6 +67,15 @@ def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> s
     cuda = device is not None and torch.device(device).type == "cuda"
     if kernels == "auto":
         kernels = "triton" if cuda and triton_available() else "torch"
+        if kernels == "triton" and torch.version.hip is not None:
+            global _told_amd
+            if not _told_amd:
+                _told_amd = True
+                logger.warning(
+                    "slake: the fused decode kernels have not run on an AMD GPU yet: decoding with the torch step "
+                    "(kernels='triton' chooses the kernels)"
+                )
+            kernels = "torch"
     if kernels == "triton":
         if not triton_available():
             raise ValueError("kernels='triton' needs Triton (pip install triton); use kernels='torch'")
@@ -99,8 +119,8 @@ class CompressedKV:
         work. Default False: the paper's cascade.
     kernels : str
         The single-token decode step's implementation (:data:`KERNELS`): ``"torch"``, ``"triton"`` (fused kernels;
-        on the CPU through Triton's interpreter, for tests) or ``"auto"`` (default: Triton on CUDA, torch elsewhere,
-        decided at the first prefilled layer).
+        on the CPU through Triton's interpreter, for tests) or ``"auto"`` (default: Triton on NVIDIA GPUs, torch
+        elsewhere, decided at the first prefilled layer).
     """
 
     def __init__(

@@ -135,8 +135,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--kernels",
         choices=["auto", "torch", "triton"],
         default=None,
-        help="the decode step's implementation (default auto: Triton's fused kernels on CUDA, torch elsewhere); "
-        "the rows record which ran",
+        help="the decode step's implementation (default auto: Triton's fused kernels on NVIDIA GPUs, torch "
+        "elsewhere); the rows record which ran",
     )
     p.add_argument(
         "--profile-steps",

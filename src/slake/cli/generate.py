@@ -75,7 +75,8 @@ def add_generate_parser(sub: Any) -> None:
         "--kernels",
         choices=["auto", "torch", "triton"],
         default="auto",
-        help="the decode step's implementation: Triton's fused kernels (auto: on CUDA) or the torch step "
+        help="the decode step's implementation: Triton's fused kernels (auto: on NVIDIA GPUs) or the torch "
+        "step "
         "(docs/gpu.md#the-fused-decode-step)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")

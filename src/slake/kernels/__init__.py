@@ -30,13 +30,16 @@ def interpreted() -> bool:
 
 def launch_mode() -> str:
     """How the fused kernels are launched now: ``"interpreter"`` (Triton's interpreter, CPU tensors), ``"cached"``
-    (:class:`slake.kernels.launch_cache.CachedLaunch` on a GPU) or ``"triton"`` (``kernel[grid](...)`` at every
-    launch, with :data:`slake.kernels.launch_config.CACHED_LAUNCH` off). ``slake bench`` records it in its rows."""
+    (:class:`slake.kernels.launch_cache.CachedLaunch` on an NVIDIA GPU) or ``"triton"`` (``kernel[grid](...)`` at
+    every launch: with :data:`slake.kernels.launch_config.CACHED_LAUNCH` off, and on AMD GPUs,
+    :func:`slake.kernels.launch_cache.cached`). ``slake bench`` records it in its rows."""
+    import torch
+
     from slake.kernels import launch_config
 
     if interpreted():
         return "interpreter"
-    return "cached" if launch_config.CACHED_LAUNCH else "triton"
+    return "cached" if launch_config.CACHED_LAUNCH and torch.version.hip is None else "triton"
 
 
 def load() -> ModuleType:

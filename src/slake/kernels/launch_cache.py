@@ -16,9 +16,10 @@ does not, so only its type counts), every tensor's dtype and 16-byte alignment, 
 the current device, and Triton's two run-time knobs that enter its own cache key (``debug`` and the
 instrumentation mode). The first launch with a key goes through Triton (which binds, compiles or finds the kernel,
 launches it and returns it); later launches with the same key call that compiled kernel's launcher directly, with
-the arguments in the order Triton passes them. The key is at least as fine as Triton's specialization (two
-launches with one key are specialized alike: ``tests/test_launch_cache.py`` holds it against Triton's own binder for
-the CUDA backend), so a cached kernel is never launched with arguments Triton would have compiled differently.
+the arguments in the order Triton passes them. The key is at least as fine as the specialization of Triton's CUDA
+backend (two launches with one key are specialized alike: ``tests/test_launch_cache.py`` holds it against Triton's
+own binder; AMD's backend specializes on more, and there launches are not cached, :func:`cached`), so a cached
+kernel is never launched with arguments Triton would have compiled differently.
 The fused step makes its kernels' constants once per launch plan (:class:`Constants`, launched with
 :func:`launch`), so that their part of the key is hashed once, not at every launch. In eager decoding a layer's step
 also holds the runs of its runtime arguments that stay the same from step to step (:class:`Fixed`, launched with
@@ -360,8 +361,11 @@ def cached(kernel: Any) -> Any:
     """``kernel`` to launch as ``cached(kernel)[grid](...)``: its :class:`CachedLaunch` when it is a compiled Triton
     kernel (one per kernel, made on first use) and :data:`~slake.kernels.launch_config.CACHED_LAUNCH` is on;
     ``kernel`` itself otherwise (the interpreter's kernels, and the stand-ins the benchmarks and the ahead-of-time
-    compilation put in the kernels' place)."""
-    if not launch_config.CACHED_LAUNCH:
+    compilation put in the kernels' place), and on AMD GPUs (a ROCm build of torch): Triton's AMD backend also
+    specializes a tensor on whether its storage is within 2 GB (its buffer loads take 32-bit offsets), which
+    :func:`launch_key` does not hold, so a kernel compiled for a small store could be launched on a larger one and
+    read zeros past 2 GB. There every launch goes through Triton's binding."""
+    if not launch_config.CACHED_LAUNCH or torch.version.hip is not None:
         return kernel
     hit = _launchers.get(id(kernel))
     if hit is not None and hit[0] is kernel:

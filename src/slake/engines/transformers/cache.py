@@ -172,8 +172,8 @@ class SlakeCache(Cache):
         Where the profile comes from when it should not be ``config`` (default: ``config``; with neither, the
         method's defaults).
     kernels : str
-        The single-token decode step's implementation: ``"auto"`` (default: Triton's fused kernels on CUDA, the
-        torch step elsewhere), ``"torch"`` or ``"triton"`` (on the CPU through Triton's interpreter, for tests;
+        The single-token decode step's implementation: ``"auto"`` (default: Triton's fused kernels on NVIDIA GPUs,
+        the torch step elsewhere), ``"torch"`` or ``"triton"`` (on the CPU through Triton's interpreter, for tests;
         ``docs/gpu.md#the-fused-decode-step``). Which ran is ``cache.statistics()["kernels"]``.
     **hyperparameters
         Overrides of the method's hyperparameters (e.g. ``window=16``).

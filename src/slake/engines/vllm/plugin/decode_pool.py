@@ -55,8 +55,8 @@ class DecodePool:
     device : torch.device | str | None
         Where the pool's tensors live (default: CPU); the decode step's inputs must be there too.
     kernels : str
-        The decode step's implementation: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton's fused kernels on CUDA,
-        torch elsewhere; :func:`slake.cache.compressed.resolve_kernels`).
+        The decode step's implementation: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton's fused kernels on NVIDIA
+        GPUs, torch elsewhere; :func:`slake.cache.compressed.resolve_kernels`).
     layer_context : list of LayerContext, optional
         One per layer: the model facts the method's decode rule reads (``method.layer_facts()``: the rotary
         embedding of Expected Attention, CriticalKV's output projection); None for methods that read none.
