@@ -239,3 +239,47 @@ def test_8bit_rows_give_the_torch_steps_tokens_with_the_kernels(method, kv_dtype
     assert stats["kernels"] == "triton" and ref_stats["kernels"] == "torch"
     assert torch.equal(fused, ref)
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
+
+
+@pytest.mark.parametrize("method", ["full", "slake"])
+def test_fp8_rows_through_their_bits_give_the_conversions_tokens(method, monkeypatch):
+    """The fp8 path of GPUs without Triton's e4m3 conversion (an A100's: ``QUANT`` 3, integer arithmetic on the
+    codes' bits, ``slake.kernels.device_support``), run on this GPU: the same tokens and kept counts as the torch
+    step, as the conversion's path gives."""
+    from slake.kernels import device_support
+
+    monkeypatch.setattr(device_support, "FP8_BITS", True)
+    model = tiny_model("llama-gqa", layers=2).cuda()
+    ref, ref_stats = _decode(model, method, 16, None, kernels="torch", static=False, kv_dtype="fp8_e4m3")
+    fused, stats = _decode(model, method, 16, None, kernels="triton", static=False, kv_dtype="fp8_e4m3")
+    assert stats["kernels"] == "triton"
+    assert torch.equal(fused, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
+
+
+def test_a_kernel_beyond_the_gpus_shared_memory_runs_unpipelined():
+    """The full cache's dense attention over float32 rows of 256 dims (Gemma 3's heads) takes 282,688 bytes of
+    shared memory pipelined for ``sm_90`` (``tests/kernel_aot.py``), beyond an H100's 232,448: Triton refuses the
+    launch (``out of resource: shared memory``), and :func:`slake.kernels.launch_cache.fitting` launches it again
+    unpipelined, from then on. The output equals masked SDPA's."""
+    import torch.nn.functional as F
+
+    from slake.cache.compressed import resolve_kernels
+    from slake.kernels import launch_cache
+
+    resolve_kernels("triton", "cuda")
+    from slake.kernels import triton_dense
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    R, Hq, H, W, d = 1, 8, 2, 4136, 256
+    query = torch.randn(R, Hq, d, device="cuda", generator=g)
+    keys, values = (torch.randn(R, H, W, d, device="cuda", generator=g) for _ in range(2))
+    valid = torch.rand(R, H, W, device="cuda", generator=g) > 0.1
+    empty = torch.empty(0, device="cuda")
+    for _ in range(2):  # the second launch takes the unpipelined constants at once
+        out = triton_dense.dense_attention(query, keys, values, valid, empty, empty, d**-0.5)
+    q = query.reshape(R, H, Hq // H, d)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, :, None, :], scale=d**-0.5)
+    torch.testing.assert_close(out, ref.reshape(R, Hq, d), rtol=1e-4, atol=1e-4)
+    refitted = launch_cache._refitted.get(id(triton_dense._dense_partials_kernel), {})
+    assert [c["num_stages"] for c in refitted.values()] == [1]
