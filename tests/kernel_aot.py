@@ -221,8 +221,11 @@ SHAPES = {
 
 def main(argv: list[str]) -> None:
     shape = SHAPES["batch1-1024"]
+    dense_shape = DENSE_SHAPE
     if argv and argv[0] == "--shape":
         shape = SHAPES[argv[1]]
+        if argv[1] == "head256":  # the dense store of Gemma 3's heads: one KV head of four query heads, 256 dims
+            dense_shape = dict(R=1, H=1, G=4, D=256, W=8192 + 40)
         argv = argv[2:]
     left_out: list[str] = []
     if argv and argv[0] == "--leave-out":  # the second kernel's variants of ``benchmarks kernel-parts``
@@ -270,7 +273,7 @@ def main(argv: list[str]) -> None:
             options["kv_dtype"] = storage
         compiled.clear()
         if method == "dense":  # the full cache's masked step over a static store (slake.kernels.triton_dense)
-            R, H, G, D, W = (DENSE_SHAPE[k] for k in ("R", "H", "G", "D", "W"))
+            R, H, G, D, W = (dense_shape[k] for k in ("R", "H", "G", "D", "W"))
             dtype = options.get("dtype", torch.float32)
             codes = {"int8": torch.int8, "fp8_e4m3": torch.uint8}.get(options.get("kv_dtype", ""), dtype)
             keys, values = (torch.empty(R, H, W, D, dtype=codes) for _ in range(2))

@@ -149,6 +149,22 @@ def test_the_fused_kernels_compile_for_other_gpus(target):
 
 
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+def test_gemma3_heads_fit_a_gpu_of_99_kb():
+    """Heads of 256 dims (Gemma 3's) on an RTX 4090: the full cache's bfloat16 attention over a static store
+    (``--compile``) takes 141,568 bytes of shared memory pipelined, beyond the GPU's 99 KB (Triton refused to launch
+    it), and is launched unpipelined there; the fused step's kernels fit as they are."""
+    from gpu_targets import SHARED_LIMITS
+
+    cases = {"dense@bfloat16": 2, "slake@bfloat16": 2}
+    results = _compile(cases, "--shape", "head256", target="cuda:89")
+    for r in results:
+        for k in r["compiled"]:
+            assert k["binary"] and k["shared"] <= SHARED_LIMITS[89], r
+    unpipelined = {(r["case"], k["kernel"]) for r in results for k in r["compiled"] if k["unpipelined"]}
+    assert unpipelined == {("dense@bfloat16", "_dense_partials_kernel")}
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
     """``python -m benchmarks kernel-parts`` times SLAKE's second kernel with each of its parts left out
     (``launch_config.leaving_out``): every part left out at once takes each alternative the kernel has, and it
