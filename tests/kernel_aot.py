@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 
@@ -91,7 +90,10 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     one Triton compiles that target with (Blackwell's, ``sm_100`` and later, is a separate binary)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = Path(get_ptxas(arch).path)
+    try:
+        ptxas = Path(get_ptxas(arch).path)
+    except TypeError:  # Triton 3.4 and 3.5: one ptxas for every target
+        ptxas = Path(get_ptxas().path)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,6 +144,18 @@ def amdgcn_report(asm: str) -> dict:
     }
 
 
+def _specialize(backend, value, is_const: bool, specialize_value: bool, align: bool) -> tuple:
+    """Triton's specialization of one launch argument: ``native_specialize_impl`` (Triton 3.6 and later), or the
+    Python ``create_specialize_impl`` of Triton 3.4 and 3.5 with the backend's own marks."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:
+        from triton.runtime.jit import create_specialize_impl
+
+        return create_specialize_impl(backend.get_arg_specialization)(value, is_const, specialize_value, align)
+    return native_specialize_impl(backend, value, is_const, specialize_value, align)
+
+
 def jit_specialization(fn, args: tuple, kwargs: dict, backend=BaseBackend) -> tuple[dict, dict, dict]:
     """What Triton's JIT specializes a launch of ``fn`` with these arguments on, as its compiler takes it:
     ``(signature, constants, attrs)`` (``native_specialize_impl``: an int equal to 1 made a constant unless the
@@ -161,7 +175,7 @@ def jit_specialization(fn, args: tuple, kwargs: dict, backend=BaseBackend) -> tu
         # specialized as Triton's JIT does at a launch (triton.runtime.jit): an int equal to 1 becomes a
         # constant, and a pointer aligned to 16 bytes or an int divisible by 16 is marked so, which lets the
         # compiler vectorize loads (the CPU's allocator aligns as CUDA's does)
-        kind, spec = native_specialize_impl(
+        kind, spec = _specialize(
             backend, value, param.is_const, not param.do_not_specialize, not param.do_not_specialize_on_alignment
         )
         if kind == "constexpr":

@@ -645,6 +645,36 @@ def test_kernel_choice_is_checked():
     assert resolve_kernels("torch", "cpu") == "torch"
 
 
+def test_an_old_triton_is_refused_and_auto_is_the_torch_step_with_it(monkeypatch, caplog):
+    """Triton 3.3 (torch 2.7's) has no run-time knobs for the launches to read and its interpreter does not take the
+    kernels: on a GPU with it ``"auto"`` is the torch step, said once, and ``"triton"`` is refused with the versions
+    named; Triton 3.4 (torch 2.8's) is the oldest taken."""
+    import slake.kernels
+    from slake.cache import compressed
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(compressed, "_told_old", False)
+    monkeypatch.setattr(slake.kernels, "triton_version", lambda: (3, 3, 1))
+    with caplog.at_level("WARNING", logger="slake.kernels"):
+        assert resolve_kernels("auto", "cuda") == "torch"
+        assert resolve_kernels("auto", "cuda") == "torch"
+    assert sum("need Triton 3.4 or later, and this is 3.3.1" in r.message for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="needs Triton 3.4 or later, and this is 3.3.1; use kernels='torch'"):
+        resolve_kernels("triton", "cpu")
+    monkeypatch.setattr(slake.kernels, "triton_version", lambda: (3, 4, 0))
+    assert resolve_kernels("auto", "cuda") == "triton" and resolve_kernels("triton", "cpu") == "triton"
+
+
+def test_the_triton_version_is_read_from_its_release_string(monkeypatch):
+    import triton
+
+    from slake.kernels import triton_version
+
+    for text, parsed in (("3.6.0", (3, 6, 0)), ("3.4.0+rocm6.4.1", (3, 4, 0)), ("3.7.0rc1", (3, 7, 0))):
+        monkeypatch.setattr(triton, "__version__", text)
+        assert triton_version() == parsed
+
+
 def test_auto_is_the_torch_step_on_an_amd_gpu_and_says_so(monkeypatch, caplog):
     """On an NVIDIA GPU ``"auto"`` is the fused kernels; on an AMD one (a ROCm build of torch: ``torch.version.hip``
     set, devices still ``"cuda"``) the torch step, with a warning once, since the kernels compile for it but have

@@ -412,3 +412,19 @@ def test_amd_gpus_launch_every_kernel_through_triton(monkeypatch):
     assert cached(amd) is amd
     monkeypatch.delenv("TRITON_INTERPRET")
     assert launch_mode() == "triton"
+
+
+def test_a_triton_without_the_instrumentation_knob_launches_through_the_cache(monkeypatch):
+    """Triton 3.4 and 3.5 (torch 2.8's and 2.9's) have no ``knobs.compilation.instrumentation_mode``, nor is it in
+    their JIT's key: the cache keys without it there (it read the knob and raised AttributeError at every eager
+    fused step of such a GPU machine)."""
+    from triton import knobs
+
+    monkeypatch.delattr(type(knobs.compilation), "instrumentation_mode", raising=False)
+    assert not hasattr(knobs.compilation, "instrumentation_mode")
+    kernel = _Kernel()
+    launcher = CachedLaunch(kernel, driver=_Driver())
+    x = torch.zeros(8)
+    launcher[(1,)](x, 5, A=2)
+    launcher[(1,)](x, 5, A=2)
+    assert launcher.misses == 1 and launcher.hits == 1

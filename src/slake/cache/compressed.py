@@ -40,33 +40,45 @@ KERNELS = ("auto", "torch", "triton")
 logger = logging.getLogger("slake.kernels")
 
 
-#: whether :func:`resolve_kernels` has said why ``"auto"`` is the torch step on an AMD GPU
+#: whether :func:`resolve_kernels` has said why ``"auto"`` is the torch step on an AMD GPU, and with an old Triton
 _told_amd = False
+_told_old = False
 
 
 def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> str:
     """``"torch"`` or ``"triton"`` for a :data:`KERNELS` choice on ``device``.
 
-    ``"auto"`` is Triton's fused kernels on an NVIDIA GPU when Triton is installed, the torch step elsewhere: on the
-    CPU, and on AMD GPUs (a ROCm build of torch, whose devices are ``"cuda"``), where the kernels compile
+    ``"auto"`` is Triton's fused kernels on an NVIDIA GPU when Triton 3.4 or later is installed
+    (:data:`slake.kernels.MIN_TRITON`; an older one is said once), the torch step elsewhere: on the CPU, and on AMD
+    GPUs (a ROCm build of torch, whose devices are ``"cuda"``), where the kernels compile
     (``tests/test_kernels_compile.py``) but have never run, so they are not chosen unasked (logged once; ``"triton"``
-    chooses them). Choosing
-    ``"triton"`` loads the kernels (:func:`slake.kernels.load`; on a machine without CUDA through Triton's
-    interpreter, for tests).
+    chooses them). Choosing ``"triton"`` loads the kernels (:func:`slake.kernels.load`; on a machine without CUDA
+    through Triton's interpreter, for tests).
 
     Raises
     ------
     ValueError
-        For an unknown name, ``"triton"`` without Triton installed, or ``"triton"`` for CPU tensors on a machine
-        where Triton compiles for a GPU (the interpreter must then be asked for: ``TRITON_INTERPRET=1``).
+        For an unknown name, ``"triton"`` without Triton installed or with one older than
+        :data:`slake.kernels.MIN_TRITON`, or ``"triton"`` for CPU tensors on a machine where Triton compiles for a
+        GPU (the interpreter must then be asked for: ``TRITON_INTERPRET=1``).
     """
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; use one of {', '.join(KERNELS)}")
-    from slake.kernels import interpreted, load, triton_available
+    from slake.kernels import MIN_TRITON, interpreted, load, triton_available, triton_version
 
     cuda = device is not None and torch.device(device).type == "cuda"
     if kernels == "auto":
         kernels = "triton" if cuda and triton_available() else "torch"
+        if kernels == "triton" and triton_version() < MIN_TRITON:
+            global _told_old
+            if not _told_old:
+                _told_old = True
+                logger.warning(
+                    "slake: the fused decode kernels need Triton %s or later, and this is %s: decoding with the "
+                    "torch step (a newer torch brings a newer Triton)",
+                    ".".join(map(str, MIN_TRITON)), ".".join(map(str, triton_version())),
+                )  # fmt: skip
+            kernels = "torch"
         if kernels == "triton" and torch.version.hip is not None:
             global _told_amd
             if not _told_amd:
@@ -83,6 +95,11 @@ def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> s
             load()
         except RuntimeError as exc:
             raise ValueError(str(exc)) from exc
+        if triton_version() < MIN_TRITON:
+            raise ValueError(
+                f"kernels='triton' needs Triton {'.'.join(map(str, MIN_TRITON))} or later, and this is "
+                f"{'.'.join(map(str, triton_version()))}; use kernels='torch' (or a newer torch, which brings one)"
+            )
         if device is not None and not cuda and not interpreted():
             raise ValueError(
                 "kernels='triton' runs on CUDA; on the CPU only through Triton's interpreter "

@@ -11,16 +11,36 @@ the kernels to ``PATH`` (:mod:`slake.kernels.compile_log`).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import sys
 from types import ModuleType
 
-__all__ = ["interpreted", "launch_mode", "load", "triton_available"]
+__all__ = ["MIN_TRITON", "interpreted", "launch_mode", "load", "triton_available", "triton_version"]
+
+#: the oldest Triton the fused kernels run on: from 3.4 (torch 2.8's) to 3.9 they compile for sm_90 and 3.4 to 3.7
+#: run them in the interpreter (``docs/gpu.md``, "On other versions of Triton"); 3.3 (torch 2.7's) has neither the
+#: run-time knobs the launches read nor an interpreter that takes the kernels
+MIN_TRITON = (3, 4)
 
 
 def triton_available() -> bool:
     """True when Triton is installed."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_version() -> tuple[int, ...]:
+    """The installed Triton's release as integers (``"3.6.0"``, ``"3.4.0+rocm6.4"`` -> ``(3, 6, 0)``, ``(3, 4, 0)``).
+    Imports Triton: on a machine without CUDA, only after :func:`load` has switched the interpreter on."""
+    import triton
+
+    parts = []
+    for piece in triton.__version__.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 def interpreted() -> bool:

@@ -194,7 +194,7 @@ class CachedLaunch:
         key = (
             device,
             runtime.debug,
-            knobs.compilation.instrumentation_mode,
+            getattr(knobs.compilation, "instrumentation_mode", None),  # in Triton's key since 3.6; absent before
             named,
             launch_key(args) if args is not None else _parts_key(parts),
         )
