@@ -283,3 +283,17 @@ def test_a_kernel_beyond_the_gpus_shared_memory_runs_unpipelined():
     torch.testing.assert_close(out, ref.reshape(R, Hq, d), rtol=1e-4, atol=1e-4)
     refitted = launch_cache._refitted.get(id(triton_dense._dense_partials_kernel), {})
     assert [c["num_stages"] for c in refitted.values()] == [1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("method", ["full", "slake"])
+def test_a_model_on_the_second_gpu_decodes_with_the_kernels(method):
+    """A model on ``cuda:1`` while ``cuda:0`` is current (a layer a split model keeps on its second GPU): Triton
+    launches on the current device, so each step's launches run under the layer's own
+    (``slake.kernels.device_support.launch_device``); the torch step's tokens."""
+    assert torch.cuda.current_device() == 0
+    model = tiny_model("llama-gqa", layers=2).to("cuda:1")
+    ref, _ = _decode(model, method, 16, None, kernels="torch", static=False, kv_dtype="int8")
+    fused, stats = _decode(model, method, 16, None, kernels="triton", static=False, kv_dtype="int8")
+    assert stats["kernels"] == "triton"
+    assert torch.equal(fused, ref)

@@ -97,3 +97,50 @@ def test_the_conversion_is_chosen_by_the_device(monkeypatch):
     assert device_support.quant_code("fp8_e4m3", "cpu") == 3
     with pytest.raises(KeyError):
         device_support.quant_code("int4", "cpu")
+
+
+class _OnDevice:
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+def test_a_step_on_another_gpu_is_launched_on_that_gpu(monkeypatch):
+    """Triton launches on the current CUDA device: a layer on a model's second GPU (``device_map="auto"``) is
+    launched under ``torch.cuda.device`` of its own; on the current device, or the CPU, nothing is switched."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert device_support.launch_device(_OnDevice("cpu")) is device_support._SAME_DEVICE
+    assert device_support.launch_device(_OnDevice("cuda:0")) is device_support._SAME_DEVICE
+    switch = device_support.launch_device(_OnDevice("cuda:1"))
+    assert isinstance(switch, torch.cuda.device) and switch.idx == 1
+
+
+def test_every_launch_of_a_step_runs_under_its_device(monkeypatch):
+    """The fused step's launches (held or made afresh) and the dense attention's go under :func:`launch_device` of
+    the step's query: every kernel launch happens inside it."""
+    import contextlib
+
+    import slake.kernels.triton_decode as decode
+    import test_fused_decode as harness
+    from slake.kernels import launch_cache, triton_dense
+
+    inside = []
+    launched = []
+
+    @contextlib.contextmanager
+    def recording(tensor):
+        inside.append(tensor.device)
+        yield
+        inside.pop()
+
+    real = launch_cache.launch_parts, launch_cache.launch
+    monkeypatch.setattr(launch_cache, "launch_parts", lambda *a: (launched.append(list(inside)), real[0](*a)))
+    monkeypatch.setattr(launch_cache, "launch", lambda *a: (launched.append(list(inside)), real[1](*a)))
+    monkeypatch.setattr(decode, "launch_device", recording)
+    monkeypatch.setattr(triton_dense, "launch_device", recording)
+    harness._run(harness._method("slake"), "triton", steps=2, layers=1)
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    empty = torch.empty(0)
+    triton_dense.dense_attention(torch.randn(1, 4, 16), keys, values, torch.ones(1, 2, 40, dtype=torch.bool), empty,
+                                 empty, 0.25)  # fmt: skip
+    assert len(launched) >= 6 and all(devices == [torch.device(DEVICE)] for devices in launched)

@@ -8,6 +8,10 @@ targets on a machine without a GPU (``tests/kernel_aot.py``, ``tests/test_kernel
   AMD GPUs have no such conversion of their own. There the kernels read and write the same codes through integer
   arithmetic on their bits (``QUANT`` 3, :func:`slake.kernels.triton_slots.e4m3_bits` / ``e4m3_value``): the same
   codes, bit for bit, and the same values (:func:`quant_code`).
+* **The current device.** Triton launches a kernel on the current CUDA device, not on its tensors' (torch's own
+  operators set the device from their inputs): a layer that a model split over GPUs keeps on its second one
+  (``device_map="auto"``) would be launched on the first with the second's memory. Each step's launches run under
+  :func:`launch_device`.
 * **Shared memory.** A kernel's pipelined loop stages its tiles in shared memory, and the most one program may use
   differs: 227 KB on Hopper and Blackwell's ``sm_100``, 163 KB on an A100, 99 KB on Ada and consumer Blackwell, 64
   KB on a T4 and on AMD's MI200 and MI300. A launch that does not fit is launched again unpipelined
@@ -18,11 +22,12 @@ Plain Python over torch; Triton is not imported here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
-__all__ = ["FP8_BITS", "NATIVE_FP8_CAPABILITY", "native_fp8", "quant_code"]
+__all__ = ["FP8_BITS", "NATIVE_FP8_CAPABILITY", "launch_device", "native_fp8", "quant_code"]
 
 #: the first NVIDIA compute capability whose conversions Triton compiles for ``float8e4nv``
 NATIVE_FP8_CAPABILITY = (8, 9)
@@ -68,3 +73,16 @@ def quant_code(quant: str | None, device: torch.device | str) -> int:
     if code == 2 and not native_fp8(device):
         return 3
     return code
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """What to launch the kernels of a step on ``tensor``'s device under: ``torch.cuda.device(tensor.device)`` when
+    that is a CUDA device other than the current one, else a context that does nothing (one model on one GPU: the
+    common case costs one call to ``torch.cuda.current_device``)."""
+    dev = tensor.device
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(dev)

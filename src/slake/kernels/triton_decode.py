@@ -56,6 +56,7 @@ from torch.library import custom_op
 
 from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
+from slake.kernels.device_support import launch_device
 from slake.kernels.step_plan import RULE_CODES, LaunchPlan, Run, Scratch, launch_plan, launch_runs, scratch_specs
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_eviction import rule_eviction
@@ -412,16 +413,19 @@ def launch_step(
     :class:`~slake.kernels.launch_cache.Fixed` runs made once) and the step's ``query``, ``key``, ``value`` and
     ``out`` put in their places."""
     qs = query.stride()
-    launch_cache.launch_parts(
-        _append_logits_kernel, p.append_grid, ((query, *qs, key, *key.stride(), value, *value.stride()), append),
-        p.append_constants,
-    )  # fmt: skip
-    if p.two_stage:
-        launch_cache.launch_parts(_value_projection_kernel, p.projection_grid, (projection,), p.projection_constants)
-    launch_cache.launch_parts(
-        _evict_attend_kernel, p.evict_grid, ((query, *qs), evict_before_out, (out, *out.stride()), evict_after_out),
-        p.evict_constants,
-    )  # fmt: skip
+    with launch_device(query):  # Triton launches on the current device; a layer may sit on another GPU
+        launch_cache.launch_parts(
+            _append_logits_kernel, p.append_grid, ((query, *qs, key, *key.stride(), value, *value.stride()), append),
+            p.append_constants,
+        )  # fmt: skip
+        if p.two_stage:
+            launch_cache.launch_parts(
+                _value_projection_kernel, p.projection_grid, (projection,), p.projection_constants
+            )
+        launch_cache.launch_parts(
+            _evict_attend_kernel, p.evict_grid, ((query, *qs), evict_before_out, (out, *out.stride()), evict_after_out),
+            p.evict_constants,
+        )  # fmt: skip
 
 
 def _launch_joined(
@@ -440,11 +444,12 @@ def _launch_joined(
     ``query``, ``key``, ``value`` and ``out`` in the places :func:`launch_step` puts them."""
     qs = query.stride()
     head = (query, *qs, key, *key.stride(), value, *value.stride())
-    launch_cache.launch(_append_logits_kernel, p.append_grid, head + append, p.append_constants)
-    if p.two_stage:
-        launch_cache.launch(_value_projection_kernel, p.projection_grid, projection, p.projection_constants)
     evict = (query, *qs, *evict_before_out, out, *out.stride(), *evict_after_out)
-    launch_cache.launch(_evict_attend_kernel, p.evict_grid, evict, p.evict_constants)
+    with launch_device(query):
+        launch_cache.launch(_append_logits_kernel, p.append_grid, head + append, p.append_constants)
+        if p.two_stage:
+            launch_cache.launch(_value_projection_kernel, p.projection_grid, projection, p.projection_constants)
+        launch_cache.launch(_evict_attend_kernel, p.evict_grid, evict, p.evict_constants)
 
 
 #: the same as a custom operator with declared mutations, for ``torch.compile`` (captured as one node, no graph

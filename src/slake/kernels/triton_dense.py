@@ -37,7 +37,7 @@ from torch.library import custom_op
 
 from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
-from slake.kernels.device_support import quant_code
+from slake.kernels.device_support import launch_device, quant_code
 from slake.kernels.triton_slots import load_queries, load_rows
 
 __all__ = ["dense_attention", "dense_attention_op"]
@@ -209,8 +209,9 @@ def dense_attention(
     out = torch.empty(R, Hq, d, dtype=torch.float32 if quant else keys.dtype, device=dev)
     args = (query, *query.stride(), keys, *keys.stride()[:3], values, *values.stride()[:3], mask, *mask.stride(),
             k_scale, v_scale, *scales, stat, part, W, H, S, float(scaling))  # fmt: skip
-    launch_cache.launch(_dense_partials_kernel, (R * H, S), args, partials)
-    launch_cache.launch(_dense_combine_kernel, (R * H,), (stat, part, out, *out.stride(), H, S), combine)
+    with launch_device(query):  # Triton launches on the current device; a layer may sit on another GPU
+        launch_cache.launch(_dense_partials_kernel, (R * H, S), args, partials)
+        launch_cache.launch(_dense_combine_kernel, (R * H,), (stat, part, out, *out.stride(), H, S), combine)
     return out
 
 
