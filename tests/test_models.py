@@ -35,6 +35,20 @@ def test_dtype_and_device_defaults():
         models.parse_dtype("int3", "cpu")
 
 
+def test_gpus_without_bf16_arithmetic_default_to_fp16(monkeypatch):
+    """A V100 (7.0) or a T4 (7.5) has no bf16 arithmetic (torch emulates it, slowly): the default there is fp16; from
+    the A100 (8.0) on, and on AMD GPUs, bf16. An explicit ``--dtype`` is kept."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, dtype in (((7, 0), torch.float16), ((7, 5), torch.float16), ((8, 0), torch.bfloat16),
+                              ((9, 0), torch.bfloat16)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert models.default_dtype("cuda:0") == dtype and models.parse_dtype(None, "cuda") == dtype
+        assert models.parse_dtype("bf16", "cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert models.default_dtype("cuda") == torch.bfloat16
+
+
 def test_local_directory_loads_offline(tmp_path):
     """Any local directory works through transformers (the same path a hub id takes once downloaded)."""
     from tiny_models import save_tiny_model

@@ -121,7 +121,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA, fp16 on GPUs before the A100)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights")
     p.add_argument(

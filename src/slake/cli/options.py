@@ -27,7 +27,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (hub repo or directory)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (fp32 on CPU, bf16 on CUDA by default)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA, fp16 on GPUs before the A100)",
+    )
 
 
 def add_engine_arg(p: argparse.ArgumentParser, what: str = "run") -> None:

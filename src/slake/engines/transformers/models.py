@@ -82,8 +82,14 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """fp32 on CPU, bf16 on CUDA (``docs/conventions.md#supported-models``)."""
-    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    """fp32 on CPU; on CUDA bf16, or fp16 on an NVIDIA GPU older than the A100 (compute capability below 8.0: a
+    V100, a T4), which has no bf16 arithmetic and emulates it slowly (``docs/conventions.md#supported-models``)."""
+    if not str(device).startswith("cuda"):
+        return torch.float32
+    if torch.version.hip is None and torch.cuda.is_available():
+        if torch.cuda.get_device_capability(torch.device(device)) < (8, 0):
+            return torch.float16
+    return torch.bfloat16
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -341,7 +347,7 @@ def load_model(
     device : str | None
         ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; auto-detected when None.
     dtype : str | torch.dtype | None
-        fp32 on CPU and bf16 on CUDA when None.
+        fp32 on CPU and bf16 on CUDA when None (fp16 on GPUs before the A100, :func:`default_dtype`).
     gguf_file : str | None
         GGUF file name inside ``name`` (a hub repo or a directory).
     local_files_only : bool | None
