@@ -260,6 +260,8 @@ def main(argv: list[str]) -> None:
     from slake.kernels import device_support
 
     device_support.FP8_BITS = backend == "hip" or int(arch) < 89
+    # half-precision products where the target takes them (not before sm_80: device_support.half_precision_products)
+    half_dots = backend == "hip" or int(arch) >= 80
     compiled: list = []
     seen: set[tuple[str, str]] = set()
     if budgets:  # Triton's own JIT, for an sm_90 target, counting what it would compile (benchmarks.warm_cache)
@@ -274,7 +276,7 @@ def main(argv: list[str]) -> None:
         # the kernel modules are imported in compiled mode; from now on slake.kernels.load() returns them as they are
         os.environ["TRITON_INTERPRET"] = "1"
     # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
-    fused_step.half_precision_dots = lambda device, dtype: dtype in (torch.float16, torch.bfloat16)
+    fused_step.half_precision_dots = lambda device, dtype: half_dots and dtype in (torch.float16, torch.bfloat16)
     triton_dense.half_precision_dots = fused_step.half_precision_dots
     import test_fused_decode as harness
 

@@ -144,3 +144,18 @@ def test_every_launch_of_a_step_runs_under_its_device(monkeypatch):
     triton_dense.dense_attention(torch.randn(1, 4, 16), keys, values, torch.ones(1, 2, 40, dtype=torch.bool), empty,
                                  empty, 0.25)  # fmt: skip
     assert len(launched) >= 6 and all(devices == [torch.device(DEVICE)] for devices in launched)
+
+
+def test_half_precision_products_from_the_a100_on(monkeypatch):
+    """Half-precision keys are multiplied in half precision on NVIDIA GPUs from compute capability 8.0 and on AMD
+    GPUs; in float32 on a T4 or a V100 (whose half-precision products spilled the first kernel's registers), in the
+    interpreter, and for float32 keys."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, half in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(device_support, "_capability", lambda index, c=capability: c)
+        assert device_support.half_precision_products("cuda:0", torch.bfloat16) is half
+        assert device_support.half_precision_products("cuda:0", torch.float16) is half
+        assert device_support.half_precision_products("cuda:0", torch.float32) is False
+    assert device_support.half_precision_products("cpu", torch.bfloat16) is False
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert device_support.half_precision_products("cuda:0", torch.bfloat16) is True

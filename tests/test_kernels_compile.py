@@ -99,6 +99,9 @@ OTHER_GPUS = {
     # memory, which the full cache's float32 attention exceeds pipelined (it runs unpipelined there)
     "cuda:89": {"slake": 2, "ada-expected-attention@bfloat16": 2, "dense@float32": 2},
     "cuda:120": {"slake@bfloat16": 2, "tova@fp8_e4m3": 2, "dense@float32": 2},
+    # a T4: float32 products (its half-precision ones spilled 988 bytes per thread in the first kernel), 64 KB of
+    # shared memory (Expected Attention's first kernel took 81,920 bytes with half-precision products), fp8 bits
+    "cuda:75": {"slake@float16": 2, "ada-expected-attention@float16": 2, "tova@fp8_e4m3": 2},
     # a B200 (Blackwell's ptxas, Hopper's shared memory)
     "cuda:100": {"slake@bfloat16": 2},
     # an MI300X: 64 KB of shared memory (float32 rows' first kernel and attention unpipelined), fp8 through the bits,

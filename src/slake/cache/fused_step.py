@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
-from slake.kernels.device_support import quant_code
+from slake.kernels.device_support import half_precision_products, quant_code
 from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
@@ -61,10 +61,10 @@ class KernelReport:
 
 def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
     """Whether the first fused kernel multiplies queries by keys and probabilities by values in the keys' half
-    precision (tensor cores, float32 accumulation): on a GPU, for float16 and bfloat16 keys. Elsewhere (Triton's
-    interpreter), for float32 or 8-bit keys, and in the second kernel's re-summed victim piece, the products are
-    float32."""
-    return device.type == "cuda" and keys_dtype in (torch.float16, torch.bfloat16)
+    precision (tensor cores, float32 accumulation): on a GPU, for float16 and bfloat16 keys, from compute capability
+    8.0 (:func:`slake.kernels.device_support.half_precision_products`). Elsewhere (Triton's interpreter, a T4), for
+    float32 or 8-bit keys, and in the second kernel's re-summed victim piece, the products are float32."""
+    return half_precision_products(device, keys_dtype)
 
 
 def keeps_order(method: Method, kernels: str) -> bool:

@@ -8,6 +8,10 @@ targets on a machine without a GPU (``tests/kernel_aot.py``, ``tests/test_kernel
   AMD GPUs have no such conversion of their own. There the kernels read and write the same codes through integer
   arithmetic on their bits (``QUANT`` 3, :func:`slake.kernels.triton_slots.e4m3_bits` / ``e4m3_value``): the same
   codes, bit for bit, and the same values (:func:`quant_code`).
+* **Half-precision products.** On a T4 (``sm_75``) and a V100 (``sm_70``) the first kernel's products in float16
+  or bfloat16 took all 255 registers and spilled about 1 KB per thread (Turing's and Volta's tensor-core layouts);
+  in float32 they take 86-96 registers and spill nothing, and Expected Attention's first kernel fits a T4's 64 KB
+  of shared memory. Those GPUs multiply in float32 (:func:`half_precision_products`).
 * **The current device.** Triton launches a kernel on the current CUDA device, not on its tensors' (torch's own
   operators set the device from their inputs): a layer that a model split over GPUs keeps on its second one
   (``device_map="auto"``) would be launched on the first with the second's memory. Each step's launches run under
@@ -27,7 +31,10 @@ import functools
 
 import torch
 
-__all__ = ["FP8_BITS", "NATIVE_FP8_CAPABILITY", "launch_device", "native_fp8", "quant_code"]
+__all__ = [
+    "FP8_BITS", "HALF_DOT_CAPABILITY", "NATIVE_FP8_CAPABILITY", "half_precision_products", "launch_device",
+    "native_fp8", "quant_code",
+]  # fmt: skip
 
 #: the first NVIDIA compute capability whose conversions Triton compiles for ``float8e4nv``
 NATIVE_FP8_CAPABILITY = (8, 9)
@@ -35,6 +42,9 @@ NATIVE_FP8_CAPABILITY = (8, 9)
 #: the kernels' fp8 conversion: None chooses by the device (:func:`native_fp8`); True forces the bit arithmetic,
 #: False the GPU's conversion (tests run both through Triton's interpreter, which has either)
 FP8_BITS: bool | None = None
+
+#: the first NVIDIA compute capability whose kernels multiply half-precision keys in half precision
+HALF_DOT_CAPABILITY = (8, 0)
 
 #: :mod:`slake.cache.quant`'s storage names -> the kernels' ``QUANT`` (fp8 with the GPU's own conversion)
 _QUANT = {None: 0, "int8": 1, "fp8_e4m3": 2}
@@ -58,6 +68,20 @@ def native_fp8(device: torch.device | str) -> bool:
         return False
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _capability(index) >= NATIVE_FP8_CAPABILITY
+
+
+def half_precision_products(device: torch.device | str, keys_dtype: torch.dtype) -> bool:
+    """Whether the kernels multiply queries by keys and probabilities by values in the keys' half precision (tensor
+    cores, float32 accumulation): on a GPU for float16 and bfloat16 keys, but on NVIDIA GPUs before compute
+    capability 8.0, where those products spilled the first kernel's registers (float32 products there). Elsewhere
+    (Triton's interpreter), and for float32 or 8-bit keys, the products are float32."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or keys_dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.version.hip is not None:
+        return True
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _capability(index) >= HALF_DOT_CAPABILITY
 
 
 def quant_code(quant: str | None, device: torch.device | str) -> int:

@@ -37,7 +37,7 @@ from torch.library import custom_op
 
 from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
-from slake.kernels.device_support import launch_device, quant_code
+from slake.kernels.device_support import half_precision_products, launch_device, quant_code
 from slake.kernels.triton_slots import load_queries, load_rows
 
 __all__ = ["dense_attention", "dense_attention_op"]
@@ -154,8 +154,9 @@ def _dense_combine_kernel(
 
 def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
     """Whether the products run in the keys' half precision (tensor cores, float32 accumulation): on a GPU, for
-    float16 and bfloat16 keys; float32 elsewhere (Triton's interpreter)."""
-    return device.type == "cuda" and keys_dtype in (torch.float16, torch.bfloat16)
+    float16 and bfloat16 keys, from compute capability 8.0; float32 elsewhere (Triton's interpreter, a T4;
+    :func:`slake.kernels.device_support.half_precision_products`)."""
+    return half_precision_products(device, keys_dtype)
 
 
 def dense_attention(
