@@ -62,6 +62,19 @@ def test_compile_kwargs_give_the_mode_as_options_beside_the_filter(monkeypatch):
     assert cfg.mode == "default" and cfg.options is None and cfg.fullgraph and cfg.dynamic is False
 
 
+def test_torch_before_2_9_keeps_every_guard(monkeypatch):
+    """torch 2.7 and 2.8 take a guard filter but evaluate each guard's expression for it, and a guard that an
+    attribute is absent (``config.decoder`` under transformers 5.24) stopped the compilation with
+    ``InternalTorchDynamoError``; there every guard is kept (torch's default), from 2.9 the filter is given."""
+    from slake.engines.transformers import compile_options
+
+    monkeypatch.setattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", lambda *a: None, raising=False)
+    for release, supported in (("2.7.1+cu126", False), ("2.8.0+cu128", False), ("2.9.0", True), ("2.13.0+cpu", True)):
+        monkeypatch.setattr(torch, "__version__", release)
+        assert compile_options.guard_filter_supported() is supported, release
+        assert ("mode" in compile_kwargs("cuda")) is not supported
+
+
 def _cache(model, budget: int = BUDGET, steps: int = 8):
     ids, mask = _prompt(1)
     cache = SlakeCache("slake", budget, config=model.config, max_cache_len=PROMPT + steps + 1, **_hyper("slake"))

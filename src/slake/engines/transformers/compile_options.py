@@ -20,8 +20,8 @@ place are fine: parameters are inputs of the graph, read at every call. Each mod
 never runs a graph traced for this one; a cache of another shape, method or dtype still recompiles, since every guard
 on the cache is kept.
 
-``lean_guards=False`` keeps every guard (torch's default). Where this torch has no guard filter (before 2.7), every
-guard is kept.
+``lean_guards=False`` keeps every guard (torch's default). Where this torch has no guard filter (before 2.7), or one
+that stops on a guard it cannot evaluate (2.7 and 2.8, :data:`GUARD_FILTER_TORCH`), every guard is kept.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compile_kwargs", "decode_guard_filter", "guard_filter_supported"]
+__all__ = ["GUARD_FILTER_TORCH", "compile_kwargs", "decode_guard_filter", "guard_filter_supported"]
 
 #: a module inside a ``ModuleList`` or ``Sequential`` (``_modules['12']``): the model's repeated blocks
 _NUMBERED_MODULE = re.compile(r"\[\s*'\d+'\s*\]|\[\s*\"\d+\"\s*\]")
@@ -40,9 +40,24 @@ _NUMBERED_MODULE = re.compile(r"\[\s*'\d+'\s*\]|\[\s*\"\d+\"\s*\]")
 _ROOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+#: the first torch whose guard filter survives a guard it cannot evaluate: torch 2.7 and 2.8 take ``guard_filter_fn``
+#: but evaluate every guard's expression for it, and a guard that an attribute is absent (transformers 5.24's config
+#: raises AttributeError for ``config.decoder``) stopped the compilation (``InternalTorchDynamoError``); 2.9 catches it
+GUARD_FILTER_TORCH = (2, 9)
+
+
+def _torch_release() -> tuple[int, ...]:
+    parts = []
+    for piece in torch.__version__.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def guard_filter_supported() -> bool:
-    """Whether this torch takes ``guard_filter_fn`` in ``torch.compile``'s options (torch 2.7 and later)."""
-    return hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
+    """Whether this torch takes ``guard_filter_fn`` in ``torch.compile``'s options and survives guards it cannot
+    evaluate for the filter (torch 2.9 and later: :data:`GUARD_FILTER_TORCH`)."""
+    return hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and _torch_release() >= GUARD_FILTER_TORCH
 
 
 def decode_guard_filter(entries: Sequence[Any]) -> list[bool]:
