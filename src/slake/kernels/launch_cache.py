@@ -306,7 +306,7 @@ def _joined(parts: Sequence[tuple | Fixed], real: bool) -> tuple:
 _refitted: dict[int, dict[tuple, dict[str, Any]]] = {}
 
 
-def _out_of_shared_memory() -> type[Exception]:
+def _out_of_shared_memory() -> Any:
     from triton.runtime.errors import OutOfResources
 
     return OutOfResources
