@@ -306,13 +306,15 @@ def _joined(parts: Sequence[tuple | Fixed], real: bool) -> tuple:
 _refitted: dict[int, dict[tuple, dict[str, Any]]] = {}
 
 
-def _out_of_shared_memory() -> Any:
+def _short_of_shared_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is Triton's refusal of a compiled kernel that needs more shared memory than the GPU has."""
     from triton.runtime.errors import OutOfResources
 
-    return OutOfResources
+    return isinstance(exc, OutOfResources) and exc.name == "shared memory"
 
 
-def _too_big(name: str, exc: Any) -> RuntimeError:
+def _too_big(kernel: Any, exc: Any) -> RuntimeError:
+    name = getattr(kernel, "__name__", repr(kernel))
     return RuntimeError(
         f"slake: the fused kernel {name} needs {exc.required} bytes of shared memory even unpipelined, more than "
         f"this GPU's {exc.limit}; decode with kernels='torch'"
@@ -328,25 +330,24 @@ def fitting(kernel: Any, grid: Sequence[int], args: tuple, kwargs: Mapping[str, 
     refitted = _refitted.get(id(kernel))
     if refitted is not None:
         kwargs = refitted.get(tuple(kwargs.items()), kwargs)
-    out_of_resources = _out_of_shared_memory()
-    name = getattr(kernel, "__name__", repr(kernel))
     try:
         return kernel[tuple(grid)](*args, **kwargs)
-    except out_of_resources as exc:
-        if exc.name != "shared memory":
+    except Exception as exc:
+        if not _short_of_shared_memory(exc):
             raise
         if kwargs.get("num_stages") == 1:
-            raise _too_big(name, exc) from exc
+            raise _too_big(kernel, exc) from exc
         unpipelined = {**kwargs, "num_stages": 1}
         try:
             compiled = kernel[tuple(grid)](*args, **unpipelined)
-        except out_of_resources as again:
-            if again.name != "shared memory":
+        except Exception as again:
+            if not _short_of_shared_memory(again):
                 raise
-            raise _too_big(name, again) from again
+            raise _too_big(kernel, again) from again
+        short: Any = exc  # Triton's OutOfResources
         logger.info(
             "slake: the fused kernel %s needs %d bytes of shared memory pipelined, more than this GPU's %d: "
-            "launched unpipelined (num_stages=1)", name, exc.required, exc.limit,
+            "launched unpipelined (num_stages=1)", getattr(kernel, "__name__", kernel), short.required, short.limit,
         )  # fmt: skip
         _refitted.setdefault(id(kernel), {})[tuple(kwargs.items())] = unpipelined
         return compiled
