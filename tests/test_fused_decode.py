@@ -1023,3 +1023,12 @@ def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monk
     assert "decode_scope=layer" in fused.decoder.report.summary()
     for a, b in zip(ref_out, fused_out, strict=True):
         torch.testing.assert_close(b, a)
+
+
+def test_a_release_string_reads_as_its_leading_numbers():
+    from slake.release import release
+
+    cases = {"2.8.0+cu128": (2, 8, 0), "2.10.0a0+git1": (2, 10, 0), "3.7.0rc1": (3, 7, 0), "3.4.0+rocm6.4": (3, 4, 0)}
+    for text, parsed in cases.items():
+        assert release(text) == parsed
+    assert release("2.9.0") >= (2, 9) > release("2.8.1")

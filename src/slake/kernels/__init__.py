@@ -11,7 +11,6 @@ the kernels to ``PATH`` (:mod:`slake.kernels.compile_log`).
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 import sys
 from types import ModuleType
@@ -34,13 +33,9 @@ def triton_version() -> tuple[int, ...]:
     Imports Triton: on a machine without CUDA, only after :func:`load` has switched the interpreter on."""
     import triton
 
-    parts = []
-    for piece in triton.__version__.split("+")[0].split("."):
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    from slake.release import release
+
+    return release(triton.__version__)
 
 
 def interpreted() -> bool:

@@ -55,6 +55,13 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _nvidia_capability(dev: torch.device) -> tuple[int, int] | None:
+    """The compute capability of CUDA device ``dev``, or None on an AMD GPU (a ROCm build of torch)."""
+    if torch.version.hip is not None:
+        return None
+    return _capability(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
 def native_fp8(device: torch.device | str) -> bool:
     """Whether the kernels convert fp8 e4m3 codes with the GPU's own instructions on ``device``: NVIDIA GPUs of
     compute capability 8.9 and later, and Triton's interpreter (a CPU ``device``); not AMD GPUs (ROCm builds of
@@ -64,10 +71,8 @@ def native_fp8(device: torch.device | str) -> bool:
     dev = torch.device(device)
     if dev.type != "cuda":
         return True
-    if torch.version.hip is not None:
-        return False
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return _capability(index) >= NATIVE_FP8_CAPABILITY
+    capability = _nvidia_capability(dev)
+    return capability is not None and capability >= NATIVE_FP8_CAPABILITY
 
 
 def half_precision_products(device: torch.device | str, keys_dtype: torch.dtype) -> bool:
@@ -78,10 +83,8 @@ def half_precision_products(device: torch.device | str, keys_dtype: torch.dtype)
     dev = torch.device(device)
     if dev.type != "cuda" or keys_dtype not in (torch.float16, torch.bfloat16):
         return False
-    if torch.version.hip is not None:
-        return True
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return _capability(index) >= HALF_DOT_CAPABILITY
+    capability = _nvidia_capability(dev)
+    return capability is None or capability >= HALF_DOT_CAPABILITY
 
 
 def quant_code(quant: str | None, device: torch.device | str) -> int:

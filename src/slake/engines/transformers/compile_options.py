@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from slake.release import release
+
 __all__ = ["GUARD_FILTER_TORCH", "compile_kwargs", "decode_guard_filter", "guard_filter_supported"]
 
 #: a module inside a ``ModuleList`` or ``Sequential`` (``_modules['12']``): the model's repeated blocks
@@ -46,18 +48,13 @@ _ROOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 GUARD_FILTER_TORCH = (2, 9)
 
 
-def _torch_release() -> tuple[int, ...]:
-    parts = []
-    for piece in torch.__version__.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def guard_filter_supported() -> bool:
     """Whether this torch takes ``guard_filter_fn`` in ``torch.compile``'s options and survives guards it cannot
     evaluate for the filter (torch 2.9 and later: :data:`GUARD_FILTER_TORCH`)."""
-    return hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and _torch_release() >= GUARD_FILTER_TORCH
+    return (
+        hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")
+        and release(torch.__version__) >= GUARD_FILTER_TORCH
+    )
 
 
 def decode_guard_filter(entries: Sequence[Any]) -> list[bool]:
