@@ -638,6 +638,27 @@ def test_a_step_the_kernels_do_not_cover_runs_in_torch_and_says_why(caplog):
     assert sum("fused decode kernels do not cover" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "prefix"])
+@pytest.mark.parametrize("name", ["slake", "cake[linear_cache=true]", "snapkv"])
+def test_a_prompt_within_the_budget_decodes_as_the_full_cache_does(name, pad, caplog):
+    """A batch whose prompts all fit the budget is not compressed: no layer evicts at decode and nothing is folded,
+    so the step is the full cache's (the token's write and one attention), for the methods with a linear state too.
+    It was the torch step for SLAKE and ``cake[linear_cache=true]`` (the linear-state flag of the method, not the
+    layer's state, chose it), which the fused kernels do not cover: on a GPU its 40-odd operations per layer, and a
+    warning that the kernels were not used for a cache that has nothing for them to do."""
+    full, full_out = _run(make_method("full"), "torch", S=20, budget=24, steps=3, pad=pad)
+    for kernels in ("torch", "triton"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="slake.kernels"):
+            eng, outs = _run(_method(name), kernels, S=20, budget=24, steps=3, pad=pad)
+        assert all(t is None for t in eng.targets)
+        if kernels == "triton":  # a padded row's masked attention is the dense kernels; a prefix is one SDPA call
+            assert eng.decoder.report.steps == ({"triton": 6} if pad else {}), eng.decoder.report.summary()
+        assert not any("do not cover" in r.message for r in caplog.records)
+        for a, b in zip(full_out, outs, strict=True):
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_choice_is_checked():
     with pytest.raises(ValueError, match="unknown kernels"):
         CompressedKV("snapkv", 64, 2, kernels="cuda")

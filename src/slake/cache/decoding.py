@@ -216,8 +216,9 @@ class Decoder:
         m = state.method
         scored = state.scored(layer_idx)
         B, Hq, d = query.shape
-        if not scored and store.linear is None and not m.linear_cache and store.head_visible is None:
-            # no score, no linear term: write the token, then one SDPA call over the store
+        if not scored and store.linear is None and store.head_visible is None:
+            # no score, no linear term (a method with one keeps none where nothing was compressed): write the token,
+            # then one attention over the store
             n = None if self.static else self._prefix_of(layer_idx, store)
             if n is None:
                 slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
