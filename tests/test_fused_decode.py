@@ -149,6 +149,11 @@ def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
         ("criticalkv", {"kv_dtype": "fp8_e4m3"}),  # the new slot's projection reads its dequantised value
         ("ada-criticalkv", {"budget": 20, "G": 4, "H": 1}),  # per-head budgets, a group of four
         ("criticalkv[scorer=expected-attention,window=0]", {}),  # two stages over the mapped queries' softmax
+        # head sizes that are not a power of two (Phi-3's 96, StableLM's 80): the kernels' head lanes are masked
+        ("slake", {"D": 24, "G": 7, "H": 2}),  # and a group of seven (Qwen2.5-0.5B's 14 query heads over 2)
+        ("criticalkv", {"D": 20, "kv_dtype": "int8"}),
+        ("expected-attention", {"D": 40, "G": 3}),  # the rotary map's pairs over the masked lanes
+        ("keydiff", {"D": 80, "G": 1, "H": 2, "B": 1, "pad": False}),
     ],
 )
 def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options, split_rows):
