@@ -664,6 +664,36 @@ def test_a_prompt_within_the_budget_decodes_as_the_full_cache_does(name, pad, ca
             torch.testing.assert_close(b.float(), a.float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["slake[decode_eviction=false]", "cake[linear_cache=true,decode_eviction=false]", "sagekv[decode_eviction=false]"],
+)
+def test_a_layer_that_does_not_evict_but_keeps_a_linear_state_or_hidden_slots_runs_the_kernels(
+    name, split_rows, monkeypatch
+):
+    """Compressed at prefill, then append-only (``decode_eviction=False``, kvpress's protocol): SLAKE's layers keep
+    the evicted tokens' linear state and SAGE-KV's the slots hidden from some query heads, so their steps are not the
+    full cache's. They ran the torch step (31 operations per layer for SLAKE); the kernels now run them with a target
+    of -1 (no eviction): the same outputs, linear state and slots, every row growing by a token per step. The stored
+    scores differ and are never read: the kernels compute the rule's, the torch step does not score a layer without
+    targets. The rows grow 3 slots at a time here (256 in use), so that the held arguments are made again."""
+    from slake.cache import decoding
+
+    monkeypatch.setattr(decoding, "_GROWTH", 3)
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", steps=4)
+    fused, fused_out = _run(method, "triton", steps=4)
+    assert not any(fused.decoder.state.scored(li) for li in range(2))
+    assert fused.decoder.report.steps == {"triton": 8}, fused.decoder.report.summary()
+    kept = [s.valid.sum(-1) for s in fused.layers]
+    for a, b in zip(ref.layers, fused.layers, strict=True):
+        b.scores.copy_(a.scores)
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    shorter, _ = _run(method, "torch", steps=0)  # the prefill's kept counts: 4 steps add 4 slots to every row
+    for k, s in zip(kept, shorter.layers, strict=True):
+        assert torch.equal(k, s.valid.sum(-1) + 4)
+
+
 def test_kernel_choice_is_checked():
     with pytest.raises(ValueError, match="unknown kernels"):
         CompressedKV("snapkv", 64, 2, kernels="cuda")

@@ -248,8 +248,9 @@ class Decoder:
         B, H = store.valid.shape[:2]
         kv = key.view(B, H, d), value.view(B, H, d)
         # the fused kernels in eager code: the step's arguments but its query, key and value are made once and then
-        # reused while every object they were made from is the same (an eager step on a GPU is bound by its host)
-        reuse = scored and self.kernels == "triton" and not torch.compiler.is_compiling()
+        # reused while every object they were made from is the same (an eager step on a GPU is bound by its host);
+        # a layer that does not evict but keeps a linear state or per-head visibility takes them too, evicting nothing
+        reuse = self.kernels == "triton" and not torch.compiler.is_compiling()
         if reuse:
             held = self._fused[layer_idx]
             facts = (query.device, query.dtype, d, float(scaling))

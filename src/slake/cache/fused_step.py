@@ -10,7 +10,7 @@ form (:meth:`slake.methods.base.Method.fused_rule`) and the storage is one the k
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -84,8 +84,6 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
     (:func:`slake.cache.compressed.resolve_kernels`)."""
     if rule is None:
         return f"{method.name}'s decode rule has no fused form"
-    if slots.target is None:
-        return "a layer that does not evict at decode"
     if method.evicts_across_heads:
         return "an eviction across a layer's KV heads (decode_scope=layer)"
     if mem is None:
@@ -106,7 +104,25 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
     return None
 
 
+#: the rule of a layer that does not evict at decode (see :func:`fused_arguments`)
+_NO_EVICTION = FusedDecodeRule(kind="recency")
 _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_NEVER: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _never_target(device: torch.device, rows: int, heads: int) -> torch.Tensor:
+    """The ``(rows, heads)`` int64 target of a layer that does not evict at decode: -1 everywhere, which the kernels
+    read as "no eviction" (as the torch step reads a row's -1). Such a layer reaches the fused step only when it keeps
+    a linear state or per-head visibility (a prompt compressed at prefill by a method set not to evict at decode,
+    ``decode_eviction=False``); the others take the full cache's step. Never written by the kernels: one per device
+    and shape in eager code, a new one under ``torch.compile`` (as :func:`_placeholder`)."""
+    if torch.compiler.is_compiling():
+        return torch.full((rows, heads), -1, dtype=torch.int64, device=device)
+    key = (device, rows, heads)
+    hit = _NEVER.get(key)
+    if hit is None:
+        hit = _NEVER[key] = torch.full((rows, heads), -1, dtype=torch.int64, device=device)
+    return hit
 
 
 def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -137,14 +153,20 @@ def fused_arguments(
     in the query's dtype (the model's: a half-precision model needs no cast of it, a kernel fewer per layer)."""
     memory = getattr(kv, "kernel_memory", None)
     mem = memory() if memory is not None else None
-    rule = method.fused_rule()
+    # a layer that does not evict at decode (it reaches this step only with a linear state or per-head visibility;
+    # the others take the full cache's step) runs the kernels with a target of -1 and the cheapest rule, recency:
+    # its scores are never read, and nothing is evicted, so neither the method's rule nor its order of eviction and
+    # output matters
+    never = slots.target is None
+    rule = _NO_EVICTION if never else method.fused_rule()
     reason = _why_not(method, rule, slots, mem)
     if reason is not None or mem is None or rule is None:
         return None, reason
     from slake.kernels.triton_decode import RULE_CODES  # loaded by resolve_kernels
 
-    assert slots.target is not None
     dev = query.device
+    if never:  # the kernels append and attend, and evict no slot
+        slots = replace(slots, target=_never_target(dev, *slots.valid.shape[:2]), order=None)
     empty_f = _placeholder(dev, torch.float32)
     empty_i = _placeholder(dev, torch.int64)
     rows = slots.rows
@@ -182,7 +204,7 @@ def fused_arguments(
         int(rule.zero_window),
         int(rule.gain_floor),
         int(bool(method.window) and not method.newest_evictable),
-        int(method.evict_before_output),
+        int(method.evict_before_output and not never),  # before: the victim's piece is summed again without it
         int(counter is not None),
         int(rule.value_norm),
         int(rule.two_stage is not None),
@@ -204,7 +226,7 @@ def fused_arguments(
     if ratio is not None:  # _why_not made sure both exist
         assert slots.weights is not None and slots.layer is not None and slots.layer.out_proj is not None
         weights, out_proj = slots.weights, slots.layer.out_proj
-    assert slots.target is not None  # a layer without targets never reaches the fused step (it only attends)
+    assert slots.target is not None
     arguments = (
         mem.keys,
         mem.values,
