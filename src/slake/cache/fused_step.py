@@ -165,8 +165,10 @@ def fused_arguments(
     from slake.kernels.triton_decode import RULE_CODES  # loaded by resolve_kernels
 
     dev = query.device
-    if never:  # the kernels append and attend, and evict no slot
-        slots = replace(slots, target=_never_target(dev, *slots.valid.shape[:2]), order=None)
+    target = slots.target
+    if target is None:  # the kernels append and attend, and evict no slot
+        target = _never_target(dev, *slots.valid.shape[:2])
+        slots = replace(slots, target=target, order=None)
     empty_f = _placeholder(dev, torch.float32)
     empty_i = _placeholder(dev, torch.int64)
     rows = slots.rows
@@ -176,7 +178,7 @@ def fused_arguments(
             positions=slots.positions[rows],
             valid=slots.valid[rows],
             scores=slots.scores[rows],
-            target=slots.target[rows],
+            target=target[rows],
             newest=slots.newest,
             prompt_len=slots.prompt_len[rows],
             budget=slots.budget[rows],
