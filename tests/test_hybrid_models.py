@@ -219,8 +219,81 @@ def test_the_vllm_plugin_refuses_models_with_sliding_layers():
             check_layer_types(cfg)
 
 
-def test_compiled_decoding_is_refused_on_hybrid_models_for_now(hybrid):
-    """Their sliding-window layers keep transformers' dynamic cache, so a fixed-shape decode cannot be promised."""
+def _padded_pair(long: int, short: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts, the second left-padded to the first's length."""
+    ids = torch.zeros(2, long, dtype=torch.long)
+    mask = torch.zeros(2, long, dtype=torch.long)
+    ids[0], mask[0] = random_ids(long, seed=6)[0], 1
+    ids[1, long - short :], mask[1, long - short :] = random_ids(short, seed=7)[0], 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv", "slake"])
+def test_fixed_shape_decoding_of_a_hybrid_model_equals_its_dynamic_decoding(hybrid, method):
+    """With ``max_cache_len`` the sliding-window layers are fixed rings (:class:`WindowLayer`): the same tokens and
+    logits at every step as transformers' dynamic sliding layers, for a padded batch whose short row has padding
+    inside the kept window (40 and 10 tokens, a window of 16), and for a prompt shorter than the window; 20 new
+    tokens wrap the ring."""
+    from slake.engines.transformers.window_layer import WindowLayer
+
     name, model = hybrid
-    with pytest.raises(ValueError, match="not supported for hybrid models"):
+    hp = {} if method == "full" else {"window": 4}
+    for ids, mask in (_padded_pair(40, 10), (random_ids(12, seed=8), None)):
+        new = 20
+        dynamic = _generate(model, ids, SlakeCache(method, 24, config=model.config, **hp), new, mask)
+        cache = SlakeCache(method, 24, config=model.config, max_cache_len=ids.shape[1] + new, **hp)
+        fixed = _generate(model, ids, cache, new, mask)
+        assert torch.equal(fixed.sequences, dynamic.sequences), f"{name}/{method}: tokens differ"
+        for a, b in zip(fixed.logits, dynamic.logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"{name}/{method} decode logits")
+        rings = [cache.layers[i] for i in cache.layout.bounded]
+        assert rings and all(isinstance(r, WindowLayer) and r.window == WINDOW for r in rings)
+        assert cache.is_compileable
+
+
+def test_a_fixed_shape_hybrid_cache_at_the_prompts_length_equals_plain_transformers(hybrid):
+    name, model = hybrid
+    ids = random_ids(48, seed=2)  # 3x the window
+    ref = _reference(model, ids, 12)
+    out = _generate(model, ids, SlakeCache("full", 48, config=model.config, max_cache_len=60), 12)
+    assert torch.equal(out.sequences, ref.sequences), name
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_compiled_hybrid_decode_step_is_one_graph(hybrid, fresh_dynamo):
+    """``torch.compile(fullgraph=True, dynamic=False)`` over the decode step of a hybrid model: one graph for every
+    step, the window full and wrapping (transformers' own static sliding layer makes a graph per step: the window's
+    offset is a Python int its mask reads), and the same tokens as the eager dynamic cache."""
+    from compiled_decode import decode
+
+    name, model = hybrid
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    eager, _, _ = decode(model, "slake", 6, static=False, kernels="torch")
+    compiled, _, cache = decode(model, "slake", 6, backend="aot_eager", kernels="torch")
+    assert torch.equal(compiled, eager), name
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert all(int(cache.layers[i].counter) == 40 + 6 for i in cache.layout.bounded)
+
+
+def test_what_a_fixed_shape_hybrid_cache_does_not_take_is_refused(hybrid, monkeypatch):
+    """A chunked prefill (the ring takes the prompt once) and several tokens after the prompt; chunked-attention
+    layers (Llama 4's) have no ring."""
+    from slake.engines.transformers.layer_layout import AttentionLayout
+
+    name, model = hybrid
+    with pytest.raises(ValueError, match="takes its prompt in one prefill"):
+        SlakeCache("snapkv", 40, config=model.config, max_cache_len=128, prefill_chunk=32)
+    cache = SlakeCache("snapkv", 24, config=model.config, max_cache_len=128, window=4)
+    ring = cache.layers[min(cache.layout.bounded)]
+    ring.update(torch.zeros(1, 2, 30, 16), torch.zeros(1, 2, 30, 16))
+    with pytest.raises(ValueError, match="one token per step"):
+        ring.update(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))
+    kinds = ["chunked_attention", "full_attention"] * 2
+    chunked = AttentionLayout(kinds, [1, 3], {0: ("chunked_attention", {}), 2: ("chunked_attention", {})})
+    import slake.engines.transformers.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "attention_layout", lambda config: chunked)
+    with pytest.raises(ValueError, match=r"chunked-attention layers \(layers \[0, 2\]\)"):
         SlakeCache("snapkv", 40, config=model.config, max_cache_len=128)

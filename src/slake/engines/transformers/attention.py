@@ -21,6 +21,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from slake.engines.transformers.cache import SlakeCache, _set_current, current_layer
 from slake.engines.transformers.cache_kwarg import cache_from_kwargs
 from slake.engines.transformers.layer_layout import check_supported_attention
+from slake.engines.transformers.window_layer import _set_current as _set_window
+from slake.engines.transformers.window_layer import current_window
 
 ATTENTION_NAME = "slake"
 
@@ -64,6 +66,12 @@ def slake_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Registered attention function; returns ``(B, n_q, Hq, d)`` like transformers' own functions."""
+    window = current_window()
+    if window is not None and (key is window.keys or key is window.prompt_keys):  # a fixed-shape sliding layer
+        _set_window(None)
+        if key is window.keys:  # a decode step: the ring, with its own validity (transformers' mask is not read)
+            return window.attend(query, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+        window.finish_prompt(attention_mask)  # the prompt: transformers' sliding mask, below
     layer = current_layer()
     if layer is None or key is not layer.keys or layer.layer_idx != getattr(module, "layer_idx", layer.layer_idx):
         observer = getattr(_observer, "fn", None)

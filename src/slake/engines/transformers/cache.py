@@ -18,6 +18,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
 from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout
+from slake.engines.transformers.window_layer import WindowLayer
 from slake.methods.base import Method, check_compileable
 
 _current = threading.local()
@@ -160,7 +161,10 @@ class SlakeCache(Cache):
         prefilled, and says so (``is_compileable``): layers that evict keep one free slot per row, append-only
         layers (the full cache, a prompt within its budget) get room for ``max_cache_len - prompt`` tokens up front.
         ``model.generate(..., compile_config=...)`` and ``torch.compile`` then run each decode step as one graph
-        (``docs/compile.md``). A method whose decode cannot be fixed-shape is refused (ValueError).
+        (``docs/compile.md``). A method whose decode cannot be fixed-shape is refused (ValueError). A hybrid model's
+        sliding-window layers are then fixed rings of ``window`` slots
+        (:class:`~slake.engines.transformers.window_layer.WindowLayer`); its prompt must come in one prefill, and
+        chunked-attention layers are refused.
     config : PretrainedConfig | None
         The model's config (``model.config``), as transformers' own caches take it: the layer count and the layer
         types are read from it (in a hybrid model only the full-attention layers are compressed; sliding-window and
@@ -228,10 +232,16 @@ class SlakeCache(Cache):
         if max_cache_len is not None:
             if isinstance(max_cache_len, bool) or int(max_cache_len) < 2:
                 raise ValueError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), got {max_cache_len!r}")
-            if self.layout.hybrid:
+            chunked = sorted(i for i, (kind, _) in self.layout.bounded.items() if kind != "sliding_attention")
+            if chunked:
                 raise ValueError(
-                    "compiled decoding (max_cache_len) is not supported for hybrid models yet: their sliding-window "
-                    "layers keep transformers' dynamic cache"
+                    f"compiled decoding (max_cache_len) is not supported for chunked-attention layers (layers "
+                    f"{chunked}): build the cache without max_cache_len"
+                )
+            if self.layout.hybrid and prefill_chunk is not None:
+                raise ValueError(
+                    "compiled decoding (max_cache_len) of a hybrid model takes its prompt in one prefill: its "
+                    "sliding-window layers keep a fixed ring (WindowLayer); build the cache without prefill_chunk"
                 )
             check_compileable(m)
             self.compressor.max_cache_len = int(max_cache_len)
@@ -252,7 +262,10 @@ class SlakeCache(Cache):
                 layers.append(layer)
             else:
                 kind, kwargs = self.layout.bounded[i]
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+                if self.static_len is not None:  # a fixed-shape ring (transformers' static layer recompiles per step)
+                    layers.append(WindowLayer(kwargs["sliding_window"], self.static_len))
+                else:
+                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
