@@ -111,6 +111,18 @@ def test_bfloat16_decode_replayed_as_cuda_graphs_equals_eager(method):
     assert stats["kept_tokens_per_layer"] == eager_stats["kept_tokens_per_layer"]
 
 
+def test_a_hybrid_models_decode_replayed_as_cuda_graphs_equals_eager():
+    """Gemma 3's sliding-window layers as rings (``WindowLayer``) in CUDA graphs (dynamo's backend: no code
+    generation, so seconds): 24 steps wrap the 16-slot windows; the dynamic cache's tokens, with the fused kernels
+    in the compressed layers."""
+    from hybrid_models import hybrid_model
+
+    model = hybrid_model("gemma3").cuda()
+    eager, _ = _decode(model, "slake", 24, None, static=False)
+    graphed, _ = _decode(model, "slake", 24, {"backend": "cudagraphs"})
+    assert torch.equal(graphed, eager)
+
+
 def test_bfloat16_reduce_overhead_keeps_the_eager_budget():
     """Inductor fuses bfloat16 operations and rounds their intermediates differently from eager (each eager
     operation rounds its output to bfloat16), so compiled bfloat16 tokens may part from eager ones after a few steps
