@@ -261,6 +261,20 @@ def test_a_fixed_shape_hybrid_cache_at_the_prompts_length_equals_plain_transform
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("method", ["snapkv", "slake"])
+def test_a_recorded_prefill_replays_into_a_fixed_shape_hybrid_cache(hybrid, method):
+    """The evaluation's prefill-once path (and KVzip's second pass) stores the prompt into the sliding layers without
+    their attention: the rings' padded slots are marked from the capture's mask. A stacked batch of 96 and 10 tokens
+    (86 of padding, 6 of them inside the short row's window) decodes the dynamic replay's tokens."""
+    name, model = hybrid
+    stacked = stack_captures([capture_prefill(model, random_ids(96, seed=6)), capture_prefill(model, random_ids(10))])
+    dynamic = greedy_decode(model, stacked, stacked.replay(method, 40, window=4), 8)
+    fixed = stacked.replay_into(SlakeCache(method, 40, config=model.config, max_cache_len=96 + 8, window=4))
+    ring = fixed.layers[min(fixed.layout.bounded)]
+    assert int((ring.positions[1] >= 0).sum()) == 10 and int((ring.positions[0] >= 0).sum()) == WINDOW
+    assert greedy_decode(model, stacked, fixed, 8) == dynamic, f"{name}/{method}"
+
+
 def test_a_compiled_hybrid_decode_step_is_one_graph(hybrid, fresh_dynamo):
     """``torch.compile(fullgraph=True, dynamic=False)`` over the decode step of a hybrid model: one graph for every
     step, the window full and wrapping (transformers' own static sliding layer makes a graph per step: the window's

@@ -36,6 +36,7 @@ from slake.cache.compressed import CompressedKV
 from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.window_layer import WindowLayer
 from slake.methods.base import Method, make_method
 
 
@@ -114,7 +115,10 @@ class PrefillCapture:
             eng.prefill_layer(slot, q, k, v, pad, scaling)
             cache.layers[cache.layout.compressed[slot]].lazy_initialization(k, v)
         for layer, (k, v) in self.bounded.items():
-            cache.layers[layer].update(k, v)
+            bounded = cache.layers[layer]
+            bounded.update(k, v)
+            if isinstance(bounded, WindowLayer):  # a fixed-shape cache's ring: its padded slots, which no mask hides
+                bounded.mark_padding(self.attention_mask == 0)
         return cache
 
 

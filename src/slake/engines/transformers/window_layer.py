@@ -117,14 +117,28 @@ class WindowLayer(CacheLayerMixin):
     def finish_prompt(self, attention_mask: torch.Tensor | None) -> None:
         """Mark the kept prompt slots that hold padding tokens empty (called by the attention function with the
         prompt's 4D sliding mask). The mask's last query row sees exactly the kept positions but the padded ones."""
-        self.prompt_keys = None
         if attention_mask is None:  # no padding (transformers leaves the mask out where causality is enough)
+            self.prompt_keys = None
             return
         if attention_mask.dim() != 4:
             raise ValueError(f"expected a 4D attention mask, got shape {tuple(attention_mask.shape)}")
-        keep = min(self.prompt_len, self.window)
-        last = attention_mask[:, 0, -1, -keep:]
-        visible = last if last.dtype == torch.bool else ~(last < -1.0)  # as key_padding_from_mask reads it
+        last = attention_mask[:, 0, -1, -min(self.prompt_len, self.window) :]
+        self._keep_visible(last if last.dtype == torch.bool else ~(last < -1.0))  # as key_padding_from_mask reads it
+
+    def mark_padding(self, padding: torch.Tensor | None) -> None:
+        """Mark the kept prompt slots that hold padding tokens empty, from the prompt's ``(B, S)`` padding (True: a
+        padding token): a prompt stored by ``update`` without its attention (a recorded prefill replayed,
+        :meth:`slake.engines.transformers.prefill_once.PrefillCapture.replay_into`)."""
+        if padding is None:
+            self.prompt_keys = None
+            return
+        if padding.shape[-1] != self.prompt_len:
+            raise ValueError(f"padding of {padding.shape[-1]} tokens for a prompt of {self.prompt_len}")
+        self._keep_visible(~padding[:, -min(self.prompt_len, self.window) :].bool())
+
+    def _keep_visible(self, visible: torch.Tensor) -> None:
+        self.prompt_keys = None
+        keep = visible.shape[-1]
         slots = torch.arange(self.prompt_len - keep, self.prompt_len, device=self.device) % self.window
         kept = self.positions.index_select(1, slots)
         self.positions.index_copy_(1, slots, torch.where(visible.expand_as(kept).to(self.device), kept, -1))
