@@ -240,7 +240,8 @@ def test_fixed_shape_decoding_of_a_hybrid_model_equals_its_dynamic_decoding(hybr
     hp = {} if method == "full" else {"window": 4}
     for ids, mask in (_padded_pair(40, 10), (random_ids(12, seed=8), None)):
         new = 20
-        dynamic = _generate(model, ids, SlakeCache(method, 24, config=model.config, **hp), new, mask)
+        dynamic_cache = SlakeCache(method, 24, config=model.config, **hp)
+        dynamic = _generate(model, ids, dynamic_cache, new, mask)
         cache = SlakeCache(method, 24, config=model.config, max_cache_len=ids.shape[1] + new, **hp)
         fixed = _generate(model, ids, cache, new, mask)
         assert torch.equal(fixed.sequences, dynamic.sequences), f"{name}/{method}: tokens differ"
@@ -249,6 +250,13 @@ def test_fixed_shape_decoding_of_a_hybrid_model_equals_its_dynamic_decoding(hybr
         rings = [cache.layers[i] for i in cache.layout.bounded]
         assert rings and all(isinstance(r, WindowLayer) and r.window == WINDOW for r in rings)
         assert cache.is_compileable
+        # the rings' bytes: their keys and values as `sliding` (one slot more than the dynamic layers keep between
+        # steps, window - 1), each slot's int64 position in `metadata`
+        ours, theirs = cache.byte_counts(), dynamic_cache.byte_counts()
+        B, H, _, d = rings[0].keys.shape
+        slot = 2 * B * H * d * rings[0].keys.element_size()
+        assert ours["sliding"] == len(rings) * WINDOW * slot and theirs["sliding"] == len(rings) * (WINDOW - 1) * slot
+        assert ours["metadata"] - cache.compressor.byte_counts()["metadata"] == len(rings) * B * WINDOW * 8
 
 
 def test_a_fixed_shape_hybrid_cache_at_the_prompts_length_equals_plain_transformers(hybrid):

@@ -384,7 +384,8 @@ class SlakeCache(Cache):
     def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
         """Bytes held: the compressor's counts (``full``, ``kept``, ``padding``, ``slack``, ``metadata``,
         ``linear_state``; :meth:`slake.cache.compressed.CompressedKV.byte_counts`) and, in a hybrid model,
-        ``sliding``: what the sliding-window and chunked layers hold in transformers' own bounded caches.
+        ``sliding``: what the sliding-window and chunked layers hold in transformers' own bounded caches, or in a
+        fixed-shape cache's rings (whose slots' positions count in ``metadata``).
         ``sequence``: one sequence of the batch."""
         counts = self.compressor.byte_counts(sequence)
         if self.layout.hybrid:
@@ -396,6 +397,11 @@ class SlakeCache(Cache):
                         t = t if sequence is None else t[sequence]
                         held += t.numel() * t.element_size()
             counts["sliding"] = held
+            for i in self.layout.bounded:  # a fixed-shape cache's ring keeps each slot's position
+                positions = getattr(self.layers[i], "positions", None)
+                if positions is not None:
+                    positions = positions if sequence is None else positions[sequence]
+                    counts["metadata"] += positions.numel() * positions.element_size()
         return counts
 
     def statistics(self) -> dict:
