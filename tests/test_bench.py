@@ -268,6 +268,21 @@ def test_random_named_shape_builds_without_download():
     assert model.config._attn_implementation == "slake"
 
 
+def test_a_random_gemma3_shape_is_hybrid_as_the_checkpoint_is():
+    """Gemma 3's shapes build its hybrid layout: five sliding-window layers to one full-attention layer (layers 5,
+    11, 17 of the 270M are global, as in the packaged model), only those compressed."""
+    import torch
+
+    from slake.engines.transformers.cache import SlakeCache
+    from slake.engines.transformers.shapes import random_model
+
+    model = random_model("gemma3-270m:vocab_size=512,hidden_size=64,intermediate_size=128", dtype=torch.float32)
+    layout = SlakeCache("snapkv", 64, config=model.config).layout
+    assert layout.compressed == [5, 11, 17] and len(layout.bounded) == 15
+    assert model.config.sliding_window == 512 and model.config.head_dim == 256
+    assert model.config._attn_implementation == "slake"
+
+
 def test_paired_ratio_survives_drift_that_misleads_the_medians():
     """The machine slows down steadily; short slowdowns hit cake's early steps and slake's late ones. The ratio of
     the medians then says slake is faster; the median of per-round ratios still reads the true 1.05."""

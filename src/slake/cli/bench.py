@@ -117,7 +117,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="SHAPE",
         help="randomly initialised model of a named shape (llama3-8b, llama2-7b, mistral-7b, "
-        "qwen2.5-7b, smollm2-135m, tiny), optionally with overrides: llama3-8b:num_hidden_layers=4",
+        "qwen2.5-7b, smollm2-135m, tiny; hybrid: gemma3-4b, gemma3-270m, tiny-hybrid), optionally with "
+        "overrides: llama3-8b:num_hidden_layers=4",
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")

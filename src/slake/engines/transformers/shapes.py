@@ -2,7 +2,9 @@
 
 ``slake bench --random-model llama3-8b`` measures latency and memory at the papers' 8B scale on any GPU without
 fetching weights: latency and memory do not depend on the weight values. The configs below are copied from the
-checkpoints' ``config.json`` (layers, hidden size, heads, KV heads, head dim, MLP width, vocabulary, RoPE base).
+checkpoints' ``config.json`` (layers, hidden size, heads, KV heads, head dim, MLP width, vocabulary, RoPE base; for
+Gemma 3, its sliding window, with the five-to-one pattern of sliding-window and full-attention layers that
+``Gemma3TextConfig`` makes, and without the 4B's RoPE scaling of its global layers, on which latency does not depend).
 
 Initialisation: the model is built directly on the target device (``with torch.device(device)``) in the target dtype
 (no fp32 copy on the CPU first) and its weights are filled with the model's own ``_init_weights`` (normal, std
@@ -18,6 +20,7 @@ __all__ = ["SHAPES", "parse_shape", "random_model"]
 _LLAMA = "llama"
 _MISTRAL = "mistral"
 _QWEN2 = "qwen2"
+_GEMMA3 = "gemma3"  # hybrid: five sliding-window layers to a full-attention one (Gemma3TextConfig's layer_types)
 
 #: name -> (architecture, config keyword arguments)
 SHAPES: dict[str, tuple[str, dict]] = {
@@ -98,7 +101,55 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
-    # a tiny shape for tests and smoke runs
+    "gemma3-270m": (
+        _GEMMA3,
+        dict(
+            vocab_size=262144,
+            hidden_size=640,
+            intermediate_size=2048,
+            num_hidden_layers=18,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3-4b": (
+        _GEMMA3,
+        dict(
+            vocab_size=262208,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=34,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            sliding_window=1024,
+            query_pre_attn_scalar=256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # tiny shapes for tests and smoke runs
+    "tiny-hybrid": (
+        _GEMMA3,
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=32,
+            query_pre_attn_scalar=16,
+            max_position_embeddings=65536,
+            tie_word_embeddings=True,
+        ),
+    ),
     "tiny": (
         _LLAMA,
         dict(
@@ -149,9 +200,10 @@ def parse_shape(spec: str) -> tuple[str, dict]:
 
 def _config_keys(arch: str) -> set[str]:
     """Attributes of the architecture's transformers config (what an override may set)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-    cfg = {_LLAMA: LlamaConfig, _MISTRAL: MistralConfig, _QWEN2: Qwen2Config}[arch]()
+    configs = {_LLAMA: LlamaConfig, _MISTRAL: MistralConfig, _QWEN2: Qwen2Config, _GEMMA3: Gemma3TextConfig}
+    cfg = configs[arch]()
     return set(cfg.to_dict()) | set(vars(cfg))
 
 
@@ -184,6 +236,8 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         Seed of the weight initialisation.
     """
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -199,6 +253,7 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         _LLAMA: (LlamaConfig, LlamaForCausalLM),
         _MISTRAL: (MistralConfig, MistralForCausalLM),
         _QWEN2: (Qwen2Config, Qwen2ForCausalLM),
+        _GEMMA3: (Gemma3TextConfig, Gemma3ForCausalLM),
     }[arch]
     config = config_cls(**kwargs, attn_implementation="sdpa")
     config.name_or_path = f"random:{spec}"
