@@ -5,14 +5,14 @@
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
 # PART: short | short2 | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
-#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | all
+#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 530) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 # every compilation of slake's kernels in this call, logged (slake.kernels.compile_log): the next build of Triton's
@@ -116,6 +116,13 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         # Llama-3-8B's widths, 2K tokens: two compiles per method)
         "$py" -m benchmarks compile-guards --methods slake --shape llama3-8b --device cuda --dtype bfloat16 \
             --length 2048 --budget 1024 > "$out/compile_guards.jsonl"
+        ;;
+    hybrid)
+        # compiled decoding of a hybrid model (Gemma 3 4B's shape: 29 sliding-window layers of 1,024 tokens as fixed
+        # rings, 5 full-attention layers compressed; docs/compile.md, "Hybrid models"), eager and compiled; about 6
+        # minutes with compiles (not timed on a GPU yet)
+        "${bench[@]}" --random-model gemma3-4b --methods full,snapkv,slake --lengths 8192,32768 --compile \
+            --out "$out/hybrid_compiled"
         ;;
     kernels)
         # the fused step alone at the transformers rows' budget: batch 1 (rows split over programs) and 8, per layer
@@ -289,7 +296,7 @@ fi
 if [ "$part" = all ]; then
     status=0
     for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled kernel-parts kernel-tune \
-        pool-tune launch guards; do
+        pool-tune launch guards hybrid; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status
