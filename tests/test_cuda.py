@@ -27,10 +27,14 @@ def _decode(model, method: str, steps: int, compile_kw: dict | None, **kw) -> tu
     return tokens, stats
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "cake", "slake", "lava", "ahakv", "sagekv"])
+@pytest.mark.parametrize(
+    "method",
+    ["snapkv", "h2o", "tova", "cake", "slake", "lava", "ahakv", "sagekv", "slake[decode_eviction=false]"],
+)
 def test_fused_kernels_give_the_torch_steps_tokens(method):
     """On CUDA the decode step runs as the fused Triton kernels by default (``kernels="auto"``): compiled for the GPU,
-    not interpreted as in ``make test``. Eager, float32: the torch step's tokens and kept counts."""
+    not interpreted as in ``make test``. Eager, float32: the torch step's tokens and kept counts; for SLAKE set not to
+    evict at decode, the kernels of a layer that keeps every slot (``KEEP_ALL``)."""
     model = tiny_model("llama-gqa", layers=2).cuda()
     ref, ref_stats = _decode(model, method, 24, None, kernels="torch", static=False)
     fused, stats = _decode(model, method, 24, None, kernels="triton", static=False)

@@ -674,9 +674,9 @@ def test_a_layer_that_does_not_evict_but_keeps_a_linear_state_or_hidden_slots_ru
     """Compressed at prefill, then append-only (``decode_eviction=False``, kvpress's protocol): SLAKE's layers keep
     the evicted tokens' linear state and SAGE-KV's the slots hidden from some query heads, so their steps are not the
     full cache's. They ran the torch step (31 operations per layer for SLAKE); the kernels now run them with a target
-    of -1 (no eviction): the same outputs, linear state and slots, every row growing by a token per step. The stored
-    scores differ and are never read: the kernels compute the rule's, the torch step does not score a layer without
-    targets. The rows grow 3 slots at a time here (256 in use), so that the held arguments are made again."""
+    of -1 and no rule (``KEEP_ALL``: nothing scored, no victim sought): the same outputs, linear state, slots and
+    stored scores (the new slot's 0, as the torch step's), every row growing by a token per step. The rows grow 3
+    slots at a time here (256 in use), so that the held arguments are made again."""
     from slake.cache import decoding
 
     monkeypatch.setattr(decoding, "_GROWTH", 3)
@@ -686,12 +686,39 @@ def test_a_layer_that_does_not_evict_but_keeps_a_linear_state_or_hidden_slots_ru
     assert not any(fused.decoder.state.scored(li) for li in range(2))
     assert fused.decoder.report.steps == {"triton": 8}, fused.decoder.report.summary()
     kept = [s.valid.sum(-1) for s in fused.layers]
-    for a, b in zip(ref.layers, fused.layers, strict=True):
-        b.scores.copy_(a.scores)
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
     shorter, _ = _run(method, "torch", steps=0)  # the prefill's kept counts: 4 steps add 4 slots to every row
     for k, s in zip(kept, shorter.layers, strict=True):
         assert torch.equal(k, s.valid.sum(-1) + 4)
+
+
+def test_a_layer_that_does_not_evict_takes_the_kernels_at_any_width(monkeypatch):
+    """Rows wider than ``MAX_FUSED_SLOTS`` (a row's scores are one vector of the second kernel) run the torch step
+    where a layer evicts at decode, and say so; a layer that does not evict holds no such vector (``KEEP_ALL``), so
+    its wide rows run the kernels: SLAKE compressed at prefill to a budget of 32K and decoded append-only (kvpress's
+    protocol at 64K) was the torch step on a GPU. The limit lowered to 16 here, then rows truly wider than it (grown
+    by that much at the first token, mostly empty)."""
+    from slake.cache import fused_step
+
+    monkeypatch.setattr(fused_step, "MAX_FUSED_SLOTS", 16)
+    evicting, _ = _run(_method("slake"), "triton", steps=2, layers=1)
+    assert evicting.decoder.report.steps == {"torch": 2}
+    assert "rows wider than 16 slots" in evicting.decoder.report.summary()
+    method = _method("slake[decode_eviction=false]")
+    ref, ref_out = _run(method, "torch", steps=2)
+    fused, fused_out = _run(method, "triton", steps=2)
+    assert fused.layers[0].valid.shape[-1] > 16
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    monkeypatch.undo()
+    from slake.cache import decoding
+
+    monkeypatch.setattr(decoding, "_GROWTH", fused_step.MAX_FUSED_SLOTS + 100)  # the first append widens the rows
+    kwargs = dict(B=1, H=1, G=2, steps=2, layers=1)
+    ref, ref_out = _run(method, "torch", **kwargs)
+    fused, fused_out = _run(method, "triton", **kwargs)
+    assert fused.layers[0].valid.shape[-1] > fused_step.MAX_FUSED_SLOTS
+    assert fused.layers[0].linear is not None
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
 def test_kernel_choice_is_checked():

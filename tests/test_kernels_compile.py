@@ -44,6 +44,7 @@ CASES = {
     "ada-expected-attention@bfloat16": 2,  # mapped queries, value norms
     "ada-criticalkv": 3,  # the two stages, and the projection kernel
     "criticalkv[scorer=expected-attention,window=0]": 3,
+    "slake[decode_eviction=false]@bfloat16": 2,  # a layer that does not evict (KEEP_ALL): no rule, no logits kept
 }
 
 

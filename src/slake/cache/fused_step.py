@@ -26,8 +26,8 @@ __all__ = [
 
 logger = logging.getLogger("slake.kernels")
 
-#: the most slots per row the fused step takes (a row's scores are one vector of a program; wider rows, e.g. an
-#: uncompressed sequence in a batch with compressed ones, run the torch step)
+#: the most slots per row the fused step takes in a layer that evicts at decode (a row's scores are one vector of
+#: a program; wider rows, e.g. a budget of 32K, run the torch step); a layer that does not evict takes any width
 MAX_FUSED_SLOTS = 16384
 
 #: the storages the kernels read (:func:`slake.kernels.device_support.quant_code` gives their ``QUANT``)
@@ -88,7 +88,7 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return "an eviction across a layer's KV heads (decode_scope=layer)"
     if mem is None:
         return "a storage layout the kernels do not address"
-    if mem.width > MAX_FUSED_SLOTS:
+    if mem.width > MAX_FUSED_SLOTS and slots.target is not None:  # a layer that evicts nothing holds no row vector
         return f"rows wider than {MAX_FUSED_SLOTS} slots"
     if mem.quant not in _QUANT_STORAGE:
         return f"{mem.quant} storage"
@@ -104,7 +104,8 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
     return None
 
 
-#: the rule of a layer that does not evict at decode (see :func:`fused_arguments`)
+#: the rule whose flags a layer that does not evict at decode launches with (its code is ``KEEP_ALL``; see
+#: :func:`fused_arguments`)
 _NO_EVICTION = FusedDecodeRule(kind="recency")
 _PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _NEVER: dict[tuple[torch.device, int, int], torch.Tensor] = {}
@@ -154,15 +155,16 @@ def fused_arguments(
     memory = getattr(kv, "kernel_memory", None)
     mem = memory() if memory is not None else None
     # a layer that does not evict at decode (it reaches this step only with a linear state or per-head visibility;
-    # the others take the full cache's step) runs the kernels with a target of -1 and the cheapest rule, recency:
-    # its scores are never read, and nothing is evicted, so neither the method's rule nor its order of eviction and
-    # output matters
+    # the others take the full cache's step) runs the kernels with a target of -1 and no rule (step_plan.KEEP_ALL:
+    # the second kernel scores no slot and seeks no victim; the flags of the plain rule, recency): nothing is
+    # evicted, so neither the method's rule nor its order of eviction and output matters, and a row of any width is
+    # taken
     never = slots.target is None
     rule = _NO_EVICTION if never else method.fused_rule()
     reason = _why_not(method, rule, slots, mem)
     if reason is not None or mem is None or rule is None:
         return None, reason
-    from slake.kernels.triton_decode import RULE_CODES  # loaded by resolve_kernels
+    from slake.kernels.step_plan import KEEP_ALL, RULE_CODES  # loaded by resolve_kernels
 
     dev = query.device
     target = slots.target
@@ -199,7 +201,7 @@ def fused_arguments(
         int(slots.head_visible is not None),
         int(slots.first_real is not None),
         int(slots.linear is not None),
-        RULE_CODES[rule.kind],
+        KEEP_ALL if never else RULE_CODES[rule.kind],
         int(rule.group == "max"),
         int(rule.kernel),
         int(rule.pooling == "max"),

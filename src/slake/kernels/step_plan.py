@@ -17,7 +17,8 @@ from slake.kernels import launch_cache
 from slake.kernels import launch_config as launch
 
 __all__ = [
-    "RULE_CODES", "LaunchPlan", "Run", "Scratch", "ScratchSpec", "launch_plan", "launch_runs", "scratch_specs",
+    "KEEP_ALL", "RULE_CODES", "LaunchPlan", "Run", "Scratch", "ScratchSpec", "launch_plan", "launch_runs",
+    "scratch_specs",
 ]  # fmt: skip
 
 #: :data:`slake.methods.decode_rule.RULE_KINDS` as the kernels' integer codes
@@ -32,6 +33,11 @@ RULE_CODES = {
     "key_diversity": 7,
     "expected_attention": 8,
 }
+#: the code of a layer that does not evict at decode (a target of -1 everywhere; no method's rule): the second
+#: kernel scores no slot and looks for no victim, so its cost, and the first kernel's (which then writes no logits),
+#: do not grow with the width of the row beyond the attention's reads, and rows wider than
+#: :data:`slake.cache.fused_step.MAX_FUSED_SLOTS` are taken
+KEEP_ALL = 9
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class LaunchPlan:
     S: int
     BW: int
     NB: int
+    logits: bool
     scratch: bool
     map_q: bool
     value_norm: bool
@@ -89,7 +96,8 @@ def launch_plan(
     # POOL_GATHER), the row's kept slots only, the new token apart: budget + 1 slots in pow2(budget) lanes
     pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
     apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
-    EW = launch.pow2(W - 1, 16) if apart else BW
+    keep_all = rule == KEEP_ALL
+    EW = 16 if keep_all else launch.pow2(W - 1, 16) if apart else BW
     split = min(split, BW)
     S = -(-W // split)
     BLOCK_N = min(64, split)
@@ -101,7 +109,7 @@ def launch_plan(
     map_q = rule == RULE_CODES["expected_attention"]
     append = dict(
         HAS_HV=bool(has_hv), MAP_Q=map_q, VNORM=bool(value_norm), FREE_BLOCK=min(BW, launch.FREE_BLOCK), MB=16,
-        HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), **common,
+        HAS_LINEAR=bool(has_linear), RB=launch.state_rows(d, S), LOGITS=not keep_all, **common,
     )  # fmt: skip
     if quant:
         # 8-bit rows dequantised into float32 tiles: with the loop software-pipelined (Triton's default stages) the
@@ -126,6 +134,7 @@ def launch_plan(
         S=S,
         BW=BW,
         NB=NB,
+        logits=not keep_all,
         # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order
         # (or the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off)
         scratch=bool((pools and not apart) or rule == RULE_CODES["key_diversity"]),
@@ -150,8 +159,9 @@ def launch_plan(
 
 class Scratch(NamedTuple):
     """A step's scratch buffers, written by one kernel and read by the next within the step (never across steps):
-    the logits ``x``, the pieces' softmax statistics ``stat`` and partial sums ``part``, the new token's slot
-    ``newslot``, and the buffers only some rules use (:func:`scratch_specs`), each ``x`` where unused."""
+    the logits ``x`` (one element, never written, for a layer that does not evict: :data:`KEEP_ALL`), the pieces'
+    softmax statistics ``stat`` and partial sums ``part``, the new token's slot ``newslot``, and the buffers only
+    some rules use (:func:`scratch_specs`), each ``x`` where unused."""
 
     x: torch.Tensor
     stat: torch.Tensor
@@ -183,7 +193,7 @@ def scratch_specs(p: LaunchPlan, R: int, Hq: int, H: int, W: int, d: int) -> tup
     f32 = torch.float32
     G, S = p.G, p.S
     return (
-        ((R, H, G, W), f32),
+        ((R, H, G, W), f32) if p.logits else ((1,), f32),
         ((R, H, G, S, 2), f32),
         ((R, H, S, G, d), f32),
         ((R, H), torch.int32),

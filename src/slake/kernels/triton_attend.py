@@ -52,7 +52,7 @@ def _append_logits_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, QUANT: tl.constexpr, LOW_DOT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_HV: tl.constexpr,
     MAP_Q: tl.constexpr, VNORM: tl.constexpr, FREE_BLOCK: tl.constexpr, MB: tl.constexpr,
-    HAS_LINEAR: tl.constexpr, RB: tl.constexpr,
+    HAS_LINEAR: tl.constexpr, RB: tl.constexpr, LOGITS: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -139,7 +139,7 @@ def _append_logits_kernel(
             m2n = tl.maximum(m2, tl.max(x2, 1))
             l2 = l2 * tl.exp(m2 - m2n) + tl.sum(tl.exp(x2 - m2n[:, None]), 1)
             m2 = m2n
-        else:
+        elif LOGITS:  # not for a layer that does not evict (step_plan.KEEP_ALL): nothing reads them
             tl.store(x_ptr + xbase + g[:, None] * W + s[None, :], x, mask=gmask[:, None] & ok[None, :])
         if VNORM:  # each slot's value norm ||v||_2, for the second kernel's rule
             vt = load_rows(

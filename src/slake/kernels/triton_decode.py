@@ -121,7 +121,12 @@ def _evict_attend_kernel(
     RANKED: tl.constexpr = RULE == 0 and POOL_K > 1 and not TWO_STAGE and POOL_GATHER and APART
     PLAIN: tl.constexpr = (RULE != 0 or POOL_K == 1) and not TWO_STAGE and APART
     HELD: tl.constexpr = HELD_ORDER and (SKIP & 1) == 0
-    if RANKED:
+    KEEP: tl.constexpr = RULE == 9  # step_plan.KEEP_ALL: a layer that does not evict at decode (a target of -1)
+    if KEEP:  # no score, no victim: the new slot made valid (the first kernel wrote its position and score 0)
+        victim = newslot
+        chosen = newslot < 0  # False
+        tl.store(valid_ptr + meta + newslot * m_ss, newslot >= 0)
+    elif RANKED:
         victim, chosen = pooled_eviction(
             pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, r, h, H, W, S,
             newslot, newest, window, first, sinks, target,
@@ -232,7 +237,7 @@ def _evict_attend_kernel(
         tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + D * a_sj, cnt2, mask=chosen)
-        for i0 in tl.static_range(0, DP if (SKIP & 2) == 0 else 0, LB):  # SKIP & 2: timing only, no fold
+        for i0 in tl.static_range(0, DP if (SKIP & 2) == 0 and not KEEP else 0, LB):  # SKIP & 2: timing, no fold
             ii = i0 + tl.arange(0, LB)
             imask = ii < D
             k_i = load_row(k_ptr, vb * k_sb + h * k_sh + vo * k_so, ii * k_sd, imask, ks_ptr, vs, QUANT)
@@ -375,13 +380,15 @@ def fused_step(
 
     ``flags``: ``[quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_kernel, pool_max,
     zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
-    held_order]`` (the kernels' constexprs). Tensors a flag turns off are passed as empty placeholders. The
-    metadata tensors ``(P, Hkv, >= width)`` share their strides: ``positions``, ``valid``, ``scores`` and, with
-    ``held_order``, ``order`` (int32: each row's slots in position order as the last step left them, read by the
-    positional pooling when it proves to hold, :func:`slake.kernels.triton_pooling.listed_lanes`; any content is
-    safe). ``query_map``: the ``(d, d)`` map of the ``expected_attention`` rule; ``weights`` ``(P, Hkv, >= width)``
-    and ``out_proj`` ``(hidden, Hq * d)``: the slot weights and the output projection of a two-stage rule (a third
-    kernel projects the new values); ``ratio``: the two stages' ratio."""
+    held_order]`` (the kernels' constexprs; ``rule`` a code of :data:`RULE_CODES`, or
+    :data:`~slake.kernels.step_plan.KEEP_ALL` for a layer that does not evict). Tensors a flag turns off are passed
+    as empty placeholders. The metadata tensors ``(P, Hkv, >= width)`` share their strides: ``positions``,
+    ``valid``, ``scores`` and, with ``held_order``, ``order`` (int32: each row's slots in position order as the last
+    step left them, read by the positional pooling when it proves to hold,
+    :func:`slake.kernels.triton_pooling.listed_lanes`; any content is safe). ``query_map``: the ``(d, d)`` map of
+    the ``expected_attention`` rule; ``weights`` ``(P, Hkv, >= width)`` and ``out_proj`` ``(hidden, Hq * d)``: the
+    slot weights and the output projection of a two-stage rule (a third kernel projects the new values); ``ratio``:
+    the two stages' ratio."""
     R, Hq, d = query.shape
     H = key.shape[1]
     W = int(width)
