@@ -5,14 +5,14 @@
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
 # PART: short | short2 | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
-#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | all
+#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | append-only | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 530) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|append-only|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 # every compilation of slake's kernels in this call, logged (slake.kernels.compile_log): the next build of Triton's
@@ -123,6 +123,14 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         # minutes with compiles (not timed on a GPU yet)
         "${bench[@]}" --random-model gemma3-4b --methods full,snapkv,slake --lengths 8192,32768 --compile \
             --out "$out/hybrid_compiled"
+        ;;
+    append-only)
+        # kvpress's protocol at long contexts: half of each prompt kept (--budget 0.5), SLAKE evicting at decode
+        # (rows of 16K and 32K slots, wider than the fused second kernel takes: the torch step, said in the rows'
+        # kernels field) and append-only (decode_eviction=false: the kernels of a layer that keeps every slot, any
+        # width), beside the full cache; eager, about 4 minutes (not timed on a GPU yet)
+        "${bench[@]}" --methods "full,slake,slake[decode_eviction=false]" --budget 0.5 --lengths 32768,65536 \
+            --decode-timing interleaved --out "$out/append_only"
         ;;
     kernels)
         # the fused step alone at the transformers rows' budget: batch 1 (rows split over programs) and 8, per layer
@@ -296,7 +304,7 @@ fi
 if [ "$part" = all ]; then
     status=0
     for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled kernel-parts kernel-tune \
-        pool-tune launch guards hybrid; do
+        pool-tune launch guards hybrid append-only; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status
