@@ -126,9 +126,9 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         ;;
     append-only)
         # kvpress's protocol at long contexts: half of each prompt kept (--budget 0.5), SLAKE evicting at decode
-        # (rows of 16K and 32K slots, wider than the fused second kernel takes: the torch step, said in the rows'
-        # kernels field) and append-only (decode_eviction=false: the kernels of a layer that keeps every slot, any
-        # width), beside the full cache; eager, about 4 minutes (not timed on a GPU yet)
+        # (rows of 16K and 32K slots, wider than the second kernel's vectors: read in blocks, triton_wide) and
+        # append-only (decode_eviction=false: the kernels of a layer that keeps every slot), beside the full cache;
+        # eager, about 4 minutes (not timed on a GPU yet)
         "${bench[@]}" --methods "full,slake,slake[decode_eviction=false]" --budget 0.5 --lengths 32768,65536 \
             --decode-timing interleaved --out "$out/append_only"
         ;;

@@ -43,6 +43,23 @@ def test_fused_kernels_give_the_torch_steps_tokens(method):
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
 
 
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "cake", "slake", "keydiff"])
+def test_rows_read_in_blocks_give_the_torch_steps_tokens(method, monkeypatch):
+    """Rows wider than the second kernel's vectors are read in blocks (``slake.kernels.triton_wide``); with the
+    threshold lowered to 16 slots and blocks of 16, the tiny model's rows take that form on the GPU (its barriers
+    between the blocks' reads and writes first met there): the torch step's tokens and kept counts."""
+    from slake.kernels import launch_config
+
+    monkeypatch.setattr(launch_config, "WIDE_SLOTS", 16)
+    monkeypatch.setattr(launch_config, "WIDE_BLOCK", 16)
+    model = tiny_model("llama-gqa", layers=2).cuda()
+    ref, ref_stats = _decode(model, method, 24, None, kernels="torch", static=False)
+    fused, stats = _decode(model, method, 24, None, kernels="triton", static=False)
+    assert stats["kernels"] == "triton"
+    assert torch.equal(fused, ref)
+    assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
+
+
 @pytest.mark.parametrize("method", ["snapkv", "slake", "criticalkv"])
 def test_cached_launches_give_the_tokens_of_launches_through_triton(method, monkeypatch):
     """On a GPU the fused kernels are launched through :mod:`slake.kernels.launch_cache` (Triton binds a launch's

@@ -509,6 +509,23 @@ def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, spl
         _assert_order_held(fused.order[:, :3], fused.positions[:, :3], fused.valid[:, :3])
 
 
+@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "keydiff", "expected-attention"])
+def test_the_pools_wide_rows_are_read_in_blocks(name, wide_rows):
+    """The vLLM pool's rows of 25 slots in blocks of 16 (``wide_rows``): the torch pool step's outputs, slots and
+    scores, and for the pooled rules each row's order left as the narrow form leaves it (the rows' order buffers
+    hold another request's or nothing at first: each row's first step lists its slots in slot order)."""
+    ref, ref_cache, ref_out = _pool_run(name, "torch", FlashAttnLayout(), True)
+    fused, cache, out = _pool_run(name, "triton", FlashAttnLayout(), True)
+    assert fused.report.summary() == "triton"
+    for a, b in zip(ref_out, out, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref.valid, fused.valid) and torch.equal(ref.positions, fused.positions)
+    torch.testing.assert_close(fused.scores, ref.scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref_cache, cache)
+    if fused.order is not None:
+        _assert_order_held(fused.order[:, :3], fused.positions[:, :3], fused.valid[:, :3])
+
+
 # ---------------------------------------------------------------------------------------------- launches
 class _Launches(TorchDispatchMode):
     """Counts the torch operations that launch work (not views, not allocations); the fused op itself is counted
@@ -692,31 +709,73 @@ def test_a_layer_that_does_not_evict_but_keeps_a_linear_state_or_hidden_slots_ru
         assert torch.equal(k, s.valid.sum(-1) + 4)
 
 
-def test_a_layer_that_does_not_evict_takes_the_kernels_at_any_width(monkeypatch):
-    """Rows wider than ``MAX_FUSED_SLOTS`` (a row's scores are one vector of the second kernel) run the torch step
-    where a layer evicts at decode, and say so; a layer that does not evict holds no such vector (``KEEP_ALL``), so
-    its wide rows run the kernels: SLAKE compressed at prefill to a budget of 32K and decoded append-only (kvpress's
-    protocol at 64K) was the torch step on a GPU. The limit lowered to 16 here, then rows truly wider than it (grown
-    by that much at the first token, mostly empty)."""
-    from slake.cache import fused_step
+@pytest.fixture
+def wide_rows(monkeypatch):
+    """Rows of more than 16 slots read in blocks of 16 (``launch_config.WIDE_SLOTS``, ``WIDE_BLOCK``), as a GPU reads
+    rows of more than 16,384 slots in blocks of 1,024: so that the tests' rows of 17 to 60 slots take the blockwise
+    form, over several blocks."""
+    monkeypatch.setattr(launch_config, "WIDE_SLOTS", 16)
+    monkeypatch.setattr(launch_config, "WIDE_BLOCK", 16)
 
-    monkeypatch.setattr(fused_step, "MAX_FUSED_SLOTS", 16)
-    evicting, _ = _run(_method("slake"), "triton", steps=2, layers=1)
-    assert evicting.decoder.report.steps == {"torch": 2}
-    assert "rows wider than 16 slots" in evicting.decoder.report.summary()
-    method = _method("slake[decode_eviction=false]")
-    ref, ref_out = _run(method, "torch", steps=2)
-    fused, fused_out = _run(method, "triton", steps=2)
-    assert fused.layers[0].valid.shape[-1] > 16
+
+@pytest.mark.parametrize("name", [n for n in FUSED if make_method(n).fused_rule().two_stage is None])
+def test_rows_wider_than_the_kernels_vectors_are_read_in_blocks(name, wide_rows, split_rows):
+    """Rows wider than the second kernel's vectors take (a budget of 16K or more, e.g. half of a 64K prompt) ran the
+    torch step; the blockwise form (``slake.kernels.triton_wide``) computes every rule's scores, victims and
+    bookkeeping over the row in blocks, the pooled rules' order by position read from the row's order buffer (the
+    prefill's slot order at the first step, the previous step's after it). The padded batch of
+    ``test_fused_step_equals_the_torch_step_for_every_method``, random keys and values in empty slots, rows of 17 to
+    24 slots in blocks of 16: the torch step's slots, scores, outputs and linear state."""
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", garbage=True, steps=4)
+    fused, fused_out = _run(method, "triton", garbage=True, steps=4)
+    assert any(s.valid.shape[-1] > 16 for s in fused.layers)  # per-layer budgets: some rows narrower
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
-    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("name", ["snapkv", "slake", "cake"])
+def test_a_wide_rows_order_is_made_anew_when_it_does_not_hold(name, wide_rows):
+    """The blockwise form trusts the row's order buffer only when it proves to be the order by position; a buffer
+    scrambled before a step (neither the previous step's order nor the prefill's slot order) has each slot's rank
+    counted anew: the torch step's slots and scores. Meddled before the second step: the valid slots' positions
+    permuted within each row, the order buffer zeroed."""
+
+    def scramble(eng):
+        for st in eng.layers:
+            perm = torch.randperm(st.positions.shape[-1], generator=torch.Generator().manual_seed(3))
+            for t in (st.positions, st.valid, st.keys, st.values, st.scores):
+                t.copy_(t[:, :, perm].clone())
+            if st._order is not None:
+                st._order.zero_()
+
+    method = _method(name)
+    ref, ref_out = _run(method, "torch", steps=4, meddle=(1, scramble))
+    fused, fused_out = _run(method, "triton", steps=4, meddle=(1, scramble))
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+def test_a_two_stage_rule_keeps_the_torch_step_for_wide_rows(wide_rows, caplog):
+    """CriticalKV's two stages rank a row's slots twice: rows wider than the kernels' vectors keep the torch step,
+    and say so."""
+    with caplog.at_level("WARNING", logger="slake.kernels"):
+        eng, _ = _run(_method("criticalkv"), "triton", steps=2, layers=1)
+    assert eng.decoder.report.steps == {"torch": 2}
+    assert "rows wider than 16 slots under a two-stage rule" in eng.decoder.report.summary()
+
+
+def test_a_layer_that_does_not_evict_takes_the_kernels_at_any_width(monkeypatch):
+    """A layer that does not evict holds no row in the second kernel's vectors (``KEEP_ALL``), so rows of any width
+    run its plain form: SLAKE compressed at prefill to a budget of 32K and decoded append-only (kvpress's protocol at
+    64K) ran the torch step on a GPU. Rows truly wider than ``WIDE_SLOTS`` (grown by that much at the first token,
+    mostly empty)."""
     from slake.cache import decoding
 
-    monkeypatch.setattr(decoding, "_GROWTH", fused_step.MAX_FUSED_SLOTS + 100)  # the first append widens the rows
+    method = _method("slake[decode_eviction=false]")
+    monkeypatch.setattr(decoding, "_GROWTH", launch_config.WIDE_SLOTS + 100)  # the first append widens the rows
     kwargs = dict(B=1, H=1, G=2, steps=2, layers=1)
     ref, ref_out = _run(method, "torch", **kwargs)
     fused, fused_out = _run(method, "triton", **kwargs)
-    assert fused.layers[0].valid.shape[-1] > fused_step.MAX_FUSED_SLOTS
+    assert fused.layers[0].valid.shape[-1] > launch_config.WIDE_SLOTS
     assert fused.layers[0].linear is not None
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 

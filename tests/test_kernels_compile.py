@@ -196,6 +196,28 @@ def test_the_second_kernel_compiles_with_the_launch_constants_kernel_tune_tries(
         assert r["compiled"][1]["warps"] == 16, r
 
 
+#: one case per family of decode rule in the blockwise form of wide rows (``slake.kernels.triton_wide``): pooled with
+#: its order (SLAKE, CAKE's window), accumulated over int8 rows, sharpened, the layer's mean, key diversity, mapped
+#: queries, pinned recency with per-head visibility, SLAKE in float32
+WIDE_CASES = {
+    "slake@bfloat16": 2, "cake@bfloat16": 2, "h2o@int8": 2, "ahakv@bfloat16": 2, "tova@bfloat16": 2,
+    "keydiff@bfloat16": 2, "ada-expected-attention@bfloat16": 2, "sagekv": 2, "slake": 2,
+}  # fmt: skip
+
+
+@pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
+def test_the_blockwise_form_of_wide_rows_compiles_for_an_h100():
+    """Rows wider than ``WIDE_SLOTS`` (16,384) are read in blocks of ``WIDE_BLOCK`` (1,024) slots: lowered to 512 here
+    so that Llama-3-8B's rows of 1,025 slots take that form, which compiles as it would for a budget of 32K (the
+    width is specialized only on its divisibility by 16). Every rule family compiles for an H100 within its shared
+    memory and without spilling, with 8 warps per program."""
+    for r in _compile(WIDE_CASES, "--tune", "WIDE_SLOTS=512,WIDE_BLOCK=1024"):
+        assert [k["kernel"] for k in r["compiled"]] == ["_append_logits_kernel", "_evict_attend_kernel"], r
+        wide = r["compiled"][1]
+        assert wide["binary"] and wide["shared"] <= H100_SHARED and wide["warps"] == 8, r
+        assert wide["spill_stores"] + wide["spill_loads"] == 0, r
+
+
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_the_dense_attention_compiles_for_an_h100():
     """The full cache's masked step over a static store of 128K slots (``slake.kernels.triton_dense``, two kernels)

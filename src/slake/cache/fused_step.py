@@ -15,20 +15,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
+from slake.kernels import launch_config
 from slake.kernels.device_support import half_precision_products, quant_code
 from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
 __all__ = [
-    "MAX_FUSED_SLOTS", "KVMemory", "KernelReport", "fused_arguments", "fused_decode_step", "half_precision_dots",
+    "KVMemory", "KernelReport", "fused_arguments", "fused_decode_step", "half_precision_dots",
     "keeps_order", "run_step",
 ]  # fmt: skip
 
 logger = logging.getLogger("slake.kernels")
-
-#: the most slots per row the fused step takes in a layer that evicts at decode (a row's scores are one vector of
-#: a program; wider rows, e.g. a budget of 32K, run the torch step); a layer that does not evict takes any width
-MAX_FUSED_SLOTS = 16384
 
 #: the storages the kernels read (:func:`slake.kernels.device_support.quant_code` gives their ``QUANT``)
 _QUANT_STORAGE = (None, "int8", "fp8_e4m3")
@@ -88,8 +85,11 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return "an eviction across a layer's KV heads (decode_scope=layer)"
     if mem is None:
         return "a storage layout the kernels do not address"
-    if mem.width > MAX_FUSED_SLOTS and slots.target is not None:  # a layer that evicts nothing holds no row vector
-        return f"rows wider than {MAX_FUSED_SLOTS} slots"
+    if mem.width > launch_config.WIDE_SLOTS and slots.target is not None:  # read in blocks (triton_wide), but
+        if rule.two_stage is not None:
+            return f"rows wider than {launch_config.WIDE_SLOTS} slots under a two-stage rule"
+        if rule.kind == "pooled_attention" and rule.kernel > 1 and slots.order is None:
+            return f"rows wider than {launch_config.WIDE_SLOTS} slots without their order by position"
     if mem.quant not in _QUANT_STORAGE:
         return f"{mem.quant} storage"
     if slots.linear is not None and slots.linear.dtype != torch.float32:

@@ -15,9 +15,9 @@ import struct
 from collections.abc import Iterator
 
 __all__ = [
-    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "HELD_STEP", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK",
+    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "RANK_TILE", "HELD_STEP", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK",
     "RECOMPUTE_BLOCK", "HELD_ORDER", "NEW_TOKEN_APART", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE",
-    "UNSPECIALIZED", "WIDE_ROW", "WIDE_WARPS",
+    "UNSPECIALIZED", "WIDE_BLOCK", "WIDE_ROW", "WIDE_SLOTS", "WIDE_WARPS",
     "evict_registers", "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size",
     "settings", "state_rows", "tuned",
 ]  # fmt: skip
@@ -58,6 +58,15 @@ COMBINE = 4
 WIDE_ROW = 1024
 #: the second kernel's warps per program for those rows
 WIDE_WARPS = 8
+#: the most slots per row the second kernel holds in its vectors (a row's scores are one vector of a program, the
+#: positional pooling sorts it in registers); the rows of a layer that evicts at decode wider than this (a budget of
+#: 16K or more: a ratio of a long prompt) are read in blocks of :data:`WIDE_BLOCK` slots
+#: (:mod:`slake.kernels.triton_wide`), with every rule but CriticalKV's two stages
+WIDE_SLOTS = 16384
+#: slots per block of the second kernel's blockwise form, for rows wider than :data:`WIDE_SLOTS` (a power of two)
+WIDE_BLOCK = 1024
+#: slots per side of the tiles in which that form counts each slot's rank when the row's order must be made anew
+RANK_TILE = 64
 #: slots per block when the second kernel sums the victim's piece again (SLAKE): its float32 values tile is
 #: ``RECOMPUTE_BLOCK x d``; at 64 x 128 it took 64 registers a thread at 4 warps, and the kernel spilled at the vLLM
 #: pool's shape (8 rows, budget 128; ``tests/test_kernels_compile.py``). 32 until 2026-11-28: compiled with the
@@ -94,7 +103,7 @@ def leaving_out(*parts: str) -> Iterator[None]:
 #: the launch constants :func:`tuned` may change (each is read when a step is launched)
 TUNABLE = (
     "COMBINE", "RECOMPUTE_BLOCK", "WIDE_ROW", "WIDE_WARPS", "TARGET_PROGRAMS", "MIN_SPLIT", "SHORT_KEYS", "POOL_GATHER",
-    "HELD_ORDER", "NEW_TOKEN_APART",
+    "HELD_ORDER", "NEW_TOKEN_APART", "WIDE_SLOTS", "WIDE_BLOCK",
 )  # fmt: skip
 
 
@@ -106,9 +115,9 @@ def tuned(**values: int) -> Iterator[None]:
     """Within the block, the fused steps launched use other values of the launch constants named in
     :data:`TUNABLE` (``python -m benchmarks kernel-tune`` times the alternatives on a GPU); the step computes the
     same thing with any of them. Values are checked: ``COMBINE`` and ``TARGET_PROGRAMS`` positive, ``WIDE_WARPS``
-    4, 8 or 16, the switches ``SHORT_KEYS``, ``POOL_GATHER``, ``HELD_ORDER`` and ``NEW_TOKEN_APART`` 0 or 1, the
-    others powers of two
-    of at least 16 (a ``tl.dot`` operand's smallest width). Restores the previous values on exit."""
+    4, 8 or 16, the switches ``SHORT_KEYS``, ``POOL_GATHER``, ``HELD_ORDER`` and ``NEW_TOKEN_APART`` 0 or 1,
+    ``WIDE_SLOTS`` any positive width, the others powers of two of at least 16 (a ``tl.dot`` operand's smallest
+    width). Restores the previous values on exit."""
     unknown = set(values) - set(TUNABLE)
     if unknown:
         raise ValueError(f"unknown launch constants {sorted(unknown)}; tunable: {list(TUNABLE)}")
@@ -121,7 +130,7 @@ def tuned(**values: int) -> Iterator[None]:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if name == "WIDE_WARPS" and v not in (4, 8, 16):
             raise ValueError(f"WIDE_WARPS must be 4, 8 or 16, got {v}")
-        if name in ("RECOMPUTE_BLOCK", "WIDE_ROW", "MIN_SPLIT") and (v < 16 or v & (v - 1)):
+        if name in ("RECOMPUTE_BLOCK", "WIDE_ROW", "MIN_SPLIT", "WIDE_BLOCK") and (v < 16 or v & (v - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     here = globals()
     before = {name: here[name] for name in values}
@@ -235,7 +244,7 @@ def settings() -> tuple:
     step."""
     return (
         FREE_BLOCK, COMBINE, RECOMPUTE_BLOCK, WIDE_ROW, WIDE_WARPS, PROJECTION_BLOCK, SHORT_KEYS, POOL_GATHER,
-        HELD_ORDER, NEW_TOKEN_APART, _left_out,
+        HELD_ORDER, NEW_TOKEN_APART, WIDE_SLOTS, WIDE_BLOCK, RANK_TILE, _left_out,
     )  # fmt: skip
 
 

@@ -36,7 +36,7 @@ RULE_CODES = {
 #: the code of a layer that does not evict at decode (a target of -1 everywhere; no method's rule): the second
 #: kernel scores no slot and looks for no victim, so its cost, and the first kernel's (which then writes no logits),
 #: do not grow with the width of the row beyond the attention's reads, and rows wider than
-#: :data:`slake.cache.fused_step.MAX_FUSED_SLOTS` are taken
+#: :data:`slake.kernels.launch_config.WIDE_SLOTS` are taken
 KEEP_ALL = 9
 
 
@@ -97,7 +97,10 @@ def launch_plan(
     pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
     apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
     keep_all = rule == KEEP_ALL
-    EW = 16 if keep_all else launch.pow2(W - 1, 16) if apart else BW
+    # rows wider than the second kernel's vectors take (a layer that evicts at decode; not two stages, which the
+    # engines keep on the torch step there): read in blocks (triton_wide), the row's scratch buffer 2 BW floats
+    wide = not keep_all and not two_stage and W > launch.WIDE_SLOTS
+    EW = 16 if keep_all else BW if wide else launch.pow2(W - 1, 16) if apart else BW
     split = min(split, BW)
     S = -(-W // split)
     BLOCK_N = min(64, split)
@@ -125,8 +128,10 @@ def launch_plan(
         VNORM=bool(value_norm), TWO_STAGE=bool(two_stage), NBP=launch.pow2(NB), GEN_FIRST=bool(generated_first),
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
         KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
-        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart,
-        num_warps=launch.evict_warps(EW), maxnreg=launch.evict_registers(EW),
+        HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart, WIDE=wide, WB=min(launch.WIDE_BLOCK, BW),
+        RB=min(launch.RANK_TILE, BW),
+        num_warps=launch.evict_warps(max(EW, launch.WIDE_ROW) if wide else EW),  # wide: as the widest vectors
+        maxnreg=launch.evict_registers(max(EW, launch.WIDE_ROW) if wide else EW),
         **{**common, "LOW_DOT": False},
     )  # fmt: skip
     made = LaunchPlan(
@@ -136,8 +141,9 @@ def launch_plan(
         NB=NB,
         logits=not keep_all,
         # row buffers: KeyDiff's, and the pooling's when CriticalKV's two stages need the pooled scores in slot order
-        # (or the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off)
-        scratch=bool((pools and not apart) or rule == RULE_CODES["key_diversity"]),
+        # (or the pooling goes through memory, POOL_GATHER off, or runs in slot order, NEW_TOKEN_APART off), and a
+        # wide row's (its ranked signals)
+        scratch=bool((pools and not apart) or rule == RULE_CODES["key_diversity"] or wide),
         map_q=map_q,
         value_norm=bool(value_norm),
         two_stage=bool(two_stage),

@@ -70,6 +70,7 @@ from slake.kernels.triton_rules import (
     two_stage,
 )
 from slake.kernels.triton_slots import load_queries, load_row
+from slake.kernels.triton_wide import wide_eviction
 
 __all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
 
@@ -99,7 +100,8 @@ def _evict_attend_kernel(
     PROTECT_WINDOW: tl.constexpr, EVICT_FIRST: tl.constexpr, ADVANCE: tl.constexpr,
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
     COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr, KEY_SPAN: tl.constexpr,
-    POOL_GATHER: tl.constexpr, HELD_ORDER: tl.constexpr, APART: tl.constexpr,
+    POOL_GATHER: tl.constexpr, HELD_ORDER: tl.constexpr, APART: tl.constexpr, WIDE: tl.constexpr,
+    WB: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -126,6 +128,14 @@ def _evict_attend_kernel(
         victim = newslot
         chosen = newslot < 0  # False
         tl.store(valid_ptr + meta + newslot * m_ss, newslot >= 0)
+    elif WIDE:  # rows wider than launch_config.WIDE_SLOTS: read in blocks of WB slots (triton_wide)
+        victim, chosen = wide_eviction(
+            k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+            pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, estat_ptr, norm_ptr, pool_ptr,
+            plen_ptr, budget_ptr, r, h, mr, H, W, S, newslot, newest, window, first, sinks, target, pinned, epsilon,
+            G, GC, SP, BW, D, DP, LB, QUANT, RULE, GROUP_MAX, POOL_K, POOL_MAX, ZERO_WINDOW, GAIN_FLOOR,
+            PROTECT_WINDOW, VNORM, GEN_FIRST, HELD, WB, RB,
+        )  # fmt: skip
     elif RANKED:
         victim, chosen = pooled_eviction(
             pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, r, h, H, W, S,

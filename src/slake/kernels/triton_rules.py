@@ -12,7 +12,10 @@ import triton.language as tl
 from slake.kernels import launch_config as launch
 from slake.kernels.triton_slots import block_keys, load_row
 
-__all__ = ["head_signal", "key_diversity", "lane_signal", "row_stats", "rule_score", "sharpening_gain", "two_stage"]
+__all__ = [
+    "head_signal", "key_cosines", "key_diversity", "lane_signal", "row_stats", "rule_score", "sharpening_gain",
+    "two_stage",
+]  # fmt: skip
 
 
 @triton.jit
@@ -131,16 +134,13 @@ def lane_signal(x_ptr, stat_ptr, r, hh, H, W, S, lslot, lmask, newslot, c, G: tl
 
 
 @triton.jit
-def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
-                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, idx, imask, valid, count,
-                   D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
-                   QUANT: tl.constexpr):  # fmt: skip
-    """KeyDiff's decode score (:func:`slake.methods.keydiff.keydiff_scores`) of the slots ``idx`` (``(BW,)``, where
-    ``imask``; ``valid`` whether each is held) and of the new token (slot ``newslot``): ``(scores, new)``. The
-    anchor is the mean of the row's ``count`` held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), a
-    slot's score minus its key's cosine to it (``F.cosine_similarity``: ``k . a / (max(|k|, 1e-8) max(|a|,
-    1e-8))``), 0 where the slot is empty. Two passes over the row's ``W`` keys, ``LB`` slots at a time; the cosines
-    go through the row's scratch buffer (``2 BW`` floats, of which the first ``W``)."""
+def key_cosines(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                valid_ptr, meta, m_ss, base, r, h, W, newslot, count,
+                D: tl.constexpr, DP: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """KeyDiff's cosine of every slot's key to the anchor, written to ``base[0 .. W)`` (the row's scratch buffer). The
+    anchor is the mean of the row's ``count`` held slots' unit keys (``F.normalize``: ``k / max(|k|, 1e-12)``), the
+    cosine ``F.cosine_similarity``'s: ``k . a / (max(|k|, 1e-8) max(|a|, 1e-8))``. Two passes over the row's keys,
+    ``LB`` slots at a time, and a barrier: the buffer is read by the program's other threads after it."""
     dd = tl.arange(0, DP)
     dmask = dd < D
     anchor = tl.zeros([DP], tl.float32)
@@ -154,7 +154,6 @@ def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         anchor += tl.sum(tl.where(held[:, None], unit, 0.0), 0)
     anchor = anchor / tl.maximum(count.to(tl.float32), 1.0)
     anorm = tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-8)
-    base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
     for s0 in range(0, W, LB):
         s = s0 + tl.arange(0, LB)
         ok = s < W
@@ -163,6 +162,20 @@ def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         knorm = tl.maximum(tl.sqrt(tl.sum(kt * kt, 1)), 1e-8)
         tl.store(base + s, tl.sum(kt * anchor[None, :], 1) / (knorm * anorm), mask=ok)
     tl.debug_barrier()
+
+
+@triton.jit
+def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                   valid_ptr, meta, m_ss, pool_ptr, r, h, H, W, newslot, idx, imask, valid, count,
+                   D: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr,
+                   QUANT: tl.constexpr):  # fmt: skip
+    """KeyDiff's decode score (:func:`slake.methods.keydiff.keydiff_scores`) of the slots ``idx`` (``(BW,)``, where
+    ``imask``; ``valid`` whether each is held) and of the new token (slot ``newslot``): ``(scores, new)``, minus each
+    slot's key's cosine to the anchor (:func:`key_cosines`), 0 where the slot is empty. The cosines go through the
+    row's scratch buffer (``2 BW`` floats, of which the first ``W``)."""
+    base = pool_ptr + (r * H + h).to(tl.int64) * 2 * BW
+    key_cosines(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
+                valid_ptr, meta, m_ss, base, r, h, W, newslot, count, D, DP, LB, QUANT)  # fmt: skip
     return tl.where(valid, -tl.load(base + idx, mask=imask, other=0.0), 0.0), -tl.load(base + newslot)
 
 
