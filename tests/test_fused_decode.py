@@ -733,6 +733,19 @@ def test_rows_wider_than_the_kernels_vectors_are_read_in_blocks(name, wide_rows,
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
+def test_a_row_truly_wider_than_the_kernels_vectors_takes_the_blockwise_form():
+    """The launch constants as a GPU runs them (``WIDE_SLOTS`` 16,384, blocks of 1,024): SLAKE at a budget of 16,584
+    over a prompt of 16,684 tokens (one KV head, two steps), the torch step's slots, scores, outputs and linear
+    state."""
+    width = launch_config.WIDE_SLOTS
+    kwargs = dict(B=1, H=1, G=2, S=width + 300, budget=width + 200, steps=2, layers=1, pad=False)
+    method = _method("slake")
+    ref, ref_out = _run(method, "torch", **kwargs)
+    fused, fused_out = _run(method, "triton", **kwargs)
+    assert fused.layers[0].valid.shape[-1] > width
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
 @pytest.mark.parametrize("name", ["snapkv", "slake", "cake"])
 def test_a_wide_rows_order_is_made_anew_when_it_does_not_hold(name, wide_rows):
     """The blockwise form trusts the row's order buffer only when it proves to be the order by position; a buffer
