@@ -241,15 +241,18 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
             best = tl.minimum(best, low)
             tl.store(score_ptr + meta + slot * m_ss, pooled, mask=ok)
         # 4. the empty slots' scores: they rank after every valid slot, in slot order (as a sort of the row ranks
-        # them), the e-th empty one at count + e
-        carry = tl.sum(tl.zeros([WB], tl.int32), 0)
-        for s0 in range(0, W, WB):
-            s = s0 + tl.arange(0, WB)
-            empty = (s < W) & (tl.load(valid_ptr + meta + s * m_ss, mask=s < W, other=1) == 0) & (s != newslot)
-            e = empty.to(tl.int32)
-            rank = count + carry + tl.cumsum(e, 0) - e
-            tl.store(score_ptr + meta + s * m_ss, _pooled_at(base, rank, count, W, POOL_K, POOL_MAX), mask=empty)
-            carry += tl.sum(e, 0)
+        # them), the e-th empty one at count + e (a row full to its width, every row of a uniform layer at batch 1,
+        # has none)
+        if count < W:
+            carry = tl.sum(tl.zeros([WB], tl.int32), 0)
+            for s0 in range(0, W, WB):
+                s = s0 + tl.arange(0, WB)
+                empty = (s < W) & (tl.load(valid_ptr + meta + s * m_ss, mask=s < W, other=1) == 0) & (s != newslot)
+                e = empty.to(tl.int32)
+                rank = count + carry + tl.cumsum(e, 0) - e
+                pooled = _pooled_at(base, rank, count, W, POOL_K, POOL_MAX)
+                tl.store(score_ptr + meta + s * m_ss, pooled, mask=empty)
+                carry += tl.sum(e, 0)
     else:
         if RULE == 7:  # KeyDiff: the cosines of the row's keys to their anchor, into the scratch buffer
             key_cosines(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
