@@ -9,7 +9,7 @@
   budget), budgets, steps (2 to 9), dtypes (float32, bfloat16, float16) and 8-bit storage (int8, fp8 e4m3), a third
   of them with the rows read in blocks (the form of rows wider than 16,384 slots, ``slake.kernels.triton_wide``);
 * ``pool``: the vLLM pool's step (:class:`slake.engines.vllm.plugin.decode_pool.DecodePool`) for every method the
-  plugin supports, both paged layouts, block sizes 4 to 16;
+  plugin supports, both paged layouts, block sizes 4 to 16, a third of them with the rows read in blocks;
 * ``dense``: the full cache's masked attention split over the keys (:mod:`slake.kernels.triton_dense`) against SDPA
   with the validity as its mask, rows of 1 to 700 slots, head sizes 8 to 96, random validity.
 
@@ -99,11 +99,13 @@ def pool_case(r: random.Random, seed: int) -> tuple[str, dict]:
     return r.choice(names), dict(
         BS=r.choice([4, 8, 16]), H=r.choice([1, 2, 3]), G=r.choice([1, 2, 3, 7]), D=r.choice([8, 12, 16, 24, 40]),
         BUDGET=r.choice([12, 24, 30]), flash=r.choice([True, False]),
+        wide=None if step_tests._method(name).fused_rule().two_stage is not None else r.choice([None, None, 8, 16]),
     )  # fmt: skip
 
 
 def run_pool(name: str, opts: dict) -> str:
     from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout
+    from slake.kernels import launch_config
 
     shape = {k: opts[k] for k in ("BS", "H", "G", "D", "BUDGET")}
     saved = {k: getattr(step_tests, k) for k in shape}
@@ -112,7 +114,9 @@ def run_pool(name: str, opts: dict) -> str:
     try:
         layout = FlashAttnLayout() if opts["flash"] else CpuAttnLayout()
         ref, ref_cache, ref_out = step_tests._pool_run(name, "torch", layout, opts["flash"])
-        fused, cache, out = step_tests._pool_run(name, "triton", layout, opts["flash"])
+        wide = opts.get("wide")  # rows read in blocks of 16 (a third of the cases)
+        with launch_config.tuned(WIDE_SLOTS=wide, WIDE_BLOCK=16) if wide else launch_config.tuned():
+            fused, cache, out = step_tests._pool_run(name, "triton", layout, opts["flash"])
     finally:
         for k, v in saved.items():
             setattr(step_tests, k, v)

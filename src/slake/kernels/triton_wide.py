@@ -300,6 +300,9 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
     victim = tl.where(best == float("inf"), 0, vslot)
     victim_valid = (victim == newslot) | (tl.load(valid_ptr + meta + victim * m_ss) != 0)
     chosen = (count > target) & (target >= 0) & victim_valid
+    # after every thread's store of the blocks' scores: the victim's, written by whichever thread held its block,
+    # would otherwise race this one
+    tl.debug_barrier()
     tl.store(score_ptr + meta + victim * m_ss, float("-inf"), mask=chosen)
     if RULE == 0 and POOL_K > 1:
         # 5. the order of the row's next step: this one's without the victim, one block at a time (each block's
