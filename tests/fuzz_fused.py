@@ -96,7 +96,8 @@ def pool_case(r: random.Random, seed: int) -> tuple[str, dict]:
     from slake.engines.vllm.plugin.config import SUPPORTED_METHODS
 
     names = [n for n in step_tests.FUSED if n in SUPPORTED_METHODS]
-    return r.choice(names), dict(
+    name = r.choice(names)
+    return name, dict(
         BS=r.choice([4, 8, 16]), H=r.choice([1, 2, 3]), G=r.choice([1, 2, 3, 7]), D=r.choice([8, 12, 16, 24, 40]),
         BUDGET=r.choice([12, 24, 30]), flash=r.choice([True, False]),
         wide=None if step_tests._method(name).fused_rule().two_stage is not None else r.choice([None, None, 8, 16]),
