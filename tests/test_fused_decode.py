@@ -878,13 +878,21 @@ def test_the_slots_order_is_kept_where_the_kernels_read_it_and_counted_as_memory
         fused.decode_attention(0, torch.randn(2, 4, 1, 16, device=DEVICE), 0.25)
 
 
-@pytest.mark.parametrize("name", ["slake", "criticalkv", "expected-attention"])
-def test_torch_compile_captures_the_fused_step_as_one_operator(name):
+@pytest.mark.parametrize(
+    "name, wide",
+    [("slake", False), ("criticalkv", False), ("expected-attention", False), ("slake", True), ("h2o", True),
+     ("slake[decode_eviction=false]", False)],
+)  # fmt: skip
+def test_torch_compile_captures_the_fused_step_as_one_operator(name, wide, monkeypatch):
     """A static cache's decode step with the fused kernels compiles to one graph (``fullgraph=True``): the kernels
     are one opaque operator with declared mutations, so nothing breaks the graph; the compiled step (run through
     ``aot_eager``, which executes the operator, here in Triton's interpreter) equals the torch step and advances the
     layer's position counter. CriticalKV's kept weights and Expected Attention's per-layer map are made before the
-    first captured step."""
+    first captured step. ``wide``: the rows read in blocks (``WIDE_SLOTS`` lowered to 16); and a layer that keeps
+    every slot (append-only)."""
+    if wide:
+        monkeypatch.setattr(launch_config, "WIDE_SLOTS", 16)
+        monkeypatch.setattr(launch_config, "WIDE_BLOCK", 16)
     B, H, G, D, S = 2, 2, 2, 16, 40
 
     def build(kernels):
