@@ -15,7 +15,7 @@ import struct
 from collections.abc import Iterator
 
 __all__ = [
-    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "RANK_TILE", "HELD_STEP", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK",
+    "CACHED_LAUNCH", "COMBINE", "FREE_BLOCK", "HELD_STEP", "MIN_SPLIT", "POOL_GATHER", "PROJECTION_BLOCK", "RANK_TILE",
     "RECOMPUTE_BLOCK", "HELD_ORDER", "NEW_TOKEN_APART", "SHORT_KEYS", "SKIP_PARTS", "TARGET_PROGRAMS", "TUNABLE",
     "UNSPECIALIZED", "WIDE_BLOCK", "WIDE_ROW", "WIDE_SLOTS", "WIDE_WARPS",
     "evict_registers", "evict_warps", "key_span", "leaving_out", "left_out", "pow2", "ratio_parts", "split_size",
