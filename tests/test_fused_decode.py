@@ -386,6 +386,24 @@ def _assert_order_held(order: torch.Tensor, positions: torch.Tensor, valid: torc
         assert torch.equal(o[: want.numel()].long().cpu(), want.cpu()), (o, p, v)
 
 
+def test_a_reordered_or_repeated_batch_keeps_each_rows_order_of_slots():
+    """Beam search reorders a batch's rows (``select_batch``) and ``num_return_sequences`` repeats them
+    (``repeat_batch``): each row's order of slots moves with its slots, so the next step finds it holding. It stayed
+    in place, so that every row read another's order: a sort per row in the narrow form, and in the blockwise form of
+    wide rows, whose slots after some steps are not in position order, each slot's rank counted against every other
+    (``slake.kernels.triton_wide``)."""
+    eng, _ = _run(_method("slake"), "triton", steps=3)
+    st = eng.layers[0]
+    before = st.kernel_order().clone()
+    _assert_order_held(before, st.positions, st.valid)
+    st.select_batch(torch.tensor([1, 0]))
+    assert torch.equal(st.kernel_order(), before[[1, 0]])
+    _assert_order_held(st.kernel_order(), st.positions, st.valid)
+    st.repeat_batch(2)
+    assert torch.equal(st.kernel_order(), before[[1, 1, 0, 0]])
+    _assert_order_held(st.kernel_order(), st.positions, st.valid)
+
+
 def test_the_two_stages_count_their_first_stage_in_float64():
     """Rows of 10 held slots at ratio 0.7: ``floor(10 * 0.7)`` is 7 in float64, as the torch rule computes it, and
     6 with the ratio rounded to float32 (a kernel's float argument is float32)."""

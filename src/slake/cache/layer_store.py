@@ -466,6 +466,8 @@ class LayerStore:
             self.head_visible = self.head_visible.index_select(0, index.to(self.keys.device))
         if self.weights is not None:
             self.weights = self.weights.index_select(0, index.to(self.keys.device))
+        if self._order is not None:  # each row's order moves with its slots (else the kernels rank them anew)
+            self._order = self._order.index_select(0, index.to(self.keys.device))
         if self.linear is not None:
             self.linear.select_batch(index)
 
@@ -477,6 +479,8 @@ class LayerStore:
             self.head_visible = self.head_visible.repeat_interleave(repeats, dim=0)
         if self.weights is not None:
             self.weights = self.weights.repeat_interleave(repeats, dim=0)
+        if self._order is not None:
+            self._order = self._order.repeat_interleave(repeats, dim=0)
         if self.linear is not None:
             self.linear.repeat_interleave(repeats)
 
