@@ -69,7 +69,7 @@ from slake.kernels.triton_rules import (
     sharpening_gain,
     two_stage,
 )
-from slake.kernels.triton_slots import load_queries, load_row
+from slake.kernels.triton_slots import load_queries, load_row, slot_guard
 from slake.kernels.triton_wide import wide_eviction
 
 __all__ = ["RULE_CODES", "fused_step", "fused_step_op"]
@@ -206,10 +206,7 @@ def _evict_attend_kernel(
             new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
                             two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
         # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
-        guard = ~valid
-        if PROTECT_WINDOW:
-            guard = guard | (pos > newest - window)
-        guard = guard | ((pos >= first) & (pos < first + sinks))
+        guard = slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW)
         victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
         hit = sw == victim
         chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 __all__ = [
     "block_keys", "e4m3_bits", "e4m3_value", "load_queries", "load_row", "load_rows", "round_e4m3", "round_half_even",
-    "lane_guard", "row_lanes", "settle_row", "store_row",
+    "lane_guard", "row_lanes", "settle_row", "slot_guard", "store_row",
 ]  # fmt: skip
 
 
@@ -172,13 +172,21 @@ def settle_row(pos_ptr, valid_ptr, meta, m_ss, newslot, newest, victim, chosen):
 
 
 @triton.jit
-def lane_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW: tl.constexpr):
-    """The slots no eviction may take, for a row's lanes and its new token (at ``newest``): ``(guard, new_guarded)``.
-    Empty lanes, the sinks (positions ``first .. first + sinks - 1``) and with ``PROTECT_WINDOW`` the newest
-    ``window`` positions, the new token's among them when ``window > 0``."""
+def slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW: tl.constexpr):
+    """The slots no eviction may take, of slots at positions ``pos`` (``valid`` where held) in a step whose new token
+    is at ``newest``: empty ones, the sinks (positions ``first .. first + sinks - 1``) and with ``PROTECT_WINDOW``
+    the newest ``window`` positions."""
     guard = (~valid) | ((pos >= first) & (pos < first + sinks))
-    new_guarded = (newest >= first) & (newest < first + sinks)
     if PROTECT_WINDOW:
         guard = guard | (pos > newest - window)
+    return guard
+
+
+@triton.jit
+def lane_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW: tl.constexpr):
+    """:func:`slot_guard` of a row's lanes and of its new token (at ``newest``): ``(guard, new_guarded)``, the new
+    token guarded as a sink, or within the window when ``window > 0``."""
+    new_guarded = (newest >= first) & (newest < first + sinks)
+    if PROTECT_WINDOW:
         new_guarded = new_guarded | (window > 0)
-    return guard, new_guarded
+    return slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), new_guarded

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from slake.kernels.triton_rules import key_cosines, rule_score, sharpening_gain
-from slake.kernels.triton_slots import settle_row
+from slake.kernels.triton_slots import settle_row, slot_guard
 
 __all__ = ["wide_eviction"]
 
@@ -74,15 +74,6 @@ def _block_signal(x_ptr, r, hh, H, W, s, ok, m, lsum, tot, c, gc, gcmask, G: tl.
     if GROUP_MAX:
         return tl.where(ok, tl.max(tl.where(gcmask[:, None], p, float("-inf")), 0), 0.0)
     return tl.sum(p, 0) / G
-
-
-@triton.jit
-def _guarded(pos, valid, newest, window, first, sinks, PROTECT_WINDOW: tl.constexpr):
-    """The slots no eviction may take: empty ones, the sinks, and with ``PROTECT_WINDOW`` the newest ``window``."""
-    guard = (~valid) | ((pos >= first) & (pos < first + sinks))
-    if PROTECT_WINDOW:
-        guard = guard | (pos > newest - window)
-    return guard
 
 
 @triton.jit
@@ -231,7 +222,7 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
             slot = tl.load(order_ptr + meta + i * m_ss, mask=ok, other=0)
             pooled = _pooled_at(base, i, count, W, POOL_K, POOL_MAX)
             spos = tl.load(pos_ptr + meta + slot * m_ss, mask=ok, other=0)
-            open_score = tl.where(_guarded(spos, ok, newest, window, first, sinks, PROTECT_WINDOW), float("inf"),
+            open_score = tl.where(slot_guard(spos, ok, newest, window, first, sinks, PROTECT_WINDOW), float("inf"),
                                   pooled)  # fmt: skip
             low = tl.min(open_score, 0)
             at = tl.min(tl.where(open_score == low, slot, W), 0)
@@ -287,7 +278,7 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
                     new = (new + epsilon) * vnorm
             else:  # recency, SAGE-KV's pinned recency
                 new = rule_score(stored, 0.0, pos, valid, s == newslot, pinned, RULE, GEN_FIRST)
-            open_score = tl.where(_guarded(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), float("inf"),
+            open_score = tl.where(slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), float("inf"),
                                   new)  # fmt: skip
             low = tl.min(open_score, 0)
             at = tl.min(tl.where(open_score == low, s, W), 0)
