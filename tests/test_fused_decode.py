@@ -794,6 +794,18 @@ def test_a_two_stage_rule_keeps_the_torch_step_for_wide_rows(wide_rows, caplog):
     assert "rows wider than 16 slots under a two-stage rule" in eng.decoder.report.summary()
 
 
+def test_a_pooled_rule_without_its_order_keeps_the_torch_step_for_wide_rows(wide_rows, monkeypatch):
+    """The blockwise form ranks a pooled rule's slots in the row's order buffer, which it writes: a store that keeps
+    none (an engine that does not keep the order) is not handed a placeholder to write into, it keeps the torch step
+    and says so."""
+    from slake.cache import decoding
+
+    monkeypatch.setattr(decoding, "keeps_order", lambda method, kernels: False)
+    eng, _ = _run(_method("snapkv"), "triton", steps=2, layers=1)
+    assert eng.decoder.report.steps == {"torch": 2}
+    assert "rows wider than 16 slots without their order by position" in eng.decoder.report.summary()
+
+
 def test_a_layer_that_does_not_evict_takes_the_kernels_at_any_width(monkeypatch):
     """A layer that does not evict holds no row in the second kernel's vectors (``KEEP_ALL``), so rows of any width
     run its plain form: SLAKE compressed at prefill to a budget of 32K and decoded append-only (kvpress's protocol at
