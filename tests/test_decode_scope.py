@@ -67,6 +67,32 @@ def test_layer_victims_never_take_an_empty_slot_and_take_protected_ones_last():
     assert mask.sum() == 2 and mask[0, 1, 1] and not mask[0, :, 2].any()
 
 
+def test_layer_victims_take_tied_slots_in_the_layers_slot_order():
+    """Equal scores go head by head, slot by slot (as the fused kernels take them): against a stable sort of the
+    layer's slots, over scores drawn from four values (ties everywhere), protected and empty slots, forced ones."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        R, Hk, W = 3, 4, 6
+        ranked = torch.randint(0, 4, (R, Hk, W), generator=g).float()
+        ranked[torch.rand(R, Hk, W, generator=g) < 0.2] = INF
+        valid = torch.rand(R, Hk, W, generator=g) < 0.8
+        ranked[~valid] = INF
+        forced = torch.zeros_like(valid)
+        forced[:, 0, 0] = valid[:, 0, 0] & (torch.rand(R, generator=g) < 0.5)
+        target = torch.randint(1, W, (R, Hk), generator=g)
+        target[0] = -1
+        counts = valid.sum(-1)
+        mask = layer_victims(ranked, valid, counts, target, forced, Hk)
+        need = torch.maximum((counts.sum(-1) - target.sum(-1)).clamp_min(0), forced.sum((-1, -2)))
+        need = need.masked_fill(target[:, 0] < 0, 0).clamp(max=Hk)
+        flat = ranked.masked_fill(forced, -INF).view(R, -1)
+        idx = torch.sort(flat, dim=-1, stable=True).indices[:, :Hk]
+        chosen = (torch.arange(Hk) < need[:, None]) & valid.view(R, -1).gather(-1, idx)
+        expected = torch.zeros_like(valid).view(R, -1).scatter_(-1, idx, chosen).view(R, Hk, W)
+        assert torch.equal(mask, expected)
+        assert not mask[0].any() and bool((mask <= valid).all())
+
+
 @pytest.mark.parametrize("spec", ["kvzip[decode_scope=layer]", "ada-snapkv[decode_scope=layer,window=4]"])
 def test_the_layer_keeps_its_size_and_heads_move_within_the_widest(spec):
     eng, g = _engine(spec)

@@ -372,15 +372,23 @@ def layer_victims(
     the ``forced`` ones (slots whose head is over its cap), at most ``most``: the ``forced`` slots first, then the
     lowest ``ranked`` ones over all its heads (``ranked``: the scores with ``+inf`` on protected and empty slots, which
     go only when nothing else can; an empty slot never does). ``counts`` ``(R, Hkv)``: the slots each head holds
-    (``valid.sum(-1)``). Fixed shapes (one top-``most``), no read-back."""
+    (``valid.sum(-1)``). Equal scores go in the order of the layer's slots, head by head, as a stable sort would
+    take them and the fused kernels do (:mod:`slake.kernels.triton_layer`): ``topk``, which leaves the order of ties
+    to the device, gives only the threshold, the ``need``-th lowest score; the slots below it go, and of those equal
+    to it the first in slot order (a sort of the layer's slots took 30-60 times ``topk``'s time on a CPU). Fixed
+    shapes, no read-back."""
     R, H, W = ranked.shape
     need = (counts.sum(-1) - target.sum(-1)).clamp_min(0)  # (R,)
     need = torch.maximum(need, forced.sum((-1, -2))).masked_fill(target[:, 0] < 0, 0)
     flat = ranked.masked_fill(forced, float("-inf")).view(R, H * W)
-    idx = flat.topk(min(most, H * W), dim=-1, largest=False).indices  # ascending
-    order = torch.arange(idx.shape[-1], device=idx.device)
-    chosen = (order < need[:, None]) & valid.view(R, H * W).gather(-1, idx)
-    return torch.zeros_like(valid).view(R, H * W).scatter_(-1, idx, chosen).view(R, H, W)
+    most = min(most, H * W)
+    need = need.clamp(max=most)[:, None]  # (R, 1)
+    threshold = flat.topk(most, dim=-1, largest=False).values.gather(-1, (need - 1).clamp_min(0))
+    below = flat < threshold
+    tied = flat == threshold
+    ties_before = tied.cumsum(-1) - tied.long()
+    chosen = (below | (tied & (ties_before < need - below.sum(-1, keepdim=True)))) & (need > 0)
+    return (chosen & valid.view(R, H * W)).view(R, H, W)
 
 
 def _unselectable(
