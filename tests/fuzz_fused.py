@@ -7,7 +7,8 @@
   fused rule and a few variants, at random batch sizes (1-3, a padded row or not), KV heads (1-3), groups (1, 2, 3, 5,
   7 query heads per KV head), head sizes (8 to 40, not only powers of two), prompt lengths (20 to 57, some within the
   budget), budgets, steps (2 to 9), dtypes (float32, bfloat16, float16) and 8-bit storage (int8, fp8 e4m3), a third
-  of them with the rows read in blocks (the form of rows wider than 16,384 slots, ``slake.kernels.triton_wide``);
+  of them with the rows read in blocks (the form of rows wider than 16,384 slots, ``slake.kernels.triton_wide``),
+  and the evictions across a layer's KV heads (``decode_scope=layer``, ``slake.kernels.triton_layer``);
 * ``pool``: the vLLM pool's step (:class:`slake.engines.vllm.plugin.decode_pool.DecodePool`) for every method the
   plugin supports, both paged layouts, block sizes 4 to 16, a third of them with the rows read in blocks;
 * ``dense``: the full cache's masked attention split over the keys (:mod:`slake.kernels.triton_dense`) against SDPA
@@ -48,6 +49,11 @@ VARIANTS = [
     "criticalkv[scorer=expected-attention,window=0]",
     "slake[decode_eviction=false]",  # append-only after the prefill: the kernels with no eviction
     "sagekv[decode_eviction=false]",
+    # an eviction across a layer's KV heads (the layer kernel, slake.kernels.triton_layer)
+    "ada-snapkv[decode_scope=layer]",
+    "ada-expected-attention[decode_scope=layer]",
+    "ada-criticalkv[decode_scope=layer]",
+    "kvzip[decode_scope=layer]",
 ]
 HALF = (torch.bfloat16, torch.float16)
 
@@ -66,8 +72,10 @@ def step_case(r: random.Random, seed: int) -> tuple[str, dict]:
     if name.startswith("ada-"):  # per-head budgets need room for every head's share
         opts["budget"] = max(opts["budget"], 12)
     # a third of the cases read the rows in blocks of 16 (launch_config.WIDE_SLOTS lowered to 8 or 16: the form of
-    # rows wider than 16,384 slots on a GPU); not the two stages, which keep the torch step there
-    if step_tests._method(name).fused_rule().two_stage is None:
+    # rows wider than 16,384 slots on a GPU); not a positional pooling across a layer's heads, which keeps the torch
+    # step there
+    method = step_tests._method(name)
+    if not (method.evicts_across_heads and method.fused_rule().kind == "pooled_attention"):
         opts["wide"] = r.choice([None, None, 8, 16])
     return name, opts
 
@@ -100,7 +108,7 @@ def pool_case(r: random.Random, seed: int) -> tuple[str, dict]:
     return name, dict(
         BS=r.choice([4, 8, 16]), H=r.choice([1, 2, 3]), G=r.choice([1, 2, 3, 7]), D=r.choice([8, 12, 16, 24, 40]),
         BUDGET=r.choice([12, 24, 30]), flash=r.choice([True, False]),
-        wide=None if step_tests._method(name).fused_rule().two_stage is not None else r.choice([None, None, 8, 16]),
+        wide=r.choice([None, None, 8, 16]),
     )  # fmt: skip
 
 

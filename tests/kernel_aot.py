@@ -59,7 +59,7 @@ TYPES = {
     torch.uint8: "u8",
     torch.float8_e4m3fn: "fp8e4nv",
 }
-KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel", "_layer_eviction_kernel")
 DENSE_KERNELS = ("_dense_partials_kernel", "_dense_combine_kernel")
 #: the full cache's static store a ``dense@dtype`` case compiles the dense attention for: Llama-3-8B's heads at
 #: batch 1 over 128K slots (rows split into pieces of 4,096)

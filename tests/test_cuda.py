@@ -29,12 +29,14 @@ def _decode(model, method: str, steps: int, compile_kw: dict | None, **kw) -> tu
 
 @pytest.mark.parametrize(
     "method",
-    ["snapkv", "h2o", "tova", "cake", "slake", "lava", "ahakv", "sagekv", "slake[decode_eviction=false]"],
-)
+    ["snapkv", "h2o", "tova", "cake", "slake", "lava", "ahakv", "sagekv", "slake[decode_eviction=false]",
+     "ada-snapkv[decode_scope=layer]", "kvzip[keep_generated=true,decode_scope=layer]"],
+)  # fmt: skip
 def test_fused_kernels_give_the_torch_steps_tokens(method):
     """On CUDA the decode step runs as the fused Triton kernels by default (``kernels="auto"``): compiled for the GPU,
     not interpreted as in ``make test``. Eager, float32: the torch step's tokens and kept counts; for SLAKE set not to
-    evict at decode, the kernels of a layer that keeps every slot (``KEEP_ALL``)."""
+    evict at decode, the kernels of a layer that keeps every slot (``KEEP_ALL``); across a layer's KV heads, the
+    third kernel (``slake.kernels.triton_layer``)."""
     model = tiny_model("llama-gqa", layers=2).cuda()
     ref, ref_stats = _decode(model, method, 24, None, kernels="torch", static=False)
     fused, stats = _decode(model, method, 24, None, kernels="triton", static=False)
@@ -43,7 +45,7 @@ def test_fused_kernels_give_the_torch_steps_tokens(method):
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "cake", "slake", "keydiff"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "cake", "slake", "keydiff", "kvzip[decode_scope=layer]"])
 def test_rows_read_in_blocks_give_the_torch_steps_tokens(method, monkeypatch):
     """Rows wider than the second kernel's vectors are read in blocks (``slake.kernels.triton_wide``); with the
     threshold lowered to 16 slots and blocks of 16, the tiny model's rows take that form on the GPU (its barriers
@@ -99,7 +101,9 @@ def test_held_steps_give_the_tokens_of_steps_made_afresh(method, monkeypatch):
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
 
 
-@pytest.mark.parametrize("method", ["full", "snapkv", "h2o", "cake", "slake", "lava", "ahakv", "sagekv"])
+@pytest.mark.parametrize(
+    "method", ["full", "snapkv", "h2o", "cake", "slake", "lava", "ahakv", "sagekv", "ada-snapkv[decode_scope=layer]"]
+)
 def test_decode_replayed_as_cuda_graphs_equals_eager(method):
     """Dynamo's CUDA-graph backend (no code generation: what a graph needs, static addresses and no host read-back)
     replays the decode step with the eager tokens and kept counts."""

@@ -1,6 +1,6 @@
 """A decode eviction across a layer's KV heads (``decode_scope="layer"``, :mod:`slake.methods.decode_scope`): the
 layer keeps its size, its heads grow and shrink within the widest prefill head, victims are the layer's lowest
-unprotected slots; with equal head budgets it is the per-head rule; the fused kernels hand it to torch and say so."""
+unprotected slots; with equal head budgets it is the per-head rule; the fused kernels evict as the torch step does."""
 
 from __future__ import annotations
 
@@ -140,11 +140,18 @@ def test_static_mode_and_several_tokens_keep_the_layer_rule():
         assert torch.equal(c.sum(-1), t.sum(-1)) and bool((c <= t.amax(-1, keepdim=True)).all())
 
 
-def test_fused_kernels_hand_the_layer_rule_to_torch_and_say_so():
+def test_fused_kernels_evict_across_the_layers_heads_as_the_torch_step_does():
+    """The fused kernels' third kernel (``slake.kernels.triton_layer``) over this file's layers, whose heads differ
+    widely: the torch step's slots and outputs (``tests/test_fused_decode.py`` checks more layouts)."""
     pytest.importorskip("triton")
-    eng, g = _engine("kvzip[decode_scope=layer]", kernels="triton")
-    _decode(eng, g, 1)
-    assert "across a layer's KV heads" in eng.decoder.report.summary()
+    fused, g1 = _engine("kvzip[decode_scope=layer]", kernels="triton")
+    ref, g2 = _engine("kvzip[decode_scope=layer]")
+    out_fused, out_ref = _decode(fused, g1, 3), _decode(ref, g2, 3)
+    assert fused.decoder.report.summary() == "triton"
+    for a, b in zip(out_ref, out_fused, strict=True):
+        torch.testing.assert_close(b.float(), a.float(), rtol=1e-5, atol=1e-5)
+    for sa, sb in zip(ref.layers, fused.layers, strict=True):
+        assert torch.equal(sa.valid, sb.valid) and torch.equal(sa.positions, sb.positions)
 
 
 @pytest.mark.parametrize("scope", ["head", "layer"])

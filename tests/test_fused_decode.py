@@ -154,6 +154,13 @@ def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
         ("criticalkv", {"D": 20, "kv_dtype": "int8"}),
         ("expected-attention", {"D": 40, "G": 3}),  # the rotary map's pairs over the masked lanes
         ("keydiff", {"D": 80, "G": 1, "H": 2, "B": 1, "pad": False}),
+        # an eviction across a layer's KV heads (the third kernel): per-head budgets, heads forced down to the widest
+        # target, MHA, and more steps than heads so that heads grow and shrink
+        ("ada-snapkv[decode_scope=layer]", {"budget": 20, "H": 4, "steps": 4}),
+        ("kvzip[decode_scope=layer]", {"G": 1, "H": 3, "steps": 5}),
+        ("kvzip[decode_scope=layer,keep_generated=true]", {"B": 3, "kv_dtype": "int8"}),
+        ("ada-criticalkv[decode_scope=layer]", {"budget": 20}),  # two stages, then across the heads
+        ("ada-expected-attention[decode_scope=layer]", {"budget": 20, "G": 1, "H": 3, "steps": 4}),
     ],
 )
 def test_fused_step_covers_head_layouts_storage_and_eviction_orders(name, options, split_rows):
@@ -461,7 +468,7 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
     torch.manual_seed(0)
     method = _method(name)
     lengths = [40, 57, 31]
-    width = BUDGET + 1
+    width = (2 * BUDGET if method.evicts_across_heads else BUDGET) + 1  # AdaKV's widest head: up to 2x the budget
     nb = -(-max(lengths) // BS) + 1
     if isinstance(layout, FlashAttnLayout):
         cache = torch.zeros(64, BS, H, 2 * D, device=DEVICE).permute(0, 2, 1, 3)
@@ -504,8 +511,10 @@ def _pool_run(name: str, kernels: str, layout, row_slice: bool):
 
 
 @pytest.mark.parametrize(
-    "name", ["snapkv", "slake", "h2o", "streamingllm", "keydiff", "criticalkv", "expected-attention"]
-)
+    "name",
+    ["snapkv", "slake", "h2o", "streamingllm", "keydiff", "criticalkv", "expected-attention",
+     "ada-snapkv[decode_scope=layer]"],
+)  # fmt: skip
 @pytest.mark.parametrize(
     "layout, row_slice", [(CpuAttnLayout(), False), (FlashAttnLayout(), True)], ids=["cpu", "flash"]
 )
@@ -522,12 +531,13 @@ def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, spl
         torch.testing.assert_close(fused.linear, ref.linear, rtol=1e-5, atol=1e-5)
     if ref.weights is not None:
         torch.testing.assert_close(fused.weights[ref.valid], ref.weights[ref.valid], rtol=1e-5, atol=1e-5)
-    assert ref.order is None and (fused.order is not None) == (name in ("snapkv", "slake"))
-    if fused.order is not None:  # the step's rows keep their order for the next step
+    assert ref.order is None and (fused.order is not None) == (name in ("snapkv", "slake", "criticalkv"))
+    if name in ("snapkv", "slake"):  # the step's rows keep their order for the next step (the two stages read it
+        # only over rows read in blocks, and sort narrower ones)
         _assert_order_held(fused.order[:, :3], fused.positions[:, :3], fused.valid[:, :3])
 
 
-@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "keydiff", "expected-attention"])
+@pytest.mark.parametrize("name", ["snapkv", "slake", "h2o", "keydiff", "expected-attention", "criticalkv"])
 def test_the_pools_wide_rows_are_read_in_blocks(name, wide_rows):
     """The vLLM pool's rows of 25 slots in blocks of 16 (``wide_rows``): the torch pool step's outputs, slots and
     scores, and for the pooled rules each row's order left as the narrow form leaves it (the rows' order buffers
@@ -580,7 +590,8 @@ def _counted_kernels(monkeypatch) -> list:
 
             return run
 
-    for kernel in ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel"):
+    for kernel in ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel",
+                   "_layer_eviction_kernel"):  # fmt: skip
         monkeypatch.setattr(triton_decode, kernel, Counting(getattr(triton_decode, kernel)))
     return launched
 
@@ -598,7 +609,7 @@ def _count_one_step(name: str, kernels: str, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("name", ["snapkv", "slake", "tova", "ahakv", "keydiff", "kvzip", "expected-attention",
-                                  "criticalkv", "ada-criticalkv"])  # fmt: skip
+                                  "criticalkv", "ada-criticalkv", "ada-snapkv[decode_scope=layer]"])  # fmt: skip
 def test_one_fused_step_of_one_layer_is_at_most_four_launches(name, monkeypatch):
     assert _count_one_step(name, "triton", monkeypatch) <= 4
     # the counter sees the torch step's operations (a count that cannot pass by accident)
@@ -736,7 +747,7 @@ def wide_rows(monkeypatch):
     monkeypatch.setattr(launch_config, "WIDE_BLOCK", 16)
 
 
-@pytest.mark.parametrize("name", [n for n in FUSED if make_method(n).fused_rule().two_stage is None])
+@pytest.mark.parametrize("name", FUSED)
 def test_rows_wider_than_the_kernels_vectors_are_read_in_blocks(name, wide_rows, split_rows):
     """Rows wider than the second kernel's vectors take (a budget of 16K or more, e.g. half of a 64K prompt) ran the
     torch step; the blockwise form (``slake.kernels.triton_wide``) computes every rule's scores, victims and
@@ -785,13 +796,43 @@ def test_a_wide_rows_order_is_made_anew_when_it_does_not_hold(name, wide_rows):
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
-def test_a_two_stage_rule_keeps_the_torch_step_for_wide_rows(wide_rows, caplog):
-    """CriticalKV's two stages rank a row's slots twice: rows wider than the kernels' vectors keep the torch step,
-    and say so."""
-    with caplog.at_level("WARNING", logger="slake.kernels"):
-        eng, _ = _run(_method("criticalkv"), "triton", steps=2, layers=1)
+@pytest.mark.parametrize("name", ["criticalkv", "criticalkv[scorer=expected-attention,window=0]"])
+def test_the_two_stages_over_wide_rows_choose_tied_slots_in_slot_order(name, wide_rows):
+    """CriticalKV's first stage over a row read in blocks (a radix select of its threshold, ``wide_two_stage``) when
+    most base scores are equal: every kept key zeroed before the first step makes the row's attention uniform, so
+    the threshold falls among tied slots, which the first stage takes in slot order as a stable sort does (the
+    tokens appended after differ). The torch step's slots, scores and weights."""
+
+    def zero_keys(eng):
+        for st in eng.layers:
+            st.keys.zero_()
+
+    kwargs = dict(steps=4, meddle=(0, zero_keys), S=60, budget=40)
+    ref, ref_out = _run(_method(name), "torch", **kwargs)
+    fused, fused_out = _run(_method(name), "triton", **kwargs)
+    assert fused.layers[0].valid.shape[-1] > 32  # three blocks or more
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+@pytest.mark.parametrize("spec", ["kvzip[decode_scope=layer]", "kvzip[decode_scope=layer,keep_generated=true]"])
+def test_an_eviction_across_a_layers_heads_reads_wide_rows_in_blocks(spec, wide_rows, split_rows):
+    """Across a layer's KV heads (``decode_scope=layer``, ``slake.kernels.triton_layer``), rows wider than the
+    kernels' vectors: the second kernel's blockwise form scores them, its tail reads each head's row back in blocks
+    of 16 and keeps a running set of the head's lowest slots, the third kernel evicts. The torch step's slots,
+    scores and outputs, over enough steps for the heads to grow and shrink."""
+    kwargs = dict(G=1, H=3, steps=5, garbage=True, S=60, budget=40)
+    ref, ref_out = _run(_method(spec), "torch", **kwargs)
+    fused, fused_out = _run(_method(spec), "triton", **kwargs)
+    assert all(s.valid.shape[-1] > 32 for s in fused.layers)  # three blocks or more
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+
+
+def test_a_positional_pooling_across_a_layers_heads_keeps_the_torch_step_for_wide_rows(wide_rows):
+    """The positional pooling reads a wide row's order buffer, which an eviction across a layer's KV heads does not
+    keep (its third kernel would leave it stale): such rows keep the torch step, and say so."""
+    eng, _ = _run(_method("ada-snapkv[decode_scope=layer]"), "triton", steps=2, layers=1, budget=20)
     assert eng.decoder.report.steps == {"torch": 2}
-    assert "rows wider than 16 slots under a two-stage rule" in eng.decoder.report.summary()
+    assert "across a layer's KV heads (decode_scope=layer)" in eng.decoder.report.summary()
 
 
 def test_a_pooled_rule_without_its_order_keeps_the_torch_step_for_wide_rows(wide_rows, monkeypatch):
@@ -878,14 +919,16 @@ def test_auto_is_the_torch_step_on_an_amd_gpu_and_says_so(monkeypatch, caplog):
 
 
 def test_the_slots_order_is_kept_where_the_kernels_read_it_and_counted_as_memory():
-    """Only a fused step whose rule pools by position keeps the order (SnapKV's, CAKE's, SLAKE's; not CriticalKV's two
-    stages, not the torch step); its 4 bytes per slot count in the store's metadata and the pool's row bytes; an
-    order of another dtype or layout than the positions' is refused, not misread."""
+    """Only a fused step whose rule pools by position keeps the order (SnapKV's, CAKE's, SLAKE's, CriticalKV's two
+    stages over SnapKV's scores; not across a layer's KV heads, not the torch step); its 4 bytes per slot count in
+    the store's metadata and the pool's row bytes; an order of another dtype or layout than the positions' is
+    refused, not misread."""
     from slake.cache.fused_step import keeps_order
 
-    for name in ("snapkv", "cake", "slake", "ada-snapkv"):
+    for name in ("snapkv", "cake", "slake", "ada-snapkv", "criticalkv"):
         assert keeps_order(make_method(name), "triton") and not keeps_order(make_method(name), "torch")
-    for name in ("h2o", "tova", "criticalkv", "keydiff", "streamingllm"):
+    for name in ("h2o", "tova", "keydiff", "streamingllm", "ada-snapkv[decode_scope=layer]",
+                 "criticalkv[scorer=expected-attention,window=0]"):  # fmt: skip
         assert not keeps_order(make_method(name), "triton")
     torch_eng, _ = _run(_method("snapkv"), "torch", steps=1)
     fused, _ = _run(_method("snapkv"), "triton", steps=1)
@@ -911,7 +954,7 @@ def test_the_slots_order_is_kept_where_the_kernels_read_it_and_counted_as_memory
 @pytest.mark.parametrize(
     "name, wide",
     [("slake", False), ("criticalkv", False), ("expected-attention", False), ("slake", True), ("h2o", True),
-     ("slake[decode_eviction=false]", False)],
+     ("slake[decode_eviction=false]", False), ("ada-snapkv[decode_scope=layer]", False)],
 )  # fmt: skip
 def test_torch_compile_captures_the_fused_step_as_one_operator(name, wide, monkeypatch):
     """A static cache's decode step with the fused kernels compiles to one graph (``fullgraph=True``): the kernels
@@ -919,7 +962,7 @@ def test_torch_compile_captures_the_fused_step_as_one_operator(name, wide, monke
     ``aot_eager``, which executes the operator, here in Triton's interpreter) equals the torch step and advances the
     layer's position counter. CriticalKV's kept weights and Expected Attention's per-layer map are made before the
     first captured step. ``wide``: the rows read in blocks (``WIDE_SLOTS`` lowered to 16); and a layer that keeps
-    every slot (append-only)."""
+    every slot (append-only); and an eviction across a layer's KV heads (the third kernel)."""
     if wide:
         monkeypatch.setattr(launch_config, "WIDE_SLOTS", 16)
         monkeypatch.setattr(launch_config, "WIDE_BLOCK", 16)
@@ -1203,9 +1246,10 @@ def test_the_scratch_arena_carves_aligned_buffers_that_do_not_overlap():
         arena.carve((((4,), torch.float16),), cpu)
 
 
-def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monkeypatch):
-    """A step the fused kernels do not cover (an eviction across a layer's KV heads) runs the torch step, says why,
-    and works out the fused arguments once per step, not again inside the torch fallback."""
+def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monkeypatch, wide_rows):
+    """A step the fused kernels do not cover (a positional pooling across a layer's KV heads over rows wider than
+    the kernels' vectors) runs the torch step, says why, and works out the fused arguments once per step, not again
+    inside the torch fallback."""
     from slake.cache import decoding, fused_step
 
     made = _count_fused_arguments(monkeypatch, decoding, fused_step)

@@ -18,7 +18,7 @@ from slake.kernels.launch_cache import CachedLaunch, cached, launch_key
 
 pytestmark = pytest.mark.transformers_free
 
-KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel")
+KERNELS = ("_append_logits_kernel", "_value_projection_kernel", "_evict_attend_kernel", "_layer_eviction_kernel")
 
 
 def _triton_binder(kernel):
@@ -36,7 +36,8 @@ def _triton_binder(kernel):
 
 @pytest.fixture(scope="module")
 def recorded_launches():
-    """The arguments of the fused step's launches for SLAKE, SnapKV and CriticalKV (its third kernel too), bf16 keys,
+    """The arguments of the fused step's launches for SLAKE, SnapKV, CriticalKV (its projection kernel too) and KVzip
+    across a layer's KV heads (its layer kernel too), bf16 keys,
     a padded batch, recorded by stand-ins in the kernels' place: ``[(kernel, args, kwargs)]``."""
     decode = load()
     import test_fused_decode as harness
@@ -54,12 +55,12 @@ def recorded_launches():
     try:
         for name in KERNELS:
             setattr(decode, name, Recorder(saved[name]))
-        for method in ("slake", "snapkv", "criticalkv"):
+        for method in ("slake", "snapkv", "criticalkv", "kvzip[decode_scope=layer]"):
             harness._run(harness._method(method), "triton", steps=1, layers=1, dtype=torch.bfloat16)
     finally:
         for name, kernel in saved.items():
             setattr(decode, name, kernel)
-    assert len({id(k) for k, _, _ in seen}) == 3 and len(seen) == 7
+    assert len({id(k) for k, _, _ in seen}) == 4 and len(seen) == 10
     return seen
 
 

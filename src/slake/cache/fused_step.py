@@ -67,12 +67,14 @@ def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
 def keeps_order(method: Method, kernels: str) -> bool:
     """Whether an engine running ``method``'s decode with ``kernels`` (``"torch"``, ``"triton"``) keeps the
     ``order`` of :class:`~slake.cache.decode_step.StepSlots` for the fused step: with the fused kernels, for a decode
-    rule that pools by position in registers (SnapKV's, CAKE's, SLAKE's; not CriticalKV's two stages, which sort
-    again). The order costs 4 bytes per slot beside the 13 of a slot's position, validity and score."""
-    if kernels != "triton":
+    rule that pools by position (SnapKV's, CAKE's, SLAKE's; CriticalKV's two stages over SnapKV's scores read it
+    only over rows wider than ``launch_config.WIDE_SLOTS``, and sort narrower rows again), not for an eviction
+    across a layer's KV heads, whose third kernel would leave it stale. The order costs 4 bytes per slot beside the
+    13 of a slot's position, validity and score."""
+    if kernels != "triton" or method.evicts_across_heads:
         return False
     rule = method.fused_rule()
-    return rule is not None and rule.kind == "pooled_attention" and rule.kernel > 1 and rule.two_stage is None
+    return rule is not None and rule.kind == "pooled_attention" and rule.kernel > 1
 
 
 def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem: KVMemory | None) -> str | None:
@@ -81,14 +83,15 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
     (:func:`slake.cache.compressed.resolve_kernels`)."""
     if rule is None:
         return f"{method.name}'s decode rule has no fused form"
-    if method.evicts_across_heads:
-        return "an eviction across a layer's KV heads (decode_scope=layer)"
     if mem is None:
         return "a storage layout the kernels do not address"
     if mem.width > launch_config.WIDE_SLOTS and slots.target is not None:  # read in blocks (triton_wide), but
-        if rule.two_stage is not None:
-            return f"rows wider than {launch_config.WIDE_SLOTS} slots under a two-stage rule"
         if rule.kind == "pooled_attention" and rule.kernel > 1 and slots.order is None:
+            if method.evicts_across_heads:
+                return (
+                    f"rows wider than {launch_config.WIDE_SLOTS} slots under a positional pooling with an eviction "
+                    "across a layer's KV heads (decode_scope=layer)"
+                )
             return f"rows wider than {launch_config.WIDE_SLOTS} slots without their order by position"
     if mem.quant not in _QUANT_STORAGE:
         return f"{mem.quant} storage"
@@ -214,6 +217,7 @@ def fused_arguments(
         int(rule.two_stage is not None),
         int(rule.generated_first),
         int(slots.order is not None),
+        int(method.evicts_across_heads and not never),  # the third kernel evicts across the layer's KV heads
     ]
     order = slots.order
     if order is not None and (order.dtype != torch.int32 or order.stride() != slots.positions.stride()):

@@ -61,7 +61,7 @@ WIDE_WARPS = 8
 #: the most slots per row the second kernel holds in its vectors (a row's scores are one vector of a program, the
 #: positional pooling sorts it in registers); the rows of a layer that evicts at decode wider than this (a budget of
 #: 16K or more: a ratio of a long prompt) are read in blocks of :data:`WIDE_BLOCK` slots
-#: (:mod:`slake.kernels.triton_wide`), with every rule but CriticalKV's two stages
+#: (:mod:`slake.kernels.triton_wide`), with every rule
 WIDE_SLOTS = 16384
 #: slots per block of the second kernel's blockwise form, for rows wider than :data:`WIDE_SLOTS` (a power of two)
 WIDE_BLOCK = 1024

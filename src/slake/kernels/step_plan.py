@@ -58,13 +58,17 @@ class LaunchPlan:
     two_stage: bool
     has_hv: bool
     has_linear: bool
+    layer: bool
+    HP: int
     ratio_parts: tuple[float, ...]
     append_grid: tuple[int, ...]
     projection_grid: tuple[int, ...]
     evict_grid: tuple[int, ...]
+    layer_grid: tuple[int, ...]
     append_constants: launch_cache.Constants
     projection_constants: launch_cache.Constants
     evict_constants: launch_cache.Constants
+    layer_constants: launch_cache.Constants
 
 
 #: the plans made so far, by :func:`launch_plan`'s key (a handful per model: one per layer shape and flags);
@@ -89,7 +93,7 @@ def launch_plan(
         return hit
     (quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_k, pool_max, zero_window,
      gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
-     held) = flags  # fmt: skip
+     held, across) = flags  # fmt: skip
     G = Hq // H
     GP, DP, BW = launch.pow2(G, 16), launch.pow2(d, 16), launch.pow2(W, 16)
     # the second kernel's vectors: but for CriticalKV's two stages (and the timing variants without NEW_TOKEN_APART or
@@ -97,14 +101,17 @@ def launch_plan(
     pools = rule == RULE_CODES["pooled_attention"] and pool_k > 1
     apart = not two_stage and launch.NEW_TOKEN_APART and (launch.POOL_GATHER or not pools)
     keep_all = rule == KEEP_ALL
-    # rows wider than the second kernel's vectors take (a layer that evicts at decode; not two stages, which the
-    # engines keep on the torch step there): read in blocks (triton_wide), the row's scratch buffer 2 BW floats
-    wide = not keep_all and not two_stage and W > launch.WIDE_SLOTS
+    # rows wider than the second kernel's vectors take (a layer that evicts at decode): read in blocks (triton_wide),
+    # the row's scratch buffer 2 BW floats
+    wide = not keep_all and W > launch.WIDE_SLOTS
     EW = 16 if keep_all else BW if wide else launch.pow2(W - 1, 16) if apart else BW
     split = min(split, BW)
     S = -(-W // split)
     BLOCK_N = min(64, split)
     NB = -(-proj_rows // launch.PROJECTION_BLOCK) if two_stage else 1
+    # an eviction across the layer's KV heads (triton_layer): each head's H lowest slots, read back in blocks of TB
+    HP = launch.pow2(H)
+    layer = bool(across) and not keep_all
     common = dict(
         G=G, GP=GP, D=d, DP=DP, BLOCK_N=BLOCK_N, SPLIT=split, QUANT=quant, LOW_DOT=bool(low_dot),
         HAS_ROWS=bool(has_rows),
@@ -129,7 +136,7 @@ def launch_plan(
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
         KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
         HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart, WIDE=wide, WB=min(launch.WIDE_BLOCK, BW),
-        RB=min(launch.RANK_TILE, BW),
+        RB=min(launch.RANK_TILE, BW), LAYER=layer, HP=HP, TB=min(BW, launch.WIDE_BLOCK),
         num_warps=launch.evict_warps(max(EW, launch.WIDE_ROW) if wide else EW),  # wide: as the widest vectors
         maxnreg=launch.evict_registers(max(EW, launch.WIDE_ROW) if wide else EW),
         **{**common, "LOW_DOT": False},
@@ -149,13 +156,17 @@ def launch_plan(
         two_stage=bool(two_stage),
         has_hv=bool(has_hv),
         has_linear=bool(has_linear),
+        layer=layer,
+        HP=HP,
         ratio_parts=tuple(launch.ratio_parts(ratio)),
         append_grid=(R, H, S),
         projection_grid=(Hq, NB),
         evict_grid=(R, H),
+        layer_grid=(R,),
         append_constants=launch_cache.Constants(append),
         projection_constants=launch_cache.Constants(projection),
         evict_constants=launch_cache.Constants(evict),
+        layer_constants=launch_cache.Constants(dict(HP=HP, HAS_ROWS=bool(has_rows))),
     )
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -167,7 +178,9 @@ class Scratch(NamedTuple):
     """A step's scratch buffers, written by one kernel and read by the next within the step (never across steps):
     the logits ``x`` (one element, never written, for a layer that does not evict: :data:`KEEP_ALL`), the pieces'
     softmax statistics ``stat`` and partial sums ``part``, the new token's slot ``newslot``, and the buffers only
-    some rules use (:func:`scratch_specs`), each ``x`` where unused."""
+    some rules use (:func:`scratch_specs`), each ``x`` where unused (``newslot`` for an int32 one): among them the
+    heads' lowest slots of an eviction across the layer's KV heads, ``cand`` (scores) and ``cslot`` (slots and
+    counts)."""
 
     x: torch.Tensor
     stat: torch.Tensor
@@ -178,15 +191,18 @@ class Scratch(NamedTuple):
     vn: torch.Tensor
     pw: torch.Tensor
     lin: torch.Tensor
+    cand: torch.Tensor
+    cslot: torch.Tensor
 
     @classmethod
     def of(cls, buffers: Sequence[torch.Tensor | None]) -> Scratch:
-        """The scratch from :func:`scratch_specs`' buffers in order (None: unused, ``x`` in its place; an unused
-        ``estat`` is ``stat``)."""
-        x, stat, part, newslot, pool, estat, vn, pw, lin = buffers
+        """The scratch from :func:`scratch_specs`' buffers in order (None: unused, ``x`` in its place, ``newslot``
+        for an int32 one; an unused ``estat`` is ``stat``)."""
+        x, stat, part, newslot, pool, estat, vn, pw, lin, cand, cslot = buffers
         assert x is not None and stat is not None and part is not None and newslot is not None
         return cls(x, stat, part, newslot, pool if pool is not None else x, estat if estat is not None else stat,
-                   vn if vn is not None else x, pw if pw is not None else x, lin if lin is not None else x)  # fmt: skip
+                   vn if vn is not None else x, pw if pw is not None else x, lin if lin is not None else x,
+                   cand if cand is not None else x, cslot if cslot is not None else newslot)  # fmt: skip
 
 
 #: a scratch buffer's shape and dtype, or None for one a step does not use
@@ -208,21 +224,26 @@ def scratch_specs(p: LaunchPlan, R: int, Hq: int, H: int, W: int, d: int) -> tup
         ((R, H, W), f32) if p.value_norm else None,
         ((R, Hq, p.NB), f32) if p.two_stage else None,
         ((R, H, S, G, d), f32) if p.has_linear else None,
+        ((R, H, p.HP), f32) if p.layer else None,
+        ((R, H, p.HP + 1), torch.int32) if p.layer else None,
     )
 
 
-def launch_runs(p: LaunchPlan, scratch: Scratch, H: int, arguments: Sequence) -> tuple[tuple, tuple, tuple, tuple]:
+def launch_runs(
+    p: LaunchPlan, scratch: Scratch, H: int, arguments: Sequence
+) -> tuple[tuple, tuple, tuple, tuple, tuple]:
     """The runs of a step's runtime arguments that do not depend on its query, key, value or output, in the order
     the kernels take them (:func:`slake.kernels.triton_decode.launch_step` puts those four in): the first kernel's
     after the key and value, the projection kernel's (all of them; empty without two stages), the second kernel's
-    between the query and the output, and after the output. ``arguments``:
+    between the query and the output, and after the output, and the layer kernel's (all of them; empty but for an
+    eviction across the layer's KV heads). ``arguments``:
     :func:`~slake.kernels.triton_decode.fused_step`'s parameters from ``k_mem`` to ``two_stage_epsilon``, the width
     an int. A step whose slots, storage and scratch are the same objects as an
     earlier step's has the same runs (:class:`slake.kernels.held_step.HeldStep` makes them once)."""
     (k_mem, v_mem, k_strides, v_strides, k_scale, v_scale, s_strides, table, block_size, rows, positions, valid, scores,
      order, head_visible, newest, target, prompt_len, budget, first_real, aug, counter, query_map, weights, out_proj, W,
      scaling, window, sinks, pinned, epsilon, two_stage_epsilon) = arguments  # fmt: skip
-    x, stat, part, newslot, pool, estat, vn, pw, lin = scratch
+    x, stat, part, newslot, pool, estat, vn, pw, lin, cand, cslot = scratch
     w_strides = weights.stride() if p.two_stage else (0, 0, 0)
     m_sr, m_sh, m_ss = positions.stride()
     hv_strides = head_visible.stride() if p.has_hv else (0, 0, 0, 0)
@@ -265,11 +286,19 @@ def launch_runs(p: LaunchPlan, scratch: Scratch, H: int, arguments: Sequence) ->
     )  # fmt: skip
     evict_after_out = (
         counter,
-        estat, vn, weights, *w_strides, pw, p.NB, lin,
+        estat, vn, weights, *w_strides, pw, p.NB, lin, cand, cslot,
         W, H, S, float(scaling), int(window), int(sinks), float(pinned), float(epsilon), float(two_stage_epsilon),
         *p.ratio_parts,
     )  # fmt: skip
-    return append, projection, evict_before_out, evict_after_out
+    layer: tuple = ()
+    if p.layer:
+        layer = (
+            positions, valid, scores, m_sr, m_sh, m_ss,
+            rows, target, target.stride(0), target.stride(1),
+            cand, cslot,
+            W, H,
+        )  # fmt: skip
+    return append, projection, evict_before_out, evict_after_out, layer
 
 
 #: a run of a launch's runtime arguments: made for one step (a tuple), or made once (:class:`launch_cache.Fixed`)

@@ -31,21 +31,24 @@ logits and softmax statistics beside the attention's, and each slot's value norm
 the slots by their projected value norms: the new slot's is computed between the two kernels by
 :func:`_value_projection_kernel` (a third launch, reading ``W_o`` once), the others are kept per slot.
 
-Two launches per layer and step (three for CriticalKV); nothing is read back to the host and every buffer address
-is an argument, so the kernels are graph-safe. The launcher is a custom operator (``torch.library.custom_op``,
-``slake::fused_decode_step``, with a fake implementation) so that ``torch.compile`` captures it as one opaque node
-with declared mutations instead of breaking the graph (an opaque op rather than ``triton_op``: tracing into the
-kernels is what Triton's interpreter cannot do, and there is nothing for inductor to fuse around them). On a machine
-without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set by :mod:`slake.kernels` before
-this module is imported), which is how the tests check them against the torch step. The first kernel lives in
-:mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in :mod:`slake.kernels.triton_slots`,
-the decode rules' per-slot signals (and CriticalKV's projection kernel) in :mod:`slake.kernels.triton_rules`, the
-positional pooling of SnapKV's, CAKE's and SLAKE's rule in :mod:`slake.kernels.triton_pooling`, the launch
-configuration (how rows are cut, warps, blocks, and the switches that time the kernels) in
-:mod:`slake.kernels.launch_config`, a step's launch plan, scratch and runs of arguments in
+An eviction across a layer's KV heads (``decode_scope="layer"``) has the second kernel evict nothing and write
+each head's lowest slots, and a third kernel choose the layer's victims among them (:mod:`slake.kernels.triton_layer`).
+
+Two launches per layer and step (three for CriticalKV, and across a layer's heads); nothing is read back to the host
+and every buffer address is an argument, so the kernels are graph-safe. The launcher is a custom operator
+(``torch.library.custom_op``, ``slake::fused_decode_step``, with a fake implementation) so that ``torch.compile``
+captures it as one opaque node with declared mutations instead of breaking the graph (an opaque op rather than
+``triton_op``: tracing into the kernels is what Triton's interpreter cannot do, and there is nothing for inductor to
+fuse around them). On a machine without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``,
+set by :mod:`slake.kernels` before this module is imported), which is how the tests check them against the torch
+step. The first kernel lives in :mod:`slake.kernels.triton_attend`, the kernels' reads and writes of slots in
+:mod:`slake.kernels.triton_slots`, the decode rules' per-slot signals (and CriticalKV's projection kernel) in
+:mod:`slake.kernels.triton_rules`, the positional pooling of SnapKV's, CAKE's and SLAKE's rule in
+:mod:`slake.kernels.triton_pooling`, the launch configuration (how rows are cut, warps, blocks, and the switches that
+time the kernels) in :mod:`slake.kernels.launch_config`, a step's launch plan, scratch and runs of arguments in
 :mod:`slake.kernels.step_plan`, the launches that skip Triton's per-call argument binding on a GPU in
-:mod:`slake.kernels.launch_cache`, and eager decoding's held steps in :mod:`slake.kernels.held_step`.
-"""
+:mod:`slake.kernels.launch_cache`, eager decoding's held steps in :mod:`slake.kernels.held_step`, and the eviction
+across a layer's KV heads in :mod:`slake.kernels.triton_layer`."""
 
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ from slake.kernels.device_support import launch_device
 from slake.kernels.step_plan import RULE_CODES, LaunchPlan, Run, Scratch, launch_plan, launch_runs, scratch_specs
 from slake.kernels.triton_attend import _append_logits_kernel, attend_block
 from slake.kernels.triton_eviction import rule_eviction
+from slake.kernels.triton_layer import _layer_eviction_kernel, head_candidates
 from slake.kernels.triton_pooling import pool_by_position, pooled_eviction, position_order
 from slake.kernels.triton_rules import (
     _value_projection_kernel,
@@ -90,7 +94,7 @@ def _evict_attend_kernel(
     x_ptr, stat_ptr, part_ptr, newslot_ptr, pool_ptr, order_ptr,
     out_ptr, o_sr, o_sh, o_sd,
     counter_ptr,
-    estat_ptr, norm_ptr, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, lin_ptr,
+    estat_ptr, norm_ptr, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, lin_ptr, cand_ptr, cslot_ptr,
     W, H, S, scale, window, sinks, pinned, epsilon, two_eps, ratio_hi, ratio_mid, ratio_lo,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr,
@@ -101,7 +105,7 @@ def _evict_attend_kernel(
     VNORM: tl.constexpr, TWO_STAGE: tl.constexpr, NBP: tl.constexpr, GEN_FIRST: tl.constexpr,
     COMBINE: tl.constexpr, VB: tl.constexpr, SKIP: tl.constexpr, GC: tl.constexpr, KEY_SPAN: tl.constexpr,
     POOL_GATHER: tl.constexpr, HELD_ORDER: tl.constexpr, APART: tl.constexpr, WIDE: tl.constexpr,
-    WB: tl.constexpr, RB: tl.constexpr,
+    WB: tl.constexpr, RB: tl.constexpr, LAYER: tl.constexpr, HP: tl.constexpr, TB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -114,6 +118,8 @@ def _evict_attend_kernel(
     else:
         first = 0
     target = tl.load(target_ptr + mr * tg_sr + h * tg_sh)
+    if LAYER:  # the eviction across the layer's KV heads comes after this kernel (triton_layer): none here
+        target = target * 0 - 1
     # With APART (every rule but CriticalKV's two stages) the row's kept slots are in vectors of pow2(W - 1) and the
     # new token is apart, so a row of budget + 1 slots is not padded to twice its width: SnapKV's, CAKE's and SLAKE's
     # positional pooling in registers (triton_pooling), its order by position the one the row's previous step left
@@ -133,8 +139,9 @@ def _evict_attend_kernel(
             k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
             pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, estat_ptr, norm_ptr, pool_ptr,
             plen_ptr, budget_ptr, r, h, mr, H, W, S, newslot, newest, window, first, sinks, target, pinned, epsilon,
+            wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, two_eps, ratio_hi, ratio_mid, ratio_lo,
             G, GC, SP, BW, D, DP, LB, QUANT, RULE, GROUP_MAX, POOL_K, POOL_MAX, ZERO_WINDOW, GAIN_FLOOR,
-            PROTECT_WINDOW, VNORM, GEN_FIRST, HELD, WB, RB,
+            PROTECT_WINDOW, VNORM, GEN_FIRST, HELD, WB, RB, TWO_STAGE, GP, NBP,
         )  # fmt: skip
     elif RANKED:
         victim, chosen = pooled_eviction(
@@ -335,6 +342,9 @@ def _evict_attend_kernel(
     if ADVANCE:  # the layer's position counter (read by no program of this kernel: the new slot holds it)
         if (r == 0) & (h == 0):
             tl.store(counter_ptr, newest + 1)
+    if LAYER:  # the head's lowest slots, for the third kernel's choice across the layer's KV heads
+        head_candidates(pos_ptr, valid_ptr, score_ptr, meta, m_ss, cand_ptr, cslot_ptr, r, h, H, W, newest, window,
+                        first, sinks, PROTECT_WINDOW, HP, TB)  # fmt: skip
 
 
 _MUTATED = (
@@ -387,7 +397,7 @@ def fused_step(
 
     ``flags``: ``[quant, low_dot, has_rows, has_hv, has_first, has_linear, rule, group_max, pool_kernel, pool_max,
     zero_window, gain_floor, protect_window, evict_first, advance, value_norm, two_stage, generated_first,
-    held_order]`` (the kernels' constexprs; ``rule`` a code of :data:`RULE_CODES`, or
+    held_order, across_heads]`` (the kernels' constexprs; ``rule`` a code of :data:`RULE_CODES`, or
     :data:`~slake.kernels.step_plan.KEEP_ALL` for a layer that does not evict). Tensors a flag turns off are passed
     as empty placeholders. The metadata tensors ``(P, Hkv, >= width)`` share their strides: ``positions``,
     ``valid``, ``scores`` and, with ``held_order``, ``order`` (int32: each row's slots in position order as the last
@@ -422,6 +432,7 @@ def launch_step(
     projection: Run,
     evict_before_out: Run,
     evict_after_out: Run,
+    layer: Run,
 ) -> None:
     """Launch a step's kernels with the runs of :func:`launch_runs` (tuples, or
     :class:`~slake.kernels.launch_cache.Fixed` runs made once) and the step's ``query``, ``key``, ``value`` and
@@ -440,6 +451,8 @@ def launch_step(
             _evict_attend_kernel, p.evict_grid, ((query, *qs), evict_before_out, (out, *out.stride()), evict_after_out),
             p.evict_constants,
         )  # fmt: skip
+        if p.layer:
+            launch_cache.launch_parts(_layer_eviction_kernel, p.layer_grid, (layer,), p.layer_constants)
 
 
 def _launch_joined(
@@ -452,6 +465,7 @@ def _launch_joined(
     projection: tuple,
     evict_before_out: tuple,
     evict_after_out: tuple,
+    layer: tuple,
 ) -> None:
     """:func:`launch_step` for runs made for this step (tuples): each launch's arguments joined into one tuple and
     launched with :func:`~slake.kernels.launch_cache.launch` (its key made once over the whole), the step's
@@ -464,6 +478,8 @@ def _launch_joined(
         if p.two_stage:
             launch_cache.launch(_value_projection_kernel, p.projection_grid, projection, p.projection_constants)
         launch_cache.launch(_evict_attend_kernel, p.evict_grid, evict, p.evict_constants)
+        if p.layer:
+            launch_cache.launch(_layer_eviction_kernel, p.layer_grid, layer, p.layer_constants)
 
 
 #: the same as a custom operator with declared mutations, for ``torch.compile`` (captured as one node, no graph

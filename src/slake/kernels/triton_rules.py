@@ -13,8 +13,8 @@ from slake.kernels import launch_config as launch
 from slake.kernels.triton_slots import block_keys, load_row
 
 __all__ = [
-    "head_signal", "key_cosines", "key_diversity", "lane_signal", "row_stats", "rule_score", "sharpening_gain",
-    "two_stage",
+    "first_stage_count", "head_signal", "key_cosines", "key_diversity", "lane_signal", "new_slot_weight", "row_stats",
+    "rule_score", "sharpening_gain", "two_stage",
 ]  # fmt: skip
 
 
@@ -180,14 +180,10 @@ def key_diversity(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
 
 
 @triton.jit
-def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, eps,
-              ratio_hi, ratio_mid, ratio_lo, G: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr):  # fmt: skip
-    """CriticalKV's scores (:func:`slake.methods.criticalkv.two_stage`) of a row's ``BW`` slots from their base
-    scores ``base``: the ``floor(n * ratio)`` best of the ``n`` held slots by ``base`` (ties to the lower slot, as a
-    stable descending sort) score ``FIRST`` (1e30), the others ``(base + eps) * w``. ``w`` is the slot's weight;
-    the new slot's is the sum of the projection kernel's pieces averaged over the KV head's query heads, written to
-    the weights here. ``ratio`` comes as three float32 parts that add up to the float64 ratio exactly, so that
-    ``floor(n * ratio)`` is computed in float64 as the torch rule computes it."""
+def new_slot_weight(wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, newslot, G: tl.constexpr, GP: tl.constexpr,
+                    NBP: tl.constexpr):  # fmt: skip
+    """CriticalKV's weight of the row's new slot: the projection kernel's pieces (:func:`_value_projection_kernel`)
+    summed and averaged over the KV head's query heads, written to the slot weights at ``newslot`` and returned."""
     gi = tl.arange(0, GP)
     nbi = tl.arange(0, NBP)
     pw = tl.load(
@@ -196,13 +192,32 @@ def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, 
         other=0.0,
     )
     w_new = tl.sum(tl.sum(pw, 1), 0) / G
+    tl.store(wt_ptr + mr * w_sr + h * w_sh + newslot * w_ss, w_new)
+    return w_new
+
+
+@triton.jit
+def first_stage_count(held, ratio_hi, ratio_mid, ratio_lo):
+    """``floor(held * ratio)``, the slots CriticalKV's first stage keeps, computed in float64 as the torch rule
+    computes it, from the ratio's three float32 parts (which add up to the float64 ratio exactly)."""
+    ratio = tl.cast(ratio_hi, tl.float64) + tl.cast(ratio_mid, tl.float64) + tl.cast(ratio_lo, tl.float64)
+    return tl.floor(held.to(tl.float64) * ratio).to(tl.int32)
+
+
+@triton.jit
+def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, eps,
+              ratio_hi, ratio_mid, ratio_lo, G: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr):  # fmt: skip
+    """CriticalKV's scores (:func:`slake.methods.criticalkv.two_stage`) of a row's ``BW`` slots from their base
+    scores ``base``: the ``floor(n * ratio)`` best of the ``n`` held slots by ``base`` (ties to the lower slot, as a
+    stable descending sort) score ``FIRST`` (1e30), the others ``(base + eps) * w``. ``w`` is the slot's weight;
+    the new slot's is :func:`new_slot_weight`. ``ratio`` comes as three float32 parts
+    (:func:`first_stage_count`). Rows read in blocks: :func:`slake.kernels.triton_wide.wide_two_stage`."""
+    w_new = new_slot_weight(wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, newslot, G, GP, NBP)
     wbase = wt_ptr + mr * w_sr + h * w_sh
     wt = tl.load(wbase + sw * w_ss, mask=wmask & (sw != newslot), other=0.0)
     wt = tl.where(sw == newslot, w_new, wt)
-    tl.store(wbase + newslot * w_ss, w_new)
     held = tl.sum(valid.to(tl.int32), 0)
-    ratio = tl.cast(ratio_hi, tl.float64) + tl.cast(ratio_mid, tl.float64) + tl.cast(ratio_lo, tl.float64)
-    first = tl.floor(held.to(tl.float64) * ratio).to(tl.int32)
+    first = first_stage_count(held, ratio_hi, ratio_mid, ratio_lo)
     ranked = tl.where(valid, base, float("-inf"))
     top = tl.sort(ranked, 0, descending=True)
     t = tl.sum(tl.where(sw == first - 1, top, 0.0), 0)  # the first-th largest held score

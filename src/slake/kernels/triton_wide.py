@@ -18,18 +18,20 @@ slots in position order); else each slot's rank counted against every other (``W
 forms would have sorted, which neither engine leaves). The signal of each rank then goes through the row's scratch
 buffer (``2 pow2(W)`` floats), is pooled from there, and the next step's order is the row's without the victim.
 
-Every rule of :class:`slake.methods.decode_rule.FusedDecodeRule` but CriticalKV's two stages, which rank the row's
-slots twice and keep the torch step at this width."""
+Every rule of :class:`slake.methods.decode_rule.FusedDecodeRule`. CriticalKV's two stages take the rule's scores as
+their base (:func:`wide_two_stage`): the first stage's threshold, which the other forms find by sorting the row, is
+found by a radix select over the scores' bits, 8 passes of a 16-bin count, then one pass writes the two stages'
+scores and finds the victim."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from slake.kernels.triton_rules import key_cosines, rule_score, sharpening_gain
+from slake.kernels.triton_rules import first_stage_count, key_cosines, new_slot_weight, rule_score, sharpening_gain
 from slake.kernels.triton_slots import settle_row, slot_guard
 
-__all__ = ["wide_eviction"]
+__all__ = ["wide_eviction", "wide_two_stage"]
 
 
 @triton.jit
@@ -152,20 +154,93 @@ def _pooled_at(base, j0, count, W, POOL_K: tl.constexpr, POOL_MAX: tl.constexpr)
 
 
 @triton.jit
+def _order_key(x):
+    """A float32's bits as a uint32 whose unsigned order is the floats' order (``-0.0`` taken as ``+0.0``, which
+    compares equal to it): positive floats with the sign bit set, negative ones with every bit flipped."""
+    u = (x + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit
+def wide_two_stage(pos_ptr, valid_ptr, score_ptr, meta, m_ss, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, W,
+                   count, newslot, newest, window, first, sinks, eps, ratio_hi, ratio_mid, ratio_lo,
+                   G: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr, PROTECT_WINDOW: tl.constexpr,
+                   WB: tl.constexpr):  # fmt: skip
+    """CriticalKV's two stages (:func:`slake.kernels.triton_rules.two_stage`) over a row read in blocks of ``WB``
+    slots, from the base scores the rule's pass wrote to the row's scores (every slot's, the empty ones' too):
+    the ``floor(count * ratio)`` best held slots by base score (ties to the lower slot) score 1e30, the others
+    ``(base + eps) * w``; written back, and the running ``argmin`` of the unprotected ones returned as
+    ``(lowest, slot)``.
+
+    The first stage's threshold, the ``k``-th largest held base score, is found without sorting the row: a radix
+    select over the scores' order-preserving bits (:func:`_order_key`), 4 bits a pass from the top, each pass a
+    16-bin count of the held slots whose higher bits match the threshold's so far (8 passes over the row). What is
+    left of ``k`` at the end is how many of the slots equal to the threshold are chosen, the first ones in slot
+    order."""
+    w_new = new_slot_weight(wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, newslot, G, GP, NBP)
+    k = first_stage_count(count, ratio_hi, ratio_mid, ratio_lo)
+    bins = tl.arange(0, 16)
+    hi = tl.sum(tl.zeros([16], tl.uint32), 0)  # the threshold's bits found so far, as a number
+    need = k  # the threshold's rank among the held slots whose bits match them so far (1 = the largest)
+    for p in tl.static_range(8):
+        SH = 28 - 4 * p  # a constant of the unrolled loop
+        counts = tl.zeros([16], tl.int32)
+        for s0 in range(0, W, WB):
+            s = s0 + tl.arange(0, WB)
+            ok = s < W
+            held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
+            kk = _order_key(tl.load(score_ptr + meta + s * m_ss, mask=ok, other=0.0)) >> SH
+            match = held & ((kk >> 4) == hi)
+            digit = (kk & 15).to(tl.int32)
+            counts += tl.sum(((digit[:, None] == bins[None, :]) & match[:, None]).to(tl.int32), 0)
+        above = tl.sum(tl.where(bins[None, :] > bins[:, None], counts[None, :], 0), 1)  # matches with a higher digit
+        d = tl.max(tl.where((above < need) & (need <= above + counts), bins, 0), 0)
+        need -= tl.sum(tl.where(bins == d, above, 0), 0)
+        hi = (hi << 4) | d.to(tl.uint32)
+    tl.debug_barrier()  # every block's counts read before the scores are written over
+    wbase = wt_ptr + mr * w_sr + h * w_sh
+    ties_before = tl.sum(tl.zeros([WB], tl.int32), 0)
+    best = tl.sum(tl.zeros([WB], tl.float32), 0) + float("inf")
+    vslot = tl.sum(tl.zeros([WB], tl.int32), 0) + W
+    for s0 in range(0, W, WB):
+        s = s0 + tl.arange(0, WB)
+        ok = s < W
+        pos = tl.load(pos_ptr + meta + s * m_ss, mask=ok, other=-1)
+        valid = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
+        base = tl.load(score_ptr + meta + s * m_ss, mask=ok, other=0.0)
+        key = _order_key(base)
+        tie = (valid & (key == hi)).to(tl.int32)
+        rank = ties_before + tl.cumsum(tie, 0) - tie  # tied slots before this one
+        ties_before += tl.sum(tie, 0)
+        chosen = (k > 0) & valid & ((key > hi) | ((tie != 0) & (rank < need)))
+        wt = tl.load(wbase + s * w_ss, mask=ok & (s != newslot), other=0.0)
+        new = tl.where(chosen, 1e30, (base + eps) * tl.where(s == newslot, w_new, wt))
+        open_score = tl.where(slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), float("inf"), new)
+        low = tl.min(open_score, 0)
+        at = tl.min(tl.where(open_score == low, s, W), 0)
+        vslot = tl.where(low < best, at, vslot)
+        best = tl.minimum(best, low)
+        tl.store(score_ptr + meta + s * m_ss, new, mask=ok)
+    return best, vslot
+
+
+@triton.jit
 def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table_ptr, t_sr, block_size,
                   pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr, stat_ptr, estat_ptr, norm_ptr,
                   pool_ptr, plen_ptr, budget_ptr, r, h, mr, H, W, S, newslot, newest, window, first, sinks, target,
-                  pinned, epsilon,
+                  pinned, epsilon, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, two_eps, ratio_hi, ratio_mid, ratio_lo,
                   G: tl.constexpr, GC: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr, D: tl.constexpr,
                   DP: tl.constexpr, LB: tl.constexpr, QUANT: tl.constexpr, RULE: tl.constexpr,
                   GROUP_MAX: tl.constexpr, POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr,
                   GAIN_FLOOR: tl.constexpr, PROTECT_WINDOW: tl.constexpr, VNORM: tl.constexpr,
-                  GEN_FIRST: tl.constexpr, HELD: tl.constexpr, WB: tl.constexpr, RB: tl.constexpr):  # fmt: skip
+                  GEN_FIRST: tl.constexpr, HELD: tl.constexpr, WB: tl.constexpr, RB: tl.constexpr,
+                  TWO_STAGE: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr):  # fmt: skip
     """The decode eviction of a row and KV head whose ``W`` slots are read in blocks of ``WB`` (the module's
     docstring), the new token (slot ``newslot``, position ``newest``) among them: every slot's new score written
     back, the victim's and the new token's validity and position, and for a pooled rule the order of the row's next
     step. Returns ``(victim, chosen)`` as :func:`slake.kernels.triton_eviction.rule_eviction` does. ``BW``:
-    ``pow2(W)``, the row's scratch buffer holding ``2 BW`` floats; ``HELD``: read the order the previous step left."""
+    ``pow2(W)``, the row's scratch buffer holding ``2 BW`` floats; ``HELD``: read the order the previous step left;
+    ``TWO_STAGE``: CriticalKV's two stages over the rule's scores (:func:`wide_two_stage`)."""
     gc = tl.arange(0, GC)
     gcmask = gc < G
     # 0. the row's valid slots, the new token's among them
@@ -286,6 +361,17 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
             best = tl.minimum(best, low)
             tl.store(score_ptr + meta + s * m_ss, new, mask=ok)
         vrank = count
+    if TWO_STAGE:  # the rule's scores were the base scores: the two stages' in their place, and their victim
+        tl.debug_barrier()  # every block's base scores stored before any is read
+        best, vslot = wide_two_stage(pos_ptr, valid_ptr, score_ptr, meta, m_ss, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
+                                     r, h, mr, H, W, count, newslot, newest, window, first, sinks, two_eps, ratio_hi,
+                                     ratio_mid, ratio_lo, G, GP, NBP, PROTECT_WINDOW, WB)  # fmt: skip
+        if RULE == 0 and POOL_K > 1:  # the victim's rank in the order buffer, for the order of the next step
+            vrank = count
+            for i0 in range(0, count, WB):
+                i = i0 + tl.arange(0, WB)
+                slot = tl.load(order_ptr + meta + i * m_ss, mask=i < count, other=-1)
+                vrank = tl.minimum(vrank, tl.min(tl.where(slot == vslot, i, count), 0))
     # the victim: slot 0 when every slot is guarded (argmin over a row of +inf); evicted when the row holds more
     # than its target and the victim is a valid slot
     victim = tl.where(best == float("inf"), 0, vslot)

@@ -30,7 +30,7 @@ from slake.engines.transformers.baselines import holds_every_token
 __all__ = ["CATEGORIES", "category", "profile_decode", "profile_markdown", "summarize"]
 
 #: the fused decode step's Triton kernels (:mod:`slake.kernels`)
-FUSED_KERNELS = ("_append_logits_kernel", "_evict_attend_kernel", "_value_projection_kernel")
+FUSED_KERNELS = ("_append_logits_kernel", "_evict_attend_kernel", "_value_projection_kernel", "_layer_eviction_kernel")
 #: categories of :func:`category`, in report order
 CATEGORIES = ("slake fused step", "matmul", "attention", "other")
 _MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")
