@@ -72,11 +72,8 @@ def step_case(r: random.Random, seed: int) -> tuple[str, dict]:
     if name.startswith("ada-"):  # per-head budgets need room for every head's share
         opts["budget"] = max(opts["budget"], 12)
     # a third of the cases read the rows in blocks of 16 (launch_config.WIDE_SLOTS lowered to 8 or 16: the form of
-    # rows wider than 16,384 slots on a GPU); not a positional pooling across a layer's heads, which keeps the torch
-    # step there
-    method = step_tests._method(name)
-    if not (method.evicts_across_heads and method.fused_rule().kind == "pooled_attention"):
-        opts["wide"] = r.choice([None, None, 8, 16])
+    # rows wider than 16,384 slots on a GPU)
+    opts["wide"] = r.choice([None, None, 8, 16])
     return name, opts
 
 

@@ -531,7 +531,11 @@ def test_fused_pool_step_equals_the_torch_pool_step(name, layout, row_slice, spl
         torch.testing.assert_close(fused.linear, ref.linear, rtol=1e-5, atol=1e-5)
     if ref.weights is not None:
         torch.testing.assert_close(fused.weights[ref.valid], ref.weights[ref.valid], rtol=1e-5, atol=1e-5)
-    assert ref.order is None and (fused.order is not None) == (name in ("snapkv", "slake", "criticalkv"))
+    assert (
+        ref.order is None
+        and (fused.order is not None) == (name in ("snapkv", "slake", "criticalkv"))
+        or ("decode_scope=layer" in name)
+    )
     if name in ("snapkv", "slake"):  # the step's rows keep their order for the next step (the two stages read it
         # only over rows read in blocks, and sort narrower ones)
         _assert_order_held(fused.order[:, :3], fused.positions[:, :3], fused.valid[:, :3])
@@ -814,12 +818,17 @@ def test_the_two_stages_over_wide_rows_choose_tied_slots_in_slot_order(name, wid
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
-@pytest.mark.parametrize("spec", ["kvzip[decode_scope=layer]", "kvzip[decode_scope=layer,keep_generated=true]"])
+@pytest.mark.parametrize(
+    "spec",
+    ["kvzip[decode_scope=layer]", "kvzip[decode_scope=layer,keep_generated=true]", "ada-snapkv[decode_scope=layer]",
+     "ada-criticalkv[decode_scope=layer]"],
+)  # fmt: skip
 def test_an_eviction_across_a_layers_heads_reads_wide_rows_in_blocks(spec, wide_rows, split_rows):
     """Across a layer's KV heads (``decode_scope=layer``, ``slake.kernels.triton_layer``), rows wider than the
-    kernels' vectors: the second kernel's blockwise form scores them, its tail reads each head's row back in blocks
-    of 16 and keeps a running set of the head's lowest slots, the third kernel evicts. The torch step's slots,
-    scores and outputs, over enough steps for the heads to grow and shrink."""
+    kernels' vectors: the second kernel's blockwise form scores them (the positional pooling from the order buffer,
+    the slots the third kernel evicted dropped from it first), its tail reads each head's row back in blocks of 16
+    and keeps a running set of the head's lowest slots, the third kernel evicts. The torch step's slots, scores and
+    outputs, over enough steps for the heads to grow and shrink."""
     kwargs = dict(G=1, H=3, steps=5, garbage=True, S=60, budget=40)
     ref, ref_out = _run(_method(spec), "torch", **kwargs)
     fused, fused_out = _run(_method(spec), "triton", **kwargs)
@@ -827,12 +836,28 @@ def test_an_eviction_across_a_layers_heads_reads_wide_rows_in_blocks(spec, wide_
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
-def test_a_positional_pooling_across_a_layers_heads_keeps_the_torch_step_for_wide_rows(wide_rows):
-    """The positional pooling reads a wide row's order buffer, which an eviction across a layer's KV heads does not
-    keep (its third kernel would leave it stale): such rows keep the torch step, and say so."""
-    eng, _ = _run(_method("ada-snapkv[decode_scope=layer]"), "triton", steps=2, layers=1, budget=20)
-    assert eng.decoder.report.steps == {"torch": 2}
-    assert "across a layer's KV heads (decode_scope=layer)" in eng.decoder.report.summary()
+def test_the_order_of_wide_rows_is_mended_after_an_eviction_across_heads(wide_rows, monkeypatch):
+    """The layer kernel evicts after the second kernel wrote each row's order; the next step's second kernel drops
+    those slots from the order (``triton_wide._drop_evicted``), which then holds: no row's order is listed again in
+    slot order after its first step (the prefill's), nor counted anew. Counted through the interpreter, which calls
+    the kernels' helpers as Python functions."""
+    from slake.kernels import triton_wide
+
+    calls = {"_list_slot_order": 0, "_count_ranks": 0}
+    for name in calls:
+        helper = getattr(triton_wide, name)
+
+        def counting(*args, _helper=helper, _name=name, **kwargs):
+            calls[_name] += 1
+            return _helper(*args, **kwargs)
+
+        monkeypatch.setattr(triton_wide, name, counting)
+    B, H, layers = 2, 3, 2
+    ref, ref_out = _run(_method("ada-snapkv[decode_scope=layer]"), "torch", B=B, H=H, G=1, S=60, budget=40, steps=5)
+    fused, fused_out = _run(_method("ada-snapkv[decode_scope=layer]"), "triton", B=B, H=H, G=1, S=60, budget=40,
+                            steps=5)  # fmt: skip
+    _assert_same(ref, ref_out, fused, fused_out, 1e-5)
+    assert calls == {"_list_slot_order": B * H * layers, "_count_ranks": 0}, calls
 
 
 def test_a_pooled_rule_without_its_order_keeps_the_torch_step_for_wide_rows(wide_rows, monkeypatch):
@@ -920,14 +945,14 @@ def test_auto_is_the_torch_step_on_an_amd_gpu_and_says_so(monkeypatch, caplog):
 
 def test_the_slots_order_is_kept_where_the_kernels_read_it_and_counted_as_memory():
     """Only a fused step whose rule pools by position keeps the order (SnapKV's, CAKE's, SLAKE's, CriticalKV's two
-    stages over SnapKV's scores; not across a layer's KV heads, not the torch step); its 4 bytes per slot count in
+    stages over SnapKV's scores, across a layer's KV heads too; not the torch step); its 4 bytes per slot count in
     the store's metadata and the pool's row bytes; an order of another dtype or layout than the positions' is
     refused, not misread."""
     from slake.cache.fused_step import keeps_order
 
-    for name in ("snapkv", "cake", "slake", "ada-snapkv", "criticalkv"):
+    for name in ("snapkv", "cake", "slake", "ada-snapkv", "criticalkv", "ada-snapkv[decode_scope=layer]"):
         assert keeps_order(make_method(name), "triton") and not keeps_order(make_method(name), "torch")
-    for name in ("h2o", "tova", "keydiff", "streamingllm", "ada-snapkv[decode_scope=layer]",
+    for name in ("h2o", "tova", "keydiff", "streamingllm", "kvzip[decode_scope=layer]",
                  "criticalkv[scorer=expected-attention,window=0]"):  # fmt: skip
         assert not keeps_order(make_method(name), "triton")
     torch_eng, _ = _run(_method("snapkv"), "torch", steps=1)
@@ -1247,17 +1272,18 @@ def test_the_scratch_arena_carves_aligned_buffers_that_do_not_overlap():
 
 
 def test_a_step_the_kernels_do_not_cover_works_out_the_fused_arguments_once(monkeypatch, wide_rows):
-    """A step the fused kernels do not cover (a positional pooling across a layer's KV heads over rows wider than
-    the kernels' vectors) runs the torch step, says why, and works out the fused arguments once per step, not again
-    inside the torch fallback."""
+    """A step the fused kernels do not cover (a positional pooling over rows wider than the kernels' vectors, in a
+    store without the order to rank them by) runs the torch step, says why, and works out the fused arguments once
+    per step, not again inside the torch fallback."""
     from slake.cache import decoding, fused_step
 
     made = _count_fused_arguments(monkeypatch, decoding, fused_step)
+    monkeypatch.setattr(decoding, "keeps_order", lambda method, kernels: False)
     method = _method("ada-snapkv", decode_scope="layer")
     ref, ref_out = _run(method, "torch", steps=2)
     fused, fused_out = _run(method, "triton", steps=2)
     assert len(made) == 4  # two layers, two steps, once each
-    assert "decode_scope=layer" in fused.decoder.report.summary()
+    assert "without their order by position" in fused.decoder.report.summary()
     for a, b in zip(ref_out, fused_out, strict=True):
         torch.testing.assert_close(b, a)
 

@@ -204,7 +204,7 @@ def test_the_second_kernel_compiles_with_the_launch_constants_kernel_tune_tries(
 WIDE_CASES = {
     "slake@bfloat16": 2, "cake@bfloat16": 2, "h2o@int8": 2, "ahakv@bfloat16": 2, "tova@bfloat16": 2,
     "keydiff@bfloat16": 2, "ada-expected-attention@bfloat16": 2, "sagekv": 2, "slake": 2,
-    "kvzip[decode_scope=layer]@bfloat16": 3, "ada-criticalkv": 3,
+    "kvzip[decode_scope=layer]@bfloat16": 3, "ada-criticalkv": 3, "ada-snapkv[decode_scope=layer]@bfloat16": 3,
     "criticalkv[scorer=expected-attention,window=0]@bfloat16": 3,
 }  # fmt: skip
 

@@ -67,11 +67,10 @@ def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
 def keeps_order(method: Method, kernels: str) -> bool:
     """Whether an engine running ``method``'s decode with ``kernels`` (``"torch"``, ``"triton"``) keeps the
     ``order`` of :class:`~slake.cache.decode_step.StepSlots` for the fused step: with the fused kernels, for a decode
-    rule that pools by position (SnapKV's, CAKE's, SLAKE's; CriticalKV's two stages over SnapKV's scores read it
-    only over rows wider than ``launch_config.WIDE_SLOTS``, and sort narrower rows again), not for an eviction
-    across a layer's KV heads, whose third kernel would leave it stale. The order costs 4 bytes per slot beside the
-    13 of a slot's position, validity and score."""
-    if kernels != "triton" or method.evicts_across_heads:
+    rule that pools by position (SnapKV's, CAKE's, SLAKE's; CriticalKV's two stages over SnapKV's scores, and an
+    eviction across a layer's KV heads, read it only over rows wider than ``launch_config.WIDE_SLOTS`` and sort
+    narrower rows). The order costs 4 bytes per slot beside the 13 of a slot's position, validity and score."""
+    if kernels != "triton":
         return False
     rule = method.fused_rule()
     return rule is not None and rule.kind == "pooled_attention" and rule.kernel > 1
@@ -87,11 +86,6 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return "a storage layout the kernels do not address"
     if mem.width > launch_config.WIDE_SLOTS and slots.target is not None:  # read in blocks (triton_wide), but
         if rule.kind == "pooled_attention" and rule.kernel > 1 and slots.order is None:
-            if method.evicts_across_heads:
-                return (
-                    f"rows wider than {launch_config.WIDE_SLOTS} slots under a positional pooling with an eviction "
-                    "across a layer's KV heads (decode_scope=layer)"
-                )
             return f"rows wider than {launch_config.WIDE_SLOTS} slots without their order by position"
     if mem.quant not in _QUANT_STORAGE:
         return f"{mem.quant} storage"
@@ -174,6 +168,10 @@ def fused_arguments(
     if target is None:  # the kernels append and attend, and evict no slot
         target = _never_target(dev, *slots.valid.shape[:2])
         slots = replace(slots, target=target, order=None)
+    elif method.evicts_across_heads and mem.width <= launch_config.WIDE_SLOTS:
+        # the order is read over wide rows only: the layer kernel's evictions leave it stale, which the blockwise form
+        # mends (triton_wide._drop_evicted) and the narrow form would find out only to sort the row anyway
+        slots = replace(slots, order=None)
     empty_f = _placeholder(dev, torch.float32)
     empty_i = _placeholder(dev, torch.int64)
     rows = slots.rows

@@ -141,7 +141,7 @@ def _evict_attend_kernel(
             plen_ptr, budget_ptr, r, h, mr, H, W, S, newslot, newest, window, first, sinks, target, pinned, epsilon,
             wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, two_eps, ratio_hi, ratio_mid, ratio_lo,
             G, GC, SP, BW, D, DP, LB, QUANT, RULE, GROUP_MAX, POOL_K, POOL_MAX, ZERO_WINDOW, GAIN_FLOOR,
-            PROTECT_WINDOW, VNORM, GEN_FIRST, HELD, WB, RB, TWO_STAGE, GP, NBP,
+            PROTECT_WINDOW, VNORM, GEN_FIRST, HELD, WB, RB, TWO_STAGE, GP, NBP, LAYER,
         )  # fmt: skip
     elif RANKED:
         victim, chosen = pooled_eviction(

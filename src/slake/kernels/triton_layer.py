@@ -17,8 +17,9 @@ runs in three launches:
 
 Equal scores go in the order of the layer's slots, head by head (the torch step sorts stably), so that both choose
 the same slots. No linear state is folded: :class:`~slake.methods.decode_scope.DecodeScope` refuses one. The
-positional pooling then sorts the row at every step (no order buffer is kept: the third kernel's evictions would
-make it stale), and its rows wider than ``launch_config.WIDE_SLOTS`` keep the torch step."""
+positional pooling sorts a row of the usual width at every step; over rows wider than ``launch_config.WIDE_SLOTS``
+it reads the row's order buffer, from which the second kernel first drops the slots this kernel evicted since it
+wrote the order (:func:`slake.kernels.triton_wide.wide_eviction`)."""
 
 from __future__ import annotations
 

@@ -101,6 +101,31 @@ def _order_holds(order_ptr, pos_ptr, valid_ptr, meta, m_ss, W, held, newslot, ne
 
 
 @triton.jit
+def _drop_evicted(order_ptr, valid_ptr, meta, m_ss, W, held, newslot, H, WB: tl.constexpr):
+    """The order buffer without the slots evicted since it was written, for an eviction across a layer's KV heads
+    (:mod:`slake.kernels.triton_layer`), whose third kernel evicts up to ``H`` of a head's slots after this kernel
+    wrote the order: the buffer's entries that are valid slots (not the new token's: it may sit in a slot just freed)
+    moved to its front in order, until ``held`` are (past them, the buffer holds older steps' entries). The buffer's
+    first ``held + H`` entries are read, one block at a time, each read before any of it is written over (entries
+    only move to lower indices). Whether the result is the row's order is for :func:`_order_holds` to say."""
+    kept = tl.sum(tl.zeros([WB], tl.int32), 0)
+    for i0 in range(0, tl.minimum(held + H, W), WB):
+        i = i0 + tl.arange(0, WB)
+        listed = i < tl.minimum(held + H, W)
+        buf = tl.load(order_ptr + meta + i * m_ss, mask=listed, other=-1)
+        slot = tl.minimum(tl.maximum(buf, 0), W - 1)
+        ok = listed & (buf >= 0) & (buf < W) & (buf != newslot)
+        ok = ok & (tl.load(valid_ptr + meta + slot * m_ss, mask=ok, other=0) != 0)
+        k = ok.to(tl.int32)
+        at = kept + tl.cumsum(k, 0) - k
+        ok = ok & (at < held)
+        tl.debug_barrier()
+        tl.store(order_ptr + meta + at * m_ss, buf, mask=ok)
+        kept += tl.sum(ok.to(tl.int32), 0)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _list_slot_order(order_ptr, valid_ptr, meta, m_ss, W, newslot, WB: tl.constexpr):
     """The row's valid slots but the new token's, in slot order, written to the front of the order buffer (what the
     prefill leaves is in position order)."""
@@ -234,13 +259,15 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
                   GROUP_MAX: tl.constexpr, POOL_K: tl.constexpr, POOL_MAX: tl.constexpr, ZERO_WINDOW: tl.constexpr,
                   GAIN_FLOOR: tl.constexpr, PROTECT_WINDOW: tl.constexpr, VNORM: tl.constexpr,
                   GEN_FIRST: tl.constexpr, HELD: tl.constexpr, WB: tl.constexpr, RB: tl.constexpr,
-                  TWO_STAGE: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr):  # fmt: skip
+                  TWO_STAGE: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr, LAYER: tl.constexpr):  # fmt: skip
     """The decode eviction of a row and KV head whose ``W`` slots are read in blocks of ``WB`` (the module's
     docstring), the new token (slot ``newslot``, position ``newest``) among them: every slot's new score written
     back, the victim's and the new token's validity and position, and for a pooled rule the order of the row's next
     step. Returns ``(victim, chosen)`` as :func:`slake.kernels.triton_eviction.rule_eviction` does. ``BW``:
     ``pow2(W)``, the row's scratch buffer holding ``2 BW`` floats; ``HELD``: read the order the previous step left;
-    ``TWO_STAGE``: CriticalKV's two stages over the rule's scores (:func:`wide_two_stage`)."""
+    ``TWO_STAGE``: CriticalKV's two stages over the rule's scores (:func:`wide_two_stage`); ``LAYER``: an eviction
+    across the layer's KV heads, which evicts nothing here (a target of -1) and whose evictions since the previous
+    step are dropped from the order buffer (:func:`_drop_evicted`)."""
     gc = tl.arange(0, GC)
     gcmask = gc < G
     # 0. the row's valid slots, the new token's among them
@@ -266,6 +293,8 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
         # 1. the row's order by position in the order buffer: the previous step's, the slot order, or counted
         held = count - 1
         if HELD:
+            if LAYER:  # the slots the layer kernel evicted after the previous step's order was written, dropped
+                _drop_evicted(order_ptr, valid_ptr, meta, m_ss, W, held, newslot, H, WB)
             holds = _order_holds(order_ptr, pos_ptr, valid_ptr, meta, m_ss, W, held, newslot, newest, WB)
         else:
             holds = count < 0
