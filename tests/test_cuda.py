@@ -45,7 +45,10 @@ def test_fused_kernels_give_the_torch_steps_tokens(method):
     assert stats["kept_tokens_per_layer"] == ref_stats["kept_tokens_per_layer"]
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "cake", "slake", "keydiff", "kvzip[decode_scope=layer]"])
+@pytest.mark.parametrize(
+    "method", ["snapkv", "h2o", "tova", "cake", "slake", "keydiff", "kvzip[decode_scope=layer]", "criticalkv",
+               "ada-snapkv[decode_scope=layer]"]
+)  # fmt: skip
 def test_rows_read_in_blocks_give_the_torch_steps_tokens(method, monkeypatch):
     """Rows wider than the second kernel's vectors are read in blocks (``slake.kernels.triton_wide``); with the
     threshold lowered to 16 slots and blocks of 16, the tiny model's rows take that form on the GPU (its barriers
