@@ -6,11 +6,11 @@
 * ``step``: the transformers engine's step (:class:`slake.cache.compressed.CompressedKV`) for every method with a
   fused rule and a few variants, at random batch sizes (1-3, a padded row or not), KV heads (1-3), groups (1, 2, 3, 5,
   7 query heads per KV head), head sizes (8 to 40, not only powers of two), prompt lengths (20 to 57, some within the
-  budget), budgets, steps (2 to 9), dtypes (float32, bfloat16, float16) and 8-bit storage (int8, fp8 e4m3), a third
+  budget), budgets, steps (2 to 9), dtypes (float32, bfloat16, float16) and 8-bit storage (int8, fp8 e4m3), half
   of them with the rows read in blocks (the form of rows wider than 16,384 slots, ``slake.kernels.triton_wide``),
   and the evictions across a layer's KV heads (``decode_scope=layer``, ``slake.kernels.triton_layer``);
 * ``pool``: the vLLM pool's step (:class:`slake.engines.vllm.plugin.decode_pool.DecodePool`) for every method the
-  plugin supports, both paged layouts, block sizes 4 to 16, a third of them with the rows read in blocks;
+  plugin supports, both paged layouts, block sizes 4 to 16, half of them with the rows read in blocks;
 * ``dense``: the full cache's masked attention split over the keys (:mod:`slake.kernels.triton_dense`) against SDPA
   with the validity as its mask, rows of 1 to 700 slots, head sizes 8 to 96, random validity.
 
@@ -71,7 +71,7 @@ def step_case(r: random.Random, seed: int) -> tuple[str, dict]:
         opts["dtype"] = torch.float32
     if name.startswith("ada-"):  # per-head budgets need room for every head's share
         opts["budget"] = max(opts["budget"], 12)
-    # a third of the cases read the rows in blocks of 16 (launch_config.WIDE_SLOTS lowered to 8 or 16: the form of
+    # half of the cases read the rows in blocks of 16 (launch_config.WIDE_SLOTS lowered to 8 or 16: the form of
     # rows wider than 16,384 slots on a GPU)
     opts["wide"] = r.choice([None, None, 8, 16])
     return name, opts
@@ -120,7 +120,7 @@ def run_pool(name: str, opts: dict) -> str:
     try:
         layout = FlashAttnLayout() if opts["flash"] else CpuAttnLayout()
         ref, ref_cache, ref_out = step_tests._pool_run(name, "torch", layout, opts["flash"])
-        wide = opts.get("wide")  # rows read in blocks of 16 (a third of the cases)
+        wide = opts.get("wide")  # rows read in blocks of 16 (half of the cases)
         with launch_config.tuned(WIDE_SLOTS=wide, WIDE_BLOCK=16) if wide else launch_config.tuned():
             fused, cache, out = step_tests._pool_run(name, "triton", layout, opts["flash"])
     finally:
