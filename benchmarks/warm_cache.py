@@ -268,7 +268,7 @@ def width_class(width: int) -> tuple:
     from slake.kernels import launch_config
     from slake.kernels.step_plan import launch_plan
 
-    flags = (0, 1, 0, 0, 1, 1, 0, 0, 7, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1)  # SLAKE's: pooled, linear state, evict first
+    flags = (0, 1, 0, 0, 1, 1, 0, 0, 7, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0)  # SLAKE's: pooled, linear state, evict first
     p = launch_plan(1, 32, 128, 8, width, flags, 0, 0.0)
     return (p.append_constants, p.evict_constants, width % 16 == 0, launch_config.split_size(width, 8))
 
