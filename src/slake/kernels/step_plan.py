@@ -109,7 +109,8 @@ def launch_plan(
     S = -(-W // split)
     BLOCK_N = min(64, split)
     NB = -(-proj_rows // launch.PROJECTION_BLOCK) if two_stage else 1
-    # an eviction across the layer's KV heads (triton_layer): each head's H lowest slots, read back in blocks of TB
+    # an eviction across the layer's KV heads (triton_layer): each head's H lowest slots, read back in blocks of TB;
+    # HP is a constant of the second kernel only then (else 1: the other layers' kernels compile once for any H)
     HP = launch.pow2(H)
     layer = bool(across) and not keep_all
     common = dict(
@@ -136,7 +137,7 @@ def launch_plan(
         COMBINE=launch.COMBINE, VB=min(launch.RECOMPUTE_BLOCK, BLOCK_N), SKIP=launch.left_out(), GC=launch.pow2(G),
         KEY_SPAN=launch.key_span(2 * EW if apart else BW), POOL_GATHER=bool(launch.POOL_GATHER),
         HELD_ORDER=bool(held and launch.HELD_ORDER), APART=apart, WIDE=wide, WB=min(launch.WIDE_BLOCK, BW),
-        RB=min(launch.RANK_TILE, BW), LAYER=layer, HP=HP, TB=min(BW, launch.WIDE_BLOCK),
+        RB=min(launch.RANK_TILE, BW), LAYER=layer, HP=HP if layer else 1, TB=min(BW, launch.WIDE_BLOCK),
         num_warps=launch.evict_warps(max(EW, launch.WIDE_ROW) if wide else EW),  # wide: as the widest vectors
         maxnreg=launch.evict_registers(max(EW, launch.WIDE_ROW) if wide else EW),
         **{**common, "LOW_DOT": False},
