@@ -179,6 +179,16 @@ def _pooled_at(base, j0, count, W, POOL_K: tl.constexpr, POOL_MAX: tl.constexpr)
 
 
 @triton.jit
+def _running_argmin(open_score, s, W, best, vslot):
+    """The running ``argmin`` over a row read in slot order, one block at a time: the block's ``open_score`` (guarded
+    slots at ``+inf``) of slots ``s`` against the lowest so far (``best`` at ``vslot``); ties stay with the earlier,
+    lower slot, as ``argmin`` takes the first minimum. Returns ``(best, vslot)``."""
+    low = tl.min(open_score, 0)
+    at = tl.min(tl.where(open_score == low, s, W), 0)
+    return tl.minimum(best, low), tl.where(low < best, at, vslot)
+
+
+@triton.jit
 def _order_key(x):
     """A float32's bits as a uint32 whose unsigned order is the floats' order (``-0.0`` taken as ``+0.0``, which
     compares equal to it): positive floats with the sign bit set, negative ones with every bit flipped."""
@@ -241,10 +251,7 @@ def wide_two_stage(pos_ptr, valid_ptr, score_ptr, meta, m_ss, wt_ptr, w_sr, w_sh
         wt = tl.load(wbase + s * w_ss, mask=ok & (s != newslot), other=0.0)
         new = tl.where(chosen, 1e30, (base + eps) * tl.where(s == newslot, w_new, wt))
         open_score = tl.where(slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), float("inf"), new)
-        low = tl.min(open_score, 0)
-        at = tl.min(tl.where(open_score == low, s, W), 0)
-        vslot = tl.where(low < best, at, vslot)
-        best = tl.minimum(best, low)
+        best, vslot = _running_argmin(open_score, s, W, best, vslot)
         tl.store(score_ptr + meta + s * m_ss, new, mask=ok)
     return best, vslot
 
@@ -384,10 +391,7 @@ def wide_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
                 new = rule_score(stored, 0.0, pos, valid, s == newslot, pinned, RULE, GEN_FIRST)
             open_score = tl.where(slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), float("inf"),
                                   new)  # fmt: skip
-            low = tl.min(open_score, 0)
-            at = tl.min(tl.where(open_score == low, s, W), 0)
-            vslot = tl.where(low < best, at, vslot)
-            best = tl.minimum(best, low)
+            best, vslot = _running_argmin(open_score, s, W, best, vslot)
             tl.store(score_ptr + meta + s * m_ss, new, mask=ok)
         vrank = count
     if TWO_STAGE:  # the rule's scores were the base scores: the two stages' in their place, and their victim
