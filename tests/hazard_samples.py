@@ -1,0 +1,152 @@
+"""Small Triton kernels with and without a memory hazard inside a program, for ``tests/test_kernel_hazards.py``.
+
+Run as a script in its own process (Triton decides when a kernel is defined whether it is interpreted, so this module
+is imported with ``TRITON_INTERPRET`` unset): each sample is compiled to Triton IR for an H100 (``sm_90``, no GPU
+needed; the IR is made before any machine code) and :func:`kernel_hazards.hazards` read off it. Prints one JSON object:
+each sample's name and the kinds of the hazards found, sorted, or ``"error: ..."`` where the analysis refused it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import kernel_hazards  # noqa: E402
+
+
+@triton.jit
+def store_then_shifted_load(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(p + i, i.to(tl.float32))
+    x = tl.load(p + i + 1, mask=i + 1 < B, other=0.0)  # the element another thread stored
+    tl.store(q + i, x)
+
+
+@triton.jit
+def store_barrier_load(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(p + i, i.to(tl.float32))
+    tl.debug_barrier()
+    x = tl.load(p + i + 1, mask=i + 1 < B, other=0.0)
+    tl.store(q + i, x)
+
+
+@triton.jit
+def load_then_reversed_store(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    x = tl.load(p + i)
+    tl.store(p + B - 1 - i, x)  # over an element another thread may not have read yet
+
+
+@triton.jit
+def load_reduce_store(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    x = tl.load(p + i)
+    tl.store(p + B - 1 - i, x + tl.sum(x, 0))  # the sum exists once every thread's load returned
+
+
+@triton.jit
+def load_branch_store(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    x = tl.load(p + i)
+    if tl.sum(x, 0) > 0:  # the branch is taken once every thread's load returned
+        tl.store(p + B - 1 - i, tl.full([B], 1.0, tl.float32))
+
+
+@triton.jit
+def read_modify_write(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(p + i, tl.load(p + i) * 2.0)  # each element read and written by the thread that holds it
+
+
+@triton.jit
+def loop_compaction(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    kept = tl.sum(tl.zeros([B], tl.int32), 0)
+    for i0 in range(0, n, B):
+        x = tl.load(p + i0 + i, mask=i0 + i < n, other=0.0)
+        keep = (x > 0).to(tl.int32)
+        at = kept + tl.cumsum(keep, 0) - keep  # the sum carried from earlier blocks settles none of this block
+        tl.store(p + at, x, mask=keep != 0)
+        kept += tl.sum(keep, 0)
+
+
+@triton.jit
+def loop_compaction_with_barriers(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    kept = tl.sum(tl.zeros([B], tl.int32), 0)
+    for i0 in range(0, n, B):
+        x = tl.load(p + i0 + i, mask=i0 + i < n, other=0.0)
+        keep = (x > 0).to(tl.int32)
+        at = kept + tl.cumsum(keep, 0) - keep
+        tl.debug_barrier()
+        tl.store(p + at, x, mask=keep != 0)
+        tl.debug_barrier()
+        kept += tl.sum(keep, 0)
+
+
+@triton.jit
+def two_atomics(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.atomic_add(p + i, 1.0, sem="relaxed")
+    tl.atomic_add(p + B - 1 - i, 1.0, sem="relaxed")
+
+
+@triton.jit
+def atomic_then_load(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.atomic_add(p + i, 1.0, sem="relaxed")
+    tl.store(q + i, tl.load(p + B - 1 - i))
+
+
+@triton.jit
+def scalar_store_then_load(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    tl.store(p, 1.0)  # by one thread
+    tl.store(q + i, tl.load(p + i))
+
+
+@triton.jit
+def block_pointer(p, q, n, B: tl.constexpr):
+    ptr = tl.make_block_ptr(p, shape=(n,), strides=(1,), offsets=(0,), block_shape=(B,), order=(0,))
+    tl.store(q + tl.arange(0, B), tl.load(ptr, boundary_check=(0,)))
+
+
+@triton.jit
+def pointer_from_an_integer(p, q, n, B: tl.constexpr):
+    address = p.to(tl.uint64, bitcast=True) + 4
+    tl.store(q + tl.arange(0, B), tl.load(address.to(tl.pointer_type(tl.float32), bitcast=True)))
+
+
+SAMPLES = (
+    store_then_shifted_load, store_barrier_load, load_then_reversed_store, load_reduce_store, load_branch_store,
+    read_modify_write, loop_compaction, loop_compaction_with_barriers, two_atomics, atomic_then_load,
+    scalar_store_then_load, block_pointer, pointer_from_an_integer,
+)  # fmt: skip
+
+
+def main() -> None:
+    target = GPUTarget("cuda", 90, 32)
+    signature = {"p": "*fp32", "q": "*fp32", "n": "i32", "B": "constexpr"}
+    report = {}
+    for fn in SAMPLES:
+        source = triton.compiler.ASTSource(fn, signature, {"B": 256})
+        ttir = triton.compile(source, target=target).asm["ttir"]
+        try:
+            report[fn.__name__] = sorted(h.kind for h in kernel_hazards.hazards(ttir))
+        except ValueError as e:
+            report[fn.__name__] = f"error: {e}"
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
