@@ -19,7 +19,8 @@ full cache's masked attention over a static store of 128K slots instead (:mod:`s
 one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
 reports of it (registers per thread, stack frame, bytes spilled to local memory), with its machine code's static
-instruction counts (``sass``). Nothing runs: the outputs of these
+instruction counts (``sass``), and the memory hazards within a program that its Triton IR shows (``hazards``:
+``tests/kernel_hazards.py``). Nothing runs: the outputs of these
 steps are garbage, and not looked at.
 """
 
@@ -45,6 +46,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 
 from gpu_targets import SHARED_LIMITS  # noqa: E402
+from kernel_hazards import hazards  # noqa: E402
 from slake.cache import fused_step  # noqa: E402
 from slake.kernels import launch_config, triton_decode, triton_dense  # noqa: E402
 
@@ -216,6 +218,8 @@ class AheadOfTime:
                     "unpipelined": unpipelined,
                     "shared": int(binary.metadata.shared),
                     "warps": int(binary.metadata.num_warps),
+                    # accesses of a program's threads to one argument that no barrier orders (kernel_hazards)
+                    "hazards": [str(h) for h in hazards(binary.asm["ttir"])],
                     **report,
                 }
             )

@@ -9,7 +9,10 @@ the cases that differ there), through Triton's CUDA backend down to a cubin (its
 decode rule and per storage, and checks each kernel's shared memory against an H100's; no kernel may spill registers
 to local memory (``ptxas -v``), in bfloat16, float32 or 8-bit storage: at batch 1 the second kernel runs 8 programs, and
 a spill there is latency on the step's critical path. Each launch is compiled with the specialization Triton's JIT
-gives it (``tests/kernel_aot.py``).
+gives it (``tests/kernel_aot.py``). And in every kernel compiled here, each read of what another thread of its
+program wrote, and each write over what another thread may still read, is ordered by a barrier
+(``tests/kernel_hazards.py``, read off the Triton IR): the interpreter runs a program as one sequence and cannot
+show a missing one, and on a GPU it would be a wrong value now and then.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def _compile(cases: dict[str, int], *shape: str, target: str = "cuda:90") -> lis
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in results] == list(cases)
+    for r in results:
+        for k in r.get("compiled", ()):
+            assert not k["hazards"], f"{r['case']}: {k['kernel']}: " + "; ".join(k["hazards"])
     return results
 
 

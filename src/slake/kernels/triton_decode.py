@@ -248,6 +248,10 @@ def _evict_attend_kernel(
         ksum2 = ksum + kv_k * cf  # [k c, c]^T [v, 1] (LinearState.fold_buffered)
         vsum2 = vsum + cf * kv_v
         cnt2 = cnt + cf
+        # every thread's reads of the row and column done before any is written (the writes and the atomic adds below
+        # are elsewhere in the state, or the reading thread's own element, but a thread may hold a copy of another's:
+        # tests/kernel_hazards.py checks accesses by argument)
+        tl.debug_barrier()
         tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + D * a_sj, cnt2, mask=chosen)

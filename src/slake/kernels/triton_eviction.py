@@ -100,7 +100,10 @@ def rule_eviction(k_ptr, k_sb, k_sh, k_so, k_sd, ks_ptr, s_sb, s_sh, s_so, table
     victim = lane_argmin(new, new_s, guard, new_guarded, lslot, newslot, W)
     victim_valid = (victim == newslot) | (tl.sum(((lslot == victim) & valid).to(tl.int32), 0) > 0)
     chosen = (count > target) & (target >= 0) & victim_valid
-    # 3. every slot's score (the empty ones' too, as the torch step writes them), the victim's -inf
+    # 3. every slot's score (the empty ones' too, as the torch step writes them), the victim's -inf; once every
+    # thread has read the scores (the lanes are not the new token's slot, read apart, but a check by argument cannot
+    # tell: tests/kernel_hazards.py)
+    tl.debug_barrier()
     tl.store(score_ptr + meta + lslot * m_ss, tl.where((lslot == victim) & chosen, float("-inf"), new), mask=lmask)
     tl.store(score_ptr + meta + newslot * m_ss, tl.where(chosen & (victim == newslot), float("-inf"), new_s))
     settle_row(pos_ptr, valid_ptr, meta, m_ss, newslot, newest, victim, chosen)

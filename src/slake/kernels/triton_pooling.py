@@ -79,7 +79,9 @@ def pool_by_position(scores, valid, order, count, base, W, sw, wmask, BW: tl.con
     else:
         tl.store(base + sw, tl.where(valid, scores, 0.0))
         tl.debug_barrier()
-        tl.store(base + BW + sw, tl.load(base + order, mask=order < W, other=0.0))
+        ranked = tl.load(base + order, mask=order < W, other=0.0)
+        tl.debug_barrier()  # the buffer's halves are apart, but a check by argument cannot tell (kernel_hazards.py)
+        tl.store(base + BW + sw, ranked)
         tl.debug_barrier()
     pad = float("-inf") if POOL_MAX else 0.0
     pooled = tl.full([BW], pad, tl.float32)
@@ -221,6 +223,7 @@ def pooled_eviction(pos_ptr, valid_ptr, score_ptr, order_ptr, meta, m_ss, x_ptr,
     if SKIP & 16:  # timing only (SKIP_PARTS): the stored scores instead of this step's attention
         scores = tl.where(valid, tl.load(score_ptr + meta + lslot * m_ss, mask=lmask, other=0.0), 0.0)
         new_score = tl.load(score_ptr + meta + newslot * m_ss)
+        tl.debug_barrier()  # read by every thread before step 4 writes them
     else:
         scores, new_score = lane_signal(x_ptr, stat_ptr, r, h, H, W, S, lslot, lmask, newslot, 1.0, G, SP, BW, 0,
                                         GROUP_MAX)  # fmt: skip

@@ -213,6 +213,9 @@ def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, 
     the new slot's is :func:`new_slot_weight`. ``ratio`` comes as three float32 parts
     (:func:`first_stage_count`). Rows read in blocks: :func:`slake.kernels.triton_wide.wide_two_stage`."""
     w_new = new_slot_weight(wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, newslot, G, GP, NBP)
+    # the new slot's weight stored before the others are read (they are not its slot, but a check by argument cannot
+    # tell: tests/kernel_hazards.py)
+    tl.debug_barrier()
     wbase = wt_ptr + mr * w_sr + h * w_sh
     wt = tl.load(wbase + sw * w_ss, mask=wmask & (sw != newslot), other=0.0)
     wt = tl.where(sw == newslot, w_new, wt)

@@ -165,6 +165,9 @@ def row_lanes(pos_ptr, valid_ptr, meta, m_ss, W, newslot, BW: tl.constexpr):
 def settle_row(pos_ptr, valid_ptr, meta, m_ss, newslot, newest, victim, chosen):
     """A row's slots after its eviction: the new token (slot ``newslot``, position ``newest``) held from now on
     unless it is the victim, and the victim's slot freed (not valid, position -1) when ``chosen``."""
+    # every thread's reads of the row's validity and positions done before any is written (the new token's slot was
+    # read apart, and across a layer's heads nothing here waits on the victim: tests/kernel_hazards.py)
+    tl.debug_barrier()
     new_gone = chosen & (victim == newslot)
     tl.store(valid_ptr + meta + newslot * m_ss, ~new_gone)
     tl.store(valid_ptr + meta + victim * m_ss, victim != victim, mask=chosen & (victim != newslot))
