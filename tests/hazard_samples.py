@@ -116,6 +116,12 @@ def scalar_store_then_load(p, q, n, B: tl.constexpr):
 
 
 @triton.jit
+def scalar_read_modify_write(p, q, n, B: tl.constexpr):
+    x = tl.load(p)  # by every thread
+    tl.store(p, x + 1.0)  # by one, maybe before another thread's load
+
+
+@triton.jit
 def block_pointer(p, q, n, B: tl.constexpr):
     ptr = tl.make_block_ptr(p, shape=(n,), strides=(1,), offsets=(0,), block_shape=(B,), order=(0,))
     tl.store(q + tl.arange(0, B), tl.load(ptr, boundary_check=(0,)))
@@ -130,7 +136,7 @@ def pointer_from_an_integer(p, q, n, B: tl.constexpr):
 SAMPLES = (
     store_then_shifted_load, store_barrier_load, load_then_reversed_store, load_reduce_store, load_branch_store,
     read_modify_write, loop_compaction, loop_compaction_with_barriers, two_atomics, atomic_then_load,
-    scalar_store_then_load, block_pointer, pointer_from_an_integer,
+    scalar_store_then_load, scalar_read_modify_write, block_pointer, pointer_from_an_integer,
 )  # fmt: skip
 
 

@@ -19,9 +19,10 @@ barrier; on a GPU it is a wrong value now and then. :func:`hazards` finds them i
 
 What it assumes, and so does not report:
 
-* a load and a store through the same pointer value (one SSA value): each element is then read and written by the
-  thread that holds it, as Triton maps a tensor of one layout onto threads. A layout that replicates elements over
-  threads could still race there; this check does not see layouts;
+* a load and a store through the same tensor of pointers (one SSA value): each element is then read and written by
+  the thread that holds it, as Triton maps a tensor of one layout onto threads. A layout that replicates elements
+  over threads could still race there; this check does not see layouts. Through a single pointer it does not hold:
+  one thread stores the value and every thread loads it;
 * atomics against atomics (they do not race by definition).
 
 It knows nothing of addresses: two accesses through one argument at disjoint offsets (a matrix's last row against its
@@ -54,7 +55,8 @@ _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 class Op:
     """One operation of the IR: its name, the SSA values it defines and uses (renamed apart by scope), its regions
     with their block arguments (each with its initial value if it is a loop-carried one), its source location, and
-    for a ``tt.reduce`` whether its result is a scalar."""
+    ``scalar``: for a ``tt.reduce`` whether its result is one value, for a load or store whether it goes through one
+    pointer (not a tensor of them)."""
 
     name: str
     results: list[str]
@@ -173,6 +175,8 @@ def parse(ttir: str) -> tuple[list[Op], dict[str, str], list[str]]:
         operands = [use(x) for x in _SSA.findall(rest if opens else rest.split(" : ")[0]) if _base(x) not in own]
         counter += 1
         op = Op(name, [define(r) for r in results], operands, loc, counter)
+        if name in _LOADS or name in _WRITES:  # through a pointer, not a tensor of them: "tt.load %p : !tt.ptr<f32>"
+            op.scalar = rest.split(" : ", 1)[-1].lstrip("( ").startswith("!tt.ptr")
         stack[-1][1].append(op)
         if opens:
             op.regions.append([])
@@ -241,7 +245,7 @@ def _flow(body: list[Op], arguments: list[str]) -> tuple[dict[str, set[str]], di
                 p = set()
             if op.name in _LOADS and res in op.results:
                 l = l | {op.index}  # after the loads its pointer and mask were computed from
-            if op.scalar and res in op.results:
+            if op.name == "tt.reduce" and op.scalar and res in op.results:
                 s = s | l
             if not (p <= ptr.get(res, set()) and l <= loads.get(res, set()) and s <= settled.get(res, set())):
                 ptr[res] = ptr.get(res, set()) | p
@@ -292,7 +296,7 @@ def hazards(ttir: str) -> list[Hazard]:
                 p, args = access(op)
                 for a in args:
                     for w, w_ptr in writes.get(a, ()):
-                        if w_ptr != p:
+                        if w_ptr != p or op.scalar or by_index[w].scalar:
                             report("read after write", a, w, op)
                 reads = {**reads, **{a: reads.get(a, frozenset()) | {(op.index, p)} for a in args}}
             elif op.name in _WRITES:
@@ -300,7 +304,7 @@ def hazards(ttir: str) -> list[Hazard]:
                 done = after(op.operands) | context
                 for a in args:
                     for r, r_ptr in reads.get(a, ()):
-                        if r_ptr != p and r not in done:
+                        if (r_ptr != p or op.scalar or by_index[r].scalar) and r not in done:
                             report("write after read", a, r, op)
                 kind = {(op.index, p)}
                 writes = {**writes, **{a: writes.get(a, frozenset()) | kind for a in args}}

@@ -29,6 +29,7 @@ EXPECTED = {
     "two_atomics": [],
     "atomic_then_load": [RAW],
     "scalar_store_then_load": [RAW],
+    "scalar_read_modify_write": [WAR],  # one pointer: stored by one thread, loaded by all
     "block_pointer": [],  # Triton rewrites block pointers into tensors of pointers before this IR
 }
 
