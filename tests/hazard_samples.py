@@ -1,8 +1,8 @@
 """Small Triton kernels with and without a memory hazard inside a program, for ``tests/test_kernel_hazards.py``.
 
 Run as a script in its own process (Triton decides when a kernel is defined whether it is interpreted, so this module
-is imported with ``TRITON_INTERPRET`` unset): each sample is compiled to Triton IR for an H100 (``sm_90``, no GPU
-needed; the IR is made before any machine code) and :func:`kernel_hazards.hazards` read off it. Prints one JSON object:
+is imported with ``TRITON_INTERPRET`` unset): each sample is compiled for an H100 (``sm_90``, no GPU needed) and
+:func:`kernel_hazards.hazards` read off its Triton GPU IR. Prints one JSON object:
 each sample's name and the kinds of the hazards found, sorted, or ``"error: ..."`` where the analysis refused it.
 """
 
@@ -122,6 +122,12 @@ def scalar_read_modify_write(p, q, n, B: tl.constexpr):
 
 
 @triton.jit
+def replicated_read_modify_write(p, q, n, B: tl.constexpr):
+    i = tl.arange(0, 16)  # 16 elements over 128 threads: each held by 8 of them, stored by one
+    tl.store(p + i, tl.load(p + i) + 1.0)
+
+
+@triton.jit
 def block_pointer(p, q, n, B: tl.constexpr):
     ptr = tl.make_block_ptr(p, shape=(n,), strides=(1,), offsets=(0,), block_shape=(B,), order=(0,))
     tl.store(q + tl.arange(0, B), tl.load(ptr, boundary_check=(0,)))
@@ -136,7 +142,7 @@ def pointer_from_an_integer(p, q, n, B: tl.constexpr):
 SAMPLES = (
     store_then_shifted_load, store_barrier_load, load_then_reversed_store, load_reduce_store, load_branch_store,
     read_modify_write, loop_compaction, loop_compaction_with_barriers, two_atomics, atomic_then_load,
-    scalar_store_then_load, scalar_read_modify_write, block_pointer, pointer_from_an_integer,
+    scalar_store_then_load, scalar_read_modify_write, replicated_read_modify_write, block_pointer, pointer_from_an_integer,
 )  # fmt: skip
 
 
@@ -146,9 +152,9 @@ def main() -> None:
     report = {}
     for fn in SAMPLES:
         source = triton.compiler.ASTSource(fn, signature, {"B": 256})
-        ttir = triton.compile(source, target=target).asm["ttir"]
+        ttgir = triton.compile(source, target=target).asm["ttgir"]
         try:
-            report[fn.__name__] = sorted(h.kind for h in kernel_hazards.hazards(ttir))
+            report[fn.__name__] = sorted(h.kind for h in kernel_hazards.hazards(ttgir))
         except ValueError as e:
             report[fn.__name__] = f"error: {e}"
     print(json.dumps(report))

@@ -19,7 +19,7 @@ full cache's masked attention over a static store of 128K slots instead (:mod:`s
 one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
 reports of it (registers per thread, stack frame, bytes spilled to local memory), with its machine code's static
-instruction counts (``sass``), and the memory hazards within a program that its Triton IR shows (``hazards``:
+instruction counts (``sass``), and the memory hazards within a program that its Triton GPU IR shows (``hazards``:
 ``tests/kernel_hazards.py``). Nothing runs: the outputs of these
 steps are garbage, and not looked at.
 """
@@ -219,7 +219,7 @@ class AheadOfTime:
                     "shared": int(binary.metadata.shared),
                     "warps": int(binary.metadata.num_warps),
                     # accesses of a program's threads to one argument that no barrier orders (kernel_hazards)
-                    "hazards": [str(h) for h in hazards(binary.asm["ttir"])],
+                    "hazards": [str(h) for h in hazards(binary.asm["ttgir"])],
                     **report,
                 }
             )

@@ -1,4 +1,4 @@
-"""Memory hazards inside one program of a compiled Triton kernel, read off its Triton IR without a GPU.
+"""Memory hazards inside one program of a compiled Triton kernel, read off its Triton GPU IR without a GPU.
 
 The fused decode kernels store into global memory and read it back within one program: the first kernel writes the
 new token's key and value and then attends over the row, the second kernel's tail reads back the row it scored, the
@@ -6,26 +6,32 @@ blockwise form of wide rows counts and ranks a row it wrote, and the order buffe
 of a program run in no set order. A thread that reads what *another* thread of its program stored must be ordered
 after that store by a barrier (``tl.debug_barrier()``, ``gpu.barrier`` in the IR), and so must a store over what
 other threads may still be reading. Triton's interpreter runs a program as one sequence and cannot show a missing
-barrier; on a GPU it is a wrong value now and then. :func:`hazards` finds them in a kernel's TTIR
-(``CompiledKernel.asm["ttir"]``, after Triton's inlining and common-subexpression elimination), statically:
+barrier; on a GPU it is a wrong value now and then. :func:`hazards` finds them statically in a kernel's TTGIR
+(``CompiledKernel.asm["ttgir"]``: after inlining and common-subexpression elimination, with the layouts that map
+each tensor's elements onto threads, and with loads where the software pipeliner moved them); it reads TTIR too,
+without layouts:
 
-* a **read after write**: a ``tt.load`` whose pointer derives from the same kernel argument as a store (or atomic)
-  earlier in program order (loops included: a store late in one iteration comes before a load early in the next),
-  with no barrier between them on some path;
+* a **read after write**: a load (``tt.load``, or the pipeliner's ``ttg.async_copy_global_to_local``) whose pointer
+  derives from the same kernel argument as a store or atomic earlier in program order (loops included: a store late
+  in one iteration comes before a load early in the next), with no barrier between them on some path;
 * a **write after read**: a store or atomic through an argument that a load since the last barrier read, unless the
   store cannot run before every thread's load returned: its pointer, value or mask, or the condition of an enclosing
   ``if`` or the bounds of an enclosing loop, depend on a reduction *to a scalar* of that load's values (of the same
   iteration: what a loop carries from an earlier iteration settles nothing of the current one).
 
-What it assumes, and so does not report:
+What orders accesses besides ``gpu.barrier``: a layout conversion (``ttg.convert_layout``) that moves an element to a
+warp that did not hold it, which Triton does through shared memory with a barrier of the whole program between its
+writes and its reads (read off the two layouts: blocked, linear and slices of them; any other is not counted as a
+barrier). What it assumes, and so does not report:
 
-* a load and a store through the same tensor of pointers (one SSA value): each element is then read and written by
-  the thread that holds it, as Triton maps a tensor of one layout onto threads. A layout that replicates elements
-  over threads could still race there; this check does not see layouts. Through a single pointer it does not hold:
-  one thread stores the value and every thread loads it;
+* a load and a store through the same tensor of pointers (one SSA value) whose layout holds each element in one
+  thread: that thread reads and writes it. Through one pointer (every thread holds it, one stores it) or a layout
+  that replicates elements over threads this does not hold, and such pairs are checked as any other;
+* within a loop, the same tensor of pointers reaches other elements in each iteration, or the same ones from the
+  same threads (the kernels' loops step by whole blocks);
 * atomics against atomics (they do not race by definition).
 
-It knows nothing of addresses: two accesses through one argument at disjoint offsets (a matrix's last row against its
+It knows nothing of offsets: two accesses through one argument at disjoint offsets (a matrix's last row against its
 other rows, one block of a loop against the next) count as the same memory. The kernels put a barrier there rather
 than a proof (one ``bar.sync``, nothing against a program's work). Hazards between programs (each writes its own row
 and KV head) and between launches (ordered by the stream) are not its concern. An operation it cannot follow (a call
@@ -35,12 +41,18 @@ than passing unchecked.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
 #: operations whose results carry no pointer, whatever their operands
-_DATA_RESULTS = {"tt.load", "tt.atomic_rmw", "tt.atomic_cas", "tt.ptr_to_int", "tt.reduce", "tt.scan"}
-_LOADS = {"tt.load"}
+_DATA_RESULTS = {
+    "tt.load", "tt.atomic_rmw", "tt.atomic_cas", "tt.ptr_to_int", "tt.reduce", "tt.scan",
+    "ttg.async_copy_global_to_local",
+}  # fmt: skip
+#: a load of global memory; in TTGIR the software pipeliner's asynchronous copies into shared memory too, issued where
+#: the pipeliner put them (an iteration ahead), which is the order this check follows
+_LOADS = {"tt.load", "ttg.async_copy_global_to_local"}
 _WRITES = {"tt.store", "tt.atomic_rmw", "tt.atomic_cas"}
 _ATOMICS = {"tt.atomic_rmw", "tt.atomic_cas"}
 _BARRIERS = {"gpu.barrier"}
@@ -55,8 +67,10 @@ _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 class Op:
     """One operation of the IR: its name, the SSA values it defines and uses (renamed apart by scope), its regions
     with their block arguments (each with its initial value if it is a loop-carried one), its source location, and
-    ``scalar``: for a ``tt.reduce`` whether its result is one value, for a load or store whether it goes through one
-    pointer (not a tensor of them)."""
+    ``scalar``: for a ``tt.reduce`` whether its result is one value; ``shared``: for a load or store whether an
+    element it accesses is held by more than one thread (through one pointer, or a layout that replicates);
+    ``barrier``: whether it orders the program's threads as a barrier does (``gpu.barrier``; in TTGIR a layout
+    conversion that moves elements between warps)."""
 
     name: str
     results: list[str]
@@ -66,6 +80,8 @@ class Op:
     regions: list[list[Op]] = field(default_factory=list)
     block_args: list[list[tuple[str, str | None]]] = field(default_factory=list)
     scalar: bool = False
+    shared: bool = False
+    barrier: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,7 @@ def parse(ttir: str) -> tuple[list[Op], dict[str, str], list[str]]:
     if func is None:
         raise ValueError("no tt.func in this IR")
     arguments = re.findall(r"(%[\w$.-]+):\s*!tt\.ptr", func)
+    layouts = dict(re.findall(r"^(#\w+) = (#.*)$", ttir, re.M))  # TTGIR's encodings ("#blocked3 = #ttg.blocked<...>")
     root: list[Op] = []
     # names are scoped by region: sibling regions (an if's branches, two loops) reuse them for other values, so each
     # definition gets a name of its own (name@n) and a use takes the innermost one in sight
@@ -175,14 +192,166 @@ def parse(ttir: str) -> tuple[list[Op], dict[str, str], list[str]]:
         operands = [use(x) for x in _SSA.findall(rest if opens else rest.split(" : ")[0]) if _base(x) not in own]
         counter += 1
         op = Op(name, [define(r) for r in results], operands, loc, counter)
-        if name in _LOADS or name in _WRITES:  # through a pointer, not a tensor of them: "tt.load %p : !tt.ptr<f32>"
-            op.scalar = rest.split(" : ", 1)[-1].lstrip("( ").startswith("!tt.ptr")
+        if name in _LOADS or name in _WRITES:  # "tt.load %p, %m : tensor<1024x!tt.ptr<f32>, #blocked3>"
+            op.shared = replicated(_first_type(rest.split(" : ", 1)[-1]), layouts)
+        op.barrier = name in _BARRIERS
+        if name == "ttg.convert_layout":  # "%y = ttg.convert_layout %x : tensor<1024xf32, #a> -> tensor<..., #b>"
+            source, _, target = rest.split(" : ", 1)[-1].partition(" -> ")
+            (shape, before), (_, after) = _tensor_type(source), _tensor_type(target)
+            op.barrier = crosses_warps(before, after, shape, layouts)
         stack[-1][1].append(op)
         if opens:
             op.regions.append([])
             stack.append((op, op.regions[-1], {}))
             op.block_args.append([(define(a), init) for a, init in carried])
     return root, locs, arguments
+
+
+def _first_type(text: str) -> str:
+    """The first type of an operation's type list (``(tensor<4x!tt.ptr<f32>, #blocked>, ...) -> ...``)."""
+    text = text.lstrip("( ")
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch in "<{[("
+        depth -= ch in ">}])"
+        if depth < 0 or (depth == 0 and ch in ",)"):
+            return text[:i]
+        if depth == 0 and ch == ">":
+            return text[: i + 1]
+    return text
+
+
+def _tensor_type(text: str) -> tuple[list[int], str]:
+    """``tensor<16x128xf32, #blocked>``: its shape and its encoding."""
+    text = _first_type(text.strip())
+    m = re.match(r"^tensor<(\d+(?:x\d+)*)x([a-z]\w*|!tt\.ptr<[^>]*>),\s*(.*)>$", text)
+    if not m:
+        raise ValueError(f"a tensor type this module does not read: {text}")
+    return [int(x) for x in m.group(1).split("x") if x], m.group(3).strip()
+
+
+def _ints(text: str, name: str) -> list[int]:
+    m = re.search(rf"{name} = \[([\d, ]*)\]", text)
+    return [int(x) for x in m.group(1).split(",") if x.strip()] if m else []
+
+
+def _bases(text: str, name: str) -> list[list[int]]:
+    m = re.search(rf"{name} = \[((?:\[[\d, ]*\],? ?)*)\]", text)
+    return [[int(x) for x in b.split(",") if x.strip()] for b in re.findall(r"\[([\d, ]*)\]", m.group(1))] if m else []
+
+
+def replicated(ptr_type: str, layouts: dict[str, str]) -> bool:
+    """Whether an access through pointers of this type reaches an element from more than one thread: one pointer
+    (every thread holds it), or a tensor whose layout replicates elements over threads or warps (a blocked layout
+    whose threads and warps span more than the shape; a linear layout with a lane or warp basis of zeros; a slice of
+    a dimension that threads or warps span). Unknown layouts count as replicating. TTIR has no layouts: its tensors
+    count as not replicating."""
+    if ptr_type.startswith("!tt.ptr"):
+        return True
+    m = re.match(r"^tensor<([\dx]+)x!tt\.ptr<[^>]*>(?:,\s*(.*))?>$", ptr_type)
+    if not m:
+        return True
+    shape = [int(x) for x in m.group(1).split("x")]
+    return m.group(2) is not None and _replicates(m.group(2).strip(), shape, layouts)
+
+
+def _replicates(encoding: str, shape: list[int], layouts: dict[str, str], sliced: int | None = None) -> bool:
+    encoding = layouts.get(encoding, encoding)
+    if encoding.startswith("#ttg.slice<"):
+        m = re.match(r"^#ttg\.slice<\{dim = (\d+), parent = (.*)\}>$", encoding)
+        if not m or sliced is not None:
+            return True
+        dim = int(m.group(1))
+        return _replicates(m.group(2).strip(), shape[:dim] + [1] + shape[dim:], layouts, dim)
+    if encoding.startswith("#ttg.blocked<"):
+        spt, tpw, wpc = (_ints(encoding, n) for n in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+        if not (len(spt) == len(tpw) == len(wpc) == len(shape)):
+            return True
+        if sliced is not None and tpw[sliced] * wpc[sliced] > 1:
+            return True
+        return any(spt[d] * tpw[d] * wpc[d] > shape[d] for d in range(len(shape)) if d != sliced)
+    if encoding.startswith("#ttg.linear<"):
+        keep = [d for d in range(len(shape)) if d != sliced]
+        bases = _bases(encoding, "lane") + _bases(encoding, "warp")
+        return any(all(b[d] == 0 for d in keep) for b in bases)
+    return True
+
+
+def warps_holding(encoding: str, shape: list[int], layouts: dict[str, str]) -> dict[tuple, frozenset] | None:
+    """Each element of a tensor of this shape and layout, and the warps holding it; None for a layout this module
+    does not read (an MMA layout)."""
+    encoding = layouts.get(encoding, encoding)
+    m = re.match(r"^#ttg\.slice<\{dim = (\d+), parent = (.*)\}>$", encoding)
+    if m:  # the parent's elements along the sliced dimension, all of them one element here
+        dim, parent = int(m.group(1)), layouts.get(m.group(2).strip(), m.group(2).strip())
+        if parent.startswith("#ttg.blocked<"):
+            span = _ints(parent, "sizePerThread")[dim] * _ints(parent, "threadsPerWarp")[dim]
+            span *= _ints(parent, "warpsPerCTA")[dim]
+        elif parent.startswith("#ttg.linear<"):
+            span = 1 << max((max(b[dim] for b in _bases(parent, n) if b) for n in ("register", "lane", "warp")
+                             if _bases(parent, n)), default=0).bit_length()  # fmt: skip
+        else:
+            return None
+        full = warps_holding(parent, shape[:dim] + [span] + shape[dim:], layouts)
+        if full is None:
+            return None
+        out: dict[tuple, frozenset] = {}
+        for coord, held in full.items():
+            key = coord[:dim] + coord[dim + 1 :]
+            out[key] = out.get(key, frozenset()) | held
+        return out
+    if encoding.startswith("#ttg.blocked<"):
+        spt, tpw, wpc = (_ints(encoding, n) for n in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+        order = _ints(encoding, "order")
+        per_dim = []  # per dimension: each index's warp coordinates along it
+        for d, size in enumerate(shape):
+            cover = spt[d] * tpw[d] * wpc[d]
+            held = [set() for _ in range(size)]
+            for i in range(max(cover, size)):
+                held[i % size].add((i % cover) // (spt[d] * tpw[d]) % wpc[d])
+            per_dim.append(held)
+        stride, strides = 1, [0] * len(shape)
+        for d in order:
+            strides[d], stride = stride, stride * wpc[d]
+        out = {}
+        for coord in itertools.product(*(range(s) for s in shape)):
+            ids = [0]
+            for d, x in enumerate(coord):
+                ids = [w + c * strides[d] for w in ids for c in per_dim[d][x]]
+            out[coord] = frozenset(ids)
+        return out
+    if encoding.startswith("#ttg.linear<"):
+        reg, lane, warp = (_bases(encoding, n) for n in ("register", "lane", "warp"))
+        out = {}
+        for w in range(1 << len(warp)):
+            for rest in range(1 << (len(reg) + len(lane))):
+                coord = [0] * len(shape)
+                for bit, base in enumerate(reg + lane + warp):
+                    taken = (rest >> bit) & 1 if bit < len(reg) + len(lane) else (w >> (bit - len(reg) - len(lane))) & 1
+                    if taken:
+                        coord = [c ^ b for c, b in zip(coord, base)]
+                key = tuple(c % s for c, s in zip(coord, shape))
+                out[key] = out.get(key, frozenset()) | {w}
+        return out
+    return None
+
+
+def crosses_warps(source: str, target: str, shape: list[int], layouts: dict[str, str]) -> bool:
+    """Whether converting a tensor from one layout to another moves an element to a warp that did not hold it: Triton
+    does that through shared memory, with a barrier of the whole program between its writes and its reads (which
+    orders every access before it, as ``gpu.barrier`` does). False where a layout is not read here."""
+    key = (source, target, tuple(shape))
+    if key not in _CROSSING:
+        before, after = warps_holding(source, shape, layouts), warps_holding(target, shape, layouts)
+        _CROSSING[key] = (
+            before is not None
+            and after is not None
+            and any(not held <= before.get(coord, frozenset()) for coord, held in after.items())
+        )
+    return _CROSSING[key]
+
+
+_CROSSING: dict[tuple, bool] = {}
 
 
 def where(loc: str, locs: dict[str, str], depth: int = 0) -> list[str]:
@@ -290,13 +459,13 @@ def hazards(ttir: str) -> list[Hazard]:
         the condition of an enclosing ``if`` or the bounds of an enclosing loop)."""
         writes, reads = state
         for op in ops:
-            if op.name in _BARRIERS:
+            if op.barrier:
                 writes, reads = {}, {}
             elif op.name in _LOADS:
                 p, args = access(op)
                 for a in args:
                     for w, w_ptr in writes.get(a, ()):
-                        if w_ptr != p or op.scalar or by_index[w].scalar:
+                        if w_ptr != p or op.shared or by_index[w].shared:
                             report("read after write", a, w, op)
                 reads = {**reads, **{a: reads.get(a, frozenset()) | {(op.index, p)} for a in args}}
             elif op.name in _WRITES:
@@ -304,7 +473,7 @@ def hazards(ttir: str) -> list[Hazard]:
                 done = after(op.operands) | context
                 for a in args:
                     for r, r_ptr in reads.get(a, ()):
-                        if (r_ptr != p or op.scalar or by_index[r].scalar) and r not in done:
+                        if (r_ptr != p or op.shared or by_index[r].shared) and r not in done:
                             report("write after read", a, r, op)
                 kind = {(op.index, p)}
                 writes = {**writes, **{a: writes.get(a, frozenset()) | kind for a in args}}

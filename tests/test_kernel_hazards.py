@@ -30,6 +30,7 @@ EXPECTED = {
     "atomic_then_load": [RAW],
     "scalar_store_then_load": [RAW],
     "scalar_read_modify_write": [WAR],  # one pointer: stored by one thread, loaded by all
+    "replicated_read_modify_write": [WAR],  # a layout that holds each element in several threads
     "block_pointer": [],  # Triton rewrites block pointers into tensors of pointers before this IR
 }
 
@@ -75,3 +76,41 @@ def test_names_reused_by_sibling_regions_are_told_apart():
 """
     (h,) = hazards(ttir)
     assert (h.kind, h.argument, h.first, h.second) == (RAW, "%b", ("k.py:2",), ("k.py:3",))
+
+
+BLOCKED_4 = "#ttg.blocked<{sizePerThread = [4], threadsPerWarp = [32], warpsPerCTA = [8], order = [0]}>"
+BLOCKED_1 = "#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [8], order = [0]}>"
+BLOCKED_2D = "#ttg.blocked<{sizePerThread = [1, 2], threadsPerWarp = [1, 32], warpsPerCTA = [4, 2], order = [1, 0]}>"
+
+
+def test_which_layouts_hold_an_element_in_more_than_one_thread():
+    """A blocked layout of 8 warps of 32 threads holds 128 elements twice each and 1,024 once; a 4 x 128 tile of
+    4 x 2 warps once; a slice of the dimension its warps span, in every warp along it; a linear layout with a lane
+    basis of zeros, in two lanes; one pointer, in every thread."""
+    from kernel_hazards import replicated
+
+    layouts = {"#b": BLOCKED_1, "#b2": BLOCKED_2D}
+    assert replicated("tensor<128x!tt.ptr<f32>, #b>", layouts)
+    assert not replicated("tensor<1024x!tt.ptr<f32>, #b>", layouts)
+    assert not replicated("tensor<4x128x!tt.ptr<f32>, #b2>", layouts)
+    assert replicated("tensor<128x!tt.ptr<f32>, #ttg.slice<{dim = 0, parent = #b2}>>", layouts)
+    linear = "#ttg.linear<{register = [[1]], lane = [[2], [0], [4], [8], [16]], warp = [[32], [64]], block = []}>"
+    assert replicated(f"tensor<128x!tt.ptr<f32>, {linear}>", layouts)
+    once = "#ttg.linear<{register = [[1]], lane = [[2], [32], [4], [8], [16]], warp = [[64]], block = []}>"
+    assert not replicated(f"tensor<128x!tt.ptr<f32>, {once}>", layouts)
+    assert replicated("!tt.ptr<f32>", layouts)
+
+
+def test_a_conversion_that_moves_elements_between_warps_orders_the_program():
+    """Four elements a thread to one (1,024 over 8 warps) moves most elements to another warp: Triton goes through
+    shared memory and a barrier of the program. The same layout, or a slice whose every element its target warp
+    already held, moves nothing between warps."""
+    from kernel_hazards import crosses_warps, warps_holding
+
+    layouts = {"#a": BLOCKED_4, "#b": BLOCKED_1}
+    assert crosses_warps("#a", "#b", [1024], layouts)
+    assert not crosses_warps("#a", "#a", [1024], layouts)
+    held = warps_holding("#a", [1024], layouts)
+    assert held[(0,)] == {0} and held[(127,)] == {0} and held[(128,)] == {1}
+    assert warps_holding("#b", [1024], layouts)[(32,)] == {1}
+    assert not crosses_warps("#a", "#b", [16], layouts)  # 16 elements: every warp holds all of them in both
