@@ -142,7 +142,8 @@ def pointer_from_an_integer(p, q, n, B: tl.constexpr):
 SAMPLES = (
     store_then_shifted_load, store_barrier_load, load_then_reversed_store, load_reduce_store, load_branch_store,
     read_modify_write, loop_compaction, loop_compaction_with_barriers, two_atomics, atomic_then_load,
-    scalar_store_then_load, scalar_read_modify_write, replicated_read_modify_write, block_pointer, pointer_from_an_integer,
+    scalar_store_then_load, scalar_read_modify_write, replicated_read_modify_write, block_pointer,
+    pointer_from_an_integer,
 )  # fmt: skip
 
 
