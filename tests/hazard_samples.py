@@ -1,8 +1,9 @@
 """Small Triton kernels with and without a memory hazard inside a program, for ``tests/test_kernel_hazards.py``.
 
 Run as a script in its own process (Triton decides when a kernel is defined whether it is interpreted, so this module
-is imported with ``TRITON_INTERPRET`` unset): each sample is compiled for an H100 (``sm_90``, no GPU needed) and
-:func:`kernel_hazards.hazards` read off its Triton GPU IR. Prints one JSON object:
+is imported with ``TRITON_INTERPRET`` unset): each sample is compiled for an H100 (``sm_90``, no GPU needed), some
+for an MI300X too (``gfx942``, whose loads and stores become buffer operations), and :func:`kernel_hazards.hazards`
+read off its Triton GPU IR. Prints one JSON object:
 each sample's name and the kinds of the hazards found, sorted, or ``"error: ..."`` where the analysis refused it.
 """
 
@@ -147,17 +148,26 @@ SAMPLES = (
 )  # fmt: skip
 
 
+#: the samples compiled for an MI300X too, whose Triton turns loads and stores into buffer operations
+AMD_SAMPLES = (store_then_shifted_load, load_then_reversed_store, read_modify_write, loop_compaction,
+               loop_compaction_with_barriers, two_atomics)  # fmt: skip
+
+
 def main() -> None:
-    target = GPUTarget("cuda", 90, 32)
     signature = {"p": "*fp32", "q": "*fp32", "n": "i32", "B": "constexpr"}
     report = {}
-    for fn in SAMPLES:
-        source = triton.compiler.ASTSource(fn, signature, {"B": 256})
-        ttgir = triton.compile(source, target=target).asm["ttgir"]
-        try:
-            report[fn.__name__] = sorted(h.kind for h in kernel_hazards.hazards(ttgir))
-        except ValueError as e:
-            report[fn.__name__] = f"error: {e}"
+    for target, samples, suffix in ((GPUTarget("cuda", 90, 32), SAMPLES, ""),
+                                    (GPUTarget("hip", "gfx942", 64), AMD_SAMPLES, "@gfx942")):  # fmt: skip
+        for fn in samples:
+            source = triton.compiler.ASTSource(fn, signature, {"B": 256})
+            ttgir = triton.compile(source, target=target).asm["ttgir"]
+            name = fn.__name__ + suffix
+            try:
+                report[name] = sorted(h.kind for h in kernel_hazards.hazards(ttgir))
+            except ValueError as e:
+                report[name] = f"error: {e}"
+            if suffix:  # whether Triton made buffer operations of its accesses
+                report[name + " buffer"] = "amdg.buffer_" in ttgir
     print(json.dumps(report))
 
 

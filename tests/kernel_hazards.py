@@ -11,7 +11,8 @@ barrier; on a GPU it is a wrong value now and then. :func:`hazards` finds them s
 each tensor's elements onto threads, and with loads where the software pipeliner moved them); it reads TTIR too,
 without layouts:
 
-* a **read after write**: a load (``tt.load``, or the pipeliner's ``ttg.async_copy_global_to_local``) whose pointer
+* a **read after write**: a load (``tt.load``, the pipeliner's ``ttg.async_copy_global_to_local``, or on AMD GPUs
+  ``amdg.buffer_load %base[%offsets]``, which reaches what its base and offsets do) whose pointer
   derives from the same kernel argument as a store or atomic earlier in program order (loops included: a store late
   in one iteration comes before a load early in the next), with no barrier between them on some path;
 * a **write after read**: a store or atomic through an argument that a load since the last barrier read, unless the
@@ -35,8 +36,8 @@ It knows nothing of offsets: two accesses through one argument at disjoint offse
 other rows, one block of a loop against the next) count as the same memory. The kernels put a barrier there rather
 than a proof (one ``bar.sync``, nothing against a program's work). Hazards between programs (each writes its own row
 and KV head) and between launches (ordered by the stream) are not its concern. An operation it cannot follow (a call
-that was not inlined, unstructured control flow, a pointer made from an integer) raises :class:`ValueError` rather
-than passing unchecked.
+that was not inlined, unstructured control flow, a pointer made from an integer, an operation on memory it does not
+know) raises :class:`ValueError` rather than passing unchecked.
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ from dataclasses import dataclass, field
 #: operations whose results carry no pointer, whatever their operands
 _DATA_RESULTS = {
     "tt.load", "tt.atomic_rmw", "tt.atomic_cas", "tt.ptr_to_int", "tt.reduce", "tt.scan",
-    "ttg.async_copy_global_to_local",
+    "ttg.async_copy_global_to_local", "amdg.buffer_load", "amdg.buffer_atomic_rmw", "amdg.buffer_atomic_cas",
 }  # fmt: skip
 #: a load of global memory; in TTGIR the software pipeliner's asynchronous copies into shared memory too, issued where
-#: the pipeliner put them (an iteration ahead), which is the order this check follows
-_LOADS = {"tt.load", "ttg.async_copy_global_to_local"}
-_WRITES = {"tt.store", "tt.atomic_rmw", "tt.atomic_cas"}
-_ATOMICS = {"tt.atomic_rmw", "tt.atomic_cas"}
+#: the pipeliner put them (an iteration ahead), which is the order this check follows, and on AMD GPUs the buffer
+#: loads Triton turns loads into (``amdg.buffer_load %base[%offsets]``)
+_LOADS = {"tt.load", "ttg.async_copy_global_to_local", "amdg.buffer_load"}
+_WRITES = {"tt.store", "tt.atomic_rmw", "tt.atomic_cas", "amdg.buffer_store", "amdg.buffer_atomic_rmw",
+           "amdg.buffer_atomic_cas"}  # fmt: skip
+_ATOMICS = {"tt.atomic_rmw", "tt.atomic_cas", "amdg.buffer_atomic_rmw", "amdg.buffer_atomic_cas"}
+#: operations of shared memory and of the pipeliner's bookkeeping, which touch no global memory
+_LOCAL = ("ttg.local_", "ttg.async_commit_group", "ttg.async_wait", "ttg.memdesc")
 _BARRIERS = {"gpu.barrier"}
 _REGIONS = {"scf.for", "scf.if", "tt.reduce", "tt.scan"}
 #: what the analysis cannot follow: memory reached another way, or control flow other than structured ifs and loops
@@ -82,6 +87,7 @@ class Op:
     scalar: bool = False
     shared: bool = False
     barrier: bool = False
+    address: str = ""
 
 
 @dataclass(frozen=True)
@@ -192,8 +198,17 @@ def parse(ttir: str) -> tuple[list[Op], dict[str, str], list[str]]:
         operands = [use(x) for x in _SSA.findall(rest if opens else rest.split(" : ")[0]) if _base(x) not in own]
         counter += 1
         op = Op(name, [define(r) for r in results], operands, loc, counter)
+        if re.search(r"load|store|atomic|copy", name) and not (
+            name in _LOADS or name in _WRITES or name.startswith(_LOCAL)
+        ):
+            raise ValueError(f"{name}: memory this analysis does not follow ({where(loc, locs)})")
         if name in _LOADS or name in _WRITES:  # "tt.load %p, %m : tensor<1024x!tt.ptr<f32>, #blocked3>"
             op.shared = replicated(_first_type(rest.split(" : ", 1)[-1]), layouts)
+            # what it accesses: its pointer, or a buffer operation's base and offsets ("%base[%offsets]")
+            buffer = re.search(r"(%[\w$.#-]+)\[(%[\w$.#-]+)\]", rest)
+            op.address = f"{use(buffer.group(1))}[{use(buffer.group(2))}]" if buffer else operands[0]
+            if buffer:  # the base first: what the access's argument is read from
+                operands.insert(0, use(buffer.group(1)))
         op.barrier = name in _BARRIERS
         if name == "ttg.convert_layout":  # "%y = ttg.convert_layout %x : tensor<1024xf32, #a> -> tensor<..., #b>"
             source, _, target = rest.split(" : ", 1)[-1].partition(" -> ")
@@ -241,14 +256,15 @@ def _bases(text: str, name: str) -> list[list[int]]:
 
 
 def replicated(ptr_type: str, layouts: dict[str, str]) -> bool:
-    """Whether an access through pointers of this type reaches an element from more than one thread: one pointer
+    """Whether an access through pointers of this type (or of this data type: an AMD buffer operation's) reaches an
+    element from more than one thread: one pointer
     (every thread holds it), or a tensor whose layout replicates elements over threads or warps (a blocked layout
     whose threads and warps span more than the shape; a linear layout with a lane or warp basis of zeros; a slice of
     a dimension that threads or warps span). Unknown layouts count as replicating. TTIR has no layouts: its tensors
     count as not replicating."""
     if ptr_type.startswith("!tt.ptr"):
         return True
-    m = re.match(r"^tensor<([\dx]+)x!tt\.ptr<[^>]*>(?:,\s*(.*))?>$", ptr_type)
+    m = re.match(r"^tensor<(\d+(?:x\d+)*)x(?:!tt\.ptr<[^>]*>|[a-z]\w*)(?:,\s*(.*))?>$", ptr_type)
     if not m:
         return True
     shape = [int(x) for x in m.group(1).split("x")]
@@ -433,10 +449,11 @@ def hazards(ttir: str) -> list[Hazard]:
     found: dict[tuple, Hazard] = {}
 
     def access(op: Op) -> tuple[str, set[str]]:
-        p = op.operands[0] if op.operands else ""
-        if not ptr.get(p):
+        """What the access reaches (one pointer value, or a buffer's base and offsets), and its arguments."""
+        base = op.operands[0] if op.operands else ""
+        if not ptr.get(base):
             raise ValueError(f"{op.name} through a pointer of no argument ({where(op.loc, locs)})")
-        return p, ptr[p]
+        return op.address, ptr[base]
 
     def after(operands: list[str]) -> set[int]:
         out: set[int] = set()

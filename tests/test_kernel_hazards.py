@@ -45,7 +45,15 @@ def test_the_hazard_check_finds_the_known_hazards_and_only_those():
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     refused = found.pop("pointer_from_an_integer")
+    # an MI300X's Triton makes buffer operations (amdg.buffer_load %base[%offsets]) of loads and stores: the same
+    # answers through them
+    amd = {name: found.pop(name) for name in list(found) if "@gfx942" in name}
     assert found == EXPECTED
+    for name, kinds in amd.items():
+        if name.endswith(" buffer"):
+            assert kinds is True, name
+        else:
+            assert kinds == EXPECTED[name.removesuffix("@gfx942")], name
     # a pointer the analysis cannot trace to an argument is refused, not passed as checked
     assert refused.startswith("error: tt.int_to_ptr"), refused
 
