@@ -70,29 +70,31 @@ def read_modify_write(p, q, n, B: tl.constexpr):
 
 
 @triton.jit
-def loop_compaction(p, q, n, B: tl.constexpr):
+def _compact(p, n, B: tl.constexpr, BARRIERS: tl.constexpr):
+    """The order buffer's compaction (``triton_wide._drop_evicted``): positive entries moved to the front, a block at
+    a time, with or without its barriers."""
     i = tl.arange(0, B)
     kept = tl.sum(tl.zeros([B], tl.int32), 0)
     for i0 in range(0, n, B):
         x = tl.load(p + i0 + i, mask=i0 + i < n, other=0.0)
         keep = (x > 0).to(tl.int32)
         at = kept + tl.cumsum(keep, 0) - keep  # the sum carried from earlier blocks settles none of this block
+        if BARRIERS:
+            tl.debug_barrier()
         tl.store(p + at, x, mask=keep != 0)
+        if BARRIERS:
+            tl.debug_barrier()
         kept += tl.sum(keep, 0)
 
 
 @triton.jit
+def loop_compaction(p, q, n, B: tl.constexpr):
+    _compact(p, n, B, False)
+
+
+@triton.jit
 def loop_compaction_with_barriers(p, q, n, B: tl.constexpr):
-    i = tl.arange(0, B)
-    kept = tl.sum(tl.zeros([B], tl.int32), 0)
-    for i0 in range(0, n, B):
-        x = tl.load(p + i0 + i, mask=i0 + i < n, other=0.0)
-        keep = (x > 0).to(tl.int32)
-        at = kept + tl.cumsum(keep, 0) - keep
-        tl.debug_barrier()
-        tl.store(p + at, x, mask=keep != 0)
-        tl.debug_barrier()
-        kept += tl.sum(keep, 0)
+    _compact(p, n, B, True)
 
 
 @triton.jit
