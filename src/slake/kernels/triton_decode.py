@@ -248,9 +248,9 @@ def _evict_attend_kernel(
         ksum2 = ksum + kv_k * cf  # [k c, c]^T [v, 1] (LinearState.fold_buffered)
         vsum2 = vsum + cf * kv_v
         cnt2 = cnt + cf
-        # every thread's reads of the row and column done before any is written (the writes and the atomic adds below
-        # are elsewhere in the state, or the reading thread's own element, but a thread may hold a copy of another's:
-        # tests/kernel_hazards.py checks accesses by argument)
+        # every thread's reads of the row, column and count done before any is written back: a layout may give an
+        # element to threads of two warps (128 over 8 warps' 256 threads), and one that loaded after the other's store
+        # would fold the victim in twice (a race tests/kernel_hazards.py found in the compiled kernel)
         tl.debug_barrier()
         tl.store(abase + dd * a_si + D * a_sj, ksum2, mask=dmask & chosen)
         tl.store(abase + D * a_si + dd * a_sj, vsum2, mask=dmask & chosen)
