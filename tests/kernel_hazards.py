@@ -57,7 +57,6 @@ _DATA_RESULTS = {
 _LOADS = {"tt.load", "ttg.async_copy_global_to_local", "amdg.buffer_load"}
 _WRITES = {"tt.store", "tt.atomic_rmw", "tt.atomic_cas", "amdg.buffer_store", "amdg.buffer_atomic_rmw",
            "amdg.buffer_atomic_cas"}  # fmt: skip
-_ATOMICS = {"tt.atomic_rmw", "tt.atomic_cas", "amdg.buffer_atomic_rmw", "amdg.buffer_atomic_cas"}
 #: operations of shared memory and of the pipeliner's bookkeeping, which touch no global memory
 _LOCAL = ("ttg.local_", "ttg.async_commit_group", "ttg.async_wait", "ttg.memdesc")
 _BARRIERS = {"gpu.barrier"}
