@@ -78,6 +78,10 @@ def _helper_calls_keep_the_launch_patch() -> None:
 
 
 _helper_calls_keep_the_launch_patch()
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import kernel_bounds  # noqa: E402
+
+    kernel_bounds.install()
 
 
 #: test processes running side by side (pytest-xdist's workers; 1 without it)

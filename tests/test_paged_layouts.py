@@ -81,6 +81,30 @@ def test_reader_returns_what_the_writer_wrote(layout, kind, dtype):
     torch.testing.assert_close(layout.select_keys(gk, slots), keys.gather(2, slots[..., None].expand(-1, -1, -1, D)))
 
 
+@pytest.mark.parametrize("layout, kind", CASES, ids=IDS)
+def test_kernel_memory_views_are_the_entries_the_kernels_address(layout, kind):
+    """The keys and values the fused kernels get are views whose elements at (block, head, offset, dim), by the
+    strides the layout gives, are the entries :meth:`PagedLayout.read` reads, and whose extent covers exactly what
+    the kernels address: Triton's interpreter checks every access against its argument's extent
+    (``tests/kernel_bounds.py``), and the CPU layout's values were once a one-element view addressed past its end."""
+    g = torch.Generator().manual_seed(1)
+    kv = _cache(kind)
+    tables = torch.tensor([[NB - 1, 2], [0, 9]])  # the last block: the end of the values' view
+    n = 2 * BS
+    keys, values = _fill(layout, kv, tables, n, g)
+    k_mem, v_mem, ks, vs = layout.kernel_memory(kv)
+    for mem, strides, want in ((k_mem, ks, keys), (v_mem, vs, values)):
+        assert mem.data_ptr() >= kv.data_ptr()
+        got = mem.as_strided((NB, H, BS, D), strides, mem.storage_offset())  # element (b, h, o, i), as addressed
+        blocks = tables[:, :, None].expand(-1, -1, BS).reshape(2, n)
+        offsets = torch.arange(BS).repeat(2)
+        picked = got[blocks, :, offsets]  # (R, n, H, D)
+        assert torch.equal(picked.permute(0, 2, 1, 3), want)
+        last = sum((size - 1) * stride for size, stride in zip((NB, H, BS, D), strides))
+        extent = sum((size - 1) * stride for size, stride in zip(mem.shape, mem.stride()))
+        assert extent >= last  # the view holds the farthest element the kernels read
+
+
 def test_flash_layout_stores_where_flash_attention_reads():
     """FlashAttention's forward (vLLM 0.32) reads ``kv_cache.transpose(1, 2).split(d, dim=-1)``: key and value caches
     ``(num_blocks, block_size, Hkv, d)``; in the default NHD memory order a slot's heads lie next to each other."""

@@ -202,11 +202,12 @@ class CpuAttnLayout(PagedLayout):
     def kernel_memory(
         self, kv_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
-        _, _, bs, d2 = kv_cache.shape
+        nb, H, bs, d2 = kv_cache.shape
         d = d2 // 2
         sb, sh = kv_cache.stride(0), kv_cache.stride(1)
-        # the values follow the (d, block_size) keys of a block and head: a view starting there
-        values = kv_cache.as_strided((1,), (1,), kv_cache.storage_offset() + bs * d)
+        # the values follow the (d, block_size) keys of a block and head: a view starting there, of exactly the
+        # elements the kernels address (not a one-element base whose reads run past its end)
+        values = kv_cache.as_strided((nb, H, bs, d), (sb, sh, d, 1), kv_cache.storage_offset() + bs * d)
         return kv_cache, values, (sb, sh, 1, bs), (sb, sh, d, 1)
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
