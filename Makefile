@@ -18,7 +18,7 @@ VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
 .PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm setup-oldest test-oldest \
-        warm-cache
+        warm-cache sanitizer-wheel
 
 $(BIN)/slake: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -117,6 +117,16 @@ ifeq ($(WARM_KEY),)
 else
 	$(BIN)/python -m benchmarks.warm_cache build --key-file $(WARM_KEY)
 endif
+
+# NVIDIA's compute-sanitizer, for the GPU session's `sanitize` part (benchmarks/gpu_session.sh): its wheel from PyPI
+# into .warm-cache/, which a session carries beside Triton's cache (18 MB). 13.5.25 is the first of the CUDA 13 wheels
+# that ship the tool's launcher (TreeLauncherSubreaper) beside the binary; the earlier ones hold the API's libraries
+# and a binary that cannot start a target. The GPU machine has driver 580 (CUDA 13.0).
+SANITIZER_VERSION ?= 13.5.25
+sanitizer-wheel: setup
+	rm -f .warm-cache/nvidia_cuda_sanitizer_api*.whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_25_x86_64 -d .warm-cache \
+	    "nvidia-cuda-sanitizer-api==$(SANITIZER_VERSION)"
 
 # Regenerate tests/fixtures/reference (docs/faithfulness.md): our methods and the authors' code on the same captured
 # tensors. Needs a virtual environment with kvpress (KVPRESS_VENV) and checkouts of the authors' repositories at the

@@ -5,14 +5,14 @@
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
 # PART: short | short2 | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
-#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | append-only | all
+#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | append-only | sanitize | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 530) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|append-only|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|append-only|sanitize|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 # every compilation of slake's kernels in this call, logged (slake.kernels.compile_log): the next build of Triton's
@@ -140,11 +140,71 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "$py" -m benchmarks pool-gpu --methods snapkv,slake --budget 1024 --requests 1 --contexts 8192 \
             --kernels torch > "$out/pool_step_torch_1024.jsonl"
         ;;
+    sanitize)
+        sanitize
+        ;;
     *)
         echo "unknown part: $name" >&2
         return 2
         ;;
     esac
+}
+
+# compute-sanitizer, unpacked from the wheel carried beside the warm cache (`make sanitizer-wheel` puts NVIDIA's
+# nvidia-cuda-sanitizer-api wheel in .warm-cache/; run's carry names it), with the files' modes (the launcher execs
+# its helpers); prints the binary's path
+sanitizer() {
+    local whl dir=${SANITIZER_DIR:-/tmp/slake-sanitizer} bin
+    bin=$(find "$dir" -path '*/compute-sanitizer/compute-sanitizer' -type f 2>/dev/null | head -n 1)
+    if [ -z "$bin" ]; then
+        whl=$(ls .warm-cache/nvidia_cuda_sanitizer_api*.whl 2>/dev/null | tail -n 1)
+        [ -n "$whl" ] || return 1
+        rm -rf "$dir" && mkdir -p "$dir" || return 1
+        "$py" - "$whl" "$dir" <<'UNPACK' || return 1
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for info in wheel.infolist():
+        path = wheel.extract(info, sys.argv[2])
+        if info.external_attr >> 16:
+            os.chmod(path, (info.external_attr >> 16) & 0o777)
+UNPACK
+        bin=$(find "$dir" -path '*/compute-sanitizer/compute-sanitizer' -type f | head -n 1)
+        [ -n "$bin" ] || return 1
+    fi
+    echo "$bin"
+}
+
+# The kernels' tests on the GPU under compute-sanitizer, one tool after another, each within SANITIZE_SECONDS
+# (default 90): memcheck (every access inside an allocation: the caching allocator off, so that each tensor is its
+# own), initcheck (no read of device memory before a write), synccheck and racecheck (barriers and shared memory,
+# Triton's own). The interpreter's bounds check (tests/kernel_bounds.py) and the barriers read off the compiler
+# (tests/kernel_hazards.py) are what make test checks of these without a GPU. Each tool's report is
+# OUT/sanitize_TOOL.txt, its tests' output OUT/sanitize_TOOL_pytest.txt.
+sanitize() {
+    local san tool rc tests status=0
+    if ! san=$(sanitizer); then
+        echo "== no compute-sanitizer: carry .warm-cache/nvidia_cuda_sanitizer_api*.whl (make sanitizer-wheel)"
+        return 1
+    fi
+    "$san" --version | tail -n 1
+    for tool in memcheck initcheck synccheck racecheck; do
+        tests=(tests/test_fused_decode.py::test_fused_step_equals_the_torch_step_for_every_method
+            tests/test_fused_decode.py::test_fused_pool_step_equals_the_torch_pool_step tests/test_dense_attention.py)
+        case $tool in synccheck | racecheck)
+            tests=("tests/test_fused_decode.py::test_fused_step_equals_the_torch_step_for_every_method[slake]"
+                "tests/test_fused_decode.py::test_fused_step_equals_the_torch_step_for_every_method[criticalkv]") ;;
+        esac
+        echo "== sanitize $tool $(date -u +%H:%M:%S)"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 5 "${SANITIZE_SECONDS:-90}" "$san" --tool "$tool" \
+            --error-exitcode 9 --print-limit 20 --log-file "$out/sanitize_$tool.txt" \
+            "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" > "$out/sanitize_${tool}_pytest.txt" 2>&1
+        rc=$?
+        echo "== $tool: exit $rc (0: clean; 9: the tool reported an error; 124: out of time; else a test failed)"
+        tail -n 4 "$out/sanitize_$tool.txt" 2>/dev/null
+        tail -n 2 "$out/sanitize_${tool}_pytest.txt"
+        [ $rc -eq 0 ] || status=1
+    done
+    return $status
 }
 
 # short: the parts that decide issue 32's targets, most telling first, each started only if its estimate fits

@@ -96,3 +96,47 @@ def test_the_warm_cache_commands_parse():
             parser().parse_args(shlex.split(words.replace("$TRITON_CACHE_DIR", "/tmp/x")))
         except SystemExit:
             pytest.fail(f"its parser rejects: {words}")
+
+
+def test_the_sanitize_part_unpacks_the_carried_wheel_and_runs_each_tool(tmp_path):
+    """``sanitize`` with a stand-in for NVIDIA's wheel (the tool's layout: ``compute-sanitizer/compute-sanitizer``
+    beside its launcher, modes in the zip): unpacked with its modes, run once per tool with the tests it names, and
+    each exit status logged. The stand-in records its arguments and environment instead of running the tests."""
+    import os
+    import zipfile
+
+    fake = "\n".join([
+        "#!/bin/sh",
+        'echo "$PYTORCH_NO_CUDA_MEMORY_CACHING $*" >> "$SANITIZER_CALLS"',
+        '[ "$1" = --version ] && echo "Version 0"',
+        "exit 0",
+    ])  # fmt: skip
+    cache = tmp_path / ".warm-cache"
+    cache.mkdir()
+    with zipfile.ZipFile(cache / "nvidia_cuda_sanitizer_api-0.0-py3-none-any.whl", "w") as wheel:
+        for name, text in (("nvidia/cu13/compute-sanitizer/compute-sanitizer", fake),
+                           ("nvidia/cu13/compute-sanitizer/TreeLauncherSubreaper", "#!/bin/sh\n")):  # fmt: skip
+            info = zipfile.ZipInfo(name)
+            info.external_attr = 0o755 << 16
+            wheel.writestr(info, text)
+    calls = tmp_path / "calls.txt"
+    env = dict(os.environ, SANITIZER_DIR=str(tmp_path / "unpacked"), SANITIZER_CALLS=str(calls), SANITIZE_SECONDS="30")
+    run = subprocess.run(["bash", str(SCRIPT), "sanitize", str(tmp_path / "out")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert os.access(tmp_path / "unpacked/nvidia/cu13/compute-sanitizer/TreeLauncherSubreaper", os.X_OK)
+    lines = calls.read_text().splitlines()
+    assert lines[0].endswith("--version")
+    tools = [re.search(r"--tool (\w+)", line).group(1) for line in lines[1:]]
+    assert tools == ["memcheck", "initcheck", "synccheck", "racecheck"]
+    for line in lines[1:]:
+        assert line.startswith("1 ") and "-m pytest" in line  # the caching allocator off, the tests as the target
+    assert "test_fused_pool_step_equals_the_torch_pool_step" in lines[1] and "[slake]" in lines[3]
+    log = (tmp_path / "out" / "sanitize.log").read_text()
+    assert log.count(": exit 0 ") == 4, log
+    # without a carried wheel the part says what to carry and fails
+    (cache / "nvidia_cuda_sanitizer_api-0.0-py3-none-any.whl").unlink()
+    env["SANITIZER_DIR"] = str(tmp_path / "elsewhere")
+    run = subprocess.run(["bash", str(SCRIPT), "sanitize", str(tmp_path / "out2")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert run.returncode != 0 and "make sanitizer-wheel" in run.stdout
