@@ -7,7 +7,8 @@ so a kernel whose mask lets one element past its row passes its equality tests h
 happen to be masked out later, or whenever what it overwrites is not compared.
 
 :func:`install` wraps the interpreter's memory operations (its builder's masked load and store, atomic add and
-compare-and-swap; an unmasked load or store is a masked one with every lane on) and its launches. A launch records
+compare-and-swap; an unmasked load or store, a block pointer's and a tensor descriptor's are masked ones with their
+lanes worked out) and its launches. A launch records
 the span of bytes of each tensor argument (from its first element to one past its last, by its sizes and strides),
 and every access of that launch must fall, with all of its active lanes, inside the span of one argument, at an
 address aligned to its element's size. An access that does not stops the launch before it touches memory, with the
@@ -64,6 +65,9 @@ def launch_spans(names, values) -> list[Span] | None:
     def add(name, value) -> bool:
         if isinstance(value, tuple):
             return all(add(f"{name}[{i}]", v) for i, v in enumerate(value))
+        base = getattr(value, "base", None)  # a tensor descriptor: its loads and stores address its base tensor
+        if not hasattr(value, "data_ptr") and hasattr(base, "data_ptr"):
+            value = base
         if not hasattr(value, "data_ptr") or not hasattr(value, "stride"):
             return True
         if value.device.type != "cpu":
@@ -147,21 +151,21 @@ def install() -> bool:
     atomic_cas = builder.create_atomic_cas
     call = executor.__call__
 
-    def checked_load(self, ptrs, mask, other, *rest):
+    def checked_load(self, ptrs, mask, other, *rest, **named):
         check_access("load", ptrs.data, mask.data, _itemsize(ptrs))
-        return masked_load(self, ptrs, mask, other, *rest)
+        return masked_load(self, ptrs, mask, other, *rest, **named)
 
-    def checked_store(self, ptrs, value, mask, *rest):
+    def checked_store(self, ptrs, value, mask, *rest, **named):
         check_access("store", ptrs.data, mask.data, _itemsize(ptrs))
-        return masked_store(self, ptrs, value, mask, *rest)
+        return masked_store(self, ptrs, value, mask, *rest, **named)
 
-    def checked_rmw(self, rmw_op, ptr, val, mask, *rest):
+    def checked_rmw(self, rmw_op, ptr, val, mask, *rest, **named):
         check_access("atomic", ptr.data, mask.data, _itemsize(ptr))
-        return atomic_rmw(self, rmw_op, ptr, val, mask, *rest)
+        return atomic_rmw(self, rmw_op, ptr, val, mask, *rest, **named)
 
-    def checked_cas(self, ptr, cmp, val, *rest):
+    def checked_cas(self, ptr, cmp, val, *rest, **named):
         check_access("atomic_cas", ptr.data, None, _itemsize(ptr))
-        return atomic_cas(self, ptr, cmp, val, *rest)
+        return atomic_cas(self, ptr, cmp, val, *rest, **named)
 
     def checked_call(self, *args, **kwargs):
         named = inspect.getfullargspec(self.fn).args  # as GridExecutor.__call__ drops Triton's launch options

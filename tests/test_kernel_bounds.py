@@ -45,6 +45,22 @@ def _scalar(x_ptr, y_ptr, i):
     tl.store(y_ptr, tl.load(x_ptr + i))
 
 
+@triton.jit
+def _block_copy(x_ptr, y_ptr, n, CHECK: tl.constexpr, B: tl.constexpr):
+    src = tl.make_block_ptr(x_ptr, shape=(n,), strides=(1,), offsets=(0,), block_shape=(B,), order=(0,))
+    dst = tl.make_block_ptr(y_ptr, shape=(n,), strides=(1,), offsets=(0,), block_shape=(B,), order=(0,))
+    if CHECK:
+        tl.store(dst, tl.load(src, boundary_check=(0,), padding_option="zero"), boundary_check=(0,))
+    else:
+        tl.store(dst, tl.load(src))
+
+
+@triton.jit
+def _descriptor_copy(x_desc, y_ptr, B: tl.constexpr):
+    o = tl.arange(0, B)
+    tl.store(y_ptr + o, x_desc.load([0]))
+
+
 def _stopped(launch) -> str:
     with pytest.raises(Exception) as info:
         launch()
@@ -111,3 +127,15 @@ def test_launches_on_other_devices_are_not_checked():
     assert kernel_bounds.launch_spans(["x"], [torch.zeros(2, device="meta")]) is None
     spans = kernel_bounds.launch_spans(["x", "n", "pair"], [torch.zeros(2), 3, (torch.zeros(1), torch.zeros(2))])
     assert [s.name for s in spans] == ["x", "pair[0]", "pair[1]"]
+
+
+def test_block_pointers_and_tensor_descriptors_are_checked():
+    x, y = torch.arange(6.0), torch.zeros(6)
+    _block_copy[(1,)](x, y, 6, CHECK=True, B=8)  # the block's last two lanes are outside its shape: masked
+    assert torch.equal(y, x)
+    assert "_block_copy: load" in _stopped(lambda: _block_copy[(1,)](x, y, 6, CHECK=False, B=8))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x, y = torch.arange(8.0), torch.zeros(8)
+    _descriptor_copy[(1,)](TensorDescriptor.from_tensor(x, [8]), y, B=8)  # its loads address the base tensor
+    assert torch.equal(y, x)
