@@ -78,10 +78,14 @@ def _helper_calls_keep_the_launch_patch() -> None:
 
 
 _helper_calls_keep_the_launch_patch()
-if os.environ.get("TRITON_INTERPRET") == "1":
+if os.environ.get("TRITON_INTERPRET") == "1":  # every kernel's loads and stores within its launch's tensors
     import kernel_bounds  # noqa: E402
 
     kernel_bounds.install()
+
+import scratch_poison  # noqa: E402
+
+scratch_poison.install()  # slake's uninitialised tensors hold NaN and -1, not the zeros fresh CPU pages hold
 
 
 #: test processes running side by side (pytest-xdist's workers; 1 without it)
