@@ -15,6 +15,24 @@ import torch
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+
+def _fill_slakes_scratch() -> None:
+    """As in ``make test`` (``tests/scratch_poison.py``): every uninitialised tensor slake's modules allocate holds
+    NaN or -1 until written, so that the plugin's steps inside vLLM show a read of scratch before its write."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "scratch_poison", Path(__file__).resolve().parents[1] / "tests" / "scratch_poison.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()
+
+
+_fill_slakes_scratch()
+
 BUDGET = 64
 NEW_TOKENS = 24
 #: prompt lengths of the batch: compressed ones of different lengths, two of the same length with different tokens,
