@@ -15,7 +15,8 @@
   with the validity as its mask, rows of 1 to 700 slots, head sizes 8 to 96, random validity.
 
 In the interpreter every load and store of every kernel is checked to stay within the tensor arguments of its
-launch (:mod:`kernel_bounds`), as in ``make test``.
+launch (:mod:`kernel_bounds`), and slake's uninitialised CPU tensors hold NaN and -1 until written
+(:mod:`scratch_poison`), as in ``make test``.
 
 Each case prints one line (``ok`` or ``FAIL`` with its configuration, which ``--only`` reruns alone); the exit status
 is the number of failed cases (at most 100). A step case whose two paths first differ by evicting two slots whose
@@ -45,11 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import kernel_bounds  # noqa: E402
+import scratch_poison  # noqa: E402
 import test_dense_attention as dense_tests  # noqa: E402
 import test_fused_decode as step_tests  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # every access of every kernel within its arguments (as in make test)
     kernel_bounds.install()
+scratch_poison.install()  # slake's uninitialised CPU tensors hold NaN and -1 until written (as in make test)
 
 #: variants beside the methods' defaults: orders of eviction, the linear term, per-head budgets, two stages
 VARIANTS = [
