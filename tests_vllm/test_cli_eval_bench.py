@@ -113,3 +113,14 @@ def test_bench_engine_vllm_refuses_what_it_cannot_honour(tmp_path):
     ):
         done = _slake("bench", "--engine", "vllm", "--lengths", "512", "--out", str(tmp_path), *extra)
         assert done.returncode == 2 and msg in done.stderr, done.stderr[-2000:]
+
+
+def test_eval_engine_vllm_refuses_lengths_beyond_the_models_context(tmp_path):
+    """The default model's context is 8,192 tokens: a 9,000-token sample is refused before vLLM starts, in slake's
+    words, and with --allow-long-context as an option vLLM cannot honour."""
+    args = [*EVAL[:6], "9000", *EVAL[7:], "--engine", "vllm", "--out", str(tmp_path / "run")]
+    done = _slake(*args)
+    assert done.returncode == 2 and "beyond the model's context of 8192 tokens" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run" / "results.jsonl").exists() or not (tmp_path / "run" / "results.jsonl").read_text()
+    done = _slake(*args, "--allow-long-context")
+    assert done.returncode == 2 and "--allow-long-context" in done.stderr and "rotary" in done.stderr

@@ -71,15 +71,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from slake import __version__
+    from slake.engines.context import check_context, context_limit
     from slake.engines.transformers.models import load_model
     from slake.methods.profiles import model_identity, write_entry
     from slake.quality.calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
 
     methods, budgets = _check_args(args)  # before the slow model load
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
-    ctx = getattr(model.config, "max_position_embeddings", None)
-    if ctx and args.length + args.tokens > ctx:
-        raise ValueError(f"--length {args.length} + --tokens {args.tokens} exceeds the model's context ({ctx})")
+    check_context(context_limit(model.config), args.length, args.tokens, what="--length gives", can_allow=False)
     identity = model_identity(model)
     print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}", file=sys.stderr)
     ref = calibration_reference(model, tokenizer, args.length, args.samples, args.tokens, args.seed)

@@ -126,6 +126,12 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "output-level distance to the full cache to each row (kl, delta_nll, top1, kl_tokens), as "
         "'slake fidelity' measures it; costs about one more decode per pair",
     )
+    p.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="run prompts whose tokens plus --max-new-tokens reach past the model's context "
+        "(max_position_embeddings), where answers degrade; refused otherwise, before anything runs",
+    )
     add_engine_arg(p, "generate")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, summary.md/csv, plots)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -184,6 +190,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         kv_dtype=kv_dtype,
         prefill_cache=args.prefill_cache,
         fidelity=args.fidelity,
+        allow_long_context=args.allow_long_context,
     )
     tasks = split_list(args.tasks, "--tasks") if args.tasks else None
     plan = plan_suite(
@@ -203,6 +210,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         kv_dtype=kv_dtype,
         prefill_cache=args.prefill_cache,
         fidelity=args.fidelity,
+        allow_long_context=args.allow_long_context,
     )
     evaluate_suite(
         engine,

@@ -61,6 +61,7 @@ def add_fidelity_parser(sub: Any) -> None:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    from slake.engines.context import check_context, context_limit
     from slake.engines.transformers.generate import format_prompt
     from slake.engines.transformers.models import load_model
     from slake.methods.base import parse_method_list
@@ -87,6 +88,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         text = sample.context + sample.question
     ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(model.device)
+    limit = context_limit(model.config)
+    check_context(limit, int(ids.shape[1]), args.steps, what="the prompt has", can_allow=False)
+    if args.output_tokens:
+        check_context(limit, args.length, args.output_tokens, what="each output-level prompt has", can_allow=False)
     print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...", file=sys.stderr)
     rec = fidelity.record(model, ids, args.steps)
     rows = []

@@ -104,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_dtype=kv_dtype,
         compile=args.compile,
         kernels=None if args.kernels == "auto" else args.kernels,
+        allow_long_context=args.allow_long_context,
     )
     engine.check_pair(make_method(args.method, **hyper), budget)
     res = engine.generate(

@@ -11,6 +11,7 @@ The operations:
 * :meth:`Engine.check` - refuse unsupported options (and a missing installation) before any load;
 * :meth:`Engine.check_pair` - refuse a (method, budget) pair the engine cannot run;
 * :attr:`Engine.tokenizer` - the model's tokenizer (loads it, and for the transformers engine the model);
+* :attr:`Engine.context_limit` - the model's context in tokens, beyond which prompts are refused unless allowed;
 * :meth:`Engine.generate` - one prompt, one method and budget, a :class:`slake.engines.result.GenerationResult`;
 * :meth:`Engine.evaluate` - token-id prompts times (method, budget) pairs, one :class:`EvalOutput` each;
 * :meth:`Engine.bench` - a benchmark plan, its rows and a markdown table (files written under the plan's folder);
@@ -122,6 +123,9 @@ class EvalOptions:
     #: also measure each compressed pair's output-level distance to the full cache (``--fidelity``; engines with
     #: ``supports_fidelity``)
     fidelity: bool = False
+    #: run prompts whose tokens plus the new ones reach past the model's context (``--allow-long-context``), which
+    #: are refused otherwise (:mod:`slake.engines.context`)
+    allow_long_context: bool = False
 
 
 @dataclass
@@ -275,6 +279,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def tokenizer(self) -> Any:
         """The model's tokenizer."""
+
+    @property
+    @abc.abstractmethod
+    def context_limit(self) -> int | None:
+        """The model's context in tokens (its ``max_position_embeddings``), None when its configuration has none;
+        :func:`slake.eval.runner.evaluate_suite` refuses prompts beyond it (:mod:`slake.engines.context`)."""
 
     @property
     def model_name(self) -> str:

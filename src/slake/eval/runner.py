@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from slake.budgets.budget import Budget
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest, Pair
+from slake.engines.context import check_context
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.prompts import build_prompt, has_chat_template
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "build_row",
     "check_pairs",
+    "check_requests_fit",
     "decode_text",
     "encode_sample",
     "evaluate_suite",
@@ -202,6 +204,26 @@ def build_row(
     return row
 
 
+def check_requests_fit(requests: Sequence[EvalRequest], samples: Sequence[Sample], limit: int | None) -> None:
+    """Raise ValueError, before anything runs, when a request's prompt plus its new tokens reach past the model's
+    context ``limit`` (:mod:`slake.engines.context`): its scores would measure the model beyond what it was trained
+    on, not the method. The message names the longest such sample and how many there are."""
+    if limit is None:
+        return
+    over = [r for r in requests if len(r.prefill_ids) + len(r.question_ids) + r.max_new_tokens > limit]
+    if not over:
+        return
+    worst = max(over, key=lambda r: len(r.prefill_ids) + len(r.question_ids) + r.max_new_tokens)
+    others = f" ({len(over)} of the {len(requests)} samples to run are)" if len(over) > 1 else ""
+    sample = samples[worst.key]
+    check_context(
+        limit,
+        len(worst.prefill_ids) + len(worst.question_ids),
+        worst.max_new_tokens,
+        what=f"sample {sample.sample_id!r} (length {target_length(sample)}){others} has",
+    )
+
+
 def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full: bool) -> list[Pair]:
     pairs: list[Pair] = [(FULL_METHOD, None)] if include_full else []
     return pairs + [(m, b) for m in methods for b in budgets]
@@ -256,8 +278,10 @@ def evaluate_suite(
         Show a tqdm progress bar over the generations, with the estimated time left
         (:class:`slake.eval.progress.TimeLeft`).
     options : EvalOptions, optional
-        Question-agnostic prompts, chunked prefill, batch size, 8-bit storage, a prefill cache, fidelity rows
-        (:class:`EvalOptions`); the engine refuses what it cannot honour
+        Question-agnostic prompts, chunked prefill, batch size, 8-bit storage, a prefill cache, fidelity rows,
+        prompts beyond the model's context (:class:`EvalOptions`: without ``allow_long_context``, a prompt whose
+        tokens plus its new ones exceed :attr:`~slake.engines.base.Engine.context_limit` is refused before anything
+        runs, :func:`check_requests_fit`); the engine refuses what it cannot honour
         (:meth:`slake.engines.base.Engine.check`). ``kv_dtype`` and ``fidelity`` are not part of the resume key:
         write runs with different ``kv_dtype`` to different directories, and rows resumed from a run without
         ``fidelity`` have no distance fields.
@@ -298,6 +322,7 @@ def evaluate_suite(
         kv_dtype=opts.kv_dtype,
         prefill_cache=opts.prefill_cache,
         fidelity=opts.fidelity,
+        allow_long_context=opts.allow_long_context,
     )
     pairs = _pairs(method_names, budget_values, include_full)
     name = model_name or engine.model_name
@@ -342,6 +367,8 @@ def evaluate_suite(
                     pairs=todo,
                 )
             )
+        if not opts.allow_long_context:
+            check_requests_fit(requests, samples, engine.context_limit)
         left = TimeLeft(requests)
         bar = tqdm(
             total=sum(len(r.pairs) for r in requests),
@@ -390,14 +417,15 @@ def run_suite(
     kv_dtype: str | None = None,
     prefill_cache: str | os.PathLike[str] | None = None,
     fidelity: bool = False,
+    allow_long_context: bool = False,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """:func:`evaluate_suite` on a loaded transformers model (the Python API's shortcut).
 
     ``model`` is prepared for slake (:func:`slake.load_model` or :func:`slake.prepare_model`); the model name of the
     rows is ``model_name`` if given, else ``config._name_or_path``. ``query_aware``, ``prefill_chunk``,
-    ``batch_size``, ``kv_dtype``, ``prefill_cache`` and ``fidelity`` form the :class:`EvalOptions`; ``kwargs`` are
-    those of :func:`evaluate_suite`.
+    ``batch_size``, ``kv_dtype``, ``prefill_cache``, ``fidelity`` and ``allow_long_context`` form the
+    :class:`EvalOptions`; ``kwargs`` are those of :func:`evaluate_suite`.
     """
     from slake.engines.transformers import TransformersEngine
 
@@ -409,5 +437,6 @@ def run_suite(
         kv_dtype=kv_dtype,
         prefill_cache=None if prefill_cache is None else str(prefill_cache),
         fidelity=fidelity,
+        allow_long_context=allow_long_context,
     )
     return evaluate_suite(engine, samples, methods, budgets, out_dir, options=options, **kwargs)

@@ -80,6 +80,13 @@ class TransformersEngine(Engine):
         return self.load()[1]
 
     @property
+    def context_limit(self) -> int | None:
+        """The loaded model's ``max_position_embeddings`` (loads it)."""
+        from slake.engines.context import context_limit
+
+        return context_limit(self.model.config)
+
+    @property
     def model_name(self) -> str:
         return self._name or self.model_spec.label
 

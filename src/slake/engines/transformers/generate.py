@@ -9,6 +9,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from slake.budgets.budget import Budget
+from slake.engines.context import check_context, context_limit
 from slake.engines.result import GenerationResult
 from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
@@ -317,17 +318,8 @@ def compile_config(device: torch.device, *, lean_guards: bool = True):
 
 def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_long_context: bool = False) -> None:
     """Raise ValueError when ``prompt_tokens + max_new_tokens`` exceeds the model's ``max_position_embeddings``
-    (unless ``allow_long_context``); models without that field pass."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(cfg, "max_position_embeddings", None)
-    if allow_long_context or not isinstance(limit, int) or prompt_tokens + max_new_tokens <= limit:
-        return
-    raise ValueError(
-        f"the prompt has {prompt_tokens} tokens and up to {max_new_tokens} more are generated, beyond the "
-        f"model's context of {limit} tokens (max_position_embeddings), where answers degrade; shorten "
-        f"the prompt or lower max_new_tokens, or allow it explicitly (allow_long_context=True, "
-        f"--allow-long-context)"
-    )
+    (unless ``allow_long_context``); models without that field pass (:func:`slake.engines.context.check_context`)."""
+    check_context(context_limit(model.config), prompt_tokens, max_new_tokens, allow_long_context=allow_long_context)
 
 
 def _count_new_tokens(new: torch.Tensor, eos: int | list[int] | None, pad: int | None) -> list[int]:

@@ -38,6 +38,8 @@ class VllmEngine(Engine):
         "isolate": "vLLM runs every configuration in its own engine already",
         "decode_timing": "vLLM reports its own per-request timings",
         "profile_steps": "vLLM runs its steps in its own engine; profile the transformers engine's step instead",
+        "allow_long_context": "vLLM refuses a context beyond the model's max_position_embeddings, where its rotary "
+        "table ends",
     }
 
     def __init__(self, model: ModelSpec | None = None, *, block_size: int = 32) -> None:
@@ -87,6 +89,13 @@ class VllmEngine(Engine):
             self._tokenizer = load_tokenizer(self.model_spec.name or "smollm2", self.model_spec.gguf_file)
         return self._tokenizer
 
+    @property
+    def context_limit(self) -> int | None:
+        """``max_position_embeddings`` of the converted model folder's ``config.json`` (converts the model once)."""
+        from slake.engines.vllm.runner import model_context_limit
+
+        return model_context_limit(self.model_dir)
+
     def eos_token_ids(self) -> list[int]:
         from slake.engines.vllm.generate import stop_token_ids
 
@@ -114,6 +123,7 @@ class VllmEngine(Engine):
         }
         self.check(
             sample=honoured.get("do_sample"),
+            allow_long_context=honoured.get("allow_long_context"),
             prefill_chunk=honoured.get("prefill_chunk"),
             charge_linear_state=honoured.get("charge_linear_state"),
             kv_dtype=honoured.get("kv_dtype"),
@@ -138,7 +148,10 @@ class VllmEngine(Engine):
         if not requests:  # every row is already there: start nothing, convert nothing
             return iter(())
         self.check(
-            prefill_chunk=options.prefill_chunk, question_agnostic=not options.query_aware, kv_dtype=options.kv_dtype
+            prefill_chunk=options.prefill_chunk,
+            question_agnostic=not options.query_aware,
+            kv_dtype=options.kv_dtype,
+            allow_long_context=options.allow_long_context,
         )
         return evaluate(
             requests,

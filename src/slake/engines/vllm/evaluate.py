@@ -31,7 +31,7 @@ def evaluate(
 
     ``model_dir`` is the folder vLLM loads, ``dtype`` its dtype, ``stop`` the end-of-sequence ids."""
     from slake.engines.vllm.plugin.config import plugin_config
-    from slake.engines.vllm.runner import model_len, run_vllm
+    from slake.engines.vllm.runner import model_context_limit, model_len, run_vllm
 
     by_pair: dict[tuple, list[EvalRequest]] = {}
     for req in requests:
@@ -39,6 +39,7 @@ def evaluate(
             by_pair.setdefault(pair, []).append(req)
     if not by_pair:
         return
+    limit = model_context_limit(model_dir)
     for (method, budget), todo in by_pair.items():
         cfg = None if budget is None else plugin_config(method, Budget(budget))
         groups: dict[int, list[EvalRequest]] = {}
@@ -54,7 +55,7 @@ def evaluate(
                 max_new_tokens=cap,
                 block_size=block_size,
                 dtype=dtype,
-                max_model_len=model_len(max(map(len, prompts)), cap),
+                max_model_len=model_len(max(map(len, prompts)), cap, limit),
                 stop_token_ids=stop,
                 max_num_seqs=max(len(prompts), 1),
             )

@@ -59,9 +59,10 @@ def generate_vllm(
     """
     from transformers import AutoTokenizer
 
+    from slake.engines.context import check_context
     from slake.engines.transformers.generate import format_prompt
     from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method, vllm_dtype
-    from slake.engines.vllm.runner import local_model_dir, model_len, run_vllm
+    from slake.engines.vllm.runner import local_model_dir, model_context_limit, model_len, run_vllm
 
     budget = Budget(budget)
     dtype = vllm_dtype(dtype)
@@ -71,6 +72,8 @@ def generate_vllm(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
+    limit = model_context_limit(model_dir)
+    check_context(limit, len(ids), max_new_tokens)  # before vLLM starts, in slake's words
     stop = stop_token_ids(model_dir, tokenizer)
     run = run_vllm(
         model_dir,
@@ -79,7 +82,7 @@ def generate_vllm(
         max_new_tokens=max_new_tokens,
         block_size=block_size,
         dtype=dtype,
-        max_model_len=model_len(len(ids), max_new_tokens),
+        max_model_len=model_len(len(ids), max_new_tokens, limit),
         stop_token_ids=stop,
     )
     toks = run.tokens[0]

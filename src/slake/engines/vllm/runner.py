@@ -10,6 +10,7 @@ loads without the hub.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -84,9 +85,21 @@ def save_dequantized(hf_model, folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def model_len(prompt_len: int, new_tokens: int) -> int:
-    """``max_model_len`` for prompts of up to ``prompt_len`` tokens and ``new_tokens`` more, rounded up to 256."""
-    return int(math.ceil((prompt_len + new_tokens + 1) / 256) * 256)
+def model_len(prompt_len: int, new_tokens: int, limit: int | None = None) -> int:
+    """``max_model_len`` for prompts of up to ``prompt_len`` tokens and ``new_tokens`` more, rounded up to 256, and
+    no more than the model's context ``limit`` when they fit in it (vLLM refuses a ``max_model_len`` beyond the
+    model's unless told otherwise, see :func:`run_vllm`'s ``allow_long_context``)."""
+    rounded = int(math.ceil((prompt_len + new_tokens + 1) / 256) * 256)
+    if limit is not None and prompt_len + new_tokens <= limit:
+        return min(rounded, limit)
+    return rounded
+
+
+def model_context_limit(model_dir: str) -> int | None:
+    """The context (``max_position_embeddings``) of a model folder's ``config.json``; None without one."""
+    from slake.engines.context import context_limit
+
+    return context_limit(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
 
 
 @dataclass

@@ -38,9 +38,10 @@ WARMUP_PROMPT, WARMUP_TOKENS = 1024, 4
 def model_limits(model_dir: str) -> tuple[int, int | None]:
     """``(vocab_size, max_position_embeddings)`` from the model folder's ``config.json`` (the text model's, for
     multimodal configs); the second is None when the config has none."""
+    from slake.engines.context import context_limit
+
     cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    cfg = cfg.get("text_config") or cfg
-    return int(cfg["vocab_size"]), cfg.get("max_position_embeddings")
+    return int((cfg.get("text_config") or cfg)["vocab_size"]), context_limit(cfg)
 
 
 def prompt_set(n: int, lens: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
