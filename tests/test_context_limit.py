@@ -108,3 +108,31 @@ def test_cmd_eval_takes_allow_long_context(short_context, tok, tmp_path, monkeyp
     args.methods, args.budgets, args.lengths, args.depths = "snapkv", "32", "200", "0"
     assert cmd_eval(args, engine=engine) == 0
     assert {r["method"] for r in read_results(tmp_path / "run")} == {"full", "snapkv"}
+
+
+def test_fidelity_refuses_prompts_beyond_the_context(short_context, tok, tmp_path, monkeypatch):
+    """``slake fidelity --length`` past the model's context measured attention where the model itself degrades."""
+    import argparse
+
+    import slake.engines.transformers.models as models
+    from slake.cli.fidelity import add_fidelity_parser, cmd_fidelity
+
+    class Tokenizer(TinyTokenizer):  # transformers' call on one text, whose result has attributes
+        def __call__(self, texts, **kw):
+            return argparse.Namespace(**super().__call__([texts] if isinstance(texts, str) else texts, **kw))
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (short_context, Tokenizer()))
+    parser = argparse.ArgumentParser()
+    add_fidelity_parser(parser.add_subparsers(dest="command"))
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text(" ".join(f"w{i}" for i in range(200)))
+    args = parser.parse_args(["fidelity", "--prompt-file", str(prompt), "--methods", "snapkv", "--budgets", "32"])
+    with pytest.raises(ValueError, match=r"the prompt has \d+ tokens and up to 16 more .* context of 150 tokens"):
+        cmd_fidelity(args)
+    args = parser.parse_args(
+        ["fidelity", "--length", "140", "--output-tokens", "32", "--steps", "2", "--methods", "snapkv"]
+    )
+    args.prompt_file = str(prompt)
+    prompt.write_text(" ".join(f"w{i}" for i in range(60)))
+    with pytest.raises(ValueError, match=r"each output-level prompt \(--length\) has 140 tokens and up to 32 more"):
+        cmd_fidelity(args)

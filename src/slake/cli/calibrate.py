@@ -78,7 +78,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     methods, budgets = _check_args(args)  # before the slow model load
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
-    check_context(context_limit(model.config), args.length, args.tokens, what="--length gives", can_allow=False)
+    check_context(
+        context_limit(model.config),
+        args.length,
+        args.tokens,
+        what="each calibration prompt (--length) has",
+        can_allow=False,
+    )
     identity = model_identity(model)
     print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}", file=sys.stderr)
     ref = calibration_reference(model, tokenizer, args.length, args.samples, args.tokens, args.seed)

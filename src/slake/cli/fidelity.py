@@ -91,7 +91,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     limit = context_limit(model.config)
     check_context(limit, int(ids.shape[1]), args.steps, what="the prompt has", can_allow=False)
     if args.output_tokens:
-        check_context(limit, args.length, args.output_tokens, what="each output-level prompt has", can_allow=False)
+        check_context(
+            limit, args.length, args.output_tokens, what="each output-level prompt (--length) has", can_allow=False
+        )
     print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...", file=sys.stderr)
     rec = fidelity.record(model, ids, args.steps)
     rows = []
