@@ -453,8 +453,45 @@ def test_a_results_directory_serves_one_engine(llama_gqa, tok, needle_samples, t
         )
         + "\n"
     )
-    with pytest.raises(ValueError, match="rows of the vllm engine"):
+    with pytest.raises(ValueError, match='engine "vllm" where this run has "transformers" \\(--engine\\)'):
         run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, model_name="tiny", progress=False)
+
+
+@pytest.mark.parametrize(
+    "changed, flag",
+    [
+        ({"query_aware": False}, "--question-agnostic"),
+        ({"kv_dtype": "int8"}, "--kv-dtype"),
+        ({"chat_template": False}, "--no-chat-template"),
+        ({"max_new_tokens": 1}, "--max-new-tokens"),
+    ],
+)
+def test_a_rerun_with_other_settings_is_refused_not_served_the_old_rows(
+    llama_gqa, tok, needle_samples, tmp_path, changed, flag
+):
+    """The resume key names the sample, method, budget, length, model and chunk, not these settings: a rerun into the
+    same directory with ``--question-agnostic``, ``--kv-dtype int8``, ``--no-chat-template`` or another
+    ``--max-new-tokens`` wrote no row and summarised the first run's rows as its own."""
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=2, progress=False)
+    first = run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, **kw)
+    assert {r["chat_template"] for r in first} == {True} and {r["new_tokens_cap"] for r in first} == {2}
+    assert {r["model_dtype"] for r in first} == {"float32"}
+    assert run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, **kw) == []  # same: resumes
+    with pytest.raises(ValueError, match=f"where this run has .* \\({flag}\\).* its own --out directory"):
+        run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, **{**kw, **changed})
+    assert len(read_results(tmp_path)) == len(first)
+
+
+def test_rows_written_before_a_setting_was_recorded_are_not_compared_on_it(llama_gqa, tok, needle_samples, tmp_path):
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=2, progress=False)
+    first = run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, **kw)
+    unrecorded = ("chat_template", "new_tokens_cap", "model_dtype", "kv_dtype")
+    old = [{k: v for k, v in r.items() if k not in unrecorded} for r in first]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    rows = run_suite(llama_gqa, tok, needle_samples[:2], ["snapkv"], [40], tmp_path, **{**kw, "max_new_tokens": 3})
+    assert len(first) == 2 and len(rows) == 2  # the first sample resumed, the second ran
+    with pytest.raises(ValueError, match="kv_dtype"):  # an absent kv_dtype was always the model's dtype
+        run_suite(llama_gqa, tok, needle_samples[:1], ["snapkv"], [40], tmp_path, **{**kw, "kv_dtype": "int8"})
 
 
 def test_cmd_eval_methods_full_runs_the_reference_alone(llama_gqa, tok, tmp_path, monkeypatch):

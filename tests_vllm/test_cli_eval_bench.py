@@ -72,7 +72,7 @@ def test_eval_engine_vllm_predictions_equal_transformers(eval_dirs):
 
 def test_eval_engine_directories_are_not_mixed(eval_dirs):
     done = _slake(*EVAL, "--engine", "transformers", "--out", str(eval_dirs / "vllm"))
-    assert done.returncode == 2 and "rows of the vllm engine" in done.stderr
+    assert done.returncode == 2 and 'engine "vllm" where this run has "transformers" (--engine)' in done.stderr
 
 
 def test_bench_engine_vllm_rows(tmp_path):

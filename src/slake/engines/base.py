@@ -287,6 +287,11 @@ class Engine(abc.ABC):
         :func:`slake.eval.runner.evaluate_suite` refuses prompts beyond it (:mod:`slake.engines.context`)."""
 
     @property
+    @abc.abstractmethod
+    def model_dtype(self) -> str:
+        """The dtype the model runs in (``"float32"``, ``"bfloat16"`` ...), as result rows record it."""
+
+    @property
     def model_name(self) -> str:
         """The model's name in result rows."""
         return self.model_spec.label

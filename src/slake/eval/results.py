@@ -29,7 +29,8 @@ __all__ = [
     "scan_results",
     "row_key",
     "budget_label",
-    "check_engine_dir",
+    "RUN_SETTINGS",
+    "check_run_settings",
 ]
 
 RESULTS_FILE = "results.jsonl"
@@ -253,15 +254,41 @@ class ResultsWriter:
         self.close()
 
 
-def check_engine_dir(store: ResultsWriter, engine: str) -> None:
-    """Raise ``ValueError`` when ``store`` already holds rows of another engine than ``engine``.
+#: A value that rows written before a setting was recorded stand for: unknown, so not compared.
+_UNRECORDED = object()
 
-    Rows record ``engine`` (``"vllm"`` for ``slake eval --engine vllm``; rows without the field are the
-    transformers engine's). :func:`row_key` does not name the engine, so one directory serves one engine.
+#: The settings one results directory is written with, which :func:`row_key` does not name: row field ->
+#: (the command-line option that sets it, its value in rows written before the field existed).
+RUN_SETTINGS: dict[str, tuple[str, Any]] = {
+    "engine": ("--engine", "transformers"),
+    "query_aware": ("--question-agnostic", True),
+    "kv_dtype": ("--kv-dtype", None),
+    "chat_template": ("--no-chat-template", _UNRECORDED),
+    "new_tokens_cap": ("--max-new-tokens", _UNRECORDED),
+    "model_dtype": ("--dtype", _UNRECORDED),
+}
+
+
+def check_run_settings(store: ResultsWriter, settings: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when ``store`` holds rows written with other :data:`RUN_SETTINGS` than ``settings``.
+
+    :func:`row_key` names the sample, method, budget, length, model and chunked prefill, not these settings: a rerun
+    with another value would find the earlier rows under its keys, skip its own as done, and summarise the earlier
+    ones as its own. So one directory serves one engine, one kind of prompt (query-aware or not), one storage
+    (``--kv-dtype``), one chat-template choice, one cap on new tokens and one model dtype. Rows that do not record a
+    setting (written before it was recorded) are not compared on it.
     """
-    other = {str(r.get("engine", "transformers")) for r in store.scan.rows} - {engine}
-    if other:
+    differ = []
+    for name, value in settings.items():
+        flag, unrecorded = RUN_SETTINGS[name]
+        seen = {
+            json.dumps(r.get(name, unrecorded)) for r in store.scan.rows if name in r or unrecorded is not _UNRECORDED
+        }
+        other = sorted(seen - {json.dumps(value)})
+        if other:
+            differ.append(f"{name} {' and '.join(other)} where this run has {json.dumps(value)} ({flag})")
+    if differ:
         raise ValueError(
-            f"{store.path} holds rows of the {', '.join(sorted(other))} engine; the resume key does not "
-            f"name the engine, so write --engine {engine} results to their own --out directory"
+            f"{store.path} holds rows written with other settings: {'; '.join(differ)}. The resume key does not name "
+            f"them, so this run would take those rows for its own: write it to its own --out directory"
         )

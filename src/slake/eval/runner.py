@@ -24,7 +24,7 @@ from slake.engines.context import check_context
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.prompts import build_prompt, has_chat_template
-from slake.eval.results import FULL_METHOD, ResultsWriter, check_engine_dir, row_key
+from slake.eval.results import FULL_METHOD, ResultsWriter, check_run_settings, row_key
 from slake.eval.sample import Sample
 from slake.methods.budget_check import check_method_budget
 
@@ -164,12 +164,12 @@ def build_row(
     suite: str,
     model_name: str,
     seed: int,
-    query_aware: bool,
-    engine: str,
-    kv_dtype: str | None,
+    settings: dict[str, Any],
 ) -> dict[str, Any]:
     """The result row of one (sample, method, budget), whatever the engine: the fields of
-    :data:`slake.eval.results.ROW_FIELDS`, the output's accounting, and the engine's own fields (``out.extra``)."""
+    :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.results.RUN_SETTINGS`: ``engine``,
+    ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``), the output's accounting,
+    and the engine's own fields (``out.extra``)."""
     row: dict[str, Any] = {
         "suite": suite,
         "task": sample.task,
@@ -185,7 +185,7 @@ def build_row(
         "prefill_s": out.prefill_s,
         "decode_s": out.decode_s,
         "seed": seed,
-        "query_aware": query_aware,
+        "query_aware": settings["query_aware"],
         "compressed": out.compressed,
         "new_tokens": len(out.tokens),
         "max_new_tokens": out.max_new_tokens,
@@ -195,9 +195,8 @@ def build_row(
         "prefill_chunk": out.prefill_chunk,
         "batch_size": out.batch_size,
         "profile": out.profile,
-        "kv_dtype": kv_dtype,
-        "engine": engine,
     }
+    row.update(settings)
     if out.hyperparameters is not None:
         row["hyperparameters"] = out.hyperparameters
     row.update(out.extra)
@@ -282,9 +281,10 @@ def evaluate_suite(
         prompts beyond the model's context (:class:`EvalOptions`: without ``allow_long_context``, a prompt whose
         tokens plus its new ones exceed :attr:`~slake.engines.base.Engine.context_limit` is refused before anything
         runs, :func:`check_requests_fit`); the engine refuses what it cannot honour
-        (:meth:`slake.engines.base.Engine.check`). ``kv_dtype`` and ``fidelity`` are not part of the resume key:
-        write runs with different ``kv_dtype`` to different directories, and rows resumed from a run without
-        ``fidelity`` have no distance fields.
+        (:meth:`slake.engines.base.Engine.check`). The resume key does not name the run's settings (engine,
+        query-aware prompts, ``kv_dtype``, ``chat_template``, ``max_new_tokens``, the model's dtype): a directory
+        holding rows of other settings is refused (:func:`slake.eval.results.check_run_settings`). Rows resumed
+        from a run without ``fidelity`` have no distance fields.
 
     Returns
     -------
@@ -330,7 +330,15 @@ def evaluate_suite(
     eos = engine.eos_token_ids()
     written: list[dict[str, Any]] = []
     with ResultsWriter(out_dir) as store:
-        check_engine_dir(store, engine.name)
+        settings = {
+            "engine": engine.name,
+            "query_aware": opts.query_aware,
+            "kv_dtype": opts.kv_dtype,
+            "chat_template": chat_template,
+            "new_tokens_cap": max_new_tokens,
+            "model_dtype": engine.model_dtype,
+        }
+        check_run_settings(store, settings)
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
             todo = tuple(
@@ -389,9 +397,7 @@ def evaluate_suite(
                 suite=suite,
                 model_name=name,
                 seed=seed,
-                query_aware=opts.query_aware,
-                engine=engine.name,
-                kv_dtype=opts.kv_dtype,
+                settings=settings,
             )
             if store.write(row):
                 written.append(row)

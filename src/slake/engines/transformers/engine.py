@@ -87,6 +87,12 @@ class TransformersEngine(Engine):
         return context_limit(self.model.config)
 
     @property
+    def model_dtype(self) -> str:
+        """The loaded model's floating-point dtype (loads it)."""
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else "unknown"
+
+    @property
     def model_name(self) -> str:
         return self._name or self.model_spec.label
 

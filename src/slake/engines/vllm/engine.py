@@ -72,6 +72,11 @@ class VllmEngine(Engine):
         return vllm_dtype(self.model_spec.dtype)
 
     @property
+    def model_dtype(self) -> str:
+        """:attr:`dtype`, the dtype vLLM runs the model in."""
+        return self.dtype
+
+    @property
     def model_dir(self) -> str:
         """The folder vLLM loads (a GGUF model is converted on first use)."""
         if self._model_dir is None:
