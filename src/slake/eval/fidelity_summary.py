@@ -33,7 +33,8 @@ __all__ = ["FidelityLine", "FidelityTable", "fidelity_csv_rows", "fidelity_markd
 @dataclass(frozen=True)
 class FidelityLine:
     """One (method, budget): its mean KL with interval, and its paired difference to the closest method (None for
-    the closest itself)."""
+    the closest itself, for a pair sharing no sample with it, and at a budget where no pair was measured on every
+    task: only such a pair can be the closest)."""
 
     method: str
     budget: Any
@@ -81,17 +82,24 @@ def fidelity_tables(
         intervals = {
             p: line_interval(table[p], resamples=resamples, confidence=confidence, scale=1.0) for p in order[key]
         }
+        tasks = {s[0] for p in order[key] for s in table[p]}
         closest: dict[Any, tuple] = {}
-        for p in order[key]:
+        for p in order[key]:  # only a pair measured on every task can be the closest: a mean over fewer tasks is not
+            # comparable with the others
             b = p[1]
+            if {s[0] for s in table[p]} != tasks:
+                continue
             if b not in closest or intervals[p].mean < intervals[closest[b]].mean:
                 closest[b] = p
         lines = []
         for p in order[key]:
-            best = closest[p[1]]
+            best = closest.get(p[1])
             diff = None
-            if p != best:
-                diff = paired_difference(table, p, best, resamples=resamples, confidence=confidence, scale=1.0)
+            if best is not None and p != best:
+                try:
+                    diff = paired_difference(table, p, best, resamples=resamples, confidence=confidence, scale=1.0)
+                except ValueError:  # no sample in common: nothing to compare
+                    diff = None
             lines.append(FidelityLine(p[0], p[1], intervals[p], diff))
         tables.append(FidelityTable(key[0], key[1], key[2], lines))
     return tables

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from slake.eval.results import FULL_METHOD, budget_label, read_results
+from slake.eval.results import FULL_METHOD, budget_label, read_results, summary_view
 from slake.eval.summary import method_budget_order, task_order
 
 __all__ = ["write_plots", "needle_heatmaps", "score_vs_budget"]
@@ -95,20 +95,23 @@ def needle_heatmaps(
 
 
 def _macro_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], float]:
-    """(method, budget) -> mean over tasks of the task's mean score (percent)."""
+    """(method, budget) -> mean over tasks of the task's mean score (percent), for the pairs scored on every task of
+    ``rows`` (a mean over fewer tasks would not be comparable with the others, so such a pair has no point)."""
     per_task: dict[tuple[str, Any, str], list[float]] = defaultdict(list)
     for r in rows:
         per_task[(r["method"], r.get("budget"), r["task"])].append(float(r["score"]))
+    tasks = {t for _, _, t in per_task}
     out: dict[tuple[str, Any], list[float]] = defaultdict(list)
     for (m, b, _), v in per_task.items():
         out[(m, b)].append(100.0 * _mean(v))
-    return {k: _mean(v) for k, v in out.items()}
+    return {k: _mean(v) for k, v in out.items() if len(v) == len(tasks)}
 
 
 def score_vs_budget(
     rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str], model_suffix: str = ""
 ) -> list[Path]:
-    """One score-vs-budget plot per suite: a line per method, the full cache as a dashed horizontal line."""
+    """One score-vs-budget plot per suite: a line per method, the full cache as a dashed horizontal line; a method
+    and budget not scored on every task of the suite has no point (:func:`_macro_scores`)."""
     by_suite: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_suite[str(r.get("suite", "results"))].append(r)
@@ -125,7 +128,7 @@ def score_vs_budget(
         xpos = {b: (b if numeric else i) for i, b in enumerate(budgets)}
         methods = [m for m, _ in pairs if m != FULL_METHOD]
         for i, method in enumerate(dict.fromkeys(methods)):  # markers and dashes tell apart >10 colour-cycled lines
-            pts = [(xpos[b], scores[(m, b)]) for m, b in pairs if m == method and b is not None]
+            pts = [(xpos[b], scores[(m, b)]) for m, b in pairs if m == method and b is not None and (m, b) in scores]
             ax.plot(
                 [p[0] for p in pts],
                 [p[1] for p in pts],
@@ -160,7 +163,7 @@ def write_plots(out_dir: str | os.PathLike[str], rows: Iterable[dict[str, Any]] 
     """Write every plot for ``rows`` (default: ``DIR/results.jsonl``) into ``DIR``; returns the PNG paths."""
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    rows = read_results(directory) if rows is None else list(rows)
+    rows = summary_view(read_results(directory) if rows is None else rows)
     models = _by_model(rows)
     paths: list[Path] = []
     for model, mrows in models.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +30,7 @@ __all__ = [
     "scan_results",
     "row_key",
     "budget_label",
+    "summary_view",
     "RUN_SETTINGS",
     "check_run_settings",
 ]
@@ -78,6 +80,23 @@ def row_key(row: dict[str, Any]) -> RowKey:
         str(row["model"]),
         row.get("prefill_chunk"),
     )
+
+
+def summary_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` as summaries and plots read them: a compressed row measured with chunked prefill becomes its own
+    method, ``"<method> (prefill_chunk=N)"``.
+
+    :func:`row_key` names ``prefill_chunk``, so exact and chunked rows of one method and budget share a directory
+    (and the full-cache row, whose prefill is exact in both); a summary keyed by method and budget alone would put
+    both in one line. Rows are copied, not changed; a row already relabelled is left as it is.
+    """
+    out = []
+    for r in rows:
+        chunk = r.get("prefill_chunk")
+        if chunk is not None and r.get("budget") is not None:
+            r = {**r, "method": f"{r['method']} (prefill_chunk={chunk})", "prefill_chunk": None}
+        out.append(r)
+    return out
 
 
 def budget_label(budget: Any) -> str:

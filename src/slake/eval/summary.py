@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slake.eval.fidelity_summary import fidelity_csv_rows, fidelity_markdown, fidelity_tables
-from slake.eval.results import FULL_METHOD, budget_label, read_results
+from slake.eval.results import FULL_METHOD, budget_label, read_results, summary_view
 from slake.eval.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_RESAMPLES,
@@ -85,9 +85,10 @@ def summary_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (model, suite, task, length, method, budget) with ``n`` and the mean ``score`` in percent.
 
     Keys: ``suite``, ``task``, ``length``, ``method``, ``budget`` (None for the full reference), ``n``, ``score``
-    (0-100, rounded to 2 decimals) and ``model``. Ordered by model, suite, length, then the table order.
+    (0-100, rounded to 2 decimals) and ``model``. Ordered by model, suite, length, then the table order. Chunked
+    prefill's rows are their own method (:func:`slake.eval.results.summary_view`).
     """
-    rows = list(rows)
+    rows = summary_view(rows)
     groups: dict[tuple, list[float]] = defaultdict(list)
     for r in rows:
         groups[
@@ -122,7 +123,7 @@ class SummaryLine:
     cells : dict
         ``{task: (mean score %, rows)}``.
     average : float
-        Mean of the task cells.
+        Mean of the task cells (of the line's own tasks: see ``complete``).
     n : int
         Rows behind the line.
     interval : Interval
@@ -138,6 +139,9 @@ class SummaryLine:
     n: int
     interval: Interval
     task_intervals: dict[str, Interval] = field(default_factory=dict)
+    #: the line has a cell in every task column of its table; an incomplete line's average is over fewer tasks, not
+    #: comparable with the others', and it is never the best of its budget
+    complete: bool = True
 
 
 @dataclass
@@ -176,7 +180,11 @@ def _table(
                 cells[t] = (100.0 * _mean(values), len(values))
                 task_intervals[t] = line_interval(strata, resamples=resamples, confidence=confidence)
         interval = line_interval(by_stratum, resamples=resamples, confidence=confidence)
-        table.lines.append(SummaryLine(method, budget, cells, interval.mean, interval.n, interval, task_intervals))
+        table.lines.append(
+            SummaryLine(
+                method, budget, cells, interval.mean, interval.n, interval, task_intervals, len(cells) == len(tasks)
+            )
+        )
     table.paired, table.against_best = _comparisons(table, scores, resamples, confidence)
     return table
 
@@ -185,7 +193,8 @@ def _comparisons(
     table: SummaryTable, scores: dict, resamples: int, confidence: float
 ) -> tuple[list[PairedDifference], list[PairedDifference]]:
     """Every pair of methods at one budget (``a - b`` in line order), and each method against the budget's best line
-    by average (``method - best``)."""
+    by average (``method - best``). Only a complete line (a cell in every task column) can be the best: an average
+    over fewer tasks is not comparable; without a complete line at a budget, no method is compared with a best."""
     by_budget: dict[Any, list[SummaryLine]] = defaultdict(list)
     for line in table.lines:
         if line.method != FULL_METHOD:
@@ -195,7 +204,8 @@ def _comparisons(
     for budget, lines in by_budget.items():
         if len(lines) < 2:
             continue
-        best = max(lines, key=lambda x: x.average)
+        complete = [line for line in lines if line.complete]
+        best = max(complete, key=lambda x: x.average) if complete else None
         for i, a in enumerate(lines):
             for b in lines[i + 1 :]:
                 try:
@@ -226,9 +236,10 @@ def summary_tables(
     confidence: float = DEFAULT_CONFIDENCE,
 ) -> list[SummaryTable]:
     """The tables of :func:`write_summary`, per (model, suite, length), plus an all-lengths table per suite with
-    several lengths; intervals from ``resamples`` bootstrap replicates at ``confidence``."""
+    several lengths; intervals from ``resamples`` bootstrap replicates at ``confidence``. Chunked prefill's rows are
+    their own method (:func:`slake.eval.results.summary_view`)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
+    for r in summary_view(rows):
         groups[(str(r.get("model", "")), str(r.get("suite", "")))].append(r)
     tables = []
     for (model, suite), group in groups.items():
@@ -263,7 +274,8 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
         "rows (samples) behind each line. Budget `full` is the uncompressed reference. Under each table, every "
         "method is compared with the best method at its budget on the samples both have (paired bootstrap of the "
         "difference of averages); **bold** differences have an interval that excludes 0. Few samples per task "
-        "make the intervals too narrow rather than too wide (see `slake.eval.stats`).",
+        "make the intervals too narrow rather than too wide (see `slake.eval.stats`). An average marked † is over "
+        "the line's own tasks, fewer than the table's: it is not comparable with the others and never the best.",
         "",
     ]
     for t in tables:
@@ -276,7 +288,14 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
             out.append(
                 "| "
                 + " | ".join(
-                    [line.method, budget_label(line.budget), *vals, _fmt(line.average), _ci(line.interval), str(line.n)]
+                    [
+                        line.method,
+                        budget_label(line.budget),
+                        *vals,
+                        _fmt(line.average) + ("" if line.complete else " †"),
+                        _ci(line.interval),
+                        str(line.n),
+                    ]
                 )
                 + " |"
             )
@@ -307,7 +326,19 @@ def _csv_rows(tables: list[SummaryTable]) -> tuple[list[str], list[dict[str, Any
     tasks: list[str] = []
     for t in tables:
         tasks += [x for x in t.tasks if x not in tasks]
-    header = ["model", "suite", "length", "method", "budget", *tasks, "average", "average_low", "average_high", "n"]
+    header = [
+        "model",
+        "suite",
+        "length",
+        "method",
+        "budget",
+        *tasks,
+        "average",
+        "average_low",
+        "average_high",
+        "n",
+        "all_tasks",
+    ]
     body = []
     for t in tables:
         for line in t.lines:
@@ -321,6 +352,7 @@ def _csv_rows(tables: list[SummaryTable]) -> tuple[list[str], list[dict[str, Any
                 "average_low": round(line.interval.low, 2),
                 "average_high": round(line.interval.high, 2),
                 "n": line.n,
+                "all_tasks": line.complete,
             }
             row.update({task: round(line.cells[task][0], 2) for task in line.cells})
             body.append(row)
@@ -409,7 +441,7 @@ def write_summary(
     """
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    rows = list(read_results(directory) if rows is None else rows)
+    rows = summary_view(read_results(directory) if rows is None else rows)
     tables = summary_tables(rows, resamples=resamples, confidence=confidence)
     md, csv_path = directory / "summary.md", directory / "summary.csv"
     kl_tables = fidelity_tables(rows, resamples=resamples, confidence=confidence)
