@@ -202,3 +202,22 @@ def test_plan_suite_longbench_hub(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError):  # no tasks with the hub: all 21 v1 datasets, and the fake zip lacks most
         plan_suite("longbench", None, longbench_hub=True)
     assert len(LONGBENCH_DATASETS) == 21
+
+
+def test_a_code_lines_indentation_reaches_the_metric():
+    """The runner stripped every prediction, so an lcc answer generated exactly as the gold line
+    (``"    return a * b"``) lost its indentation and scored 0.86 instead of 1 (LongBench's ``pred.py`` keeps the text
+    as generated)."""
+    from slake.eval.longbench import read_longbench_jsonl
+    from slake.eval.metrics import score_prediction
+    from slake.eval.runner import decode_text
+
+    tok = WordTokenizer()
+    sample = longbench_sample(
+        read_longbench_jsonl(FIXTURES / "lcc.jsonl", "lcc")[0], tok, max_length=4096, dataset="lcc"
+    )
+    gold = sample.answers[0]
+    assert gold.startswith("    ")
+    eos = len(tok.encode(gold + "\n")) + 1000
+    prediction = decode_text(tok, [*tok.encode(gold + "\n"), eos], [eos])
+    assert prediction == gold + "\n" and score_prediction(sample, prediction) == 1.0

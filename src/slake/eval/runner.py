@@ -150,10 +150,13 @@ def encode_sample(
 
 
 def decode_text(tokenizer: Any, tokens: list[int], eos: list[int]) -> str:
-    """The prediction of a generation: trailing end-of-sequence ids dropped, special tokens skipped, stripped."""
+    """The prediction of a generation: trailing end-of-sequence ids dropped, special tokens skipped, and nothing else
+    removed. LongBench scores the text as generated (its ``pred.py`` does not strip it): a code line's indentation is
+    part of what ``code_sim_score`` compares with the answer (lcc, repobench-p), and each metric takes what it needs
+    (the first line, normalised words)."""
     while tokens and tokens[-1] in eos:
         tokens = tokens[:-1]
-    return str(tokenizer.decode(tokens, skip_special_tokens=True)).strip()
+    return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
 
 def build_row(
