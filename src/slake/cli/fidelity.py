@@ -62,7 +62,7 @@ def add_fidelity_parser(sub: Any) -> None:
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from slake.engines.context import check_context, context_limit
-    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.models import load_model
     from slake.methods.base import parse_method_list
     from slake.quality import fidelity
@@ -86,7 +86,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
         sample = needle_sample(tokenizer, args.length, 50.0, kind="number", seed=args.seed)
         text = sample.context + sample.question
-    ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).input_ids
+    plain = not uses_chat_template(tokenizer)
+    ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=plain).input_ids
     ids = ids.to(model.device)
     limit = context_limit(model.config)
     check_context(limit, int(ids.shape[1]), args.steps, what="the prompt has", can_allow=False)

@@ -109,10 +109,13 @@ def answer_continuations(
     seed: int = 0,
     name: str = "answer",
 ) -> list[Continuation]:
-    """``samples`` prompts (about ``length`` tokens of ``text`` + a question, in the chat template), each continued
-    by the full cache's greedy answer (at most ``target_tokens`` tokens, end-of-sequence included)."""
-    from slake.engines.transformers.generate import format_prompt
+    """``samples`` prompts (about ``length`` tokens of ``text`` + a question, in the chat template, or as plain text
+    after the tokenizer's BOS when it has none), each continued by the full cache's greedy answer (at most
+    ``target_tokens`` tokens, end-of-sequence included)."""
+    from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode
+
+    plain = not uses_chat_template(tokenizer)  # a prompt without the chat template gets the tokenizer's BOS
 
     if length < 64 or target_tokens < 2 or samples < 1 or not questions:
         raise ValueError(
@@ -126,10 +129,10 @@ def answer_continuations(
     while len(out) < samples:
         question = questions[tries % len(questions)]
         tries += 1
-        overhead = len(tokenizer.encode(format_prompt(tokenizer, "\n\n" + question), add_special_tokens=False))
+        overhead = len(tokenizer.encode(format_prompt(tokenizer, "\n\n" + question), add_special_tokens=plain))
         body = tokenizer.decode(_window(tokenizer, text, rng, max(length - overhead, 16)))
         prompt = format_prompt(tokenizer, body + "\n\n" + question)
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        ids = list(tokenizer.encode(prompt, add_special_tokens=plain))
         cap = capture_prefill(model, torch.tensor([ids], device=model.device))
         answer = greedy_decode(model, cap, cap.replay("full", 1), target_tokens, eos)[0]
         if len(answer) >= 2:  # an immediate end-of-sequence says nothing about the cache: draw another prompt

@@ -34,11 +34,18 @@ class _StepClock(LogitsProcessor):
 
 def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> str:
     """Wrap a user prompt in the tokenizer's chat template (a single user turn) when it has one."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    if uses_chat_template(tokenizer, chat_template):
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
     return prompt
+
+
+def uses_chat_template(tokenizer, chat_template: bool = True) -> bool:
+    """Whether :func:`format_prompt` wraps the prompt in the tokenizer's chat template: asked for, and the tokenizer
+    has one. The text is then tokenised without the tokenizer's special tokens (the template writes its own, BOS
+    included); a plain prompt gets them (``add_special_tokens=not uses_chat_template(...)``)."""
+    return bool(chat_template and getattr(tokenizer, "chat_template", None))
 
 
 def prefill_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -211,7 +218,9 @@ def generate(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat_template)
+    enc = tokenizer(
+        texts, return_tensors="pt", padding=True, add_special_tokens=not uses_chat_template(tokenizer, chat_template)
+    )
     enc = {k: v.to(model.device) for k, v in enc.items()}
     prompt_lens = enc["attention_mask"].sum(-1).tolist()
     if min(prompt_lens) == 0:

@@ -60,7 +60,7 @@ def generate_vllm(
     from transformers import AutoTokenizer
 
     from slake.engines.context import check_context
-    from slake.engines.transformers.generate import format_prompt
+    from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.vllm.plugin.config import plugin_config, resolve_plugin_method, vllm_dtype
     from slake.engines.vllm.runner import local_model_dir, model_context_limit, model_len, run_vllm
 
@@ -71,7 +71,7 @@ def generate_vllm(
     slake_cfg = plugin_config(method, budget, **hyperparameters)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
-    ids = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, chat_template))["input_ids"]
     limit = model_context_limit(model_dir)
     check_context(limit, len(ids), max_new_tokens)  # before vLLM starts, in slake's words
     stop = stop_token_ids(model_dir, tokenizer)
