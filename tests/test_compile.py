@@ -172,6 +172,33 @@ def test_static_cache_refuses_what_it_cannot_serve(model):
         prefill(model, too_short, ids, mask)
 
 
+@pytest.mark.parametrize("method, budget", [("full", BUDGET), ("slake", 4 * PROMPT)])
+def test_a_static_cache_refuses_more_tokens_than_max_cache_len(model, method, budget):
+    """A layer that appends without evicting (the full cache, a prompt within its budget) has the free slots
+    ``max_cache_len`` made room for; the step after the last wrote its token into slot 0 of every row, over a kept
+    one, and decoding went on from a cache that had lost it (logits off by up to 0.7 on a tiny model)."""
+    from slake.engines.transformers.generate import compile_config
+
+    ids, mask = _prompt(1)
+
+    def run(new_tokens, **kw):
+        hyper = {} if method == "full" else {"window": 4}
+        cache = SlakeCache(method, budget, config=model.config, max_cache_len=PROMPT + 4, **hyper)
+        with torch.inference_mode():
+            return model.generate(
+                input_ids=ids, attention_mask=mask, **with_cache(model, cache), max_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0, **kw,
+            )  # fmt: skip
+
+    assert run(4, disable_compile=True).shape[1] == PROMPT + 4  # the prompt's own token and 3 decode steps: room
+    with pytest.raises(ValueError, match=r"max_cache_len=\d+: after its prompt of \d+ tokens it has room for"):
+        run(8, disable_compile=True)
+    cfg = compile_config(torch.device("cpu"))
+    cfg.backend = "eager"  # traced as a compiled step (no host count), its captured operations run as they are
+    with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
+        run(8, compile_config=cfg)
+
+
 def test_every_method_claims_compile_support_and_a_method_can_refuse():
     for name in METHODS:
         check_compileable(make_method(name))

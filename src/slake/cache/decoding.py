@@ -70,6 +70,10 @@ class Decoder:
         #: (:class:`~slake.kernels.held_step.HeldStep`), with the objects and facts they were made from: reused while
         #: those are the same objects (:meth:`_fused_sources`)
         self._fused: list[tuple[tuple, tuple, tuple, Any] | None] = [None] * state.num_layers
+        #: in static mode, the single-token steps the append-only layers still have a free slot for (None: no layer
+        #: appends without evicting, or not static); counted on the host in eager steps only (:meth:`append`)
+        self._static_room: int | None = None
+        self._static_steps = 0  # the new tokens prepare_static made room for
         #: the fused steps' scratch, shared by the layers (:class:`~slake.kernels.held_step.ScratchArena`; made with
         #: the first held step)
         self._arena: Any = None
@@ -114,6 +118,8 @@ class Decoder:
             if not self.static:
                 self._make_room(layer_idx, store)
                 state.seen[layer_idx] += 1
+            elif layer_idx == 0 and self._static_room is not None and not torch.compiler.is_compiling():
+                self._use_static_room()
             self._staged[layer_idx] = (keys, values)
             return store
         if self.static:
@@ -129,6 +135,18 @@ class Decoder:
         self._free[layer_idx] = None
         self._prefix[layer_idx] = None
         return store
+
+    def _use_static_room(self) -> None:
+        """Count one eager static step against the free slots :meth:`prepare_static` gave the append-only layers, and
+        refuse the step that has none left: its token would overwrite a kept one and the step answer from a cache
+        that silently lost it."""
+        if self._static_room is not None and self._static_room < 1:
+            raise ValueError(
+                f"this SlakeCache was built with max_cache_len={self.state.seen[0] + self._static_steps}: after its "
+                f"prompt of {self.state.seen[0]} tokens it has room for {self._static_steps} new tokens, and one more "
+                f"was decoded; build it with max_cache_len >= prompt + new tokens"
+            )
+        self._static_room = None if self._static_room is None else self._static_room - 1
 
     def _make_room(self, layer_idx: int, store: LayerStore) -> None:
         """Make sure every row of an eager layer has a free slot for one new token (host bookkeeping only)."""
@@ -222,6 +240,12 @@ class Decoder:
             n = None if self.static else self._prefix_of(layer_idx, store)
             if n is None:
                 slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
+                if self.static and torch.compiler.is_compiling():
+                    # a compiled step counts nothing on the host (:meth:`append` does in eager ones): a row without a
+                    # free slot (more steps than max_cache_len made room for) gets an index past the store, which
+                    # the write refuses (a CUDA device assert), instead of overwriting its slot 0
+                    room = (~store.valid).any(-1, keepdim=True)
+                    slots = torch.where(room, slots, torch.full_like(slots, store.valid.shape[-1]))
                 store._write(slots, key, value, counter.view(1, 1, 1).expand(B, store.valid.shape[1], 1), 0.0)
                 # a static store's fixed shape, or rows padded at the front: attend over the whole store, masked;
                 # with the fused kernels split over the keys (SDPA with a mask ran as cuDNN's kernel on the H200,
@@ -436,6 +460,9 @@ class Decoder:
         if any(s is None for s in state.layers):
             raise RuntimeError("prepare_static needs every layer prefilled")
         keeps_order = self._keeps_order  # worked out now: a compiled step that set it would compile again
+        appends = any(not state.evicts(i) for i in range(state.num_layers))
+        self._static_steps = int(decode_tokens)
+        self._static_room = int(decode_tokens) if appends else None
         for i in range(state.num_layers):
             store = state.store(i)
             store.reserve(1 if state.evicts(i) else max(int(decode_tokens), 1))
