@@ -8,6 +8,7 @@ an absolute per-sequence number.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,9 @@ class Budget:
     ----------
     value : int | float | str | Budget
         An integer ``>= 1``: average cached tokens per layer and KV head (window included). A float in ``(0, 1)``:
-        a ratio of each prompt's length (rounded up). Strings such as ``"128"`` or ``"0.25"`` are parsed; a Budget
-        is copied. The attribute ``value`` holds the resolved int or float.
+        a ratio of each prompt's length (rounded up). Any integer or real scalar counts (numpy's included; a bool
+        does not). Strings such as ``"128"`` or ``"0.25"`` are parsed; a Budget is copied. The attribute ``value``
+        holds the resolved plain int or float.
     """
 
     value: int | float
@@ -38,8 +40,11 @@ class Budget:
         if isinstance(v, str):
             object.__setattr__(self, "value", _parse(v))
             v = self.value
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ValueError(f"budget must be a positive integer (tokens) or a ratio in (0, 1), got {v!r}")
+        # numpy and other integer / real scalars alike: the value is a plain int or float from here on
+        v = int(v) if isinstance(v, numbers.Integral) else float(v)
+        object.__setattr__(self, "value", v)
         if isinstance(v, float) and v.is_integer() and v >= 1:
             object.__setattr__(self, "value", int(v))
             v = self.value

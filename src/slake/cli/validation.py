@@ -110,9 +110,13 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 def _check_fidelity(args: argparse.Namespace) -> None:
     from slake.budgets.budget import Budget
-    from slake.methods.base import parse_method_list
+    from slake.methods.base import make_method, parse_method_list
 
     methods = parse_method_list(args.methods)
+    forced: dict[str, list[bool]] = {"on": [True], "off": [False], "both": [False, True]}
+    for lin in forced.get(str(getattr(args, "linear_cache", "default")), []):
+        for m in methods:  # forced on every method: one that cannot take it (full) fails here, before the model loads
+            make_method(m, linear_cache=lin)
     budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
     _pairs(methods, budgets)
     _at_least(args, "steps", 1)
@@ -154,9 +158,10 @@ def validate_args(args: argparse.Namespace) -> None:
     the device; the kernels are loaded here, through Triton's interpreter on a machine without CUDA). ``generate``:
     the method, its ``--set`` hyperparameters and the budget (a window larger than the budget is refused),
     ``--temperature`` and ``--top-p`` when sampling, and the prompt (missing, empty or non-UTF-8 file).
-    ``fidelity``: methods, budgets and their pairs, ``--steps``, ``--length``, the prompt file. ``bench``:
-    ``--threads >= 1``, methods, budgets and their pairs, ``--lengths``, ``--random-model`` (unknown shapes and
-    config keys); the engine's own baselines (``Engine.bench_baselines``) are accepted among the methods.
+    ``fidelity``: methods (each with the ``--linear-cache`` setting it forces), budgets and their pairs,
+    ``--steps``, ``--length``, the prompt file. ``bench``: ``--threads >= 1``, methods, budgets and their pairs,
+    ``--lengths``, ``--random-model`` (unknown shapes and config keys); the engine's own baselines
+    (``Engine.bench_baselines``) are accepted among the methods.
     """
     _check_common(args)
     check = _CHECKS.get(str(getattr(args, "command", "")))

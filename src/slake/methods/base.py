@@ -20,7 +20,10 @@ scores are float32. Methods never see a transformers object.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import numbers
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -385,8 +388,9 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
     ------
     ValueError
         For an unknown name, an unknown hyperparameter (listing what exists), a key set twice, or a value of the
-        wrong type for its hyperparameter's default (e.g. ``vabs=1`` for a boolean; integers are accepted for
-        floats and converted).
+        wrong type for its hyperparameter's declared type (e.g. ``vabs=1`` for a boolean, ``k=1.5`` for an optional
+        integer; integers are accepted for floats and converted; :func:`check_hyperparameters`), or one the method
+        refuses (out of its domain, or an option it cannot use).
     """
     if isinstance(name, Method):
         if overrides:
@@ -396,31 +400,95 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
     if key not in _REGISTRY:
         raise ValueError(f"unknown method {key!r}; available: {', '.join(sorted(_REGISTRY))}")
     cls = _REGISTRY[key]
-    known = {f.name: f for f in fields(cls)}
     twice = sorted(set(from_spec) & set(overrides))
     if twice:
         raise ValueError(f"hyperparameter {', '.join(twice)} is set both in {name!r} and as an override")
-    unknown = sorted((set(overrides) | set(from_spec)) - set(known))
+    return cls(**check_hyperparameters(cls, {**from_spec, **overrides}, label=repr(name)))
+
+
+def _declared_types(cls: type[Method]) -> dict[str, Any]:
+    """The resolved annotations of ``cls``'s fields (``{}`` where they cannot be resolved)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an annotation naming something out of reach (a class defined in a function)
+        return {}
+
+
+def _kind(declared: Any, default: Any) -> tuple[type | None, bool]:
+    """``(base type, optional)`` of a hyperparameter: its annotation's ``bool``/``int``/``float``/``str``, possibly
+    ``| None``; where the annotation says nothing usable, the type of its default. ``(None, ...)``: not checked."""
+    optional = False
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        args = typing.get_args(declared)
+        optional = type(None) in args
+        rest = [a for a in args if a is not type(None)]
+        declared = rest[0] if len(rest) == 1 else None
+    if declared in (bool, int, float, str):
+        return declared, optional
+    if default is not None and type(default) in (bool, int, float, str):
+        return type(default), False
+    return None, optional
+
+
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_hyperparameters(cls: type[Method], values: dict[str, Any], *, label: str = "") -> dict[str, Any]:
+    """Validate hyperparameter values for the method class ``cls`` as a spec's values are validated.
+
+    Used by :func:`make_method` and for overrides applied to a built Method
+    (:func:`slake.methods.profiles.resolve_method`), so that both refuse the same things.
+
+    Parameters
+    ----------
+    cls : type[Method]
+        The method class.
+    values : dict
+        Hyperparameter name -> value (a spec's JSON literals, or Python values).
+    label : str
+        What the values belong to, for messages (default the method's name).
+
+    Returns
+    -------
+    dict
+        The values, integers given for floats converted to float and numpy-style integer scalars to int.
+
+    Raises
+    ------
+    ValueError
+        For an unknown hyperparameter (listing those that exist) or a value not of the hyperparameter's declared
+        type (``bool``, ``int``, ``float``, ``str``, each possibly optional: ``None`` is then accepted); a bool is
+        never an integer or a number, and a string is never parsed.
+    """
+    label = label or repr(cls.name)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(
-            f"method {key!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
+            f"method {cls.name!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
         )
-    values = {**from_spec, **overrides}
+    declared = _declared_types(cls)
+    out = dict(values)
     for k, value in values.items():
         default = known[k].default
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ValueError(f"{name!r}: {k} must be true or false, got {value!r}")
-        if (
-            isinstance(default, int)
-            and not isinstance(default, bool)
-            and (isinstance(value, bool) or not isinstance(value, int))
-        ):
-            raise ValueError(f"{name!r}: {k} must be an integer, got {value!r}")
-        if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{name!r}: {k} must be a number, got {value!r}")
-        if isinstance(default, float):
-            values[k] = float(value)
-    return cls(**values)
+        kind, optional = _kind(declared.get(k), None if default is MISSING else default)
+        if kind is None or (optional and value is None):
+            continue
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is str:
+            ok = isinstance(value, str)
+        elif kind is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"{label}: {k} must be {_KIND_WORDS[kind]}{' or null' if optional else ''}, got {value!r}")
+        if kind is int:
+            out[k] = int(value)
+        elif kind is float:
+            out[k] = float(value)
+    return out
 
 
 def check_compileable(method: Method) -> None:
@@ -472,6 +540,7 @@ __all__ = [
     "available_methods",
     "canonical_method_spec",
     "check_compileable",
+    "check_hyperparameters",
     "make_method",
     "parse_method_list",
     "register",

@@ -82,6 +82,11 @@ class H2O(Method):
     #: the column sums ignore the budget: prefill-once replays compute them once for every budget
     prefill_scores_use_budget: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chunk < 1:
+            raise ValueError(f"{self.name}: chunk must be >= 1, got {self.chunk}")
+
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Accumulated attention of every prompt query, group-mean per KV head."""
         acc = accumulated_attention(inputs.queries, inputs.keys, inputs.scaling, inputs.key_padding, self.chunk)

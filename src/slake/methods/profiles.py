@@ -7,7 +7,8 @@ model and writes a profile; this module finds the profile that matches a model a
 Where a method's hyperparameters come from, first match wins:
 
 1. values the user sets (a spec ``slake[alpha=0.3]``, ``--set``, keyword arguments, or a built
-   :class:`~slake.methods.base.Method`, which is used exactly as given);
+   :class:`~slake.methods.base.Method`, which is used as given, with keyword overrides checked as
+   :func:`~slake.methods.base.make_method` checks them);
 2. a user profile: ``$SLAKE_PROFILE_DIR/<model>.json``, by default ``~/.cache/slake/profiles/<model>.json``
    (written by ``slake calibrate``);
 3. a profile shipped with the package (``slake/profile_data/<model>.json``: one per packaged model);
@@ -193,7 +194,8 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
     Parameters
     ----------
     method : str | Method
-        A registry name or spec (``"slake"``, ``"slake[vabs_split=window]"``); a built Method is returned as is.
+        A registry name or spec (``"slake"``, ``"slake[vabs_split=window]"``); a built Method is returned as is, with
+        ``overrides`` applied (checked as :func:`slake.methods.make_method` checks them) and no profile.
     budget : int | float | str | Budget
         The budget the cache will use (profiles are per budget).
     model_or_config : model, config or None
@@ -201,17 +203,26 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
     **overrides
         Hyperparameters set by the user (never replaced by a profile).
 
+    Raises
+    ------
+    ValueError
+        As :func:`slake.methods.make_method`: an unknown hyperparameter, a value of the wrong type, or one the method
+        refuses.
+
     Returns
     -------
     (Method, dict | None)
         The method, and ``{"source", "values", "budget"}`` of the profile applied (None when none was).
     """
     from slake.budgets.budget import Budget
-    from slake.methods.base import Method, make_method
+    from slake.methods.base import Method, check_hyperparameters, make_method
     from slake.methods.spec import parse_method_spec
 
     if isinstance(method, Method):
-        return (replace(method, **overrides) if overrides else method), None
+        if not overrides:
+            return method, None
+        # validated as make_method validates them: a replace() alone would take vabs="false" as given
+        return replace(method, **check_hyperparameters(type(method), overrides, label=repr(method.name))), None
     built = make_method(method, **overrides)
     searched = SEARCHED.get(built.name)
     if model_or_config is None or not searched:
