@@ -214,6 +214,16 @@ def test_reusing_a_cache_for_a_new_prompt_raises(llama_gqa, new_len):
         _gen(llama_gqa, random_ids(new_len, seed=2), cache)
 
 
+@pytest.mark.parametrize("new_len", [1, 50, 77])
+def test_a_new_prompt_less_than_half_as_long_as_the_cache_raises_the_same_error(llama_gqa, new_len):
+    """transformers cut a new prompt up to half the cached length down to no token at all and the model's layers
+    failed with "cannot reshape tensor of 0 elements" instead of the cache's own refusal."""
+    cache = SlakeCache("cake", 48, config=llama_gqa.config)
+    _gen(llama_gqa, random_ids(150, seed=1), cache, n=5)
+    with pytest.raises(ValueError, match="already holds 154 tokens of an earlier prompt"):
+        _gen(llama_gqa, random_ids(new_len, seed=2), cache)
+
+
 @pytest.mark.parametrize("method", ["snapkv", "slake"])
 def test_multi_turn_continuation_equals_the_full_cache(llama_gqa, method):
     """Two turns on one SlakeCache (the second passes the whole conversation) give the same tokens as transformers'

@@ -320,7 +320,9 @@ class SlakeCache(Cache):
         if seen == 0 or query_length is None:
             return
         given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
-        bad = given is not None and given != seen + query_length
+        # no new token: transformers cut an input no longer than the cached tokens down to nothing (a new, shorter
+        # prompt), which the model's layers would fail on with a reshape error
+        bad = query_length == 0 or (given is not None and given != seen + query_length)
         if (
             not bad
             and position_ids is not None
