@@ -224,6 +224,22 @@ def test_a_new_prompt_less_than_half_as_long_as_the_cache_raises_the_same_error(
         _gen(llama_gqa, random_ids(new_len, seed=2), cache)
 
 
+def test_a_conversation_that_outgrows_an_uncompressed_cache_says_so(llama_gqa, caplog):
+    """A first turn within the budget leaves the cache a full cache for every later turn: a chat on
+    ``SlakeCache("slake", 64)`` held 239, 444, 649 tokens per layer, compressed: False, without a word."""
+    import logging
+
+    cache = SlakeCache("slake", 64, config=llama_gqa.config)
+    out = _gen(llama_gqa, random_ids(30, seed=1), cache)
+    with caplog.at_level(logging.WARNING, logger="slake"):
+        out = _gen(llama_gqa, torch.cat([out, random_ids(20, seed=2)], 1), cache)  # 54 tokens: within 64
+        assert not caplog.records
+        _gen(llama_gqa, torch.cat([out, random_ids(200, seed=3)], 1), cache)
+    (record,) = [r for r in caplog.records if "compresses nothing" in r.getMessage()]
+    assert "first prompt (30 tokens) was within its budget (64)" in record.getMessage()
+    assert not cache.statistics()["compressed"]
+
+
 @pytest.mark.parametrize("method", ["snapkv", "slake"])
 def test_multi_turn_continuation_equals_the_full_cache(llama_gqa, method):
     """Two turns on one SlakeCache (the second passes the whole conversation) give the same tokens as transformers'

@@ -159,6 +159,8 @@ class CompressedKV:
         self.kernels = kernels
         #: enter static mode right after the prefill, with room for ``max_cache_len`` positions in append-only layers
         self.max_cache_len: int | None = None
+        #: a continuation grew this cache past its budget while it compresses nothing, and the user was told
+        self._told_uncompressed = False
 
     # ------------------------------------------------------------------ configuration and shared state
     @property
@@ -296,7 +298,29 @@ class CompressedKV:
         if self.chunks.active:
             self.chunks.append(layer_idx, keys, values)
             return self.state.store(layer_idx)
+        if layer_idx == 0 and keys.shape[2] > 1 and not self._told_uncompressed:
+            self._tell_if_uncompressed(keys.shape[2])
         return self.decoder.append(layer_idx, keys, values)
+
+    def _tell_if_uncompressed(self, new_tokens: int) -> None:
+        """Warn once when a continuation (a later turn of a conversation) takes a cache that compresses nothing past
+        its budget: the budget applies to the prompt a cache is prefilled with, and a first turn within it leaves
+        the cache a full cache for every later turn (``docs/conventions.md``, one cache per conversation)."""
+        info = self.state.info
+        if info is None or info.compress_any:
+            return
+        held = self.seen[0] + new_tokens
+        budget = int(info.budget.max())
+        if held > budget:
+            self._told_uncompressed = True
+            logging.getLogger("slake").warning(
+                "slake: this SlakeCache's first prompt (%d tokens) was within its budget (%d), so it compresses "
+                "nothing, and this turn takes it to %d tokens, every one kept; to compress the conversation, pass "
+                "the whole of it to a new SlakeCache",
+                int(info.real_len.max()),
+                budget,
+                held,
+            )
 
     def decode_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of the newest ``n_q`` queries over the compressed layer, with decode-time eviction; returns
