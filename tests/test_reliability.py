@@ -108,6 +108,11 @@ BAD_INPUTS = [
         "unknown RULER task(s) nope",
     ),
     (
+        "eval-depths-for-ruler",
+        ["eval", "--suite", "ruler", "--depths", "50", "--methods", "snapkv", "--budgets", "64", "--out", "{out}"],
+        "--depths",
+    ),
+    (
         "eval-longbench-not-utf8",
         [
             "eval",

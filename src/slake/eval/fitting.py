@@ -56,6 +56,14 @@ def fit_to_length(
     between measured points and falls back to bisection, so a long prompt is tokenized only a
     handful of times.
 
+    The target is a maximum, as RULER's ``max_seq_length`` is: RULER grows each haystack in steps
+    of whole units (``incremental`` sentences, needles or documents) and keeps the largest that
+    stays within the maximum, however far below it that is.  Here the step is one unit, and a fit
+    more than ``tolerance`` short is still accepted when the next size overshoots the target: the
+    haystack unit is then coarser than the tolerance (a UUID key-value needle of about 60 tokens
+    is 3% of 2,048), so no size gets closer without going over, and the shortfall is below one
+    unit.  It is an error only when the largest allowed size, ``max_size``, still falls short.
+
     Parameters
     ----------
     render : callable
@@ -72,7 +80,8 @@ def fit_to_length(
     min_size : int
         Smallest size.
     tolerance : float
-        Allowed relative shortfall ``(target - length) / target``.
+        Allowed relative shortfall ``(target - length) / target`` when a larger size would still
+        fit; a shortfall of less than one unit is always allowed.
 
     Returns
     -------
@@ -81,7 +90,8 @@ def fit_to_length(
     Raises
     ------
     LengthFitError
-        When even ``min_size`` is too long, or the best size is more than ``tolerance`` short.
+        When even ``min_size`` is too long (the prompt without any haystack exceeds the target),
+        or ``max_size`` units still leave the prompt more than ``tolerance`` short.
     """
     if target <= 0:
         raise LengthFitError(f"target length must be positive, got {target}")
@@ -96,7 +106,8 @@ def fit_to_length(
     base = measure(min_size)
     if base > target:
         raise LengthFitError(
-            f"target length {target} is too small: the prompt without haystack already has {base} tokens"
+            f"target length {target} is too small: the prompt without any haystack (instruction, inserted "
+            f"items, question) already has {base} tokens"
         )
     lo, hi = min_size, max_size + 1  # measure(lo) <= target; sizes >= hi are too long / out of range
     slack = int(target * tolerance / 4)  # stop early once this close below the target
@@ -119,9 +130,10 @@ def fit_to_length(
         else:
             guess = (lo + hi) // 2
     value, length = cache[lo]
-    if (target - length) > tolerance * target:
+    # hi <= max_size: size lo + 1 was measured and overshoots, so the shortfall is under one unit
+    if (target - length) > tolerance * target and hi > max_size:
         raise LengthFitError(
-            f"could only reach {length} tokens for target {target} "
-            f"(size {lo} of at most {max_size}); the source text may be too short"
+            f"could only reach {length} tokens for target {target}: the largest haystack allowed "
+            f"({max_size} units) is too short; the source text or vocabulary may be too small"
         )
     return Fit(lo, value, length)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from slake.eval.fitting import DEFAULT_TOLERANCE, fit_to_length
+from slake.eval.fitting import DEFAULT_TOLERANCE, LengthFitError, fit_to_length
 from slake.eval.haystack import (
     cycle_prefix,
     default_essays,
@@ -19,7 +20,15 @@ from slake.eval.metrics import needle_score
 from slake.eval.sample import Draft, Sample, TokenizerLike
 from slake.eval.vocab import CITIES, random_number, random_word
 
-__all__ = ["NEEDLE_KINDS", "NeedleKind", "make_needle", "needle_sample", "needle_grid", "needle_score"]
+__all__ = [
+    "NEEDLE_KINDS",
+    "NeedleKind",
+    "make_needle",
+    "needle_sample",
+    "needle_grid",
+    "needle_cell_seed",
+    "needle_score",
+]
 
 NeedleKind = Literal["word", "number"]
 NEEDLE_KINDS: tuple[str, ...] = ("word", "number")
@@ -88,6 +97,11 @@ def needle_sample(
     Sample
         ``metric="contains"``; ``metadata`` has ``actual_depth`` (percent of haystack words
         before the needle), ``needle``, ``kind``, ``seed`` and ``target_length``.
+
+    Raises
+    ------
+    LengthFitError
+        When no haystack fits ``length``; the message names the length, depth and seed.
     """
     if not 0.0 <= depth <= 100.0:
         raise ValueError(f"depth must be in [0, 100], got {depth}")
@@ -113,7 +127,10 @@ def needle_sample(
             metadata={"actual_depth": actual, "needle": needle},
         )
 
-    fit = fit_to_length(render, Draft.text, tokenizer, length, 4 * length + 1000, tolerance=tolerance)
+    try:
+        fit = fit_to_length(render, Draft.text, tokenizer, length, 4 * length + 1000, tolerance=tolerance)
+    except LengthFitError as e:
+        raise LengthFitError(f"needle, length {length}, depth {depth:g}, seed {seed}: {e}") from e
     return fit.value.to_sample(
         task="needle",
         metric="contains",
@@ -123,6 +140,16 @@ def needle_sample(
         depth=float(depth),
         extra={"kind": kind, "seed": seed, "target_length": length},
     )
+
+
+def needle_cell_seed(seed: int, length: int, depth: float) -> int:
+    """The seed of the grid cell at ``length`` tokens and ``depth`` percent, for sample seed ``seed``.
+
+    It depends on the values only, not on where they stand in the lists of a grid, so a cell gets
+    the same needle whatever other lengths and depths are asked with it (and a rerun with more of
+    them resumes the cells already run).  A 31-bit CRC of ``"seed:length:depth"``.
+    """
+    return zlib.crc32(f"{int(seed)}:{int(length)}:{float(depth)!r}".encode()) & 0x7FFFFFFF
 
 
 def needle_grid(
@@ -137,20 +164,21 @@ def needle_grid(
 ) -> list[Sample]:
     """Samples for every (length, depth) pair, for a depth x length heatmap.
 
-    Each cell gets its own seed derived from ``seed`` and its position in the grid.
+    Each cell's sample seed is :func:`needle_cell_seed` of ``seed`` and the cell's length and depth
+    values (the sample ids embed it).
     """
     essays = default_essays(essays)
     depths = list(depths)
     out = []
-    for i, n in enumerate(lengths):
-        for j, d in enumerate(depths):
+    for n in lengths:
+        for d in depths:
             out.append(
                 needle_sample(
                     tokenizer,
                     n,
                     d,
                     kind=kind,
-                    seed=seed * 1_000_003 + i * 1_009 + j,
+                    seed=needle_cell_seed(seed, n, d),
                     essays=essays,
                     max_new_tokens=max_new_tokens,
                 )

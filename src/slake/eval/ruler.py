@@ -26,6 +26,17 @@ Deviations from the reference implementation: no few-shot example is prepended t
 cwe words come from the essays' vocabulary (or a given list) and lower their repetition counts
 for short targets; lengths count the plain prompt (``context + question + answer_prefix``)
 without chat-template tokens.
+
+Lengths: the target is a maximum, as RULER's ``max_seq_length``.  RULER adds haystack in steps of
+``incremental`` units and keeps the largest haystack whose prompt stays within the maximum; here the
+step is one unit (:func:`slake.eval.fitting.fit_to_length`), and a prompt ends within 2% below the
+target or, when one unit is coarser than that (the ~60-token UUID distractor needles of
+niah_multikey_3 at up to ~3,000 tokens), less than one unit below it.  A qa record whose own paragraphs
+alone exceed the target (HotpotQA's ten, over 1,024 tokens for most records) is redrawn from the
+sample's seed (``metadata["attempt"]``), so at short lengths qa_2 draws from the shorter records;
+RULER keeps every record's ten paragraphs too, and has no such case to handle at its 4K and longer
+lengths, where nearly every record fits.
+A :class:`~slake.eval.fitting.LengthFitError` names the task, length and seed.
 """
 
 from __future__ import annotations
@@ -109,7 +120,31 @@ def _fit_fwe(seed: str, tokenizer: TokenizerLike, length: int, max_size: int, to
         if not fit.value.metadata["tie"]:
             fit.value.metadata["attempt"] = attempt
             return fit
-    raise LengthFitError(f"fwe: could not draw a text without ties at length {length}")
+    raise LengthFitError("could not draw a text without ties in 20 attempts")
+
+
+#: Records drawn (from the sample's seed) for qa_1/qa_2 before giving up on finding one whose own
+#: paragraphs fit the target length.
+_QA_DRAWS = 500
+
+
+def _fit_qa(
+    records: Sequence[QARecord], seed: str, tokenizer: TokenizerLike, length: int, max_size: int, tolerance: float
+) -> Fit[Draft]:
+    """Redraw the record (up to :data:`_QA_DRAWS` times) until its own paragraphs fit ``length``."""
+    shortest: int | None = None
+    for attempt in range(_QA_DRAWS):
+        render = qa_renderer(records, seed if attempt == 0 else f"{seed}:{attempt}")
+        base = count_tokens(tokenizer, render(0).text())
+        if base <= length:
+            fit = _fit(render, tokenizer, length, max_size, tolerance)
+            fit.value.metadata["attempt"] = attempt
+            return fit
+        shortest = base if shortest is None else min(shortest, base)
+    raise LengthFitError(
+        f"target length {length} is too small: in {_QA_DRAWS} records drawn, the shortest prompt with only a "
+        f"record's own paragraphs (no distractors) has {shortest} tokens"
+    )
 
 
 def ruler_sample(
@@ -124,7 +159,10 @@ def ruler_sample(
     depth: float | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> Sample:
-    """Generate one RULER sample whose plain prompt has ``length`` tokens (within ``tolerance``).
+    """Generate one RULER sample whose plain prompt has at most ``length`` tokens, as close as its haystack allows.
+
+    The prompt ends within ``tolerance`` below ``length``, or less than one haystack unit below it when a
+    unit is coarser than that (module docstring).
 
     Parameters
     ----------
@@ -150,32 +188,20 @@ def ruler_sample(
     Returns
     -------
     Sample
+
+    Raises
+    ------
+    LengthFitError
+        When no sample fits ``length``; the message names the task, length and seed, and the cause.
     """
     if task not in TASK_SPECS:
         raise KeyError(f"unknown RULER task {task!r}; expected one of {RULER_TASKS}")
     spec = TASK_SPECS[task]
-    task_seed = f"{task}:{seed}"
-    max_size = _default_max_size(length)
     extra: dict[str, object] = {"seed": seed, "target_length": length}
-
-    if task in NIAH_TASKS:
-        cfg = NIAH_TASKS[task]
-        render = niah_renderer(cfg, task_seed, default_essays(essays) if cfg.haystack == "essay" else None, depth)
-        fit = _fit(render, tokenizer, length, max_size, tolerance)
-    elif task == "vt":
-        fit = _fit(vt_renderer(task_seed), tokenizer, length, max_size, tolerance)
-    elif task == "cwe":
-        vocab = list(vocabulary) if vocabulary is not None else vocabulary_from_texts(default_essays(essays))
-        fit = _fit_cwe(task_seed, vocab, tokenizer, length, tolerance)
-    elif task == "fwe":
-        fit = _fit_fwe(task_seed, tokenizer, length, max_size, tolerance)
-        extra["attempt"] = fit.value.metadata["attempt"]
-    else:
-        records = qa_records
-        if records is None:
-            records = squad_samples() if task == "qa_1" else hotpotqa_samples()
-        fit = _fit(qa_renderer(records, task_seed), tokenizer, length, max_size, tolerance)
-
+    try:
+        fit = _fit_task(task, tokenizer, length, seed, essays, qa_records, vocabulary, depth, tolerance)
+    except LengthFitError as e:
+        raise LengthFitError(f"RULER task {task}, length {length}, seed {seed}: {e}") from e
     draft = fit.value
     depth_value = draft.metadata.get("depth") if task in NIAH_TASKS else None
     return draft.to_sample(
@@ -187,6 +213,37 @@ def ruler_sample(
         depth=depth_value,
         extra=extra,
     )
+
+
+def _fit_task(
+    task: str,
+    tokenizer: TokenizerLike,
+    length: int,
+    seed: int,
+    essays: Sequence[str] | None,
+    qa_records: Sequence[QARecord] | None,
+    vocabulary: Sequence[str] | None,
+    depth: float | None,
+    tolerance: float,
+) -> Fit[Draft]:
+    """The fitted draft of one sample (arguments as in :func:`ruler_sample`)."""
+    task_seed = f"{task}:{seed}"
+    max_size = _default_max_size(length)
+    if task in NIAH_TASKS:
+        cfg = NIAH_TASKS[task]
+        render = niah_renderer(cfg, task_seed, default_essays(essays) if cfg.haystack == "essay" else None, depth)
+        return _fit(render, tokenizer, length, max_size, tolerance)
+    if task == "vt":
+        return _fit(vt_renderer(task_seed), tokenizer, length, max_size, tolerance)
+    if task == "cwe":
+        vocab = list(vocabulary) if vocabulary is not None else vocabulary_from_texts(default_essays(essays))
+        return _fit_cwe(task_seed, vocab, tokenizer, length, tolerance)
+    if task == "fwe":
+        return _fit_fwe(task_seed, tokenizer, length, max_size, tolerance)
+    records = qa_records
+    if records is None:
+        records = squad_samples() if task == "qa_1" else hotpotqa_samples()
+    return _fit_qa(records, task_seed, tokenizer, length, max_size, tolerance)
 
 
 def ruler_samples(

@@ -36,12 +36,21 @@ def qa_renderer(records: Sequence[QARecord], seed: int | str) -> Callable[[int],
     rng = random.Random(f"qa:{seed}")
     record = records[rng.randrange(len(records))]
     gold = list(record.paragraphs)
-    own = set(gold)
-    pool = list(dict.fromkeys(p for r in records for p in r.paragraphs if p not in own))
-    order = list(range(len(pool)))
-    random.Random(f"qa-pool:{seed}").shuffle(order)
     gold_slots = [rng.random() for _ in gold]
+    pool: list[str] = []
+    order: list[int] = []
     split_cache: dict[int, list[str]] = {}
+    pooled = False
+
+    def build_pool() -> None:
+        # on first use: render(0), the record's own paragraphs alone, needs no pool (a caller may redraw then)
+        nonlocal pooled
+        if not pooled:
+            own = set(gold)
+            pool.extend(dict.fromkeys(p for r in records for p in r.paragraphs if p not in own))
+            order.extend(range(len(pool)))
+            random.Random(f"qa-pool:{seed}").shuffle(order)
+            pooled = True
 
     def distractor_words(k: int) -> list[str]:
         if k not in split_cache:
@@ -61,6 +70,8 @@ def qa_renderer(records: Sequence[QARecord], seed: int | str) -> Callable[[int],
         docs: list[str] = []
         left = n
         k = 0
+        if n > 0:
+            build_pool()
         while left > 0 and k < len(order):
             words = distractor_words(k)
             docs.append(pool[order[k]] if len(words) <= left else " ".join(words[:left]))

@@ -1,7 +1,9 @@
 """Suites for ``slake eval``: which tasks a suite has, validation before the model loads, and sample building.
 
-* ``needle``: a needle-in-a-haystack grid, every (length, depth) cell ``samples`` times.
-* ``ruler``: the 13 RULER tasks (:data:`slake.eval.ruler.RULER_TASKS`), ``samples`` per (task, length).
+* ``needle``: a needle-in-a-haystack grid, every (length, depth) cell ``samples`` times; the only suite that
+  takes ``depths``.
+* ``ruler``: the 13 RULER tasks (:data:`slake.eval.ruler.RULER_TASKS`), ``samples`` per (task, length); NIAH
+  needles at random depths, as in RULER.
 * ``longbench``: LongBench v1 datasets from official JSONL files; a length is the middle-truncation maximum.
 """
 
@@ -96,10 +98,15 @@ def plan_suite(
     ``longbench_hub`` the datasets missing there are read from the hub's ``data.zip``
     (:func:`slake.eval.longbench.load_longbench`), and no ``tasks`` means the 21 LongBench v1 datasets.
 
+    ``depths`` (``--depths``) is for the needle suite only: a RULER NIAH sample's depths are random, as in
+    RULER (its task scores average over depths, the summary has no depth axis for them), and a LongBench
+    context is a given text; either refuses them rather than ignoring them.
+
     Raises
     ------
     ValueError
-        Unknown suite or task, bad sample count, missing LongBench data.
+        Unknown suite or task, bad sample count, ``depths`` for a suite other than needle, missing LongBench
+        data.
     """
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
@@ -120,12 +127,28 @@ def plan_suite(
         if unknown:
             raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; expected some of {', '.join(RULER_TASKS)}")
         plan.tasks = list(dict.fromkeys(tasks)) if tasks else list(RULER_TASKS)
+        _refuse_depths(suite, depths)
     else:
-        _plan_longbench(plan, tasks, longbench_dir, longbench_hub)
+        _plan_longbench(plan, tasks, longbench_dir, longbench_hub, depths)
     return plan
 
 
-def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir: Any, hub: bool) -> None:
+def _refuse_depths(suite: str, depths: Sequence[float] | None) -> None:
+    """Refuse ``--depths`` for a suite that cannot honour it rather than ignore it."""
+    if not depths:
+        return
+    why = (
+        "RULER's NIAH tasks put each sample's needles at random depths, as RULER does, and score a task over all "
+        "depths; use --suite needle for a depth x length grid"
+        if suite == "ruler"
+        else "LongBench's contexts are given texts"
+    )
+    raise ValueError(f"--depths applies to the needle suite only, not to {suite}: {why}")
+
+
+def _plan_longbench(
+    plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir: Any, hub: bool, depths: Sequence[float] | None
+) -> None:
     from slake.eval.longbench import LONGBENCH_DIR_ENV, load_longbench
     from slake.eval.longbench_config import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
 
@@ -149,6 +172,7 @@ def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir:
         plan.tasks = _longbench_available(directory or ".")
     if not plan.tasks:
         raise ValueError(f"no LongBench <dataset>.jsonl file in {directory}")
+    _refuse_depths(plan.suite, depths)
     for task in plan.tasks:
         plan.longbench_records[task] = load_longbench(task, directory, use_hub=hub, limit=plan.samples)
 
@@ -156,7 +180,14 @@ def _plan_longbench(plan: SuitePlan, tasks: Sequence[str] | None, longbench_dir:
 def build_samples(plan: SuitePlan, tokenizer: Any, *, essays: Sequence[str] | None = None) -> list[Sample]:
     """Generate (needle, RULER) or format (LongBench) the samples of ``plan`` with the model's tokenizer.
 
-    Every sample has ``metadata["target_length"]`` (the row's ``length``).
+    Every sample has ``metadata["target_length"]`` (the row's ``length``).  A needle cell's sample depends on
+    its length, depth and sample number (:func:`slake.eval.needle.needle_cell_seed`), not on the other
+    lengths and depths asked.
+
+    Raises
+    ------
+    LengthFitError
+        When a sample cannot be fitted to its length; the message names the task, length and seed.
     """
     out: list[Sample] = []
     n = plan.samples or 1
