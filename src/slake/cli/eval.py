@@ -76,7 +76,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="samples per (task, length), per (length, depth) cell for needle, first N records for "
         "LongBench (default: needle 1, ruler 5, longbench all)",
     )
-    p.add_argument("--depths", default=None, help="needle depths in percent (default 0,25,50,75,100; --suite needle only)")
+    p.add_argument(
+        "--depths", default=None, help="needle depths in percent (default 0,25,50,75,100; --suite needle only)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sample seed")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on every task's generation length")
     p.add_argument(
