@@ -24,12 +24,17 @@ class GenerationResult:
     method, budget :
         What compressed the cache.
     kv_bytes : dict
-        ``full`` (what an uncompressed cache would hold for the same real tokens), ``kept``, ``padding``, ``metadata``,
-        ``linear_state``; bytes, at the end of generation.
+        ``full`` (what an uncompressed cache would hold for the same real tokens), ``kept``, ``padding``, ``slack``,
+        ``metadata``, ``linear_state`` (and ``sliding`` on hybrid models); bytes, at the end of generation.
     kept_tokens_per_layer : list[float]
         Mean kept tokens per KV head, per layer, at the end of generation.
     compressed : bool
         False when every prompt fit in the budget (no eviction happened; results equal the full cache).
+    layer_budgets : list | None
+        Per prompt and compressed layer, the tokens per KV head chosen by score at prefill: the layer's budget less
+        its observation window and sinks, which every layer keeps besides (budget 64 with a 32-token window on a
+        uniform method gives 32 per layer). Their sum over layers plus the layers' windows and sinks is the budget
+        times the layers. None where nothing was compressed.
     prefill_s, decode_ms_per_token : float
         Wall time of the prefill (prompt forward and compression) and mean time per decoded token.
     hyperparameters : dict

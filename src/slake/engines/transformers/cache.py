@@ -407,9 +407,11 @@ class SlakeCache(Cache):
         return counts
 
     def statistics(self) -> dict:
-        """Cache statistics: bytes (:meth:`byte_counts`), kept tokens per compressed layer, budgets, and which
-        layers are compressed (``compressed_layers``) and which are left to their bounded cache (``sliding_layers``,
-        empty unless the model is hybrid)."""
+        """Cache statistics: bytes (:meth:`byte_counts`; the full cache's bytes are not known here, ``slake.generate``
+        adds them), kept tokens per compressed layer, budgets (``layer_budgets``: per sequence and compressed layer,
+        the tokens chosen by score, window and sinks excluded: :class:`slake.engines.result.GenerationResult`), and
+        which layers are compressed (``compressed_layers``) and which are left to their bounded cache
+        (``sliding_layers``, empty unless the model is hybrid)."""
         self.check_routed()
         eng = self.compressor
         info = eng.info
