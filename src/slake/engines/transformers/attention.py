@@ -89,8 +89,10 @@ def slake_attention_forward(
     if window is not None and layer.get_seq_length() > window:
         raise ValueError(
             f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
-            f"is longer; slake compresses full-attention layers only (this model has none: every layer "
-            f"is a sliding-window layer)"
+            f"is longer; slake compresses full-attention layers only: either the model has none (every layer "
+            f"is a sliding-window layer), or this SlakeCache was built without the model's configuration "
+            f"(num_layers=...) and does not know which layers slide: build it with SlakeCache(..., "
+            f"config=model.config)"
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
