@@ -28,7 +28,7 @@ from slake.cli.options import add_engine_arg, engine_from_args, split_list
 
 __all__ = [
     "add_bench_parser", "add_serve_args", "bench_lengths", "bench_methods", "bench_plan", "check_serve_options",
-    "cmd_bench",
+    "cmd_bench", "refuse_duplicates",
 ]  # fmt: skip
 
 
@@ -221,6 +221,7 @@ def bench_lengths(args: argparse.Namespace) -> tuple[int, ...]:
             except ValueError:
                 raise ValueError(f"--lengths: every length must be an integer >= 2, got {n!r}") from None
             out.append(int(n))
+        refuse_duplicates("--lengths", out)
         return tuple(out)
     text = str(text or DEFAULT_SERVE_LENGTHS).strip()
     lo, sep, hi = text.partition("-")
@@ -275,18 +276,31 @@ def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
     )
 
 
+def refuse_duplicates(option: str, items: list[Any], keys: list[Any] | None = None) -> None:
+    """Raise ValueError naming ``option`` when two of ``items`` are the same (compared by ``keys``, one per item,
+    where given): a benchmark would measure that configuration twice and write both rows under one name."""
+    seen: dict[Any, Any] = {}
+    for item, key in zip(items, keys if keys is not None else items):
+        if key in seen:
+            same = f"{item!r}" if str(item) == str(seen[key]) else f"{seen[key]!r} and {item!r}"
+            raise ValueError(f"{option}: {same} given twice; each configuration is measured once")
+        seen[key] = item
+
+
 def bench_methods(text: str, baselines: tuple[str, ...] = ()) -> list[str]:
     """The methods of ``--methods``, validated as :func:`slake.methods.base.parse_method_list` does, but for the
-    engine's own baselines (``baselines``: :attr:`slake.engines.base.Engine.bench_baselines`), taken as they are."""
-    from slake.methods.base import parse_method_list
+    engine's own baselines (``baselines``: :attr:`slake.engines.base.Engine.bench_baselines`), taken as they are.
+    A method given twice (the same canonical spec: ``slake[alpha=1]`` and ``slake[alpha=1.0]``) is refused."""
+    from slake.methods.base import canonical_method_spec, parse_method_list
     from slake.methods.spec import split_method_list
 
     methods = split_method_list(text)
     others = [m for m in methods if m not in baselines]
     if len(others) == len(methods):
-        return parse_method_list(text)
-    if others:  # the baselines alone (``--methods transformers``) need no method of slake's beside them
+        methods = parse_method_list(text)
+    elif others:  # the baselines alone (``--methods transformers``) need no method of slake's beside them
         parse_method_list(",".join(others))
+    refuse_duplicates("--methods", methods, [m if m in baselines else canonical_method_spec(m) for m in methods])
     return methods
 
 
@@ -298,9 +312,15 @@ def bench_plan(args: argparse.Namespace, baselines: tuple[str, ...] = ()) -> Any
     from slake.engines.base import BenchPlan
 
     check_serve_options(args)
+    if getattr(args, "random_model", None) and getattr(args, "gguf_file", None):
+        raise ValueError("--gguf-file names a file of --model; a --random-model has none (drop one of them)")
     methods = bench_methods(args.methods, baselines)
-    kv_dtypes = tuple(parse_kv_dtype(k) for k in split_list(getattr(args, "kv_dtype", None) or "auto", "--kv-dtype"))
-    budgets = tuple(Budget(b) for b in split_list(args.budget, "--budget"))
+    kv_texts = split_list(getattr(args, "kv_dtype", None) or "auto", "--kv-dtype")
+    kv_dtypes = tuple(parse_kv_dtype(k) for k in kv_texts)
+    refuse_duplicates("--kv-dtype", kv_texts, list(kv_dtypes))
+    budget_texts = split_list(args.budget, "--budget")
+    budgets = tuple(Budget(b) for b in budget_texts)
+    refuse_duplicates("--budget", budget_texts, [b.value for b in budgets])
     lengths = bench_lengths(args)
     batch = 1 if args.batch is None else args.batch
     decode_steps = 32 if args.decode_steps is None else args.decode_steps

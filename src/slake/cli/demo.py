@@ -2,9 +2,10 @@
 
 It prints both answers as text a person reads (one line, line breaks collapsed, cut near 90 characters), whether each is
 correct (the expected answer is known: the document is a generated needle-in-a-haystack prompt, RULER's
-niah_single_1 by default), the time each took, and the KV memory each cache holds, in MiB and as a percent of the
-full cache. A wrong compressed answer is printed as wrong, with a hint, never as the product's best. It runs on the
-engine ``--engine`` names (transformers by default).
+niah_single_1 by default), the time each took, and the KV memory each cache holds (every byte: kept entries, padding,
+slack, slot metadata, a linear state, a hybrid model's sliding-window layers; :func:`held_bytes`), in MiB and as a
+percent of the full cache's. A wrong compressed answer is printed as wrong, with a hint, never as the product's
+best. It runs on the engine ``--engine`` names (transformers by default).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from slake.cli.options import add_engine_arg, add_model_args, engine_from_args
 
-__all__ = ["DEMO_BUDGET", "DEMO_METHOD", "add_demo_parser", "answer_excerpt", "cmd_demo"]
+__all__ = ["DEMO_BUDGET", "DEMO_METHOD", "add_demo_parser", "answer_excerpt", "cmd_demo", "held_bytes"]
 
 DEMO_METHOD = "slake"
 #: RULER's niah_single_1 (a number hidden in filler text): on the default model, compression keeps this needle at
@@ -101,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # prefix ("The special magic number for X mentioned in the provided text is") opening the assistant turn
     prompt = build_prompt(sample, tokenizer)
     assert isinstance(prompt, str)  # query-aware prompts are one string
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for name, method, b in (("full cache", "full", 1), (args.method, args.method, budget)):
         start = time.perf_counter()
         res = engine.generate(prompt, method=method, budget=b, max_new_tokens=args.max_new_tokens, chat_template=False)
@@ -111,7 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "kv_bytes": res.kv_bytes,
             "prompt_tokens": res.prompt_tokens[0],
             "profile": res.profile,
-            "stored_bytes": sum(v for k, v in res.kv_bytes.items() if k in _STORED),
+            "stored_bytes": held_bytes(res.kv_bytes),
             "seconds": round(time.perf_counter() - start, 2),
             "prefill_s": round(res.prefill_s, 3),
             "decode_ms_per_token": round(res.decode_ms_per_token, 2),
@@ -127,6 +129,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "full": full,
         "compressed": comp,
         "kept_percent": round(kept_pct, 2),
+        # what stored_bytes adds up, and what each part is (the rest of kv_bytes: "full", what an uncompressed cache
+        # would hold; the vLLM engine's "blocks_held", its block-granular total of kept and padding)
+        "stored_parts": dict(_STORED),
         "engine": engine.name,
     }
     if args.json:
@@ -148,10 +153,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"(prefill {run['prefill_s']:.1f} s, decode {run['decode_ms_per_token']:.0f} ms/token)"
         )
     kv = comp["kv_bytes"]
+    bookkeeping = sum(kv.get(k, 0) for k in ("padding", "slack", "metadata"))
+    sliding = f", and its sliding-window layers hold {_fmt_bytes(kv['sliding'])}" if kv.get("sliding") else ""
     print(
         f"\n  {args.method} keeps {_fmt_bytes(kv['kept'])} of entries, a linear state of "
-        f"{_fmt_bytes(kv.get('linear_state', 0))} and {_fmt_bytes(kv.get('metadata', 0) + kv.get('padding', 0))} "
-        "of bookkeeping."
+        f"{_fmt_bytes(kv.get('linear_state', 0))} and {_fmt_bytes(bookkeeping)} of bookkeeping (padding, free "
+        f"slots, slot metadata){sliding}."
     )
     if not comp["correct"]:
         print(
@@ -162,6 +169,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-#: the byte counts a cache holds (``full`` is what an uncompressed cache would hold: not stored; ``blocks_held`` is
-#: the vLLM engine's block-granular total of the same entries)
-_STORED = ("kept", "padding", "metadata", "linear_state")
+#: the byte counts of ``kv_bytes`` a cache holds, each with what it is (``docs/conventions.md``): the demo's "KV memory"
+#: is their sum. Not among them: ``full``, what an uncompressed cache would hold, and ``blocks_held``, the vLLM
+#: engine's block-granular total of ``kept`` and ``padding``
+_STORED = (
+    ("kept", "the kept keys and values"),
+    ("padding", "slots up to the longest head of each layer"),
+    ("slack", "room allocated beyond the longest head for the next decode tokens"),
+    ("metadata", "per-slot positions, validity, scores and masks"),
+    ("linear_state", "SLAKE's linear state of the evicted tokens"),
+    ("sliding", "a hybrid model's sliding-window layers, in their own bounded caches"),
+)
+
+
+def held_bytes(kv_bytes: dict) -> int:
+    """Every byte a cache holds, from a result's ``kv_bytes``: the sum of the parts of :data:`_STORED`."""
+    return int(sum(kv_bytes.get(k) or 0 for k, _ in _STORED))

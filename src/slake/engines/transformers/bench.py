@@ -6,10 +6,12 @@ rows are appended to ``OUT/bench.jsonl``, and ``OUT/bench.md`` and the plots are
 ``profile_steps`` also ``OUT/step_profile.md``, where each configuration's decode step spends its time
 (:mod:`slake.engines.transformers.step_profile`).
 With ``isolate`` each configuration runs in a fresh process (exact per-configuration peak memory, at the cost of
-reloading the model). On CPU, and on CUDA for eager configurations whose caches fit in the GPU together
-(:func:`group_interleaved`), the decode steps of the configurations of one length are timed again in turn
-(``decode_timing``, :func:`slake.engines.transformers.measure.time_decode_interleaved`), so that comparisons between
-methods do not depend on when each one ran.
+reloading the model; with ``compile`` its eager and compiled runs share one, in that order, as in one process). Every
+row names its run (``run_id``), seed and warm-up, so that runs appended to one ``bench.jsonl`` can be told apart.
+On CPU, and on CUDA for eager configurations whose caches fit in the GPU together (:func:`group_interleaved`), the
+decode steps of the configurations of one length are timed again in turn (``decode_timing``,
+:func:`slake.engines.transformers.measure.time_decode_interleaved`), so that comparisons between methods do not
+depend on when each one ran.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +63,10 @@ def configs(plan: BenchPlan) -> list[BenchConfig]:
     return out
 
 
-def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
+def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> list[dict]:
+    """Measure ``cfg`` in a fresh process (``slake bench`` of this one configuration); its rows, in the order of
+    :func:`configs`: with ``plan.compile`` the eager row and the compiled one, which the child measures one after the
+    other, paired as in one process (``cfg`` is then the eager configuration; its compiled twin is not run apart)."""
     argv = [
         sys.executable,
         "-m",
@@ -69,7 +76,7 @@ def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
         cfg.method,
         "--budget",
         str(cfg.budget),
-        *(["--compile"] if cfg.compile else []),
+        *(["--compile"] if plan.compile else []),
         "--lengths",
         str(cfg.length),
         "--batch",
@@ -107,7 +114,14 @@ def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> dict:
     res = subprocess.run(argv, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"isolated run of {cfg} failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])["rows"][0]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+    expected = [False, True] if plan.compile else [False]
+    if [bool(r.get("compile")) for r in rows] != expected or any(
+        (r["method"], r["length"], r.get("kv_dtype")) != (cfg.method, cfg.length, cfg.kv_dtype) for r in rows
+    ):
+        got = [_label_compiled(r) for r in rows]
+        raise RuntimeError(f"isolated run of {cfg} returned other rows than its own: {got}")
+    return rows
 
 
 def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[[], Any]) -> BenchReport:
@@ -123,15 +137,21 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     if plan.threads:
         torch.set_num_threads(plan.threads)
     cfgs = configs(plan)
+    groups = length_groups(cfgs)
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     model = None if plan.isolate else load()
+    interleave = interleaved_timing(plan, model)  # a group's rows wait for its interleaved timing, if it runs one
     bar = None
     if plan.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(cfgs), desc="slake bench", unit="config", file=sys.stderr)
+        # a configuration's own run, then, in a length that is timed interleaved, its share of that timing (one more
+        # prefill and the decode steps of each configuration): one unit each
+        work = len(cfgs) + (sum(len(g) for g in groups if len(g) > 1) if interleave else 0)
+        bar = tqdm(total=work, desc="slake bench", unit="run", file=sys.stderr)
     env = {
+        "run_id": time.strftime("%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:8],  # the rows of one run
         "model": model_name,
         "device": str(model.device) if model is not None else (spec.device or "auto"),
         "dtype": str(model.dtype).replace("torch.", "") if model is not None else (spec.dtype or "auto"),
@@ -141,7 +161,6 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         "cpu_count": os.cpu_count(),
         "load_avg_1m": load_avg(),
     }
-    interleave = interleaved_timing(plan, model)  # a group's rows wait for its interleaved timing, if it runs one
     floor = None  # the roofline's terms (roofline.py): weights read per step, the device's copy bandwidth
     if model is not None:
         floor = decode_weight_bytes(model, plan.batch), copy_bandwidth(model.device)
@@ -149,25 +168,33 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             torch.cuda.empty_cache()
     rows = []
     with open(out / "bench.jsonl", "a", encoding="utf-8") as f:
-        for group in length_groups(cfgs):
+        for group in groups:
             group_rows = []
             for cfg in group:
+                if plan.isolate and cfg.compile:
+                    continue  # measured by its eager twin's process, right after it (_isolated)
                 if bar is not None:
                     bar.set_postfix_str(f"{cfg.method} {cfg.length}")
-                row = _isolated(spec, plan, cfg) if plan.isolate else measure(model, cfg)  # isolated: its own roofline
-                row.update({k: v for k, v in env.items() if k not in row})
-                row["load_avg_1m_after"] = load_avg()
-                group_rows.append(row)
-                if not interleave:
-                    _add_roofline(row, floor)
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
+                # isolated: its own roofline, and with --compile the eager and the compiled row
+                measured = _isolated(spec, plan, cfg) if plan.isolate else [measure(model, cfg)]
+                for row in measured:
+                    row.update({k: v for k, v in env.items() if k not in row})
+                    row["run_id"] = env["run_id"]  # an isolated row's own process had its own
+                    row["load_avg_1m_after"] = load_avg()
+                    group_rows.append(row)
+                    if not interleave:
+                        _add_roofline(row, floor)
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
                 if bar is not None:
-                    bar.update(1)
-            if interleave and len(group) > 1 and group_interleaved(plan, model, group, group_rows):
+                    bar.update(len(measured))
+            if interleave and len(group) > 1:
+                if group_interleaved(plan, model, group, group_rows):
+                    if bar is not None:
+                        bar.set_postfix_str(f"interleaved decode timing, length {group[0].length}")
+                    apply_interleaved(group_rows, time_decode_interleaved(model, group, plan.decode_steps, plan.warmup))
                 if bar is not None:
-                    bar.set_postfix_str(f"interleaved decode timing, length {group[0].length}")
-                apply_interleaved(group_rows, time_decode_interleaved(model, group, plan.decode_steps, plan.warmup))
+                    bar.update(len(group))
             if interleave:
                 for row in group_rows:
                     _add_roofline(row, floor)
@@ -181,7 +208,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         f"model {env['model']}, device {env['device']}, dtype {env['dtype']}, {env['threads']} torch threads, "
         f"torch {env['torch']}, load average at start {env['load_avg_1m']}",
         f"batch {plan.batch}, {plan.decode_steps} timed decode steps after {plan.warmup} warm-up steps; "
-        "prompts are random token ids",
+        f"prompts are random token ids of seed {plan.seed}; run {env['run_id']} (run_id in bench.jsonl)",
         "decode ms/token: "
         + (
             "medians of steps timed in turn across the configurations of each length "

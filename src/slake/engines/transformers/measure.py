@@ -8,8 +8,9 @@ are not timed,
 then ``decode_steps`` timed steps (each synchronised on CUDA). Reported: prefill time, time to first token (prefill +
 picking the first token), decode milliseconds per token (median, min, max over the timed steps; on CUDA also the
 mean of ``decode_steps`` more steps issued back to back, :func:`time_pipelined`), peak memory
-(:class:`~slake.engines.transformers.memory.MemoryMeter`) and the cache's bytes at the end (kept entries, padding,
-metadata, linear state).
+(:class:`~slake.engines.transformers.memory.MemoryMeter`) and the cache's bytes after the timed steps (kept entries,
+padding, slack, metadata, linear state, a hybrid model's sliding-window layers), both read before any profiled step
+(``profile_steps``).
 
 Decode timings taken one configuration after another drift with the machine (on a shared 2-core CPU, medians of the
 same configuration differ by a few percent from minute to minute), which is enough to flip comparisons between
@@ -291,11 +292,13 @@ def measure(model, cfg: BenchConfig) -> dict:
         pipelined = pipelined_host = None
         if pipelined_steps(model, cfg):
             pipelined, pipelined_host, tok = time_pipelined(stepper, tok, pipelined_steps(model, cfg), device)
+        # the peak and the cache as the timed steps left them: the profiled steps below (more tokens in a growing
+        # cache, the profiler's own buffers) would change both
+        peak = meter.peak()
+        stats = _statistics(cache)
         step_profile = None
         if cfg.profile_steps:  # after the timed steps, so that the profiler's overhead is in none of them
             step_profile, tok = profile_decode(stepper, tok, cfg.profile_steps, device)
-    peak = meter.peak()
-    stats = _statistics(cache)
     kv = stats["kv_bytes"]
     second_pass_s = getattr(cache, "second_pass_s", None)
     # which implementation ran the decode steps (a compiled step records nothing: the choice it was built with)
@@ -308,6 +311,10 @@ def measure(model, cfg: BenchConfig) -> dict:
         "batch": cfg.batch,
         "kv_dtype": cfg.kv_dtype,
         "compile": cfg.compile,
+        "seed": cfg.seed,  # of the random prompt (and, from the command line, of the random weights)
+        "warmup": cfg.warmup,  # untimed decode steps asked for (a compiled configuration takes at least 2)
+        "profile_steps": cfg.profile_steps,
+        "kernels_asked": cfg.kernels,
         "kernels": ran,
         # how the fused kernels were launched (slake.kernels.launch_mode); None where none ran
         "triton_launch": _launch_mode() if "triton" in str(ran).split(" (")[0].split("+") else None,

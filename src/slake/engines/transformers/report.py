@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from slake.engines.transformers.baselines import holds_every_token
 
-__all__ = ["markdown_table", "plot_rows", "series_label"]
+__all__ = ["KV_PARTS", "markdown_table", "plot_rows", "series_label"]
 
 _MIB = 1024 * 1024
 
@@ -34,13 +34,47 @@ def _pipelined(row: dict) -> str:
     return f"{ms:.1f} (host {host:.1f}) | " if host is not None else f"{ms:.1f} | "
 
 
+#: the parts of a row's ``kv_bytes`` (``kv_bytes_detail``) in the table's KV column, in its order, and their headings
+KV_PARTS = {
+    "kept": "kept",
+    "padding": "padding",
+    "slack": "slack",
+    "metadata": "metadata",
+    "linear_state": "linear",
+    "sliding": "sliding",
+}
+
+
+def _kv_parts(rows: list[dict]) -> list[str]:
+    """The parts of ``kv_bytes`` the KV column shows: every part of :data:`KV_PARTS` but ``sliding`` (a hybrid
+    model's sliding-window layers) where no row has it, then any part it does not know, so that the parts shown always
+    add up to the total."""
+    held = {k for r in rows for k in r.get("kv_bytes_detail", {})}
+    known = [k for k in KV_PARTS if k != "sliding" or k in held]
+    return known + sorted(held - set(KV_PARTS))
+
+
+def _kernels(row: dict) -> str:
+    """Which implementation ran the decode steps, with how the fused kernels were launched where they were
+    (``triton (interpreter)``: Triton's interpreter on a CPU, hundreds of times slower than the torch step there)."""
+    ran = str(row.get("kernels") or "-")
+    launch = row.get("triton_launch")
+    return f"{ran} ({launch})" if launch else ran
+
+
 def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] | None = None) -> str:
-    """A markdown table of the rows, one line per configuration."""
+    """A markdown table of the rows, one line per configuration.
+
+    The KV column is every byte the cache holds at the end of the timed steps (``kv_bytes``) and, after ``=``, its
+    parts in MiB (:func:`_kv_parts`: kept entries, padding up to a layer's longest head, slack allocated for the
+    next tokens, slot metadata, SLAKE's linear state, and a hybrid model's sliding-window layers); ``kernels`` is
+    the decode step's implementation that ran (:func:`_kernels`)."""
     paired = any("decode_vs_first" in r for r in rows)
     compiled = any(r.get("compile") for r in rows)
     second = any(r.get("second_pass_s") is not None for r in rows)  # KVzip's reconstruction pass, inside prefill s
     roof = any(r.get("vs_roofline") is not None for r in rows)  # the memory's floor (roofline.py)
     piped = any(r.get("decode_ms_pipelined") is not None for r in rows)  # steps back to back (CUDA)
+    parts = _kv_parts(rows)
     head = (
         "| method | budget | length | batch | chunk | prefill s | "
         + ("of which 2nd pass s | " if second else "")
@@ -49,10 +83,12 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
         + ("x roofline | " if roof else "")
         + ("decode vs first | " if paired else "")
         + ("compiled vs eager | compile s | " if compiled else "")
-        + "peak MiB | KV MiB (kept / padding / linear) |"
+        + "kernels | peak MiB | KV MiB held = "
+        + " + ".join(KV_PARTS.get(k, k) for k in parts)
+        + " |"
     )
     lines = [f"# {title}", ""] if title else []
-    lines += [head, "|" + "---|" * (10 + second + piped + roof + paired + 2 * compiled)]
+    lines += [head, "|" + "---|" * (11 + second + piped + roof + paired + 2 * compiled)]
     for r in rows:
         kv = r.get("kv_bytes_detail", {})
         vs = ""
@@ -75,9 +111,10 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
             f"| {label} | {r['budget']} | {r['length']} | "
             f"{r['batch']} | {r.get('prefill_chunk') or '-'} | "
             f"{r['prefill_s']:.2f} | {pass_s}{r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
-            f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {vs}{r['peak_mem_bytes'] / _MIB:.0f} | "
-            f"{r['kv_bytes'] / _MIB:.2f} ({kv.get('kept', 0) / _MIB:.2f} / {kv.get('padding', 0) / _MIB:.2f} / "
-            f"{kv.get('linear_state', 0) / _MIB:.2f}) |"
+            f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {vs}{_kernels(r)} | "
+            f"{r['peak_mem_bytes'] / _MIB:.0f} | {r['kv_bytes'] / _MIB:.2f} = "
+            + " + ".join(f"{kv.get(k, 0) / _MIB:.2f}" for k in parts)
+            + " |"
         )
     if notes:
         lines += [""] + [f"- {n}" for n in notes]

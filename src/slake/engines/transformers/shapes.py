@@ -13,6 +13,8 @@ Initialisation: the model is built directly on the target device (``with torch.d
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["SHAPES", "parse_shape", "random_model"]
@@ -168,13 +170,29 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 
 
+#: config keys that must be integers >= 1 where a shape sets them (``sliding_window`` may also be None: no window)
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "query_pre_attn_scalar",
+)  # fmt: skip
+#: config keys that must be finite numbers > 0
+_POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps")
+
+
 def parse_shape(spec: str) -> tuple[str, dict]:
     """``"name[:key=value,...]"`` -> ``(architecture, config kwargs)`` with the overrides applied.
+
+    Every override is checked before any weight is allocated: it must name a key of the architecture's config, have
+    the type of that key's value (an integer where the config holds one, a number for a float, ``true``/``false``
+    for a flag), sizes and counts must be >= 1 and ``rope_theta``, ``rms_norm_eps`` finite and > 0, the attention
+    heads a multiple of the KV heads, the head dimension even (rotary embeddings rotate pairs); the config is then
+    built once (no weights), so what transformers' own validation refuses is refused here too.
 
     Raises
     ------
     ValueError
-        For an unknown name (listing the known ones) or a malformed override.
+        For an unknown name (listing the known ones), a malformed override, or a shape no model can be built of; the
+        message is one line.
     """
     name, _, rest = spec.partition(":")
     key = name.strip().lower()
@@ -182,29 +200,95 @@ def parse_shape(spec: str) -> tuple[str, dict]:
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
     arch, kwargs = SHAPES[key]
     kwargs = dict(kwargs)
+    given: dict[str, int | float | bool | str | None] = {}
     for item in filter(None, (t.strip() for t in rest.split(","))):
         if "=" not in item:
-            raise ValueError(f"shape override must be key=value, got {item!r}")
+            raise ValueError(f"--random-model {spec!r}: a shape override must be key=value, got {item!r}")
         k, v = (t.strip() for t in item.split("=", 1))
-        kwargs[k] = _parse_value(v)
-    unknown = sorted(set(kwargs) - set(SHAPES[key][1]) - _config_keys(arch))
+        given[k] = kwargs[k] = _parse_value(v)
+    defaults = _config_defaults(arch)
+    unknown = sorted(set(kwargs) - set(SHAPES[key][1]) - set(defaults))
     if unknown:
         raise ValueError(
             f"--random-model {spec!r}: unknown config key{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(unknown)} for the {arch} architecture"
         )
+    for option, value in given.items():
+        _check_override(spec, option, value, SHAPES[key][1].get(option, defaults.get(option)))
+    _check_dimensions(spec, arch, kwargs, defaults)
     # long benchmark prompts must fit the RoPE table of the shape; the shape is not limited by it
     kwargs["max_position_embeddings"] = max(int(kwargs.get("max_position_embeddings", 0)), 131072)
+    try:
+        _config_class(arch)(**kwargs)
+    except Exception as e:  # transformers' validators raise their own error classes, several lines long
+        raise ValueError(f"--random-model {spec!r}: {' '.join(str(e).split())}") from None
     return arch, kwargs
 
 
-def _config_keys(arch: str) -> set[str]:
-    """Attributes of the architecture's transformers config (what an override may set)."""
+def _check_override(spec: str, key: str, value: object, default: object) -> None:
+    """Refuse an override whose type differs from the config's value for ``key`` (``default``), or a size, count or
+    constant out of its range (:data:`_POSITIVE_INTS`, :data:`_POSITIVE_NUMBERS`)."""
+
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"--random-model {spec!r}: {key} must be {expected}, got {value!r}")
+
+    integer = value if isinstance(value, int) and not isinstance(value, bool) else None
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if key in _POSITIVE_INTS:
+        if value is None and key == "sliding_window":
+            return
+        if integer is None or integer < 1:
+            raise bad("an integer >= 1")
+    elif key in _POSITIVE_NUMBERS:
+        if number is None or not math.isfinite(number) or number <= 0:
+            raise bad("a finite number > 0")
+    elif isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif isinstance(default, int):
+        if integer is None:
+            raise bad("an integer")
+    elif isinstance(default, float) and (number is None or not math.isfinite(number)):
+        raise bad("a finite number")
+
+
+def _check_dimensions(spec: str, arch: str, kwargs: dict, defaults: dict) -> None:
+    """Refuse attention shapes no model has: heads not a multiple of the KV heads, an odd or fractional head
+    dimension."""
+
+    def get(k: str) -> int:
+        return int(kwargs.get(k, defaults.get(k)) or 0)
+
+    heads, hidden = get("num_attention_heads"), get("hidden_size")
+    kv_heads = get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"--random-model {spec!r}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+            f"({kv_heads})"
+        )
+    head_dim = kwargs.get("head_dim")  # None: hidden_size // num_attention_heads, as the config derives it
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(
+                f"--random-model {spec!r}: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads})"
+            )
+        head_dim = hidden // heads
+    if int(head_dim) % 2:
+        raise ValueError(f"--random-model {spec!r}: the head dimension must be even (rotary embeddings): {head_dim}")
+
+
+def _config_class(arch: str) -> type:
+    """The architecture's transformers config class."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-    configs = {_LLAMA: LlamaConfig, _MISTRAL: MistralConfig, _QWEN2: Qwen2Config, _GEMMA3: Gemma3TextConfig}
-    cfg = configs[arch]()
-    return set(cfg.to_dict()) | set(vars(cfg))
+    return {_LLAMA: LlamaConfig, _MISTRAL: MistralConfig, _QWEN2: Qwen2Config, _GEMMA3: Gemma3TextConfig}[arch]
+
+
+def _config_defaults(arch: str) -> dict:
+    """The attributes of the architecture's default transformers config and their values (what an override may
+    set, and the type it must have)."""
+    cfg = _config_class(arch)()
+    return {**cfg.to_dict(), **vars(cfg)}
 
 
 def _parse_value(v: str) -> int | float | bool | None | str:
@@ -235,27 +319,18 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     seed : int
         Seed of the weight initialisation.
     """
-    from transformers import (
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
     from slake.engines.transformers.attention import prepare_model
 
     arch, kwargs = parse_shape(spec)
-    config_cls, model_cls = {
-        _LLAMA: (LlamaConfig, LlamaForCausalLM),
-        _MISTRAL: (MistralConfig, MistralForCausalLM),
-        _QWEN2: (Qwen2Config, Qwen2ForCausalLM),
-        _GEMMA3: (Gemma3TextConfig, Gemma3ForCausalLM),
+    model_cls = {
+        _LLAMA: LlamaForCausalLM,
+        _MISTRAL: MistralForCausalLM,
+        _QWEN2: Qwen2ForCausalLM,
+        _GEMMA3: Gemma3ForCausalLM,
     }[arch]
-    config = config_cls(**kwargs, attn_implementation="sdpa")
+    config = _config_class(arch)(**kwargs, attn_implementation="sdpa")
     config.name_or_path = f"random:{spec}"
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
