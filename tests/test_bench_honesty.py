@@ -371,3 +371,27 @@ def test_the_progress_bar_counts_the_interleaved_timing_of_the_last_length(tmp_p
     assert len(seen) == 2 and all(done < total for done, total in seen)
     assert seen[-1][0] <= bar.total - 2  # the last length's timing is still counted as work to do
     assert bar.n == bar.total == 8  # four runs alone, four shares of interleaved timing
+
+
+def test_transformers_own_cache_is_counted_as_a_slake_cache_on_a_hybrid_model():
+    """The ``transformers`` row of a hybrid model counted its sliding-window layers in ``kept`` and in the tokens per
+    layer, where the full cache's row counts them apart (``sliding``): the two rows did not compare."""
+    from transformers import DynamicCache
+
+    from hybrid_models import hybrid_model
+    from slake.engines.transformers.cache import SlakeCache
+    from slake.engines.transformers.cache_kwarg import with_cache
+    from slake.engines.transformers.measure import _statistics
+    from tiny_models import random_ids
+
+    model = hybrid_model("gemma3")
+    ids = random_ids(60, seed=3)
+    own = DynamicCache(config=model.config)
+    full = SlakeCache("full", 32, config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids, **with_cache(model, own), use_cache=True)
+        model(input_ids=ids, **with_cache(model, full), use_cache=True)
+    mine, theirs = _statistics(own), _statistics(full)
+    assert mine["kv_bytes"]["kept"] == theirs["kv_bytes"]["kept"]
+    assert mine["kv_bytes"]["sliding"] == theirs["kv_bytes"]["sliding"] > 0
+    assert mine["kept_tokens_per_layer"] == theirs["kept_tokens_per_layer"] == [60.0] * len(full.layout.compressed)

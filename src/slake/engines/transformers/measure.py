@@ -150,20 +150,25 @@ def _prefill(model, cache: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.
 
 def _statistics(cache: Any) -> dict:
     """What :func:`measure` reports of a cache: :meth:`SlakeCache.statistics`, or for transformers' own cache its
-    keys' and values' bytes (``kv_bytes`` ``{"kept": ...}``: it holds every token) and tokens per layer."""
+    keys' and values' bytes (``kv_bytes`` ``{"kept": ...}``: it holds every token) and tokens per layer, counted as
+    a SlakeCache counts them: the full-attention layers in ``kept`` and ``kept_tokens_per_layer``, a hybrid model's
+    sliding-window layers in ``sliding`` (a full cache's row and this one then compare part by part)."""
     if isinstance(cache, SlakeCache):
         return cache.statistics()
     held = [
-        (t.numel() * t.element_size(), int(layer.keys.shape[-2]))
+        (bool(getattr(layer, "is_sliding", False)), t.numel() * t.element_size(), int(layer.keys.shape[-2]))
         for layer in cache.layers
         if getattr(layer, "keys", None) is not None and layer.keys.numel()
         for t in (layer.keys, layer.values)
     ]  # fmt: skip
+    kv_bytes = {"kept": sum(b for sliding, b, _ in held if not sliding)}
+    if any(sliding for sliding, _, _ in held):
+        kv_bytes["sliding"] = sum(b for sliding, b, _ in held if sliding)
     return {
         "kernels": "sdpa",
         "compressed": False,
-        "kv_bytes": {"kept": sum(b for b, _ in held)},
-        "kept_tokens_per_layer": [n for _, n in held[::2]],
+        "kv_bytes": kv_bytes,
+        "kept_tokens_per_layer": [n for sliding, _, n in held[::2] if not sliding],
     }
 
 
