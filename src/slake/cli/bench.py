@@ -5,9 +5,9 @@ context length, measured by the engine ``--engine`` names.
 ``runs/bench/bench.jsonl`` (one row per configuration, appended), ``bench.md`` (table of this run) and
 ``decode_latency.png`` / ``peak_memory.png`` (:mod:`slake.engines.transformers.bench`). ``--random-model llama3-8b``
 measures a randomly initialised model of that shape (:mod:`slake.engines.transformers.shapes`) instead of a checkpoint.
-``--engine
-vllm`` measures vLLM with the plugin: per length, ``--batch`` requests of random tokens submitted at once, each
-generating ``--warmup`` + ``--decode-steps`` tokens; throughput, decode time per step and KV blocks held
+``--engine vllm`` measures vLLM with the plugin: per length, ``--batch`` requests of random tokens prefilled in
+one step, each generating the prefill's token, ``--warmup`` untimed decode steps and ``--decode-steps`` timed ones;
+throughput, decode time per step and KV blocks held
 (``bench_vllm.jsonl``, ``bench_vllm.md``; :mod:`slake.engines.vllm.bench`).
 
 ``--serve`` is the load benchmark through the engine's OpenAI-compatible server (``--engine vllm``;

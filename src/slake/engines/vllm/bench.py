@@ -1,11 +1,14 @@
 """Throughput, KV memory and step times of vLLM with and without the plugin: ``slake bench --engine vllm``.
 
 Per length and budget (:func:`run_bench`): a batch of ``--batch`` prompts of random tokens is submitted at once
-(offline ``vllm.LLM``, as ``vllm bench throughput`` does) and each request generates exactly ``--warmup +
---decode-steps`` tokens (:func:`bench`); for each configuration (plain vLLM, then each method at the budget) a row
-holds wall time, output tokens/s, total tokens/s, the KV blocks one request holds after prefill and at the end, and
+(offline ``vllm.LLM``, as ``vllm bench throughput`` does, all prefilled in one step) and each request generates
+exactly ``1 + --warmup + --decode-steps`` tokens (:func:`bench`): the prefill's token, ``--warmup`` untimed decode
+steps, then ``--decode-steps`` timed ones; for each configuration (plain vLLM, then each method at the budget) a row
+holds wall time, output tokens/s, total tokens/s (both over the whole run, prefill included), the mean time of the
+timed decode steps (:func:`timed_decode_steps`), the KV blocks one request holds after prefill and at the end, and
 how many such requests one GiB of KV cache holds at once (blocks per GiB divided by the blocks a request holds at the
-end). Before that, in the same process and plain vLLM first, the engine's steps are timed one by one
+end). Lengths whose prompt and generated tokens exceed the model's context are refused before any engine starts
+(:func:`check_lengths`). Before that, in the same process and plain vLLM first, the engine's steps are timed one by one
 (:func:`step_bench`): the prefill step, decode-only steps and mixed steps, with their ratios to plain vLLM's and the
 plugin's own time per compressed request and layer.
 
@@ -21,8 +24,12 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from slake.engines.base import BenchPlan, BenchReport, load_avg
+
+#: mixed steps :func:`step_bench` times per configuration
+MIXED_STEPS = 2
 
 
 def _plugin_config(method: str, budget: int) -> dict | None:
@@ -34,32 +41,79 @@ def _plugin_config(method: str, budget: int) -> dict | None:
     return plugin_config(method, Budget(budget))
 
 
+def token_range(model_dir: str) -> int:
+    """The upper bound of the random prompts' token ids: ``min(1000, vocab_size)`` of the model folder's
+    ``config.json`` (ids every tokenizer of interest has, and every id within a small vocabulary)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return min(1000, int((cfg.get("text_config") or cfg)["vocab_size"]))
+
+
+def step_new_tokens(decode_steps: int, mixed: int) -> int:
+    """Tokens each request of :func:`step_times` generates (none finishes while steps are timed)."""
+    return decode_steps + 4 * (mixed + 1) + 8
+
+
+def check_lengths(plan: BenchPlan, limit: int | None) -> None:
+    """Raise a one-line ValueError for a ``--lengths`` entry whose prompt plus the tokens generated after it (the
+    throughput run's ``1 + --warmup + --decode-steps``, the step timing's :func:`step_new_tokens`) exceed the model's
+    context ``limit``: vLLM refuses such an engine (its ``max_model_len`` beyond ``max_position_embeddings``)."""
+    if limit is None:
+        return
+    new = max(1 + plan.warmup + plan.decode_steps, step_new_tokens(max(plan.decode_steps, 2), MIXED_STEPS))
+    over = [n for n in plan.lengths if n + new > limit]
+    if over:
+        raise ValueError(
+            f"--lengths {','.join(map(str, over))}: a prompt of {over[0]} tokens plus the {new} generated after it "
+            f"exceeds the model's context of {limit} tokens (max_position_embeddings), which vLLM refuses; "
+            f"use lengths up to {limit - new}"
+        )
+
+
+def timed_decode_steps(log: list[tuple[float, list[int]]], warmup: int, decode_steps: int) -> list[float]:
+    """The wall seconds of the timed decode steps in a step log (:func:`slake.engines.vllm.runner.generate_stepwise`):
+    the first ``decode_steps`` steps in which every request, having generated its prefill token and ``warmup`` more
+    before the step, generates one more token (decode-only steps of the whole batch, after the warm-up)."""
+    out: list[float] = []
+    prev: list[int] | None = None
+    for dt, counts in log:
+        if prev is not None and min(prev) >= 1 + warmup and all(c == p + 1 for c, p in zip(counts, prev)):
+            out.append(dt)
+        prev = counts
+    return out[:decode_steps]
+
+
 def bench(
     model_dir: str,
     *,
     requests: int,
     prompt_len: int,
-    new_tokens: int,
+    decode_steps: int,
     methods: list[str],
     budget: int,
     block_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
     include_plain: bool = True,
+    warmup: int = 0,
 ) -> list[dict]:
     """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
-    for the columns. Every configuration gets the same random prompts; each method runs as ``vllm serve`` users get
-    it, with the model's profile (the row's ``profile`` is the entry the plugin applied)."""
+    for the columns. Every request generates ``1 + warmup + decode_steps`` tokens; ``decode_ms_per_step`` is the mean
+    of the ``decode_steps`` decode steps after the ``warmup`` ones (``decode_steps_timed`` says how many were timed).
+    Every configuration gets the same random prompts; each method runs as ``vllm serve`` users get it, with the
+    model's profile (the row's ``profile`` is the entry the plugin applied)."""
     import torch
 
-    from slake.engines.vllm.runner import run_vllm
+    from slake.engines.vllm.runner import model_context_limit, model_len, run_vllm
 
     g = torch.Generator().manual_seed(seed)
-    vocab_hi = 1000  # token ids every tokenizer of interest has
-    prompts = [torch.randint(10, vocab_hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
+    hi = token_range(model_dir)
+    prompts = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
+    new_tokens = 1 + warmup + decode_steps
+    limit = model_context_limit(model_dir)
     rows = []
     for method in (["full"] if include_plain else []) + list(methods):
         cfg = _plugin_config(method, budget)
+        log: list[tuple[float, list[int]]] = []
         run = run_vllm(
             model_dir,
             prompts,
@@ -68,9 +122,12 @@ def bench(
             ignore_eos=True,
             block_size=block_size,
             dtype=dtype,
-            max_model_len=prompt_len + new_tokens + block_size,
+            max_model_len=model_len(prompt_len, new_tokens, limit),
             max_num_seqs=max(requests, 1),
+            step_log=log,
+            max_num_batched_tokens=requests * prompt_len,  # every prompt prefilled in one step
         )
+        timed = timed_decode_steps(log, warmup, decode_steps)
         info = run.model_info
         block_bytes = (
             block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * (4 if dtype == "float32" else 2)
@@ -92,7 +149,8 @@ def bench(
                 "blocks_end": end,
                 "block_mib": round(block_bytes / 2**20, 3),
                 "requests_per_gib": math.floor((2**30 // block_bytes) / end),
-                "decode_ms_per_step": round(sum(run.decode_ms_per_token) / len(run.decode_ms_per_token), 1),
+                "decode_ms_per_step": round(1000 * sum(timed) / len(timed), 1) if timed else None,
+                "decode_steps_timed": len(timed),
             }
         )
     return rows
@@ -111,10 +169,15 @@ def markdown(rows: list[dict]) -> str:
 def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> BenchReport:
     """:func:`bench` per length and budget (plain vLLM once per length) on the model in ``model_dir``; rows appended
     to ``OUT/bench_vllm.jsonl``, this run's table in ``OUT/bench_vllm.md``. Each request generates
-    ``warmup + decode_steps`` tokens. Each row also carries :func:`step_bench`'s step timings, measured before the
-    throughput run in the same process with plain vLLM first: the prefill step, the decode-only step (median of
-    ``decode_steps``), the mixed step (one prefill plus the batch's decode), each with its ratio to plain vLLM's
-    (``*_vs_plain``), and the plugin's own time per compressed request and layer."""
+    ``1 + warmup + decode_steps`` tokens, and the ``decode_steps`` after the warm-up are timed. Lengths beyond the
+    model's context are refused before anything starts (:func:`check_lengths`). Each row also carries
+    :func:`step_bench`'s step timings, measured before the throughput run in the same process with plain vLLM first:
+    the prefill step, the decode-only step (median of ``decode_steps``), the mixed step (one prefill plus the batch's
+    decode), each with its ratio to plain vLLM's (``*_vs_plain``), and the plugin's own time per compressed request
+    and layer."""
+    from slake.engines.vllm.runner import model_context_limit
+
+    check_lengths(plan, model_context_limit(model_dir))
     methods = [m for m in plan.methods if m != "full"]  # plain vLLM is always measured
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
@@ -130,6 +193,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                         requests=plan.batch,
                         prompt_len=n,
                         decode_steps=max(plan.decode_steps, 2),
+                        mixed=MIXED_STEPS,
                         methods=methods,
                         budget=int(b.value),
                         dtype=dtype,
@@ -140,7 +204,8 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                     model_dir,
                     requests=plan.batch,
                     prompt_len=n,
-                    new_tokens=plan.warmup + plan.decode_steps,
+                    decode_steps=plan.decode_steps,
+                    warmup=plan.warmup,
                     methods=methods,
                     budget=int(b.value),
                     dtype=dtype,
@@ -215,16 +280,16 @@ def step_times(
     from vllm import LLM, SamplingParams
 
     from slake.engines.vllm.plugin import worker
-    from slake.engines.vllm.runner import engine_kwargs
+    from slake.engines.vllm.runner import engine_kwargs, model_context_limit, model_len
 
     n, p = len(prompts), max(len(x) for x in prompts + extra)
-    total = decode_steps + 4 * (len(extra) + 1) + 8
+    total = step_new_tokens(decode_steps, len(extra))
     kw = engine_kwargs(
         model_dir,
         slake=slake,
         block_size=block_size,
         dtype=dtype,
-        max_model_len=p + total + block_size,
+        max_model_len=model_len(p, total, model_context_limit(model_dir)),
         max_num_seqs=n + len(extra),
     )
     kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], sum(len(x) for x in prompts))
@@ -285,7 +350,7 @@ def step_bench(
     decode_steps: int,
     methods: list[str],
     budget: int,
-    mixed: int = 2,
+    mixed: int = MIXED_STEPS,
     block_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
@@ -296,9 +361,8 @@ def step_bench(
     Each method runs as users get it, with the model's profile (the plugin applies it); the row's ``profile`` says
     which entry applied. ``mixed``: mixed steps timed (the median is reported; one varies by 5-10% on this CPU)."""
     import torch
-    from transformers import AutoConfig
 
-    hi = min(1000, int(AutoConfig.from_pretrained(model_dir).vocab_size))  # token ids every tokenizer of interest has
+    hi = token_range(model_dir)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(requests)]
     extra = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(mixed)]

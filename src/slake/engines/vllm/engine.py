@@ -19,8 +19,10 @@ _GREEDY = "the plugin decodes greedily (vLLM's sampling is not wired to it)"
 class VllmEngine(Engine):
     """vLLM with the slake plugin, on vLLM's CPU backend (GPU platforms are refused until tested on one).
 
-    Greedy generation only; the methods the plugin supports (:mod:`slake.engines.vllm.plugin.config`) at token budgets;
-    GGUF
+    Greedy generation only; the methods the plugin supports (:mod:`slake.engines.vllm.plugin.config`) at token budgets,
+    with their hyperparameters (``--linear-cache``/``--no-linear-cache`` included: the plugin keeps SLAKE's and
+    ``cake[linear_cache=true]``'s linear state, runs ``slake[linear_cache=false]`` without one, and refuses it for the
+    uniform methods); GGUF
     models are converted once to a safetensors folder (:func:`slake.engines.vllm.runner.local_model_dir`). The
     tokens equal the transformers engine's for the same method and budget (``make test-vllm`` checks it).
     """
@@ -30,7 +32,6 @@ class VllmEngine(Engine):
         "sample": _GREEDY,
         "prefill_chunk": "vLLM prefills each prompt whole",
         "charge_linear_state": "the plugin's budget counts kept entries only",
-        "linear_cache": "the plugin keeps each method's own linear-state setting",
         "kv_dtype": "the plugin stores vLLM's own cache dtype",
         "kernels": "the plugin runs on vLLM's CPU backend, where the decode step runs in torch",
         "question_agnostic": "the plugin compresses the whole prompt",
@@ -40,6 +41,7 @@ class VllmEngine(Engine):
         "profile_steps": "vLLM runs its steps in its own engine; profile the transformers engine's step instead",
         "allow_long_context": "vLLM refuses a context beyond the model's max_position_embeddings, where its rotary "
         "table ends",
+        "threads": "vLLM's CPU worker binds its own OpenMP threads (set VLLM_CPU_OMP_THREADS_BIND instead)",
     }
 
     def __init__(self, model: ModelSpec | None = None, *, block_size: int = 32) -> None:
@@ -190,5 +192,6 @@ class VllmEngine(Engine):
             isolate=plan.isolate,
             decode_timing=plan.decode_timing,
             kv_dtype=None if set(plan.kv_dtypes) <= {None} else "8-bit",
+            threads=plan.threads,
         )
         return run_bench(plan, self.model_dir, self.dtype, self.model_name)

@@ -114,6 +114,7 @@ class VllmRun:
     compressed: list[bool]
     kept_tokens_per_layer: list[list[float] | None]
     kv_bytes: list[dict]
+    #: times vLLM preempted each request (and recomputed it)
     preemptions: list[int]
     prefill_s: list[float]
     decode_ms_per_token: list[float]
@@ -143,9 +144,15 @@ def engine_kwargs(
     max_model_len: int,
     max_num_seqs: int = 16,
     num_blocks: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> dict:
     """``vllm.LLM`` keyword arguments the plugin needs: whole-prompt prefill, no prefix caching, eager mode.
-    ``num_blocks``: a fixed number of KV blocks (vLLM's ``num_gpu_blocks_override``), e.g. to force preemption."""
+    ``num_blocks``: a fixed number of KV blocks (vLLM's ``num_gpu_blocks_override``), e.g. to force preemption;
+    ``max_num_batched_tokens``: tokens one step may hold, at least ``max(max_model_len, 2048)``.
+
+    The configuration is always stated: ``additional_config={"slake": slake}``, with ``None`` for plain vLLM, which
+    the plugin reads as plain whatever the ``SLAKE_VLLM`` variable holds (it reads the variable only when the key is
+    missing, as ``vllm serve`` users rely on)."""
     kw = dict(
         model=model_dir,
         skip_tokenizer_init=True,
@@ -155,10 +162,10 @@ def engine_kwargs(
         enable_prefix_caching=False,
         enable_chunked_prefill=False,
         max_model_len=max_model_len,
-        max_num_batched_tokens=max(max_model_len, 2048),
+        max_num_batched_tokens=max(max_model_len, 2048, max_num_batched_tokens or 0),
         max_num_seqs=max_num_seqs,
         disable_log_stats=False,
-        additional_config={"slake": slake} if slake else {},
+        additional_config={"slake": slake or None},
     )
     if num_blocks is not None:
         kw["num_gpu_blocks_override"] = int(num_blocks)
@@ -181,6 +188,8 @@ def run_vllm(
     num_blocks: int | None = None,
     max_tokens: list[int] | None = None,
     timing: bool = False,
+    step_log: list[tuple[float, list[int]]] | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> VllmRun:
     """Generate greedily with vLLM in this process.
 
@@ -210,6 +219,12 @@ def run_vllm(
         Tokens to generate per prompt, overriding ``max_new_tokens`` prompt by prompt.
     timing : bool
         Record the plugin's time in each step (``VllmRun.step_times``).
+    step_log : list | None
+        When a list, the engine is stepped here (``LLMEngine.step``) instead of by ``LLM.generate``, and each step
+        appends ``(wall seconds, tokens generated so far by each prompt)`` to it (:func:`generate_stepwise`).
+    max_num_batched_tokens : int | None
+        Tokens one step may hold, at least the default (``max(max_model_len, 2048)``): the sum of the prompts
+        prefills them all in one step.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
@@ -228,6 +243,7 @@ def run_vllm(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             num_blocks=num_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
     )
     core = llm.llm_engine.engine_core.engine_core
@@ -249,7 +265,10 @@ def run_vllm(
     if max_tokens is not None:
         for p, n in zip(params, max_tokens):
             p.max_tokens = int(n)
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    if step_log is None:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    else:
+        outs = generate_stepwise(llm, prompts, params, step_log)
     wall = time.perf_counter() - t0
     hf = llm.llm_engine.model_config.hf_text_config
     layers, kv_heads = int(hf.num_hidden_layers), int(hf.num_key_value_heads)
@@ -293,7 +312,9 @@ def run_vllm(
         run.blocks_after_prefill.append(stats.get("after_prefill"))
         run.blocks_end.append(stats.get("end"))
         run.compressed.append(compressed)
-        run.preemptions.append(rec["preemptions"] if rec is not None else 0)
+        m = out.metrics
+        # vLLM counts every request's preemptions (with its statistics on); the plugin only the compressed ones'
+        run.preemptions.append(max(rec["preemptions"] if rec is not None else 0, int(getattr(m, "num_preemptions", 0))))
         run.kept_tokens_per_layer.append(kept)
         held = stats.get("end")
         kept_bytes = int(sum(kept) * per_token)
@@ -307,7 +328,6 @@ def run_vllm(
                 "blocks_held": int(held * block_size * layers * per_token) if held is not None else None,
             }
         )
-        m = out.metrics
         if m is not None and getattr(m, "first_token_ts", None) and getattr(m, "scheduled_ts", None):
             run.prefill_s.append(round(m.first_token_ts - m.scheduled_ts, 4))
             steps = max(len(toks) - 1, 1)
@@ -317,6 +337,31 @@ def run_vllm(
             run.decode_ms_per_token.append(float("nan"))
     del llm
     return run
+
+
+def generate_stepwise(llm, prompts: list[list[int]], params, log: list[tuple[float, list[int]]]) -> list:
+    """``LLM.generate`` of ``prompts`` (greedy ``params``: one ``SamplingParams`` or one per prompt), stepping the
+    engine here: after each step, ``(its wall seconds, tokens generated so far by each prompt)`` is appended to
+    ``log``. Returns the finished ``RequestOutput`` of each prompt, in prompt order."""
+    eng = llm.llm_engine
+    plist = list(params) if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"stepwise-{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, plist):
+        eng.add_request(rid, {"prompt_token_ids": list(p)}, sp)  # cumulative outputs: every step reports each
+    index = {rid: i for i, rid in enumerate(ids)}
+    counts = [0] * len(prompts)
+    done: dict[int, object] = {}
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        for out in outs:
+            i = index[out.request_id.rsplit("-", 1)[0] if out.request_id not in index else out.request_id]
+            counts[i] = len(out.outputs[0].token_ids)
+            if out.finished:
+                done[i] = out
+        log.append((dt, list(counts)))
+    return [done[i] for i in range(len(prompts))]
 
 
 def _match_run(runs: list[dict], output_request_id: str) -> dict | None:

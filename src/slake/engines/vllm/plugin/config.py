@@ -3,8 +3,10 @@
 An engine is configured through vLLM's own ``additional_config`` (``--additional-config '{"slake": {...}}'`` on
 ``vllm serve``, ``additional_config={"slake": {...}}`` for ``vllm.LLM``), or, when that has no ``"slake"`` key,
 through the environment variable ``SLAKE_VLLM`` holding the same JSON object (``{"method": "snapkv", "budget":
-128}``). Keys: ``method`` (a name or spec such as ``snapkv[window=16]``), ``budget`` (an absolute token count),
-``set`` (optional hyperparameter overrides). Without either, the plugin changes nothing.
+128}``); a ``"slake"`` key holding ``null`` (or ``false``) states plain vLLM, whatever the variable holds (slake's own
+drivers state every configuration so, :func:`slake.engines.vllm.runner.engine_kwargs`). Keys: ``method`` (a name or
+spec such as ``snapkv[window=16]``), ``budget`` (an absolute token count), ``set`` (optional hyperparameter
+overrides). Without either, the plugin changes nothing.
 
 The plugin applies the model's hyperparameter profile itself (:func:`slake.methods.profiles.resolve_method`, from
 the config of the model vLLM loads, as the transformers engine does from its model), so ``vllm serve`` with a bare
@@ -99,11 +101,13 @@ class SlakeVllmConfig:
 
 
 def _raw_from(additional_config: Any) -> dict | None:
-    if isinstance(additional_config, dict) and additional_config.get("slake") is not None:
+    """The raw configuration: ``additional_config["slake"]`` when the key is there (``null`` or ``false``: plain vLLM,
+    stated explicitly, whatever ``SLAKE_VLLM`` holds), else the ``SLAKE_VLLM`` variable's, else None."""
+    if isinstance(additional_config, dict) and "slake" in additional_config:
         raw = additional_config["slake"]
         if isinstance(raw, str):
             raw = json.loads(raw)
-        return raw
+        return None if raw is None or raw is False else raw
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         try:
@@ -121,7 +125,8 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
     Parameters
     ----------
     additional_config : dict | Any
-        vLLM's ``VllmConfig.additional_config``; its ``"slake"`` entry wins over the ``SLAKE_VLLM`` variable.
+        vLLM's ``VllmConfig.additional_config``; its ``"slake"`` entry wins over the ``SLAKE_VLLM`` variable
+        (``None`` there: plain vLLM, the variable ignored).
     model : transformers config, optional
         The config of the model the engine loads (vLLM's ``model_config.hf_config``): its profile fills the
         hyperparameters that the configuration does not set (:func:`slake.methods.profiles.resolve_method`). None

@@ -44,13 +44,19 @@ logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configu
 class RequestState:
     """One compressed request in this worker.
 
-    ``cache`` is the engine object of its prefill (dropped once every layer is in the decode pool); ``row`` its
-    :class:`DecodePool` row while it runs; ``saved`` its row's metadata and kept keys/values while it is preempted.
+    ``prompt_len`` is the sequence its prefill compressed: the prompt, or, for a preempted request recomputed
+    without a saved copy, the prompt plus the tokens it had generated. ``prompt_tokens`` is the prompt alone
+    (vLLM's ``num_prompt_tokens``): it decided that the request is compressed and sizes its blocks, as in the
+    scheduler (:class:`slake.engines.vllm.plugin.scheduler.BlockPolicy`). ``cache`` is the engine object of its
+    prefill (dropped once every layer is in the decode pool); ``row`` its :class:`DecodePool` row while it runs;
+    ``saved`` its row's metadata and kept keys/values while it is preempted.
     """
 
     req_id: str
     prompt_len: int
     cache: CompressedKV | None
+    #: the prompt's tokens (vLLM's ``num_prompt_tokens``); 0: ``prompt_len``
+    prompt_tokens: int = 0
     row: int | None = None
     #: layer -> (backend impl, layer, kv_cache, block ids) of layers whose kept entries are written at the end of the
     #: prefill step (CAKE's cascade re-evicts earlier layers while later ones are prefilled)
@@ -61,6 +67,11 @@ class RequestState:
     meta_bytes: int = 0
     lin_bytes: int = 0
     preemptions: int = 0
+
+    def blocks(self, config: SlakeVllmConfig, block_size: int) -> int:
+        """KV blocks the request holds while decoding: :meth:`SlakeVllmConfig.blocks` of its prompt, the number the
+        scheduler leaves it (:meth:`slake.engines.vllm.plugin.scheduler.BlockPolicy.trim`)."""
+        return config.blocks(block_size, self.prompt_tokens or self.prompt_len)
 
 
 @dataclass
@@ -160,8 +171,10 @@ class PluginState:
         self.pool: DecodePool | None = None
         #: layer index -> its KV cache tensor (recorded by the backend; read when a request is preempted)
         self.caches: dict[int, torch.Tensor] = {}
-        #: request ids of the step's batch rows, in row order (set by the model runner's hook before each step)
+        #: request ids of the step's batch rows, in row order, and their prompts' lengths (vLLM's
+        #: ``num_prompt_tokens``; set by the model runner's hook before each step)
         self.step_req_ids: list[str] = []
+        self.step_prompt_lens: list[int] = []
         #: preempted requests saved, and recomputed requests restored
         self.counters = {"saved": 0, "restored": 0}
         #: when True, every compressed request started is appended to :attr:`runs` (drivers turn it on)
@@ -197,10 +210,19 @@ class PluginState:
         return self.layer_context
 
     # ------------------------------------------------------------------ requests
-    def _new_cache(self) -> CompressedKV:
-        """The transformers engine's compressor for one request's prefill (with the model facts the method reads)."""
+    def _new_cache(self, prompt_tokens: int, seq_len: int) -> CompressedKV:
+        """The transformers engine's compressor for one request's prefill of ``seq_len`` tokens (with the model facts
+        the method reads). When a recomputed request is compressed afresh (``seq_len`` longer than its prompt of
+        ``prompt_tokens``), CAKE/SLAKE's layer cap is lowered to the prompt where it exceeds it, so that no layer
+        keeps more slots than the blocks the scheduler leaves the request (:meth:`SlakeVllmConfig.blocks` of the
+        prompt)."""
         cfg = self.config
-        cache = CompressedKV(cfg.method, cfg.budget, self.num_layers, defer_cascade=True)
+        method = cfg.method
+        cap = getattr(method, "max_layer_budget", None)
+        if seq_len > prompt_tokens and method.layer_budgets == "preference" and cap is not None and cap > prompt_tokens:
+            capped: dict[str, Any] = {"max_layer_budget": prompt_tokens}
+            method = dataclasses.replace(method, **capped)
+        cache = CompressedKV(method, cfg.budget, self.num_layers, defer_cascade=True)
         contexts = self._contexts()
         if contexts is not None:
             cache.layer_context = list(contexts)
@@ -262,7 +284,7 @@ class PluginState:
                 logger.warning("slake: preempted request %s will be compressed afresh when recomputed", req_id)
             self.release(st)
             return
-        held = torch.tensor(block_ids[: self.config.blocks(self.block_size, st.prompt_len)], dtype=torch.int64)
+        held = torch.tensor(block_ids[: st.blocks(self.config, self.block_size)], dtype=torch.int64)
         n = min(pool.width, held.numel() * pool.block_size)
         kv = {li: pool.layout.read(cache, held, n) for li, cache in self.caches.items()}
         st.saved = {"meta": pool.row_state(st.row), "kv": kv}
@@ -282,16 +304,18 @@ class PluginState:
         """The step's plan, and vLLM's common metadata with each compressed decode row's sequence length set to one
         slot (vLLM's kernel still runs over that row, but the pool's output replaces it).
 
-        A row whose query starts at position 0 is a prefill: a new request (compressed when longer than the budget)
-        or a preempted one recomputed (its saved kept cache is restored, and its last token decodes over it). A row
-        of one token of a running compressed request is a decode.
+        A row whose query starts at position 0 is a prefill: a new request (compressed when its prompt is longer
+        than the budget) or a preempted one recomputed (its saved kept cache is restored, and its last token decodes
+        over it). The decision is the prompt's (vLLM's ``num_prompt_tokens``), as in the scheduler: a recomputed
+        request's prefill also holds the tokens it had generated, and a prompt within the budget stays uncompressed
+        however long the recomputation is. A row of one token of a running compressed request is a decode.
         """
         cfg, bs = self.config, self.block_size
         plan = StepPlan(state=self, num_reqs=int(cm.num_reqs))
         qsl = cm.query_start_loc_cpu.tolist() if cm.query_start_loc_cpu is not None else cm.query_start_loc.tolist()
         seq_lens = cm.seq_lens.cpu().clone()
         table = cm.block_table_tensor
-        req_ids = self.step_req_ids
+        req_ids, prompt_lens = self.step_req_ids, self.step_prompt_lens
         decodes: list[tuple[RequestState, int, int, int]] = []  # (state, token index, batch row, blocks held)
         for i in range(cm.num_reqs):
             qs, qe = qsl[i], qsl[i + 1]
@@ -311,14 +335,15 @@ class PluginState:
                     pool = self.decode_pool()
                     st.row = pool.allocate(st.prompt_len, cfg.budget)
                     pool.restore_row(st.row, st.saved["meta"])
-                    held = cfg.blocks(bs, st.prompt_len)
+                    held = st.blocks(cfg, bs)
                     plan.restores.append((st, table[i, :held].clone()))
                     self.counters["restored"] += 1
                     self.requests[rid] = st
                     decodes.append((st, qe - 1, i, held))  # the last token decodes over the restored cache
                     continue
-                if cfg.compresses(slen):
-                    st = RequestState(rid, slen, self._new_cache())
+                prompt = int(prompt_lens[i]) if i < len(prompt_lens) and prompt_lens[i] else slen  # 0: unknown
+                if cfg.compresses(prompt):
+                    st = RequestState(rid, slen, self._new_cache(prompt, slen), prompt_tokens=prompt)
                     pool = self.decode_pool()
                     st.row = pool.allocate(slen, cfg.budget)
                     st.meta_bytes, st.lin_bytes = pool.row_bytes()
@@ -326,7 +351,7 @@ class PluginState:
                     if self.record_runs:
                         self.runs.append(st)
                         del self.runs[: -self.run_log_max]
-                    held = min(cfg.blocks(bs, slen), math.ceil(slen / bs))  # kept entries fit the prompt's blocks
+                    held = min(st.blocks(cfg, bs), math.ceil(slen / bs))  # kept entries fit the prompt's blocks
                     plan.prefills.append((st, qs, qe, table[i, :held].clone()))
                 continue
             running = self.requests.get(rid)
@@ -337,7 +362,7 @@ class PluginState:
                     f"slake: a compressed request was scheduled {qlen} tokens in one step; the plugin "
                     f"supports one token per decode step (no speculative decoding, no chunked prefill)"
                 )
-            decodes.append((running, qs, i, cfg.blocks(bs, running.prompt_len)))
+            decodes.append((running, qs, i, running.blocks(cfg, bs)))
             # vLLM's kernel still runs over this row, but the pool's output replaces it: let it read one slot
             # (never past the request's blocks, and no wasted pass over the kept cache)
             seq_lens[i] = 1

@@ -13,7 +13,8 @@ runner's path. So :func:`install` wraps that one method, and nothing else of the
 * before vLLM updates its batch: the scheduler's ``finished_req_ids`` and ``preempted_req_ids`` go to the states of
   the runner's slake builders (a preempted request's block ids are read from the runner's request table, which
   still holds them);
-* after: the request ids of the step's rows (``input_batch.req_ids``, in the order the builder sees the rows);
+* after: the request ids of the step's rows (``input_batch.req_ids``, in the order the builder sees the rows) and
+  their prompts' lengths (the compress decision is the prompt's, also when a preempted request is recomputed);
 * and, once, the model facts that some methods read (Expected Attention's rotary embedding, CriticalKV's output
   projection) go from the runner's model to the state (:meth:`PluginState.attach_model`).
 
@@ -59,6 +60,11 @@ def runner_states(runner: Any) -> list[PluginState]:
     return out
 
 
+def _prompt_len(req: Any) -> int:
+    """A request's prompt length from the runner's request table (vLLM's ``CachedRequestState``); 0 when unknown."""
+    return int(getattr(req, "num_prompt_tokens", 0) or 0)
+
+
 def _wrap_update_states(original: Callable) -> Callable:
     def _update_states(self, scheduler_output):
         states = runner_states(self)
@@ -73,8 +79,10 @@ def _wrap_update_states(original: Callable) -> Callable:
         out = original(self, scheduler_output)
         if states:
             req_ids = list(self.input_batch.req_ids)
+            prompt_lens = [_prompt_len(self.requests.get(rid)) for rid in req_ids]
             for st in states:
                 st.step_req_ids = req_ids
+                st.step_prompt_lens = prompt_lens
         return out
 
     _update_states._slake = True  # type: ignore[attr-defined]
