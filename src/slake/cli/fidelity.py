@@ -13,7 +13,7 @@ from slake.budgets.budget import Budget
 from slake.cli.options import add_model_args, split_list
 from slake.cli.validation import read_prompt
 
-__all__ = ["add_fidelity_parser", "cmd_fidelity"]
+__all__ = ["add_fidelity_parser", "check_out_folder", "cmd_fidelity", "refuse_unsupported"]
 
 
 def add_fidelity_parser(sub: Any) -> None:
@@ -78,6 +78,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from slake.cache.quant import parse_kv_dtype
 
     kv_dtypes = [parse_kv_dtype(k) for k in split_list(args.kv_dtype or "auto", "--kv-dtype")]
+    refuse_unsupported(methods)
+    if args.out:
+        check_out_folder(args.out)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     if args.prompt_file:
         text = getattr(args, "prompt_text", None) or read_prompt(None, args.prompt_file)
@@ -105,7 +108,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
                     rows += fidelity.measure(rec, m, b, linear_cache=lin, kv_dtype=kvd, profile_model=model)
     for r in rows:
         r["prompt_tokens"] = int(ids.shape[1])
-    output_rows = _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes) if args.output_tokens else []
+    output_rows = (
+        _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes, kv_dtypes) if args.output_tokens else []
+    )
     output_md = ""
     if output_rows:
         from slake.quality import output_fidelity
@@ -139,10 +144,63 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def refuse_unsupported(methods: list[str]) -> None:
+    """Refuse, before the model loads, a method ``slake fidelity`` cannot measure: one that needs a second pass over
+    the prompt (``Method.second_pass``, KVzip's reconstruction), which the attention level's replay of the recorded
+    prompt does not run.
+
+    Raises
+    ------
+    ValueError
+        Naming the method and what to use instead.
+    """
+    from slake.methods.base import make_method
+
+    for m in methods:
+        built = make_method(m)
+        if built.second_pass is not None:
+            raise ValueError(
+                f"slake fidelity cannot measure {m}: it scores the prompt with a second pass "
+                f"({built.second_pass}) that the attention level's replay of the recorded prompt does not run; "
+                f"measure its output-level distance with `slake eval --fidelity` instead"
+            )
+
+
+def check_out_folder(out: str | Path) -> None:
+    """Refuse, before anything is measured, an ``--out`` folder that cannot be created or written: a path that is a
+    file, below a file, or in a folder without write permission. Creates nothing.
+
+    Raises
+    ------
+    ValueError
+        Naming the path at fault.
+    """
+    import os
+
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out}: {path} exists and is not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, so no folder can be made below it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable")
+
+
 def _output_fidelity(
-    args: argparse.Namespace, model, tokenizer, methods: list[str], budgets: list, lin_modes: list
+    args: argparse.Namespace,
+    model: Any,
+    tokenizer: Any,
+    methods: list[str],
+    budgets: list,
+    lin_modes: list[bool | None],
+    kv_dtypes: list[str | None],
 ) -> list[dict]:
-    """Output-level rows (:mod:`slake.quality.output_fidelity`) for every (method, linear cache, budget)."""
+    """Output-level rows (:mod:`slake.quality.output_fidelity`) for every (method, kv dtype, linear cache, budget),
+    labelled as the attention level labels them: ``method`` carries the storage (``snapkv@int8``) and
+    ``linear_cache`` the setting measured."""
     from slake.methods.base import canonical_method_spec
     from slake.methods.profiles import resolve_method
     from slake.quality import output_fidelity
@@ -176,12 +234,13 @@ def _output_fidelity(
     ref = output_fidelity.prepare_reference(model, conts)
     rows: list[dict] = []
     for m in methods:
-        for lin in lin_modes:
-            for b in budgets:
-                extra = {} if lin is None else {"linear_cache": lin}
-                built, _ = resolve_method(m, b, model, **extra)
-                label = canonical_method_spec(m, drop=("linear_cache",))
-                for r in output_fidelity.measure_outputs(model, ref, built, b, label=label):
-                    r["linear_cache"] = built.linear_cache
-                    rows.append(r)
+        label = canonical_method_spec(m, drop=("linear_cache",))
+        for kvd in kv_dtypes:
+            for lin in lin_modes:
+                for b in budgets:
+                    extra = {} if lin is None else {"linear_cache": lin}
+                    built, _ = resolve_method(m, b, model, **extra)
+                    for r in output_fidelity.measure_outputs(model, ref, built, b, label=label, kv_dtype=kvd):
+                        r["linear_cache"] = built.linear_cache
+                        rows.append(r)
     return rows

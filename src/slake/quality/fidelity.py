@@ -16,7 +16,7 @@ section 3.2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +28,13 @@ from slake.methods.base import canonical_method_spec, make_method
 
 @dataclass
 class Recording:
-    """Per-layer prompt records ``(q, k, v, padding, scaling)`` and per-step decode records ``(q, k, v)``."""
+    """Per-layer prompt records ``(q, k, v, padding, scaling)``, per-step decode records ``(q, k, v)`` and, per
+    compressed layer, the model facts a method may ask for (:class:`slake.methods.base.LayerContext`: rotary
+    embedding, output projection), as :func:`slake.generate` provides them."""
 
     prompt: list[tuple]
     steps: list[list[tuple]]  # steps[t][layer] = (q, k, v)
+    layer_context: list = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -68,6 +71,7 @@ def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
     (every layer, except the sliding-window layers of a hybrid model, which are never compressed)."""
     from slake.engines.transformers.attention import prepare_model
     from slake.engines.transformers.cache import SlakeCache
+    from slake.engines.transformers.layer_facts import layer_contexts
 
     prepare_model(model)
     cache = SlakeCache("full", 1, config=model.config)  # hybrid models: the compressed (full-attention) layers
@@ -89,7 +93,8 @@ def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
             top_k=None,
         )
     cache.check_routed()
-    return Recording(prompt=rec.prompt, steps=rec.steps[:steps])
+    context = layer_contexts(model, cache.layout.compressed, cache.layout.layer_types)
+    return Recording(prompt=rec.prompt, steps=rec.steps[:steps], layer_context=context)
 
 
 def _full_attention(
@@ -138,6 +143,8 @@ def measure(
     label = canonical_method_spec(method, drop=("linear_cache",)) if isinstance(method, str) else m.name
     L = recording.num_layers
     eng = CompressedKV(m, Budget(budget), L, kv_dtype=kv_dtype)
+    if recording.layer_context:  # the layer facts methods such as Expected Attention need (its rotary embedding)
+        eng.layer_context = list(recording.layer_context)
     if eng.kv_dtype is not None:
         label = f"{label}@{eng.kv_dtype}"
     S = recording.prompt[0][1].shape[2]

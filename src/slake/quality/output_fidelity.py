@@ -100,16 +100,25 @@ def measure_outputs(
     method: str | Method,
     budget: int | float | str,
     label: str | None = None,
+    kv_dtype: str | None = None,
     **hyperparameters,
 ) -> list[dict]:
     """Rows ``{"method", "budget", "kind", "sample", "kl", "delta_nll", "top1", "nll_full", "tokens"}`` of one
-    (method, budget) against the full cache, one per continuation."""
+    (method, budget) against the full cache, one per continuation.
+
+    ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``; None or ``"auto"``: the model's dtype) stores the kept entries in 8
+    bits; the label then ends in ``@int8`` / ``@fp8_e4m3``, as :func:`slake.quality.fidelity.measure` labels them.
+    """
+    from slake.cache.quant import parse_kv_dtype
     from slake.methods.base import canonical_method_spec, make_method
 
     m = make_method(method, **hyperparameters)
     if label is None:
         label = canonical_method_spec(method) if isinstance(method, str) else m.name
-    cache = ref.capture.replay(m, budget)
+    kv_dtype = parse_kv_dtype(kv_dtype)
+    if kv_dtype is not None:
+        label = f"{label}@{kv_dtype}"
+    cache = ref.capture.replay(m, budget, kv_dtype=kv_dtype)
     lp = teacher_forced_logprobs(model, ref.capture, cache, ref.targets)
     d = distances(ref.full_lp, lp, ref.targets, ref.valid)
     return [
@@ -129,10 +138,16 @@ def measure_outputs(
 
 
 def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by (method, linear cache, budget); ``method`` carries the storage (``snapkv@int8``) and a row without a
+    ``linear_cache`` entry (:func:`measure_outputs` called directly) counts as the method's own setting (None)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["method"], r["budget"]), []).append(r)
+        groups.setdefault((r["method"], r.get("linear_cache"), r["budget"]), []).append(r)
     return groups
+
+
+def _lin(lin: bool | None) -> str:
+    return "-" if lin is None else ("yes" if lin else "no")
 
 
 def mean_distance(rows: list[dict], key: str = "kl") -> float:
@@ -142,18 +157,23 @@ def mean_distance(rows: list[dict], key: str = "kl") -> float:
 
 
 def summary_table(rows: list[dict]) -> str:
-    """Markdown: one line per (method, budget), token-weighted means per continuation kind and overall."""
+    """Markdown: one line per (method, linear cache, budget), token-weighted means per continuation kind and overall.
+
+    The method column carries the storage of kept entries (``snapkv@int8``), as in
+    :func:`slake.quality.fidelity.summary_table`; the linear cache column reads ``-`` for rows that do not record it.
+    """
     kinds = sorted({r["kind"] for r in rows})
     head = (
-        "| method | budget | "
+        "| method | linear cache | budget | "
         + " | ".join(f"KL {k}" for k in kinds)
         + " | KL all | ΔNLL all (nats/token) | top-1 agreement |"
     )
-    lines = [head, "|---|---:|" + "---:|" * (len(kinds) + 3)]
-    for (m, b), rs in sorted(_groups(rows).items(), key=lambda kv: (kv[0][0], float(kv[0][1]))):
+    lines = [head, "|---|---|---:|" + "---:|" * (len(kinds) + 3)]
+    order = sorted(_groups(rows).items(), key=lambda kv: (kv[0][0], _lin(kv[0][1]), float(kv[0][2])))
+    for (m, lin, b), rs in order:
         per_kind = [mean_distance([r for r in rs if r["kind"] == k]) for k in kinds]
         lines.append(
-            f"| {m} | {b} | "
+            f"| {m} | {_lin(lin)} | {b} | "
             + " | ".join(f"{x:.4f}" for x in per_kind)
             + f" | {mean_distance(rs):.4f} | {mean_distance(rs, 'delta_nll'):+.4f} | "
             f"{mean_distance(rs, 'top1'):.3f} |"
@@ -162,20 +182,22 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def plot_kl_vs_budget(rows: list[dict], path: str) -> None:
-    """KL(full || method) against budget, one line per method (log scales); saved as PNG."""
+    """KL(full || method) against budget, one line per method, storage and linear cache setting (log scales); saved
+    as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    by_method: dict[str, list[tuple[float, float]]] = {}
-    for (m, b), rs in _groups(rows).items():
-        by_method.setdefault(m, []).append((float(b), mean_distance(rs)))
+    by_method: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for (m, lin, b), rs in _groups(rows).items():
+        by_method.setdefault((m, _lin(lin)), []).append((float(b), mean_distance(rs)))
     markers = "os^vD<>pxh*+"
-    for i, (m, pts) in enumerate(sorted(by_method.items())):
+    for i, ((m, lin), pts) in enumerate(sorted(by_method.items())):
         pts.sort()
-        ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], marker=markers[i % len(markers)], label=m)
+        label = f"{m} + linear cache" if lin == "yes" else m
+        ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], marker=markers[i % len(markers)], label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("budget (tokens per layer and KV head)")
