@@ -43,12 +43,30 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
 
 
-def _check_args(args: argparse.Namespace) -> tuple[list, list]:
+def _check_out_dir(out_dir: str | None) -> None:
+    """Raise ValueError unless the profile folder can be created and written (before the slow model load)."""
+    import tempfile
+
+    from slake.methods.profiles import profile_dir
+
+    folder = Path(out_dir).expanduser() if out_dir else profile_dir()
+    what = "--out-dir" if out_dir else "the profile folder ($SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {folder} cannot be written: {e.strerror or e}") from e
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
+    """Validate the arguments before the model loads; return the method specs, the built methods and the budgets."""
     from slake.budgets.budget import Budget
     from slake.methods.base import make_method, parse_method_list
     from slake.methods.profiles import SEARCHED
 
-    methods = [make_method(m) for m in parse_method_list(args.methods)]
+    specs = parse_method_list(args.methods)
+    methods = [make_method(m) for m in specs]
     for m in methods:
         if m.name not in SEARCHED:
             raise ValueError(f"slake calibrate tunes {', '.join(sorted(SEARCHED))}, not {m.name!r}")
@@ -59,11 +77,18 @@ def _check_args(args: argparse.Namespace) -> tuple[list, list]:
         raise ValueError(f"--length must be >= 256, got {args.length}")
     if args.samples < 1 or args.tokens < 2:
         raise ValueError(f"need --samples >= 1 and --tokens >= 2 (got {args.samples}, {args.tokens})")
+    for b in budgets:
+        if isinstance(b, int) and b >= args.length:
+            raise ValueError(
+                f"budget {b} keeps every token of the {args.length}-token calibration prompts (--length), so it "
+                f"evicts nothing and measures nothing; use a budget below --length, or a longer --length"
+            )
     for m in methods:
         for b in budgets:
             if isinstance(b, int) and b < m.protected:
                 raise ValueError(f"budget {b} is below {m.name}'s window/sinks ({m.protected} tokens)")
-    return methods, budgets
+    _check_out_dir(args.out_dir)
+    return specs, methods, budgets
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -73,10 +98,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from slake import __version__
     from slake.engines.context import check_context, context_limit
     from slake.engines.transformers.models import load_model
-    from slake.methods.profiles import model_identity, write_entry
-    from slake.quality.calibrate import CALIBRATION_SOURCE, GRIDS, calibrate_method, calibration_reference
+    from slake.methods.profiles import model_identity, resolve_method, write_entry
+    from slake.quality.calibrate import (
+        CALIBRATION_SOURCE,
+        GRIDS,
+        NothingMeasured,
+        calibrate_method,
+        calibration_reference,
+    )
 
-    methods, budgets = _check_args(args)  # before the slow model load
+    specs, methods, budgets = _check_args(args)  # before the slow model load
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
     check_context(
         context_limit(model.config),
@@ -86,6 +117,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         can_allow=False,
     )
     identity = model_identity(model)
+    # what is in force before calibrating (user or shipped profile, papers' values, defaults): the "before" point,
+    # resolved before any entry is written so that a new entry does not become the "before" of a nearby budget
+    in_force = {(i, b): resolve_method(spec, b, model) for i, spec in enumerate(specs) for b in budgets}
     print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}", file=sys.stderr)
     ref = calibration_reference(model, tokenizer, args.length, args.samples, args.tokens, args.seed)
     per = {
@@ -97,12 +131,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         unit="candidate",
         file=sys.stderr,
     )
-    entries, paths = [], set()
+    entries, paths, skipped = [], set(), []
     try:
-        for m in methods:
+        for i, m in enumerate(methods):
             for b in budgets:
                 bar.set_postfix_str(f"{m.name} @ {b}")
-                entry = calibrate_method(model, ref, m, b, refine=not args.no_refine, on_candidate=bar.update)
+                before, applied = in_force[(i, b)]
+                try:
+                    entry = calibrate_method(model, ref, before, b, refine=not args.no_refine, on_candidate=bar.update)
+                except NothingMeasured as err:  # no entry from a search that measured nothing
+                    skipped.append(f"{specs[i]} @ {b}: {err}")
+                    print(f"slake calibrate: skipped {specs[i]} @ {b}: {err}", file=sys.stderr)
+                    continue
+                entry["before"]["source"] = applied["source"] if applied else "defaults"
                 entry["calibration"] = {
                     "source": CALIBRATION_SOURCE,
                     "length": args.length,
@@ -118,6 +159,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 entries.append(entry)
     finally:
         bar.close()
+    if not entries:
+        raise ValueError(f"no profile entry written: {'; '.join(skipped)}")
     if args.json:
         print(json.dumps({"model": identity["name"], "profiles": sorted(map(str, paths)), "entries": entries}))
         return 0

@@ -21,7 +21,9 @@ papers' values or the defaults on a model that has a profile.
 A profile entry applies to a (method, budget) when the method's name is the entry's, the entry's budget is the
 nearest calibrated budget within a factor of 2 (token budgets and ratios are matched separately), and every other
 hyperparameter of the method equals the value it was calibrated with (a profile calibrated for
-``slake[vabs_split=window]`` does not silently apply to ``slake[linear_cache=false]``). A model matches a profile
+``slake[vabs_split=window]`` does not silently apply to ``slake[linear_cache=false]``; a hyperparameter the entry's
+context does not record counts as calibrated at the method's default; a cap on a layer's budget, ``max_layer_budget``,
+is not matched: it bounds whatever the profile gives, as vLLM's plugin caps after resolving). A model matches a profile
 when its name (normalised: lower case, alphanumerics, hub organisation dropped) is one of the profile's names and
 its architecture fingerprint (layers, heads, sizes, vocabulary) is the profile's.
 """
@@ -32,7 +34,7 @@ import json
 import math
 import os
 import re
-from dataclasses import fields, replace
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +141,29 @@ def _budget_distance(a: float, b: float) -> float:
     return abs(math.log(a) - math.log(b))
 
 
+#: hyperparameters a profile entry never matches on: a cap on a layer's budget bounds memory, applied to whatever the
+#: profile gives (vLLM's plugin adds its cap after resolving the profile, so both engines must resolve alike)
+_NOT_MATCHED = frozenset({"max_layer_budget"})
+
+
+def _defaults(method: Any) -> dict[str, Any]:
+    """The hyperparameters of ``method``'s class at their defaults (those without a default left out)."""
+    out = {}
+    for f in fields(method):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def find_entry(profiles: list[tuple[str, dict]], method: Any, budget: int | float) -> tuple[str, dict] | None:
     """The first profile entry that applies to ``method`` (a built Method) at ``budget``, with its source."""
     searched = SEARCHED.get(method.name)
     if not searched:
         return None
     hyper = method.hyperparameters()
+    defaults = _defaults(method)
     is_ratio = isinstance(budget, float) and budget < 1
     for source, prof in profiles:
         cands = []
@@ -155,7 +174,12 @@ def find_entry(profiles: list[tuple[str, dict]], method: Any, budget: int | floa
             if (isinstance(b, float) and b < 1) != is_ratio:
                 continue
             ctx = e.get("context", {})
-            if any(hyper.get(k) != v for k, v in ctx.items() if k not in searched):
+            # a key the entry's context lacks was calibrated at the method's default (profiles written before the
+            # hyperparameter existed): a variant that sets it otherwise is not what the entry was calibrated for
+            skip = _NOT_MATCHED.union(searched)
+            if any(hyper.get(k) != v for k, v in ctx.items() if k not in skip) or any(
+                v != defaults.get(k, v) for k, v in hyper.items() if k not in skip and k not in ctx
+            ):
                 continue
             d = _budget_distance(float(b), float(budget))
             if d <= math.log(2) + 1e-9:
@@ -248,17 +272,25 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
 
 
 def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases: list[str] | None = None) -> Path:
-    """Add (or replace) one (method, budget, context) entry in the model's profile and return its path."""
+    """Add (or replace) one (method, budget, context) entry in the model's profile and return its path.
+
+    ``aliases`` (other names the model answers to) are added to the profile, whether it exists or not.
+    """
     path = profile_path(identity, folder)
     data = _read(path) or {
         "format": PROFILE_FORMAT,
         "model": identity["name"],
-        "aliases": aliases or [],
+        "aliases": [],
         "fingerprint": identity["fingerprint"],
         "entries": [],
     }
     if data.get("fingerprint") != identity["fingerprint"]:
         raise ValueError(f"{path} holds the profile of another architecture; choose another --out-dir")
+    known = {normalise_name(n) for n in [data.get("model", "")] + list(data.get("aliases", []))}
+    for alias in aliases or []:
+        if normalise_name(alias) not in known:
+            data["aliases"] = list(data.get("aliases", [])) + [alias]
+            known.add(normalise_name(alias))
     key = (entry["method"], entry["budget"], json.dumps(entry.get("context", {}), sort_keys=True))
     data["entries"] = [
         e

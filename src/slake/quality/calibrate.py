@@ -29,7 +29,7 @@ from typing import Any
 from slake.methods.profiles import SEARCHED
 from slake.quality.output_fidelity import OutputReference, mean_distance, measure_outputs
 
-__all__ = ["GRIDS", "CALIBRATION_SOURCE", "calibration_reference", "calibrate_method"]
+__all__ = ["GRIDS", "CALIBRATION_SOURCE", "NothingMeasured", "calibration_reference", "calibrate_method"]
 
 #: first-stage grids per method (values of the searched hyperparameters)
 GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
@@ -37,6 +37,11 @@ GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
     "cake": {"tau1": (0.25, 0.5, 1.0, 2.0, 4.0), "tau2": (0.25, 0.5, 1.0, 2.0, 4.0)},
 }
 CALIBRATION_SOURCE = "pydoc_data.topics (the Python language reference shipped with CPython)"
+
+
+class NothingMeasured(ValueError):
+    """Every candidate of a search gave the same distance (the budget evicts nothing on the calibration prompts, for
+    one): the search measured nothing, and no profile entry may be written from it."""
 
 
 def calibration_reference(
@@ -101,6 +106,12 @@ def calibrate_method(
     dict
         ``{"method", "budget", "values", "context", "before", "after", "search"}`` where ``before``/``after`` hold
         the values and their distances (``kl``, ``delta_nll``, ``top1``).
+
+    Raises
+    ------
+    NothingMeasured
+        When every candidate gave the same distance (the budget evicts nothing on these prompts, for one): the search
+        measured nothing, and no entry should be written from it.
     """
     keys = SEARCHED.get(method.name)
     if not keys:
@@ -133,6 +144,12 @@ def calibrate_method(
                 a, b = best[0] * fa, best[1] * fb
                 if min(a, b) >= 0 and (a, b) != best:
                     evaluate((a, b))
+    kls = [c["kl"] for c in cache.values()]
+    if max(kls) - min(kls) <= 1e-9 * max(1.0, abs(max(kls))):
+        raise NothingMeasured(
+            f"the search of {method.name} at budget {budget} measured nothing: all {len(cache)} candidates gave the "
+            f"same distance ({kls[0]:.4g} nats/token); is the budget at or above the calibration prompts' length?"
+        )
     best = min(cache, key=lambda v: (cache[v]["kl"], v != tuple(round(x, 4) for x in before_values)))
     context = {k: v for k, v in method.hyperparameters().items() if k not in keys}
     return {

@@ -1,0 +1,186 @@
+"""``slake calibrate`` and profiles: fixes for budgets that evict nothing, entries applied to other variants, the
+reported "before" values, ``--alias`` on an existing profile and an unwritable ``--out-dir``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import slake.engines.transformers.models as models_module
+import slake.quality.calibrate as calibrate_module
+from packaged_shapes import SMOLLM2
+from slake.cli import build_parser, main
+from slake.cli.calibrate import _check_args
+from slake.methods import make_method
+from slake.methods.profiles import load_profiles, model_identity, profile_path, resolve_method, write_entry
+from slake.quality.calibrate import calibrate_method
+from slake.quality.output_fidelity import Continuation, mean_distance, measure_outputs, prepare_reference
+from tiny_models import random_ids
+
+SPEC = "slake[window=8]"
+GRID = {"alpha": (0.0, 3.0), "beta": (0.0, 2.0)}
+
+
+@pytest.fixture
+def profile_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "profiles"
+    monkeypatch.setenv("SLAKE_PROFILE_DIR", str(folder))
+    monkeypatch.delenv("SLAKE_NO_PROFILE", raising=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(llama_gqa):
+    conts = []
+    for i, n in enumerate((80, 64)):
+        ids = random_ids(n + 6, seed=60 + i)[0].tolist()
+        conts.append(Continuation("text", f"c{i}", ids[:n], ids[n:]))
+    return prepare_reference(llama_gqa, conts)
+
+
+@pytest.fixture
+def fake_load(monkeypatch, llama_gqa, reference):
+    """``slake calibrate`` on the tiny model and its two prefilled prompts (80 and 64 tokens), on a 2x2 grid."""
+    monkeypatch.setattr(llama_gqa.config, "slake_model_name", "tiny-calib", raising=False)
+    monkeypatch.setattr(models_module, "load_model", lambda *a, **k: (llama_gqa, None))
+    monkeypatch.setattr(calibrate_module, "calibration_reference", lambda *a, **k: reference)
+    monkeypatch.setitem(calibrate_module.GRIDS, "slake", GRID)
+    return llama_gqa
+
+
+def _calibrate(out_dir, *extra: str, budgets: str = "24") -> list[str]:
+    return [
+        "calibrate",
+        "--methods",
+        SPEC,
+        "--budgets",
+        budgets,
+        "--length",
+        "256",
+        "--samples",
+        "1",
+        "--tokens",
+        "2",
+        "--no-refine",
+        "--out-dir",
+        str(out_dir),
+        *extra,
+    ]
+
+
+# 1. budgets that evict nothing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["256", "512", "128,300"])
+def test_budget_at_or_above_the_calibration_length_is_refused_before_loading(budget):
+    args = build_parser().parse_args(["calibrate", "--budgets", budget, "--length", "256"])
+    with pytest.raises(ValueError, match="--length"):
+        _check_args(args)
+
+
+def test_budget_below_the_length_and_ratios_are_accepted(profile_dir):
+    _check_args(build_parser().parse_args(["calibrate", "--budgets", "255,0.5", "--length", "256"]))
+
+
+def test_search_that_measured_nothing_raises(llama_gqa, reference):
+    # a budget above both prompts (80 and 64 tokens) evicts nothing: every candidate has the same distance
+    with pytest.raises(ValueError, match="measured nothing"):
+        calibrate_method(llama_gqa, reference, make_method(SPEC), 100, grid=GRID, refine=False)
+
+
+def test_cli_writes_no_entry_whose_search_measured_nothing(fake_load, tmp_path, profile_dir, capsys):
+    out = tmp_path / "out"
+    assert main(_calibrate(out, "--json", budgets="100")) == 2
+    assert "measured nothing" in capsys.readouterr().err
+    assert not out.is_dir() or not list(out.glob("*.json"))
+    # one budget that measures something still gets its entry, the other is skipped with a message
+    assert main(_calibrate(out, "--json", budgets="24,100")) == 0
+    captured = capsys.readouterr()
+    assert "measured nothing" in captured.err
+    entries = json.loads(captured.out)["entries"]
+    assert [e["budget"] for e in entries] == [24]
+    data = json.loads(profile_path(model_identity(fake_load), out).read_text())
+    assert [e["budget"] for e in data["entries"]] == [24]
+
+
+# 2. an entry applies only to the variant it was calibrated for --------------------------------------------------
+
+
+def _config():
+    return SimpleNamespace(
+        slake_model_name="my-org/Tiny-Model-1B",
+        model_type="llama",
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
+
+
+def test_a_key_missing_from_the_context_means_the_default(profile_dir):
+    cfg = _config()
+    ctx = {k: v for k, v in make_method("slake").hyperparameters().items() if k not in ("alpha", "beta")}
+    del ctx["budget_hint"]
+    write_entry(
+        model_identity(cfg), {"method": "slake", "budget": 128, "values": {"alpha": 0.9, "beta": 0.1}, "context": ctx}
+    )
+    m, applied = resolve_method("slake", 128, cfg)
+    assert applied is not None and (m.alpha, m.beta) == (0.9, 0.1)
+    m, applied = resolve_method("slake[budget_hint=300]", 128, cfg)
+    assert applied is None and (m.alpha, m.beta) == (0.5, 0.4)
+
+
+def test_a_layer_cap_is_not_matched_it_bounds_the_profile(profile_dir):
+    """The shipped entries at 128 predate max_layer_budget and those at 512 record it as None: a capped variant gets
+    them, capped, at both (as vLLM's plugin caps after resolving), not one and not the other."""
+    cfg = SimpleNamespace(slake_model_name="smollm2", model_type="llama", **SMOLLM2)
+    for budget in (128, 512):
+        m, applied = resolve_method("slake[max_layer_budget=1000]", budget, cfg)
+        assert applied is not None and m.max_layer_budget == 1000, budget
+        assert (m.alpha, m.beta) == tuple(applied["values"][k] for k in ("alpha", "beta"))
+
+
+# 3. "before" is what was in force ------------------------------------------------------------------------------
+
+
+def test_before_is_the_profile_in_force_and_its_measured_distance(fake_load, reference, tmp_path, profile_dir, capsys):
+    identity = model_identity(fake_load)
+    ctx = {k: v for k, v in make_method(SPEC).hyperparameters().items() if k not in ("alpha", "beta")}
+    write_entry(identity, {"method": "slake", "budget": 24, "values": {"alpha": 1.7, "beta": 0.3}, "context": ctx})
+    assert main(_calibrate(tmp_path / "out", "--json")) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["entries"]
+    assert entry["before"]["values"] == {"alpha": 1.7, "beta": 0.3}
+    rows = measure_outputs(fake_load, reference, make_method(SPEC, alpha=1.7, beta=0.3), 24)
+    assert abs(mean_distance(rows) - entry["before"]["kl"]) < 1e-6
+    assert entry["after"]["kl"] <= entry["before"]["kl"]
+
+
+# 4. --alias on an existing profile ----------------------------------------------------------------------------
+
+
+def test_alias_is_added_to_an_existing_profile(profile_dir):
+    cfg = _config()
+    ctx = {k: v for k, v in make_method("slake").hyperparameters().items() if k not in ("alpha", "beta")}
+    entry = {"method": "slake", "budget": 128, "values": {"alpha": 0.9, "beta": 0.1}, "context": ctx}
+    write_entry(model_identity(cfg), entry)
+    write_entry(model_identity(cfg), entry, aliases=["Other-Name"])
+    write_entry(model_identity(cfg), entry, aliases=["Other-Name"])
+    data = json.loads(profile_path(model_identity(cfg)).read_text())
+    assert data["aliases"] == ["Other-Name"]
+    other = model_identity(SimpleNamespace(**{**vars(cfg), "slake_model_name": "other-name"}))
+    assert load_profiles(other)
+
+
+# 5. an unwritable --out-dir -----------------------------------------------------------------------------------
+
+
+def test_unwritable_out_dir_is_refused_before_loading(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    args = build_parser().parse_args(["calibrate", "--out-dir", str(blocker / "x")])
+    with pytest.raises(ValueError, match="--out-dir"):
+        _check_args(args)
