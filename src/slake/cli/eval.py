@@ -231,7 +231,10 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     if protocol is not None:
         from slake.eval.protocol_outputs import merge_outputs
 
-        merged = merge_outputs(out)
+        not_merged: list[str] = []
+        merged = merge_outputs(out, skipped=not_merged)
+        for line in not_merged:
+            print(f"slake eval: {line}", file=sys.stderr)
         if merged:
             print(f"slake eval: merged {merged} rows of kvpress's side", file=sys.stderr)
     all_rows = read_results(out)
@@ -270,9 +273,28 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
 
 
 def _protocol_start(args: argparse.Namespace, protocol: Protocol, samples: list, engine: Engine, out: Path) -> list:
-    """The samples scored as ``protocol`` scores them; their token ids written for the kvpress side."""
-    from slake.eval.protocol import model_location, protocol_samples, write_requests
+    """The samples scored as ``protocol`` scores them; their token ids written for the kvpress side.
 
+    A directory whose rows were written with other settings is refused first, as
+    :func:`slake.eval.runner.evaluate_suite` would refuse it: a refused run must not rewrite the requests (the
+    kvpress side would answer them with this run's generation cap, and the next run merge those answers beside rows
+    of the old one).
+    """
+    from slake.cache.quant import parse_kv_dtype
+    from slake.engines.base import EvalOptions
+    from slake.eval.protocol import model_location, protocol_samples, write_requests
+    from slake.eval.results import RESULTS_FILE, ResultsWriter, check_run_settings
+    from slake.eval.runner import run_settings
+
+    if (out / RESULTS_FILE).is_file():
+        options = EvalOptions(
+            query_aware=not args.question_agnostic, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", None))
+        )
+        settings = run_settings(
+            engine, options, chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens
+        )
+        with ResultsWriter(out) as store:  # what evaluate_suite checks, checked before the requests are rewritten
+            check_run_settings(store, settings)
     samples = protocol_samples(samples, protocol, max_new_tokens=args.max_new_tokens)
     path = write_requests(
         out,

@@ -40,11 +40,16 @@ __all__ = [
     "resolve_protocol_args",
     "model_location",
     "protocol_samples",
+    "read_requests",
     "write_requests",
 ]
 
 #: the file :func:`write_requests` writes into the results folder, read by the kvpress side
 REQUESTS_FILE = "kvpress_requests.json"
+
+#: the fields of the requests file, and of each of its requests, that the merge and the kvpress side read
+_FILE_FIELDS = ("protocol", "model", "requests")
+_REQUEST_FIELDS = ("task", "sample_id", "length", "prefill_ids", "question_ids", "max_new_tokens", "answers", "metric")
 
 
 @dataclass(frozen=True)
@@ -230,15 +235,15 @@ def write_requests(
     Returns
     -------
     Path
-        The file written. A file of another model or protocol in the same folder is refused (ValueError).
+        The file written, atomically (a temporary file renamed over it). A file of another model or protocol in the
+        same folder is refused (ValueError), as is one :func:`read_requests` cannot read.
     """
     from slake.eval.runner import encode_sample, target_length
 
     path = Path(out_dir) / REQUESTS_FILE
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        if old.get("model") != model_name or old.get("protocol") != protocol.name:
-            raise ValueError(f"{path} holds requests of another model or protocol; use another --out")
+    old = read_requests(path) if path.is_file() else None
+    if old is not None and (old["model"] != model_name or old["protocol"] != protocol.name):
+        raise ValueError(f"{path} holds requests of another model or protocol; use another --out")
     requests = []
     for s in samples:
         prefill_ids, question_ids = encode_sample(s, tokenizer, query_aware=not protocol.question_agnostic)
@@ -255,7 +260,7 @@ def write_requests(
                 "depth": s.depth,
             }
         )
-    if path.is_file():  # keep the samples of earlier runs (other tasks, more samples)
+    if old is not None:  # keep the samples of earlier runs (other tasks, more samples)
         known = {r["sample_id"] for r in requests}
         requests = [r for r in old["requests"] if r["sample_id"] not in known] + requests
     payload = {
@@ -269,5 +274,54 @@ def write_requests(
         "requests": requests,
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload) + "\n", encoding="utf-8")
+    # atomically: the kvpress side and the next run read either the old file or the new one, never a cut one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def read_requests(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The content of a requests file (:func:`write_requests`), checked.
+
+    Parameters
+    ----------
+    path : path-like
+        The file (``DIR/kvpress_requests.json``).
+
+    Returns
+    -------
+    dict
+        The file's object: ``protocol``, ``model``, ``requests`` (each request with the fields the merge reads) and
+        the rest :func:`write_requests` records.
+
+    Raises
+    ------
+    ValueError
+        Naming the file and what is wrong: not UTF-8 or not JSON (a cut file), not an object, a missing field, a
+        request that is not an object or lacks a field.
+    """
+    p = Path(path)
+    fix = "remove it (the next slake eval --protocol run writes it again) or use another --out"
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p} is not a valid requests file (not JSON: {e}); {fix}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{p} is not a valid requests file (not a JSON object); {fix}")
+    missing = [k for k in _FILE_FIELDS if k not in data]
+    if missing:
+        raise ValueError(f"{p} is not a valid requests file (missing {', '.join(missing)}); {fix}")
+    if not isinstance(data["requests"], list):
+        raise ValueError(f"{p} is not a valid requests file ('requests' is not a list); {fix}")
+    for i, r in enumerate(data["requests"]):
+        if not isinstance(r, dict):
+            raise ValueError(f"{p} is not a valid requests file (request {i} is not an object); {fix}")
+        missing = [k for k in _REQUEST_FIELDS if k not in r]
+        if missing:
+            name = r.get("sample_id", f"number {i}")
+            raise ValueError(f"{p} is not a valid requests file (request {name} lacks {', '.join(missing)}); {fix}")
+    return data

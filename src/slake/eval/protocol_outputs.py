@@ -9,7 +9,10 @@ number of context entries a layer and KV head attends to, ``held``: the mean it 
 mask instead of evicting, ``kv_bytes``, ``press_repr``, ``versions``).
 
 Each becomes a row of method ``kvpress:<press>`` at budget ``1 - compression_ratio`` (None for ``no_press``),
-scored with the request's metric by :func:`slake.eval.metrics.score_sample`, the function that scores our rows.
+scored with the request's metric by :func:`slake.eval.metrics.score_sample`, the function that scores our rows. An
+output that does not answer the request now in the requests file (more tokens than its ``max_new_tokens``, a ratio
+the file does not list, a missing field) is skipped and reported (:func:`output_problem`): it was generated for
+another request, and its row would sit beside ours as if generated under the same settings.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from slake.eval.metrics import score_sample
-from slake.eval.protocol import REQUESTS_FILE, budget_of_ratio
+from slake.eval.protocol import REQUESTS_FILE, budget_of_ratio, read_requests
 from slake.eval.results import ResultsWriter
 
-__all__ = ["KVPRESS_PREFIX", "OUTPUTS_FILE", "kvpress_rows", "merge_outputs", "read_outputs"]
+__all__ = ["KVPRESS_PREFIX", "OUTPUTS_FILE", "kvpress_rows", "merge_outputs", "output_problem", "read_outputs"]
 
 #: the file the kvpress side writes into the results folder
 OUTPUTS_FILE = "kvpress_outputs.jsonl"
@@ -36,7 +39,8 @@ _ACCOUNTING = ("compress_s", "kept", "held", "press_repr", "versions")
 
 
 def read_outputs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The complete lines of a kvpress outputs file (a last line cut by an interrupted write is skipped)."""
+    """The complete lines of a kvpress outputs file (a last line cut by an interrupted write, or a line that is not a
+    JSON object, is skipped)."""
     p = Path(path)
     if not p.is_file():
         return []
@@ -44,13 +48,55 @@ def read_outputs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     for line in p.read_text(encoding="utf-8").splitlines():
         if line.strip():
             try:
-                out.append(json.loads(line))
+                obj = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(obj, dict):
+                out.append(obj)
     return out
 
 
-def kvpress_rows(requests: dict[str, Any], outputs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+_OUTPUT_FIELDS = ("sample_id", "press", "tokens", "text")
+
+
+def output_problem(requests: dict[str, Any], request: dict[str, Any], output: dict[str, Any]) -> str:
+    """Why ``output`` does not answer ``request`` as the requests file now states it; ``""`` when it does.
+
+    The kvpress side generates at most the request's ``max_new_tokens`` tokens, at the file's compression ratios:
+    more tokens, or another ratio, mean the output answers an earlier version of the request (another
+    ``--max-new-tokens``), which the file no longer holds.
+
+    Parameters
+    ----------
+    requests : dict
+        The requests file's content.
+    request : dict
+        The request of the output's sample.
+    output : dict
+        One output of the kvpress side.
+    """
+    missing = [k for k in _OUTPUT_FIELDS if k not in output]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    tokens = output["tokens"]
+    if not isinstance(tokens, list):
+        return f"tokens is not a list ({tokens!r})"
+    cap = int(request["max_new_tokens"])
+    if len(tokens) > cap:
+        return (
+            f"{len(tokens)} tokens where the request allows max_new_tokens {cap}: generated for another version of "
+            "the request (another --max-new-tokens)"
+        )
+    ratio = output.get("compression_ratio")
+    ratios = requests.get("compression_ratios")
+    if ratio is not None and ratios is not None and float(ratio) not in {float(r) for r in ratios}:
+        return f"compression ratio {ratio} is not among the requests' {ratios}"
+    return ""
+
+
+def kvpress_rows(
+    requests: dict[str, Any], outputs: Iterable[dict[str, Any]], *, skipped: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Result rows (:data:`slake.eval.results.ROW_FIELDS` and more) of the kvpress side's outputs.
 
     Parameters
@@ -59,17 +105,28 @@ def kvpress_rows(requests: dict[str, Any], outputs: Iterable[dict[str, Any]]) ->
         The requests file's content (:func:`slake.eval.protocol.write_requests`): model, protocol, samples.
     outputs : iterable of dict
         The kvpress side's outputs (see the module docstring).
+    skipped : list of str, optional
+        Receives one line per output skipped because it does not answer its request (:func:`output_problem`):
+        the sample, the press, the ratio and why.
 
     Returns
     -------
     list of dict
-        One row per output whose sample is in ``requests`` (others are skipped: another run's samples).
+        One row per output whose sample is in ``requests`` (others are skipped silently: another run's samples)
+        and that answers its request (others are skipped and reported in ``skipped``).
     """
     by_id = {r["sample_id"]: r for r in requests["requests"]}
     rows = []
     for o in outputs:
-        req = by_id.get(o["sample_id"])
+        req = by_id.get(o.get("sample_id"))
         if req is None:
+            continue
+        why = output_problem(requests, req, o)
+        if why:
+            if skipped is not None:
+                skipped.append(
+                    f"sample {o['sample_id']} press {o.get('press')} ratio {o.get('compression_ratio')}: {why}"
+                )
             continue
         ratio = o.get("compression_ratio")
         prediction = str(o["text"]).strip()
@@ -110,19 +167,33 @@ def kvpress_rows(requests: dict[str, Any], outputs: Iterable[dict[str, Any]]) ->
     return rows
 
 
-def merge_outputs(out_dir: str | os.PathLike[str]) -> int:
+def merge_outputs(out_dir: str | os.PathLike[str], *, skipped: list[str] | None = None) -> int:
     """Append the rows of ``DIR/kvpress_outputs.jsonl`` that ``DIR/results.jsonl`` lacks; returns how many.
 
-    Nothing happens (0) when either the requests or the outputs file is absent.
+    Nothing happens (0) when either the requests or the outputs file is absent. A requests file that cannot be read
+    raises ValueError naming it (:func:`slake.eval.protocol.read_requests`).
+
+    Parameters
+    ----------
+    out_dir : path-like
+        The results folder.
+    skipped : list of str, optional
+        Receives one line per output not merged because it does not answer its request now (:func:`output_problem`),
+        naming the outputs file and the sample.
     """
     directory = Path(out_dir)
     req_path = directory / REQUESTS_FILE
-    outputs = read_outputs(directory / OUTPUTS_FILE)
+    out_path = directory / OUTPUTS_FILE
+    outputs = read_outputs(out_path)
     if not req_path.is_file() or not outputs:
         return 0
-    requests = json.loads(req_path.read_text(encoding="utf-8"))
+    requests = read_requests(req_path)
+    problems: list[str] = []
+    rows = kvpress_rows(requests, outputs, skipped=problems)
+    if skipped is not None:
+        skipped.extend(f"{out_path}: {p}; not merged" for p in problems)
     written = 0
     with ResultsWriter(directory) as store:
-        for row in kvpress_rows(requests, outputs):
+        for row in rows:
             written += int(store.write(row))
     return written

@@ -40,6 +40,7 @@ __all__ = [
     "evaluate_suite",
     "parse_budgets",
     "resolve_methods",
+    "run_settings",
     "run_suite",
     "target_length",
 ]
@@ -206,6 +207,21 @@ def build_row(
     return row
 
 
+def run_settings(
+    engine: Engine, options: EvalOptions, *, chat_template: bool, max_new_tokens: int | None
+) -> dict[str, Any]:
+    """The settings a run writes into its rows and a results directory must agree on
+    (:data:`slake.eval.results.RUN_SETTINGS`, :func:`slake.eval.results.check_run_settings`)."""
+    return {
+        "engine": engine.name,
+        "query_aware": options.query_aware,
+        "kv_dtype": options.kv_dtype,
+        "chat_template": chat_template,
+        "new_tokens_cap": max_new_tokens,
+        "model_dtype": engine.model_dtype,
+    }
+
+
 def check_requests_fit(requests: Sequence[EvalRequest], samples: Sequence[Sample], limit: int | None) -> None:
     """Raise ValueError, before anything runs, when a request's prompt plus its new tokens reach past the model's
     context ``limit`` (:mod:`slake.engines.context`): its scores would measure the model beyond what it was trained
@@ -333,14 +349,7 @@ def evaluate_suite(
     eos = engine.eos_token_ids()
     written: list[dict[str, Any]] = []
     with ResultsWriter(out_dir) as store:
-        settings = {
-            "engine": engine.name,
-            "query_aware": opts.query_aware,
-            "kv_dtype": opts.kv_dtype,
-            "chat_template": chat_template,
-            "new_tokens_cap": max_new_tokens,
-            "model_dtype": engine.model_dtype,
-        }
+        settings = run_settings(engine, opts, chat_template=chat_template, max_new_tokens=max_new_tokens)
         check_run_settings(store, settings)
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
