@@ -52,6 +52,7 @@ def smollm2_tokenizer():
     return load_tokenizer("smollm2")
 
 
+@pytest.mark.integration  # the packaged default model's tokenizer: the unit tier reads no model package
 def test_the_default_ruler_command_builds_with_the_default_tokenizer(smollm2_tokenizer):
     """``slake eval --suite ruler`` without --lengths/--samples/--seed: every task, 2048 tokens, seeds 0-4."""
     tok = smollm2_tokenizer
@@ -64,6 +65,7 @@ def test_the_default_ruler_command_builds_with_the_default_tokenizer(smollm2_tok
         assert 0 <= 2048 - s.length <= slack, (s.sample_id, s.length)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("task", "length", "seeds"), [("niah_multikey_3", 1024, range(6)), ("qa_2", 2048, [5, 6]), ("qa_2", 1024, range(6))]
 )
