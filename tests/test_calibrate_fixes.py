@@ -10,14 +10,17 @@ import pytest
 
 import slake.engines.transformers.models as models_module
 import slake.quality.calibrate as calibrate_module
+import test_calibrate
 from packaged_shapes import SMOLLM2
 from slake.cli import build_parser, main
 from slake.cli.calibrate import _check_args
 from slake.methods import make_method
 from slake.methods.profiles import load_profiles, model_identity, profile_path, resolve_method, write_entry
 from slake.quality.calibrate import calibrate_method
-from slake.quality.output_fidelity import Continuation, mean_distance, measure_outputs, prepare_reference
-from tiny_models import random_ids
+from slake.quality.output_fidelity import mean_distance, measure_outputs
+
+#: test_calibrate's fixture: the tiny model's two prefilled calibration prompts (80 and 64 tokens)
+reference = test_calibrate.reference
 
 SPEC = "slake[window=8]"
 GRID = {"alpha": (0.0, 3.0), "beta": (0.0, 2.0)}
@@ -29,15 +32,6 @@ def profile_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SLAKE_PROFILE_DIR", str(folder))
     monkeypatch.delenv("SLAKE_NO_PROFILE", raising=False)
     return folder
-
-
-@pytest.fixture(scope="module")
-def reference(llama_gqa):
-    conts = []
-    for i, n in enumerate((80, 64)):
-        ids = random_ids(n + 6, seed=60 + i)[0].tolist()
-        conts.append(Continuation("text", f"c{i}", ids[:n], ids[n:]))
-    return prepare_reference(llama_gqa, conts)
 
 
 @pytest.fixture

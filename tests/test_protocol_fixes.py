@@ -16,33 +16,15 @@ from slake.eval.protocol import PROTOCOLS, REQUESTS_FILE, read_requests, write_r
 from slake.eval.protocol_outputs import OUTPUTS_FILE, kvpress_rows, merge_outputs
 from slake.eval.results import read_results
 from slake.eval.sample import Sample
+from test_eval_protocol import _requests as protocol_requests
 
 KVPRESS = PROTOCOLS["kvpress"]
 
 
 def _requests(max_new_tokens: int = 3) -> dict:
-    return {
-        "protocol": "kvpress",
-        "model": "tiny",
-        "model_path": "tiny",
-        "gguf_file": None,
-        "eos_token_ids": [2],
-        "compression_ratios": list(KVPRESS.compression_ratios),
-        "seed": 0,
-        "requests": [
-            {
-                "task": "niah_single_1",
-                "sample_id": "niah_single_1-4096-0",
-                "length": 4096,
-                "prefill_ids": [5] * 10,
-                "question_ids": [6] * 3,
-                "max_new_tokens": max_new_tokens,
-                "answers": ["123"],
-                "metric": KVPRESS.metric("niah_single_1"),
-                "depth": None,
-            }
-        ],
-    }
+    """test_eval_protocol's requests, cut to their first sample (niah_single_1-4096-0), capped at ``max_new_tokens``."""
+    base = protocol_requests()
+    return {**base, "requests": [{**base["requests"][0], "max_new_tokens": max_new_tokens}]}
 
 
 def _output(n_tokens: int, ratio: float | None = 0.5) -> dict:
