@@ -24,7 +24,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from slake.engines.base import BenchPlan, BenchReport, load_avg
 
@@ -44,8 +43,9 @@ def _plugin_config(method: str, budget: int) -> dict | None:
 def token_range(model_dir: str) -> int:
     """The upper bound of the random prompts' token ids: ``min(1000, vocab_size)`` of the model folder's
     ``config.json`` (ids every tokenizer of interest has, and every id within a small vocabulary)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return min(1000, int((cfg.get("text_config") or cfg)["vocab_size"]))
+    from slake.engines.vllm.runner import model_limits
+
+    return min(1000, model_limits(model_dir)[0])
 
 
 def step_new_tokens(decode_steps: int, mixed: int) -> int:

@@ -95,11 +95,25 @@ def model_len(prompt_len: int, new_tokens: int, limit: int | None = None) -> int
     return rounded
 
 
+def _config_json(model_dir: str) -> dict:
+    """A model folder's ``config.json``."""
+    return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+
+
+def model_limits(model_dir: str) -> tuple[int, int | None]:
+    """``(vocab_size, max_position_embeddings)`` from the model folder's ``config.json`` (the text model's, for
+    multimodal configs); the second is None when the config has none."""
+    from slake.engines.context import context_limit
+
+    cfg = _config_json(model_dir)
+    return int((cfg.get("text_config") or cfg)["vocab_size"]), context_limit(cfg)
+
+
 def model_context_limit(model_dir: str) -> int | None:
     """The context (``max_position_embeddings``) of a model folder's ``config.json``; None without one."""
     from slake.engines.context import context_limit
 
-    return context_limit(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
+    return context_limit(_config_json(model_dir))
 
 
 @dataclass

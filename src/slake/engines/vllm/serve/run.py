@@ -18,30 +18,21 @@ import random
 import re
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from slake.engines.base import BenchPlan, BenchReport, ServePlan, load_avg
+from slake.engines.vllm.runner import model_limits
 from slake.engines.vllm.serve import report
 from slake.engines.vllm.serve.metrics import MetricsWatch, kv_pool_blocks, parse_prometheus, server_state
 from slake.engines.vllm.serve.server import ServerConfig, VllmServer, has_tokenizer
 
-__all__ = ["model_limits", "prompt_set", "run_level_watched", "run_serve_bench"]
+__all__ = ["prompt_set", "run_level_watched", "run_serve_bench"]
 
 #: ``(method, budget) -> the plugin's additional_config["slake"]`` (None for plain vLLM)
 PluginConfig = Callable[[str, int], "dict | None"]
 #: the warm-up request: the first prompt cut to this many tokens (longer than the budgets people measure, so that
 #: the plugin's compression runs in it too), generating this many tokens
 WARMUP_PROMPT, WARMUP_TOKENS = 1024, 4
-
-
-def model_limits(model_dir: str) -> tuple[int, int | None]:
-    """``(vocab_size, max_position_embeddings)`` from the model folder's ``config.json`` (the text model's, for
-    multimodal configs); the second is None when the config has none."""
-    from slake.engines.context import context_limit
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return int((cfg.get("text_config") or cfg)["vocab_size"]), context_limit(cfg)
 
 
 def prompt_set(n: int, lens: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
