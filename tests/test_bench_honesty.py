@@ -16,6 +16,7 @@ import torch
 
 from slake.cli import main
 from slake.engines.transformers.shapes import random_model
+from tiny_models import word_tokenizer
 
 TINY = ["--random-model", "tiny", "--device", "cpu", "--no-plots", "--no-progress", "--json"]
 
@@ -127,16 +128,6 @@ def test_demo_memory_is_the_sum_of_the_parts_a_cache_holds():
 # 3. slake.generate(compile=True)
 
 
-def _word_tokenizer():
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tok_models
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(tok_models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w1", pad_token="w2")
-
-
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_generate_reports_compile_time_apart_from_decode_time_and_the_kernels_that_ran(monkeypatch):
     """``slake.generate(compile=True)``: the first decode step compiles; its time is ``extra["compile_s"]``, not
@@ -159,13 +150,13 @@ def test_generate_reports_compile_time_apart_from_decode_time_and_the_kernels_th
     monkeypatch.setattr(gen, "compile_config", config)
     model = random_model("tiny", seed=0)
     prompt = " ".join(f"w{3 + (7 * i) % 250}" for i in range(60))
-    res = slake.generate(model, _word_tokenizer(), prompt, method="snapkv", budget=40, max_new_tokens=4,
+    res = slake.generate(model, word_tokenizer(), prompt, method="snapkv", budget=40, max_new_tokens=4,
                          chat_template=False, compile=True)  # fmt: skip
     assert res.new_tokens == [4]
     assert res.extra["compile_s"] >= 1.5
     assert res.decode_ms_per_token < 500  # three steps after the compiled one, without its 1.5 s
     assert res.extra["kernels"] == "torch"
-    eager = slake.generate(model, _word_tokenizer(), prompt, method="snapkv", budget=40, max_new_tokens=4,
+    eager = slake.generate(model, word_tokenizer(), prompt, method="snapkv", budget=40, max_new_tokens=4,
                            chat_template=False)  # fmt: skip
     assert "compile_s" not in eager.extra and eager.extra["kernels"] == "torch"
 

@@ -134,3 +134,34 @@ def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
         ref = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(llama_gqa, ref_cache), **kw)
         got = llama_gqa.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(llama_gqa, big), **kw)
     assert got.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize(("method", "chunk"), [("snapkv", 8), ("slake", 8), ("kvzip", None)])
+def test_a_prompt_of_budget_plus_one_is_compressed_after_a_split_prefill(method, chunk):
+    """``slake.generate`` prefills a chunked (or KVzip's two-pass) prompt but its last token, which
+    ``model.generate`` then feeds as a decode step. The compress decision and the budget are the whole prompt's, as
+    in the exact prefill: a prompt of ``budget + 1`` tokens was left uncompressed (the prefilled part held
+    ``budget``), its cache growing by every generated token."""
+    import slake
+    from slake.engines.transformers.shapes import random_model
+    from tiny_models import word_tokenizer
+
+    budget, new = 40, 6
+    model = random_model("tiny", seed=0)
+    prompt = " ".join(f"w{3 + (7 * i) % 250}" for i in range(budget + 1))
+    common = dict(method=method, budget=budget, max_new_tokens=new, chat_template=False, window=8)
+    exact = slake.generate(model, word_tokenizer(), prompt, **common)
+    split = slake.generate(model, word_tokenizer(), prompt, prefill_chunk=chunk, **common)
+    assert exact.prompt_tokens == split.prompt_tokens == [budget + 1]
+    assert exact.compressed and split.compressed
+    assert max(split.kept_tokens_per_layer) <= max(exact.kept_tokens_per_layer) + 1
+
+
+def test_trailing_prompt_tokens_are_refused_when_negative_or_after_the_prefill(llama_gqa):
+    L = llama_gqa.config.num_hidden_layers
+    cache = SlakeCache("snapkv", 16, L, window=4)
+    with pytest.raises(ValueError, match=">= 0"):
+        cache.compressor.expect_trailing_prompt_tokens(-1)
+    prefill(llama_gqa, cache, random_ids(40, seed=2))
+    with pytest.raises(RuntimeError, match="before the prefill"):
+        cache.compressor.expect_trailing_prompt_tokens(1)

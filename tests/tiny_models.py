@@ -79,6 +79,20 @@ def random_ids(n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, 250, (batch, n), generator=g)
 
 
+def word_tokenizer():
+    """A tokenizer for tiny models: the words ``w3`` .. ``w255`` are ids 3-255, ``<unk>``, ``<eos>`` and ``<pad>``
+    ids 0-2 (special tokens named unlike the words, which they would otherwise split: ``w10`` read as ``w1`` + ``0``);
+    no BOS and no chat template, so a prompt of n words is n tokens."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2} | {f"w{i}": i for i in range(3, 256)}
+    tk = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
+
+
 def second_pass_ready(model, cache) -> bool:
     """Give a cache whose method has a second pass (KVzip) a reconstruction prompt of fixed token ids (tiny models
     have no tokenizer); True when the method has one."""

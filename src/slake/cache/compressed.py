@@ -271,6 +271,17 @@ class CompressedKV:
         if layer_idx == self.num_layers - 1 and not self.chunks.active and self.max_cache_len is not None:
             self.prepare_static(self.max_cache_len - keys.shape[2])
 
+    def expect_trailing_prompt_tokens(self, count: int) -> None:
+        """Count ``count`` prompt tokens that will follow the next prefill as decode steps in its budget and compress
+        decision, so that they are those of the whole prompt (``slake.generate`` feeds a prompt's last token after a
+        chunked or second-pass prefill of the rest). Call before the prefill's first layer; the next prefill
+        consumes it."""
+        if count < 0:
+            raise ValueError(f"trailing prompt tokens must be >= 0, got {count}")
+        if self.state.info is not None:
+            raise RuntimeError("expect_trailing_prompt_tokens must be called before the prefill")
+        self.prefill.trailing_tokens = int(count)
+
     def begin_chunked_prefill(self, key_padding: torch.Tensor) -> None:
         """Start a chunked prefill of a prompt whose full ``(B, S)`` padding mask (True = padded) is known.
 

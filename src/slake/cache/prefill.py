@@ -58,6 +58,10 @@ class PrefillCompressor:
         #: layers left in score order by an intermediate cascade stage (:meth:`evict_to`), until the final stage
         #: re-packs them in position order: their valid, protected and (uniform head split) finite-score counts per row
         self._ranked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        #: prompt tokens that follow the prefilled part as decode steps (``slake.generate`` feeds a prompt's last
+        #: token after a chunked or second-pass prefill of the rest): they count in the budget and the compress
+        #: decision, as in an exact prefill of the whole prompt; consumed by the next prefill (:meth:`_start`)
+        self.trailing_tokens = 0
         #: optional layer -> PrefillScores memo shared by replays of one recorded prefill with the same method
         #: configuration (see :meth:`slake.engines.transformers.prefill_once.PrefillCapture.replay`); used only when
         #: the method's scores do not depend on the budget
@@ -81,10 +85,12 @@ class PrefillCompressor:
     def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int | float) -> PrefillInfo:
         B, S = key_padding.shape
         real = (~key_padding).sum(-1).to(torch.int64)
-        budget = torch.tensor([self.state.budget.tokens(int(r)) for r in real.tolist()], dtype=torch.int64)
+        whole = real.cpu() + self.trailing_tokens  # the whole prompt's lengths
+        self.trailing_tokens = 0
+        budget = torch.tensor([self.state.budget.tokens(int(r)) for r in whole.tolist()], dtype=torch.int64)
         if self.charge_linear_state and self.state.method.linear_cache:
             budget = budget - linear_state_slots(head_dim, itemsize)
-        compress = real.cpu() > budget
+        compress = whole > budget
         if self.state.method.keeps_everything:
             compress[:] = False
         if bool(compress.any()) and int(budget[compress].max()) > self._layer_cap():

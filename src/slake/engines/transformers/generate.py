@@ -61,6 +61,7 @@ def prefill(
     attention_mask: torch.Tensor | None = None,
     *,
     prefill_chunk: int | None = None,
+    trailing_tokens: int = 0,
 ) -> torch.Tensor:
     """Run a prompt through ``model`` into ``cache``, exactly or in chunks; return the last position's logits.
 
@@ -80,6 +81,10 @@ def prefill(
         (:meth:`slake.cache.compressed.CompressedKV.begin_chunked_prefill`). A method with a second pass over the
         prompt (KVzip) is prefilled exactly, scored by its pass, then compressed
         (:func:`slake.engines.transformers.reconstruction.prefill_with_second_pass`); it cannot be chunked.
+    trailing_tokens : int
+        Prompt tokens that will follow as decode steps (``slake.generate`` feeds the last one after a chunked or
+        second-pass prefill of the rest). The budget and the compress decision count them, so that they are the
+        whole prompt's, as in an exact prefill of it: a prompt of ``budget + 1`` tokens is compressed either way.
 
     Returns
     -------
@@ -89,6 +94,8 @@ def prefill(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     chunk = prefill_chunk if prefill_chunk is not None else getattr(cache, "prefill_chunk", None)
+    if trailing_tokens:
+        cache.compressor.expect_trailing_prompt_tokens(trailing_tokens)
     if cache.method.second_pass is not None:
         if chunk is not None and chunk < input_ids.shape[1]:
             raise ValueError(
@@ -262,9 +269,16 @@ def generate(
     start = time.perf_counter()
     if last_read_after and enc["input_ids"].shape[1] > 1:
         # the context is compressed after its second pass; model.generate then reads the last prompt token over it
-        prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1])
+        prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], trailing_tokens=1)
     elif prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
-        prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], prefill_chunk=prefill_chunk)
+        prefill(
+            model,
+            cache,
+            enc["input_ids"][:, :-1],
+            enc["attention_mask"][:, :-1],
+            prefill_chunk=prefill_chunk,
+            trailing_tokens=1,
+        )
     with torch.inference_mode():
         processors = LogitsProcessorList([clock])
         out = model.generate(**enc, **with_cache(model, cache), logits_processor=processors, **gen_kwargs)
