@@ -4,8 +4,8 @@ Sub-commands, one module each: ``methods`` (list the methods), ``generate`` (com
 statistics), ``fidelity`` (attention and output fidelity), ``eval`` (evaluation suites), ``make-prompt``, ``bench``
 (latency and memory vs context length), ``calibrate`` (per-model VABS/CAKE exponents) and ``demo`` (full cache vs
 SLAKE on one question). ``generate``, ``eval``, ``bench`` and ``demo`` run on the engine ``--engine`` names
-(:mod:`slake.engines`). Every sub-command accepts ``--json`` for machine-readable output; errors go to stderr with
-exit code 2.
+(:mod:`slake.engines`). Every sub-command but ``make-prompt`` (which writes a prompt file) accepts ``--json`` for
+machine-readable output; errors go to stderr with exit code 2.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="keep each prompt's prefill capture in DIR and reuse it in later runs (same prompt and model: the "
-        "same rows, without prefilling again); about 50 KB per token for Qwen2.5-0.5B in fp32, cleared by you",
+        "same rows, without prefilling again); about 108 KiB per token for Qwen2.5-0.5B in fp32, cleared by you",
     )
     p.add_argument(
         "--fidelity",

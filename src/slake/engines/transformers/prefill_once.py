@@ -197,8 +197,8 @@ class CaptureStore:
     """Prefill captures of single prompts kept in a folder across runs (``slake eval --prefill-cache DIR``).
 
     One file per (model fingerprint, prompt token ids), written atomically. A capture of an ``S``-token prompt holds
-    every layer's queries, keys and values in the model's dtype: for Qwen2.5-0.5B in fp32 about 50 KB per token
-    (0.8 GB at 8K tokens), so the folder is the user's to clear. Second-pass scores (KVzip's reconstruction) go to its
+    every layer's queries, keys and values in the model's dtype: for Qwen2.5-0.5B in fp32 about 108 KiB per token
+    (0.9 GB at 8K tokens), so the folder is the user's to clear. Second-pass scores (KVzip's reconstruction) go to its
     ``second_pass/`` subfolder, one file per prompt and pass configuration (:meth:`save_pass_scores`).
 
     Parameters
