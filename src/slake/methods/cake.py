@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
-from slake.methods.common import group_mean, pool1d, positional_pool, window_logits
+from slake.methods.common import group_mean, pool1d, pooled_outside_window, window_logits
 
 __all__ = ["Cake", "cake_entropy", "cake_indicator", "cake_preference", "cake_taus"]
 
@@ -239,10 +239,6 @@ class Cake(Method):
         # mean over query rows (one row, a decode step: the row itself, which is what the mean gives to the bit)
         p = probs[:, :, 0] if probs.shape[2] == 1 else probs.mean(2)
         s = group_mean(p, inputs.positions.shape[1])
-        empty = ~inputs.valid
-        newest = inputs.newest
-        if newest is None:
-            newest = inputs.positions.masked_fill(empty, -1).amax(-1, keepdim=True)
-        in_window = inputs.positions > newest - self.window  # protected: excluded from pooling
-        s = s.masked_fill(in_window | empty, 0.0)
-        return positional_pool(s, inputs.positions, inputs.valid, self.kernel, self.pooling, empty=empty, zeroed=True)
+        return pooled_outside_window(
+            s, inputs.positions, inputs.valid, inputs.newest, self.window, self.kernel, self.pooling
+        )

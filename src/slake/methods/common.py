@@ -69,6 +69,31 @@ def group_mean(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return x.reshape(B, num_kv_heads, g, *x.shape[2:]).mean(2)
 
 
+def pooled_outside_window(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    newest: torch.Tensor | None,
+    window: int,
+    kernel: int,
+    kind: str = "avg",
+) -> torch.Tensor:
+    """A decode rule's per-slot scores pooled over positional neighbours with the protected window's slots (and the
+    empty ones) set to 0 first, as the prefill leaves the window's columns out of the pooling (CAKE's decode rule;
+    ``docs/methods/README.md#pooling``): a protected token does not raise its neighbours' scores.
+
+    ``scores, positions, valid``: ``(B, Hkv, n)``; ``newest``: the newest position (``DecodeInputs.newest``),
+    or None to take the largest valid position. The window's slots come out as their neighbours' pooled values;
+    they are protected, so their scores are not read.
+    """
+    empty = ~valid
+    if newest is None:
+        newest = positions.masked_fill(empty, -1).amax(-1, keepdim=True)
+    in_window = positions > newest - window
+    s = scores.masked_fill(in_window | empty, 0.0)
+    return positional_pool(s, positions, valid, kernel, kind, empty=empty, zeroed=True)
+
+
 def positional_pool(
     scores: torch.Tensor,
     positions: torch.Tensor,

@@ -43,7 +43,7 @@ import torch
 
 from slake.budgets.allocation import cross_head_counts
 from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
-from slake.methods.common import pool1d, positional_pool, window_attention
+from slake.methods.common import pool1d, pooled_outside_window, window_attention
 
 __all__ = ["LAVa", "lava_entropy", "lava_scores"]
 
@@ -180,9 +180,14 @@ class LAVa(Method):
 
     def fused_rule(self) -> FusedDecodeRule:
         """:meth:`decode_scores` for the fused decode kernels."""
-        return FusedDecodeRule("pooled_attention", group=self.gqa, kernel=self.kernel, pooling=self.pooling)
+        return FusedDecodeRule(
+            "pooled_attention", group=self.gqa, kernel=self.kernel, pooling=self.pooling, zero_window=True
+        )
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Current queries' attention, group-reduced, pooled over positional neighbours (one eviction per head)."""
+        """Current queries' attention, group-reduced, pooled over positional neighbours with the protected window's
+        slots left out, as at prefill (one eviction per head)."""
         p = _group(inputs.probs.float().mean(2), inputs.positions.shape[1], self.gqa)
-        return positional_pool(p, inputs.positions, inputs.valid, self.kernel, self.pooling)
+        return pooled_outside_window(
+            p, inputs.positions, inputs.valid, inputs.newest, self.window, self.kernel, self.pooling
+        )

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
-from slake.methods.common import group_mean, pool1d, positional_pool, window_attention
+from slake.methods.common import group_mean, pool1d, pooled_outside_window, window_attention
 
 
 @register
@@ -65,13 +65,18 @@ class SnapKV(Method):
 
     def fused_rule(self) -> FusedDecodeRule:
         """:meth:`decode_scores` for the fused decode kernels."""
-        return FusedDecodeRule("pooled_attention", group="mean", kernel=self.kernel, pooling=self.pooling)
+        return FusedDecodeRule(
+            "pooled_attention", group="mean", kernel=self.kernel, pooling=self.pooling, zero_window=True
+        )
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        """CAKE's decode rule: positional pooling of the current queries' attention, group-mean."""
+        """CAKE's decode rule: the current queries' attention, group-mean, pooled over positional neighbours with the
+        protected window's slots left out of the pooling, as at prefill."""
         probs, H = inputs.probs, inputs.positions.shape[1]
         # mean over query rows; one row (a decode step) with a group to reduce: the row itself (to the bit), as the
         # group mean makes a new tensor anyway
         one = probs.shape[2] == 1 and probs.shape[1] > H
         p = group_mean(probs[:, :, 0] if one else probs.mean(2), H)
-        return positional_pool(p, inputs.positions, inputs.valid, self.kernel, self.pooling)
+        return pooled_outside_window(
+            p, inputs.positions, inputs.valid, inputs.newest, self.window, self.kernel, self.pooling
+        )
