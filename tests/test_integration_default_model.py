@@ -135,7 +135,8 @@ def test_cli_generate_json_reports_honest_statistics(tmp_path, default_model):
     assert data["kept_tokens_per_layer"] == [128.0] * L
     head_dim, kv_heads = 64, model.config.num_key_value_heads
     assert data["kv_bytes"]["kept"] == 128 * L * kv_heads * head_dim * 2 * 4  # fp32 K and V
-    assert data["kv_bytes"]["full"] == (data["prompt_tokens"] + data["new_tokens"]) * L * kv_heads * head_dim * 2 * 4
+    fed = data["prompt_tokens"] + data["new_tokens"] - 1  # the last new token is never fed back into a cache
+    assert data["kv_bytes"]["full"] == fed * L * kv_heads * head_dim * 2 * 4
     assert data["kv_bytes"]["linear_state"] == 0
     assert data["new_tokens"] >= 1 and data["prefill_s"] > 0
 

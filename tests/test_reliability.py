@@ -62,7 +62,7 @@ BAD_INPUTS = [
     ("gen-not-utf8", ["generate", "--prompt-file", "{dir}/latin1.txt"], "latin1.txt is not UTF-8"),
     ("gen-max-new-0", GEN + ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("gen-prefill-chunk-0", GEN + ["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
-    ("gen-temperature-0", GEN + ["--sample", "--temperature", "0"], "--temperature must lie in"),
+    ("gen-temperature-0", GEN + ["--sample", "--temperature", "0"], "--temperature must be a finite number > 0"),
     ("gen-top-p", GEN + ["--sample", "--top-p", "1.5"], "--top-p must lie in"),
     ("gen-device-garbage", GEN + ["--device", "cuda:abc"], "invalid device 'cuda:abc'"),
     ("gen-device-unknown", GEN + ["--device", "tpu"], "invalid device"),

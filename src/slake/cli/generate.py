@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from slake.budgets.budget import Budget
@@ -27,8 +28,8 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None, help="with --sample: sampling temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--linear-cache",
@@ -53,7 +54,13 @@ def add_generate_parser(sub: Any) -> None:
         default=None,
         help="prefill in chunks of this many tokens, compressing after each (bounded prefill memory)",
     )
-    p.add_argument("--set", nargs="*", metavar="NAME=VALUE", help="method hyperparameters, e.g. window=16")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        action="extend",
+        metavar="NAME=VALUE",
+        help="method hyperparameters, e.g. window=16 (repeatable; a name given twice is refused)",
+    )
     p.add_argument(
         "--allow-long-context",
         action="store_true",
@@ -114,8 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         chat_template=not args.no_chat_template,
         do_sample=args.sample,
-        temperature=args.temperature,
-        top_p=args.top_p,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
         seed=args.seed,
         charge_linear_state=args.charge_linear_state,
         prefill_chunk=args.prefill_chunk,
@@ -136,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "kept_tokens_per_layer": res.kept_tokens_per_layer,
         "layer_budgets": res.layer_budgets,
         "prefill_s": round(res.prefill_s, 4),
-        "decode_ms_per_token": round(res.decode_ms_per_token, 3),
+        "decode_ms_per_token": timed_decode_ms(res.decode_ms_per_token),
         "hyperparameters": res.hyperparameters or make_method(args.method, **hyper).hyperparameters(),
         "profile": res.profile,
         "kernels": res.extra.get("kernels"),
@@ -146,22 +153,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    kv = res.kv_bytes
     print(res.text)
     print()
-    note = "" if res.compressed else "  (prompt fits in the budget: no eviction, same as the full cache)"
     print(
         f"method {res.method}  budget {res.budget}  prompt {out['prompt_tokens']} tokens  "
-        f"generated {out['new_tokens']} tokens{note}"
+        f"generated {out['new_tokens']} tokens{_eviction_note(res.method, res.compressed)}"
     )
-    print(
-        f"KV bytes: full {kv['full']:,}  kept {kv['kept']:,}  padding {kv['padding']:,}  "
-        f"linear state {kv['linear_state']:,}"
-    )
+    print(kv_bytes_line(res.kv_bytes))
     mean_kept = sum(res.kept_tokens_per_layer) / max(len(res.kept_tokens_per_layer), 1)
     print(
         f"kept tokens per layer (mean over heads): mean {mean_kept:.1f}, "
         f"min {min(res.kept_tokens_per_layer):.1f}, max {max(res.kept_tokens_per_layer):.1f}"
     )
-    print(f"prefill {res.prefill_s:.2f} s  decode {res.decode_ms_per_token:.1f} ms/token")
+    decode_ms = out["decode_ms_per_token"]
+    print(f"prefill {res.prefill_s:.2f} s  decode {'n/a' if decode_ms is None else f'{decode_ms:.1f} ms/token'}")
     return 0
+
+
+def _eviction_note(method: str, compressed: bool) -> str:
+    """Why nothing was evicted, when nothing was: the full method keeps every token; another method's budget held
+    the whole prompt."""
+    if method == "full":
+        return "  (the full method keeps every token)"
+    return "" if compressed else "  (prompt fits in the budget: no eviction, same as the full cache)"
+
+
+def kv_bytes_line(kv_bytes: dict) -> str:
+    """One line of a result's ``kv_bytes``: what an uncompressed cache would hold (``full``), what this cache holds
+    in all (:func:`slake.cli.demo.held_bytes`, the same sum ``slake demo`` prints), then each part of it.
+
+    Parameters
+    ----------
+    kv_bytes : dict
+        ``GenerationResult.kv_bytes``; a part it lacks (``sliding`` on a model without sliding layers) is left out.
+
+    Returns
+    -------
+    str
+        e.g. ``KV bytes: full 1,024  held 700 = kept 512 + padding 0 + slack 128 + metadata 60 + linear state 0``.
+    """
+    from slake.cli.demo import _STORED, held_bytes
+
+    parts = " + ".join(f"{k.replace('_', ' ')} {kv_bytes[k]:,}" for k, _ in _STORED if k in kv_bytes)
+    return f"KV bytes: full {kv_bytes['full']:,}  held {held_bytes(kv_bytes):,} = {parts}"
+
+
+def timed_decode_ms(ms: float) -> float | None:
+    """``decode_ms_per_token`` for the output, rounded: None when no decode step was timed (one new token, or two
+    with ``--compile``, whose first step compiles), which the result gives as 0.0 (NaN from the vLLM engine)."""
+    return round(ms, 3) if math.isfinite(ms) and ms > 0 else None

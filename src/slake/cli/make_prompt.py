@@ -1,7 +1,9 @@
 """``slake make-prompt``: the plain prompt of one generated sample.
 
 ``slake make-prompt --task needle --length 2048 --seed 1 --out runs/demo_document.txt`` writes the plain prompt
-(context + question, no chat template) of one generated sample and prints its expected answers to stderr.
+of one generated sample, as the evaluation builds it without a chat template (context + question + the task's answer
+prefix, :func:`slake.eval.sample.plain_prompt`: the text ``--length`` measures), and prints its expected answers to
+stderr.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "make-prompt",
         help="write the plain prompt of one generated needle/RULER sample",
-        description="Write context + question (no chat template) of one generated sample to "
-        "a file; the expected answers go to stderr.",
+        description="Write the plain prompt of one generated sample (context + question + answer prefix, as the "
+        "evaluation builds it without a chat template) to a file; the expected answers go to stderr.",
     )
     p.add_argument("--task", required=True, help="'needle' or a RULER task (e.g. niah_single_2, vt, qa_1)")
     p.add_argument("--length", type=int, required=True, help="prompt length in the model's tokens")
@@ -28,7 +30,7 @@ def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--depth",
         type=float,
         default=None,
-        help="needle depth in percent (needle: default 50; RULER NIAH tasks: random by default)",
+        help="needle depth in percent (needle: default 50; RULER NIAH tasks: random by default; no other task)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="smollm2", help="model whose tokenizer measures the length")
@@ -39,12 +41,14 @@ def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
     """Run ``slake make-prompt``; ``tokenizer`` overrides loading ``args.model``'s tokenizer (tests)."""
-    from slake.eval.ruler import RULER_TASKS
+    from slake.eval.ruler import NIAH_TASKS, RULER_TASKS
 
     if args.task != "needle" and args.task not in RULER_TASKS:
         raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
     if args.length < 1:
         raise ValueError(f"--length must be >= 1, got {args.length}")
+    if args.depth is not None and args.task != "needle" and args.task not in NIAH_TASKS:
+        raise ValueError(f"--depth places a needle: task {args.task} has none (needle and the niah_* tasks do)")
     if args.depth is not None and not 0.0 <= args.depth <= 100.0:
         raise ValueError(f"--depth must lie in [0, 100], got {args.depth}")
     from slake.engines.transformers.models import load_tokenizer
@@ -58,7 +62,11 @@ def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
         from slake.eval.ruler import ruler_sample
 
         sample = ruler_sample(args.task, tok, args.length, seed=args.seed, depth=args.depth)
-    text = sample.context + sample.question
+    from slake.eval.sample import plain_prompt
+
+    # context + question + answer prefix: the evaluation's prompt without a chat template, whose tokens sample.length
+    # counts
+    text = plain_prompt(sample.context, sample.question, sample.answer_prefix)
     if args.out == "-":
         sys.stdout.write(text + "\n")
     else:

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["add_methods_parser", "cmd_methods"]
+__all__ = ["add_methods_parser", "cmd_methods", "format_defaults"]
 
 
 def add_methods_parser(sub: Any) -> None:
@@ -16,6 +16,8 @@ def add_methods_parser(sub: Any) -> None:
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
+    """Run ``slake methods``: three lines per method (name and summary, paper, hyperparameters with their defaults),
+    or with ``--json`` one object with every method's fields."""
     from slake.methods import available_methods
 
     rows: list[dict[str, Any]] = []
@@ -38,4 +40,11 @@ def cmd_methods(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['name']:<{width}}  {r['summary']}")
         print(f"{'':<{width}}  paper: {r['paper']}")
+        print(f"{'':<{width}}  hyperparameters: {format_defaults(r['hyperparameters'])}")
     return 0
+
+
+def format_defaults(hyperparameters: dict[str, Any]) -> str:
+    """A method's hyperparameters and defaults on one line, as ``--set`` and method specs spell them: ``window=32
+    sinks=0 linear_cache=false pooling=avg`` (values as JSON literals, strings bare)."""
+    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in hyperparameters.items())

