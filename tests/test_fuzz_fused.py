@@ -38,15 +38,16 @@ def test_a_kernel_that_differs_from_its_reference_is_a_failed_case(monkeypatch):
     assert torch.cuda.is_available() or fuzz_fused.os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: a case of ``fuzz_fused.py step --seed 7`` (its case 15, two steps fewer) that rounding decides: at step 7 the
-#: torch step's bfloat16 scores of positions 34 and 40 are 0.12% apart, and the kernels evict the other one
+#: a case that rounding decides, found by drawing seeds for the shape of ``fuzz_fused.py step --seed 7``'s case 15
+#: (whose tie SnapKV's decode rule, CriticalKV's base, no longer makes since it leaves the window out of its pooling):
+#: at step 7 the torch step's bfloat16 scores of positions 41 and 42 are 0.06% apart, and the kernels evict the other
 NEAR_TIE = dict(B=2, H=1, G=2, D=40, S=40, budget=16, steps=7, layers=1, pad=False, kv_dtype=None,
-                dtype=torch.bfloat16, seed=15, wide=None)  # fmt: skip
+                dtype=torch.bfloat16, seed=23, wide=None)  # fmt: skip
 
 
 def test_a_near_tie_is_reported_as_one_and_a_real_difference_is_not(monkeypatch):
     tie = fuzz_fused.step_near_tie("ada-criticalkv[decode_scope=layer]", NEAR_TIE)
-    assert tie is not None and "near tie at step 7, layer 0, row 0" in tie and "(0, 34)" in tie and "(0, 40)" in tie
+    assert tie is not None and "near tie at step 7, layer 0, row 0" in tie and "(0, 41)" in tie and "(0, 42)" in tie
     small = dict(B=1, H=1, G=1, D=8, S=20, budget=8, steps=2, layers=1, pad=False, kv_dtype=None,
                  dtype=torch.bfloat16, seed=3, wide=None)  # fmt: skip
     assert fuzz_fused.step_near_tie("h2o", small) is None  # the same caches throughout: no tie to speak of
