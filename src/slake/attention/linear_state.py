@@ -147,18 +147,22 @@ class LinearState:
     # ------------------------------------------------------------------ shape
     @property
     def batch_size(self) -> int:
+        """``B``, the batch rows."""
         return self.aug.shape[0]
 
     @property
     def kv_heads(self) -> int:
+        """``Hkv``, the KV heads."""
         return self.aug.shape[1]
 
     @property
     def head_dim(self) -> int:
+        """``d``, the head dimension (the accumulator is ``d + 1`` square)."""
         return self.aug.shape[2] - 1
 
     @property
     def dtype(self) -> torch.dtype:
+        """The accumulator's dtype (float32 by default)."""
         return self.aug.dtype
 
     # ------------------------------------------------------------------ update

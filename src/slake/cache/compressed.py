@@ -165,26 +165,32 @@ class CompressedKV:
     # ------------------------------------------------------------------ configuration and shared state
     @property
     def method(self) -> Method:
+        """The compression method."""
         return self.state.method
 
     @property
     def budget(self) -> Budget:
+        """The average budget (tokens per layer and KV head)."""
         return self.state.budget
 
     @property
     def num_layers(self) -> int:
+        """The compressed layers this cache holds."""
         return self.state.num_layers
 
     @property
     def kv_dtype(self) -> str | None:
+        """The kept entries' 8-bit storage (``"int8"``, ``"fp8_e4m3"``), or None for the model's dtype."""
         return self.state.kv_dtype
 
     @property
     def charge_linear_state(self) -> bool:
+        """Whether the PTAA linear state is charged against the budget (its slots come out of each layer's)."""
         return self.prefill.charge_linear_state
 
     @property
     def defer_cascade(self) -> bool:
+        """Whether each layer is evicted at its own cascade stage and the final one only."""
         return self.prefill.defer_cascade
 
     @property

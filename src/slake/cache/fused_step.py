@@ -40,6 +40,8 @@ class KernelReport:
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def record(self, kind: str, reason: str | None = None) -> None:
+        """Count one layer-step run by ``kind``; ``reason``: why a requested fused step ran in torch (logged once per
+        reason, as a warning of logger ``slake.kernels``)."""
         self.steps[kind] = self.steps.get(kind, 0) + 1
         if reason is not None:
             if reason not in self.fallbacks:

@@ -61,6 +61,9 @@ def add_fidelity_parser(sub: Any) -> None:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    """Run ``slake fidelity`` (``docs/cli.md``, ``docs/results-fidelity.md``): each method's attention error
+    against the full cache per layer, and its output-level distance; writes ``fidelity.md`` and ``fidelity.json``
+    (and a plot) to ``--out``. Returns the exit code."""
     from slake.engines.context import check_context, context_limit
     from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.models import load_model

@@ -53,6 +53,7 @@ class FidelityTable:
 
     @property
     def title(self) -> str:
+        """The table's heading: suite, prompt length and model."""
         return f"{self.suite}, length {self.length}, model {self.model}"
 
 

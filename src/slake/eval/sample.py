@@ -13,6 +13,7 @@ class TokenizerLike(Protocol):
     """The part of a tokenizer the data side needs (any Hugging Face tokenizer fits)."""
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]:  # pragma: no cover
+        """The token ids of ``text``."""
         ...
 
 
