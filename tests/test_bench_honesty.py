@@ -118,7 +118,7 @@ def test_demo_counts_every_byte_each_cache_holds_on_a_hybrid_model(monkeypatch, 
 
 
 def test_demo_memory_is_the_sum_of_the_parts_a_cache_holds():
-    from slake.cli.demo import held_bytes
+    from slake.engines.result import held_bytes
 
     assert held_bytes(GEMMA_SLAKE) == sum(v for k, v in GEMMA_SLAKE.items() if k != "full")
     # the vLLM engine's block total repeats kept and padding: not counted twice

@@ -3,9 +3,10 @@
 It prints both answers as text a person reads (one line, line breaks collapsed, cut near 90 characters), whether each is
 correct (the expected answer is known: the document is a generated needle-in-a-haystack prompt, RULER's
 niah_single_1 by default), the time each took, and the KV memory each cache holds (every byte: kept entries, padding,
-slack, slot metadata, a linear state, a hybrid model's sliding-window layers; :func:`held_bytes`), in MiB and as a
-percent of the full cache's. A wrong compressed answer is printed as wrong, with a hint, never as the product's
-best. It runs on the engine ``--engine`` names (transformers by default).
+slack, slot metadata, a linear state, a hybrid model's sliding-window layers;
+:func:`slake.engines.result.held_bytes`), in MiB and as a percent of the full cache's. A wrong compressed answer is
+printed as wrong, with a hint, never as the product's best. It runs on the engine ``--engine`` names (transformers
+by default).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import sys
 from typing import Any
 
 from slake.cli.options import add_engine_arg, add_model_args, engine_from_args
+from slake.engines.result import STORED_PARTS, held_bytes
 
-__all__ = ["DEMO_BUDGET", "DEMO_METHOD", "add_demo_parser", "answer_excerpt", "cmd_demo", "held_bytes"]
+__all__ = ["DEMO_BUDGET", "DEMO_METHOD", "add_demo_parser", "answer_excerpt", "cmd_demo"]
 
 DEMO_METHOD = "slake"
 #: RULER's niah_single_1 (a number hidden in filler text): on the default model, compression keeps this needle at
@@ -131,7 +133,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "kept_percent": round(kept_pct, 2),
         # what stored_bytes adds up, and what each part is (the rest of kv_bytes: "full", what an uncompressed cache
         # would hold; the vLLM engine's "blocks_held", its block-granular total of kept and padding)
-        "stored_parts": dict(_STORED),
+        "stored_parts": dict(STORED_PARTS),
         "engine": engine.name,
     }
     if args.json:
@@ -167,21 +169,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-#: the byte counts of ``kv_bytes`` a cache holds, each with what it is (``docs/conventions.md``): the demo's "KV memory"
-#: is their sum. Not among them: ``full``, what an uncompressed cache would hold, and ``blocks_held``, the vLLM
-#: engine's block-granular total of ``kept`` and ``padding``
-_STORED = (
-    ("kept", "the kept keys and values"),
-    ("padding", "slots up to the longest head of each layer"),
-    ("slack", "room allocated beyond the longest head for the next decode tokens"),
-    ("metadata", "per-slot positions, validity, scores and masks"),
-    ("linear_state", "SLAKE's linear state of the evicted tokens"),
-    ("sliding", "a hybrid model's sliding-window layers, in their own bounded caches"),
-)
-
-
-def held_bytes(kv_bytes: dict) -> int:
-    """Every byte a cache holds, from a result's ``kv_bytes``: the sum of the parts of :data:`_STORED`."""
-    return int(sum(kv_bytes.get(k) or 0 for k, _ in _STORED))

@@ -180,7 +180,7 @@ def _eviction_note(method: str, compressed: bool) -> str:
 
 def kv_bytes_line(kv_bytes: dict) -> str:
     """One line of a result's ``kv_bytes``: what an uncompressed cache would hold (``full``), what this cache holds
-    in all (:func:`slake.cli.demo.held_bytes`, the same sum ``slake demo`` prints), then each part of it.
+    in all (:func:`slake.engines.result.held_bytes`, the same sum ``slake demo`` prints), then each part of it.
 
     Parameters
     ----------
@@ -192,9 +192,9 @@ def kv_bytes_line(kv_bytes: dict) -> str:
     str
         e.g. ``KV bytes: full 1,024  held 700 = kept 512 + padding 0 + slack 128 + metadata 60 + linear state 0``.
     """
-    from slake.cli.demo import _STORED, held_bytes
+    from slake.engines.result import STORED_PARTS, held_bytes
 
-    parts = " + ".join(f"{k.replace('_', ' ')} {kv_bytes[k]:,}" for k, _ in _STORED if k in kv_bytes)
+    parts = " + ".join(f"{k.replace('_', ' ')} {kv_bytes[k]:,}" for k, _ in STORED_PARTS if k in kv_bytes)
     return f"KV bytes: full {kv_bytes['full']:,}  held {held_bytes(kv_bytes):,} = {parts}"
 
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["GenerationResult"]
+__all__ = ["STORED_PARTS", "GenerationResult", "held_bytes"]
 
 
 @dataclass
@@ -76,3 +76,21 @@ class GenerationResult:
         d.pop("sequences")
         d["text"] = self.text
         return d
+
+
+#: the byte counts of ``kv_bytes`` a cache holds, each with what it is (``docs/conventions.md``): ``slake demo``'s
+#: "KV memory" and ``slake generate``'s "held" are their sum. Not among them: ``full``, what an uncompressed cache
+#: would hold, and ``blocks_held``, the vLLM engine's block-granular total of ``kept`` and ``padding``
+STORED_PARTS = (
+    ("kept", "the kept keys and values"),
+    ("padding", "slots up to the longest head of each layer"),
+    ("slack", "room allocated beyond the longest head for the next decode tokens"),
+    ("metadata", "per-slot positions, validity, scores and masks"),
+    ("linear_state", "SLAKE's linear state of the evicted tokens"),
+    ("sliding", "a hybrid model's sliding-window layers, in their own bounded caches"),
+)
+
+
+def held_bytes(kv_bytes: dict) -> int:
+    """Every byte a cache holds, from a result's ``kv_bytes``: the sum of the parts of :data:`STORED_PARTS`."""
+    return int(sum(kv_bytes.get(k) or 0 for k, _ in STORED_PARTS))
