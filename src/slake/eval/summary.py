@@ -86,14 +86,19 @@ def summary_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Keys: ``suite``, ``task``, ``length``, ``method``, ``budget`` (None for the full reference), ``n``, ``score``
     (0-100, rounded to 2 decimals) and ``model``. Ordered by model, suite, length, then the table order. Chunked
-    prefill's rows are their own method (:func:`slake.eval.results.summary_view`).
+    prefill's rows are their own method (:func:`slake.eval.results.summary_view`). A sample counts once, as in the
+    tables: a sample id written twice (a rerun appending to ``results.jsonl``) keeps its later row
+    (:func:`slake.eval.stats.score_table`), so ``n`` counts samples and ``score`` is the tables' cell.
     """
     rows = summary_view(rows)
-    groups: dict[tuple, list[float]] = defaultdict(list)
+    by_source: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        groups[
-            (r.get("model", ""), r.get("suite", ""), r["task"], int(r["length"]), r["method"], r.get("budget"))
-        ].append(float(r["score"]))
+        by_source[(r.get("model", ""), r.get("suite", ""))].append(r)
+    groups: dict[tuple, list[float]] = {}
+    for (model, suite), group in by_source.items():
+        for (method, budget), strata in score_table(group).items():
+            for (task, length), by_sample in strata.items():
+                groups[(model, suite, task, length, method, budget)] = list(by_sample.values())
     pair_rank = {p: i for i, p in enumerate(method_budget_order(rows))}
     task_rank = {t: i for i, t in enumerate(task_order(rows))}
     keys = sorted(groups, key=lambda k: (k[0], k[1], k[3], pair_rank[(k[4], k[5])], task_rank[k[2]]))
