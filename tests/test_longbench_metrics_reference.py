@@ -139,3 +139,18 @@ CODE_CASES = [
 @pytest.mark.parametrize(("prediction", "ground_truth", "expected"), CODE_CASES)
 def test_code_sim_matches_pure_python_fuzzywuzzy(prediction, ground_truth, expected):
     assert m.code_sim_score(prediction, ground_truth) == expected
+
+
+def test_a_chinese_dataset_is_refused_when_the_suite_is_planned_without_jieba(monkeypatch, tmp_path):
+    """Without jieba, a run with a Chinese dataset stops before any model loads or any sample is generated, not when
+    its first answer is scored."""
+    from slake.eval.suites import plan_suite
+
+    monkeypatch.setattr(m, "_jieba", None)
+    loaded = []
+    monkeypatch.setattr("slake.eval.longbench.load_longbench", lambda *a, **k: loaded.append(a) or [])
+    with pytest.raises(ImportError, match=r"multifieldqa_zh: .*pip install 'slake\[eval\]'"):
+        plan_suite("longbench", ["hotpotqa", "multifieldqa_zh"], longbench_dir=tmp_path)
+    assert not loaded
+    plan_suite("longbench", ["hotpotqa"], longbench_dir=tmp_path)  # English datasets need no jieba
+    assert loaded

@@ -61,6 +61,7 @@ __all__ = [
     "score_prediction",
     "JIEBA_AVAILABLE",
     "require_jieba",
+    "check_scorable",
 ]
 
 try:  # the extra slake[eval]; the Chinese metrics refuse to score without it (require_jieba)
@@ -283,6 +284,17 @@ FIRST_LINE_DATASETS: frozenset[str] = frozenset({"trec", "triviaqa", "samsum", "
 
 def _base_dataset(dataset: str) -> str:
     return dataset[:-2] if dataset.endswith("_e") else dataset
+
+
+def check_scorable(datasets: Sequence[str]) -> None:
+    """Refuse, before anything is generated, datasets whose metric this installation cannot compute: the Chinese
+    ones (``qa_f1_zh``, ``rouge_zh``) without ``jieba`` (:func:`require_jieba`; raises ImportError)."""
+    chinese = [d for d in datasets if DATASET2METRIC.get(_base_dataset(d)) in (qa_f1_zh_score, rouge_zh_score)]
+    if chinese:
+        try:
+            require_jieba()
+        except ImportError as e:
+            raise ImportError(f"{', '.join(chinese)}: {e}") from None
 
 
 def longbench_sample_score(

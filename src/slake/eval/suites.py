@@ -173,6 +173,9 @@ def _plan_longbench(
     if not plan.tasks:
         raise ValueError(f"no LongBench <dataset>.jsonl file in {directory}")
     _refuse_depths(plan.suite, depths)
+    from slake.eval.metrics import check_scorable
+
+    check_scorable(plan.tasks)
     for task in plan.tasks:
         plan.longbench_records[task] = load_longbench(task, directory, use_hub=hub, limit=plan.samples)
 
