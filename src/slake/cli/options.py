@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from slake.engines import ENGINES, Engine, ModelSpec, make_engine
-from slake.methods.spec import parse_value
+from slake.methods.spec import parse_assignments
 
 __all__ = ["add_engine_arg", "add_model_args", "engine_from_args", "model_spec", "parse_hyperparameters", "split_list"]
 
@@ -93,15 +93,4 @@ def parse_hyperparameters(pairs: list[str] | None) -> dict[str, Any]:
     ValueError
         For an item without ``=``, an empty name, or a name given twice.
     """
-    out: dict[str, Any] = {}
-    for item in pairs or []:
-        if "=" not in item:
-            raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        key = k.strip().lower()
-        if not key:
-            raise ValueError(f"--set {item!r}: empty hyperparameter name")
-        if key in out:
-            raise ValueError(f"--set sets {key!r} twice")
-        out[key] = parse_value(v)
-    return out
+    return parse_assignments(list(pairs or []), "--set")

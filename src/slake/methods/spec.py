@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["format_method_spec", "parse_method_spec", "parse_value", "split_method_list"]
+__all__ = ["format_method_spec", "parse_assignments", "parse_method_spec", "parse_value", "split_method_list"]
 
 
 def split_method_list(text: str) -> list[str]:
@@ -103,20 +103,37 @@ def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
     body = rest[:-1]
     if "[" in body or "]" in body:
         raise ValueError(f"method spec {spec!r} has nested brackets")
-    overrides: dict[str, Any] = {}
-    for item in body.split(","):
-        if not item.strip():
-            continue
+    return name, parse_assignments([i for i in body.split(",") if i.strip()], f"method spec {spec!r}")
+
+
+def parse_assignments(items: list[str], source: str) -> dict[str, Any]:
+    """``key=value`` items as a dict of hyperparameters, read alike wherever they come from (a method spec's
+    brackets, ``--set``): names stripped and lower-cased, values parsed by :func:`parse_value`.
+
+    Parameters
+    ----------
+    items : list of str
+        The ``key=value`` items.
+    source : str
+        Where they come from, for the errors (``"method spec 'snapkv[...]'"``, ``"--set"``).
+
+    Raises
+    ------
+    ValueError
+        For an item without ``=``, an empty name, or a name given twice.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
         if "=" not in item:
-            raise ValueError(f"method spec {spec!r}: expected key=value, got {item.strip()!r}")
+            raise ValueError(f"{source}: expected key=value, got {item.strip()!r}")
         key, _, value = item.partition("=")
         key = key.strip().lower()
         if not key:
-            raise ValueError(f"method spec {spec!r}: empty hyperparameter name")
-        if key in overrides:
-            raise ValueError(f"method spec {spec!r} sets {key!r} twice")
-        overrides[key] = parse_value(value)
-    return name, overrides
+            raise ValueError(f"{source}: empty hyperparameter name in {item.strip()!r}")
+        if key in out:
+            raise ValueError(f"{source} sets {key!r} twice")
+        out[key] = parse_value(value)
+    return out
 
 
 def format_method_spec(name: str, overrides: dict[str, Any] | None = None) -> str:
