@@ -149,6 +149,8 @@ def test_fused_step_equals_the_torch_step_for_every_method(name, split_rows):
         ("criticalkv", {"kv_dtype": "fp8_e4m3"}),  # the new slot's projection reads its dequantised value
         ("ada-criticalkv", {"budget": 20, "G": 4, "H": 1}),  # per-head budgets, a group of four
         ("criticalkv[scorer=expected-attention,window=0]", {}),  # two stages over the mapped queries' softmax
+        ("criticalkv[sinks=2]", {}),  # the protected slots (sinks of a padded row too) take first-stage places first
+        ("ada-criticalkv[sinks=3]", {"budget": 20}),  # per-head budgets, with sinks counted in each first stage
         # head sizes that are not a power of two (Phi-3's 96, StableLM's 80): the kernels' head lanes are masked
         ("slake", {"D": 24, "G": 7, "H": 2}),  # and a group of seven (Qwen2.5-0.5B's 14 query heads over 2)
         ("criticalkv", {"D": 20, "kv_dtype": "int8"}),
@@ -800,7 +802,9 @@ def test_a_wide_rows_order_is_made_anew_when_it_does_not_hold(name, wide_rows):
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
 
 
-@pytest.mark.parametrize("name", ["criticalkv", "criticalkv[scorer=expected-attention,window=0]"])
+@pytest.mark.parametrize(
+    "name", ["criticalkv", "criticalkv[scorer=expected-attention,window=0]", "criticalkv[sinks=3]"]
+)
 def test_the_two_stages_over_wide_rows_choose_tied_slots_in_slot_order(name, wide_rows):
     """CriticalKV's first stage over a row read in blocks (a radix select of its threshold, ``wide_two_stage``) when
     most base scores are equal: every kept key zeroed before the first step makes the row's attention uniform, so

@@ -209,11 +209,11 @@ def _evict_attend_kernel(
                 tl.store(base + order, new, mask=order < W)
                 tl.debug_barrier()
                 new = tl.load(base + sw, mask=wmask, other=0.0)
-        if TWO_STAGE:
-            new = two_stage(new, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB,
-                            two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
         # 2. the victim: the lowest-scored slot that is neither protected (window, sinks) nor empty
         guard = slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW)
+        if TWO_STAGE:
+            new = two_stage(new, valid, guard & valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss,
+                            pw_ptr, NB, two_eps, ratio_hi, ratio_mid, ratio_lo, G, GP, NBP)  # fmt: skip
         victim = tl.argmin(tl.where(guard, float("inf"), new), 0)
         hit = sw == victim
         chosen = (count > target) & (target >= 0) & (tl.sum((hit & valid).to(tl.int32), 0) > 0)

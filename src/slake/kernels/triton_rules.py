@@ -205,13 +205,15 @@ def first_stage_count(held, ratio_hi, ratio_mid, ratio_lo):
 
 
 @triton.jit
-def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, eps,
+def two_stage(base, valid, protected, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, eps,
               ratio_hi, ratio_mid, ratio_lo, G: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr):  # fmt: skip
-    """CriticalKV's scores (:func:`slake.methods.criticalkv.two_stage`) of a row's ``BW`` slots from their base
-    scores ``base``: the ``floor(n * ratio)`` best of the ``n`` held slots by ``base`` (ties to the lower slot, as a
-    stable descending sort) score ``FIRST`` (1e30), the others ``(base + eps) * w``. ``w`` is the slot's weight;
-    the new slot's is :func:`new_slot_weight`. ``ratio`` comes as three float32 parts
-    (:func:`first_stage_count`). Rows read in blocks: :func:`slake.kernels.triton_wide.wide_two_stage`."""
+    """CriticalKV's scores (:meth:`slake.methods.criticalkv.CriticalKV.decode_scores`) of a row's ``BW`` slots from
+    their base scores ``base``: of the ``floor(n * ratio)`` first-stage places of the ``n`` held slots, the
+    ``protected`` held ones (window, sinks) take theirs (ranked above every base score) and the best others by
+    ``base`` the rest (ties to the lower slot, as a stable descending sort); those others score ``FIRST`` (1e30),
+    every other slot ``(base + eps) * w``. ``w`` is the slot's weight; the new slot's is :func:`new_slot_weight`.
+    ``ratio`` comes as three float32 parts (:func:`first_stage_count`). Rows read in blocks:
+    :func:`slake.kernels.triton_wide.wide_two_stage`."""
     w_new = new_slot_weight(wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, newslot, G, GP, NBP)
     # the new slot's weight stored before the others are read (they are not its slot, but a check by argument cannot
     # tell: tests/kernel_hazards.py)
@@ -221,14 +223,14 @@ def two_stage(base, valid, sw, wmask, newslot, r, h, mr, H, wt_ptr, w_sr, w_sh, 
     wt = tl.where(sw == newslot, w_new, wt)
     held = tl.sum(valid.to(tl.int32), 0)
     first = first_stage_count(held, ratio_hi, ratio_mid, ratio_lo)
-    ranked = tl.where(valid, base, float("-inf"))
+    ranked = tl.where(valid, tl.where(protected, float("inf"), base), float("-inf"))
     top = tl.sort(ranked, 0, descending=True)
     t = tl.sum(tl.where(sw == first - 1, top, 0.0), 0)  # the first-th largest held score
     above = valid & (ranked > t)
     ties = (valid & (ranked == t)).to(tl.int32)
     before = tl.cumsum(ties, 0) - ties  # tied slots before this one
     chosen = (first > 0) & (above | ((ties != 0) & (before < first - tl.sum(above.to(tl.int32), 0))))
-    return tl.where(chosen, 1e30, (base + eps) * wt)
+    return tl.where(chosen & (~protected), 1e30, (base + eps) * wt)
 
 
 @triton.jit(do_not_specialize=launch.UNSPECIALIZED)

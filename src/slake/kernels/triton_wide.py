@@ -199,13 +199,23 @@ def _order_key(x):
 
 
 @triton.jit
+def _stage_key(base, pos, held, newest, window, first, sinks, PROTECT_WINDOW: tl.constexpr):
+    """The first stage's order key of slots with base scores ``base``: :func:`_order_key`, and the largest key for a
+    held protected slot (window, sinks), which takes its first-stage place before every other slot."""
+    protected = held & slot_guard(pos, held, newest, window, first, sinks, PROTECT_WINDOW)
+    key = _order_key(base)
+    return tl.where(protected, key | 0xFFFFFFFF, key)
+
+
+@triton.jit
 def wide_two_stage(pos_ptr, valid_ptr, score_ptr, meta, m_ss, wt_ptr, w_sr, w_sh, w_ss, pw_ptr, NB, r, h, mr, H, W,
                    count, newslot, newest, window, first, sinks, eps, ratio_hi, ratio_mid, ratio_lo,
                    G: tl.constexpr, GP: tl.constexpr, NBP: tl.constexpr, PROTECT_WINDOW: tl.constexpr,
                    WB: tl.constexpr):  # fmt: skip
     """CriticalKV's two stages (:func:`slake.kernels.triton_rules.two_stage`) over a row read in blocks of ``WB``
     slots, from the base scores the rule's pass wrote to the row's scores (every slot's, the empty ones' too):
-    the ``floor(count * ratio)`` best held slots by base score (ties to the lower slot) score 1e30, the others
+    of the ``floor(count * ratio)`` first-stage places, the held protected slots (window, sinks) take theirs and the
+    best others by base score (ties to the lower slot) the rest; those others score 1e30, every other slot
     ``(base + eps) * w``; written back, and the running ``argmin`` of the unprotected ones returned as
     ``(lowest, slot)``.
 
@@ -226,7 +236,9 @@ def wide_two_stage(pos_ptr, valid_ptr, score_ptr, meta, m_ss, wt_ptr, w_sr, w_sh
             s = s0 + tl.arange(0, WB)
             ok = s < W
             held = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
-            kk = _order_key(tl.load(score_ptr + meta + s * m_ss, mask=ok, other=0.0)) >> SH
+            pos = tl.load(pos_ptr + meta + s * m_ss, mask=ok, other=-1)
+            base = tl.load(score_ptr + meta + s * m_ss, mask=ok, other=0.0)
+            kk = _stage_key(base, pos, held, newest, window, first, sinks, PROTECT_WINDOW) >> SH
             match = held & ((kk >> 4) == hi)
             digit = (kk & 15).to(tl.int32)
             counts += tl.sum(((digit[:, None] == bins[None, :]) & match[:, None]).to(tl.int32), 0)
@@ -245,14 +257,15 @@ def wide_two_stage(pos_ptr, valid_ptr, score_ptr, meta, m_ss, wt_ptr, w_sr, w_sh
         pos = tl.load(pos_ptr + meta + s * m_ss, mask=ok, other=-1)
         valid = ((tl.load(valid_ptr + meta + s * m_ss, mask=ok, other=0) != 0) | (s == newslot)) & ok
         base = tl.load(score_ptr + meta + s * m_ss, mask=ok, other=0.0)
-        key = _order_key(base)
+        key = _stage_key(base, pos, valid, newest, window, first, sinks, PROTECT_WINDOW)
         tie = (valid & (key == hi)).to(tl.int32)
         rank = ties_before + tl.cumsum(tie, 0) - tie  # tied slots before this one
         ties_before += tl.sum(tie, 0)
-        chosen = (k > 0) & valid & ((key > hi) | ((tie != 0) & (rank < need)))
+        guard = slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW)
+        chosen = (k > 0) & valid & (~guard) & ((key > hi) | ((tie != 0) & (rank < need)))
         wt = tl.load(wbase + s * w_ss, mask=ok & (s != newslot), other=0.0)
         new = tl.where(chosen, 1e30, (base + eps) * tl.where(s == newslot, w_new, wt))
-        open_score = tl.where(slot_guard(pos, valid, newest, window, first, sinks, PROTECT_WINDOW), float("inf"), new)
+        open_score = tl.where(guard, float("inf"), new)
         best, vslot = _running_argmin(open_score, s, W, best, vslot)
         tl.store(score_ptr + meta + s * m_ss, new, mask=ok)
         # the next block lies past this one, but the compiler stores in another layout than it loads (other threads

@@ -22,8 +22,9 @@ Choices and deviations (``docs/methods/criticalkv.md#deviations``):
 * ``ada-criticalkv`` marks the pairs it keeps with a score above :data:`KEPT` and reports their count per head as its
   head budgets (kvpress marks them with the largest float): the two-stage choice depends on the head budgets.
 * Decode (the paper and kvpress compress once, after prefill): each step applies the same two stages to the slots a
-  head holds, with the base scorer's decode rule: the ``int(r * n)`` best slots by base score are exempt, the victim
-  is the lowest ``(a + eps) * ||W_o v||_1`` among the others. The projected norm of a slot depends on its value
+  head holds, with the base scorer's decode rule: of the ``int(r * n)`` first-stage places the protected slots take
+  theirs, as at prefill, and the best unprotected slots by base score the rest (exempt); the victim is the lowest
+  ``(a + eps) * ||W_o v||_1`` among the others. The projected norm of a slot depends on its value
   alone, so the engines compute it once, when the slot is written, and keep it beside the slot's score
   (:attr:`~slake.methods.base.Method.slot_weighted`).
 """
@@ -194,7 +195,9 @@ class CriticalKV(Method):
         return self._rule
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        """The base decode rule, then the two stages over the slots held (``int(r * n)`` exempt).
+        """The base decode rule, then the two stages over the slots held: of the ``int(r * n)`` first-stage places,
+        the protected slots (window, sinks) take theirs and the best others by base score the rest, as the prefill
+        counts them.
 
         The projected norms come from ``inputs.weights`` where the engine keeps them per slot (computed once per
         slot: recomputing them costs ``n * d * Hq * hidden`` multiply-adds per sequence, layer and step), else from
@@ -205,8 +208,28 @@ class CriticalKV(Method):
         norm = inputs.weights
         if norm is None:
             norm = projected_norm(inputs.values, inputs.layer.out_proj, inputs.probs.shape[1])
-        first = torch.floor(inputs.valid.sum(-1).double() * self.first_stage_ratio).to(torch.int64)
-        return two_stage(base, norm, inputs.valid, first, self.epsilon)
+        # the protected slots count inside the first stage, as at prefill (kvpress gives them the largest score):
+        # of the ``int(r * n)`` first-stage places they take theirs, and the best unprotected slots the rest
+        protected = self._held_protected(inputs)
+        total = torch.floor(inputs.valid.sum(-1).double() * self.first_stage_ratio).to(torch.int64)
+        first = (total - protected.sum(-1)).clamp_min(0)
+        return two_stage(base, norm, inputs.valid & ~protected, first, self.epsilon)
+
+    def _held_protected(self, inputs: DecodeInputs) -> torch.Tensor:
+        """``(B, Hkv, n)`` bool: the held slots no eviction may take (the window's newest tokens and the sinks), as
+        the engines guard them (:func:`slake.cache.decode_step.protected_slots`). Sinks are never evicted, so a row's
+        first real token is its lowest held position."""
+        pos, valid = inputs.positions, inputs.valid
+        protected = torch.zeros_like(valid)
+        if self.window and not self.newest_evictable:
+            newest = inputs.newest
+            if newest is None:
+                newest = pos.masked_fill(~valid, -1).amax(-1, keepdim=True)
+            protected = pos > newest - self.window
+        if self.sinks:
+            first = pos.masked_fill(~valid, torch.iinfo(pos.dtype).max).amin(-1, keepdim=True)
+            protected = protected | ((pos >= first) & (pos < first + self.sinks))
+        return protected & valid
 
 
 @register
