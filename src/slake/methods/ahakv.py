@@ -13,8 +13,9 @@ Models", arXiv 2506.03762. Our reading: ``docs/methods/ahakv.md``. Three changes
 
 Prefill keeps the top ``B - B_r`` candidates per KV head plus the ``B_r`` newest tokens. Decode is H2O-like: after
 each step's attention the step's SG-softmax row is added to every slot's running sum ``acc`` and the non-recent slot
-with the smallest ``acc`` leaves, so each head stays at exactly ``B`` entries. Budgets are uniform over layers and
-heads.
+with the smallest ``acc`` leaves, so each head stays at exactly ``B`` entries where the prompt was longer than ``B``
+(a shorter one is not compressed at all, ``docs/methods/README.md#no-compression-rule``; the paper starts evicting at
+decode once the cache exceeds ``B``). Budgets are uniform over layers and heads.
 
 Where the paper is ambiguous we read it as follows (``docs/methods/ahakv.md#deviations-from-the-paper``): the gain
 multiplies the standard scaled logits, ``softmax(c*A)``; ``c`` is computed once from the real prompt length ``N``
@@ -29,7 +30,8 @@ Choices and deviations:
   KV is stored per KV head.
 * The score pooling runs over all prompt columns (``docs/methods/ahakv.md#deviations-from-the-paper``), so the recent
   window's partial sums can raise its neighbouring candidates; the pooled values seed ``acc`` for every kept slot, the
-  recent window included (the compressor's ``carry_protected_scores``).
+  recent window included (the compressor's ``carry_protected_scores``). Algorithm 1 seeds ``acc`` with the refined
+  score before pooling; the spec (and this code) with the pooled one that selects.
 * ``gain_floor=True`` (off by default, ``docs/methods/ahakv.md#step-gain-softmax``) floors ``c`` at 1 so short
   prompts are never flattened.
 * At decode the compressor passes the standard probabilities ``p = softmax(A)`` over the cached slots; the SG row is

@@ -30,7 +30,9 @@ Choices and deviations (``docs/methods/lava.md#deviations-from-the-paper``):
   ``w + 1`` rows with a ``1/w`` factor).
 * Decode: the paper never evicts while decoding. Like every other method of this library the default
   keeps the cache at its post-prefill size per head with the same rule on the current query's attention
-  (group-reduced, positionally max-pooled); ``decode_eviction=False`` gives the paper's append-only decode.
+  (group-reduced, positionally max-pooled); ``decode_eviction=False`` gives the paper's append-only decode. The
+  decode rule reduces the group first, then pools (the prefill: pool, then reduce): equal for the default
+  ``gqa="max"`` with max pooling, not for ``gqa="mean"``.
 * Ablations: ``layers="uniform"`` (LAVa-Uniform), ``head_budget="uniform"`` ("-head dynamic"), ``gqa="mean"``.
 """
 

@@ -9,7 +9,9 @@ expanded the cache per query head).
 
 Deviation from the original (documented, switchable): by default tokens are also evicted during decoding with
 CAKE's rule (pooled attention of the current query), as CAKE and SLAKE did for every baseline; set
-``decode_eviction=False`` for the original append-only decode.
+``decode_eviction=False`` for the original append-only decode. The decode rule group-averages, then pools; the
+prefill with ``group_first=False`` pools each query head first: equal for ``pooling="avg"``, not for ``"max"``
+(as CAKE's).
 """
 
 from __future__ import annotations
