@@ -20,7 +20,9 @@ def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     ``a`` is float32. When ``b`` is float32 this is a plain matmul. For an fp16/bf16 ``b`` on CUDA, ``a`` is cast
     to ``b``'s dtype and the product accumulates and is returned in float32 (``torch.bmm(..., out_dtype=)``);
-    elsewhere (CPU, older torch) ``b`` is upcast.
+    elsewhere (CPU, older torch) ``b`` is upcast. So on CUDA with a bf16/fp16 cache the float32 queries, and in
+    :func:`probs_values` the float32 probabilities, are rounded to the cache's dtype before the product, as a
+    bf16 attention kernel rounds them (``docs/conventions.md#numerics``).
     """
     if b.dtype == torch.float32 or b.dtype == torch.float64:
         return torch.matmul(a.to(b.dtype) if a.dtype != b.dtype else a, b).float()
