@@ -23,7 +23,16 @@ class Budget:
         An integer ``>= 1``: average cached tokens per layer and KV head (window included). A float in ``(0, 1)``:
         a ratio of each prompt's length (rounded up). Any integer or real scalar counts (numpy's included; a bool
         does not). Strings such as ``"128"`` or ``"0.25"`` are parsed; a Budget is copied. The attribute ``value``
-        holds the resolved plain int or float.
+        holds the resolved plain int or float. A whole float above 1 (``128.0``, ``"128.0"``) counts tokens; the
+        float ``1.0`` (or ``"1.0"``) is refused: read as a ratio it would be the whole prompt, read as tokens one
+        token, and either silent reading would surprise someone (pass ``1`` for one token, a ratio below 1, or the
+        method ``full`` to keep every token).
+
+    Raises
+    ------
+    ValueError
+        For anything but a positive integer, a ratio in ``(0, 1)`` or a whole float above 1, the float ``1.0``
+        included.
     """
 
     value: int | float
@@ -45,6 +54,14 @@ class Budget:
         # numpy and other integer / real scalars alike: the value is a plain int or float from here on
         v = int(v) if isinstance(v, numbers.Integral) else float(v)
         object.__setattr__(self, "value", v)
+        if isinstance(v, float) and v == 1.0:
+            # a whole float counts tokens (128.0 is 128), but 1.0 also reads as "a ratio of 1, the whole prompt":
+            # silently taken as ONE token it compressed every prompt to a single token per layer and KV head
+            raise ValueError(
+                "budget 1.0 is ambiguous: a float budget is a ratio of the prompt in (0, 1), and 1.0 is not one; "
+                "give the integer 1 for one token per layer and KV head, a ratio below 1 (e.g. 0.5), "
+                "or the method 'full' to keep every token"
+            )
         if isinstance(v, float) and v.is_integer() and v >= 1:
             object.__setattr__(self, "value", int(v))
             v = self.value

@@ -5,7 +5,8 @@ A single new token per sequence (a decode step) goes through the one decode step
 (:func:`slake.cache.decode_step.decode_step`, or its fused Triton kernels, :mod:`slake.kernels`):
 :meth:`Decoder.append` stages the token (after making room for it on the host), :meth:`Decoder.decode_attention`
 runs the step. Several tokens at once (a continuation prompt of a multi-turn chat) take the general path here:
-appended first, attended causally by position, then evicted back to the targets.
+appended first, attended causally by position, then evicted back to the targets, after the output for every method
+(a block's eviction never changes the block's own outputs; :meth:`Decoder.decode_attention`).
 """
 
 from __future__ import annotations
@@ -180,10 +181,19 @@ class Decoder:
         ``(B, Hq, n_q, d)`` float32 (the query's dtype where the fused kernels ran the step, the cache's where the
         full cache's SDPA step did).
 
-        One query after a staged token is the shared decode step (:func:`~slake.cache.decode_step.decode_step`).
-        Several queries (after a multi-token :meth:`append`) attend causally by position; if the layer is then over
-        its budget, the method's decode rule scores the slots from the softmax and the lowest-scored unprotected
-        slots are evicted, before the output (SLAKE, Algorithm 1) or after it (CAKE's reference code, H2O, TOVA).
+        One query after a staged token is the shared decode step (:func:`~slake.cache.decode_step.decode_step`),
+        which keeps each method's order: SLAKE (``evict_before_output``) evicts and folds its victim before the
+        output (Algorithm 1), the others after it.
+
+        Several queries (after a multi-token :meth:`append`, e.g. a later chat turn) first attend causally by
+        position over the layer as it is (kept slots, the block's own tokens and the linear state); only then, if the
+        layer is over its budget, does the method's decode rule score the slots from the softmax of all the block's
+        queries and evict the lowest-scored unprotected ones, for every method, ``evict_before_output`` included. A
+        block's eviction must not change any of the block's own outputs: it is chosen from every query's scores, so
+        evicting first could drop (and, with a linear state, fold) a token of the block, whose fold every query of the
+        block would then read and whose masked slot earlier queries would lose too: query ``i``'s output would
+        depend on the tokens after it. Output first keeps each query exact over the cache before the block plus the
+        block's tokens up to its own, as a prefill of the same tokens would have it.
         """
         staged = self._staged[layer_idx]
         if staged is not None:
@@ -199,23 +209,17 @@ class Decoder:
         target = state.targets[layer_idx]
         if target is None or not state.scored(layer_idx):
             return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
-        probs = safe_softmax(x)  # (B, H, g, nq, n)
-        evict = self.evict(layer_idx, probs, target, newest, qf)
-        if evict is None:
-            if store.linear is None:
-                return probs_values(probs, store.dense_values()).reshape(B, Hq, nq, d)
-            return attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True).reshape(B, Hq, nq, d)
-        slots, chosen, mask = evict
-        if state.method.evict_before_output:
-            store.free(mask, slots, chosen)
-            x.masked_fill_(mask[:, :, None, None, :], float("-inf"))  # x is this call's own tensor
-            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+        probs = safe_softmax(x)  # (B, H, g, nq, n), a new tensor: attend may overwrite x below
+        # the block's output first, causal, over the layer before any eviction (see the docstring: an eviction chosen
+        # from every query's scores would otherwise let earlier queries see later tokens through the fold and mask)
+        if store.linear is None:
+            out = probs_values(probs, store.dense_values())
         else:
-            if store.linear is None:
-                out = probs_values(probs, store.dense_values())
-            else:
-                out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
-            store.free(mask, slots, chosen)
+            out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
+        evict = self.evict(layer_idx, probs, target, newest, qf)
+        if evict is not None:
+            slots, chosen, mask = evict
+            store.free(mask, slots, chosen)  # folds the victims into the linear state (if any) for later steps
         return out.reshape(B, Hq, nq, d)
 
     def step(

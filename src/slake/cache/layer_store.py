@@ -178,10 +178,14 @@ class LayerStore:
             both = torch.stack([keep_counts.reshape(-1), self.counts().reshape(-1).to(keep_counts)]).tolist()
             host = (both[0], both[1])
         keep_list, count_list = host
+        # at least one slot, even where every row keeps nothing: a store of capacity 0 would leave the decode step no
+        # slot to write its token into; such a slot is empty (invalid), never a kept token
         kmax = min(max(max(keep_list, default=0), 1), n)
         kmin = min(keep_list, default=0)
-        # every slot valid and one keep count for all rows (a batch of one, no padding): no mask anywhere
-        uniform = all(c == n for c in count_list) and len(set(keep_list)) <= 1
+        # every slot valid and one keep count >= kmax for all rows (a batch of one, no padding): no mask anywhere.
+        # Not when the rows keep nothing (kmin 0 < kmax 1): the one slot left must then be marked empty, and the
+        # fold must not take it as kept (it is dropped and folded like every other slot)
+        uniform = all(c == n for c in count_list) and len(set(keep_list)) <= 1 and kmin >= kmax
         sel = None if order is None else order[..., :kmax]  # None: the identity, each row's first slots
         sel_valid = None  # None: every kept slot is valid
         if not uniform:

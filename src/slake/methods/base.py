@@ -224,8 +224,9 @@ class Method:
     keeps_everything: ClassVar[bool] = False
     #: True when the newest token may itself be evicted at decode (TOVA); the window is then not protected
     newest_evictable: ClassVar[bool] = False
-    #: True when decode-time eviction happens before the step's attention output (SLAKE Algorithm 1);
-    #: False when the output uses the pre-eviction cache (CAKE reference code, H2O, TOVA)
+    #: True when a single-token decode step evicts before its attention output (SLAKE Algorithm 1);
+    #: False when the output uses the pre-eviction cache (CAKE reference code, H2O, TOVA). A multi-token block
+    #: (a later chat turn) always outputs first (``slake.cache.decoding.Decoder.decode_attention``)
     evict_before_output: ClassVar[bool] = False
     #: True when the per-slot score carried into decoding for the protected prompt tokens (window, sinks) is the
     #: method's own prefill score (AhaKV seeds its running sums with it); False: they carry ``+inf`` (default)
