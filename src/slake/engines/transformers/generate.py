@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from slake.budgets.budget import Budget
 from slake.engines.context import check_context, context_limit
@@ -15,6 +18,7 @@ from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs
+from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
@@ -223,6 +227,18 @@ def generate(
         the end: each row's prompt tokens and the generated tokens fed back after them, every step but the last
         (whose token is never fed back), padding after a row's early end token included, as plain transformers holds
         them.
+
+    Raises
+    ------
+    ValueError
+        Before the model runs, for an empty prompt, a sequence past the model's context (unless
+        ``allow_long_context``), or one that outgrows the window of a model whose every layer slides
+        (:func:`check_sliding_window`).
+
+    Notes
+    -----
+    The tokenizer pads the batch on the left (with its end token where it has no padding token) for this call only;
+    its own settings are left as they were (:func:`_left_padding`).
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
@@ -233,17 +249,19 @@ def generate(
     m, profile = resolve_method(method, budget_obj, model, **hyperparameters)
     prepare_model(model)
     texts = [format_prompt(tokenizer, p, chat_template) for p in prompts]
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(
-        texts, return_tensors="pt", padding=True, add_special_tokens=not uses_chat_template(tokenizer, chat_template)
-    )
+    with _left_padding(tokenizer) as pad_token_id:
+        enc = tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=not uses_chat_template(tokenizer, chat_template),
+        )
     enc = {k: v.to(model.device) for k, v in enc.items()}
     prompt_lens = enc["attention_mask"].sum(-1).tolist()
     if min(prompt_lens) == 0:
         raise ValueError("the prompt is empty after tokenisation")
     check_context_length(model, enc["input_ids"].shape[1], max_new_tokens, allow_long_context)
+    check_sliding_window(model.config, enc["input_ids"].shape[1], max_new_tokens)
     max_len = enc["input_ids"].shape[1] + max_new_tokens + 1 if compile else None
     cache = SlakeCache(
         m,
@@ -265,7 +283,7 @@ def generate(
     gen_kwargs: dict = {
         "max_new_tokens": max_new_tokens,
         "do_sample": do_sample,
-        "pad_token_id": tokenizer.pad_token_id,
+        "pad_token_id": pad_token_id,
         "eos_token_id": ends or None,  # stop on every end token that ends the count below
     }
     if compile:
@@ -308,8 +326,10 @@ def generate(
     decode_ms = ((end - clock.times[first]) / steps * 1e3) if steps > 0 else 0.0
     # a compiled step records no kernel report: the implementation it was built with ran (as slake bench says)
     ran = cache.compressor.decoder.kernels if first and stats["kernels"] == "none" else stats["kernels"]
-    cfg = model.config
+    # the text decoder's shapes: a multimodal config (Gemma3Config) keeps them in its text part
+    cfg = _text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # None: multi-head attention
     # what an uncompressed cache would hold at the end: in each compressed layer, every prompt token and every
     # generated token fed back, which is all of a row's steps but the last (a row that ended early is fed its end
     # token and then padding, as plain transformers does); the sliding layers of a hybrid model as they are
@@ -318,7 +338,7 @@ def generate(
     full_bytes = (
         2
         * len(cache.layout.compressed)
-        * cfg.num_key_value_heads
+        * kv_heads
         * head_dim
         * model.dtype.itemsize
         * sum(p + fed for p in prompt_lens)
@@ -359,6 +379,76 @@ def compile_config(device: torch.device, *, lean_guards: bool = True):
     cfg.mode = kwargs.get("mode")  # type: ignore[assignment]
     setattr(cfg, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers); CUDA only unless asked
     return cfg
+
+
+def _text_config(config: Any) -> Any:
+    """The text decoder's part of a model config (``get_text_config(decoder=True)``: a multimodal config such as
+    ``Gemma3Config`` keeps the layer shapes there); the config itself for a plain causal LM."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+@contextmanager
+def _left_padding(tokenizer: Any) -> Iterator[int | None]:
+    """Within the block, ``tokenizer`` pads on the left, with its end token where it has no padding token; yields
+    the padding id. The caller's settings are restored on leaving, also on an error: ``slake.generate`` borrows the
+    tokenizer and must not change how it pads elsewhere (a later right-padded training batch, say).
+
+    Setting the attributes, rather than passing ``padding_side=`` to the call, keeps tokenizers that take no such
+    argument working, and no call argument can lend a missing padding token.
+    """
+    side = getattr(tokenizer, "padding_side", None)
+    lend_pad = getattr(tokenizer, "pad_token", None) is None
+    try:
+        if side != "left":
+            tokenizer.padding_side = "left"
+        if lend_pad:
+            tokenizer.pad_token = tokenizer.eos_token
+        yield tokenizer.pad_token_id
+    finally:
+        if lend_pad:
+            tokenizer.pad_token = None
+        if side != "left":
+            tokenizer.padding_side = side
+
+
+def check_sliding_window(config: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise ValueError, before any work, when every attention layer of the model is bounded (a sliding window or
+    a chunk: Mistral or Phi-3 with ``sliding_window`` set) and the sequence would outgrow the window.
+
+    Such a model has no full-attention layer to compress, so slake compresses its layers as full layers while the
+    sequence fits in the window, where the two are the same, and the attention function refuses a longer one
+    (:mod:`slake.engines.transformers.attention`). That refusal comes at the step that crosses the window, after the
+    prefill and the decode steps before it, and their output is lost; this check raises the same refusal up front.
+
+    Parameters
+    ----------
+    config
+        The model's config (a multimodal config's text part is read).
+    prompt_tokens : int
+        The prompt's length, padding included (the cache holds the padded prompt).
+    max_new_tokens : int
+        Tokens to generate at most. The cache ends with ``prompt_tokens + max_new_tokens - 1`` tokens (the last new
+        token is never fed back), the length the attention function checks against the window; a run that stops
+        early at an end token is refused all the same, as its length is not known before it runs.
+    """
+    layer_types = attention_layout(config).layer_types
+    if not layer_types or any(t not in BOUNDED_TYPES for t in layer_types):
+        return  # a full layer to compress: the bounded layers keep transformers' own caches, any length
+    _, kwargs = get_layer_types_and_kwargs(_text_config(config))
+    per_layer = [kwargs] * len(layer_types) if isinstance(kwargs, dict) else list(kwargs)  # 5.17: one dict for all
+    windows = [w for kw in per_layer if isinstance(w := kw.get("sliding_window"), int) and w > 0]
+    if not windows:
+        return
+    window = min(windows)
+    cached = prompt_tokens + max_new_tokens - 1
+    if cached > window:
+        kind = "sliding-window" if "sliding_attention" in layer_types else "chunked"
+        raise ValueError(
+            f"every layer of this model uses {kind} attention ({window} tokens) and the sequence would be longer "
+            f"({prompt_tokens} prompt tokens + max_new_tokens={max_new_tokens} - 1 = {cached}); slake compresses "
+            f"full-attention layers only, and the model has none: shorten the prompt or max_new_tokens so that the "
+            f"prompt plus max_new_tokens - 1 fits in {window} tokens"
+        )
 
 
 def check_context_length(model, prompt_tokens: int, max_new_tokens: int, allow_long_context: bool = False) -> None:

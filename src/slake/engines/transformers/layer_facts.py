@@ -18,19 +18,36 @@ from slake.methods.rotary import Rotary
 __all__ = ["layer_contexts"]
 
 
-def _decoder_layers(base: Any) -> list:
-    layers = getattr(base, "layers", None)
-    if layers is None and hasattr(base, "model"):
-        layers = getattr(base.model, "layers", None)
-    return list(layers) if layers is not None else []
+def _decoder_candidates(model: Any) -> list[Any]:
+    """The modules that may hold a model's decoder layers and rotary embedding, most likely first.
+
+    transformers' own lookup (``get_decoder()``) comes first: it finds the text decoder of a multimodal model
+    (``Gemma3ForConditionalGeneration`` keeps it at ``model.language_model``), where the attribute walk below, written
+    for causal LMs, stops at the wrapper. The walk follows as a fallback for models (or stand-ins) without that method
+    or whose method answers something else.
+    """
+    candidates: list[Any] = []
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            candidates.append(get_decoder())
+        except (AttributeError, NotImplementedError, ValueError):  # a model that declines the generic lookup
+            pass
+    base = getattr(model, "base_model", model)
+    inner = getattr(base, "model", None)
+    candidates += [base, inner, getattr(base, "language_model", None), getattr(inner, "language_model", None)]
+    return [c for c in candidates if c is not None]
 
 
-def _rotary(base: Any, layer_type: str) -> Rotary | None:
-    """The model's rotary embedding of a layer type: transformers keeps one module on the base model, with one
-    ``inv_freq`` buffer or (Gemma 3) one per layer type (``<type>_inv_freq``, ``<type>_attention_scaling``)."""
-    rope = getattr(base, "rotary_emb", None)
-    if rope is None and hasattr(base, "model"):
-        rope = getattr(base.model, "rotary_emb", None)
+def _first_attribute(candidates: list[Any], name: str) -> Any:
+    """``name`` of the first candidate that has it (not None), else None."""
+    return next((v for v in (getattr(c, name, None) for c in candidates) if v is not None), None)
+
+
+def _rotary(rope: Any, layer_type: str) -> Rotary | None:
+    """The rotary embedding of a layer type from the model's ``rotary_emb`` module (None: the model has none):
+    transformers keeps one module on the text decoder, with one ``inv_freq`` buffer or (Gemma 3) one per layer type
+    (``<type>_inv_freq``, ``<type>_attention_scaling``)."""
     if rope is None:
         return None
     inv = getattr(rope, f"{layer_type}_inv_freq", None)
@@ -45,9 +62,11 @@ def _rotary(base: Any, layer_type: str) -> Rotary | None:
 def layer_contexts(model: Any, compressed: list[int], layer_types: list[str]) -> list[LayerContext]:
     """One :class:`LayerContext` per compressed layer (the compressor's order) of ``model`` (a causal LM or its base
     model): the layer type's rotary embedding and the attention module's ``o_proj`` weight, each None where the
-    model has none."""
-    base = getattr(model, "base_model", model)
-    decoder = _decoder_layers(base)
+    model has none. A multimodal model's text decoder is read (:func:`_decoder_candidates`)."""
+    candidates = _decoder_candidates(model)
+    layers = _first_attribute(candidates, "layers")
+    decoder = list(layers) if layers is not None else []
+    rope = _first_attribute(candidates, "rotary_emb")
     out = []
     for i in compressed:
         attn = getattr(decoder[i], "self_attn", None) if i < len(decoder) else None
@@ -56,7 +75,7 @@ def layer_contexts(model: Any, compressed: list[int], layer_types: list[str]) ->
         kind = layer_types[i] if i < len(layer_types) else "full_attention"
         out.append(
             LayerContext(
-                rotary=_rotary(base, kind), out_proj=weight.detach() if isinstance(weight, torch.Tensor) else None
+                rotary=_rotary(rope, kind), out_proj=weight.detach() if isinstance(weight, torch.Tensor) else None
             )
         )
     return out
