@@ -181,3 +181,13 @@ def test_generate_leaves_the_tokenizers_padding_as_it_was_when_it_raises():
             hybrid_model("mistral-swa"), tok, _words(random_ids(30, seed=5)[0]), max_new_tokens=2, chat_template=False
         )
     assert tok.padding_side == "right" and tok.pad_token is None
+
+
+@pytest.mark.parametrize("method", ["full", "kvzip"])
+def test_the_benchmark_measures_a_multimodal_gemma3(gemma3_mm, method):
+    """The benchmark's random prompt and KVzip's synthetic reconstruction prompt read the vocabulary off the text
+    config (``Gemma3Config`` has none at the top: AttributeError before)."""
+    from slake.engines.transformers.measure import BenchConfig, measure
+
+    row = measure(gemma3_mm, BenchConfig(method, 12, 40, decode_steps=2, warmup=1))
+    assert row["method"] == method

@@ -39,6 +39,7 @@ import torch
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.generate import prefill
+from slake.engines.transformers.layer_layout import text_config
 from slake.engines.transformers.prefill_once import (
     CaptureStore,
     PrefillCapture,
@@ -110,7 +111,7 @@ def _second_pass(
     from slake.engines.transformers.reconstruction import ReconstructionPrompt, run_second_pass
 
     if reconstruction is None:
-        reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
+        reconstruction = ReconstructionPrompt.synthetic(int(text_config(model.config).vocab_size))
     key = built.second_pass_key()
     stored_key = f"{key} prompt={reconstruction.fingerprint()}"
     S = capture.prompt_len

@@ -18,7 +18,7 @@ from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs
-from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout
+from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout, text_config
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
@@ -327,7 +327,7 @@ def generate(
     # a compiled step records no kernel report: the implementation it was built with ran (as slake bench says)
     ran = cache.compressor.decoder.kernels if first and stats["kernels"] == "none" else stats["kernels"]
     # the text decoder's shapes: a multimodal config (Gemma3Config) keeps them in its text part
-    cfg = _text_config(model.config)
+    cfg = text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # None: multi-head attention
     # what an uncompressed cache would hold at the end: in each compressed layer, every prompt token and every
@@ -381,12 +381,6 @@ def compile_config(device: torch.device, *, lean_guards: bool = True):
     return cfg
 
 
-def _text_config(config: Any) -> Any:
-    """The text decoder's part of a model config (``get_text_config(decoder=True)``: a multimodal config such as
-    ``Gemma3Config`` keeps the layer shapes there); the config itself for a plain causal LM."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 @contextmanager
 def _left_padding(tokenizer: Any) -> Iterator[int | None]:
     """Within the block, ``tokenizer`` pads on the left, with its end token where it has no padding token; yields
@@ -434,7 +428,7 @@ def check_sliding_window(config: Any, prompt_tokens: int, max_new_tokens: int) -
     layer_types = attention_layout(config).layer_types
     if not layer_types or any(t not in BOUNDED_TYPES for t in layer_types):
         return  # a full layer to compress: the bounded layers keep transformers' own caches, any length
-    _, kwargs = get_layer_types_and_kwargs(_text_config(config))
+    _, kwargs = get_layer_types_and_kwargs(text_config(config))
     per_layer = [kwargs] * len(layer_types) if isinstance(kwargs, dict) else list(kwargs)  # 5.17: one dict for all
     windows = [w for kw in per_layer if isinstance(w := kw.get("sliding_window"), int) and w > 0]
     if not windows:

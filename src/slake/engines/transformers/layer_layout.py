@@ -59,6 +59,12 @@ class AttentionLayout:
         return cls(layer_types=["full_attention"] * num_layers, compressed=list(range(num_layers)))
 
 
+def text_config(config: Any) -> Any:
+    """The text decoder's part of a model config (``get_text_config(decoder=True)``): a multimodal config such as
+    ``Gemma3Config`` keeps the layer shapes and the vocabulary there; a plain causal LM's config is its own."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def _model_label(config: Any) -> str:
     archs = getattr(config, "architectures", None) or []
     return archs[0] if archs else str(getattr(config, "model_type", "this model"))
@@ -68,7 +74,7 @@ def check_supported_attention(config: Any, label: str | None = None) -> None:
     """Raise ValueError, naming the model, for attention slake does not model: logit soft-capping (Gemma 2) and
     learned attention sinks (gpt-oss). Their scores and outputs differ from plain softmax attention, so compressing
     them (or routing their bounded layers through SDPA) would silently change the model."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     label = label or _model_label(config)
     softcap = getattr(text, "attn_logit_softcapping", None)
     if softcap is not None:
@@ -91,7 +97,7 @@ def attention_layout(config: Any) -> AttentionLayout:
     ValueError
         For layer types slake cannot serve (linear attention, KV sharing between layers, ...).
     """
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     types, kwargs = get_layer_types_and_kwargs(text)
     types = list(types)
     if isinstance(kwargs, dict):  # transformers 5.17: one dict for every layer (5.19 on: a list per layer)

@@ -34,6 +34,7 @@ from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs
 from slake.engines.transformers.generate import prefill
+from slake.engines.transformers.layer_layout import text_config
 from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
 
@@ -73,7 +74,7 @@ def _sync(device: torch.device) -> None:
 
 def _prompt(model, cfg: BenchConfig) -> torch.Tensor:
     """The configuration's random prompt ``(batch, length)`` (same ids for every method of a seed)."""
-    vocab = model.config.vocab_size
+    vocab = text_config(model.config).vocab_size
     g = torch.Generator().manual_seed(cfg.seed)
     return torch.randint(min(3, vocab - 1), vocab, (cfg.batch, cfg.length), generator=g).to(model.device)
 
@@ -133,7 +134,7 @@ def _new_cache(model, cfg: BenchConfig) -> Any:
     if cache.method.second_pass is not None:  # random prompts: the pass's cost depends on lengths only
         from slake.engines.transformers.reconstruction import ReconstructionPrompt
 
-        cache.reconstruction = ReconstructionPrompt.synthetic(int(model.config.vocab_size))
+        cache.reconstruction = ReconstructionPrompt.synthetic(int(text_config(model.config).vocab_size))
     return cache
 
 
