@@ -127,6 +127,6 @@ def test_cli_rejects_unknown_kv_dtype(capsys):
 def test_charged_linear_state_counts_8bit_slots():
     from slake.cache.compressed import linear_state_slots
 
-    # (64^2 + 128) fp32 numbers = 16,896 bytes = 124.2 8-bit K+V slots of 2 * (64 + 4) bytes (33 fp32, 66 bf16 slots)
-    assert linear_state_slots(64, 4) == 33 and linear_state_slots(64, 2) == 66
+    # (64 + 1)^2 fp32 numbers = 16,900 bytes = 124.3 8-bit K+V slots of 2 * (64 + 4) bytes (33.01 fp32, 66.02 bf16)
+    assert linear_state_slots(64, 4) == 34 and linear_state_slots(64, 2) == 67
     assert linear_state_slots(64, (64 + 4) / 64) == 125

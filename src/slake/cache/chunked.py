@@ -15,8 +15,8 @@ from slake.attention.ptaa import attend
 from slake.attention.softmax import safe_softmax
 from slake.cache.decode_step import decode_extras
 from slake.cache.decoding import Decoder, layer_logits
-from slake.cache.layer_store import _GROWTH
-from slake.cache.prefill import PrefillCompressor
+from slake.cache.layer_store import _GROWTH, LayerStore
+from slake.cache.prefill import PrefillCompressor, check_left_padding
 from slake.cache.state import CacheState
 from slake.methods.base import DecodeInputs
 
@@ -39,6 +39,9 @@ class ChunkedPrefill:
         self.prefill = prefill
         self.decoder = decoder
         self.padding: torch.Tensor | None = None
+        #: positions ``0 .. padded_until - 1`` hold some row's left padding (the longest row's padding), read once
+        #: at :meth:`begin` so that a chunk past it needs no look at the mask
+        self.padded_until = 0
 
     @property
     def active(self) -> bool:
@@ -49,22 +52,47 @@ class ChunkedPrefill:
         """Start a chunked prefill of a prompt whose full ``(B, S)`` padding mask (True = padded) is known."""
         if self.state.info is not None or any(s is not None for s in self.state.layers):
             raise RuntimeError("begin_chunked_prefill must be called before the first prefill chunk")
-        self.padding = key_padding.bool()
+        padding = key_padding.bool()
+        check_left_padding(padding)
+        self.padding = padding
+        self.padded_until = int(padding.sum(-1).max()) if padding.numel() else 0
 
     def end(self) -> None:
         """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction."""
         self.padding = None
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write a later chunk's keys/values into the layer (growing it by what is missing)."""
+        """Write a later chunk's keys/values into the layer (growing it by what is missing).
+
+        The chunk's positions that are a row's left padding are written as empty slots (:meth:`_empty_padding`), as
+        the first chunk's are (:meth:`PrefillCompressor.prefill_layer`): never attended, kept or folded."""
         state = self.state
         store = state.store(layer_idx)
         start, n_new = state.seen[layer_idx], keys.shape[2]
         pos = torch.arange(start, start + n_new, device=keys.device)
-        store.append(keys, values, pos, growth=1 if state.evicts(layer_idx) else _GROWTH)
+        padded = self._chunk_padding(start, n_new, keys.device)
+        if padded is not None:  # no padding token's content enters the store, not even in a slot left empty
+            keys = keys.masked_fill(padded[:, None, :, None], 0)
+            values = values.masked_fill(padded[:, None, :, None], 0)
+        slots = store.append(keys, values, pos, growth=1 if state.evicts(layer_idx) else _GROWTH)
+        if padded is not None:
+            _empty_padding(store, slots, padded)
         state.seen[layer_idx] = start + n_new
         self.decoder.position_of(layer_idx).add_(n_new)
         self.decoder.reset_layer(layer_idx)
+
+    def _chunk_padding(self, start: int, n_new: int, device: torch.device) -> torch.Tensor | None:
+        """``(B, n_new)`` bool: which of the chunk's positions ``start .. start + n_new - 1`` are padding, or None
+        when none is (the chunk starts past every row's left padding)."""
+        if self.padding is None or start >= self.padded_until:
+            return None
+        padded = self.padding[:, start : start + n_new].to(device)
+        if padded.shape[1] != n_new:
+            raise RuntimeError(
+                f"a prefill chunk reaches position {start + n_new}, past the {self.padding.shape[1]}-token prompt "
+                f"given to begin_chunked_prefill"
+            )
+        return padded
 
     def attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """The chunk's attention over the compressed past (plus the linear term) and the chunk itself, causal by
@@ -120,3 +148,14 @@ class ChunkedPrefill:
         if info.layer_budgets is None:
             raise RuntimeError("the first chunk's prefill did not set the layer budgets")
         self.prefill.evict_to(layer_idx, info.layer_budgets[:, layer_idx])
+
+
+def _empty_padding(store: LayerStore, slots: torch.Tensor, padded: torch.Tensor) -> None:
+    """Turn the ``slots`` ``(B, Hkv, n)`` just written with a chunk's tokens into empty slots where the token is
+    padding (``padded`` ``(B, n)``): not valid, position -1 and score ``-inf``, what an empty slot holds in a
+    :class:`LayerStore` (its keys and values were written as zeros)."""
+    B, H, n = slots.shape
+    empty = torch.zeros_like(store.valid).scatter_(-1, slots, padded[:, None, :].expand(B, H, n))
+    store.valid &= ~empty
+    store.positions.masked_fill_(empty, -1)
+    store.scores.masked_fill_(empty, float("-inf"))

@@ -121,7 +121,7 @@ class CompressedKV:
         Number of attention layers of the model.
     charge_linear_state : bool
         Charge the PTAA linear state against the budget (SLAKE "memory honesty" option): the selectable budget of
-        each layer shrinks by ``ceil((d*d + 2d) * 4 / (2 * d * itemsize))`` token slots.
+        each layer shrinks by ``ceil((d + 1)^2 * 4 / (2 * d * itemsize))`` token slots (:func:`linear_state_slots`).
     kv_dtype : str | None
         Storage of the kept keys and values: None (the model's dtype) or ``"int8"`` / ``"fp8_e4m3"`` (8-bit codes
         with a float32 scale per row, dequantised in attention; :mod:`slake.cache.quant`).
@@ -324,7 +324,7 @@ class CompressedKV:
         its budget: the budget applies to the prompt a cache is prefilled with, and a first turn within it leaves
         the cache a full cache for every later turn (``docs/conventions.md``, one cache per conversation)."""
         info = self.state.info
-        if info is None or info.compress_any:
+        if info is None or info.compress_any or self.state.method.keeps_everything:  # the full cache keeps by design
             return
         held = self.seen[0] + new_tokens
         budget = int(info.budget.max())

@@ -30,7 +30,7 @@ from slake.cache.quant import scale_bytes_per_row
 from slake.cache.state import CacheState, PrefillInfo
 from slake.methods.base import Method, PrefillInputs, PrefillScores
 
-__all__ = ["PrefillCompressor", "linear_state_slots"]
+__all__ = ["PrefillCompressor", "check_left_padding", "linear_state_slots"]
 
 
 class PrefillCompressor:
@@ -83,6 +83,7 @@ class PrefillCompressor:
         )
 
     def _start(self, key_padding: torch.Tensor, head_dim: int, itemsize: int | float) -> PrefillInfo:
+        check_left_padding(key_padding)  # first_real below is where a row's left padding ends
         B, S = key_padding.shape
         real = (~key_padding).sum(-1).to(torch.int64)
         whole = real.cpu() + self.trailing_tokens  # the whole prompt's lengths
@@ -354,6 +355,35 @@ class PrefillCompressor:
 
 def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
     """Token slots (K+V at ``itemsize`` bytes per number; fractional with 8-bit codes plus scales) that one fp32
-    linear state ``(d^2 + 2d)`` occupies, rounded up."""
-    state_bytes = (head_dim * head_dim + 2 * head_dim) * 4
+    linear state occupies, rounded up: ``(d + 1)^2`` float32 numbers (:class:`slake.attention.linear_state.
+    LinearState`'s augmented matrix, ``L``, the two sums and the count), 16,900 bytes at ``d = 64``: 34 fp32 slots,
+    67 bf16 ones."""
+    state_bytes = (head_dim + 1) * (head_dim + 1) * 4
     return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))
+
+
+def check_left_padding(key_padding: torch.Tensor) -> None:
+    """Refuse a ``(B, S)`` padding mask (True = padded) that is not left padding: in every row the padded positions
+    must all come before the real ones (the mask never turns from real back to padded along the sequence).
+
+    Positions, sinks and the observation window are counted from where a row's left padding ends
+    (``docs/conventions.md#batches-and-padding``); right or inner padding would silently keep the wrong tokens.
+
+    Raises
+    ------
+    ValueError
+        Naming the first row with a padded position after a real token.
+    """
+    pad = key_padding.bool()
+    if pad.dim() != 2 or pad.shape[-1] < 2:
+        return
+    late = pad[:, 1:] & ~pad[:, :-1]  # a padded position right after a real one
+    if not bool(late.any()):
+        return
+    row = int(late.any(-1).nonzero()[0, 0])
+    at = int(late[row].nonzero()[0, 0]) + 1
+    raise ValueError(
+        f"slake supports left padding only, and row {row} of the batch has padding at position {at}, after a real "
+        f"token (right or inner padding); pad prompts on the left (tokenizer.padding_side = 'left'), as "
+        f"model.generate expects for a decoder-only model"
+    )

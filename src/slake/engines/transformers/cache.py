@@ -17,6 +17,8 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
+from slake.cache.prefill import check_left_padding
+from slake.cache.state import PrefillInfo
 from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout
 from slake.engines.transformers.window_layer import WindowLayer
 from slake.methods.base import Method, check_compileable
@@ -293,20 +295,26 @@ class SlakeCache(Cache):
         query_length : int | None
             Tokens in this forward.
         attention_mask, position_ids : torch.Tensor | None
-            The forward's 2D attention mask and position ids, when given: the mask must cover the cached tokens plus
-            the new ones, and the new tokens' positions must follow the cached ones (left padding accounted for), i.e.
+            The forward's 2D attention mask and position ids, when given. The first prompt's mask must be left
+            padding; later, the mask must cover the cached tokens plus the new ones, with no 0 after a row's left
+            padding, and the new tokens' positions must follow the cached ones (left padding accounted for), i.e.
             the new input continues the cached sequence.
 
         Raises
         ------
         ValueError
-            For a layer-count mismatch, or new input that is not a continuation of the cached sequence.
+            For a layer-count mismatch, a prompt that is not left-padded, a mask with padding after the prompt, or
+            new input that is not a continuation of the cached sequence.
         """
         if num_hidden_layers is not None and int(num_hidden_layers) != len(self.layers):
             raise ValueError(
                 f"this SlakeCache was built for {len(self.layers)} layers but the model has "
                 f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)"
             )
+        # model.generate gives a compileable cache's forward its 4D masks ready made (a dict of them per layer type
+        # in a hybrid model): only a 2D mask says which tokens are padding
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+        info = self.compressor.info
         if self.compressor.static:
             # a static-mode decode step (possibly compiled) reads no host counter; it must be one token
             if query_length is not None and query_length != 1:
@@ -314,15 +322,24 @@ class SlakeCache(Cache):
                     f"a SlakeCache built with max_cache_len decodes one token per forward after the "
                     f"prompt, got {query_length}"
                 )
+            # the mask check reads the mask back from the device: eager steps only, never inside a compiled one
+            # (model.generate hands a compileable cache's forward a 4D mask anyway)
+            if mask is not None and info is not None and not torch.compiler.is_compiling():
+                _refuse_padding_after_prompt(mask, info)
             return
         seen = self.compressor.seen[0]
-        info = self.compressor.info
-        if seen == 0 or query_length is None:
+        if query_length is None:
             return
-        given = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 2 else None
+        if seen == 0:
+            if mask is not None:  # the first prompt: left padding only, refused before any layer runs
+                check_left_padding(mask == 0)
+            return
+        given = None if mask is None else mask.shape[-1]
         # no new token: transformers cut an input no longer than the cached tokens down to nothing (a new, shorter
         # prompt), which the model's layers would fail on with a reshape error
         bad = query_length == 0 or (given is not None and given != seen + query_length)
+        if not bad and mask is not None and info is not None:
+            _refuse_padding_after_prompt(mask, info)
         if (
             not bad
             and position_ids is not None
@@ -332,7 +349,10 @@ class SlakeCache(Cache):
             and position_ids.shape[0] in (1, len(info.first_real))
         ):
             expected = seen + query_length - 1 - info.first_real
-            bad = bool((position_ids[:, -1].cpu() != expected).any())
+            # only rows whose last new token is real: a prompt chunk may end inside a row's left padding, whose
+            # position ids are a convention (model.generate gives padding 1), not a continuation
+            real = expected >= 0
+            bad = bool(((position_ids[:, -1].cpu() != expected) & real).any())
         if bad:
             size = "" if given is None else f" ({given} tokens)"
             raise ValueError(
@@ -452,6 +472,26 @@ def _resolve_num_layers(num_layers, config) -> int:
     if from_config is not None and from_config != num_layers:
         raise ValueError(f"num_layers={num_layers} disagrees with the config's num_hidden_layers={from_config}")
     return num_layers
+
+
+def _refuse_padding_after_prompt(mask: torch.Tensor, info: PrefillInfo) -> None:
+    """Raise ValueError when the 2D ``mask`` (1 = attend) has a 0 at or after a row's first real prompt token
+    (``info.first_real``): the cache knows only the first prompt's left padding, keeps and attends every later
+    token, and would silently ignore such a 0 (one read of the mask back to the host)."""
+    if mask.shape[0] != info.first_real.shape[0]:
+        return  # a batch the cache does not hold: the continuation check refuses it
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    late = (mask == 0) & (cols >= info.device_copy("first_real", mask.device)[:, None])
+    if not bool(late.any()):
+        return
+    row = int(late.any(-1).nonzero()[0, 0])
+    at = int(late[row].nonzero()[0, 0])
+    raise ValueError(
+        f"the attention mask masks out position {at} of row {row}, after the prompt's left padding: a SlakeCache "
+        f"takes padding only at the left of its first prompt (tokenizer.padding_side = 'left') and padding after "
+        f"the prompt is not supported; give every later token a mask of 1 (model.generate does, also for rows that "
+        f"have finished), and continue conversations whose new turns differ in length in separate caches"
+    )
 
 
 def _not_routed_error() -> RuntimeError:
