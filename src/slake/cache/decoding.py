@@ -187,8 +187,11 @@ class Decoder:
 
         Several queries (after a multi-token :meth:`append`, e.g. a later chat turn) first attend causally by
         position over the layer as it is (kept slots, the block's own tokens and the linear state); only then, if the
-        layer is over its budget, does the method's decode rule score the slots from the softmax of all the block's
-        queries and evict the lowest-scored unprotected ones, for every method, ``evict_before_output`` included. A
+        layer is over its budget, does the method's decode rule score the slots and evict the lowest-scored unprotected
+        ones, for every method, ``evict_before_output`` included. The rule reads the softmax of the block's last
+        ``window`` queries (its observation window, as a prompt chunk is scored), or of every query for a rule that
+        accumulates each step's attention (``Method.decode_accumulates``: H2O, AhaKV, KVzip); the mean over every
+        query would favour the block's earlier tokens, which more of its queries see. A
         block's eviction must not change any of the block's own outputs: it is chosen from every query's scores, so
         evicting first could drop (and, with a linear state, fold) a token of the block, whose fold every query of the
         block would then read and whose masked slot earlier queries would lose too: query ``i``'s output would
@@ -216,7 +219,11 @@ class Decoder:
             out = probs_values(probs, store.dense_values())
         else:
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
-        evict = self.evict(layer_idx, probs, target, newest, qf)
+        # scored from the block's observation window (its last ``window`` queries), as a prompt chunk is; every query
+        # for rules that accumulate each step's attention (``Method.decode_accumulates``)
+        method = state.method
+        rows = nq if method.decode_accumulates else max(min(method.window, nq), 1)
+        evict = self.evict(layer_idx, probs[:, :, :, nq - rows :], target, newest, qf[:, :, :, nq - rows :])
         if evict is not None:
             slots, chosen, mask = evict
             store.free(mask, slots, chosen)  # folds the victims into the linear state (if any) for later steps

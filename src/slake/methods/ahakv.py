@@ -121,6 +121,7 @@ class AhaKV(Method):
         "Inference of Large Language Models, arXiv 2506.03762, 2025"
     )
     carry_protected_scores: ClassVar[bool] = True
+    decode_accumulates: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

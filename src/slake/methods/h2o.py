@@ -79,6 +79,7 @@ class H2O(Method):
     )
     #: window tokens keep their accumulated prefill attention when they leave the window
     carry_protected_scores: ClassVar[bool] = True
+    decode_accumulates: ClassVar[bool] = True
     #: the column sums ignore the budget: prefill-once replays compute them once for every budget
     prefill_scores_use_budget: ClassVar[bool] = False
 

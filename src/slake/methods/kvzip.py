@@ -142,6 +142,7 @@ class KVzip(DecodeScope, Method):
     )
     layer_budgets: ClassVar[str] = "preference"
     second_pass: ClassVar[str | None] = "reconstruction"
+    decode_accumulates: ClassVar[bool] = True  # the running max over every step's attention
 
     def __post_init__(self) -> None:
         super().__post_init__()
