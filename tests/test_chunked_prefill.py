@@ -86,11 +86,48 @@ def test_chunked_prefill_batch_with_padding_is_finite(llama_gqa):
         assert not bool((store.valid & (store.positions < 10) & (store.positions >= 0))[1].any())
 
 
-def test_slake_generate_accepts_prefill_chunk():
+def test_a_prefill_chunk_below_one_is_refused():
     from slake.engines.transformers.cache import SlakeCache as C
 
     with pytest.raises(ValueError):
         C("snapkv", 16, 2, prefill_chunk=0)
+
+
+def _spy_chunks(monkeypatch) -> list[tuple[int, int]]:
+    """Record ``(layer, tokens)`` of every later prompt chunk appended during a chunked prefill (the first chunk is
+    prefilled exactly; :meth:`ChunkedPrefill.append` is only reached between ``begin`` and ``end``)."""
+    from slake.cache.chunked import ChunkedPrefill
+
+    appended: list[tuple[int, int]] = []
+    orig = ChunkedPrefill.append
+
+    def append(self, layer_idx, keys, values):
+        appended.append((layer_idx, keys.shape[2]))
+        return orig(self, layer_idx, keys, values)
+
+    monkeypatch.setattr(ChunkedPrefill, "append", append)
+    return appended
+
+
+def test_slake_generate_prefills_in_chunks_of_prefill_chunk(monkeypatch):
+    """``slake.generate(prefill_chunk=16)`` on a 65-token prompt prefills its first 64 tokens in four chunks of 16
+    (the first exact, the other three appended and evicted in every layer), then decodes; the cache stays within
+    its budget."""
+    import slake
+    from slake.engines.transformers.shapes import random_model
+    from tiny_models import word_tokenizer
+
+    appended = _spy_chunks(monkeypatch)
+    model = random_model("tiny", seed=0)
+    L = model.config.num_hidden_layers
+    prompt = " ".join(f"w{3 + (5 * i) % 250}" for i in range(65))
+    out = slake.generate(
+        model, word_tokenizer(), prompt, method="snapkv", budget=24, window=8, max_new_tokens=4,
+        chat_template=False, prefill_chunk=16,
+    )  # fmt: skip
+    assert out.prompt_tokens == [65] and out.compressed
+    assert sorted(appended) == sorted((layer, 16) for layer in range(L) for _ in range(3))
+    assert max(out.kept_tokens_per_layer) <= 24 + 4
 
 
 @pytest.mark.parametrize("method", ["snapkv", "cake", "slake", "h2o"])
@@ -137,7 +174,7 @@ def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
 
 
 @pytest.mark.parametrize(("method", "chunk"), [("snapkv", 8), ("slake", 8), ("kvzip", None)])
-def test_a_prompt_of_budget_plus_one_is_compressed_after_a_split_prefill(method, chunk):
+def test_a_prompt_of_budget_plus_one_is_compressed_after_a_split_prefill(method, chunk, monkeypatch):
     """``slake.generate`` prefills a chunked (or KVzip's two-pass) prompt but its last token, which
     ``model.generate`` then feeds as a decode step. The compress decision and the budget are the whole prompt's, as
     in the exact prefill: a prompt of ``budget + 1`` tokens was left uncompressed (the prefilled part held
@@ -151,8 +188,14 @@ def test_a_prompt_of_budget_plus_one_is_compressed_after_a_split_prefill(method,
     prompt = " ".join(f"w{3 + (7 * i) % 250}" for i in range(budget + 1))
     common = dict(method=method, budget=budget, max_new_tokens=new, chat_template=False, window=8)
     exact = slake.generate(model, word_tokenizer(), prompt, **common)
+    appended = _spy_chunks(monkeypatch)
     split = slake.generate(model, word_tokenizer(), prompt, prefill_chunk=chunk, **common)
     assert exact.prompt_tokens == split.prompt_tokens == [budget + 1]
+    if chunk is not None:  # the budget prefilled in five chunks of 8: the first exact, four appended in each layer
+        L = model.config.num_hidden_layers
+        assert sorted(appended) == sorted((layer, chunk) for layer in range(L) for _ in range(budget // chunk - 1))
+    else:
+        assert appended == []
     assert exact.compressed and split.compressed
     assert max(split.kept_tokens_per_layer) <= max(exact.kept_tokens_per_layer) + 1
 

@@ -196,6 +196,8 @@ def test_runner_prediction_equals_live_generate(llama_gqa, tok, needle_samples, 
         max_new_tokens=6,
         progress=False,
     )
+    # the full-cache reference row, then one row per method at the one budget
+    assert sorted((row["method"], row["budget"]) for row in rows) == [("full", None), ("snapkv", 40), ("tova", 40)]
     for row in rows:
         live = slake.generate(
             llama_gqa,

@@ -81,16 +81,32 @@ def test_the_full_cache_decodes_the_same_tokens_with_the_dense_kernels(llama_gqa
 
 def test_a_compiled_static_full_cache_captures_the_dense_kernels_in_its_graph(llama_gqa):
     """``torch.compile(fullgraph=True)`` of a static full cache's step with ``kernels="triton"``: the dense kernels
-    are one operator in the graph (no break), and the compiled steps (``aot_eager`` runs the operator) decode the
-    eager steps' tokens."""
+    are one operator in the graph (no break), once per layer and no SDPA beside it, and the compiled steps
+    (``aot_eager`` runs the operator) decode the eager steps' tokens."""
     from compiled_decode import decode
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording(gm, example_inputs):  # the graph dynamo captured, then run as aot_eager runs it
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     model = llama_gqa.to(DEVICE)
     torch._dynamo.reset()
-    eager, _, _ = decode(model, "full", 4, static=True, kernels="triton")
-    compiled, _, _ = decode(model, "full", 4, static=True, kernels="triton", backend="aot_eager")
-    torch._dynamo.reset()
+    try:
+        eager, _, _ = decode(model, "full", 4, static=True, kernels="triton")
+        compiled, _, _ = decode(model, "full", 4, static=True, kernels="triton", backend=recording)
+    finally:
+        torch._dynamo.reset()
     assert torch.equal(compiled, eager)
+    assert graphs, "the step was not compiled"
+    layers = model.config.num_hidden_layers
+    for gm in graphs:
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        attention = [t for t in targets if "attention" in t]  # the op's and SDPA's names both say it
+        dense = [t for t in attention if "slake.dense_decode_attention" in t]
+        assert len(dense) == layers, attention
+        assert not [t for t in attention if "scaled_dot_product_attention" in t], attention
 
 
 @pytest.mark.parametrize(("static", "batch"), [(True, 2), (False, 2), (False, 1)])

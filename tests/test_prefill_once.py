@@ -81,7 +81,8 @@ def test_stacked_single_captures_equal_a_padded_batch_capture(llama_gqa, method)
     assert greedy_decode(model, stacked, stacked.replay(method, 40), 8) == want
     released = stack_captures(singles, release=True)  # same records, inputs emptied (lower peak memory)
     assert all(c.records == [] for c in singles)
-    for r1, r2 in zip(released.records, stacked.records):
+    assert len(released.records) == len(stacked.records) == model.config.num_hidden_layers
+    for r1, r2 in zip(released.records, stacked.records, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(r1[:4], r2[:4]))
 
 
