@@ -367,7 +367,9 @@ def test_slake_ablation_switches_and_helpers():
         assert torch.equal(out.preference, cake.preference) and torch.equal(out.scores, cake.scores)
         assert s.linear_cache is lin
     full = Slake(window=8, budget_hint=24)
-    assert full.linear_cache and full.vabs and Slake.evict_before_output and not Cake.evict_before_output
+    assert full.linear_cache and full.vabs and full.evict_before_output and not Cake().evict_before_output
+    # without the linear cache SLAKE decodes in CAKE's order: evicting first would only drop the victim from the output
+    assert not Slake(linear_cache=False).evict_before_output
     assert Slake.layer_budgets == "preference" and Slake.name == "slake"
     assert not torch.equal(full.prefill_scores(inp).preference, cake.preference)
     with pytest.raises(ValueError, match="budget_hint"):
@@ -386,3 +388,29 @@ def test_slake_ablation_switches_and_helpers():
     assert slake_alpha_beta("mistralai/Mistral-7B-Instruct-v0.3", 1024) == (0.4, 0.2)
     assert slake_alpha_beta("mistralai/Mistral-7B-Instruct-v0.3", 128) == (0.6, 0.5)
     assert slake_alpha_beta("Qwen/Qwen2.5-7B-Instruct", 128) == (0.5, 0.4)
+
+
+def test_slake_without_ptaa_and_vabs_decodes_as_cake():
+    """The paper's ablation row without PTAA and VABS is CAKE (Table 2): the same kept slots and the same outputs at
+    every decode step. Before, ``slake[linear_cache=false,vabs=false]`` kept Algorithm 1's order without a linear
+    state, dropping each step's victim from that step's output (0.16 off CAKE's output)."""
+    from slake.cache.compressed import CompressedKV
+
+    g = torch.Generator().manual_seed(3)
+    B, Hq, H, S, D = 2, 4, 2, 48, 8
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hq, H, H))
+    steps = [(torch.randn(B, Hq, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g),
+              torch.randn(B, H, 1, D, generator=g)) for _ in range(5)]  # fmt: skip
+    runs = []
+    for spec in ("cake", "slake[linear_cache=false,vabs=false]"):
+        eng = CompressedKV(make_method(spec, window=4, tau1=0.5, tau2=0.4), 12, 1, kernels="torch")
+        eng.prefill_layer(0, q, k, v, None, D**-0.5)
+        outs = []
+        for qn, kn, vn in steps:
+            eng.append(0, kn, vn)
+            outs.append(eng.decode_attention(0, qn, D**-0.5))
+        runs.append((outs, eng.layers[0]))
+    (cake_outs, cake_store), (slake_outs, slake_store) = runs
+    for a, b in zip(cake_outs, slake_outs, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert torch.equal(cake_store.valid, slake_store.valid) and torch.equal(cake_store.positions, slake_store.positions)

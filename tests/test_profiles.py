@@ -218,3 +218,29 @@ def test_slake_no_profile_skips_user_and_shipped_profiles(profile_dir, monkeypat
     assert applied is None and (m.alpha, m.beta) == (0.5, 0.4)
     m, applied = resolve_method("cake", 128, cfg)
     assert applied is None and (m.tau1, m.tau2) == (1.0, 1.0)
+
+
+def test_a_model_without_profile_or_paper_values_is_told_once_that_it_runs_on_the_defaults(profile_dir, caplog):
+    """SLAKE's defaults are Llama-2-7B's (0.5, 0.4); a model with neither a calibrated profile nor paper values used
+    to get them silently. One warning per model and method, naming ``slake calibrate``; none with a profile, none
+    when the user set the values, none without a model."""
+    import logging
+
+    from slake.methods import profiles
+
+    profiles._TOLD_DEFAULTS.clear()
+    caplog.set_level(logging.WARNING, logger="slake")
+    cfg = _config("my-org/Unprofiled-1B")
+    resolve_method("slake", 128, cfg)
+    resolve_method("slake", 256, cfg)
+    told = [r.getMessage() for r in caplog.records if "calibrate" in r.getMessage()]
+    assert len(told) == 1 and "Unprofiled" in told[0] and "alpha=0.5, beta=0.4" in told[0]
+    caplog.clear()
+    resolve_method("slake[alpha=0.3,beta=0.2]", 128, _config("my-org/Other-1B"))  # the user chose
+    resolve_method("slake", 128)  # no model
+    profiled = _config("my-org/Profiled-1B")
+    write_entry(model_identity(profiled), _entry(128, 0.9, 0.1))
+    resolve_method("slake", 128, profiled)
+    assert not [r for r in caplog.records if "calibrate" in r.getMessage()]
+    resolve_method("slake", 0.25, _config("my-org/Ratio-1B"))
+    assert "a ratio budget has no paper values" in caplog.records[-1].getMessage()

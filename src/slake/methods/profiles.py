@@ -31,12 +31,17 @@ its architecture fingerprint (layers, heads, sizes, vocabulary) is the profile's
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("slake")
+#: (model, method) pairs already told that they run on the method's default values (one notice per pair)
+_TOLD_DEFAULTS: set[tuple[str, str]] = set()
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -265,10 +270,32 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
     else:
         values, source, at = _paper_values(built.name, identity, value), "paper", value
     if not values:
+        _tell_defaults(identity["name"], built, free, value)
         return built, None
     valid = {f.name for f in fields(built)}
     values = {k: v for k, v in values.items() if k in valid}
     return replace(built, **values), {"source": source, "values": values, "budget": at}
+
+
+def _tell_defaults(model: str, built: Any, free: list[str], budget: int | float) -> None:
+    """Log once per model and method that no calibrated profile or paper value exists for it, so its searched
+    hyperparameters keep the method's defaults (SLAKE's are Llama-2-7B's; the calibrations of this project's models
+    moved far from them)."""
+    key = (model, built.name)
+    if key in _TOLD_DEFAULTS:
+        return
+    _TOLD_DEFAULTS.add(key)
+    shown = ", ".join(f"{k}={getattr(built, k)}" for k in free)
+    why = " (a ratio budget has no paper values)" if isinstance(budget, float) and budget < 1 else ""
+    logger.warning(
+        "%s has no calibrated profile for %s at this budget and no paper values%s: %s uses its defaults (%s); "
+        "`slake calibrate` fits them to this model (docs/profiles.md)",
+        model,
+        built.name,
+        why,
+        built.name,
+        shown,
+    )
 
 
 def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases: list[str] | None = None) -> Path:

@@ -7,12 +7,13 @@ one-token-per-step decode eviction; :class:`slake.methods.cake.Cake`) plus
   ``docs/methods/slake.md#prefill-folding``) and at decode, is folded into a per-KV-head linear state and still
   contributes through a first-order Taylor term (:mod:`slake.attention.linear_state`,
   :func:`slake.attention.ptaa.attend`). Decode eviction happens before the step's output (Algorithm 1 order,
-  ``docs/methods/slake.md#decode-step``), hence ``evict_before_output = True``;
+  ``docs/methods/slake.md#decode-step``), hence ``evict_before_output`` (with the linear cache; without it, CAKE's
+  order: the output, then the eviction);
 * **VABS** (``vabs=True``): the layer preference is the value-aware score of :func:`vabs_preference` (paper Eqs. 15-18,
   ``docs/methods/slake.md#vabs``) instead of CAKE's entropy/variance score.
 
-Ablations of paper Table 2: eviction only = ``linear_cache=False, vabs=False``; +PTAA = ``linear_cache=True,
-vabs=False``; +VABS = the defaults.
+Ablations of paper Table 2: eviction only = ``linear_cache=False, vabs=False`` (CAKE, decoding in CAKE's order);
++PTAA = ``linear_cache=True, vabs=False``; +VABS = the defaults.
 
 Choices and deviations: VABS needs an evicted set before any budget exists
 (``docs/methods/slake.md#the-provisional-split``). ``vabs_split`` selects the reading: ``"taylor"`` (default) linearises
@@ -34,7 +35,6 @@ models their calibrated profile when one exists (:mod:`slake.methods.profiles`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -264,7 +264,9 @@ class Slake(Cake):
         True: VABS preference; False: CAKE's ``H^(1/tau1) V^(1/tau2)`` (ablation).
     budget_hint : int | None
         Average per-layer budget ``C`` (window included) for VABS's provisional split. When None (default), the
-        compressor's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it.
+        compressor's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it. Only the ``"uniform"``
+        split reads it: under ``"taylor"`` (the default) and ``"window"`` the preference does not depend on the budget
+        (it decides only whether a prompt fits it and is left uncompressed).
     vabs_split : str
         Which tokens VABS's PTAA error map linearises (``docs/methods/slake.md#the-provisional-split``). The paper says
         only that "in the prefill stage, SLAKE first performs VABS, which considers both the linear approximation error
@@ -294,7 +296,13 @@ class Slake(Cake):
         "SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction for Long-Sequence "
         "LLMs, ICLR 2026 submission"
     )
-    evict_before_output: ClassVar[bool] = True
+
+    @property
+    def evict_before_output(self) -> bool:  # type: ignore[override]
+        """Algorithm 1's order (evict and fold, then the output) with the linear cache; without it, CAKE's (the output,
+        then the eviction): evicting first then only drops the victim from this step's output, and the paper's
+        ablation row without PTAA is CAKE's decoding (Table 2)."""
+        return self.linear_cache
 
     def __post_init__(self) -> None:
         super().__post_init__()
