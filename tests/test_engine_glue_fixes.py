@@ -108,30 +108,18 @@ def test_an_all_sliding_model_is_refused_before_any_forward_when_the_sequence_ou
                 model, tok, prompt, method="snapkv", budget=12, window=4, max_new_tokens=20, chat_template=False
             )
         assert calls == []
+
+        def run(new_tokens: int):
+            return slake.generate(
+                model, tok, prompt, method="snapkv", budget=12, window=4, max_new_tokens=new_tokens,
+                chat_template=False,
+            )  # fmt: skip
+
         # the longest sequence that fits: 10 prompt tokens and 7 new ones, of which 6 are fed back (16 cached)
-        res = slake.generate(
-            model,
-            tok,
-            prompt,
-            method="snapkv",
-            budget=12,
-            window=4,
-            max_new_tokens=WINDOW - 10 + 1,
-            chat_template=False,
-        )
-        assert res.new_tokens == [WINDOW - 10 + 1]
+        assert run(WINDOW - 10 + 1).new_tokens == [WINDOW - 10 + 1]
         calls.clear()
         with pytest.raises(ValueError, match="sliding-window attention"):
-            slake.generate(
-                model,
-                tok,
-                prompt,
-                method="snapkv",
-                budget=12,
-                window=4,
-                max_new_tokens=WINDOW - 10 + 2,
-                chat_template=False,
-            )
+            run(WINDOW - 10 + 2)
         assert calls == []
     finally:
         hook.remove()
