@@ -244,3 +244,16 @@ def test_a_model_without_profile_or_paper_values_is_told_once_that_it_runs_on_th
     assert not [r for r in caplog.records if "calibrate" in r.getMessage()]
     resolve_method("slake", 0.25, _config("my-org/Ratio-1B"))
     assert "a ratio budget has no paper values" in caplog.records[-1].getMessage()
+
+
+def test_a_value_the_user_set_is_never_replaced_by_the_papers(profile_dir):
+    """On a paper's model, setting one of the pair kept the paper's value for both: ``cake[tau1=0.5]`` on
+    Llama-3.1-8B at 128 ran tau1 = 1.6, ``slake[alpha=0.9]`` alpha = 0.4. The other one still comes from the paper."""
+    llama31 = _config("meta-llama/Llama-3.1-8B-Instruct")
+    m, applied = resolve_method("cake[tau1=0.5]", 128, llama31)
+    assert (m.tau1, m.tau2) == (0.5, 0.6) and applied["values"] == {"tau2": 0.6}
+    m, applied = resolve_method("cake", 128, llama31, tau2=3.0)
+    assert (m.tau1, m.tau2) == (1.6, 3.0) and applied["values"] == {"tau1": 1.6}
+    m, applied = resolve_method("slake[alpha=0.9]", 128, llama31)
+    assert (m.alpha, m.beta) == (0.9, 0.2) and applied["source"] == "paper"
+    assert resolve_method("slake[alpha=0.9,beta=0.1]", 128, llama31)[1] is None

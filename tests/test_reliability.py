@@ -238,7 +238,7 @@ def test_a_conversation_that_outgrows_an_uncompressed_cache_says_so(llama_gqa, c
     out = _gen(llama_gqa, random_ids(30, seed=1), cache)
     with caplog.at_level(logging.WARNING, logger="slake"):
         out = _gen(llama_gqa, torch.cat([out, random_ids(20, seed=2)], 1), cache)  # 54 tokens: within 64
-        assert not caplog.records
+        assert not [r for r in caplog.records if "compresses nothing" in r.getMessage()]
         _gen(llama_gqa, torch.cat([out, random_ids(200, seed=3)], 1), cache)
     (record,) = [r for r in caplog.records if "compresses nothing" in r.getMessage()]
     assert "first prompt (30 tokens) was within its budget (64)" in record.getMessage()

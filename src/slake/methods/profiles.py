@@ -268,7 +268,9 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
         source, entry = found
         values, at = {k: entry["values"][k] for k in free if k in entry["values"]}, entry["budget"]
     else:
-        values, source, at = _paper_values(built.name, identity, value), "paper", value
+        paper = _paper_values(built.name, identity, value) or {}
+        # the paper's pair too gives only what the user left unset: ``cake[tau1=0.5]`` keeps its tau1
+        values, source, at = {k: v for k, v in paper.items() if k in free}, "paper", value
     if not values:
         _tell_defaults(identity["name"], built, free, value)
         return built, None
@@ -281,6 +283,7 @@ def _tell_defaults(model: str, built: Any, free: list[str], budget: int | float)
     """Log once per model and method that no calibrated profile or paper value exists for it, so its searched
     hyperparameters keep the method's defaults (SLAKE's are Llama-2-7B's; the calibrations of this project's models
     moved far from them)."""
+    model = model or "this model (it has no name)"
     key = (model, built.name)
     if key in _TOLD_DEFAULTS:
         return
