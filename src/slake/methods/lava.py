@@ -17,9 +17,10 @@ Choices and deviations (``docs/methods/lava.md#deviations-from-the-paper``):
 * Defaults are the paper's algorithm (as the issue asks): ``floor_mode="paper"`` (no per-head floor, the per-head
   caps sum exactly to ``Hkv * b``) and ``value_norm="all"`` (Vbar over all N tokens, paper Eq. 5). The reference
   code's behaviour is available: ``floor_mode="reference"`` (``cap = round((1-alpha)*count + int(alpha*C))`` with
-  ``C`` the configured budget, frozen by a typo of the reference code: it exceeds the budget by about 4.5% at C=128, 6% of the selectable tokens)
-  or ``"adakv"`` (``int(alpha*b)``), ``floor_alpha=0.2``, and ``value_norm="candidates"`` (max over ``j < N-w``,
-  as the reference code does; use it to reproduce the published numbers). ``value_norm="none"`` sets ``Vbar = 1``.
+  ``C`` the configured budget, frozen by a typo of the reference code: it exceeds the budget by about 4.5% at C=128,
+  6% of the selectable tokens) or ``"adakv"`` (``int(alpha*b)``), ``floor_alpha=0.2``, and
+  ``value_norm="candidates"`` (max over ``j < N-w``, as the reference code does; use it to reproduce the published
+  numbers). ``value_norm="none"`` sets ``Vbar = 1``.
 * Layer-budget rounding: the compressor's cascade (water-filling under the per-layer cap ``N - w``, ceil at
   intermediate stages, largest remainder at the end) replaces ``floor(e_j / sum e * Tot)``: budgets sum exactly to
   ``L * (C - w)`` and a layer whose share exceeds its candidates gives the rest to the others.
