@@ -414,3 +414,23 @@ def test_slake_without_ptaa_and_vabs_decodes_as_cake():
     for a, b in zip(cake_outs, slake_outs, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     assert torch.equal(cake_store.valid, slake_store.valid) and torch.equal(cake_store.positions, slake_store.positions)
+
+
+def test_cake_preferences_do_not_underflow_at_small_tau2():
+    """With one window row every layer's variance is 0 (clamped at 1e-12), so ``P = H * 1e-12^(1/tau2)``: the layers
+    split the budget by their entropies whatever ``tau2``. In float32 ``1e-12 ** 4`` (``tau2 = 0.25``, in ``slake
+    calibrate``'s grid) underflowed to 0 for every layer and the split fell back to uniform."""
+    from slake.cache.compressed import CompressedKV
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, H, S, D, L = 1, 4, 2, 64, 8, 2
+    layers = [(torch.randn(B, Hq, S, D, generator=g) * s, torch.randn(B, H, S, D, generator=g),
+               torch.randn(B, H, S, D, generator=g)) for s in (4.0, 0.1)]  # fmt: skip  # sharp, then flat
+    budgets = []
+    for tau2 in (1.0, 0.25):
+        eng = CompressedKV(make_method("cake", window=1, tau1=1.0, tau2=tau2), 16, L, kernels="torch")
+        for i, (q, k, v) in enumerate(layers):
+            eng.prefill_layer(i, q, k, v, None, D**-0.5)
+        budgets.append(eng.state.prefill_info().layer_budgets.tolist())
+    assert budgets[0] == budgets[1]
+    assert budgets[0][0][0] != budgets[0][0][1]  # the entropies differ: not the uniform split

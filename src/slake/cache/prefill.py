@@ -232,7 +232,8 @@ class PrefillCompressor:
             raise RuntimeError(f"{self.state.method.name} reported no layer preference for a layer below {m + 1}")
         if len({p.device for p in prefs_l}) > 1:  # layers spread over devices (a model split over GPUs)
             prefs_l = [p.cpu() for p in prefs_l]
-        every = torch.stack(prefs_l, -1).float().cpu()  # (B, m + 1), one copy to the host per stage
+        # (B, m + 1) in float64 (CAKE's powers are; a float32 copy would underflow them), one copy to the host per stage
+        every = torch.stack([p.double() for p in prefs_l], -1).cpu()
         for b in range(len(info.real_len)):
             prefs = every[b]
             total = int(self._selectable_total()[b]) * self.state.num_layers

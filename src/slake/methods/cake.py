@@ -105,17 +105,20 @@ def cake_entropy(abar: torch.Tensor) -> torch.Tensor:
 
 
 def cake_preference(abar: torch.Tensor, tau1: float, tau2: float, row_var: torch.Tensor | None = None) -> torch.Tensor:
-    """Layer preference ``P = H^(1/tau1) * V^(1/tau2)`` per batch element, ``(B,)`` float32.
+    """Layer preference ``P = H^(1/tau1) * V^(1/tau2)`` per batch element, ``(B,)`` float64.
 
     See ``docs/methods/cake.md#layer-preference``.
 
     ``abar``: ``(B, Hq, w, S - w)`` window attention over the non-window keys. ``H = -sum a log(a + 1e-10)`` and
     ``V = sum_j Var_i(a)`` are summed over heads, rows and columns of each sample, clamped at ``1e-12`` before the
-    powers. ``row_var``: ``Var_i(a)`` ``(B, Hq, S - w)`` when already computed (the indicator's, :func:`_row_var`).
+    powers, which are taken in float64: in float32 a small variance's power underflows to 0 (``1e-12 ** 4`` at
+    ``tau2 = 0.25``, a value of ``slake calibrate``'s grid), and every layer's preference 0 would split the budget
+    uniformly. ``row_var``: ``Var_i(a)`` ``(B, Hq, S - w)`` when already computed (the indicator's,
+    :func:`_row_var`).
     """
     a = abar.float()
-    ent = cake_entropy(a)
-    var = (_row_var(a) if row_var is None else row_var).sum((1, 2))
+    ent = cake_entropy(a).double()
+    var = (_row_var(a) if row_var is None else row_var).sum((1, 2)).double()
     return ent.clamp_min(EPS) ** (1.0 / tau1) * var.clamp_min(EPS) ** (1.0 / tau2)
 
 
