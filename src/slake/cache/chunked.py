@@ -4,7 +4,8 @@ cache never holds more than the budget plus one chunk (``docs/conventions.md#chu
 This trades the exactness of the prefill for bounded memory: the first chunk is prefilled exactly and compressed
 (:class:`slake.cache.prefill.PrefillCompressor`, budgets and cascade computed from it, with the whole prompt's
 lengths); every later chunk attends over the compressed past plus itself, causally by position, and the method's
-decode rule, fed the chunk's last ``window`` queries, scores the slots for the eviction.
+decode rule, fed the chunk's last ``window`` queries, scores the slots for the eviction. A method that needs the whole
+prompt before it selects (a second pass, KVzip; a one-shot selection, SAGE-KV) is refused (:func:`check_chunkable`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from slake.cache.prefill import PrefillCompressor, check_left_padding
 from slake.cache.state import CacheState
 from slake.methods.base import DecodeInputs
 
-__all__ = ["ChunkedPrefill"]
+__all__ = ["ChunkedPrefill", "check_chunkable"]
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -49,7 +50,11 @@ class ChunkedPrefill:
         return self.padding is not None
 
     def begin(self, key_padding: torch.Tensor) -> None:
-        """Start a chunked prefill of a prompt whose full ``(B, S)`` padding mask (True = padded) is known."""
+        """Start a chunked prefill of a prompt whose full ``(B, S)`` padding mask (True = padded) is known.
+
+        Refuses (ValueError, before anything is stored) a method that cannot prefill in chunks
+        (:func:`check_chunkable`)."""
+        check_chunkable(self.state)
         if self.state.info is not None or any(s is not None for s in self.state.layers):
             raise RuntimeError("begin_chunked_prefill must be called before the first prefill chunk")
         padding = key_padding.bool()
@@ -148,6 +153,23 @@ class ChunkedPrefill:
         if info.layer_budgets is None:
             raise RuntimeError("the first chunk's prefill did not set the layer budgets")
         self.prefill.evict_to(layer_idx, info.layer_budgets[:, layer_idx])
+
+
+def check_chunkable(state: CacheState) -> None:
+    """Refuse (ValueError) a chunked prefill for a method that cannot take one: a method with a second pass over the
+    whole prompt (KVzip, :attr:`Method.second_pass`) or one whose prefill selection is one-shot over the whole prompt
+    (:attr:`Method.not_chunkable`, SAGE-KV). A chunked prefill shows the method's prefill scores the first chunk only
+    and leaves the rest of the prompt to its decode rule: such a method would silently become another one."""
+    m = state.method
+    if m.keeps_everything:
+        return
+    reason = m.not_chunkable
+    if reason is None and m.second_pass is not None:
+        reason = f"it scores the whole prompt in a second pass ({m.second_pass})"
+    if reason is not None:
+        raise ValueError(
+            f"{m.name} cannot prefill in chunks: {reason}; prefill it exactly (prefill_chunk=None, no --prefill-chunk)"
+        )
 
 
 def _empty_padding(store: LayerStore, slots: torch.Tensor, padded: torch.Tensor) -> None:

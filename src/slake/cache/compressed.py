@@ -295,6 +295,13 @@ class CompressedKV:
         through :meth:`prefill_layer` (exact attention inside the chunk, method scores, layer budgets / cascade
         from the chunk); every later chunk is appended, attends over the compressed past plus itself
         (:meth:`decode_attention`) and each layer is evicted back to its budget (:meth:`ChunkedPrefill.evict`).
+
+        Raises
+        ------
+        ValueError
+            Before anything is stored, for a method that cannot prefill in chunks (:func:`slake.cache.chunked.
+            check_chunkable`: a second pass over the whole prompt, KVzip, or a one-shot selection after it,
+            SAGE-KV's ``Method.not_chunkable``).
         """
         self.chunks.begin(key_padding)
 

@@ -173,6 +173,7 @@ class PrefillCompressor:
                 budget=info.budget.to(dev),
                 layer=self.state.layer_context[layer_idx],
                 pass_scores=self.state.pass_scores,
+                prompt_len=info.device_copy("real_len", dev),  # the whole prompt's, in a chunked prefill too
             ),
         )
         store.scores = self.protect(result.scores.float(), positions, valid, newest=S - 1)

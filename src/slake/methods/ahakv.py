@@ -19,7 +19,8 @@ decode once the cache exceeds ``B``). Budgets are uniform over layers and heads.
 
 Where the paper is ambiguous we read it as follows (``docs/methods/ahakv.md#deviations-from-the-paper``): the gain
 multiplies the standard scaled logits, ``softmax(c*A)``; ``c`` is computed once from the real prompt length ``N``
-and the layer budget ``B`` (``max(N, B+1)`` when ``N <= B``) and reused at every decode step; it applies **only to
+and the layer budget ``B`` (``max(N, B+1)`` when ``N <= B``) and reused at every decode step (in a chunked prefill
+``N`` is the whole prompt's, ``PrefillInputs.prompt_len``, for the first chunk's scores too); it applies **only to
 scoring**, the model's attention keeps its own scale; selection uses the refined, pooled score; exactly ``r`` rows;
 value pool: average, kernel 7, same padding, padding not counted; score pool: max, kernel 7; decode increments carry
 no value prior (literal); candidates exclude the recent window, so the total is exactly ``B``.
@@ -147,7 +148,10 @@ class AhaKV(Method):
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Refined, pooled recent-accumulation score ``Ftil`` for every prompt token (it seeds ``acc``)."""
-        c = self.gain((~inputs.key_padding).sum(-1), inputs.budget)
+        # N is the whole prompt's real length (PrefillInputs.prompt_len): during a chunked prefill these inputs hold
+        # the first chunk only, and the later chunks and decode steps use the whole prompt's N (DecodeInputs)
+        n = inputs.prompt_len if inputs.prompt_len is not None else (~inputs.key_padding).sum(-1)
+        c = self.gain(n, inputs.budget)
         f = self._group(sg_rows(inputs, c).sum(2), inputs.keys.shape[1])  # (B, Hkv, S): r terms per candidate
         if self.value_prior:
             f = f * value_prior(inputs.values, inputs.key_padding, self.value_kernel)

@@ -88,6 +88,12 @@ class PrefillInputs:
     pass_scores : torch.Tensor | None
         ``(L, B, Hkv, S)`` float32 per-token scores of *every* layer from the method's second pass over the prompt
         (:attr:`Method.second_pass`, e.g. KVzip's context reconstruction), filled by the engine; None otherwise.
+    prompt_len : torch.Tensor | None
+        ``(B,)`` int64 real (unpadded) length of each sequence's *whole* prompt, filled by the compressor (what
+        ``DecodeInputs.prompt_len`` holds later). It differs from the count of ``key_padding``'s real positions
+        during a chunked prefill (``slake.cache.chunked``), where these inputs hold the first chunk only: a method
+        whose score depends on the prompt length ``N`` (AhaKV's gain) reads it here. None when the caller does not
+        know it; the real positions of ``key_padding`` are then the whole prompt.
     """
 
     queries: torch.Tensor
@@ -101,6 +107,7 @@ class PrefillInputs:
     budget: torch.Tensor | None = None
     layer: LayerContext | None = None
     pass_scores: torch.Tensor | None = None
+    prompt_len: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -118,8 +125,8 @@ class PrefillScores:
         ``(B, Hkv, S)`` float32 eviction indicator; higher = keep. Values at protected and padded positions are
         ignored (the compressor overwrites them).
     preference : torch.Tensor | None
-        ``(B,)`` float32 layer preference (CAKE's ``P_l``, SLAKE's VABS score), > 0, for methods whose
-        ``layer_budgets == "preference"``; None otherwise.
+        ``(B,)`` float32 or float64 layer preference (CAKE's ``P_l``, in float64; SLAKE's VABS score), > 0, for
+        methods whose ``layer_budgets == "preference"``; None otherwise.
     head_visible : torch.Tensor | None
         ``(B, Hkv, g, S)`` bool per-query-head visibility of each prompt token (query head ``h`` is ``(h // g,
         h % g)``), for methods whose query heads of one group see different subsets of the shared KV head
@@ -255,6 +262,12 @@ class Method:
     #: a second pass the engine must run over the prompt before compressing it (:data:`SECOND_PASSES`), whose
     #: per-token scores reach :meth:`prefill_scores` as ``PrefillInputs.pass_scores``; None for single-pass methods
     second_pass: ClassVar[str | None] = None
+    #: why the method cannot prefill in chunks (``prefill_chunk``, :mod:`slake.cache.chunked`), or None when it can.
+    #: Set where the method's prefill selection is by definition one-shot over the whole prompt (SAGE-KV's top-k from
+    #: the prompt's last token): a chunked prefill would select from the first chunk only (or not at all when the chunk
+    #: is within the budget) and leave the rest to the decode rule, silently another method. ``begin_chunked_prefill``
+    #: refuses it (ValueError) before any chunk runs, as it refuses a method with a :attr:`second_pass`
+    not_chunkable: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:

@@ -33,6 +33,8 @@ Choices and deviations (``docs/methods/sagekv.md#deviations-from-the-paper``):
 * With ``linear_cache=True`` tokens evicted from a KV head are folded into its linear state; tokens kept only for
   another query head of the group are neither attended nor folded for this head.
 * Positions stay absolute (``docs/conventions.md#positions``; the paper's choice).
+* Chunked prefill is refused (``not_chunkable``, ``docs/methods/sagekv.md#chunked-prefill``): the selection is one-shot
+  after the whole prompt, which a chunked prefill never shows the method.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class SageKV(Method):
     paper: ClassVar[str] = (
         "Wang et al., LLMs Know What to Drop: Self-Attention Guided KV Cache Eviction for "
         "Efficient Long-Context Inference, arXiv 2503.08879, 2025"
+    )
+    not_chunkable: ClassVar[str | None] = (
+        "its top-k selection is one-shot, by the last token of the whole prompt; a chunked prefill would select by "
+        "the first chunk's last token (nothing when the chunk is within the budget) and then only slide the recent "
+        "region, as StreamingLLM does"
     )
 
     def __post_init__(self) -> None:
