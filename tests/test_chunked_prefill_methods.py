@@ -66,14 +66,34 @@ def test_only_one_shot_and_second_pass_methods_refuse_a_chunked_prefill():
     assert sorted(refused) == ["kvzip", "sagekv"]
 
 
-def test_a_slake_cache_with_prefill_chunk_refuses_sagekv_before_the_model_runs():
+def test_a_slake_cache_with_prefill_chunk_refuses_sagekv_when_it_is_built():
+    """Refused when the cache is built, before any prompt (whatever its length), as KVzip is."""
     model = tiny_model("llama-gqa", layers=2)
-    cache = SlakeCache("sagekv", 24, config=model.config, prefill_chunk=16)
-    with pytest.raises(ValueError, match=REFUSED):
-        prefill(model, cache, random_ids(60, seed=1))
-    assert cache.compressor.layers == [None, None] and not cache.compressor.chunked_prefill
-    exact = SlakeCache("sagekv", 24, config=model.config, prefill_chunk=60)  # a chunk covering the prompt is exact
+    for method in ("sagekv", "kvzip"):
+        with pytest.raises(ValueError, match="cannot prefill in chunks"):
+            SlakeCache(method, 24, config=model.config, prefill_chunk=16)
+    exact = SlakeCache("sagekv", 24, config=model.config)
     assert torch.isfinite(prefill(model, exact, random_ids(60, seed=1))).all()
+
+
+def test_the_command_line_refuses_prefill_chunk_with_unchunkable_methods_before_loading_a_model(monkeypatch):
+    """``slake eval``/``bench``/``generate --prefill-chunk`` with KVzip or SAGE-KV among the methods: one message
+    naming each, before any model work (a sweep stopped when it reached the first of them)."""
+    from slake.cli.validation import refuse_unchunkable
+
+    with pytest.raises(ValueError, match="--prefill-chunk: kvzip cannot prefill in chunks.*; sagekv cannot"):
+        refuse_unchunkable(["snapkv", "kvzip", "sagekv"], 16)
+    refuse_unchunkable(["snapkv", "kvzip", "sagekv"], None)  # exact prefill: nothing to refuse
+    refuse_unchunkable(["snapkv", "ahakv", "slake"], 16)
+    from slake.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("slake.engines.transformers.models.load_model", no_model)
+    assert main(["generate", "--method", "sagekv", "--prefill-chunk", "16", "--prompt", "hi"]) == 2
+    out = ["--suite", "needle", "--out", "unused-eval-folder"]
+    assert main(["eval", "--methods", "snapkv,kvzip", "--budgets", "64", "--prefill-chunk", "16", *out]) == 2
 
 
 def test_slake_generate_refuses_a_chunked_sagekv_prefill():

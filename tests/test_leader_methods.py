@@ -370,10 +370,12 @@ def test_kvzip_needs_its_pass_and_its_prompt():
         prefill(model, cache, ids)
     with pytest.raises(ValueError, match="second pass"), torch.inference_mode():
         model(ids, **with_cache(model, SlakeCache("kvzip", 24, config=model.config)))
-    chunked = SlakeCache("kvzip", 24, config=model.config, prefill_chunk=16)
-    second_pass_ready(model, chunked)
-    with pytest.raises(ValueError, match="cannot prefill in chunks"):
-        prefill(model, chunked, ids)
+    with pytest.raises(ValueError, match="cannot prefill in chunks"):  # refused when the cache is built
+        SlakeCache("kvzip", 24, config=model.config, prefill_chunk=16)
+    exact = SlakeCache("kvzip", 24, config=model.config)
+    second_pass_ready(model, exact)
+    with pytest.raises(ValueError, match="cannot prefill in chunks"):  # a chunk given to prefill
+        prefill(model, exact, ids, prefill_chunk=16)
 
 
 def test_reconstruction_prompt_splits_the_chat_template():

@@ -19,7 +19,7 @@ from slake.cache.decoding import Decoder, layer_logits
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.prefill import PrefillCompressor, check_left_padding
 from slake.cache.state import CacheState
-from slake.methods.base import DecodeInputs
+from slake.methods.base import DecodeInputs, Method
 
 __all__ = ["ChunkedPrefill", "check_chunkable"]
 
@@ -54,7 +54,7 @@ class ChunkedPrefill:
 
         Refuses (ValueError, before anything is stored) a method that cannot prefill in chunks
         (:func:`check_chunkable`)."""
-        check_chunkable(self.state)
+        check_chunkable(self.state.method)
         if self.state.info is not None or any(s is not None for s in self.state.layers):
             raise RuntimeError("begin_chunked_prefill must be called before the first prefill chunk")
         padding = key_padding.bool()
@@ -155,12 +155,12 @@ class ChunkedPrefill:
         self.prefill.evict_to(layer_idx, info.layer_budgets[:, layer_idx])
 
 
-def check_chunkable(state: CacheState) -> None:
+def check_chunkable(method: Method) -> None:
     """Refuse (ValueError) a chunked prefill for a method that cannot take one: a method with a second pass over the
     whole prompt (KVzip, :attr:`Method.second_pass`) or one whose prefill selection is one-shot over the whole prompt
     (:attr:`Method.not_chunkable`, SAGE-KV). A chunked prefill shows the method's prefill scores the first chunk only
     and leaves the rest of the prompt to its decode rule: such a method would silently become another one."""
-    m = state.method
+    m = method
     if m.keeps_everything:
         return
     reason = m.not_chunkable

@@ -144,7 +144,7 @@ class PrefillCompressor:
         if info.prompt_len != S and not chunked:
             raise RuntimeError(f"layer {layer_idx} prefilled with {S} tokens, layer 0 with {info.prompt_len}")
         if info.compress_any:  # before the layer's state changes
-            self.state.check_engine_inputs(layer_idx, chunked)
+            self.state.check_engine_inputs(layer_idx)
         self.state.seen[layer_idx] = S
         self.state.position[layer_idx] = torch.tensor(S, dtype=torch.int64, device=dev)
         positions = torch.arange(S, device=dev).view(1, 1, S).expand(B, H, S).contiguous()

@@ -99,7 +99,7 @@ class CacheState:
         self.layer_context: list[LayerContext | None] = [None] * num_layers
         self.pass_scores: torch.Tensor | None = None
 
-    def check_engine_inputs(self, layer_idx: int, chunked: bool) -> None:
+    def check_engine_inputs(self, layer_idx: int) -> None:
         """Refuse a prefill that lacks what the engine must give the method: its layer facts (rotary embedding,
         output projection) and its second pass's scores (ValueError, before anything is compressed)."""
         m = self.method
@@ -113,8 +113,6 @@ class CacheState:
                 f"provide (the transformers engine reads them from the model at the first forward; a model without "
                 f"a rotary embedding or an output projection cannot run {m.name})"
             )
-        if m.second_pass is not None and chunked:
-            raise ValueError(f"{m.name} needs the whole prompt for its second pass; it cannot prefill in chunks")
         if m.second_pass is not None and self.pass_scores is None:
             raise ValueError(
                 f"{m.name} scores the prompt with a second pass ({m.second_pass}) before compressing it: prefill it "

@@ -159,6 +159,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         0 on success. Invalid arguments raise ValueError (the ``slake`` entry point prints them, exit code 2).
     """
     from slake.cache.quant import parse_kv_dtype
+    from slake.cli.validation import refuse_unchunkable
     from slake.engines.base import EvalOptions
     from slake.eval.protocol import resolve_protocol_args
     from slake.eval.results import read_results, row_key, scan_results
@@ -169,6 +170,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     protocol = resolve_protocol_args(args)  # fills --suite, --lengths, --budgets, --question-agnostic
     engine = engine or engine_from_args(args)
     methods = resolve_methods(args.methods)
+    refuse_unchunkable(methods, args.prefill_chunk)
     budgets = parse_budgets(args.budgets) if methods else []
     for m in methods:
         for b in budgets:

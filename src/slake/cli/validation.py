@@ -22,7 +22,7 @@ from slake.cli.options import engine_from_args, parse_hyperparameters, split_lis
 from slake.engines.transformers.models import check_device
 from slake.methods.budget_check import check_method_budget
 
-__all__ = ["read_prompt", "read_text", "validate_args"]
+__all__ = ["read_prompt", "read_text", "refuse_unchunkable", "validate_args"]
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
@@ -96,6 +96,25 @@ def _pairs(methods: list[str], budgets: list[Any]) -> None:
             check_method_budget(m, b)
 
 
+def refuse_unchunkable(methods: list[Any], prefill_chunk: int | None) -> None:
+    """Refuse (ValueError) ``--prefill-chunk`` with methods that cannot prefill in chunks (KVzip's second pass,
+    SAGE-KV's one-shot selection: :func:`slake.cache.chunked.check_chunkable`), naming every such method, before any
+    model work: a sweep would otherwise stop when it reaches the first of them."""
+    if prefill_chunk is None:
+        return
+    from slake.cache.chunked import check_chunkable
+    from slake.methods.base import Method, make_method
+
+    problems = []
+    for m in methods:
+        try:
+            check_chunkable(m if isinstance(m, Method) else make_method(m))
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError(f"--prefill-chunk: {'; '.join(problems)}")
+
+
 def _check_common(args: argparse.Namespace) -> None:
     from slake.engines.transformers.models import default_device, parse_dtype
 
@@ -122,6 +141,7 @@ def _check_generate(args: argparse.Namespace) -> None:
         hyper["linear_cache"] = args.linear_cache
     method = make_method(args.method, **hyper)
     check_method_budget(method, Budget(args.budget))
+    refuse_unchunkable([method], args.prefill_chunk)
     if args.sample:
         _positive(args, "temperature")
         _finite(args, "top_p", 0.0, 1.0)
@@ -161,6 +181,7 @@ def _check_bench(args: argparse.Namespace) -> None:
     methods = bench_methods(args.methods, baselines)
     budgets = [Budget(b).value for b in split_list(args.budget, "--budget")]
     _pairs([m for m in methods if m != "full" and m not in baselines], budgets)
+    refuse_unchunkable([m for m in methods if m != "full" and m not in baselines], args.prefill_chunk)
     check_serve_options(args)
     bench_lengths(args)
     if args.random_model:

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
 from slake.budgets.budget import Budget
+from slake.cache.chunked import check_chunkable
 from slake.cache.compressed import CompressedKV
 from slake.cache.prefill import check_left_padding
 from slake.cache.state import PrefillInfo
@@ -231,6 +232,8 @@ class SlakeCache(Cache):
             kernels=kernels,
         )
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
+        if self.prefill_chunk is not None:  # refused when the cache is built, not at its first prompt
+            check_chunkable(m)
         if max_cache_len is not None:
             if isinstance(max_cache_len, bool) or int(max_cache_len) < 2:
                 raise ValueError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), got {max_cache_len!r}")

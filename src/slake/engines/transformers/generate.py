@@ -12,6 +12,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from slake.budgets.budget import Budget
+from slake.cache.chunked import check_chunkable
 from slake.engines.context import check_context, context_limit
 from slake.engines.result import GenerationResult
 from slake.engines.transformers.attention import prepare_model
@@ -100,11 +101,9 @@ def prefill(
     chunk = prefill_chunk if prefill_chunk is not None else getattr(cache, "prefill_chunk", None)
     if trailing_tokens:
         cache.compressor.expect_trailing_prompt_tokens(trailing_tokens)
+    if chunk is not None and chunk < input_ids.shape[1]:
+        check_chunkable(cache.method)  # KVzip's second pass, SAGE-KV's one-shot selection
     if cache.method.second_pass is not None:
-        if chunk is not None and chunk < input_ids.shape[1]:
-            raise ValueError(
-                f"{cache.method.name} scores the whole prompt in a second pass; it cannot prefill in chunks"
-            )
         from slake.engines.transformers.reconstruction import prefill_with_second_pass
 
         return prefill_with_second_pass(model, cache, input_ids, attention_mask)
