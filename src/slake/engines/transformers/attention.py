@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from slake.engines.transformers.cache import SlakeCache, _set_current, current_layer
 from slake.engines.transformers.cache_kwarg import cache_from_kwargs
-from slake.engines.transformers.layer_layout import check_supported_attention
+from slake.engines.transformers.layer_layout import check_supported_attention, text_config
 from slake.engines.transformers.window_layer import _set_current as _set_window
 from slake.engines.transformers.window_layer import current_window
 
@@ -160,7 +160,7 @@ def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> No
     source = ids if ids is not None else embeds
     q = int(source.shape[1]) if source is not None and source.dim() >= 2 else None
     cfg = getattr(module, "config", None)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    text = None if cfg is None else text_config(cfg)
     cache.check_forward(
         getattr(text, "num_hidden_layers", None), q, kwargs.get("attention_mask"), kwargs.get("position_ids")
     )

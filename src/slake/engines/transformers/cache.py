@@ -20,7 +20,7 @@ from slake.cache.chunked import check_chunkable
 from slake.cache.compressed import CompressedKV
 from slake.cache.prefill import check_left_padding
 from slake.cache.state import PrefillInfo
-from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout
+from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout, text_config
 from slake.engines.transformers.window_layer import WindowLayer
 from slake.methods.base import Method, check_compileable
 
@@ -462,8 +462,7 @@ def _resolve_num_layers(num_layers, config) -> int:
         num_layers, config = None, num_layers
     from_config = None
     if config is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        from_config = getattr(text, "num_hidden_layers", None)
+        from_config = getattr(text_config(config), "num_hidden_layers", None)
         if not isinstance(from_config, int) or from_config < 1:
             raise ValueError(f"the config has no valid num_hidden_layers ({from_config!r})")
     if num_layers is None:
