@@ -102,7 +102,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         sample = ruler_sample(args.task, tokenizer, args.length, seed=args.seed, depth=args.depth)
     # the prompt exactly as the evaluation builds it: chat template, question last, and for RULER tasks the answer
-    # prefix ("The special magic number for X mentioned in the provided text is") opening the assistant turn
+    # prefix ("The special magic number for X mentioned in the text above is") opening the assistant turn
     prompt = build_prompt(sample, tokenizer)
     assert isinstance(prompt, str)  # query-aware prompts are one string
     runs: dict[str, dict[str, Any]] = {}

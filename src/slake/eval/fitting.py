@@ -56,9 +56,11 @@ def fit_to_length(
     between measured points and falls back to bisection, so a long prompt is tokenized only a
     handful of times.
 
-    The target is a maximum, as RULER's ``max_seq_length`` is: RULER grows each haystack in steps
-    of whole units (``incremental`` sentences, needles or documents) and keeps the largest that
-    stays within the maximum, however far below it that is.  Here the step is one unit, and a fit
+    The target is a maximum, as RULER's ``max_seq_length`` is (which also counts the tokens to
+    generate: RULER keeps a haystack whose prompt plus ``tokens_to_generate`` fits, so its prompts
+    are up to 128 tokens shorter than these; ``slake.eval.ruler``): RULER searches each haystack's
+    size in whole units (sentences, needles or documents) and keeps the largest that stays within
+    the maximum, however far below it that is.  Here the step is one unit too, and a fit
     more than ``tolerance`` short is still accepted when the next size overshoots the target: the
     haystack unit is then coarser than the tolerance (a UUID key-value needle of about 60 tokens
     is 3% of 2,048), so no size gets closer without going over, and the shortfall is below one

@@ -22,15 +22,33 @@ qa_1                      SQuAD: gold paragraph among distractor paragraphs     
 qa_2                      HotpotQA: gold paragraphs among distractor paragraphs      part      32
 ========================  =========================================================  ========  =====
 
-Deviations from the reference implementation: no few-shot example is prepended to vt/cwe/fwe;
-cwe words come from the essays' vocabulary (or a given list) and lower their repetition counts
-for short targets; lengths count the plain prompt (``context + question + answer_prefix``)
-without chat-template tokens.
+Deviations from the reference implementation (NVIDIA/RULER, checked against its scripts on
+2026-11-29):
 
-Lengths: the target is a maximum, as RULER's ``max_seq_length``.  RULER adds haystack in steps of
-``incremental`` units and keeps the largest haystack whose prompt stays within the maximum; here the
-step is one unit (:func:`slake.eval.fitting.fit_to_length`), and a prompt ends within 2% below the
-target or, when one unit is coarser than that (the ~60-token UUID distractor needles of
+* no few-shot example is prepended to vt/cwe/fwe;
+* cwe words come from the essays' vocabulary (or a given list) and lower their repetition counts
+  for short targets;
+* lengths count the plain prompt (``context + question + answer_prefix``) without chat-template
+  tokens, and not the tokens to generate: RULER's ``max_seq_length`` counts those too (it keeps a
+  haystack whose prompt plus ``tokens_to_generate`` fits), so at a given length these prompts are
+  up to the task's ``max`` (128 tokens for niah) longer than RULER's;
+* our own wording, with RULER's structure: one-answer needle tasks ask in the singular and the
+  others ask for all values, as RULER's do; vt's prefix says how many variables to list (since
+  2026-11-29; before, every needle task asked in the plural and vt's prefix gave no count);
+* haystack layout: units are joined by spaces where RULER puts each on its own line, the noise
+  unit is one sentence (RULER's is a five-sentence block), vt's statements end with a full stop,
+  and the essay haystack starts at a random sentence (RULER's at the essays' beginning);
+* qa_1 draws its distractor paragraphs from every other SQuAD paragraph; RULER takes them first
+  from the gold paragraph's own article (at 4K nearly all of them), which makes its distractors
+  harder; the last distractor is cut to fit where RULER keeps whole documents;
+* fwe samples Zipf frequencies over 1,000 ranks of 3-6-letter coded words (redrawing ties), with
+  ``....`` as noise; RULER sets each word's count to ``int(N k^-alpha / zeta(alpha))`` over
+  ``(L - 50) // 50`` ranks of 6-letter words, with ``...`` as noise.
+
+Lengths: the target is a maximum, as RULER's ``max_seq_length`` (but for the tokens to generate,
+above).  RULER searches the haystack's size in whole units and keeps the largest whose prompt stays
+within the maximum; here the step is one unit (:func:`slake.eval.fitting.fit_to_length`), and a
+prompt ends within 2% below the target or, when one unit is coarser than that (the ~60-token UUID distractor needles of
 niah_multikey_3 at up to ~3,000 tokens), less than one unit below it.  A qa record whose own paragraphs
 alone exceed the target (HotpotQA's ten, over 1,024 tokens for most records) is redrawn from the
 sample's seed (``metadata["attempt"]``), so at short lengths qa_2 draws from the shorter records;

@@ -128,14 +128,23 @@ def niah_renderer(
         depths[target_index] = depth / 100.0
     answers = [v for k in queried for v in values_by_key[k]]
 
-    plural = cfg.value_type
-    instruction = (
-        f"Some special magic {plural} are hidden inside the following text. Memorize them "
-        f"carefully: you will be asked about the {plural} at the end.\n\n"
-    )
     key_text = _join_keys(queried)
-    question = f"What are all the special magic {plural} for {key_text} mentioned in the text above?"
-    prefix = f" The special magic {plural} for {key_text} mentioned in the text above are"
+    if cfg.num_queries * cfg.num_values == 1:  # one answer: asked in the singular, as RULER asks it
+        one = _SINGULAR[cfg.value_type]
+        instruction = (
+            f"A special magic {one} is hidden inside the following text. Memorize it carefully: you will be "
+            f"asked about the {one} at the end.\n\n"
+        )
+        question = f"What is the special magic {one} for {key_text} mentioned in the text above?"
+        prefix = f" The special magic {one} for {key_text} mentioned in the text above is"
+    else:
+        plural = cfg.value_type
+        instruction = (
+            f"Some special magic {plural} are hidden inside the following text. Memorize them "
+            f"carefully: you will be asked about the {plural} at the end.\n\n"
+        )
+        question = f"What are all the special magic {plural} for {key_text} mentioned in the text above?"
+        prefix = f" The special magic {plural} for {key_text} mentioned in the text above are"
 
     if cfg.haystack == "essay":
         words = essay_words(default_essays(essays))

@@ -69,7 +69,8 @@ def vt_renderer(seed: int | str, num_chains: int = 1, num_hops: int = 4) -> Call
         f"Which variables hold the value {value}, either directly or through a chain of "
         "assignments in the text above? List all of them."
     )
-    prefix = f" Following the assignments in the text above, the variables holding the value {value} are:"
+    # the count of variables asked for, as RULER's prefix gives it ("{num_v} variables are assigned the value ...")
+    prefix = f" Following the assignments in the text above, {num_hops + 1} variables hold the value {value}; they are:"
 
     def render(n: int) -> Draft:
         units, positions = insert_at_depths(noise_units(n), statements, depths)
