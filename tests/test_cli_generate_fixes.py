@@ -94,7 +94,7 @@ def test_make_prompt_writes_the_prompt_whose_tokens_it_counts(tmp_path, monkeypa
     text = (tmp_path / "doc.txt").read_text(encoding="utf-8")
     printed = int(capsys.readouterr().err.split("(")[1].split(" tokens")[0])
     assert count_tokens(word_tokenizer(), text) == printed
-    assert text.endswith("mentioned in the text above are")  # the answer prefix opens the answer
+    assert text.endswith("mentioned in the text above is")  # the answer prefix opens the answer
 
 
 def test_make_prompt_refuses_depth_for_a_task_without_a_needle(tmp_path, monkeypatch, capsys):
