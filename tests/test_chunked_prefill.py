@@ -57,8 +57,8 @@ def test_cache_stays_bounded_during_chunked_prefill(llama_gqa, method):
     engine = cache.compressor
     orig = engine.chunks.evict
 
-    def spy(layer_idx, x, newest, *rest):
-        orig(layer_idx, x, newest, *rest)
+    def spy(layer_idx, newest):
+        orig(layer_idx, newest)
         sizes.append(max(engine.layers[l].capacity for l in range(L) if engine.layers[l] is not None))
 
     engine.chunks.evict = spy

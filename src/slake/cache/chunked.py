@@ -4,7 +4,8 @@ cache never holds more than the budget plus one chunk (``docs/conventions.md#chu
 This trades the exactness of the prefill for bounded memory: the first chunk is prefilled exactly and compressed
 (:class:`slake.cache.prefill.PrefillCompressor`, budgets and cascade computed from it, with the whole prompt's
 lengths); every later chunk attends over the compressed past plus itself, causally by position, and the method's
-decode rule, fed the chunk's last ``window`` queries, scores the slots for the eviction. A method that needs the whole
+decode rule, fed the chunk's last ``window`` queries (every query for a rule that accumulates each query's attention,
+``Method.decode_accumulates``), scores the slots for the eviction. A method that needs the whole
 prompt before it selects (a second pass, KVzip; a one-shot selection, SAGE-KV) is refused (:func:`check_chunkable`).
 """
 
@@ -102,35 +103,41 @@ class ChunkedPrefill:
     def attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """The chunk's attention over the compressed past (plus the linear term) and the chunk itself, causal by
         position, in query blocks that bound the transient logits to ``_CHUNK_QUERY_BLOCK x n``; then the layer is
-        evicted back to its budget (:meth:`evict`). Returns ``(B, Hq, n_q, d)`` float32."""
+        scored and evicted back to its budget (:meth:`evict`). Returns ``(B, Hq, n_q, d)`` float32.
+
+        The decode rule scores the slots from the chunk's last ``window`` queries (its observation window), or from
+        every query for a rule that adds each query's attention into a running score (``Method.decode_accumulates``:
+        H2O and AhaKV, whose prefill sums every prompt query), block by block as the attention goes."""
         state = self.state
         store = state.store(layer_idx)
         B, Hq, nq, d = queries.shape
         newest = state.seen[layer_idx] - 1
         qpos = torch.arange(newest - nq + 1, newest + 1, device=queries.device)
+        evicting = state.targets[layer_idx] is not None and not state.method.keeps_everything
+        every_query = evicting and state.method.decode_accumulates
         outs = []
         for b0 in range(0, nq, _CHUNK_QUERY_BLOCK):
             b1 = min(b0 + _CHUNK_QUERY_BLOCK, nq)
             qf, x = layer_logits(store, queries[:, :, b0:b1], qpos[b0:b1], scaling)
+            if every_query:  # before attend overwrites the logits; the rule's sum over the blocks is its sum over all
+                self.score(layer_idx, x, qf)
             out = attend(qf, x, store.dense_values(), store.linear, 1.0, overwrite_logits=True)
             outs.append(out.reshape(B, Hq, b1 - b0, d))
-        if state.targets[layer_idx] is not None and not state.method.keeps_everything:
-            w = max(min(state.method.window, nq), 1)
-            qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
-            self.evict(layer_idx, x, newest, qw)
+        if evicting:
+            if not every_query:
+                w = max(min(state.method.window, nq), 1)
+                qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
+                self.score(layer_idx, x, qw)
+            self.evict(layer_idx, newest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def evict(self, layer_idx: int, x: torch.Tensor, newest: int, queries: torch.Tensor | None = None) -> None:
-        """Evict a layer back to its budget after a prompt chunk; ``x``: logits of the chunk's last queries.
-
-        The method's decode rule scores the slots from the softmax of the chunk's last ``window`` queries (its
-        observation window; all of them when the chunk is shorter); protected tokens are the last ``window``
-        positions and the sinks; the layer's per-head budgets come from :meth:`Method.head_budgets` as at prefill.
-        """
+    def score(self, layer_idx: int, x: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        """Update a layer's slot scores with the method's decode rule from ``x``, the ``(B, Hkv, g, n_q, n)`` logits
+        of some of the chunk's queries (``queries``: those queries, for rules that read them)."""
         state = self.state
         store = state.store(layer_idx)
         info = state.prefill_info()
-        B, H, g, w, n = x.shape  # logits of the chunk's last ``w`` queries
+        B, H, g, w, n = x.shape
         probs = safe_softmax(x)
         store.scores = state.method.decode_scores(
             DecodeInputs(
@@ -149,10 +156,31 @@ class ChunkedPrefill:
                 ),
             )
         ).float()
-        store.scores = self.prefill.protect(store.scores, store.positions, store.valid, newest)
+
+    def evict(self, layer_idx: int, newest: int) -> None:
+        """Evict a layer back to its budget after a prompt chunk has been scored (:meth:`score`).
+
+        Protected tokens are the last ``window`` positions and the sinks; the layer's per-head budgets come from
+        :meth:`Method.head_budgets` as at prefill. A method that carries the protected tokens' own scores
+        (``Method.carry_protected_scores``: H2O, AhaKV) keeps them after the eviction, as its prefill does, so that a
+        window token's running score is not lost when the next chunk or the decode reads it.
+        """
+        state = self.state
+        store = state.store(layer_idx)
+        info = state.prefill_info()
+        raw = store.scores
+        store.scores = self.prefill.protect(raw, store.positions, store.valid, newest)
         if info.layer_budgets is None:
             raise RuntimeError("the first chunk's prefill did not set the layer budgets")
+        carry = state.method.carry_protected_scores
+        if carry:  # each valid slot's own score by position (positions are unique in a row); empty slots aside
+            by_position = torch.zeros(*raw.shape[:2], newest + 2, dtype=raw.dtype, device=raw.device)
+            at = torch.where(store.valid, store.positions, newest + 1)
+            by_position.scatter_(-1, at, raw)
         self.prefill.evict_to(layer_idx, info.layer_budgets[:, layer_idx])
+        if carry:
+            carried = by_position.gather(-1, torch.where(store.valid, store.positions, newest + 1))
+            store.scores = torch.where(store.valid & torch.isposinf(store.scores), carried, store.scores)
 
 
 def check_chunkable(method: Method) -> None:

@@ -232,10 +232,11 @@ class Method:
     #: True when the newest token may itself be evicted at decode (TOVA); the window is then not protected
     newest_evictable: ClassVar[bool] = False
     #: True when the decode rule adds every step's attention into the stored score (H2O, AhaKV; KVzip's running
-    #: max): a block of several tokens fed after the prefill (a later chat turn) is scored from every one of its
-    #: queries, as that many decode steps would add them. False: from its last ``window`` queries (at least one),
-    #: its observation window, as a prompt chunk is scored (``slake.cache.chunked``) and as the prefill scores the
-    #: prompt; the mean over every query of a block would favour its earlier tokens, which more queries see
+    #: max): a block of several tokens fed after the prefill (a later chat turn) and a later prompt chunk of a
+    #: chunked prefill (``slake.cache.chunked``) are scored from every one of their queries, as that many decode
+    #: steps would add them. False: from its last ``window`` queries (at least one), its observation window, as the
+    #: prefill scores the prompt; the mean over every query of a block would favour its earlier tokens, which more
+    #: queries see
     decode_accumulates: ClassVar[bool] = False
     #: True when a single-token decode step evicts before its attention output (SLAKE Algorithm 1);
     #: False when the output uses the pre-eviction cache (CAKE reference code, H2O, TOVA). A multi-token block
