@@ -5,14 +5,15 @@
 #   bash benchmarks/gpu_session.sh PART [OUT]
 #
 # PART: short | short2 | info | tests | profile | eager | compiled-short | compiled-long | torch | pool | kernels | host |
-#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | append-only | sanitize | all
+#       host-compiled | kernel-parts | kernel-tune | pool-tune | launch | guards | hybrid | append-only |
+#       criticalkv-wide | sanitize | all
 # OUT:  where the rows and logs go (default: $OUT if set, else docs/results/gpu_h100); every part writes
 #       OUT/PART.log beside its rows, so a part that fails still leaves what it printed.
 # The parts are independent; "all" runs them in order (longer than one 10-minute call). "short" is for a session
 # with 15 minutes of device time in all (machine start included): one call of at most ~9 minutes that runs the most
 # telling measurements first and skips what its deadline (SHORT_SECONDS, default 530) leaves no time for.
 set -u
-part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|append-only|sanitize|all [OUT]}
+part=${1:?usage: bash benchmarks/gpu_session.sh short|short2|info|tests|profile|eager|compiled-short|compiled-long|torch|pool|kernels|host|host-compiled|kernel-parts|kernel-tune|pool-tune|launch|guards|hybrid|append-only|criticalkv-wide|sanitize|all [OUT]}
 out=${2:-${OUT:-docs/results/gpu_h100}}
 mkdir -p "$out"
 # every compilation of slake's kernels in this call, logged (slake.kernels.compile_log): the next build of Triton's
@@ -132,6 +133,14 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         "${bench[@]}" --methods "full,slake,slake[decode_eviction=false]" --budget 0.5 --lengths 32768,65536 \
             --decode-timing interleaved --out "$out/append_only"
         ;;
+    criticalkv-wide)
+        # CriticalKV's blockwise first stage on rows wider than 16,384 slots (triton_wide's radix select, which since
+        # 2026-11-29 reads each slot's position in all 8 passes so that the protected slots take their places first:
+        # 13 bytes a slot and pass instead of 5), beside SnapKV's rows of the same width: half of a 64K prompt kept;
+        # eager, timed interleaved (not timed on a GPU yet)
+        "${bench[@]}" --methods full,snapkv,criticalkv --budget 0.5 --lengths 65536 --decode-timing interleaved \
+            --out "$out/criticalkv_wide"
+        ;;
     kernels)
         # the fused step alone at the transformers rows' budget: batch 1 (rows split over programs) and 8, per layer
         # as one CUDA graph, fused against the torch step
@@ -221,7 +230,7 @@ sanitize() {
 # bench beside it (the smoke tests alone took 134 s).
 SHORT_STEPS=("info 10" "smoke 250" "compiled-128k 270" "compiled-32k 90" "eager-targets 200" "pool-8 65" "host 70")
 SHORT2_STEPS=("eager-targets 200" "compiled-32k 90" "compiled-128k 270" "host 70" "pool-tune 50" "kernel-tune 115" \
-    "kernel-parts 90" "launch 170" "host-compiled 80" "kernels-1 130" "profile 200")
+    "kernel-parts 90" "launch 170" "host-compiled 80" "kernels-1 130" "criticalkv-wide 150" "profile 200")
 
 # Triton's cache of the fused kernels built without a GPU (benchmarks/warm_cache.py, `make warm-cache`), when the call
 # carried it (run's carry: .warm-cache/triton-sm90.tgz) and it was built for this machine's Triton and GPU: the
@@ -364,7 +373,7 @@ fi
 if [ "$part" = all ]; then
     status=0
     for p in info tests profile eager compiled-short compiled-long torch pool kernels host host-compiled kernel-parts kernel-tune \
-        pool-tune launch guards hybrid append-only; do
+        pool-tune launch guards hybrid append-only criticalkv-wide; do
         run_part "$p" 2>&1 | tee "$out/$p.log" || status=1
     done
     exit $status
