@@ -78,7 +78,8 @@ def test_only_the_full_attention_layers_are_compressed(hybrid):
         full
     )  # selectable tokens (window excluded)
     kv = stats["kv_bytes"]
-    held = sum(cache.layers[i].keys.numel() * 4 * 2 for i in sliding)
+    # what the layers' storage holds: after a decode step, the window plus the new token (the step's concatenation)
+    held = sum(getattr(cache.layers[i], n).untyped_storage().nbytes() for i in sliding for n in ("keys", "values"))
     assert kv["sliding"] == held > 0
     for i in sliding:  # transformers' own bounded layer: at most the window
         assert type(cache.layers[i]).__name__ == "DynamicSlidingWindowLayer"
@@ -250,12 +251,12 @@ def test_fixed_shape_decoding_of_a_hybrid_model_equals_its_dynamic_decoding(hybr
         rings = [cache.layers[i] for i in cache.layout.bounded]
         assert rings and all(isinstance(r, WindowLayer) and r.window == WINDOW for r in rings)
         assert cache.is_compileable
-        # the rings' bytes: their keys and values as `sliding` (one slot more than the dynamic layers keep between
-        # steps, window - 1), each slot's int64 position in `metadata`
+        # the rings' bytes: their keys and values as `sliding`, each slot's int64 position in `metadata`; the dynamic
+        # layers keep window - 1 tokens as a view of the step's concatenation of window tokens, all of it held
         ours, theirs = cache.byte_counts(), dynamic_cache.byte_counts()
         B, H, _, d = rings[0].keys.shape
         slot = 2 * B * H * d * rings[0].keys.element_size()
-        assert ours["sliding"] == len(rings) * WINDOW * slot and theirs["sliding"] == len(rings) * (WINDOW - 1) * slot
+        assert ours["sliding"] == len(rings) * WINDOW * slot and theirs["sliding"] == len(rings) * WINDOW * slot
         assert ours["metadata"] - cache.compressor.byte_counts()["metadata"] == len(rings) * B * WINDOW * 8
 
 

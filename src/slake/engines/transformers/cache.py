@@ -13,13 +13,14 @@ import threading
 from typing import Any
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from slake.budgets.budget import Budget
 from slake.cache.chunked import check_chunkable
 from slake.cache.compressed import CompressedKV
 from slake.cache.prefill import check_left_padding
 from slake.cache.state import PrefillInfo
+from slake.engines.transformers.bounded_layers import bounded_layer, held_bytes
 from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout, text_config
 from slake.engines.transformers.window_layer import WindowLayer
 from slake.methods.base import Method, check_compileable
@@ -269,8 +270,8 @@ class SlakeCache(Cache):
                 kind, kwargs = self.layout.bounded[i]
                 if self.static_len is not None:  # a fixed-shape ring (transformers' static layer recompiles per step)
                     layers.append(WindowLayer(kwargs["sliding_window"], self.static_len))
-                else:
-                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+                else:  # transformers' own layer, copying what it keeps out of the whole prompt (bounded_layers)
+                    layers.append(bounded_layer(kind, kwargs))
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -409,19 +410,19 @@ class SlakeCache(Cache):
     def byte_counts(self, sequence: int | None = None) -> dict[str, int]:
         """Bytes held: the compressor's counts (``full``, ``kept``, ``padding``, ``slack``, ``metadata``,
         ``linear_state``; :meth:`slake.cache.compressed.CompressedKV.byte_counts`) and, in a hybrid model,
-        ``sliding``: what the sliding-window and chunked layers hold in transformers' own bounded caches, or in a
-        fixed-shape cache's rings (whose slots' positions count in ``metadata``).
+        ``sliding``: what the sliding-window and chunked layers hold in transformers' own bounded caches (their
+        tensors' storage, :func:`~slake.engines.transformers.bounded_layers.held_bytes`), or in a fixed-shape
+        cache's rings (whose slots' positions count in ``metadata``).
         ``sequence``: one sequence of the batch."""
         counts = self.compressor.byte_counts(sequence)
         if self.layout.hybrid:
-            held = 0
-            for i in self.layout.bounded:
-                layer = self.layers[i]
-                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                    if t is not None:
-                        t = t if sequence is None else t[sequence]
-                        held += t.numel() * t.element_size()
-            counts["sliding"] = held
+            held = [
+                t
+                for i in self.layout.bounded
+                for t in (getattr(self.layers[i], "keys", None), getattr(self.layers[i], "values", None))
+                if isinstance(t, torch.Tensor)
+            ]
+            counts["sliding"] = held_bytes(held, sequence)  # their storage: a view keeps all of it alive
             for i in self.layout.bounded:  # a fixed-shape cache's ring keeps each slot's position
                 positions = getattr(self.layers[i], "positions", None)
                 if positions is not None:
