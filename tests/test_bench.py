@@ -76,8 +76,9 @@ def test_bench_end_to_end_writes_jsonl_md_png_and_json(tmp_path, capsys):
     assert all(r["decode_timing"] == "interleaved" and r["decode_ms_sequential"] > 0 for r in rows)
     assert "timed in turn" in md and "decode vs first" in md
     # each length's first configuration is the reference of the paired ratios (1.0 against itself)
-    assert by[("full", 48)]["decode_vs_first"] == 1.0 and by[("slake", 96)]["decode_first"] == "full@40"
-    assert "| 1.000 × full@40 |" in md
+    # the full cache keeps every token: no budget in its label or its table row (before: "full@40", "| full | 40 |")
+    assert by[("full", 48)]["decode_vs_first"] == 1.0 and by[("slake", 96)]["decode_first"] == "full"
+    assert "| 1.000 × full |" in md and "| full | - | 48 |" in md
     # steps issued back to back are timed on CUDA only (a CPU step is synchronous)
     assert all(r["decode_ms_pipelined"] is None and "pipelined_vs_roofline" not in r for r in rows)
     assert "back to back" not in md

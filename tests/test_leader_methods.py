@@ -348,13 +348,22 @@ def test_kvzip_layers_keep_the_global_top_k_rounded_per_head(two_models):
     ids = random_ids(90, seed=15)
     cache = SlakeCache("kvzip", 24, config=model.config)
     second_pass_ready(model, cache)
+    eng = cache.compressor
+    seen = []  # the second pass's scores, which the cache drops after its last layer's prefill
+    layer_prefill = eng.prefill.prefill_layer
+
+    def spy(*args, **kwargs):
+        seen.append(eng.pass_scores)
+        return layer_prefill(*args, **kwargs)
+
+    eng.prefill.prefill_layer = spy
     with torch.inference_mode():
         prefill(model, cache, ids)
-    eng = cache.compressor
+    assert eng.pass_scores is None
     total = 2 * HKV * (24 - 4)
     kept = [int(t.sum()) - HKV * 4 for t in eng.targets]
     assert sum(kept) == total
-    scores = eng.pass_scores
+    scores = seen[0]
     cand = torch.zeros(1, 90, dtype=torch.bool)
     cand[:, 4:] = True
     counts = global_layer_counts(scores, cand, torch.tensor([total]))[0].tolist()

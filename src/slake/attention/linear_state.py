@@ -279,7 +279,9 @@ class LinearState:
             return
         buf = self._row_buffers
         if buf is None or buf[0].shape != (B, H, e, d1) or buf[0].device != aug.device:
-            buf = self._row_buffers = self.new_row_buffers(e)
+            buf = self.new_row_buffers(e)
+            if e == 1:  # a decode step's: kept for the next step; a larger eviction's are freed after it
+                self._row_buffers = buf
         kb, vb = buf
         gi = slots[..., None].expand(-1, -1, -1, d)
         torch.gather(keys, 2, gi, out=kb[..., :d])
@@ -334,8 +336,9 @@ class LinearState:
     # ------------------------------------------------------------------ bookkeeping
     def nbytes(self) -> int:
         """Bytes of the accumulators, ``(d^2 + 2d + 1)`` numbers per (batch, KV head) (reported separately from the
-        kept entries)."""
-        return self.aug.numel() * self.aug.element_size()
+        kept entries), and of the two ``(B, Hkv, 1, d + 1)`` row buffers a decode step's fold keeps once it has run."""
+        buffers = sum(b.numel() * b.element_size() for b in self._row_buffers) if self._row_buffers else 0
+        return self.aug.numel() * self.aug.element_size() + buffers
 
     def _map(self, fn) -> LinearState:
         return LinearState(fn(self.aug).contiguous())

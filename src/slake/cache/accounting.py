@@ -27,10 +27,13 @@ def byte_counts(state: CacheState, sequence: int | None = None) -> dict[str, int
     :meth:`slake.cache.layer_store.LayerStore.byte_counts`; no slack).
     """
     total = {"kept": 0, "padding": 0, "slack": 0, "metadata": 0, "linear_state": 0}
+    # a row within the budget, counted alone, holds none of what the batch's compressed rows need
+    compressed = sequence is None or state.info is None or bool(state.info.compress[sequence])
     for i, s in enumerate(state.layers):
         if s is None:
             continue
-        counts = s.byte_counts(sequence, weighted=state.method.slot_weighted and state.scored(i))
+        weighted = state.method.slot_weighted and state.scored(i) and compressed
+        counts = s.byte_counts(sequence, weighted=weighted, compressed=compressed)
         if sequence is None:  # split LayerStore's padding into per-head padding and growth slack
             B, H, n = s.valid.shape
             slots = B * H * n

@@ -274,8 +274,12 @@ class CompressedKV:
             self.decoder.kernels = resolve_kernels(self.kernels, keys.device)
         self.prefill.prefill_layer(layer_idx, queries, keys, values, key_padding, scaling, self.chunks.padding)
         self.decoder.reset_layer(layer_idx)
-        if layer_idx == self.num_layers - 1 and not self.chunks.active and self.max_cache_len is not None:
-            self.prepare_static(self.max_cache_len - keys.shape[2])
+        if layer_idx == self.num_layers - 1:
+            # a second pass's (L, B, Hkv, S) scores are read by the prefill only: 4 bytes per prompt token, layer and
+            # KV head that the cache would otherwise hold, uncounted, for the whole generation
+            self.state.pass_scores = None
+            if not self.chunks.active and self.max_cache_len is not None:
+                self.prepare_static(self.max_cache_len - keys.shape[2])
 
     def expect_trailing_prompt_tokens(self, count: int) -> None:
         """Count ``count`` prompt tokens that will follow the next prefill as decode steps in its budget and compress

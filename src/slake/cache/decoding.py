@@ -272,8 +272,8 @@ class Decoder:
                     # every slot up to the new token's (slot n) is valid and none after it: SDPA over those slots
                     # with no mask, which a GPU runs with its split-over-the-keys decode kernel (a masked call read
                     # the cache at a twentieth of an H200's bandwidth, docs/gpu.md)
-                    out = sdpa_step(query, store.dense_keys()[:, :, : n + 1], store.dense_values()[:, :, : n + 1],
-                                    None, scaling)  # fmt: skip
+                    # (8-bit rows: only those slots dequantised, not the whole store with its free slots)
+                    out = sdpa_step(query, *store.dense_rows(None, 0, n + 1), None, scaling)
             counter.add_(1)
             return out
         info = state.prefill_info()

@@ -489,26 +489,32 @@ class LayerStore:
             self.linear.repeat_interleave(repeats)
 
     # ------------------------------------------------------------------ accounting
-    def byte_counts(self, sequence: int | None = None, *, weighted: bool = False) -> dict[str, int]:
+    def byte_counts(
+        self, sequence: int | None = None, *, weighted: bool = False, compressed: bool = True
+    ) -> dict[str, int]:
         """Honest byte accounting: kept entries, padding slots, per-slot metadata and linear state.
 
         ``sequence``: count one batch row as if it were stored alone (its capacity being its own longest head),
         which is what a batch-1 run of that sequence would hold after prefill compaction. Without it, the whole
         batch's tensors are counted as allocated. ``weighted``: count the per-slot :attr:`weights` whether or not
         they are allocated yet (they are, from the first decode step of a ``slot_weighted`` method's scored layer).
+        ``compressed=False`` (with ``sequence``): the row is within the budget, and alone it would hold its entries
+        with their positions, validity and scores only (no linear state, head visibility, weights or slot order,
+        which exist for the batch's compressed rows).
         """
         B, H, n, d = self.keys.shape
         per_slot_kv = 2 * d * self.keys.element_size()
         if self.k_scale is not None:  # 8-bit codes plus one scale per key row and per value row
             per_slot_kv += 2 * scale_bytes_per_row()
         meta_per_slot = self.positions.element_size() + self.valid.element_size() + self.scores.element_size()
-        if self.head_visible is not None:
+        alone_uncompressed = sequence is not None and not compressed
+        if self.head_visible is not None and not alone_uncompressed:
             meta_per_slot += self.head_visible.shape[2] * self.head_visible.element_size()
-        if self.weights is not None or weighted:
+        if (self.weights is not None or weighted) and not alone_uncompressed:
             meta_per_slot += 4  # float32
-        if self._order is not None:
+        if self._order is not None and not alone_uncompressed:
             meta_per_slot += 4  # int32
-        linear = self.linear.nbytes() if self.linear is not None else 0
+        linear = self.linear.nbytes() if self.linear is not None and not alone_uncompressed else 0
         if sequence is None:
             kept = int(self.valid.sum().item())
             slots = B * H * n

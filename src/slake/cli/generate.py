@@ -156,7 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(res.text)
     print()
     print(
-        f"method {res.method}  budget {res.budget}  prompt {out['prompt_tokens']} tokens  "
+        f"method {res.method}  budget {res.budget}"
+        + (f"  kv {res.extra['kv_dtype']}" if res.extra.get("kv_dtype") else "")
+        + f"  prompt {out['prompt_tokens']} tokens  "
         f"generated {out['new_tokens']} tokens{_eviction_note(res.method, res.compressed)}"
     )
     print(kv_bytes_line(res.kv_bytes))

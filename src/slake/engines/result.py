@@ -34,7 +34,8 @@ class GenerationResult:
         Per prompt and compressed layer, the tokens per KV head chosen by score at prefill: the layer's budget less
         its observation window and sinks, which every layer keeps besides (budget 64 with a 32-token window on a
         uniform method gives 32 per layer). Their sum over layers plus the layers' windows and sinks is the budget
-        times the layers. None where nothing was compressed.
+        times the layers. None where nothing was compressed; in a batch, None for a prompt within the budget (it
+        kept everything).
     prefill_s, decode_ms_per_token : float
         Wall time of the prefill (prompt forward and compression) and mean time per decoded token.
     hyperparameters : dict
@@ -45,7 +46,8 @@ class GenerationResult:
     engine : str
         The engine that generated (``transformers`` or ``vllm``).
     extra : dict
-        Engine-specific accounting (the vLLM engine's KV blocks held, block size and converted model folder).
+        Engine-specific accounting (the vLLM engine's KV blocks held, block size and converted model folder; the
+        transformers engine's kernels, compile and second-pass times, and ``kv_dtype`` for 8-bit kept entries).
     """
 
     texts: list[str]

@@ -336,8 +336,10 @@ def apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
 
 
 def _label(row: dict) -> str:
-    """``method[@budget][ kv_dtype]`` of a result row (names the reference of ``decode_vs_first``)."""
-    return f"{row['method']}@{row['budget']}" + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
+    """``method[@budget][ kv_dtype]`` of a result row (names the reference of ``decode_vs_first``); no budget for a
+    row that keeps every token (:func:`~slake.engines.transformers.baselines.holds_every_token`)."""
+    budget = "" if holds_every_token(row["method"]) else f"@{row['budget']}"
+    return f"{row['method']}{budget}" + (f" {row['kv_dtype']}" if row.get("kv_dtype") else "")
 
 
 def _label_compiled(row: dict) -> str:

@@ -44,6 +44,10 @@ class SlakeCacheLayer(CacheLayerMixin):
     the attention function then calls :meth:`finish_prefill`, which compresses the layer. Later updates append to
     the compressed store. ``layer_idx`` is the model's layer index, ``slot`` the compressor's (they differ in hybrid
     models, whose sliding-window layers are not compressed).
+
+    ``keys`` / ``values`` (transformers' cache interface) are the store's storage, not attention inputs: every slot,
+    free ones included, and with 8-bit kept entries the codes without their scales. The layer's keys and values as
+    attention reads them are ``compressor.layers[slot].dense_keys()`` / ``dense_values()`` over its ``valid`` slots.
     """
 
     is_compileable = False  # per instance: True in a SlakeCache built with max_cache_len (docs/compile.md)
@@ -449,10 +453,17 @@ class SlakeCache(Cache):
             "kept_tokens_per_layer": eng.kept_tokens_per_layer(),
             "compressed_layers": list(self.layout.compressed),
             "sliding_layers": sorted(self.layout.bounded),
-            "layer_budgets": (
-                info.layer_budgets.tolist() if info is not None and info.layer_budgets is not None else None
-            ),
+            "layer_budgets": _layer_budgets(info),
         }
+
+
+def _layer_budgets(info: PrefillInfo | None) -> list | None:
+    """Each sequence's selectable budget per compressed layer, or None for a sequence within the budget (it kept
+    everything; the allocation computed for it is never applied), None where nothing was compressed."""
+    if info is None or info.layer_budgets is None or not bool(info.compress.any()):
+        return None
+    rows = info.layer_budgets.tolist()
+    return [row if bool(c) else None for row, c in zip(rows, info.compress.tolist(), strict=True)]
 
 
 def _resolve_num_layers(num_layers, config) -> int:

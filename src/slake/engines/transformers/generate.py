@@ -225,7 +225,9 @@ def generate(
         (one new token, or two with ``compile``). ``kv_bytes["full"]`` is what an uncompressed cache would hold at
         the end: each row's prompt tokens and the generated tokens fed back after them, every step but the last
         (whose token is never fed back), padding after a row's early end token included, as plain transformers holds
-        them.
+        them, but for the left padding of a batch's shorter prompts (plain transformers holds it too): the same real
+        tokens the compressed cache is counted for. ``extra["kv_dtype"]``: the kept entries' 8-bit storage, when
+        ``kv_dtype`` was given.
 
     Raises
     ------
@@ -359,6 +361,7 @@ def generate(
         hyperparameters=m.hyperparameters(),
         profile=profile,
         extra={"kernels": ran}
+        | ({"kv_dtype": stats["kv_dtype"]} if stats.get("kv_dtype") else {})
         | ({"compile_s": round(clock.times[1] - clock.times[0], 5)} if first else {})
         | ({} if cache.second_pass_s is None else {"second_pass_s": round(cache.second_pass_s, 5)}),
     )

@@ -108,7 +108,7 @@ def markdown_table(rows: list[dict], title: str | None = None, notes: list[str] 
         if second:
             pass_s = f"{r['second_pass_s']:.2f} | " if r.get("second_pass_s") is not None else "- | "
         lines.append(
-            f"| {label} | {r['budget']} | {r['length']} | "
+            f"| {label} | {'-' if holds_every_token(r['method']) else r['budget']} | {r['length']} | "
             f"{r['batch']} | {r.get('prefill_chunk') or '-'} | "
             f"{r['prefill_s']:.2f} | {pass_s}{r['ttft_s']:.2f} | {r['decode_ms_per_token']:.1f} "
             f"({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f}) | {vs}{_kernels(r)} | "
