@@ -275,6 +275,11 @@ def decode_step(
     # as uint8, viewed or cast, inductor's C++ step aborted, tests/test_compile.py; a graph fuses the cast anyway)
     if torch.compiler.is_compiling():
         free = (~valid).to(torch.uint8).argmax(-1, keepdim=True)
+        # a compiled step counts nothing on the host (the engine's append does in eager ones): a row without a free
+        # slot (an append-only row decoded past the room its static store was given) gets an index past the row,
+        # which the write refuses (an index error; a device assert on CUDA), instead of overwriting its slot 0
+        room = (~valid).any(-1, keepdim=True)
+        free = torch.where(room, free, torch.full_like(free, valid.shape[-1]))
     else:
         free = valid.view(torch.uint8).argmin(-1, keepdim=True)  # (R, H, 1)
     kv.write_kv(free, key.view(R, H, 1, d), value.view(R, H, 1, d))

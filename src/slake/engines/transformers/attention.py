@@ -86,14 +86,8 @@ def slake_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("slake does not support learned attention sinks (s_aux)")
     window = kwargs.get("sliding_window")
-    if window is not None and layer.get_seq_length() > window:
-        raise ValueError(
-            f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
-            f"is longer; slake compresses full-attention layers only: either the model has none (every layer "
-            f"is a sliding-window layer), or this SlakeCache was built without the model's configuration "
-            f"(num_layers=...) and does not know which layers slide: build it with SlakeCache(..., "
-            f"config=model.config)"
-        )
+    if window is not None:
+        _check_window(layer, int(window))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer.pending is not None:
@@ -173,3 +167,23 @@ def _install_input_check(model) -> None:
         return
     base.register_forward_pre_hook(_check_slake_cache, with_kwargs=True)
     base._slake_input_check = True
+
+
+def _check_window(layer, window: int) -> None:
+    """Refuse a sequence longer than a sliding-window layer's ``window`` in a layer slake compresses as a full one.
+
+    Eagerly a ValueError. A static (fixed-shape, compiled) step reads no host value: its position counter is the
+    new token's position, checked on the device (``torch._assert_async``: a RuntimeError on the CPU, a device-side
+    assert on CUDA) instead of a Python branch on it, which ``torch.compile(fullgraph=True)`` cannot trace."""
+    message = (
+        f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
+        f"is longer; slake compresses full-attention layers only: either the model has none (every layer "
+        f"is a sliding-window layer), or this SlakeCache was built without the model's configuration "
+        f"(num_layers=...) and does not know which layers slide: build it with SlakeCache(..., "
+        f"config=model.config)"
+    )
+    length = layer.get_seq_length()
+    if isinstance(length, torch.Tensor):  # static mode: the counter is the new token's position, not yet counted
+        torch._assert_async(length < window, message)
+    elif length > window:
+        raise ValueError(message)
