@@ -13,7 +13,11 @@ end). Lengths whose prompt and generated tokens exceed the model's context are r
 plugin's own time per compressed request and layer.
 
 Each method runs as ``vllm serve`` users get it (``{"method", "budget"}``): the plugin applies the model's profile,
-and the rows' ``profile`` is the entry it reports it applied.
+and the rows' ``profile`` is the entry it reports it applied. ``--kernels`` other than ``auto`` goes into that
+configuration (``"kernels"``); each row records the choice (``kernels_asked``) and, as the transformers engine's rows
+do, which implementation ran the plugin's decode steps (``kernels``: ``torch``, ``triton``, or ``torch (fallback:
+why)`` where the fused kernels were asked for and did not cover a step; None for plain vLLM), as the plugin reports
+it (:meth:`slake.engines.vllm.plugin.state.PluginState.report`).
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from slake.engines.base import BenchPlan, BenchReport, load_avg
 MIXED_STEPS = 2
 
 
-def _plugin_config(method: str, budget: int) -> dict | None:
+def _plugin_config(method: str, budget: int, kernels: str = "auto") -> dict | None:
     """The plugin configuration of ``method`` at ``budget`` as ``vllm serve`` users write it (None for ``"full"``,
-    plain vLLM): the plugin applies the model's profile itself, and reports the entry it applied."""
+    plain vLLM): the plugin applies the model's profile itself, and reports the entry it applied; ``kernels`` other
+    than ``"auto"`` is the configuration's ``"kernels"``."""
     from slake.budgets.budget import Budget
     from slake.engines.vllm.plugin.config import plugin_config
 
-    return plugin_config(method, Budget(budget))
+    return plugin_config(method, Budget(budget), kernels=kernels)
 
 
 def token_range(model_dir: str) -> int:
@@ -95,12 +100,14 @@ def bench(
     seed: int = 0,
     include_plain: bool = True,
     warmup: int = 0,
+    kernels: str = "auto",
 ) -> list[dict]:
     """One row per configuration (``"full"`` = plain vLLM, first when ``include_plain``); see the module docstring
     for the columns. Every request generates ``1 + warmup + decode_steps`` tokens; ``decode_ms_per_step`` is the mean
     of the ``decode_steps`` decode steps after the ``warmup`` ones (``decode_steps_timed`` says how many were timed).
     Every configuration gets the same random prompts; each method runs as ``vllm serve`` users get it, with the
-    model's profile (the row's ``profile`` is the entry the plugin applied)."""
+    model's profile (the row's ``profile`` is the entry the plugin applied), and with ``kernels`` (the plugin's
+    decode-step implementation asked for: the row's ``kernels_asked``; ``kernels`` is which ran)."""
     import torch
 
     from slake.engines.vllm.runner import model_context_limit, model_len, run_vllm
@@ -112,7 +119,7 @@ def bench(
     limit = model_context_limit(model_dir)
     rows = []
     for method in (["full"] if include_plain else []) + list(methods):
-        cfg = _plugin_config(method, budget)
+        cfg = _plugin_config(method, budget, kernels)
         log: list[tuple[float, list[int]]] = []
         run = run_vllm(
             model_dir,
@@ -139,6 +146,9 @@ def bench(
                 "method": method,
                 "budget": None if cfg is None else budget,
                 "profile": run.plugin["profile"] if run.plugin else None,
+                "kernels_asked": kernels,
+                # which implementation ran the plugin's decode steps (PluginState.kernels_ran); None for plain vLLM
+                "kernels": run.plugin["kernels"] if run.plugin else None,
                 "requests": requests,
                 "prompt_len": prompt_len,
                 "new_tokens": new_tokens,
@@ -160,13 +170,13 @@ def markdown(rows: list[dict]) -> str:
     """The rows of :func:`bench` as a markdown table (the columns of the first row)."""
     if not rows:
         return ""
-    cols = [c for c in rows[0] if c not in ("engine", "model", "load_avg_1m", "profile")]
+    cols = [c for c in rows[0] if c not in ("engine", "model", "load_avg_1m", "profile", "kernels_asked")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> BenchReport:
+def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kernels: str = "auto") -> BenchReport:
     """:func:`bench` per length and budget (plain vLLM once per length) on the model in ``model_dir``; rows appended
     to ``OUT/bench_vllm.jsonl``, this run's table in ``OUT/bench_vllm.md``. Each request generates
     ``1 + warmup + decode_steps`` tokens, and the ``decode_steps`` after the warm-up are timed. Lengths beyond the
@@ -174,7 +184,8 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
     :func:`step_bench`'s step timings, measured before the throughput run in the same process with plain vLLM first:
     the prefill step, the decode-only step (median of ``decode_steps``), the mixed step (one prefill plus the batch's
     decode), each with its ratio to plain vLLM's (``*_vs_plain``), and the plugin's own time per compressed request
-    and layer."""
+    and layer. ``kernels``: the plugin's decode-step implementation (``--kernels``; rows: ``kernels_asked``, and
+    ``kernels``, which ran)."""
     from slake.engines.vllm.runner import model_context_limit
 
     check_lengths(plan, model_context_limit(model_dir))
@@ -198,6 +209,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                         budget=int(b.value),
                         dtype=dtype,
                         seed=plan.seed,
+                        kernels=kernels,
                     )
                 }
                 for row in bench(
@@ -211,6 +223,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str) -> B
                     dtype=dtype,
                     seed=plan.seed,
                     include_plain=i == 0,
+                    kernels=kernels,
                 ):
                     st = steps.get(row["method"], {})
                     row.update({k: v for k, v in st.items() if k not in row and k != "load_avg_1m"})
@@ -273,7 +286,8 @@ def step_times(
     ``extra`` is added alone, so that the next step is a mixed one (its prefill plus the running requests' decode),
     followed by two decode steps. Returns medians in milliseconds, the plugin's own time per compressed request
     and layer (the engine's step timings, read with ``LLM.collective_rpc``,
-    :func:`slake.engines.vllm.plugin.worker.report`), and the profile entry the plugin applied.
+    :func:`slake.engines.vllm.plugin.worker.report`), the profile entry the plugin applied, and which implementation
+    ran its decode steps (``kernels``; None for plain vLLM).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -339,6 +353,7 @@ def step_times(
         "plugin_ms_per_step": round(med(plugin) * 1000, 2) if plugin else 0.0,
         "plugin_us_per_request_layer": round(med(plugin_per) * 1e6, 1) if plugin_per else 0.0,
         "profile": reports[0]["profile"] if reports else None,
+        "kernels": reports[0]["kernels"] if reports else None,
     }
 
 
@@ -354,12 +369,14 @@ def step_bench(
     block_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
+    kernels: str = "auto",
 ) -> list[dict]:
     """:func:`step_times` for plain vLLM and each method at ``budget``, in this process one after another, with
     each step's ratio to plain vLLM's and the load average next to every row.
 
     Each method runs as users get it, with the model's profile (the plugin applies it); the row's ``profile`` says
-    which entry applied. ``mixed``: mixed steps timed (the median is reported; one varies by 5-10% on this CPU)."""
+    which entry applied. ``mixed``: mixed steps timed (the median is reported; one varies by 5-10% on this CPU).
+    ``kernels``: the plugin's decode-step implementation (``kernels_asked``; ``kernels`` is which ran)."""
     import torch
 
     hi = token_range(model_dir)
@@ -368,7 +385,7 @@ def step_bench(
     extra = [torch.randint(10, hi, (prompt_len,), generator=g).tolist() for _ in range(mixed)]
     rows, base = [], None
     for method in ["full", *methods]:
-        cfg = _plugin_config(method, budget)
+        cfg = _plugin_config(method, budget, kernels)
         print(f"slake bench (vllm steps): {method}, {requests} x {prompt_len}", file=sys.stderr)
         before = load_avg()
         t = step_times(
@@ -380,6 +397,7 @@ def step_bench(
             "requests": requests,
             "prompt_len": prompt_len,
             "profile": t.pop("profile"),
+            "kernels_asked": kernels,
             **t,
         }
         if base is None:

@@ -25,6 +25,9 @@ class VllmEngine(Engine):
     uniform methods); GGUF
     models are converted once to a safetensors folder (:func:`slake.engines.vllm.runner.local_model_dir`). The
     tokens equal the transformers engine's for the same method and budget (``make test-vllm`` checks it).
+    ``--kernels`` (``generate``, ``bench``) goes into the plugin's configuration (``"kernels"``,
+    :mod:`slake.engines.vllm.plugin.config`): on vLLM's CPU backend ``auto`` is the torch step, and ``triton`` runs
+    the fused kernels through Triton's interpreter; the results say which ran (``kernels``).
     """
 
     name = "vllm"
@@ -33,7 +36,6 @@ class VllmEngine(Engine):
         "prefill_chunk": "vLLM prefills each prompt whole",
         "charge_linear_state": "the plugin's budget counts kept entries only",
         "kv_dtype": "the plugin stores vLLM's own cache dtype",
-        "kernels": "the plugin runs on vLLM's CPU backend, where the decode step runs in torch",
         "question_agnostic": "the plugin compresses the whole prompt",
         "random_model": "vLLM loads checkpoints; save the random model to a folder and pass it as --model",
         "isolate": "vLLM runs every configuration in its own engine already",
@@ -135,6 +137,7 @@ class VllmEngine(Engine):
             charge_linear_state=honoured.get("charge_linear_state"),
             kv_dtype=honoured.get("kv_dtype"),
         )
+        kernels = options.pop("kernels", None) or "auto"
         spec = self.model_spec
         return generate_vllm(
             prompt,
@@ -146,6 +149,7 @@ class VllmEngine(Engine):
             max_new_tokens=max_new_tokens,
             chat_template=chat_template,
             block_size=self.block_size,
+            kernels=kernels,
             **options,
         )
 
@@ -194,4 +198,4 @@ class VllmEngine(Engine):
             kv_dtype=None if set(plan.kv_dtypes) <= {None} else "8-bit",
             threads=plan.threads,
         )
-        return run_bench(plan, self.model_dir, self.dtype, self.model_name)
+        return run_bench(plan, self.model_dir, self.dtype, self.model_name, kernels=plan.kernels)

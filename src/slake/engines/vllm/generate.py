@@ -22,6 +22,7 @@ def generate_vllm(
     max_new_tokens: int,
     chat_template: bool = True,
     block_size: int = 32,
+    kernels: str = "auto",
     **hyperparameters: Any,
 ) -> GenerationResult:
     """Greedy generation of one prompt with vLLM and the slake plugin (in this process).
@@ -48,6 +49,9 @@ def generate_vllm(
         Upper bound of generated tokens.
     block_size : int
         vLLM's KV block size (a multiple of 32 on CPU).
+    kernels : str
+        The decode step's implementation (``auto``, ``torch``, ``triton``: the plugin's ``"kernels"``); the result's
+        ``extra["kernels"]`` is which ran, as the plugin reports it.
     **hyperparameters
         Method hyperparameters set by the user (``--set``).
 
@@ -55,7 +59,8 @@ def generate_vllm(
     -------
     GenerationResult
         With ``engine="vllm"`` and ``extra`` holding ``kv_blocks_after_prefill``, ``kv_blocks_end``,
-        ``kv_block_size`` and ``model_dir``.
+        ``kv_block_size``, ``model_dir`` and ``kernels`` (which implementation ran the plugin's decode steps:
+        ``torch``, ``triton`` or ``torch (fallback: why)``; None for plain vLLM).
     """
     from transformers import AutoTokenizer
 
@@ -67,8 +72,8 @@ def generate_vllm(
     budget = Budget(budget)
     dtype = vllm_dtype(dtype)
     built, _ = resolve_plugin_method(method, budget, **hyperparameters)  # refuse what the plugin cannot run, early
+    slake_cfg = plugin_config(method, budget, kernels=kernels, **hyperparameters)
     model_dir = local_model_dir(model, gguf_file, dtype)
-    slake_cfg = plugin_config(method, budget, **hyperparameters)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = format_prompt(tokenizer, prompt, chat_template)
     ids = tokenizer(text, add_special_tokens=not uses_chat_template(tokenizer, chat_template))["input_ids"]
@@ -107,6 +112,7 @@ def generate_vllm(
             "kv_blocks_end": run.blocks_end[0],
             "kv_block_size": run.block_size,
             "model_dir": model_dir,
+            "kernels": run.plugin["kernels"] if run.plugin else None,
         },
     )
 

@@ -137,8 +137,10 @@ class VllmRun:
     model_info: dict = field(default_factory=dict)
     #: what the plugin reports of the engine (:meth:`slake.engines.vllm.plugin.state.PluginState.report`, without
     #: its runs and step times): ``method``, ``budget``, ``hyperparameters`` and ``profile`` (the model's profile
-    #: entry it applied) it ran with, ``counters`` (preempted requests saved and restored), ``pool_rows``,
-    #: ``running`` and ``saved`` requests at the end; None for plain vLLM
+    #: entry it applied) it ran with, ``kernels_asked`` and ``kernels`` (the decode step's implementation asked for,
+    #: and which ran: ``torch``, ``triton`` or ``torch (fallback: why)``), ``kernel_steps`` and ``kernel_fallbacks``
+    #: (the decode pool's counts), ``counters`` (preempted requests saved and restored), ``pool_rows``, ``running``
+    #: and ``saved`` requests at the end; None for plain vLLM
     plugin: dict | None = None
     #: with ``timing``: per step with compressed decodes, (compressed rows, requests in the step, layers, plugin
     #: seconds summed over layers)

@@ -112,6 +112,9 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         )
         logger.info("slake: compressing the KV cache with %s", cfg.describe())
         logger.info("slake: %s", cfg.describe_profile())
+        # which decode step runs; a step the fused kernels do not cover runs in torch, logged once per reason
+        # (logger slake.kernels) and counted in the report (PluginState.report: kernels, kernel_fallbacks)
+        logger.info("slake: decode step: %s (kernels=%s)", self.slake_state.kernels, cfg.kernels)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

@@ -6,7 +6,9 @@ through the environment variable ``SLAKE_VLLM`` holding the same JSON object (``
 128}``); a ``"slake"`` key holding ``null`` (or ``false``) states plain vLLM, whatever the variable holds (slake's own
 drivers state every configuration so, :func:`slake.engines.vllm.runner.engine_kwargs`). Keys: ``method`` (a name or
 spec such as ``snapkv[window=16]``), ``budget`` (an absolute token count), ``set`` (optional hyperparameter
-overrides). Without either, the plugin changes nothing.
+overrides), ``kernels`` (optional: the decode step's implementation, ``"auto"``, ``"torch"`` or ``"triton"``, as the
+transformers engine's ``kernels``, :func:`slake.cache.compressed.resolve_kernels`; default ``"auto"``). Without
+``method`` and ``budget``, the plugin changes nothing.
 
 The plugin applies the model's hyperparameter profile itself (:func:`slake.methods.profiles.resolve_method`, from
 the config of the model vLLM loads, as the transformers engine does from its model), so ``vllm serve`` with a bare
@@ -26,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from slake.budgets.budget import Budget
+from slake.cache.compressed import KERNELS
 from slake.methods.base import Method, make_method
 
 ENV_VAR = "SLAKE_VLLM"
@@ -62,6 +65,12 @@ class SlakeVllmConfig:
     #: the profile entry applied (``{"source", "values", "budget"}``, :func:`slake.methods.profiles.resolve_method`),
     #: or None when none applied
     profile: dict | None = None
+    #: the decode step's implementation asked for (one of :data:`slake.cache.compressed.KERNELS`): ``"auto"`` is
+    #: Triton's fused kernels on an NVIDIA GPU and the torch step elsewhere (vLLM's CPU backend: torch);
+    #: ``"triton"`` on the CPU backend runs them through Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
+    #: Resolved when the engine starts (:class:`slake.engines.vllm.plugin.state.PluginState`); a step the kernels
+    #: do not cover runs in torch, is logged, and counted in the engine's report
+    kernels: str = "auto"
 
     @property
     def layer_tokens(self) -> int:
@@ -136,16 +145,17 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
     ------
     ValueError
         With one line starting ``slake:`` for anything the plugin cannot honour (unknown keys, a method outside
-        :data:`SUPPORTED_METHODS`, options that change the kept-set size, a ratio budget).
+        :data:`SUPPORTED_METHODS`, options that change the kept-set size, a ratio budget, ``kernels`` other than
+        ``auto``, ``torch`` or ``triton``).
     """
     raw = _raw_from(additional_config)
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ValueError(f"slake: the configuration must be a JSON object, got {raw!r}")
-    unknown = sorted(set(raw) - {"method", "budget", "set"})
+    unknown = sorted(set(raw) - {"method", "budget", "set", "kernels"})
     if unknown:
-        raise ValueError(f"slake: unknown configuration key(s) {', '.join(unknown)}; use method, budget, set")
+        raise ValueError(f"slake: unknown configuration key(s) {', '.join(unknown)}; use method, budget, set, kernels")
     if "method" not in raw or "budget" not in raw:
         raise ValueError(
             'slake: the configuration needs "method" and "budget", e.g. {"method": "snapkv", "budget": 128}'
@@ -153,6 +163,7 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
     overrides = raw.get("set") or {}
     if not isinstance(overrides, dict):
         raise ValueError('slake: "set" must be an object of hyperparameters, e.g. {"window": 16}')
+    kernels = check_kernels(raw.get("kernels", "auto"))
     from slake.methods.profiles import resolve_method
 
     try:
@@ -162,7 +173,19 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
         raise ValueError(f"slake: {exc}") from None
     method = with_layer_cap(method, budget)
     check_supported(method, budget)
-    return SlakeVllmConfig(method=method, budget=int(budget.value), profile=profile)
+    return SlakeVllmConfig(method=method, budget=int(budget.value), profile=profile, kernels=kernels)
+
+
+def check_kernels(kernels: Any) -> str:
+    """``kernels`` when it names a decode-step implementation (:data:`slake.cache.compressed.KERNELS`; None:
+    ``"auto"``), else a one-line ``ValueError`` naming the accepted ones. Whether the choice can run here (Triton
+    installed, a GPU or the interpreter) is checked when the engine starts
+    (:class:`slake.engines.vllm.plugin.state.PluginState`)."""
+    if kernels is None:  # null: the default, as a null "set" is no overrides
+        return "auto"
+    if not isinstance(kernels, str) or kernels not in KERNELS:
+        raise ValueError(f'slake: unknown "kernels" {kernels!r}; use one of {", ".join(KERNELS)}')
+    return kernels
 
 
 def with_layer_cap(method: Method, budget: Budget) -> Method:
@@ -243,20 +266,25 @@ def resolve_plugin_method(
     return built, profile
 
 
-def plugin_config(method: Method | str, budget: Budget, **overrides: Any) -> dict | None:
+def plugin_config(method: Method | str, budget: Budget, *, kernels: str = "auto", **overrides: Any) -> dict | None:
     """The engine's ``additional_config["slake"]`` for ``method`` at ``budget`` (None, plain vLLM, for the full
     cache), as a user of ``vllm serve`` writes it: the method (name or spec), the budget, and in ``set`` only what
     the caller sets (``overrides``), so that the plugin applies the model's profile itself. A built
-    :class:`~slake.methods.base.Method` is used exactly as given: all its hyperparameters go into ``set``."""
+    :class:`~slake.methods.base.Method` is used exactly as given: all its hyperparameters go into ``set``.
+    ``kernels`` other than ``"auto"`` (the plugin's default) goes in as ``"kernels"``."""
+    kernels = check_kernels(kernels)
     if isinstance(method, Method):
         if method.keeps_everything:
             return None
         if overrides:
             raise ValueError("pass hyperparameters either on the Method object or as overrides, not both")
-        return {"method": method.name, "budget": int(budget.value), "set": method.hyperparameters()}
-    if make_method(method).keeps_everything:
+        cfg: dict[str, Any] = {"method": method.name, "budget": int(budget.value), "set": method.hyperparameters()}
+    elif make_method(method).keeps_everything:
         return None
-    cfg: dict[str, Any] = {"method": str(method), "budget": int(budget.value)}
-    if overrides:
-        cfg["set"] = dict(overrides)
+    else:
+        cfg = {"method": str(method), "budget": int(budget.value)}
+        if overrides:
+            cfg["set"] = dict(overrides)
+    if kernels != "auto":
+        cfg["kernels"] = kernels
     return cfg

@@ -28,7 +28,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from slake.cache.compressed import CompressedKV
+from slake.cache.compressed import CompressedKV, resolve_kernels
 from slake.engines.vllm.plugin.config import SlakeVllmConfig
 from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.layer_facts import vllm_layer_contexts
@@ -128,7 +128,10 @@ class PluginState:
     Parameters
     ----------
     config : SlakeVllmConfig
-        The engine's configuration (method, budget, profile).
+        The engine's configuration (method, budget, profile, kernels). Its ``kernels`` is resolved here, when the
+        engine starts (:func:`slake.cache.compressed.resolve_kernels` for the pool's device, the CPU): a choice that
+        cannot run here (``"triton"`` without Triton, or on the CPU without ``TRITON_INTERPRET=1``) fails now, in one
+        line starting ``slake:``, not at the first compressed request.
     num_layers, kv_heads, head_dim : int
         The model's attention layers and this worker's KV heads and head size.
     block_size : int
@@ -145,6 +148,8 @@ class PluginState:
     #: most requests kept in the run log, and step timings kept
     run_log_max = 256
     step_times_max = 4096
+    #: where the decode pool's tensors live (vLLM's CPU backend)
+    device = torch.device("cpu")
 
     def __init__(
         self,
@@ -158,6 +163,12 @@ class PluginState:
         layout: PagedLayout,
     ) -> None:
         self.config = config
+        try:
+            #: the decode step's implementation the pool runs (``"torch"`` or ``"triton"``), resolved from
+            #: ``config.kernels`` for the pool's device
+            self.kernels = resolve_kernels(config.kernels, self.device)
+        except ValueError as exc:
+            raise ValueError(f"slake: {exc}") from None
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.block_size = block_size
         self.max_rows = max_rows
@@ -240,9 +251,19 @@ class PluginState:
                 self.block_size,
                 rows=self.max_rows,
                 layout=self.layout,
+                device=self.device,
+                kernels=self.kernels,
                 layer_context=self._contexts(),
             )
         return self.pool
+
+    def kernels_ran(self) -> str:
+        """Which implementation ran the pool's decode steps (:meth:`slake.cache.fused_step.KernelReport.summary`:
+        ``"triton"``, ``"torch"``, or ``"torch (fallback: why)"`` where the fused kernels were asked for and did not
+        cover a step), or, before any compressed decode step, the implementation chosen (:attr:`kernels`), as the
+        transformers engine's benchmark rows say it."""
+        ran = "none" if self.pool is None else self.pool.report.summary()
+        return self.kernels if ran == "none" else ran
 
     def kept_tokens_per_layer(self, st: RequestState) -> list[float]:
         """Mean kept tokens per KV head, per layer (valid slots), now or when the request finished."""
@@ -414,12 +435,21 @@ class PluginState:
     # ------------------------------------------------------------------ what drivers read
     def report(self) -> dict[str, Any]:
         """What a driver reads back (plain data, so that it crosses vLLM's process boundary): the method and profile
-        the engine runs, the recorded runs, the step timings, counters and the pool's size."""
+        the engine runs, the decode step's implementation (``kernels_asked``: the configuration's ``kernels``;
+        ``kernels``: :meth:`kernels_ran`; ``kernel_steps`` and ``kernel_fallbacks``: the pool's
+        :class:`~slake.cache.fused_step.KernelReport`, layer-steps per implementation and, per reason, the steps the
+        fused kernels were asked for and did not cover), the recorded runs, the step timings, counters and the pool's
+        size."""
+        report = None if self.pool is None else self.pool.report
         return {
             "method": self.config.method.name,
             "budget": self.config.budget,
             "hyperparameters": self.config.method.hyperparameters(),
             "profile": self.config.profile,
+            "kernels_asked": self.config.kernels,
+            "kernels": self.kernels_ran(),
+            "kernel_steps": {} if report is None else dict(report.steps),
+            "kernel_fallbacks": {} if report is None else dict(report.fallbacks),
             "runs": [
                 {
                     "req_id": st.req_id,
