@@ -250,8 +250,9 @@ class SlakeCache(Cache):
                 )
             if self.layout.hybrid and prefill_chunk is not None:
                 raise ValueError(
-                    "compiled decoding (max_cache_len) of a hybrid model takes its prompt in one prefill: its "
-                    "sliding-window layers keep a fixed ring (WindowLayer); build the cache without prefill_chunk"
+                    "compiled decoding (compile=True, --compile, or a SlakeCache with max_cache_len) of a hybrid model "
+                    "takes its prompt in one prefill: its sliding-window layers keep a fixed ring (WindowLayer); use "
+                    "either compiled decoding or a chunked prefill (prefill_chunk, --prefill-chunk) with this model"
                 )
             check_compileable(m)
             self.compressor.max_cache_len = int(max_cache_len)
