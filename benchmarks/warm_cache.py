@@ -71,6 +71,7 @@ KERNELS = {
     "slake.kernels.triton_decode": ("_evict_attend_kernel",),
     "slake.kernels.triton_rules": ("_value_projection_kernel",),
     "slake.kernels.triton_dense": ("_dense_partials_kernel", "_dense_combine_kernel"),
+    "slake.kernels.triton_layer": ("_layer_eviction_kernel",),
 }
 #: what a cached entry needs for a launch: its metadata and its binary (the IRs and PTX are for inspection only)
 KEPT_SUFFIXES = (".json", ".cubin")

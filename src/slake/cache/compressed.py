@@ -40,37 +40,77 @@ KERNELS = ("auto", "torch", "triton")
 logger = logging.getLogger("slake.kernels")
 
 
-#: whether :func:`resolve_kernels` has said why ``"auto"`` is the torch step on an AMD GPU, and with an old Triton
+#: whether :func:`kernel_choice` has said why ``"auto"`` is the torch step on an AMD GPU, with an old Triton, and on
+#: a GPU without Triton (each once per process)
 _told_amd = False
 _told_old = False
+_told_missing = False
 
 
 def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> str:
-    """``"torch"`` or ``"triton"`` for a :data:`KERNELS` choice on ``device``.
+    """``"torch"`` or ``"triton"`` for a :data:`KERNELS` choice on ``device`` (:func:`kernel_choice`'s choice).
 
     ``"auto"`` is Triton's fused kernels on an NVIDIA GPU when Triton 3.4 or later is installed
-    (:data:`slake.kernels.MIN_TRITON`; an older one is said once), the torch step elsewhere: on the CPU, and on AMD
-    GPUs (a ROCm build of torch, whose devices are ``"cuda"``), where the kernels compile
-    (``tests/test_kernels_compile.py``) but have never run, so they are not chosen unasked (logged once; ``"triton"``
-    chooses them). Choosing ``"triton"`` loads the kernels (:func:`slake.kernels.load`; on a machine without CUDA
-    through Triton's interpreter, for tests).
+    (:data:`slake.kernels.MIN_TRITON`), the torch step elsewhere: on the CPU; on a GPU without Triton or with an older
+    one; and on AMD GPUs (a ROCm build of torch, whose devices are ``"cuda"``), where the kernels compile
+    (``tests/test_kernels_compile.py``) but have never run, so they are not chosen unasked (``"triton"`` chooses
+    them). Each of the three GPU cases is logged once per process. Choosing ``"triton"`` loads the kernels
+    (:func:`slake.kernels.load`; on a machine without CUDA through Triton's interpreter, for tests).
 
     Raises
     ------
     ValueError
         For an unknown name, ``"triton"`` without Triton installed or with one older than
-        :data:`slake.kernels.MIN_TRITON`, or ``"triton"`` for CPU tensors on a machine where Triton compiles for a
-        GPU (the interpreter must then be asked for: ``TRITON_INTERPRET=1``).
+        :data:`slake.kernels.MIN_TRITON`, the kernels failing to load (``"triton"``, or ``"auto"`` on an NVIDIA GPU),
+        or ``"triton"`` for CPU tensors on a machine where Triton compiles for a GPU (the interpreter must then be
+        asked for: ``TRITON_INTERPRET=1``).
     """
+    return kernel_choice(kernels, device)[0]
+
+
+def kernel_choice(kernels: str, device: torch.device | str | None = None) -> tuple[str, str | None]:
+    """:func:`resolve_kernels`'s choice with why ``"auto"`` chose the torch step on a GPU: ``(choice, why)``, ``why``
+    None except for ``"auto"`` on a ``"cuda"`` device without Triton (``"Triton not installed"``), with a Triton older
+    than :data:`slake.kernels.MIN_TRITON`, or on an AMD GPU; an engine puts it in its
+    :class:`~slake.cache.fused_step.KernelReport` (``auto``), so that ``statistics()["kernels"]`` and ``slake bench``'s
+    rows read ``torch (auto: why)``.
+
+    Parameters
+    ----------
+    kernels : str
+        One of :data:`KERNELS`.
+    device : torch.device or str or None
+        Where the cache's tensors are (None: only the name is checked, and ``"auto"`` is the torch step).
+
+    Returns
+    -------
+    tuple[str, str | None]
+        ``"torch"`` or ``"triton"``, and why ``"auto"`` is the torch step on a GPU.
+
+    Raises
+    ------
+    ValueError
+        As :func:`resolve_kernels`.
+    """
+    global _told_old, _told_amd, _told_missing
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; use one of {', '.join(KERNELS)}")
     from slake.kernels import MIN_TRITON, interpreted, load, triton_available, triton_version
 
     cuda = device is not None and torch.device(device).type == "cuda"
+    why = None
     if kernels == "auto":
         kernels = "triton" if cuda and triton_available() else "torch"
+        if cuda and kernels == "torch":
+            why = "Triton not installed"
+            if not _told_missing:
+                _told_missing = True
+                logger.warning(
+                    "slake: Triton is not installed: decoding with the torch step on this GPU (pip install triton "
+                    "brings the fused decode kernels)"
+                )
         if kernels == "triton" and triton_version() < MIN_TRITON:
-            global _told_old
+            why = f"Triton {'.'.join(map(str, triton_version()))} is older than {'.'.join(map(str, MIN_TRITON))}"
             if not _told_old:
                 _told_old = True
                 logger.warning(
@@ -80,7 +120,7 @@ def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> s
                 )  # fmt: skip
             kernels = "torch"
         if kernels == "triton" and torch.version.hip is not None:
-            global _told_amd
+            why = "the kernels have not run on an AMD GPU yet"
             if not _told_amd:
                 _told_amd = True
                 logger.warning(
@@ -93,7 +133,7 @@ def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> s
             raise ValueError("kernels='triton' needs Triton (pip install triton); use kernels='torch'")
         try:
             load()
-        except RuntimeError as exc:
+        except (RuntimeError, ImportError) as exc:  # the interpreter asked for too late; a broken installation
             raise ValueError(str(exc)) from exc
         if triton_version() < MIN_TRITON:
             raise ValueError(
@@ -105,7 +145,7 @@ def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> s
                 "kernels='triton' runs on CUDA; on the CPU only through Triton's interpreter "
                 "(set TRITON_INTERPRET=1 before starting Python), or use kernels='torch'"
             )
-    return kernels
+    return kernels, why
 
 
 class CompressedKV:
@@ -271,7 +311,7 @@ class CompressedKV:
         if self.decoder.static:
             raise RuntimeError("this cache is in static decode mode; prefill a new cache")
         if self.state.info is None:  # the first layer of this generation: its device decides "auto"
-            self.decoder.kernels = resolve_kernels(self.kernels, keys.device)
+            self.decoder.kernels, self.decoder.report.auto = kernel_choice(self.kernels, keys.device)
         self.prefill.prefill_layer(layer_idx, queries, keys, values, key_padding, scaling, self.chunks.padding)
         self.decoder.reset_layer(layer_idx)
         if layer_idx == self.num_layers - 1:

@@ -18,14 +18,19 @@ import torch
 from slake.attention.ptaa import attend
 from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
 from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, protected_slots, sdpa_step
-from slake.cache.dense_step import masked_dense_attention
-from slake.cache.fused_step import KernelReport, fused_arguments, keeps_order, run_step
+from slake.cache.dense_step import dense_kernel_reason, masked_dense_attention
+from slake.cache.fused_step import KernelReport, fused_arguments, fused_reason, keeps_order, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
 from slake.kernels import launch_config
 from slake.methods.base import DecodeInputs
 
-__all__ = ["Decoder", "layer_logits"]
+__all__ = ["BLOCK_REASON", "Decoder", "layer_logits"]
+
+#: why a block of new tokens after the prefill (a later chat turn, several tokens fed at once) runs in torch where the
+#: fused kernels were asked for: they take one token per row and step (the block's count is left out, so that the
+#: warning is logged once whatever the block's length); a chunked prefill's chunks are prefill, not counted here
+BLOCK_REASON = "a multi-token block after the prefill, e.g. a later chat turn"
 
 
 def _held_step():
@@ -206,6 +211,8 @@ class Decoder:
         state = self.state
         store = state.store(layer_idx)
         B, Hq, nq, d = queries.shape
+        if not torch.compiler.is_compiling():  # the general path below is torch's, never the fused step: said so
+            self.report.record("torch", BLOCK_REASON if self.kernels == "triton" else None)
         newest = state.seen[layer_idx] - 1
         qpos = torch.arange(newest - nq + 1, newest + 1, device=queries.device)
         qf, x = layer_logits(store, queries, qpos, scaling)
@@ -274,10 +281,10 @@ class Decoder:
                     # the cache at a twentieth of an H200's bandwidth, docs/gpu.md)
                     # (8-bit rows: only those slots dequantised, not the whole store with its free slots)
                     out = sdpa_step(query, *store.dense_rows(None, 0, n + 1), None, scaling)
+                    if not torch.compiler.is_compiling():  # no kernel choice applies: said as what it is
+                        self.report.record("sdpa")
             counter.add_(1)
             return out
-        info = state.prefill_info()
-        dev = store.valid.device
         if scored and m.slot_weighted and store.weights is None:  # once after prefill (prepare_static in static mode)
             store.weights = self._slot_weights(layer_idx)
         B, H = store.valid.shape[:2]
@@ -292,21 +299,7 @@ class Decoder:
             if held is not None and held[1] == facts and held[0] == self._fused_sources(layer_idx, store, counter)[0]:
                 self.report.record("triton")
                 return held[3](query, *kv)
-        slots_ = StepSlots(
-            positions=store.positions,
-            valid=store.valid,
-            scores=store.scores,
-            target=state.targets[layer_idx] if scored else None,
-            newest=counter,
-            prompt_len=info.device_copy("real_len", dev),
-            budget=info.device_copy("budget", dev),
-            first_real=info.device_copy("first_real", dev) if m.sinks else None,
-            head_visible=store.head_visible,
-            linear=store.linear,
-            layer=state.layer_context[layer_idx],
-            weights=store.weights if scored else None,
-            order=store.kernel_order() if scored and self._keeps_order else None,
-        )
+        slots_ = self._step_slots(layer_idx, store, counter)
         if reuse:
             arguments, reason = fused_arguments(m, slots_, store, query, scaling, counter)
             if arguments is None:  # not covered: the torch step, the reason recorded once (not worked out again)
@@ -321,6 +314,29 @@ class Decoder:
             self.report.record("triton")
             return step(query, *kv)
         return run_step(self.kernels, m, slots_, store, query, *kv, scaling, counter=counter, report=self.report)
+
+    def _step_slots(self, layer_idx: int, store: LayerStore, counter: torch.Tensor) -> StepSlots:
+        """The :class:`~slake.cache.decode_step.StepSlots` of a single-token step of layer ``layer_idx`` (one that is
+        not the full cache's: scored, or keeping a linear state or per-head visibility)."""
+        state = self.state
+        info = state.prefill_info()
+        dev = store.valid.device
+        scored = state.scored(layer_idx)
+        return StepSlots(
+            positions=store.positions,
+            valid=store.valid,
+            scores=store.scores,
+            target=state.targets[layer_idx] if scored else None,
+            newest=counter,
+            prompt_len=info.device_copy("real_len", dev),
+            budget=info.device_copy("budget", dev),
+            first_real=info.device_copy("first_real", dev) if state.method.sinks else None,
+            head_visible=store.head_visible,
+            linear=store.linear,
+            layer=state.layer_context[layer_idx],
+            weights=store.weights if scored else None,
+            order=store.kernel_order() if scored and self._keeps_order else None,
+        )
 
     def _fused_sources(self, layer_idx: int, store: LayerStore, counter: torch.Tensor) -> tuple[tuple, tuple]:
         """What the fused step's arguments of layer ``layer_idx`` are made from
@@ -494,11 +510,45 @@ class Decoder:
         info = state.prefill_info()
         for name in ("real_len", "first_real", "budget"):
             info.device_copy(name, state.store(0).keys.device)
+        if not torch.compiler.is_compiling():
+            # a compiled step records nothing (a side effect per step would break the graph): what each layer's
+            # static steps run, and why not the fused kernels where they were asked for, is worked out now from the
+            # same host facts the step reads, recorded in the report and logged
+            for i in range(state.num_layers):
+                self.report.plan(i, *self.planned_step(i))
         self.static = True
         if not torch.compiler.is_compiling():
             for t in self.static_tensors():
                 if t.is_cuda:  # fixed addresses: a CUDA graph replays over them without copying the cache
                     torch._dynamo.mark_static_address(t)
+
+    def planned_step(self, layer_idx: int) -> tuple[str, str | None]:
+        """Which implementation a static single-token step of layer ``layer_idx`` runs, ``(kind, reason)``: ``kind``
+        ``"triton"`` or ``"torch"``, ``reason`` why not the fused kernels where they were asked for (None otherwise).
+        Worked out on the host, as :meth:`step` chooses in static mode: the full cache's masked attention
+        (:func:`~slake.cache.dense_step.dense_kernel_reason`), or the shared decode step
+        (:func:`~slake.cache.fused_step.fused_reason`). Call after :meth:`prepare_static`'s preparations (slot
+        weights, the kernels' row table and order), which it reads.
+
+        Parameters
+        ----------
+        layer_idx : int
+            The layer (prefilled).
+
+        Returns
+        -------
+        tuple[str, str | None]
+            The implementation and the reason for a fallback.
+        """
+        state = self.state
+        store = state.store(layer_idx)
+        if self.kernels != "triton":
+            return "torch", None
+        if not state.scored(layer_idx) and store.linear is None and store.head_visible is None:
+            reason = dense_kernel_reason(store)  # a static store's masked attention (masked_dense_attention)
+        else:
+            reason = fused_reason(state.method, self._step_slots(layer_idx, store, self.position_of(layer_idx)), store)
+        return ("triton", None) if reason is None else ("torch", reason)
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a static decode step reads or updates in place (``torch._dynamo.mark_static_address``)."""

@@ -4,7 +4,7 @@
 :func:`slake.kernels.triton_decode.fused_step_op` (two or three launches) when the method's decode rule has a fused
 form (:meth:`slake.methods.base.Method.fused_rule`) and the storage is one the kernels address
 (:class:`KVMemory`); otherwise it runs :func:`slake.cache.decode_step.decode_step` and records why in a
-:class:`KernelReport` (logged once per reason), never silently.
+:class:`KernelReport` (logged once per reason and process), never silently.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
 
 __all__ = [
-    "KVMemory", "KernelReport", "fused_arguments", "fused_decode_step", "half_precision_dots",
+    "KVMemory", "KernelReport", "fused_arguments", "fused_decode_step", "fused_reason", "half_precision_dots",
     "keeps_order", "run_step",
 ]  # fmt: skip
 
@@ -31,31 +31,82 @@ logger = logging.getLogger("slake.kernels")
 _QUANT_STORAGE = (None, "int8", "fp8_e4m3")
 
 
+#: the fallback reasons already logged in this process (:meth:`KernelReport.record`, :meth:`KernelReport.plan`): each
+#: is said once per process, not once per cache (a ``slake eval`` makes a cache per sample, method and budget); each
+#: cache's report still counts its own
+_LOGGED: set[str] = set()
+
+
+def _tell(reason: str) -> None:
+    """Log ``reason`` (why a requested fused step runs in torch) the first time this process meets it."""
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        logger.warning("slake: the fused decode kernels do not cover this step (%s); it runs in torch", reason)
+
+
 @dataclass
 class KernelReport:
-    """Which implementation ran the decode steps of one cache or pool: ``steps`` counts layer-steps per
-    implementation (``"triton"``, ``"torch"``), ``fallbacks`` why a requested fused step ran in torch."""
+    """Which implementation ran the decode steps of one cache or pool.
+
+    Attributes
+    ----------
+    steps : dict[str, int]
+        Layer-steps per implementation that ran them eagerly: ``"triton"`` (the fused or dense kernels), ``"torch"``
+        (the torch step), ``"sdpa"`` (the uncompressed step's one SDPA call over a prefix of slots, where no kernel
+        choice applies).
+    fallbacks : dict[str, int]
+        Why a requested fused step ran in torch, counted per layer-step (planned layers counted once each).
+    planned : dict[int, tuple[str, str | None]]
+        Per layer, the implementation its static (compiled) steps run and why not the fused kernels where they were
+        asked for, worked out on the host before the steps are captured (a compiled step records nothing:
+        :meth:`slake.cache.decoding.Decoder.prepare_static`).
+    auto : str | None
+        Why ``kernels="auto"`` chose the torch step on a GPU (Triton missing or too old, an AMD GPU;
+        :func:`slake.cache.compressed.kernel_choice`), None otherwise.
+    """
 
     steps: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    planned: dict[int, tuple[str, str | None]] = field(default_factory=dict)
+    auto: str | None = None
 
     def record(self, kind: str, reason: str | None = None) -> None:
         """Count one layer-step run by ``kind``; ``reason``: why a requested fused step ran in torch (logged once per
-        reason, as a warning of logger ``slake.kernels``)."""
+        reason and process, as a warning of logger ``slake.kernels``)."""
         self.steps[kind] = self.steps.get(kind, 0) + 1
         if reason is not None:
-            if reason not in self.fallbacks:
-                logger.warning("slake: the fused decode kernels do not cover this step (%s); it runs in torch", reason)
+            _tell(reason)
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def plan(self, layer: int, kind: str, reason: str | None = None) -> None:
+        """Record that layer ``layer``'s static steps run ``kind`` (``reason``: why not the fused kernels asked for;
+        logged once per reason and process), worked out before they are compiled. A layer planned again (a new
+        prefill of the cache) replaces its plan."""
+        old = self.planned.get(layer)
+        if old is not None and old[1] is not None:
+            self.fallbacks[old[1]] -= 1
+            if not self.fallbacks[old[1]]:
+                del self.fallbacks[old[1]]
+        self.planned[layer] = (kind, reason)
+        if reason is not None:
+            _tell(reason)
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     def summary(self) -> str:
-        """``"triton"``, ``"torch"``, or ``"torch (fallback: reason; ...)"`` for the steps recorded."""
-        if not self.steps:
+        """What ran, for ``statistics()["kernels"]`` and ``slake bench``'s rows: ``"none"`` before any step;
+        otherwise the implementations that ran or are planned joined by ``+`` (``"triton"``, ``"torch"``,
+        ``"sdpa"``, ``"sdpa+triton"``...), followed where it applies by ``(auto: why)`` (``"auto"`` chose the torch
+        step on a GPU) and ``(fallback: reason; ...)`` (why requested fused steps ran in torch)."""
+        kinds = set(self.steps) | {kind for kind, _ in self.planned.values()}
+        if not kinds:
             return "none"
-        kinds = "+".join(sorted(self.steps))
+        notes = []
+        if self.auto is not None:
+            notes.append(f"auto: {self.auto}")
         if self.fallbacks:
-            return f"{kinds} (fallback: {'; '.join(sorted(self.fallbacks))})"
-        return kinds
+            notes.append(f"fallback: {'; '.join(sorted(self.fallbacks))}")
+        text = "+".join(sorted(kinds))
+        return f"{text} ({'; '.join(notes)})" if notes else text
 
 
 def half_precision_dots(device: torch.device, keys_dtype: torch.dtype) -> bool:
@@ -138,6 +189,44 @@ def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return hit
 
 
+def _step_facts(
+    method: Method, slots: StepSlots, kv: SlotKV
+) -> tuple[KVMemory | None, FusedDecodeRule | None, str | None]:
+    """The storage the kernels would address, the rule they would launch with, and why they do not cover the step
+    (None when they do): :func:`fused_arguments`'s host facts, before any tensor is made."""
+    memory = getattr(kv, "kernel_memory", None)
+    mem = memory() if memory is not None else None
+    # a layer that does not evict at decode (it reaches this step only with a linear state or per-head visibility;
+    # the others take the full cache's step) runs the kernels with a target of -1 and no rule (step_plan.KEEP_ALL:
+    # the second kernel scores no slot and seeks no victim; the flags of the plain rule, recency): nothing is
+    # evicted, so neither the method's rule nor its order of eviction and output matters, and a row of any width is
+    # taken
+    rule = _NO_EVICTION if slots.target is None else method.fused_rule()
+    return mem, rule, _why_not(method, rule, slots, mem)
+
+
+def fused_reason(method: Method, slots: StepSlots, kv: SlotKV) -> str | None:
+    """Why the fused kernels do not cover a single-token step of ``method`` over ``slots`` and storage ``kv`` (None
+    when they do), as :func:`fused_arguments` decides it: from host facts only (the method, the storage, dtypes,
+    widths, which of the slots' tensors exist), so that it can be worked out before a compiled step is captured.
+
+    Parameters
+    ----------
+    method : Method
+        The compression method.
+    slots : StepSlots
+        The step's slots, as the engine passes them to :func:`run_step`.
+    kv : SlotKV
+        The layer's storage (a :class:`KVMemory` the kernels address where it has ``kernel_memory``).
+
+    Returns
+    -------
+    str or None
+        The reason, or None.
+    """
+    return _step_facts(method, slots, kv)[2]
+
+
 def fused_arguments(
     method: Method,
     slots: StepSlots,
@@ -151,18 +240,10 @@ def fused_arguments(
     slots and storage, the method's fused rule, and the query's device, dtype and head size only; an engine may reuse
     them for a later step whose slots, storage and those facts are the same (``Decoder.step``). The step's output is
     in the query's dtype (the model's: a half-precision model needs no cast of it, a kernel fewer per layer)."""
-    memory = getattr(kv, "kernel_memory", None)
-    mem = memory() if memory is not None else None
-    # a layer that does not evict at decode (it reaches this step only with a linear state or per-head visibility;
-    # the others take the full cache's step) runs the kernels with a target of -1 and no rule (step_plan.KEEP_ALL:
-    # the second kernel scores no slot and seeks no victim; the flags of the plain rule, recency): nothing is
-    # evicted, so neither the method's rule nor its order of eviction and output matters, and a row of any width is
-    # taken
-    never = slots.target is None
-    rule = _NO_EVICTION if never else method.fused_rule()
-    reason = _why_not(method, rule, slots, mem)
+    mem, rule, reason = _step_facts(method, slots, kv)
     if reason is not None or mem is None or rule is None:
         return None, reason
+    never = slots.target is None
     from slake.kernels.step_plan import KEEP_ALL, RULE_CODES  # loaded by resolve_kernels
 
     dev = query.device

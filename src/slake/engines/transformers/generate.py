@@ -211,7 +211,8 @@ def generate(
         shapes raises ValueError.
     kernels : str
         The decode step's implementation (:class:`SlakeCache`'s ``kernels``): ``"auto"``, ``"torch"`` or
-        ``"triton"``; ``result.extra["kernels"]`` says which ran.
+        ``"triton"``; ``result.extra["kernels"]`` says which ran (``SlakeCache.statistics()["kernels"]``, e.g.
+        ``"triton"``, ``"sdpa"`` for an uncompressed prompt's eager steps, ``"torch (fallback: why)"``).
     **hyperparameters
         Method hyperparameter overrides (e.g. ``window=16``). Hyperparameters that are not set here, in the method
         spec or on a Method object come from the model's profile when one matches (:mod:`slake.methods.profiles`: a
@@ -325,8 +326,8 @@ def generate(
     first = 1 if compile and len(clock.times) > 1 else 0
     steps = len(clock.times) - 1 - first
     decode_ms = ((end - clock.times[first]) / steps * 1e3) if steps > 0 else 0.0
-    # a compiled step records no kernel report: the implementation it was built with ran (as slake bench says)
-    ran = cache.compressor.decoder.kernels if first and stats["kernels"] == "none" else stats["kernels"]
+    # as the cache's report says it (compiled: each layer's plan, worked out before the steps were captured)
+    ran = stats["kernels"]
     # the text decoder's shapes: a multimodal config (Gemma3Config) keeps them in its text part
     cfg = text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

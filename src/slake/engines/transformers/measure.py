@@ -307,8 +307,9 @@ def measure(model, cfg: BenchConfig) -> dict:
             step_profile, tok = profile_decode(stepper, tok, cfg.profile_steps, device)
     kv = stats["kv_bytes"]
     second_pass_s = getattr(cache, "second_pass_s", None)
-    # which implementation ran the decode steps (a compiled step records nothing: the choice it was built with)
-    ran = stats["kernels"] if stats["kernels"] != "none" else cache.compressor.decoder.kernels
+    # which implementation ran the decode steps, as the cache's report says it (a compiled cache's plan, worked out
+    # for each layer before the steps were captured; "sdpa" for the uncompressed eager step; "none": no step ran)
+    ran = stats["kernels"]
     del cache, logits
     return {
         "method": cfg.method,
