@@ -103,3 +103,45 @@ def test_a_compiled_step_past_the_static_room_fails_instead_of_overwriting_slot_
         _static_decode(model, cache(), ids, 8, compiled=True)
     # within the room, the compiled steps equal the eager ones
     assert torch.equal(_static_decode(model, cache(), ids, 3, True), _static_decode(model, cache(), ids, 3, False))
+
+
+@pytest.fixture
+def default_limits():
+    """dynamo's default recompile limits for the test, the process's own restored after it."""
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        yield
+
+
+@pytest.mark.usefixtures("default_limits")
+def test_slake_generate_makes_room_for_its_graphs_and_explains_the_limit(monkeypatch):
+    """``slake.generate(compile=True)`` died at the ninth cache shape of a process with dynamo's bare
+    ``FailOnRecompileLimitHit`` (its default limit is 8; every prompt length of an uncompressed cache, every batch
+    size, method or budget is a shape). It now raises the limit to at least 64 graphs and, when that is reached too,
+    says why and what to do."""
+    import slake
+    from tiny_models import word_tokenizer
+
+    model = tiny_model("llama-gqa", layers=2)
+
+    def limit_hit(*args, **kwargs):
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+
+    monkeypatch.setattr(model, "generate", limit_hit)
+    prompt = " ".join(f"w{3 + (7 * i) % 250}" for i in range(30))
+    with pytest.raises(ValueError, match=r"one graph per cache shape.*torch._dynamo.reset\(\)"):
+        slake.generate(model, word_tokenizer(), prompt, method="full", max_new_tokens=2, chat_template=False,
+                       compile=True)  # fmt: skip
+    assert torch._dynamo.config.recompile_limit >= 64
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # uncompiled: not ours to explain
+        slake.generate(model, word_tokenizer(), prompt, method="full", max_new_tokens=2, chat_template=False)
+
+
+@pytest.mark.usefixtures("default_limits")
+def test_room_for_graphs_is_raised_never_lowered():
+    from slake.engines.transformers.compile_options import make_room_for_graphs
+
+    make_room_for_graphs(200)  # a bench of 100 compiled configurations
+    assert torch._dynamo.config.recompile_limit == 200
+    assert torch._dynamo.config.accumulated_recompile_limit == 1600
+    make_room_for_graphs(10)
+    assert torch._dynamo.config.recompile_limit == 200

@@ -29,6 +29,7 @@ from typing import Any
 
 from slake.engines.base import BenchPlan, BenchReport, ModelSpec, load_avg
 from slake.engines.transformers.baselines import holds_every_token
+from slake.engines.transformers.compile_options import make_room_for_graphs
 from slake.engines.transformers.measure import BenchConfig
 from slake.engines.transformers.roofline import copy_bandwidth, decode_weight_bytes, roofline_fields
 
@@ -138,6 +139,8 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         torch.set_num_threads(plan.threads)
     cfgs = configs(plan)
     groups = length_groups(cfgs)
+    if any(cfg.compile for cfg in cfgs):  # one graph per compiled configuration's cache shape, and some to spare
+        make_room_for_graphs(2 * sum(cfg.compile for cfg in cfgs))
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     model = None if plan.isolate else load()

@@ -34,7 +34,20 @@ import torch
 
 from slake.release import release
 
-__all__ = ["GUARD_FILTER_TORCH", "compile_kwargs", "decode_guard_filter", "guard_filter_supported"]
+__all__ = [
+    "GRAPHS_AT_LEAST",
+    "GUARD_FILTER_TORCH",
+    "compile_kwargs",
+    "decode_guard_filter",
+    "guard_filter_supported",
+    "make_room_for_graphs",
+    "recompile_limit_error",
+]
+
+#: the fewest graphs of one model's step that compiled decoding lets dynamo keep (its default limit is 8): slake
+#: compiles one graph per cache shape, which changes with the batch, the method, its budget and layer budgets, the
+#: storage, and for an uncompressed cache the padded prompt length and the new tokens
+GRAPHS_AT_LEAST = 64
 
 #: a module inside a ``ModuleList`` or ``Sequential`` (``_modules['12']``): the model's repeated blocks
 _NUMBERED_MODULE = re.compile(r"\[\s*'\d+'\s*\]|\[\s*\"\d+\"\s*\]")
@@ -92,3 +105,28 @@ def compile_kwargs(device: torch.device | str, *, lean_guards: bool = True) -> d
     else:
         kwargs["mode"] = mode
     return kwargs
+
+
+def make_room_for_graphs(graphs: int = GRAPHS_AT_LEAST) -> None:
+    """Raise dynamo's recompile limits (never lower them) so that one compiled function may keep ``graphs`` graphs
+    (at least :data:`GRAPHS_AT_LEAST`): a compiled decode step has one per cache shape, and with ``fullgraph=True``
+    the default limit of 8 turns the ninth shape of a process into a hard failure. Process-wide, as dynamo's
+    configuration is."""
+    graphs = max(int(graphs), GRAPHS_AT_LEAST)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, graphs)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * graphs)
+
+
+def recompile_limit_error(exc: BaseException) -> ValueError | None:
+    """A ValueError that says what to do when ``exc`` is dynamo's recompile limit (``FailOnRecompileLimitHit``, after
+    a compiled step's graphs of one process reached ``torch._dynamo.config.recompile_limit``), else None."""
+    if type(exc).__name__ not in ("FailOnRecompileLimitHit", "RecompileLimitExceeded", "CacheLimitExceeded"):
+        return None
+    limit = torch._dynamo.config.recompile_limit
+    return ValueError(
+        f"torch.compile reached its limit of {limit} graphs for the model's step in this process: compiled decoding "
+        f"makes one graph per cache shape (batch size, method, budget and layer budgets, kv_dtype, and for a prompt "
+        f"within the budget its padded length and the new tokens); call torch._dynamo.reset() to start afresh, or "
+        f"raise torch._dynamo.config.recompile_limit ({type(exc).__name__}: {str(exc)[:200]})"
+    )

@@ -18,7 +18,7 @@ from slake.engines.result import GenerationResult
 from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
-from slake.engines.transformers.compile_options import compile_kwargs
+from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs, recompile_limit_error
 from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout, text_config
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
@@ -290,6 +290,7 @@ def generate(
     }
     if compile:
         gen_kwargs["compile_config"] = compile_config(model.device)
+        make_room_for_graphs()  # one graph per cache shape: dynamo's default of 8 would fail the ninth of a process
     else:
         gen_kwargs["disable_compile"] = True  # never compiled behind the user's back
     if do_sample:
@@ -313,7 +314,13 @@ def generate(
         )
     with torch.inference_mode():
         processors = LogitsProcessorList([clock])
-        out = model.generate(**enc, **with_cache(model, cache), logits_processor=processors, **gen_kwargs)
+        try:
+            out = model.generate(**enc, **with_cache(model, cache), logits_processor=processors, **gen_kwargs)
+        except Exception as exc:
+            explained = recompile_limit_error(exc) if compile else None
+            if explained is not None:
+                raise explained from exc
+            raise
     end = time.perf_counter()
     cache.check_routed()
     new = out[:, enc["input_ids"].shape[1] :]

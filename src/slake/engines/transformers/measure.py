@@ -32,7 +32,7 @@ import torch
 from slake.engines.transformers.baselines import TRANSFORMERS
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
-from slake.engines.transformers.compile_options import compile_kwargs
+from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs
 from slake.engines.transformers.generate import prefill
 from slake.engines.transformers.layer_layout import text_config
 from slake.engines.transformers.memory import MemoryMeter
@@ -197,8 +197,7 @@ def compiled_step(model, cache: SlakeCache):
     the same cache runs the same graph, and a cache of the same model and configuration reuses it
     (``docs/compile.md``)."""
     # one graph per benchmark configuration: the limit guards a function whose shapes should not change, not this
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    make_room_for_graphs()
     fn = _COMPILED.get(model)
     if fn is None:
         fn = _COMPILED[model] = _compile_step(model)
