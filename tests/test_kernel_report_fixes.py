@@ -323,3 +323,15 @@ def test_the_results_readme_cites_only_modules_that_exist():
         assert any(p.with_suffix(".py").exists() or (p / "__main__.py").exists() for p in where), module
         if module == "benchmarks":
             assert command in commands, command
+
+
+def test_the_vllm_pool_says_why_auto_chose_torch(monkeypatch):
+    """The vLLM pool's report carries ``auto``'s reason as the engine's cache does (it resolved the choice without
+    keeping the reason). Only the device's type is read, so a patched choice stands in for a GPU without Triton."""
+    from slake.engines.vllm.plugin import decode_pool
+
+    monkeypatch.setattr(decode_pool, "kernel_choice", lambda kernels, device: ("torch", "Triton not installed"))
+    pool = decode_pool.DecodePool(make_method("snapkv", window=4), 2, 2, 8, 10, 4, rows=2)
+    assert pool.kernels == "torch" and pool.report.auto == "Triton not installed"
+    monkeypatch.undo()  # the CPU's own choice: no reason to give
+    assert decode_pool.DecodePool(make_method("snapkv", window=4), 2, 2, 8, 10, 4, rows=2).report.auto is None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from slake.attention.linear_state import LinearState
-from slake.cache.compressed import resolve_kernels
+from slake.cache.compressed import kernel_choice
 from slake.cache.decode_step import KVMemory, StepSlots
 from slake.cache.fused_step import KernelReport, keeps_order, run_step
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout
@@ -85,11 +85,12 @@ class DecodePool:
         self.layer_context = layer_context
         self.layout = CpuAttnLayout() if layout is None else layout
         self.device = torch.device("cpu" if device is None else device)
-        self.kernels = resolve_kernels(kernels, self.device)
+        self.kernels, why = kernel_choice(kernels, self.device)
         for context in layer_context or ():  # a decode rule's per-layer map, made now rather than in a captured step
             method.decode_query_map(context, head_dim, self.device)
         #: which implementation ran the decode steps (and why a requested fused step did not)
         self.report = KernelReport()
+        self.report.auto = why  # why "auto" chose the torch step on a GPU (None otherwise), as the engine's cache says
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.width, self.block_size = width, block_size
         self.linear_cache = bool(getattr(method, "linear_cache", False))
