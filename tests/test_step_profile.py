@@ -74,7 +74,7 @@ def test_bench_profiles_the_decode_steps_it_is_asked_to(tmp_path, capsys):
     names = {k["name"] for k in rows[1]["step_profile"]["top"]}
     assert "aten::mm" in names or "aten::bmm" in names
     md = (out / "step_profile.md").read_text()
-    assert "## full, 96 tokens, batch 1, eager, kernels torch" in md
+    assert "## full, 96 tokens, batch 1, eager, kernels sdpa" in md  # one SDPA call per step, no kernel choice
     assert "## snapkv@40, 96 tokens, batch 1, eager, kernels torch" in md
     # rows without --profile-steps carry no profile, and the file is not written
     assert main([*argv, "--out", str(tmp_path / "c")]) == 0
