@@ -133,7 +133,13 @@ def uniform_budgets(num_layers: int, per_layer: int) -> torch.Tensor:
 
 
 def pyramid_budgets(
-    num_layers: int, selectable: int, prompt_len: int, window: int, beta: float = 20, exact: bool = False
+    num_layers: int,
+    selectable: int,
+    prompt_len: int,
+    window: int,
+    beta: float = 20,
+    exact: bool = False,
+    snapkv_fallback: bool = True,
 ) -> torch.Tensor:
     """PyramidKV's per-layer selectable budgets (KVCache-Factory ``PyramidKVCluster``, Oct. 2024).
 
@@ -149,6 +155,8 @@ def pyramid_budgets(
     reference code's SnapKV fallback. The floor on ``step`` makes ``sum B_l >= L*C'`` (slight over-budget, as the
     reference). ``exact=True`` (an option, not the reference) instead uses the unfloored real step and
     :func:`largest_remainder`, so that ``sum B_l == L*C'`` exactly (``max_n + min_n == 2*C'`` by construction).
+    ``snapkv_fallback=False`` is AdaKV's Ada-PyramidKV (FFY0/AdaKV ``AdaptiveSnapKVCluster`` with ``pyram_mode``),
+    which has no such fallback: for ``C' + w <= S < 2*C'`` its layers still form a pyramid, capped at ``S - w``.
     Deviation: ``num_layers == 1`` (a division by zero in the reference) gives ``[C']``. Budgets are not
     clamped to ``S - w`` in the fallback; the engine keeps ``min(B_l, S - w)``.
     """
@@ -158,7 +166,7 @@ def pyramid_budgets(
             f"prompt_len={prompt_len}, window={window}, beta={beta}"
         )
     c, s, w, n = int(selectable), int(prompt_len), int(window), int(num_layers)
-    if n == 1 or s < c + w or s < 2 * c:
+    if n == 1 or s < c + w or (snapkv_fallback and s < 2 * c):
         return uniform_budgets(n, c)
     min_n = int(c // beta)
     max_n = 2 * c - min_n

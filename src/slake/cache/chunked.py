@@ -154,6 +154,7 @@ class ChunkedPrefill:
                     store.dense_values(),
                     None if queries is None else queries.reshape(B, H * g, w, -1),
                 ),
+                target=state.targets[layer_idx],
             )
         ).float()
 

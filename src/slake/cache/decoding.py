@@ -418,6 +418,7 @@ class Decoder:
                     store.dense_values(),
                     None if queries is None else queries.reshape(B, H * g, nq, -1),
                 ),
+                target=target,
             )
         ).float()
         counts = store.counts()

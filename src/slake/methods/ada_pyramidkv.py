@@ -3,9 +3,12 @@
 Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference", 2024, on
 PyramidKV (Cai et al., 2024): one of the LAVa paper's baselines (``docs/methods/lava.md#ada-snapkv-and-ada-pyramidkv``).
 Each layer's selectable budget ``b_l`` follows PyramidKV's schedule (:class:`~slake.methods.pyramidkv.PyramidKV`,
-``beta = 20``); inside the layer the ``Hkv * b_l`` tokens are split across KV heads by one top-k over all heads with
-AdaKV's safeguard floor ``int(alpha * b_l)`` per head (see :mod:`slake.methods.ada_snapkv` for the exact rule and its
-deviation from the AdaKV code's rounding).
+``beta = 20``) as AdaKV's code computes it (``pyram_mode``): without KVCache-Factory's fallback to uniform budgets
+for prompts shorter than twice the selectable budget (:func:`slake.budgets.allocation.pyramid_budgets`,
+``snapkv_fallback=False``; before 2026-11-29 those prompts got uniform budgets here too); inside the layer the
+``Hkv * b_l`` tokens are split across KV heads by one top-k over all heads with AdaKV's safeguard floor
+``int(alpha * b_l)`` per head (see :mod:`slake.methods.ada_snapkv` for the exact rule and its deviation from the
+AdaKV code's rounding).
 
 Defaults follow the LAVa paper's comparison: window 32, max-pool 7. Storage is dense and padded to the longest head
 (``docs/conventions.md#memory-and-byte-accounting``). Decode keeps every head at its post-prefill size
@@ -17,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
+from slake.budgets.allocation import pyramid_budgets
 from slake.methods.ada_snapkv import AdaKVHeads
 from slake.methods.base import register
 from slake.methods.pyramidkv import PyramidKV
@@ -45,6 +51,14 @@ class AdaPyramidKV(AdaKVHeads, PyramidKV):
     group_first: bool = True
 
     name: ClassVar[str] = "ada-pyramidkv"
+
+    def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
+        """AdaKV's Ada-PyramidKV schedule: PyramidKV's pyramid at every prompt the engine compresses, without the
+        uniform fallback below ``2 C'`` (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
+        return pyramid_budgets(
+            num_layers, selectable, prompt_len, self.window, self.beta, exact=self.exact, snapkv_fallback=False
+        )
+
     summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"
     paper: ClassVar[str] = (
         "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "

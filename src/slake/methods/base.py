@@ -173,6 +173,10 @@ class DecodeInputs:
         ``(B, Hkv, n)`` float32 per-slot weights of a method with :attr:`Method.slot_weighted`, kept by the engine
         since each slot was written: exactly :meth:`Method.slot_weights` of the slot's (dequantised) value. None
         where the caller keeps none; the rule then computes them from ``values``.
+    target : torch.Tensor | None
+        ``(B, Hkv)`` int64 slots each head keeps after this eviction (-1: a row that does not evict), given where
+        several tokens are evicted at once (a block of new tokens, a later prompt chunk); None at a single-token
+        step, where every evicting row holds one slot over its target.
     """
 
     probs: torch.Tensor
@@ -187,6 +191,7 @@ class DecodeInputs:
     values: torch.Tensor | None = None
     layer: LayerContext | None = None
     weights: torch.Tensor | None = None
+    target: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:

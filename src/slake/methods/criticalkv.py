@@ -197,7 +197,10 @@ class CriticalKV(Method):
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """The base decode rule, then the two stages over the slots held: of the ``int(r * n)`` first-stage places,
         the protected slots (window, sinks) take theirs and the best others by base score the rest, as the prefill
-        counts them.
+        counts them. ``n`` is the slots held at a single-token step (one over the head's target); where several
+        tokens are evicted at once (a block, a later prompt chunk: ``inputs.target``) it is the target plus one, as
+        at a step: the slots held then would size the first stage past what the head keeps, and its exempt slots,
+        all tied, would be kept or evicted by slot order (before 2026-11-29, with a block longer than the budget).
 
         The projected norms come from ``inputs.weights`` where the engine keeps them per slot (computed once per
         slot: recomputing them costs ``n * d * Hq * hidden`` multiply-adds per sequence, layer and step), else from
@@ -211,7 +214,11 @@ class CriticalKV(Method):
         # the protected slots count inside the first stage, as at prefill (kvpress gives them the largest score):
         # of the ``int(r * n)`` first-stage places they take theirs, and the best unprotected slots the rest
         protected = self._held_protected(inputs)
-        total = torch.floor(inputs.valid.sum(-1).double() * self.first_stage_ratio).to(torch.int64)
+        held = inputs.valid.sum(-1)
+        if inputs.target is not None:  # a block or chunk: sized as the single-token step that keeps the target
+            target = inputs.target.to(held.device)
+            held = torch.where(target >= 0, torch.minimum(held, target + 1), held)
+        total = torch.floor(held.double() * self.first_stage_ratio).to(torch.int64)
         first = (total - protected.sum(-1)).clamp_min(0)
         return two_stage(base, norm, inputs.valid & ~protected, first, self.epsilon)
 
@@ -250,6 +257,10 @@ class AdaCriticalKV(AdaKVHeads, CriticalKV):
     group_first: bool = True
 
     name: ClassVar[str] = "ada-criticalkv"
+    not_chunkable: ClassVar[str | None] = (
+        "its per-head budgets are the counts its prefill's two stages mark over the prompt, which a later chunk's "
+        "scores do not carry (every head would keep its protected tokens only)"
+    )
     summary: ClassVar[str] = "CriticalKV with AdaKV adaptive head budgets (CriticalAdaKV)"
     paper: ClassVar[str] = (
         "Feng et al., Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective, 2025 "
