@@ -24,7 +24,7 @@ __all__ = ["bounded_layer", "held_bytes"]
 #: a view is copied when its storage holds more than this many times its own bytes
 _COPY_ABOVE = 2
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[Any, type] = {}
 
 
 def _compact(layer: Any) -> None:
@@ -35,7 +35,7 @@ def _compact(layer: Any) -> None:
             setattr(layer, name, t.clone())
 
 
-def _compacting(cls: type) -> type:
+def _compacting(cls: Any) -> type:
     """``cls`` (a transformers cache layer) whose ``update`` compacts what the layer keeps (:func:`_compact`)."""
     made = _CLASSES.get(cls)
     if made is None:
