@@ -16,7 +16,7 @@ from slake.engines.vllm.plugin.decode_pool import DecodePool
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, FlashAttnLayout, slot_blocks
 from slake.kernels import launch_config
 from slake.methods import available_methods, make_method
-from slake.methods.base import DecodeInputs, LayerContext, Method
+from slake.methods.base import LayerContext, Method
 from slake.methods.rotary import Rotary
 
 #: runs the same under any transformers (none is loaded here): ``make test-oldest`` skips it (tests/test_tiers.py)
@@ -675,21 +675,10 @@ def test_one_fused_pool_step_of_one_layer_is_at_most_four_launches(monkeypatch):
 def test_a_step_the_kernels_do_not_cover_runs_in_torch_and_says_why(caplog, monkeypatch):
     """A method whose decode rule has no fused form (here, a subclass with its own rule) runs the torch step; the
     report names the reason and a warning is logged once (per process: the reasons already said are forgotten here)."""
-    from dataclasses import dataclass
-
     from slake.cache import fused_step
+    from test_kernel_report_fixes import Reversed  # SnapKV with its own rule, which has no fused form
 
     monkeypatch.setattr(fused_step, "_LOGGED", set())
-    from slake.methods.snapkv import SnapKV
-
-    @dataclass
-    class Reversed(SnapKV):
-        def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-            return -super().decode_scores(inputs)
-
-        def fused_rule(self):
-            return None
-
     method = Reversed(window=4)
     with caplog.at_level("WARNING", logger="slake.kernels"):
         eng, _ = _run(method, "triton", steps=2, layers=1)
