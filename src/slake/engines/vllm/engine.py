@@ -13,7 +13,10 @@ from slake.engines.result import GenerationResult
 
 __all__ = ["VllmEngine"]
 
-_GREEDY = "the plugin decodes greedily (vLLM's sampling is not wired to it)"
+_GREEDY = (
+    "slake's vLLM driver generates greedily (temperature 0); vLLM's own sampling works with the plugin on a server "
+    "(temperature, top_p, seed in the request), but its draws are not the transformers engine's"
+)
 
 
 class VllmEngine(Engine):

@@ -101,6 +101,8 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         if cfg is None:
             return
         validate_engine_config(cfg, vllm_config)
+        check_isa(getattr(self, "isa", None), self.layout_cls)
+        cfg = cfg.for_engine(getattr(mc, "max_model_len", None))  # the decode pool's rows: at most a request's tokens
         self.slake_state = PluginState(
             cfg,
             num_layers=int(mc.hf_text_config.num_hidden_layers),
@@ -124,6 +126,27 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         plan, cm = self.slake_state.plan_step(common_attn_metadata)
         md = super().build(common_prefix_len, cm, fast_build)
         return SlakeCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, slake=plan)
+
+
+def check_isa(isa: str | None, layout: type[PagedLayout]) -> None:
+    """Refuse, at start-up, a CPU kernel ISA whose cache layout ``layout`` does not read (vLLM's CPU metadata builder
+    picks ``isa`` from the dtype, block size and CPU: ``amx`` for bfloat16 at a block size that is a multiple of 32
+    on an AMX CPU). The first compressed write still checks that the layout reads back what vLLM's op stored
+    (:meth:`PagedLayout.check`), a second guard against a vLLM build that changes a layout under the same ISA."""
+    if isa is None or not layout.isas or isa in layout.isas:
+        return
+    if isa in layout.refused_isas:
+        raise ValueError(
+            f"slake: vLLM's CPU attention picked its {isa!r} kernels, whose KV-cache layout the plugin cannot read (it "
+            f"reads {layout.name} as stored by {', '.join(repr(i) for i in layout.isas)}); serve the model in float32 "
+            f"or float16 (--dtype float32)"
+        )
+    logger.warning(
+        "slake: vLLM's CPU attention picked its %r kernels, which the plugin was never run with (it was written "
+        "and tested on %s); the first compressed request checks that the cache reads back what vLLM stored",
+        isa,
+        ", ".join(repr(i) for i in layout.isas),
+    )
 
 
 def _step_plan(layer_name: str) -> StepPlan | None:
@@ -155,7 +178,8 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
         block_ids: torch.Tensor,
     ) -> None:
         """Write ``(Hkv, n, d)`` keys/values to the request's first ``n`` slots (vLLM's own cache-write op; the
-        engine's first write checks that its layout reads back exactly what the op stored)."""
+        engine's first write checks that its layout reads back exactly what the op stored: the second guard after
+        :func:`check_isa`, which refuses a known-unreadable ISA when the engine starts)."""
         bs = kv_cache.shape[2]
         n = keys.shape[1]
         slots = slot_mapping(block_ids, n, bs)

@@ -71,6 +71,13 @@ class SlakeVllmConfig:
     #: Resolved when the engine starts (:class:`slake.engines.vllm.plugin.state.PluginState`); a step the kernels
     #: do not cover runs in torch, is logged, and counted in the engine's report
     kernels: str = "auto"
+    #: the engine's ``max_model_len`` when known (set by the attention backend, :meth:`for_engine`): no layer of a
+    #: request can keep more tokens than that, so it bounds :meth:`slots` (the decode pool's row width)
+    max_model_len: int | None = None
+
+    def for_engine(self, max_model_len: int | None) -> SlakeVllmConfig:
+        """This configuration bound to an engine whose requests hold at most ``max_model_len`` tokens."""
+        return replace(self, max_model_len=None if max_model_len is None else int(max_model_len))
 
     @property
     def layer_tokens(self) -> int:
@@ -88,8 +95,14 @@ class SlakeVllmConfig:
     def slots(self, prompt_len: int | None = None) -> int:
         """Cache slots a compressed request holds per layer and KV head while decoding: what a layer keeps
         (:attr:`layer_tokens`, at most the prompt) plus the slot the newest token is written to before the step's
-        eviction (the engine's ``LayerStore`` capacity). Without ``prompt_len``: the bound for any prompt."""
-        kept = self.layer_tokens if prompt_len is None else min(self.layer_tokens, int(prompt_len))
+        eviction (the engine's ``LayerStore`` capacity). Without ``prompt_len``: the bound for any prompt, that is
+        ``min(layer_tokens, max_model_len) + 1`` when the engine's :attr:`max_model_len` is known (a CAKE/SLAKE cap
+        above it buys nothing: no layer keeps more tokens than a request holds)."""
+        kept = self.layer_tokens
+        if prompt_len is not None:
+            kept = min(kept, int(prompt_len))
+        elif self.max_model_len is not None:
+            kept = min(kept, self.max_model_len)
         return kept + 1
 
     def blocks(self, block_size: int, prompt_len: int | None = None) -> int:
@@ -115,7 +128,13 @@ def _raw_from(additional_config: Any) -> dict | None:
     if isinstance(additional_config, dict) and "slake" in additional_config:
         raw = additional_config["slake"]
         if isinstance(raw, str):
-            raw = json.loads(raw)
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f'slake: the "slake" configuration is a string that is not valid JSON ({exc}); give a JSON '
+                    f'object such as {{"method": "snapkv", "budget": 128}}'
+                ) from None
         return None if raw is None or raw is False else raw
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
@@ -208,6 +227,11 @@ def _unsupported_reason(method: Method) -> str:
 def check_supported(method: Method, budget: Budget) -> None:
     """Raise a one-line ``ValueError`` when the vLLM plugin cannot run ``method`` at ``budget`` faithfully."""
     name = method.name
+    if method.keeps_everything:
+        raise ValueError(
+            f"slake: method {name!r} keeps the whole cache, which is plain vLLM: leave out the slake configuration "
+            f'(or give "slake": null) instead'
+        )
     if name not in SUPPORTED_METHODS:
         raise ValueError(
             f"slake: method {name!r} is not supported by the vLLM plugin ({_unsupported_reason(method)}); "

@@ -52,6 +52,11 @@ class PagedLayout(ABC):
     """
 
     name = "abstract"
+    #: the kernel ISAs of vLLM's CPU backend (the metadata builder's ``isa``) whose cache layout this layout reads;
+    #: an engine whose builder picks another stops at start-up (empty: the layout is not a CPU one)
+    isas: tuple[str, ...] = ()
+    #: ISAs whose layout is known to differ: refused at start-up
+    refused_isas: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         #: ``torch.arange(n)`` per ``(n, device)``: the step's constant index tensors (request and head numbers),
@@ -141,6 +146,11 @@ class CpuAttnLayout(PagedLayout):
     (several times faster on CPU than indexing single slots out of the transposed key layout)."""
 
     name = "CPU_ATTN"
+    #: vLLM's ``vec`` and ``vec16`` kernels store this layout; ``amx`` (bfloat16 with a block size that is a multiple
+    #: of 32 on an AMX CPU) packs the keys for its tile instructions (refused at start-up); the other ISAs (``neon``,
+    #: ``vsx``, ``vxe``, ``rvv``) were never run with the plugin (a warning; the first write's check still guards)
+    isas = ("vec", "vec16")
+    refused_isas = ("amx",)
 
     @staticmethod
     def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from slake.engines.vllm.plugin.config import SlakeVllmConfig
+
+logger = logging.getLogger("slake")
 
 #: the vLLM release whose scheduler, KV-cache manager and CPU backend internals the plugin was written against
 SUPPORTED_VLLM = "0.32."
@@ -45,6 +49,21 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
         raise ValueError(f"slake: kv_cache_dtype={cache.cache_dtype} is not supported; use the model dtype (auto)")
     if vllm_config.speculative_config is not None:
         raise ValueError("slake: speculative decoding is not supported with a compressed cache")
+    max_len = getattr(vllm_config.model_config, "max_model_len", None)
+    if max_len is not None and cfg.budget >= int(max_len):
+        # not refused: slake's own drivers size max_model_len to a run's prompts, and a run whose prompts all fit the
+        # budget is uncompressed, as in the transformers engine; said once, at start-up, rather than silently
+        logger.warning(
+            "slake: budget %d >= max_model_len %d: no request can exceed it, so this engine compresses nothing (it "
+            "runs as plain vLLM); use a budget below max_model_len to compress",
+            cfg.budget,
+            int(max_len),
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "slake: pipeline parallelism is not supported by the vLLM plugin (its per-request state assumes one "
+            "stage holds every layer); use pipeline_parallel_size=1"
+        )
     if vllm_config.parallel_config.tensor_parallel_size > 1 and cfg.method.name == "tova":
         raise ValueError(
             "slake: tova averages attention over all query heads of a layer, which tensor parallelism "
@@ -52,12 +71,11 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
             "streamingllm)"
         )
     par = vllm_config.parallel_config
-    if cfg.method.layer_budgets == "preference" and (par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1):
+    if cfg.method.layer_budgets == "preference" and par.tensor_parallel_size > 1:
         raise ValueError(
             f"slake: {cfg.method.name}'s layer budgets come from the preferences of every layer and "
-            f"KV head (a cascade over the whole model in one pass), which tensor and pipeline "
-            f"parallelism split across ranks; use one rank, or a per-head method (snapkv, h2o, "
-            f"streamingllm)"
+            f"KV head (a cascade over the whole model in one pass), which tensor parallelism splits "
+            f"across ranks; use one rank, or a per-head method (snapkv, h2o, streamingllm)"
         )
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp > 1 and tp > vllm_config.model_config.get_total_num_kv_heads():
