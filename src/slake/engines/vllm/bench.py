@@ -10,7 +10,9 @@ how many such requests one GiB of KV cache holds at once (blocks per GiB divided
 end). Lengths whose prompt and generated tokens exceed the model's context are refused before any engine starts
 (:func:`check_lengths`). Before that, in the same process and plain vLLM first, the engine's steps are timed one by one
 (:func:`step_bench`): the prefill step, decode-only steps and mixed steps, with their ratios to plain vLLM's and the
-plugin's own time per compressed request and layer.
+plugin's own time per compressed request and layer. Every engine's KV cache is sized for its own length: room for
+each request's full sequence, 1.5x (:func:`bench_kv_cache_bytes`, passed as vLLM's ``kv_cache_memory_bytes``), so
+that plain vLLM holds the whole batch at every length.
 
 Each method runs as ``vllm serve`` users get it (``{"method", "budget"}``): the plugin applies the model's profile,
 and the rows' ``profile`` is the entry it reports it applied. ``--kernels`` other than ``auto`` goes into that
@@ -133,6 +135,7 @@ def bench(
             max_num_seqs=max(requests, 1),
             step_log=log,
             max_num_batched_tokens=requests * prompt_len,  # every prompt prefilled in one step
+            kv_cache_gib=bench_kv_cache_bytes(model_dir, dtype, requests, prompt_len + new_tokens) / 2**30,
         )
         timed = timed_decode_steps(log, warmup, decode_steps)
         info = run.model_info
@@ -269,6 +272,16 @@ def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * c.num_hidden_layers * kvh * d * (4 if dtype == "float32" else 2)
 
 
+def bench_kv_cache_bytes(model_dir: str, dtype: str, requests: int, tokens: int) -> int:
+    """The KV-cache size of one benchmark engine (:func:`step_times`, :func:`bench`): room for every request's full
+    sequence (``requests`` of ``tokens`` each: plain vLLM holds them all at once, so that every step runs the batch
+    it says), 1.5x, in whole GiB, at least 1. Computed for each engine (each length gets its own) and passed to it as
+    vLLM's ``kv_cache_memory_bytes``, not through the process-wide ``VLLM_CPU_KVCACHE_SPACE`` (which it
+    overrides)."""
+    need = 1.5 * requests * tokens * _kv_bytes_per_token(model_dir, dtype)
+    return max(1, math.ceil(need / 2**30)) * 2**30
+
+
 def step_times(
     model_dir: str,
     prompts: list[list[int]],
@@ -291,10 +304,10 @@ def step_times(
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from slake.engines.vllm.plugin import worker
-    from slake.engines.vllm.runner import engine_kwargs, model_context_limit, model_len
+    from slake.engines.vllm.runner import engine_kwargs, model_context_limit, model_len, new_llm
 
     n, p = len(prompts), max(len(x) for x in prompts + extra)
     total = step_new_tokens(decode_steps, len(extra))
@@ -305,12 +318,10 @@ def step_times(
         dtype=dtype,
         max_model_len=model_len(p, total, model_context_limit(model_dir)),
         max_num_seqs=n + len(extra),
+        kv_cache_bytes=bench_kv_cache_bytes(model_dir, dtype, n + len(extra), p + total),
     )
     kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], sum(len(x) for x in prompts))
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for every request's full prompt (plain vLLM), 1.5x
-        need = 1.5 * (n + len(extra)) * (p + total) * _kv_bytes_per_token(model_dir, dtype)
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(need / 2**30)))
-    llm = LLM(**kw)
+    llm = new_llm(kw)  # this engine's KV size, whatever an earlier engine of the process got
     eng = llm.llm_engine
     sp = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True, detokenize=False)
     # warm-up: one short request through prefill and a few decode steps (first-call costs stay out of the timings)

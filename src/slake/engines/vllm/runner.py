@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 CACHE_ENV = "SLAKE_CACHE_DIR"
+#: vLLM's legacy CPU KV-cache size (whole GiB); when set, its CPU platform lets it override every engine's
+#: ``kv_cache_memory_bytes``, so :func:`new_llm` hides it while an engine is built
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def cache_dir() -> Path:
@@ -161,10 +164,13 @@ def engine_kwargs(
     max_num_seqs: int = 16,
     num_blocks: int | None = None,
     max_num_batched_tokens: int | None = None,
+    kv_cache_bytes: int | None = None,
 ) -> dict:
     """``vllm.LLM`` keyword arguments the plugin needs: whole-prompt prefill, no prefix caching, eager mode.
     ``num_blocks``: a fixed number of KV blocks (vLLM's ``num_gpu_blocks_override``), e.g. to force preemption;
-    ``max_num_batched_tokens``: tokens one step may hold, at least ``max(max_model_len, 2048)``.
+    ``max_num_batched_tokens``: tokens one step may hold, at least ``max(max_model_len, 2048)``;
+    ``kv_cache_bytes``: this engine's KV-cache size (vLLM's ``kv_cache_memory_bytes``; build the engine with
+    :func:`new_llm`, which keeps ``VLLM_CPU_KVCACHE_SPACE`` from overriding it).
 
     The configuration is always stated: ``additional_config={"slake": slake}``, with ``None`` for plain vLLM, which
     the plugin reads as plain whatever the ``SLAKE_VLLM`` variable holds (it reads the variable only when the key is
@@ -185,7 +191,39 @@ def engine_kwargs(
     )
     if num_blocks is not None:
         kw["num_gpu_blocks_override"] = int(num_blocks)
+    if kv_cache_bytes is not None:
+        kw["kv_cache_memory_bytes"] = int(kv_cache_bytes)
     return kw
+
+
+def kv_cache_bytes_for(kv_cache_gib: float | None = None) -> int:
+    """An engine's KV-cache size in bytes: ``kv_cache_gib`` GiB when given, else ``VLLM_CPU_KVCACHE_SPACE`` (whole
+    GiB) when set and not empty, else 1 GiB."""
+    if kv_cache_gib is None:
+        env = os.environ.get(KV_SPACE_ENV, "").strip()
+        kv_cache_gib = float(env) if env else 1.0
+    if not kv_cache_gib > 0:
+        raise ValueError(f"the KV cache size must be positive, not {kv_cache_gib} GiB")
+    return int(float(kv_cache_gib) * 2**30)
+
+
+def new_llm(kw: dict):
+    """``vllm.LLM(**kw)``, with ``kw["kv_cache_memory_bytes"]`` (when given) as this engine's KV-cache size.
+
+    vLLM's CPU platform replaces ``kv_cache_memory_bytes`` with the process-wide ``VLLM_CPU_KVCACHE_SPACE`` when
+    that variable is set (``CpuPlatform.check_and_update_config``, run while the engine is built), so the variable is
+    removed from the environment while the engine is built (its engine-core process, if any, starts then too) and
+    put back after: every engine of a process gets the size it is given."""
+    from vllm import LLM
+
+    if kw.get("kv_cache_memory_bytes") is None:
+        return LLM(**kw)
+    saved = os.environ.pop(KV_SPACE_ENV, None)
+    try:
+        return LLM(**kw)
+    finally:
+        if saved is not None:
+            os.environ[KV_SPACE_ENV] = saved
 
 
 def run_vllm(
@@ -199,7 +237,7 @@ def run_vllm(
     max_model_len: int = 4096,
     stop_token_ids=None,
     ignore_eos: bool = False,
-    kv_cache_gib: int = 1,
+    kv_cache_gib: float | None = None,
     max_num_seqs: int = 16,
     num_blocks: int | None = None,
     max_tokens: list[int] | None = None,
@@ -225,8 +263,9 @@ def run_vllm(
         End-of-sequence ids (the model's EOS), as ``model.generate`` stops on them.
     ignore_eos : bool
         Generate exactly ``max_new_tokens``.
-    kv_cache_gib : int
-        ``VLLM_CPU_KVCACHE_SPACE`` when it is not set.
+    kv_cache_gib : float | None
+        This engine's KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``; it takes effect for every engine of
+        the process); None: ``VLLM_CPU_KVCACHE_SPACE`` when set, else 1 GiB (:func:`kv_cache_bytes_for`).
     max_num_seqs : int
         Requests vLLM runs at once (the others wait in its queue).
     num_blocks : int | None
@@ -244,14 +283,13 @@ def run_vllm(
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from slake.engines.vllm.plugin import worker
     from slake.engines.vllm.plugin.scheduler import BlockPolicy
 
-    llm = LLM(
-        **engine_kwargs(
+    llm = new_llm(
+        engine_kwargs(
             model_dir,
             slake=slake,
             block_size=block_size,
@@ -260,6 +298,7 @@ def run_vllm(
             max_num_seqs=max_num_seqs,
             num_blocks=num_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_bytes=kv_cache_bytes_for(kv_cache_gib),
         )
     )
     core = llm.llm_engine.engine_core.engine_core
@@ -268,7 +307,11 @@ def run_vllm(
     if policy is None:  # plain vLLM: record the blocks held, change nothing else
         policy = manager.slake_policy = BlockPolicy(None)
     policy.stats = {}
-    llm.collective_rpc(worker.configure, kwargs={"record_runs": True, "timing": timing, "clear": True})
+    # the run log keeps one record per request: room for every prompt of this run, none dropped
+    llm.collective_rpc(
+        worker.configure,
+        kwargs={"record_runs": True, "timing": timing, "clear": True, "run_log_max": max(len(prompts), 1)},
+    )
     sp = SamplingParams(
         temperature=0.0,
         max_tokens=max_new_tokens,
@@ -313,12 +356,26 @@ def run_vllm(
         plugin=plugin,
         step_times=step_times,
     )
+    records = _runs_by_request(runs)
     for out in outs:
         toks = list(out.outputs[0].token_ids)
         n = len(out.prompt_token_ids)
         stats = policy.stats_for(out.request_id)
-        rec = _match_run(runs, out.request_id)
-        compressed = rec is not None
+        rec = records.get(out.request_id)
+        # the configuration decides (a prompt longer than the budget, as the scheduler and the worker decide), not
+        # the presence of a record: a compressed request without one would be reported as the full cache
+        compressed = _compresses(policy, plugin, n)
+        if compressed and rec is None:
+            raise RuntimeError(
+                f"slake: request {out.request_id} (a prompt of {n} tokens, longer than the budget) was compressed, "
+                f"but the plugin returned no record of it ({len(runs)} records for {len(prompts)} prompts), so its "
+                "kept tokens and KV bytes are unknown"
+            )
+        if not compressed and rec is not None:
+            raise RuntimeError(
+                f"slake: the plugin recorded request {out.request_id} (prompt of {n} tokens) as compressed, but the "
+                "configuration does not compress it"
+            )
         if rec is not None:
             kept = rec["kept_tokens_per_layer"]
         else:
@@ -380,15 +437,27 @@ def generate_stepwise(llm, prompts: list[list[int]], params, log: list[tuple[flo
     return [done[i] for i in range(len(prompts))]
 
 
-def _match_run(runs: list[dict], output_request_id: str) -> dict | None:
-    """The plugin's record of a request by the id its ``RequestOutput`` carries (the engine core appends
-    ``-<suffix>`` to it), the latest one when a request was compressed twice; None for an uncompressed request."""
-    found = None
+def _compresses(policy, plugin: dict | None, prompt_len: int) -> bool:
+    """Whether the engine compresses a prompt of ``prompt_len`` tokens: the scheduler's configuration
+    (:meth:`slake.engines.vllm.plugin.config.SlakeVllmConfig.compresses`, longer than the budget), or, without one,
+    the budget the plugin reports; False for plain vLLM."""
+    cfg = getattr(policy, "config", None)
+    if cfg is not None:
+        return bool(cfg.compresses(prompt_len))
+    if plugin is not None and plugin.get("budget") is not None:
+        return prompt_len > int(plugin["budget"])
+    return False
+
+
+def _runs_by_request(runs: list[dict]) -> dict[str, dict]:
+    """The plugin's records by the id a request's ``RequestOutput`` carries (the engine core appends ``-<suffix>``
+    to it; a record is found under its own id too), the latest one where a request was recorded twice."""
+    out: dict[str, dict] = {}
     for run in runs:
         rid = run["req_id"]
-        if rid == output_request_id or rid.startswith(output_request_id + "-"):
-            found = run
-    return found
+        out[rid.rsplit("-", 1)[0]] = run
+        out[rid] = run
+    return out
 
 
 def expected_blocks(

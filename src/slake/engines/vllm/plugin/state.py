@@ -145,7 +145,8 @@ class PluginState:
 
     #: most preempted requests whose kept cache is saved (each a few MB: kept keys/values of every layer)
     save_max = 64
-    #: most requests kept in the run log, and step timings kept
+    #: most requests kept in the run log (one record per request id, the oldest dropped first; a driver sizes it to
+    #: its run's requests with :func:`slake.engines.vllm.plugin.worker.configure`), and step timings kept
     run_log_max = 256
     step_times_max = 4096
     #: where the decode pool's tensors live (vLLM's CPU backend)
@@ -188,9 +189,11 @@ class PluginState:
         self.step_prompt_lens: list[int] = []
         #: preempted requests saved, and recomputed requests restored
         self.counters = {"saved": 0, "restored": 0}
-        #: when True, every compressed request started is appended to :attr:`runs` (drivers turn it on)
+        #: when True, every compressed request started is recorded in :attr:`runs` (drivers turn it on): request
+        #: id -> its latest state (a request compressed afresh after a preemption replaces its earlier record), at
+        #: most :attr:`run_log_max` requests, the oldest dropped first
         self.record_runs = False
-        self.runs: list[RequestState] = []
+        self.runs: dict[str, RequestState] = {}
         #: when True, every step with compressed decode rows appends ``(compressed decode rows, requests in the
         #: step, layers, plugin seconds summed over layers)`` to :attr:`step_times`
         self.timing = False
@@ -313,6 +316,17 @@ class PluginState:
         self.saved[req_id] = st
         self.counters["saved"] += 1
 
+    def record_run(self, st: RequestState) -> None:
+        """Record a compressed request in the run log (:attr:`runs`), replacing an earlier record of its id (a
+        preempted request compressed afresh: its preemptions carry over) and dropping the oldest records beyond
+        :attr:`run_log_max`."""
+        prev = self.runs.pop(st.req_id, None)
+        if prev is not None and prev is not st:
+            st.preemptions = max(st.preemptions, prev.preemptions)
+        self.runs[st.req_id] = st
+        while len(self.runs) > max(int(self.run_log_max), 0):
+            del self.runs[next(iter(self.runs))]
+
     def record_step_time(self, plan: StepPlan) -> None:
         """Append a step's plugin time (timing on) to :attr:`step_times`."""
         if plan.decode is None:
@@ -370,8 +384,7 @@ class PluginState:
                     st.meta_bytes, st.lin_bytes = pool.row_bytes()
                     self.requests[rid] = st
                     if self.record_runs:
-                        self.runs.append(st)
-                        del self.runs[: -self.run_log_max]
+                        self.record_run(st)
                     held = min(st.blocks(cfg, bs), math.ceil(slen / bs))  # kept entries fit the prompt's blocks
                     plan.prefills.append((st, qs, qe, table[i, :held].clone()))
                 continue
@@ -459,7 +472,7 @@ class PluginState:
                     "linear_state_bytes": st.lin_bytes,
                     "preemptions": st.preemptions,
                 }
-                for st in self.runs
+                for st in self.runs.values()
             ],
             "step_times": list(self.step_times),
             "counters": dict(self.counters),

@@ -108,13 +108,24 @@ def _worker_states(worker: Any) -> list[PluginState]:
     return runner_states(getattr(worker, "model_runner", None))
 
 
-def configure(worker: Any, *, record_runs: bool | None = None, timing: bool | None = None, clear: bool = False) -> int:
+def configure(
+    worker: Any,
+    *,
+    record_runs: bool | None = None,
+    timing: bool | None = None,
+    clear: bool = False,
+    run_log_max: int | None = None,
+) -> int:
     """Turn the run log (``record_runs``) and the step timings (``timing``) on or off, and with ``clear`` empty
-    both, in this worker's engine. Returns the number of plugin states changed (0 for plain vLLM)."""
+    both, in this worker's engine. ``run_log_max``: the most requests the run log keeps (one record per request id;
+    a driver that reads back the records of ``N`` requests sets at least ``N``, so that none is dropped; default
+    :attr:`PluginState.run_log_max`). Returns the number of plugin states changed (0 for plain vLLM)."""
     states = _worker_states(worker)
     for st in states:
         if record_runs is not None:
             st.record_runs = record_runs
+        if run_log_max is not None:
+            st.run_log_max = int(run_log_max)
         if timing is not None:
             st.timing = timing
         if clear:

@@ -10,6 +10,12 @@ platform lets the legacy ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) override it, and
 crashes the worker's start (``int('')`` in ``vllm.envs``), so the variable is removed from the server's
 environment, as are ``VLLM_ENABLE_V1_MULTIPROCESSING`` (the tests set it to 0 for in-process engines; a server runs
 its engine in its own process) and ``SLAKE_VLLM`` (the plugin would read it for a plain vLLM server).
+
+Logging: the plugin's start-up lines (``slake: compressing the KV cache with ...``, logged at INFO under vLLM's
+logging configuration) are how :meth:`VllmServer.wait_ready` knows that the plugin runs, and what
+:meth:`VllmServer.plugin_lines` reads; so the server always logs INFO lines: ``VLLM_LOGGING_LEVEL`` is set to
+``INFO`` unless it is ``DEBUG`` or ``INFO`` already, and ``VLLM_CONFIGURE_LOGGING`` (``0`` leaves Python's default,
+WARNING) and ``VLLM_LOGGING_CONFIG_PATH`` (a custom configuration, whose levels are unknown) are removed.
 """
 
 from __future__ import annotations
@@ -45,7 +51,15 @@ __all__ = [
 # that the
 #: server runs without the plugin (slake not installed in vLLM's environment)
 PLUGIN_LOG_LINE = "slake: compressing the KV cache with"
-_DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "SLAKE_VLLM")
+_DROPPED_ENV = (
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "SLAKE_VLLM",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_LOGGING_CONFIG_PATH",
+)
+#: vLLM log levels that show the plugin's INFO lines
+_INFO_LEVELS = ("DEBUG", "INFO")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -124,10 +138,13 @@ def server_command(cfg: ServerConfig, port: int) -> list[str]:
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without the variables that would change the server's configuration behind its
-    command line (module docstring)."""
+    command line, and with vLLM's logging at INFO at least, so that the plugin's start-up lines reach the log
+    (module docstring)."""
     env = dict(os.environ if base is None else base)
     for k in _DROPPED_ENV:
         env.pop(k, None)
+    if env.get("VLLM_LOGGING_LEVEL", "INFO").strip().upper() not in _INFO_LEVELS:
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
     return env
 
 
@@ -299,9 +316,15 @@ class VllmServer:
                 )
             time.sleep(1.0)
         if self.cfg.slake and PLUGIN_LOG_LINE not in self.cfg.log_path.read_text(encoding="utf-8", errors="replace"):
+            level = (self.cfg.env or {}).get("VLLM_LOGGING_LEVEL", "INFO").strip().upper()
+            hint = (
+                f"; or the server's VLLM_LOGGING_LEVEL={level} (ServerConfig.env) hides the plugin's INFO line"
+                if level not in _INFO_LEVELS
+                else ""
+            )
             raise RuntimeError(
                 f"vLLM's server started without the slake plugin (no {PLUGIN_LOG_LINE!r} in {self.cfg.log_path}); "
-                "is slake installed in vLLM's environment (pip install -e . there)?"
+                f"is slake installed in vLLM's environment (pip install -e . there)?{hint}"
             )
 
     def plugin_lines(self) -> list[str]:
