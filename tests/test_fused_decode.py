@@ -676,7 +676,7 @@ def test_a_step_the_kernels_do_not_cover_runs_in_torch_and_says_why(caplog, monk
     """A method whose decode rule has no fused form (here, a subclass with its own rule) runs the torch step; the
     report names the reason and a warning is logged once (per process: the reasons already said are forgotten here)."""
     from slake.cache import fused_step
-    from test_kernel_report_fixes import Reversed  # SnapKV with its own rule, which has no fused form
+    from uncovered_rule import Reversed  # SnapKV with its own rule, which has no fused form
 
     monkeypatch.setattr(fused_step, "_LOGGED", set())
     method = Reversed(window=4)

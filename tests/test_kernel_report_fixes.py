@@ -23,7 +23,6 @@ import importlib
 import json
 import pkgutil
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,22 +32,10 @@ import slake.kernels
 from slake.cache import compressed, fused_step
 from slake.cache.compressed import CompressedKV, resolve_kernels
 from slake.methods import make_method
-from slake.methods.base import DecodeInputs
-from slake.methods.snapkv import SnapKV
+from uncovered_rule import Reversed
 
 ROOT = Path(__file__).resolve().parents[1]
 COVER = "fused decode kernels do not cover"
-
-
-@dataclass
-class Reversed(SnapKV):
-    """A user's own decode rule, which the fused kernels do not cover (no fused form)."""
-
-    def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
-        return -super().decode_scores(inputs)
-
-    def fused_rule(self):
-        return None
 
 
 @pytest.fixture
