@@ -529,18 +529,7 @@ class Decoder:
         Worked out on the host, as :meth:`step` chooses in static mode: the full cache's masked attention
         (:func:`~slake.cache.dense_step.dense_kernel_reason`), or the shared decode step
         (:func:`~slake.cache.fused_step.fused_reason`). Call after :meth:`prepare_static`'s preparations (slot
-        weights, the kernels' row table and order), which it reads.
-
-        Parameters
-        ----------
-        layer_idx : int
-            The layer (prefilled).
-
-        Returns
-        -------
-        tuple[str, str | None]
-            The implementation and the reason for a fallback.
-        """
+        weights, the kernels' row table and order), which it reads; ``layer_idx`` must be prefilled."""
         state = self.state
         store = state.store(layer_idx)
         if self.kernels != "triton":
