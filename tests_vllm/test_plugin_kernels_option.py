@@ -84,6 +84,20 @@ def test_the_state_resolves_kernels_and_the_pool_runs_them(kernels):
     assert state.decode_pool().kernels == "torch"
 
 
+def test_the_pool_keeps_why_auto_chose_the_torch_step(monkeypatch):
+    """The state checks the choice when the engine starts and hands the pool the choice as asked, so the pool's
+    report says why ``auto`` chose torch on a GPU (it was handed the resolved ``torch``, and said nothing). The
+    device's kind stands in through a patched choice."""
+    from slake.engines.vllm.plugin import decode_pool
+
+    state = _state(_cfg(kernels="auto"))
+    monkeypatch.setattr(
+        decode_pool, "kernel_choice", lambda k, d: ("torch", "Triton not installed" if k == "auto" else None)
+    )
+    assert state.decode_pool().report.auto == "Triton not installed"
+    assert state.report()["kernels"] == "torch (auto: Triton not installed)"
+
+
 def test_the_report_carries_the_pools_kernel_report():
     """What the pool's ``KernelReport`` counted (steps per implementation, fallbacks and why) is in the report, and
     ``kernels`` is its summary, as ``statistics()["kernels"]`` of the transformers engine."""

@@ -255,7 +255,8 @@ class PluginState:
                 rows=self.max_rows,
                 layout=self.layout,
                 device=self.device,
-                kernels=self.kernels,
+                # the choice as asked (checked above): the pool resolves it again and keeps why "auto" chose torch
+                kernels=self.config.kernels,
                 layer_context=self._contexts(),
             )
         return self.pool
@@ -266,7 +267,10 @@ class PluginState:
         cover a step), or, before any compressed decode step, the implementation chosen (:attr:`kernels`), as the
         transformers engine's benchmark rows say it."""
         ran = "none" if self.pool is None else self.pool.report.summary()
-        return self.kernels if ran == "none" else ran
+        if ran != "none":
+            return ran
+        auto = None if self.pool is None else self.pool.report.auto
+        return self.kernels if auto is None else f"{self.kernels} (auto: {auto})"
 
     def kept_tokens_per_layer(self, st: RequestState) -> list[float]:
         """Mean kept tokens per KV head, per layer (valid slots), now or when the request finished."""
