@@ -175,15 +175,19 @@ def _check_window(layer, window: int) -> None:
     Eagerly a ValueError. A static (fixed-shape, compiled) step reads no host value: its position counter is the
     new token's position, checked on the device (``torch._assert_async``: a RuntimeError on the CPU, a device-side
     assert on CUDA) instead of a Python branch on it, which ``torch.compile(fullgraph=True)`` cannot trace."""
-    message = (
-        f"layer {layer.layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
+    length = layer.get_seq_length()
+    if isinstance(length, torch.Tensor):  # static mode: the counter is the new token's position, not yet counted
+        torch._assert_async(length < window, _window_message(layer.layer_idx, window))
+    elif length > window:
+        raise ValueError(_window_message(layer.layer_idx, window))
+
+
+def _window_message(layer_idx: int, window: int) -> str:
+    """Why a sequence longer than a sliding-window layer's window is refused (made only where it is needed)."""
+    return (
+        f"layer {layer_idx} uses sliding-window attention ({window} tokens) and the sequence "
         f"is longer; slake compresses full-attention layers only: either the model has none (every layer "
         f"is a sliding-window layer), or this SlakeCache was built without the model's configuration "
         f"(num_layers=...) and does not know which layers slide: build it with SlakeCache(..., "
         f"config=model.config)"
     )
-    length = layer.get_seq_length()
-    if isinstance(length, torch.Tensor):  # static mode: the counter is the new token's position, not yet counted
-        torch._assert_async(length < window, message)
-    elif length > window:
-        raise ValueError(message)
