@@ -6,7 +6,9 @@ vLLM calls it in every process (API server, engine core, workers). It registers 
 (:mod:`slake.engines.vllm.plugin.scheduler`) and the model runner's batch update, which tells the worker which
 requests finished or were preempted (:mod:`slake.engines.vllm.plugin.worker`). All of them do nothing for an engine
 without a slake configuration (:mod:`slake.engines.vllm.plugin.config`: ``--additional-config '{"slake": {"method":
-"snapkv", "budget": 128}}'`` or the ``SLAKE_VLLM`` environment variable).
+"snapkv", "budget": 128}}'`` or the ``SLAKE_VLLM`` environment variable). One check holds for every engine: a
+request whose ``extra_args`` name slake options of its own is refused at admission
+(:mod:`slake.engines.vllm.plugin.requests`).
 
 Every piece of per-engine state lives in objects that vLLM makes per engine (the scheduler's KV-cache manager, the
 attention-metadata builder: :class:`slake.engines.vllm.plugin.state.PluginState`); the plugin's modules hold none,
@@ -21,9 +23,10 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from slake.engines.vllm.plugin import scheduler, worker
+    from slake.engines.vllm.plugin import requests, scheduler, worker
 
     scheduler.install()
+    requests.install()  # front end: a request naming slake options of its own is refused
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, "slake.engines.vllm.plugin.backend.SlakeCPUAttentionBackend")
         worker.install()  # worker side: finished / preempted requests, request ids of the step's rows
