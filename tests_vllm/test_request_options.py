@@ -5,8 +5,8 @@ a plain engine) with nothing said (docs/vllm.md, "Configuration")."""
 from __future__ import annotations
 
 import pytest
-from conftest import BUDGET
 
+from conftest import BUDGET
 from slake.engines.vllm.plugin.requests import refusal, slake_keys
 from slake.engines.vllm.runner import engine_kwargs
 
