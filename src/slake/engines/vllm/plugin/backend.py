@@ -37,7 +37,8 @@ travels to the layers in the step's metadata (``metadata.slake``), as vLLM's own
 module keeps nothing at module level. After prefill a request holds one row of the decode pool (positions,
 validity and scores per slot, the PTAA linear state) and nothing else; keys and values stay in vLLM's blocks. A
 finished request's row is released when the scheduler reports it finished, a preempted request's row is saved with a
-copy of its kept keys/values (:meth:`PluginState.request_preempted`, at most :attr:`PluginState.save_max` requests),
+copy of its kept keys/values (:meth:`PluginState.request_preempted`, at most :attr:`PluginState.save_max` requests and
+:attr:`PluginState.save_max_bytes` bytes),
 and when vLLM recomputes the request the saved kept cache is written into its new blocks and the recomputation's last
 token decodes over it, so it continues exactly as if it had not been preempted (beyond that many saved requests, a
 recomputed request is compressed afresh from its longer prefill, and its tokens may then differ). Those request

@@ -40,6 +40,18 @@ __all__ = ["DecodeBatch", "PluginState", "RequestState", "StepPlan"]
 logger = init_logger(f"vllm.plugins.{__name__}")  # under vLLM's logging configuration
 
 
+def _copy_bytes(value: Any) -> int:
+    """Bytes of the tensors in a saved preemption copy (``{"meta": ..., "kv": {layer: (keys, values)}}``, nested
+    dicts, lists and tuples; other values count nothing)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_copy_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_copy_bytes(v) for v in value)
+    return 0
+
+
 @dataclass
 class RequestState:
     """One compressed request in this worker.
@@ -143,8 +155,11 @@ class PluginState:
         write through it).
     """
 
-    #: most preempted requests whose kept cache is saved (each a few MB: kept keys/values of every layer)
+    #: most preempted requests whose kept cache is saved (kept keys/values of every layer, 5.9 to 269 MB each in
+    #: docs/vllm.md's examples), and most bytes the saved copies hold together (host memory on the CPU); a request
+    #: preempted beyond either is compressed afresh when recomputed
     save_max = 64
+    save_max_bytes = 4 << 30
     #: most requests kept in the run log (one record per request id, the oldest dropped first; a driver sizes it to
     #: its run's requests with :func:`slake.engines.vllm.plugin.worker.configure`), and step timings kept
     run_log_max = 256
@@ -180,6 +195,8 @@ class PluginState:
         self.requests: dict[str, RequestState] = {}
         #: preempted compressed requests waiting to be recomputed: request id -> state with ``saved``
         self.saved: dict[str, RequestState] = {}
+        #: bytes the copies in :attr:`saved` hold together
+        self.saved_bytes = 0
         self.pool: DecodePool | None = None
         #: layer index -> its KV cache tensor (recorded by the backend; read when a request is preempted)
         self.caches: dict[int, torch.Tensor] = {}
@@ -294,9 +311,17 @@ class PluginState:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self.release(st)
-        st = self.saved.pop(req_id, None)
+        st = self._unsave(req_id)
         if st is not None:
             st.saved = None
+
+    def _unsave(self, req_id: str) -> RequestState | None:
+        """Take a preempted request's state out of :attr:`saved` (None when it has none), its copy's bytes out of
+        :attr:`saved_bytes`; the copy itself stays on the state (a restore writes it back layer by layer)."""
+        st = self.saved.pop(req_id, None)
+        if st is not None and st.saved is not None:
+            self.saved_bytes -= _copy_bytes(st.saved)
+        return st
 
     def request_preempted(self, req_id: str, block_ids: list[int] | None) -> None:
         """Save a preempted request's row and kept keys/values (its blocks are still intact: no step has run since
@@ -315,7 +340,18 @@ class PluginState:
         held = torch.tensor(block_ids[: st.blocks(self.config, self.block_size)], dtype=torch.int64)
         n = min(pool.width, held.numel() * pool.block_size)
         kv = {li: pool.layout.read(cache, held, n) for li, cache in self.caches.items()}
-        st.saved = {"meta": pool.row_state(st.row), "kv": kv}
+        copy = {"meta": pool.row_state(st.row), "kv": kv}
+        nbytes = _copy_bytes(copy)
+        if self.saved_bytes + nbytes > self.save_max_bytes:
+            logger.warning(
+                "slake: preempted request %s will be compressed afresh when recomputed: its kept cache (%.1f MiB) "
+                "would take the saved copies past %.0f MiB",
+                req_id, nbytes / 2**20, self.save_max_bytes / 2**20,
+            )  # fmt: skip
+            self.release(st)
+            return
+        st.saved = copy
+        self.saved_bytes += nbytes
         self.release(st)
         self.saved[req_id] = st
         self.counters["saved"] += 1
@@ -369,7 +405,7 @@ class PluginState:
                 old = self.requests.pop(rid, None)
                 if old is not None:
                     self.release(old)
-                st = self.saved.pop(rid, None)
+                st = self._unsave(rid)
                 if st is not None and st.saved is not None:  # recomputed after preemption: restore
                     pool = self.decode_pool()
                     st.row = pool.allocate(st.prompt_len, cfg.budget)
@@ -483,4 +519,5 @@ class PluginState:
             "pool_rows": 0 if self.pool is None else self.pool.rows,
             "running": len(self.requests),
             "saved": len(self.saved),
+            "saved_bytes": self.saved_bytes,
         }
