@@ -107,7 +107,9 @@ class ChunkedPrefill:
 
         The decode rule scores the slots from the chunk's last ``window`` queries (its observation window), or from
         every query for a rule that adds each query's attention into a running score (``Method.decode_accumulates``:
-        H2O and AhaKV, whose prefill sums every prompt query), block by block as the attention goes."""
+        H2O and AhaKV, whose prefill sums every prompt query), block by block as the attention goes. A rule that reads
+        the queries as a distribution (``Method.reads_block_queries``: Expected Attention, whose prefill takes the
+        statistics of every prompt query) gets every query of the chunk, beside its window's probabilities."""
         state = self.state
         store = state.store(layer_idx)
         B, Hq, nq, d = queries.shape
@@ -127,6 +129,8 @@ class ChunkedPrefill:
             if not every_query:
                 w = max(min(state.method.window, nq), 1)
                 qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
+                if state.method.reads_block_queries:  # the rule's statistics over every query of the chunk
+                    qw = (queries.float() * scaling).reshape(*qw.shape[:3], nq, qw.shape[-1])
                 self.score(layer_idx, x, qw)
             self.evict(layer_idx, newest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -152,7 +156,7 @@ class ChunkedPrefill:
                     state.layer_context[layer_idx],
                     store.dense_keys(),
                     store.dense_values(),
-                    None if queries is None else queries.reshape(B, H * g, w, -1),
+                    None if queries is None else queries.reshape(B, H * g, queries.shape[-2], -1),
                 ),
                 target=state.targets[layer_idx],
             )

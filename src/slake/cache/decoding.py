@@ -196,7 +196,8 @@ class Decoder:
         ones, for every method, ``evict_before_output`` included. The rule reads the softmax of the block's last
         ``window`` queries (its observation window, as a prompt chunk is scored), or of every query for a rule that
         accumulates each step's attention (``Method.decode_accumulates``: H2O, AhaKV, KVzip); the mean over every
-        query would favour the block's earlier tokens, which more of its queries see. A
+        query would favour the block's earlier tokens, which more of its queries see. A rule that reads the queries
+        as a distribution (``Method.reads_block_queries``: Expected Attention) gets every one of them. A
         block's eviction must not change any of the block's own outputs: it is chosen from every query's scores, so
         evicting first could drop (and, with a linear state, fold) a token of the block, whose fold every query of the
         block would then read and whose masked slot earlier queries would lose too: query ``i``'s output would
@@ -230,7 +231,9 @@ class Decoder:
         # for rules that accumulate each step's attention (``Method.decode_accumulates``)
         method = state.method
         rows = nq if method.decode_accumulates else max(min(method.window, nq), 1)
-        evict = self.evict(layer_idx, probs[:, :, :, nq - rows :], target, newest, qf[:, :, :, nq - rows :])
+        # a rule that reads the queries as a distribution (Expected Attention) gets every one of them
+        q_rows = qf if method.reads_block_queries else qf[:, :, :, nq - rows :]
+        evict = self.evict(layer_idx, probs[:, :, :, nq - rows :], target, newest, q_rows)
         if evict is not None:
             slots, chosen, mask = evict
             store.free(mask, slots, chosen)  # folds the victims into the linear state (if any) for later steps
@@ -416,7 +419,7 @@ class Decoder:
                     state.layer_context[layer_idx],
                     store.dense_keys(),
                     store.dense_values(),
-                    None if queries is None else queries.reshape(B, H * g, nq, -1),
+                    None if queries is None else queries.reshape(B, H * g, queries.shape[-2], -1),
                 ),
                 target=target,
             )

@@ -309,6 +309,16 @@ class Method:
         DecodeScope`): the layer's size is fixed, its heads grow and shrink. False: one eviction per KV head."""
         return False
 
+    @property
+    def reads_block_queries(self) -> bool:
+        """True when the decode rule reads a block's queries as a distribution (Expected Attention's mean and
+        covariance, ``DecodeInputs.queries``) rather than their attention: a block of several tokens after the prefill
+        (a later chat turn) and a later prompt chunk then hand the rule every one of their queries, as kvpress's
+        press takes its statistics over every query of a forward, while the probabilities stay those of the block's
+        observation window (the logits of every query over every slot would cost ``n_q x n`` memory). False: the
+        queries of the observation window, as the probabilities."""
+        return False
+
     def layer_facts(self) -> tuple[str, ...]:
         """The :class:`LayerContext` fields this configuration needs (default :attr:`needs_layer`; a method whose
         needs depend on a hyperparameter overrides it)."""

@@ -186,6 +186,11 @@ class CriticalKV(Method):
             raise ValueError(f"{self.name}: needs the layer's output projection (LayerContext.out_proj)")
         return projected_norm(values, layer.out_proj, layer.out_proj.shape[1] // values.shape[-1])
 
+    @property
+    def reads_block_queries(self) -> bool:
+        """With the Expected Attention scorer, a block's statistics are those of every one of its queries."""
+        return self._base().reads_block_queries
+
     def decode_query_map(self, layer: LayerContext | None, head_dim: int, device: torch.device) -> torch.Tensor | None:
         """The Expected Attention scorer's map (None with the SnapKV scorer)."""
         return self._base().decode_query_map(layer, head_dim, device)

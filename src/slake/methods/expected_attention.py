@@ -161,6 +161,11 @@ class ExpectedAttention(Method):
             R = layer.derived[key] = Rotary.matrix(c, s, head_dim).to(device)
         return R
 
+    @property
+    def reads_block_queries(self) -> bool:
+        """A block's statistics are those of every one of its queries (:attr:`Method.reads_block_queries`)."""
+        return True
+
     def fused_rule(self) -> FusedDecodeRule:
         """:meth:`decode_scores` for the fused decode kernels (one query per step: the map is
         :meth:`decode_query_map`, no covariance)."""
