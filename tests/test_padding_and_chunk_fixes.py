@@ -139,11 +139,12 @@ def test_the_continuation_check_still_compares_the_rows_with_real_tokens_during_
                   **with_cache(llama_gqa, cache))  # fmt: skip
     L = llama_gqa.config.num_hidden_layers
     end = 2 * CHUNK  # the second chunk ends inside row 1's padding: row 0 alone is compared
-    cache.check_forward(L, CHUNK, mask[:, :end], pos[:, CHUNK:end])
-    wrong = pos[:, CHUNK:end].clone()
-    wrong[0] += 3
-    with pytest.raises(ValueError, match="does not continue it"):
-        cache.check_forward(L, CHUNK, mask[:, :end], wrong)
+    with torch.inference_mode():  # where the cache was filled (outside, it is refused: test_hf_generate_fixes)
+        cache.check_forward(L, CHUNK, mask[:, :end], pos[:, CHUNK:end])
+        wrong = pos[:, CHUNK:end].clone()
+        wrong[0] += 3
+        with pytest.raises(ValueError, match="does not continue it"):
+            cache.check_forward(L, CHUNK, mask[:, :end], wrong)
 
 
 def _prefilled(model, **kw) -> tuple[SlakeCache, torch.Tensor, torch.Tensor]:

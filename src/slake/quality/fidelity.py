@@ -91,6 +91,8 @@ def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
             temperature=None,
             top_p=None,
             top_k=None,
+            cache_implementation=None,  # a checkpoint's own cache choice would conflict with the recording cache
+            use_cache=True,
         )
     cache.check_routed()
     context = layer_contexts(model, cache.layout.compressed, cache.layout.layer_types)

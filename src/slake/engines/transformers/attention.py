@@ -149,14 +149,25 @@ def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> No
     cache = cache_from_kwargs(kwargs)
     if not isinstance(cache, SlakeCache):
         return
+    if kwargs.get("use_cache") is False:
+        # the model would neither store this forward's keys and values nor read the cached ones as a continuation
+        raise ValueError(
+            "use_cache=False with a SlakeCache: the cache would not be used; pass use_cache=True (or leave it "
+            "unset), also where the model's generation_config sets use_cache=False"
+        )
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     source = ids if ids is not None else embeds
     q = int(source.shape[1]) if source is not None and source.dim() >= 2 else None
+    batch = int(source.shape[0]) if source is not None and source.dim() >= 2 else None
     cfg = getattr(module, "config", None)
     text = None if cfg is None else text_config(cfg)
     cache.check_forward(
-        getattr(text, "num_hidden_layers", None), q, kwargs.get("attention_mask"), kwargs.get("position_ids")
+        getattr(text, "num_hidden_layers", None),
+        q,
+        kwargs.get("attention_mask"),
+        kwargs.get("position_ids"),
+        batch_size=batch,
     )
     cache.bind_model(module)
 

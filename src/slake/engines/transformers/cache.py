@@ -120,6 +120,11 @@ class SlakeCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         raise RuntimeError("a SlakeCache serves one generation; create a new one instead of resetting it")
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Nothing for 0; any other crop is refused (:data:`CROP_REFUSAL`): evicted tokens are gone."""
+        if tokens_to_remove:
+            raise ValueError(CROP_REFUSAL)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.slot == 0:
             self.compressor.select_batch(beam_idx)
@@ -161,8 +166,8 @@ class SlakeCache(Cache):
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (an explicit trade of exactness,
         ``docs/conventions.md#chunked-prefill``).
-        Used by :func:`slake.engines.transformers.generate.prefill` / :func:`slake.generate`; None (default) = exact
-        prefill.
+        Used by :func:`slake.engines.transformers.generate.prefill` / :func:`slake.generate`; a longer first prompt
+        handed whole to the model (``model.generate``) is refused. None (default) = exact prefill.
     max_cache_len : int | None
         Positions the cache must serve (prompt + new tokens), as transformers' ``StaticCache`` takes it. Given, the
         cache decodes with fixed shapes and without reading anything back from the device once the prompt is
@@ -237,6 +242,8 @@ class SlakeCache(Cache):
             kernels=kernels,
         )
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
+        #: set by :func:`slake.engines.transformers.generate.prefill` around a prefill it was asked to run exactly
+        self.exact_prefill = False
         if self.prefill_chunk is not None:  # refused when the cache is built, not at its first prompt
             check_chunkable(m)
         if max_cache_len is not None:
@@ -294,6 +301,7 @@ class SlakeCache(Cache):
         query_length: int | None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """Refuse a forward that does not fit this cache (called before every forward of a prepared model).
 
@@ -308,18 +316,24 @@ class SlakeCache(Cache):
             padding; later, the mask must cover the cached tokens plus the new ones, with no 0 after a row's left
             padding, and the new tokens' positions must follow the cached ones (left padding accounted for), i.e.
             the new input continues the cached sequence.
+        batch_size : int | None
+            Sequences in this forward; once the cache holds tokens, must equal the sequences it holds.
 
         Raises
         ------
         ValueError
-            For a layer-count mismatch, a prompt that is not left-padded, a mask with padding after the prompt, or
-            new input that is not a continuation of the cached sequence.
+            For a layer-count mismatch, a prompt that is not left-padded, a mask with padding after the prompt, new
+            input that is not a continuation of the cached sequence, a batch of another size than the cache's, or a
+            cache filled under ``torch.inference_mode()`` continued outside it.
         """
         if num_hidden_layers is not None and int(num_hidden_layers) != len(self.layers):
             raise ValueError(
                 f"this SlakeCache was built for {len(self.layers)} layers but the model has "
                 f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)"
             )
+        if not torch.compiler.is_compiling():
+            self._check_held(batch_size)
+            self._check_chunking(query_length)
         # model.generate gives a compileable cache's forward its 4D masks ready made (a dict of them per layer type
         # in a hybrid model): only a 2D mask says which tokens are padding
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
@@ -370,6 +384,44 @@ class SlakeCache(Cache):
                 f"whole conversation (cached tokens + new ones) to continue it"
             )
 
+    def _check_held(self, batch_size: int | None) -> None:
+        """Refuse a forward of another batch size than the sequences the cache holds, or one outside
+        ``torch.inference_mode()`` over a cache filled inside it (its tensors are inference tensors, which no later
+        step could update in place); host facts only."""
+        store = next((s for s in self.compressor.layers if s is not None), None)
+        if store is None:
+            return
+        held = int(store.valid.shape[0])
+        if batch_size is not None and int(batch_size) != held:
+            raise ValueError(
+                f"this SlakeCache holds {held} sequence(s) but the input has {batch_size}: a cache continues the "
+                f"batch it was filled with; keep or reorder its sequences first (cache.batch_select_indices(indices), "
+                f"cache.batch_repeat_interleave(n)), or create a new SlakeCache"
+            )
+        if store.valid.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                "this SlakeCache was filled under torch.inference_mode() and cannot be updated outside it "
+                "(model.generate runs under torch.no_grad()): continue it inside `with torch.inference_mode():` "
+                "too, or fill it under torch.no_grad()"
+            )
+
+    def _check_chunking(self, query_length: int | None) -> None:
+        """Refuse a first prompt longer than ``prefill_chunk`` given whole to the model (``model.generate``): only
+        :func:`slake.engines.transformers.generate.prefill` takes it in chunks, and the prefill memory the chunks
+        bound would silently not be bounded."""
+        chunk = self.prefill_chunk
+        if chunk is None or query_length is None or query_length <= chunk or self.exact_prefill:
+            return
+        if self.compressor.chunked_prefill or any(s is not None for s in self.compressor.layers):
+            return  # a chunk of a chunked prefill, or a later turn
+        raise ValueError(
+            f"this SlakeCache was built with prefill_chunk={chunk}, but a forward of the whole {query_length}-token "
+            f"prompt (model.generate) would prefill it in one piece: only slake.generate and "
+            f"slake.engines.transformers.generate.prefill take a prompt in chunks; call prefill(model, cache, "
+            f"input_ids[:, :-1], attention_mask[:, :-1], trailing_tokens=1) first (model.generate then reads the "
+            f"last token), or build the cache without prefill_chunk"
+        )
+
     def bind_model(self, model) -> None:
         """Give the compressor what the method needs to know about the model's layers (rotary embedding, output
         projection: :mod:`slake.engines.transformers.layer_facts`), once, before the first prefill. Called by the
@@ -398,6 +450,11 @@ class SlakeCache(Cache):
     def method(self) -> Method:
         """The compression method."""
         return self.compressor.method
+
+    def crop(self, max_length: int) -> None:
+        """Refused (:data:`CROP_REFUSAL`) unless it removes nothing (``0``), before any layer is touched."""
+        if max_length:
+            raise ValueError(CROP_REFUSAL)
 
     def check_routed(self) -> None:
         """Raise if a layer's prompt was stored but never reached the registered attention function."""
@@ -507,6 +564,14 @@ def _refuse_padding_after_prompt(mask: torch.Tensor, info: PrefillInfo) -> None:
         f"the prompt is not supported; give every later token a mask of 1 (model.generate does, also for rows that "
         f"have finished), and continue conversations whose new turns differ in length in separate caches"
     )
+
+
+#: why a SlakeCache cannot be cropped (``Cache.crop``: assisted decoding, prompt-lookup decoding)
+CROP_REFUSAL = (
+    "a SlakeCache cannot be cropped (Cache.crop: assisted or prompt-lookup decoding, assistant_model=, "
+    "prompt_lookup_num_tokens=): the tokens its eviction dropped, and those folded into its linear state, cannot be "
+    "taken back; decode without a draft model"
+)
 
 
 def _not_routed_error() -> RuntimeError:

@@ -19,6 +19,7 @@ from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs, recompile_limit_error
+from slake.engines.transformers.grad_mode import no_grad_here
 from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout, text_config
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
@@ -91,6 +92,14 @@ def prefill(
         second-pass prefill of the rest). The budget and the compress decision count them, so that they are the
         whole prompt's, as in an exact prefill of it: a prompt of ``budget + 1`` tokens is compressed either way.
 
+    Notes
+    -----
+    Called outside ``torch.inference_mode()`` it runs under ``torch.no_grad()``, so that a plain ``model.generate``
+    (which runs under ``torch.no_grad()``) can continue the cache: inference tensors cannot be updated in place
+    outside inference mode. Called inside it (``slake.generate``, ``slake bench``), it stays there, so that every
+    tensor of the cache is an inference tensor, as those of the decode steps that follow (a compiled step guards on
+    it).
+
     Returns
     -------
     torch.Tensor
@@ -111,16 +120,20 @@ def prefill(
     pos = prefill_position_ids(attention_mask)
     if chunk is not None and int(chunk) < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
-    with torch.inference_mode():
+    with no_grad_here():
         if chunk is None or chunk >= S:
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=pos,
-                **with_cache(model, cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            cache.exact_prefill = True  # asked for (a chunk of at least the prompt): not the cache's prefill_chunk
+            try:
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=pos,
+                    **with_cache(model, cache),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            finally:
+                cache.exact_prefill = False
         else:
             cache.begin_chunked_prefill(attention_mask)
             try:
@@ -275,6 +288,8 @@ def generate(
         max_cache_len=max_len,
         kernels=kernels,
     )
+    if prefill_chunk is not None and prefill_chunk >= enc["input_ids"].shape[1] - 1:
+        cache.prefill_chunk = None  # the prompt fits one chunk: model.generate prefills it whole, as asked
     last_read_after = m.second_pass is not None  # read the last prompt token over the compressed cache
     if last_read_after:
         from slake.engines.transformers.reconstruction import ReconstructionPrompt
@@ -287,6 +302,10 @@ def generate(
         "do_sample": do_sample,
         "pad_token_id": pad_token_id,
         "eos_token_id": ends or None,  # stop on every end token that ends the count below
+        # a checkpoint's generation_config may ask for its own cache (cache_implementation="static", ...), which
+        # transformers refuses beside a cache object, or for none (use_cache=False): the SlakeCache is the cache
+        "cache_implementation": None,
+        "use_cache": True,
     }
     if compile:
         gen_kwargs["compile_config"] = compile_config(model.device)
@@ -300,18 +319,21 @@ def generate(
     else:
         gen_kwargs.update(temperature=None, top_p=None, top_k=None)
     start = time.perf_counter()
-    if last_read_after and enc["input_ids"].shape[1] > 1:
-        # the context is compressed after its second pass; model.generate then reads the last prompt token over it
-        prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], trailing_tokens=1)
-    elif prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
-        prefill(
-            model,
-            cache,
-            enc["input_ids"][:, :-1],
-            enc["attention_mask"][:, :-1],
-            prefill_chunk=prefill_chunk,
-            trailing_tokens=1,
-        )
+    # inside inference mode, as model.generate below: every tensor of the cache an inference tensor (a compiled step
+    # guards on it)
+    with torch.inference_mode():
+        if last_read_after and enc["input_ids"].shape[1] > 1:
+            # the context is compressed after its second pass; model.generate then reads the last prompt token over it
+            prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], trailing_tokens=1)
+        elif prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
+            prefill(
+                model,
+                cache,
+                enc["input_ids"][:, :-1],
+                enc["attention_mask"][:, :-1],
+                prefill_chunk=prefill_chunk,
+                trailing_tokens=1,
+            )
     with torch.inference_mode():
         processors = LogitsProcessorList([clock])
         try:

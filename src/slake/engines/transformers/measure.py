@@ -143,7 +143,8 @@ def _prefill(model, cache: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.
     :func:`~slake.engines.transformers.generate.prefill`; transformers' own cache through the model's forward, as
     ``generate`` prefills it (the prompts are unpadded)."""
     if isinstance(cache, SlakeCache):
-        return prefill(model, cache, ids, mask)
+        with torch.inference_mode():  # as the decode steps: every tensor of the cache an inference tensor
+            return prefill(model, cache, ids, mask)
     with torch.inference_mode():
         out = model(ids, attention_mask=mask, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     return out.logits[:, -1].float()

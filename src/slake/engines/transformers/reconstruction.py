@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from slake.engines.transformers.attention import observe_attention, prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.grad_mode import no_grad_here
 from slake.engines.transformers.layer_layout import attention_layout
 from slake.engines.transformers.prefill_once import PrefillCapture, capture_prefill
 from slake.methods.base import Method
@@ -211,6 +212,9 @@ def prefill_with_second_pass(
         if scores.is_cuda:
             torch.cuda.synchronize(scores.device)
         cache.second_pass_s = time.perf_counter() - start
+    # the cache's tensors of the kind the caller's later steps can update in place (no inference tensors outside
+    # inference mode: a plain model.generate runs under torch.no_grad())
+    with no_grad_here():
         capture.replay_into(cache, scores)
     cache.check_routed()
     return capture.last_logits

@@ -1,0 +1,152 @@
+"""A SlakeCache driven by transformers' own ``model.generate`` and forwards, as a user drives it (2026-11-29 audit):
+
+* ``prefill`` ran under ``torch.inference_mode()``, so a plain ``model.generate`` (``torch.no_grad()``) after it died
+  with torch's "Inplace update to inference tensor outside InferenceMode"; a cache filled inside inference mode and
+  continued outside it now says so;
+* a continuation of another batch size than the cache holds (the best beam of a beam search) died in an index or
+  reshape error deep in slake;
+* ``slake.generate`` failed on a checkpoint whose generation_config sets ``cache_implementation`` or
+  ``use_cache=False``; ``use_cache=False`` with a SlakeCache blamed "an earlier prompt";
+* ``Cache.crop`` (assisted decoding) died in an AttributeError;
+* a cache built with ``prefill_chunk`` and handed the whole prompt by ``model.generate`` prefilled it in one piece,
+  its memory bound silently not applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import slake
+from slake.engines.transformers.cache import SlakeCache
+from slake.engines.transformers.cache_kwarg import with_cache
+from slake.engines.transformers.generate import prefill
+from slake.engines.transformers.reconstruction import ReconstructionPrompt
+from tiny_models import random_ids, tiny_model, word_tokenizer
+
+S = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama-gqa", layers=2)
+
+
+def _generate(model, cache, ids, **kw):
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), do_sample=False, pad_token_id=0, **kw
+    )
+    return out[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(
+    "method, kw", [("snapkv", {"window": 8}), ("snapkv", {"window": 8, "prefill_chunk": 16}), ("kvzip", {"window": 8})]
+)
+def test_prefill_then_a_plain_model_generate(model, method, kw):
+    """The documented way to take a prompt in chunks or through KVzip's pass, then ``model.generate``, gives what the
+    same calls inside ``torch.inference_mode()`` give."""
+    ids = random_ids(S, seed=1)
+    outs = []
+    for inference in (False, True):
+        cache = SlakeCache(method, 24, config=model.config, **kw)
+        if method == "kvzip":
+            cache.reconstruction = ReconstructionPrompt(
+                repeat_ids=[5, 6, 7], continue_ids=[8, 9], suffix_ids=[10], prefix_ids=[]
+            )
+        mode = torch.inference_mode() if inference else torch.no_grad()
+        with mode:
+            prefill(model, cache, ids[:, :-1], trailing_tokens=1)
+            outs.append(_generate(model, cache, ids, max_new_tokens=6))
+    assert outs[0] == outs[1]
+
+
+def test_a_cache_filled_in_inference_mode_is_refused_outside_it(model):
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.inference_mode():
+        model(ids, **with_cache(model, cache), use_cache=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"filled under torch.inference_mode\(\)"):
+        model(random_ids(1, seed=2), **with_cache(model, cache), use_cache=True)
+    with torch.inference_mode():  # inside it, the cache continues
+        model(random_ids(1, seed=2), **with_cache(model, cache), use_cache=True)
+
+
+def _cache(model, method: str) -> SlakeCache:
+    return SlakeCache(method, 24, config=model.config, **({} if method == "full" else {"window": 8}))
+
+
+@pytest.mark.parametrize("method", ["snapkv", "full"])
+def test_a_continuation_of_another_batch_size_is_refused(model, method):
+    """The best of 3 beams continued alone: refused, naming both sizes; selected first, it continues."""
+    ids = random_ids(S, seed=1)
+    cache = _cache(model, method)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=4, num_beams=3,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        more = torch.cat([out[:1], random_ids(3, seed=4)], 1)
+        with pytest.raises(ValueError, match=r"holds 3 sequence\(s\) but the input has 1"):
+            _generate(model, cache, more, max_new_tokens=2)
+    with torch.no_grad():
+        assert len(_generate(model, _cache(model, method), ids.repeat(2, 1), max_new_tokens=2))
+    one = _cache(model, method)
+    with torch.no_grad():
+        _generate(model, one, ids.repeat(2, 1), max_new_tokens=2)
+        one.batch_select_indices(torch.tensor([0]))
+        grown = torch.cat([ids, torch.tensor([_generate(model, _cache(model, method), ids,
+                                                         max_new_tokens=2)[0]])], 1)  # fmt: skip
+        assert len(_generate(model, one, grown, max_new_tokens=2)[0]) == 2
+
+
+@pytest.mark.parametrize("config", [{"cache_implementation": "static"}, {"use_cache": False}], ids=lambda c: str(c))
+def test_slake_generate_over_a_checkpoints_own_cache_choice(model, config):
+    """A generation_config that asks for its own cache, or for none, does not stop ``slake.generate``: its cache is
+    the SlakeCache."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig.from_dict({"eos_token_id": 1, "pad_token_id": 2, **config})
+    try:
+        prompt = " ".join(f"w{i}" for i in random_ids(S, seed=1)[0].tolist())
+        res = slake.generate(model, word_tokenizer(), prompt, method="snapkv", budget=24, window=8, max_new_tokens=3,
+                             chat_template=False)  # fmt: skip
+    finally:
+        model.generation_config = saved
+    assert res.extra.get("compressed", True) is not False and len(res.texts) == 1
+
+
+def test_use_cache_false_with_a_slake_cache_says_so(model):
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="use_cache=False with a SlakeCache"):
+        _generate(model, cache, ids, max_new_tokens=2, use_cache=False)
+
+
+def test_crop_is_refused_with_a_clear_error(model):
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        _generate(model, cache, ids, max_new_tokens=2)
+    cache.crop(0)  # removes nothing: allowed
+    cache.layers[0].crop(0)
+    held = cache.get_seq_length()
+    for crop in (cache.crop, cache.layers[0].crop):
+        with pytest.raises(ValueError, match="cannot be cropped"):
+            crop(-2)
+    assert cache.get_seq_length() == held
+
+
+def test_prefill_chunk_not_applied_by_model_generate_is_refused(model):
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8, prefill_chunk=16)
+    with torch.no_grad(), pytest.raises(ValueError, match="built with prefill_chunk=16"):
+        _generate(model, cache, ids, max_new_tokens=2)
+    assert cache.compressor.layers[0] is None  # refused before any layer ran
+    exact = SlakeCache("snapkv", 24, config=model.config, window=8, prefill_chunk=16)
+    with torch.no_grad():  # an exact prefill asked of prefill(): not refused
+        prefill(model, exact, ids, prefill_chunk=S)
+    tok = word_tokenizer()
+    prompt = " ".join(f"w{i}" for i in random_ids(20, seed=1)[0].tolist())
+    for chunk in (19, 64):  # slake.generate with a chunk the prompt fits: model.generate prefills it whole
+        res = slake.generate(model, tok, prompt, method="snapkv", budget=8, window=4, prefill_chunk=chunk,
+                             max_new_tokens=2, chat_template=False)  # fmt: skip
+        assert len(res.texts) == 1
