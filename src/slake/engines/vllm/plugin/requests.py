@@ -46,8 +46,8 @@ def _wrap_validate(original):
             raise VLLMValidationError(refusal(keys), parameter="extra_args")
         return original(self, params, *args, **kwargs)
 
-    _validate_params._slake = True  # type: ignore[attr-defined]
-    _validate_params.__wrapped__ = original  # type: ignore[attr-defined]
+    _validate_params._slake = True
+    _validate_params.__wrapped__ = original
     _validate_params.__doc__ = original.__doc__
     return _validate_params
 
