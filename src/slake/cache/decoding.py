@@ -298,7 +298,9 @@ class Decoder:
         reuse = self.kernels == "triton" and not torch.compiler.is_compiling()
         if reuse:
             held = self._fused[layer_idx]
-            facts = (query.device, query.dtype, d, float(scaling))
+            # WIDE_SLOTS: the held arguments leave out the row's slot order where rows are narrower (fused_step), and
+            # a lowered constant (launch_config.tuned) switches the launch to the form that writes it
+            facts = (query.device, query.dtype, d, float(scaling), launch_config.WIDE_SLOTS)
             if held is not None and held[1] == facts and held[0] == self._fused_sources(layer_idx, store, counter)[0]:
                 self.report.record("triton")
                 return held[3](query, *kv)
