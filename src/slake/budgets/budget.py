@@ -70,6 +70,8 @@ class Budget:
                 raise ValueError(f"a ratio budget must lie strictly between 0 and 1, got {v!r}")
         elif v < 1:
             raise ValueError(f"budget must be >= 1 token, got {v!r}")
+        elif v >= 1 << 62:  # budgets travel as int64 tensors; no prompt comes near
+            raise ValueError(f"budget must be below 2**62 tokens, got {v!r}")
 
     @property
     def is_ratio(self) -> bool:

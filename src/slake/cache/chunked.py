@@ -18,7 +18,7 @@ from slake.attention.softmax import safe_softmax
 from slake.cache.decode_step import decode_extras
 from slake.cache.decoding import Decoder, layer_logits
 from slake.cache.layer_store import _GROWTH, LayerStore
-from slake.cache.prefill import PrefillCompressor, check_left_padding
+from slake.cache.prefill import PrefillCompressor, check_left_padding, check_real_tokens
 from slake.cache.state import CacheState
 from slake.methods.base import DecodeInputs, Method
 
@@ -60,6 +60,7 @@ class ChunkedPrefill:
             raise RuntimeError("begin_chunked_prefill must be called before the first prefill chunk")
         padding = key_padding.bool()
         check_left_padding(padding)
+        check_real_tokens(padding)
         self.padding = padding
         self.padded_until = int(padding.sum(-1).max()) if padding.numel() else 0
 

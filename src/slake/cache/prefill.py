@@ -235,6 +235,13 @@ class PrefillCompressor:
             prefs_l = [p.cpu() for p in prefs_l]
         # (B, m + 1) in float64 (CAKE's powers are; a float32 copy would underflow them), one copy to the host per stage
         every = torch.stack([p.double() for p in prefs_l], -1).cpu()
+        if not bool(torch.isfinite(every).all()):
+            m_ = self.state.method
+            exponents = {f: getattr(m_, f) for f in ("alpha", "beta", "tau1", "tau2") if hasattr(m_, f)}
+            raise ValueError(
+                f"{m_.name}: a layer's preference overflowed ({every[:, -1].tolist()} at layer {m}) with the "
+                f"exponents {exponents}; give smaller exponents (the papers' and calibrated values are below 3)"
+            )
         for b in range(len(info.real_len)):
             prefs = every[b]
             total = int(self._selectable_total()[b]) * self.state.num_layers
@@ -257,9 +264,12 @@ class PrefillCompressor:
         store.scores = torch.where(store.valid & torch.isposinf(store.scores), carried, store.scores)
 
     def protect(self, scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, newest: int) -> torch.Tensor:
-        """+inf for the window (most recent tokens) and sinks, -inf for empty slots / padding."""
+        """+inf for the window (most recent tokens) and sinks, -inf for empty slots / padding. A method's score
+        that overflowed to +inf is first brought back to float32's largest: +inf marks the protected slots, which the
+        eviction keeps beyond the budget (an overflowed score kept every token of the layer)."""
         m = self.state.method
         first = self.state.prefill_info().device_copy("first_real", positions.device) if m.sinks else None
+        scores = scores.clamp(max=torch.finfo(torch.float32).max)
         scores = scores.masked_fill(protected_slots(m, positions, valid, newest, first), float("inf"))
         return scores.masked_fill(~valid, float("-inf"))
 
@@ -362,6 +372,22 @@ def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
     67 bf16 ones."""
     state_bytes = (head_dim + 1) * (head_dim + 1) * 4
     return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))
+
+
+def check_real_tokens(key_padding: torch.Tensor) -> None:
+    """Refuse a whole prompt's ``(B, S)`` padding mask (True = padded) with a row of padding only: an empty prompt,
+    which the prefill would take and whose first decode step would then be refused as not continuing the cache. (A
+    chunk of a chunked prefill may be all padding in a row; the whole prompt may not.)"""
+    pad = key_padding.bool()
+    if pad.dim() != 2:
+        return
+    empty = pad.all(-1)
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row} of the batch is all padding (an empty prompt): its attention mask has no real token; give "
+            f"every row at least one token"
+        )
 
 
 def check_left_padding(key_padding: torch.Tensor) -> None:

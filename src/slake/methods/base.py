@@ -39,6 +39,10 @@ LAYER_FACTS = ("rotary", "out_proj")
 SECOND_PASSES = ("reconstruction",)
 
 
+#: the largest float32: a hyperparameter beyond it is infinite in the float32 scores
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class LayerContext:
     """What the engine tells a method about one layer of the model, for methods that ask (:meth:`Method.layer_facts`).
@@ -286,8 +290,10 @@ class Method:
             raise ValueError(f"{self.name}: unknown layer facts {self.layer_facts()} or second pass {self.second_pass}")
         for f in fields(self):  # rules every method shares, so no method can forget one
             value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{self.name}: {f.name} must be a finite number, got {value}")
+            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+                raise ValueError(
+                    f"{self.name}: {f.name} must be a finite number within float32's range (|x| <= 3.4e38), got {value}"
+                )
             if (
                 (f.name == "kernel" or f.name.endswith("_kernel"))
                 and isinstance(value, int)

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from slake.budgets.budget import Budget
 from slake.cache.chunked import check_chunkable
 from slake.cache.compressed import CompressedKV
-from slake.cache.prefill import check_left_padding
+from slake.cache.prefill import check_left_padding, check_real_tokens
 from slake.cache.state import PrefillInfo
 from slake.engines.transformers.bounded_layers import bounded_layer, held_bytes
 from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout, text_config
@@ -356,6 +356,8 @@ class SlakeCache(Cache):
         if seen == 0:
             if mask is not None:  # the first prompt: left padding only, refused before any layer runs
                 check_left_padding(mask == 0)
+                if not self.compressor.chunked_prefill:  # a chunk may be all padding in a row, a prompt may not
+                    check_real_tokens(mask == 0)
             return
         given = None if mask is None else mask.shape[-1]
         # no new token: transformers cut an input no longer than the cached tokens down to nothing (a new, shorter

@@ -105,6 +105,11 @@ def prefill(
     torch.Tensor
         ``(B, vocab)`` float32 logits at the last prompt position (only that position's logits are computed).
     """
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"prefill needs a (batch, tokens) prompt of at least one token, got shape {tuple(input_ids.shape)} (a "
+            f"one-token prompt has nothing to prefill before its last token: give it to model.generate directly)"
+        )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     chunk = prefill_chunk if prefill_chunk is not None else getattr(cache, "prefill_chunk", None)
