@@ -70,6 +70,29 @@ def build_tiny(path: str, seed: int = 0) -> None:
     model.save_pretrained(path)
 
 
+def preempting_run(model_dir: str, method: str, block: int = 32):
+    """8 usable KV blocks of ``block`` tokens (plus vLLM's null block): A (40-token prompt, uncompressed) grows until
+    it needs a block held by B (100-token prompt, compressed, scheduled after A), so vLLM preempts B, finishes A, and
+    recomputes B from its prompt plus the tokens it had generated. Returns B's prompt and the run."""
+    from slake.engines.vllm.runner import run_vllm
+
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(3, 500, (40,), generator=g).tolist()
+    b = torch.randint(3, 500, (100,), generator=g).tolist()
+    run = run_vllm(
+        model_dir,
+        [a, b],
+        slake={"method": method, "budget": BUDGET},
+        max_new_tokens=150,
+        max_tokens=[130, 150],
+        ignore_eos=True,
+        block_size=block,
+        num_blocks=9,
+        max_model_len=256,
+    )
+    return b, run
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny-llama"))

@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import preempting_run
 from slake.engines.vllm.plugin.state import PluginState, _copy_bytes
-from slake.engines.vllm.runner import run_vllm
-
-BLOCK = 32
 
 
 def test_copy_bytes_counts_every_tensor_of_a_copy():
@@ -22,30 +20,11 @@ def test_copy_bytes_counts_every_tensor_of_a_copy():
     assert _copy_bytes(copy) == 3 * 4 * 4 + 2 * (2 * 8 * 2)
 
 
-def _preempting_run(tiny_dir):
-    """Test_serving's scenario: 9 blocks of 32 tokens, A (40 tokens, uncompressed) grows until vLLM preempts B (100
-    tokens, compressed) and recomputes it."""
-    g = torch.Generator().manual_seed(11)
-    a = torch.randint(3, 500, (40,), generator=g).tolist()
-    b = torch.randint(3, 500, (100,), generator=g).tolist()
-    return run_vllm(
-        tiny_dir,
-        [a, b],
-        slake={"method": "snapkv", "budget": 64},
-        max_new_tokens=150,
-        max_tokens=[130, 150],
-        ignore_eos=True,
-        block_size=BLOCK,
-        num_blocks=9,
-        max_model_len=256,
-    )
-
-
 @pytest.mark.parametrize("cap", [None, 1], ids=["default-cap", "one-byte-cap"])
 def test_saved_copies_are_capped_by_bytes(tiny_dir, monkeypatch, caplog, cap):
     if cap is not None:
         monkeypatch.setattr(PluginState, "save_max_bytes", cap)
-    run = _preempting_run(tiny_dir)
+    _, run = preempting_run(tiny_dir, "snapkv")
     assert run.preemptions[1] >= 1, "the KV memory was not small enough to preempt the compressed request"
     assert run.plugin is not None and len(run.tokens[1]) == 150
     counters = run.plugin["counters"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import BUDGET, hf_generate
+from conftest import BUDGET, hf_generate, preempting_run
 from slake.engines.vllm.runner import run_vllm
 
 BLOCK = 32
@@ -55,24 +55,9 @@ def test_finished_requests_release_their_rows(tiny_dir, mixed_prompts):
 
 @pytest.mark.parametrize("method", ["snapkv", "slake"])
 def test_preempted_compressed_request_gives_the_unpreempted_tokens(tiny_dir, method):
-    """8 usable KV blocks of 32 tokens (plus vLLM's null block): A (40-token prompt, uncompressed) grows until it
-    needs a block held by B (100-token prompt, compressed, scheduled after A), so vLLM preempts B, finishes A, and
-    recomputes B from its prompt plus the tokens it had generated; B must then continue as if nothing happened."""
-    g = torch.Generator().manual_seed(11)
-    a = torch.randint(3, 500, (40,), generator=g).tolist()
-    b = torch.randint(3, 500, (100,), generator=g).tolist()
+    """B, preempted and recomputed (conftest.preempting_run), must continue as if nothing happened."""
+    b, small = preempting_run(tiny_dir, method, BLOCK)
     cfg = {"method": method, "budget": BUDGET}
-    small = run_vllm(
-        tiny_dir,
-        [a, b],
-        slake=cfg,
-        max_new_tokens=150,
-        max_tokens=[130, 150],
-        ignore_eos=True,
-        block_size=BLOCK,
-        num_blocks=9,
-        max_model_len=256,
-    )
     assert small.preemptions[1] >= 1, "the KV memory was not small enough to preempt the compressed request"
     assert small.plugin is not None
     assert small.plugin["counters"]["restored"] >= 1  # its kept cache was saved and written back, not recompressed
