@@ -66,6 +66,12 @@ def slake_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Registered attention function; returns ``(B, n_q, Hq, d)`` like transformers' own functions."""
+    # before any branch, the fallback to SDPA included (a sliding layer, a forward without a SlakeCache): neither
+    # slake's layers nor SDPA compute these
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{type(module).__name__}: slake does not support attention logit soft-capping (softcap)")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError(f"{type(module).__name__}: slake does not support learned attention sinks (s_aux, sinks)")
     window = current_window()
     if window is not None and (key is window.keys or key is window.prompt_keys):  # a fixed-shape sliding layer
         _set_window(None)
@@ -81,10 +87,6 @@ def slake_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     _set_current(None)
-    if kwargs.get("softcap") is not None:
-        raise ValueError("slake does not support attention logit soft-capping (softcap)")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("slake does not support learned attention sinks (s_aux)")
     window = kwargs.get("sliding_window")
     if window is not None:
         _check_window(layer, int(window))
@@ -131,6 +133,15 @@ def prepare_model(model) -> None:
     SlakeCache.
     """
     check_supported_attention(model.config, type(model).__name__)
+    if getattr(type(model), "_supports_sdpa", None) is False:
+        # slake's function is SDPA over a compressed cache (and SDPA itself without one, or on bounded layers):
+        # transformers marks the models whose attention SDPA cannot compute (learned sinks, a text decoder that adds
+        # its mask as a bias, ...)
+        raise ValueError(
+            f"{type(model).__name__} cannot run its attention as SDPA (transformers marks it _supports_sdpa = False: "
+            f"learned attention sinks, or a mask added as a bias); slake's attention is SDPA over a compressed cache, "
+            f"so it cannot serve this model"
+        )
     _install_input_check(model)
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         return

@@ -429,6 +429,7 @@ class SlakeCache(Cache):
         projection: :mod:`slake.engines.transformers.layer_facts`), once, before the first prefill. Called by the
         model's input check (:func:`slake.prepare_model`) at every forward; it does nothing for methods that need
         nothing or once bound."""
+        self.model_name = type(model).__name__  # named by the errors of a model whose attention slake does not see
         eng = self.compressor
         if not eng.method.layer_facts() or any(c is not None for c in eng.layer_context):
             return
@@ -461,7 +462,7 @@ class SlakeCache(Cache):
     def check_routed(self) -> None:
         """Raise if a layer's prompt was stored but never reached the registered attention function."""
         if any(getattr(layer, "pending", None) is not None for layer in self.layers):
-            raise _not_routed_error()
+            raise _not_routed_error(getattr(self, "model_name", None))
         filled = sum(s is not None for s in self.compressor.layers)
         expected = len(self.layout.compressed)
         if self.compressor.info is not None and not self.compressor.chunked_prefill and filled != expected:
@@ -576,11 +577,15 @@ CROP_REFUSAL = (
 )
 
 
-def _not_routed_error() -> RuntimeError:
+def _not_routed_error(model_name: str | None = None) -> RuntimeError:
+    who = "the model's" if model_name is None else f"{model_name}'s"
     return RuntimeError(
-        "the model's attention did not go through slake's registered attention function, so the cache could not be "
-        "compressed. Call slake.prepare_model(model) (it sets model.set_attn_implementation('slake')), and use a "
-        "model whose attention modules call ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, Qwen3, ...)."
+        f"{who} attention did not go through slake's registered attention function with each layer's own cached "
+        "keys, so the cache could not be compressed. Call slake.prepare_model(model) (it sets "
+        "model.set_attn_implementation('slake')); if it was called, the architecture computes its attention in a "
+        "way slake does not model (it changes the keys after the cache, or reads another layer's): use a model "
+        "whose attention modules pass the cached keys and values to ALL_ATTENTION_FUNCTIONS (Llama, Mistral, Qwen2, "
+        "Qwen3, Gemma 3, ...)."
     )
 
 

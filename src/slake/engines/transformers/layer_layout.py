@@ -71,9 +71,12 @@ def _model_label(config: Any) -> str:
 
 
 def check_supported_attention(config: Any, label: str | None = None) -> None:
-    """Raise ValueError, naming the model, for attention slake does not model: logit soft-capping (Gemma 2) and
-    learned attention sinks (gpt-oss). Their scores and outputs differ from plain softmax attention, so compressing
-    them (or routing their bounded layers through SDPA) would silently change the model."""
+    """Raise ValueError, naming the model, for attention slake does not model: logit soft-capping (Gemma 2),
+    learned attention sinks (gpt-oss), multi-head latent attention (DeepSeek-V2/V3, MiniCPM3: ``kv_lora_rank``),
+    values of another head size than the keys, layers sharing another's cache (Gemma 3n) and the architectures of
+    :data:`_UNSUPPORTED_ATTENTION`. Their scores and outputs differ from plain softmax attention over one layer's own
+    keys and values, so compressing them (or routing their bounded layers through SDPA) would silently change the
+    model or fail deep inside it."""
     text = text_config(config)
     label = label or _model_label(config)
     softcap = getattr(text, "attn_logit_softcapping", None)
@@ -87,6 +90,27 @@ def check_supported_attention(config: Any, label: str | None = None) -> None:
             f"{label} (gpt-oss) adds learned attention sinks to every softmax, which slake does not "
             "model; it cannot compress this model's cache"
         )
+    kind = str(getattr(text, "model_type", ""))
+    why = _UNSUPPORTED_ATTENTION.get(kind)
+    if why is None and getattr(text, "kv_lora_rank", None) is not None:
+        why = "caches compressed latents (multi-head latent attention, kv_lora_rank) and expands them after the cache"
+    v_dim, head_dim = getattr(text, "v_head_dim", None), getattr(text, "head_dim", None)
+    if why is None and v_dim is not None and head_dim is not None and int(v_dim) != int(head_dim):
+        why = f"has values of another head size than its keys (v_head_dim={v_dim}, head_dim={head_dim})"
+    if why is None and getattr(text, "num_kv_shared_layers", 0):
+        why = "lets layers share another layer's KV cache (num_kv_shared_layers)"
+    if why is not None:
+        raise ValueError(f"{label} ({kind}) {why}, which slake does not model; it cannot compress this model's cache")
+
+
+#: attention that goes through transformers' AttentionInterface but is not what slake's compressed layers compute
+#: (2026-11-29 audit of transformers 5.24's causal LMs; each was wrong or failed deep inside without this refusal)
+_UNSUPPORTED_ATTENTION = {
+    "diffllama": "calls the attention function twice per layer, on two halves of its values (differential attention)",
+    "doge": "adds a bias computed from its values to the attention mask (dynamic mask attention)",
+    "jetmoe": "repeats its keys and values after the cache (mixture of attention heads)",
+    "hrm_text": "stores each cycle of a layer under another cache index than the layer's own",
+}
 
 
 def attention_layout(config: Any) -> AttentionLayout:
@@ -109,6 +133,14 @@ def attention_layout(config: Any) -> AttentionLayout:
             "sliding-window and chunked attention layers only"
         )
     full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if not full and "chunked_attention" in types:
+        # a chunked layer's bound lives in its mask alone (no sliding_window argument the attention could check):
+        # compressed as a full layer, it would attend across chunks past the first
+        raise ValueError(
+            f"{_model_label(config)} has chunked-attention layers only (attention_chunk_size="
+            f"{getattr(text, 'attention_chunk_size', None)}); slake compresses full-attention layers and leaves "
+            "chunked ones to transformers, so it needs at least one full-attention layer"
+        )
     if not full:  # every layer bounded: compressed as full layers while the sequence fits in the window
         return AttentionLayout(layer_types=types, compressed=list(range(len(types))))
     bounded = {i: (t, dict(kw)) for i, (t, kw) in enumerate(zip(types, kwargs)) if t in BOUNDED_TYPES}
