@@ -11,6 +11,11 @@ attention scaling ``a`` (1 for plain RoPE); channels past ``r`` (partial rotary)
     R(p) x = a * (x * cos(p theta) + rotate_half(x) * sin(p theta))      on the rotary channels
 
 Angles are computed in float64, so that a position of 10^5 keeps its phase to 1e-11.
+
+An engine that cannot verify a layer's RoPE against this convention (interleaved pairs, another sign, a complex
+rotation, frequencies the model recomputes during its forward) hands a :class:`RefusedRotary` instead: it carries the
+reason, and every use raises it as a ValueError, so a method that moves queries is refused at its first use rather
+than scoring with a wrong rotation.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Rotary", "rotate_half"]
+__all__ = ["RefusedRotary", "Rotary", "rotate_half"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,3 +111,23 @@ class Rotary:
             rest = torch.arange(r, d, device=cos.device)
             m[..., rest, rest] = 1.0
         return m
+
+
+@dataclass(frozen=True)
+class RefusedRotary(Rotary):
+    """A layer's rotary embedding that slake could not verify against the rotate-half convention: ``reason`` says
+    why, and :meth:`rotate` and :meth:`mean_rotation` raise it as a ValueError (``inv_freq`` is empty)."""
+
+    reason: str = "slake could not verify the model's rotary embedding"
+
+    def rotate(
+        self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, scaled: bool = True
+    ) -> torch.Tensor:
+        """Refused: raises ValueError(``reason``)."""
+        raise ValueError(self.reason)
+
+    def mean_rotation(
+        self, start: torch.Tensor | int, count: int, scaled: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refused: raises ValueError(``reason``)."""
+        raise ValueError(self.reason)
