@@ -153,8 +153,8 @@ def _rope_sites(forward: Any) -> tuple[tuple[ast.expr, tuple[tuple[ast.expr, boo
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
             if _APPLY.match(name):
                 sites.append((f, tests))
-        for child in ast.iter_child_nodes(node):
-            visit(child, tests)
+        for inner in ast.iter_child_nodes(node):
+            visit(inner, tests)
 
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else tree.body
     for stmt in body:

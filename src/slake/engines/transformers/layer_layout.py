@@ -97,7 +97,7 @@ def check_supported_attention(config: Any, label: str | None = None) -> None:
     v_dim, head_dim = getattr(text, "v_head_dim", None), getattr(text, "head_dim", None)
     if why is None and v_dim is not None and head_dim is not None and int(v_dim) != int(head_dim):
         why = f"has values of another head size than its keys (v_head_dim={v_dim}, head_dim={head_dim})"
-    if why is None and getattr(text, "num_kv_shared_layers", 0):
+    if why is None and getattr(text, "num_kv_shared_layers", None):
         why = "lets layers share another layer's KV cache (num_kv_shared_layers)"
     if why is not None:
         raise ValueError(f"{label} ({kind}) {why}, which slake does not model; it cannot compress this model's cache")
