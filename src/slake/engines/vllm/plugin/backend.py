@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, fields
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -65,7 +66,7 @@ from slake.engines.vllm.plugin.config import parse_config
 from slake.engines.vllm.plugin.layer_facts import layer_index
 from slake.engines.vllm.plugin.paged import CpuAttnLayout, PagedLayout, slot_mapping
 from slake.engines.vllm.plugin.state import DecodeBatch, PluginState, StepPlan
-from slake.engines.vllm.plugin.validate import validate_engine_config
+from slake.engines.vllm.plugin.validate import check_layer_attention, validate_engine_config
 
 __all__ = [
     "SlakeCPUAttentionBackend",
@@ -161,6 +162,13 @@ def _step_plan(layer_name: str) -> StepPlan | None:
 
 class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention plus prefill compaction and the batched decode of compressed requests."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        vllm_config = get_current_vllm_config()
+        model = getattr(vllm_config, "model_config", None)
+        if parse_config(vllm_config.additional_config, getattr(model, "hf_config", None)) is not None:
+            check_layer_attention(self)  # a slake engine: what this layer's compressed steps would drop
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping_: torch.Tensor) -> None:
         plan = _step_plan(layer.layer_name)

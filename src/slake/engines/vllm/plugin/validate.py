@@ -87,6 +87,38 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
     if not vllm_config.model_config.is_attention_free and getattr(vllm_config.model_config, "use_mla", False):
         raise ValueError("slake: MLA models are not supported by the vLLM plugin")
     check_layer_types(vllm_config.model_config.hf_text_config)
+    from slake.engines.transformers.layer_layout import check_supported_attention
+
+    try:  # what the transformers engine refuses (soft-capping, sinks, ...), which the plugin's steps do not model
+        check_supported_attention(vllm_config.model_config.hf_config)
+    except ValueError as exc:
+        raise ValueError(f"slake: {exc}") from exc
+
+
+def check_layer_attention(impl) -> None:
+    """Refuse, when an attention layer of a slake engine is built, what its compressed steps do not compute: the
+    layer's logit soft-capping, ALiBi slopes, learned sinks, sliding window, or a non-decoder attention. vLLM hands
+    these to each layer's backend (``CPUAttentionBackendImpl``); its own kernel applies them to plain requests, the
+    plugin's prefill scoring and batched decode would drop them (a soft-capped Gemma 2 with every layer full
+    decoded without its cap)."""
+    from vllm.v1.attention.backend import AttentionType
+
+    found = []
+    if getattr(impl, "logits_soft_cap", 0):
+        found.append(f"logit soft-capping ({impl.logits_soft_cap})")
+    if getattr(impl, "alibi_slopes", None) is not None:
+        found.append("ALiBi slopes")
+    if getattr(impl, "sinks", None) is not None:
+        found.append("learned attention sinks")
+    if getattr(impl, "sliding_window", -1) not in (-1, None):
+        found.append(f"a sliding window ({impl.sliding_window})")
+    if getattr(impl, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+        found.append(f"{impl.attn_type} attention")
+    if found:
+        raise ValueError(
+            f"slake: this model's attention layers use {', '.join(found)}, which the plugin's compressed steps do "
+            f"not compute; serve it without slake"
+        )
 
 
 def check_layer_types(text_config) -> None:
