@@ -71,3 +71,23 @@ def test_the_runner_reads_the_kv_heads_of_a_config_without_num_key_value_heads(t
                    max_model_len=256)  # fmt: skip
     per_token = 2 * 2 * 4 * 32 * 4  # layers, K and V, heads, head size, fp32
     assert len(run.tokens[0]) == 2 and run.kv_bytes[0]["full"] == per_token * 38  # 37 prompt tokens + 1 new held
+
+
+def test_a_model_the_method_cannot_read_stops_the_engine_while_it_starts(tmp_path):
+    """Expected Attention on a linearly scaled RoPE (not one the plugin reads): refused when the engine is built,
+    not at its first request (the model facts are read once the KV cache exists)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm import LLM
+
+    from slake.engines.vllm.runner import engine_kwargs
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path))
+    kw = engine_kwargs(str(tmp_path), slake={"method": "expected-attention", "budget": 64}, block_size=32,
+                       dtype="float32", max_model_len=512)  # fmt: skip
+    with pytest.raises(ValueError, match="LinearScalingRotaryEmbedding"):
+        LLM(**kw)

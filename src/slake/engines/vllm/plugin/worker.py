@@ -91,10 +91,30 @@ def _wrap_update_states(original: Callable) -> Callable:
     return _update_states
 
 
+def _wrap_initialize_kv_cache(original: Callable) -> Callable:
+    def initialize_kv_cache(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        # the builders (and their plugin states) exist from here on: the model facts a method reads are read now, so
+        # that a model the method cannot read (an interleaved rotary for Expected Attention, ...) stops the engine
+        # while it starts, not at its first request
+        for st in runner_states(self):
+            if st.needs_model:
+                st.attach_model(self.get_model())
+        return out
+
+    initialize_kv_cache._slake = True  # type: ignore[attr-defined]
+    initialize_kv_cache.__wrapped__ = original  # type: ignore[attr-defined]
+    initialize_kv_cache.__doc__ = original.__doc__
+    return initialize_kv_cache
+
+
 def install() -> None:
-    """Wrap ``GPUModelRunner._update_states`` (idempotent: vLLM may load the plugin several times per process)."""
+    """Wrap ``GPUModelRunner._update_states`` and ``initialize_kv_cache`` (idempotent: vLLM may load the plugin
+    several times per process)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    if not getattr(GPUModelRunner.initialize_kv_cache, "_slake", False):
+        GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(GPUModelRunner.initialize_kv_cache)
     if getattr(GPUModelRunner._update_states, "_slake", False):
         return
     GPUModelRunner._update_states = _wrap_update_states(GPUModelRunner._update_states)
