@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import slake
+from hybrid_models import _common as hybrid_common
 from hybrid_models import hybrid_model
 from slake import SlakeCache
 from slake.engines.transformers.attention import observe_attention
@@ -24,18 +25,9 @@ ROTARY_METHODS = ["expected-attention", "ada-expected-attention", "criticalkv[sc
 
 
 def _common(layers: int = 2) -> dict:
-    return dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    """The hybrid tests' tiny shape (``hybrid_models._common``), with the special tokens some configs need."""
+    return {**hybrid_common(layers), "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1,
+            "eos_token_id": 2}  # fmt: skip
 
 
 def _model(name: str):
