@@ -16,7 +16,7 @@ import torch
 from slake.attention.ptaa import attend
 from slake.attention.softmax import safe_softmax
 from slake.cache.decode_step import decode_extras
-from slake.cache.decoding import Decoder, layer_logits
+from slake.cache.decoding import Decoder, grouped_queries, layer_logits
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.prefill import PrefillCompressor, check_left_padding, check_real_tokens
 from slake.cache.state import CacheState
@@ -131,7 +131,7 @@ class ChunkedPrefill:
                 w = max(min(state.method.window, nq), 1)
                 qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
                 if state.method.reads_block_queries:  # the rule's statistics over every query of the chunk
-                    qw = (queries.float() * scaling).reshape(*qw.shape[:3], nq, qw.shape[-1])
+                    qw = grouped_queries(queries, qw.shape[1], scaling)
                 self.score(layer_idx, x, qw)
             self.evict(layer_idx, newest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

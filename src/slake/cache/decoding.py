@@ -25,7 +25,7 @@ from slake.cache.state import CacheState
 from slake.kernels import launch_config
 from slake.methods.base import DecodeInputs
 
-__all__ = ["BLOCK_REASON", "Decoder", "layer_logits"]
+__all__ = ["BLOCK_REASON", "Decoder", "grouped_queries", "layer_logits"]
 
 #: why a block of new tokens after the prefill (a later chat turn, several tokens fed at once) runs in torch where the
 #: fused kernels were asked for: they take one token per row and step (the block's count is left out, so that the
@@ -231,8 +231,7 @@ class Decoder:
         # for rules that accumulate each step's attention (``Method.decode_accumulates``)
         method = state.method
         rows = nq if method.decode_accumulates else max(min(method.window, nq), 1)
-        # a rule that reads the queries as a distribution (Expected Attention) gets every one of them
-        q_rows = qf if method.reads_block_queries else qf[:, :, :, nq - rows :]
+        q_rows = qf if method.reads_block_queries else qf[:, :, :, nq - rows :]  # every query for a distribution
         evict = self.evict(layer_idx, probs[:, :, :, nq - rows :], target, newest, q_rows)
         if evict is not None:
             slots, chosen, mask = evict
@@ -298,8 +297,7 @@ class Decoder:
         reuse = self.kernels == "triton" and not torch.compiler.is_compiling()
         if reuse:
             held = self._fused[layer_idx]
-            # WIDE_SLOTS: the held arguments leave out the row's slot order where rows are narrower (fused_step), and
-            # a lowered constant (launch_config.tuned) switches the launch to the form that writes it
+            # WIDE_SLOTS: held arguments of narrow rows lack the slot order, which a lowered constant's wide form writes
             facts = (query.device, query.dtype, d, float(scaling), launch_config.WIDE_SLOTS)
             if held is not None and held[1] == facts and held[0] == self._fused_sources(layer_idx, store, counter)[0]:
                 self.report.record("triton")
@@ -569,6 +567,12 @@ class Decoder:
         return out
 
 
+def grouped_queries(queries: torch.Tensor, num_kv_heads: int, scaling: float) -> torch.Tensor:
+    """``scaling * q`` of ``(B, Hq, n_q, d)`` queries in group layout ``(B, Hkv, g, n_q, d)`` float32."""
+    B, Hq, nq, d = queries.shape
+    return (queries.float() * scaling).reshape(B, num_kv_heads, Hq // num_kv_heads, nq, d)
+
+
 def layer_logits(
     store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,12 +584,9 @@ def layer_logits(
     The ``g * n_q`` query rows of a KV head share one matmul against its keys (no per-query-head expansion or
     copy of the cache); an fp32 cache is used as is, a low-precision one through :func:`matmul_f32`.
     """
-    B, Hq, nq, d = queries.shape
-    H = store.keys.shape[1]
-    g = Hq // H
-    qf = (queries.float() * scaling).reshape(B, H, g, nq, d)
-    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2))  # (B, H, g*nq, n)
-    x = x.view(B, H, g, nq, -1)
+    qf = grouped_queries(queries, store.keys.shape[1], scaling)
+    B, H, g, nq, d = qf.shape
+    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2)).view(B, H, g, nq, -1)
     if positions is None:
         visible = store.valid[:, :, None, None, :]
     else:

@@ -244,6 +244,8 @@ class SlakeCache(Cache):
         self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         #: set by :func:`slake.engines.transformers.generate.prefill` around a prefill it was asked to run exactly
         self.exact_prefill = False
+        #: the model's class, once a forward has bound it (:meth:`bind_model`), for errors that name it
+        self.model_name: str | None = None
         if self.prefill_chunk is not None:  # refused when the cache is built, not at its first prompt
             check_chunkable(m)
         if max_cache_len is not None:
@@ -462,7 +464,7 @@ class SlakeCache(Cache):
     def check_routed(self) -> None:
         """Raise if a layer's prompt was stored but never reached the registered attention function."""
         if any(getattr(layer, "pending", None) is not None for layer in self.layers):
-            raise _not_routed_error(getattr(self, "model_name", None))
+            raise _not_routed_error(self.model_name)
         filled = sum(s is not None for s in self.compressor.layers)
         expected = len(self.layout.compressed)
         if self.compressor.info is not None and not self.compressor.chunked_prefill and filled != expected:

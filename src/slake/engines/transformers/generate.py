@@ -293,7 +293,8 @@ def generate(
         max_cache_len=max_len,
         kernels=kernels,
     )
-    if prefill_chunk is not None and prefill_chunk >= enc["input_ids"].shape[1] - 1:
+    chunked = prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1
+    if not chunked:
         cache.prefill_chunk = None  # the prompt fits one chunk: model.generate prefills it whole, as asked
     last_read_after = m.second_pass is not None  # read the last prompt token over the compressed cache
     if last_read_after:
@@ -330,7 +331,7 @@ def generate(
         if last_read_after and enc["input_ids"].shape[1] > 1:
             # the context is compressed after its second pass; model.generate then reads the last prompt token over it
             prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], trailing_tokens=1)
-        elif prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1:
+        elif chunked:
             prefill(
                 model,
                 cache,

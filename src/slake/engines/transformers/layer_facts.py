@@ -314,15 +314,13 @@ def layer_contexts(model: Any, compressed: list[int], layer_types: list[str]) ->
     probes: dict = {}
     out = []
     for i in compressed:
-        attn = getattr(decoder[i], "self_attn", None) if i < len(decoder) else None
+        attn = _first_attribute([decoder[i]], *_ATTENTION_NAMES) if i < len(decoder) else None
         proj = getattr(attn, "o_proj", None)
         weight = getattr(proj, "weight", None)
         kind = layer_types[i] if i < len(layer_types) else "full_attention"
         rotary = _rotary(rope, kind)
         if rotary is not None:
-            layer = decoder[i] if i < len(decoder) else None
-            module = _first_attribute([layer] if layer is not None else [], *_ATTENTION_NAMES)
-            checked, reason = _check_rotary(rope, module, kind, rotary, probes)
+            checked, reason = _check_rotary(rope, attn, kind, rotary, probes)
             rotary = checked or RefusedRotary(
                 rotary.inv_freq.new_zeros(0),
                 reason=(
