@@ -10,6 +10,10 @@ logger = logging.getLogger("slake")
 
 #: the vLLM release whose scheduler, KV-cache manager and CPU backend internals the plugin was written against
 SUPPORTED_VLLM = "0.32."
+#: the plugin's methods that score each KV head from what its rank holds (its query group, the rotary embedding,
+#: ``o_proj``'s columns of its heads), so that any tensor-parallel size up to the KV heads selects as one rank does
+#: (``tests_vllm/test_tensor_parallel.py``); named in the refusals of the others
+PER_HEAD_METHODS = "snapkv, h2o, streamingllm, keydiff, expected-attention, criticalkv"
 
 
 def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
@@ -67,15 +71,14 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
     if vllm_config.parallel_config.tensor_parallel_size > 1 and cfg.method.name == "tova":
         raise ValueError(
             "slake: tova averages attention over all query heads of a layer, which tensor parallelism "
-            "splits across ranks; use tensor_parallel_size=1 or a per-head method (snapkv, h2o, "
-            "streamingllm)"
+            f"splits across ranks; use tensor_parallel_size=1 or a per-head method ({PER_HEAD_METHODS})"
         )
     par = vllm_config.parallel_config
     if cfg.method.layer_budgets == "preference" and par.tensor_parallel_size > 1:
         raise ValueError(
             f"slake: {cfg.method.name}'s layer budgets come from the preferences of every layer and "
             f"KV head (a cascade over the whole model in one pass), which tensor parallelism splits "
-            f"across ranks; use one rank, or a per-head method (snapkv, h2o, streamingllm)"
+            f"across ranks; use one rank, or a per-head method ({PER_HEAD_METHODS})"
         )
     tp = vllm_config.parallel_config.tensor_parallel_size
     if tp > 1 and tp > vllm_config.model_config.get_total_num_kv_heads():
