@@ -172,6 +172,30 @@ def test_static_cache_refuses_what_it_cannot_serve(model):
         prefill(model, too_short, ids, mask)
 
 
+@pytest.mark.parametrize("method", ["full", "snapkv", "slake", "tova", "criticalkv"])
+def test_beam_search_on_a_static_cache_equals_the_dynamic_cache(model, method):
+    """Beam search reorders the rows of a static cache (``select_batch``) between steps, its free slots, scores,
+    slot orders, slot weights and linear state with them: the same beams as the dynamic cache, for a left-padded
+    batch (3 beams each). transformers runs beam search eagerly (``compile_config`` applies to sampling and greedy
+    search)."""
+    ids, mask = _prompt(2)
+
+    def run(static: bool):
+        cache = SlakeCache(
+            method, BUDGET, config=model.config, max_cache_len=PROMPT + 10 if static else None, **_hyper(method)
+        )
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, **with_cache(model, cache), max_new_tokens=10, num_beams=3,
+                do_sample=False, pad_token_id=0, disable_compile=True,
+            )  # fmt: skip
+        return out, cache.statistics()
+
+    (static, s_stats), (dynamic, d_stats) = run(True), run(False)
+    assert torch.equal(static, dynamic)
+    assert s_stats["kept_tokens_per_layer"] == d_stats["kept_tokens_per_layer"]
+
+
 @pytest.mark.parametrize("method, budget", [("full", BUDGET), ("slake", 4 * PROMPT)])
 def test_a_static_cache_refuses_more_tokens_than_max_cache_len(model, method, budget):
     """A layer that appends without evicting (the full cache, a prompt within its budget) has the free slots
