@@ -54,7 +54,8 @@ def builder(monkeypatch, isa: str, slake: dict, **kw):
         self.isa, self.block_size = isa, 32
 
     monkeypatch.setattr(CPUAttentionMetadataBuilder, "__init__", fake_init)
-    return SlakeCPUAttentionMetadataBuilder(None, [], vllm_config(slake, **kw), torch.device("cpu"))
+    spec = SimpleNamespace(num_kv_heads=2, head_size=16)  # the KV-cache spec vLLM passes (the heads it allocated)
+    return SlakeCPUAttentionMetadataBuilder(spec, [], vllm_config(slake, **kw), torch.device("cpu"))
 
 
 SNAPKV = {"method": "snapkv", "budget": 64}

@@ -108,8 +108,10 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.slake_state = PluginState(
             cfg,
             num_layers=int(mc.hf_text_config.num_hidden_layers),
-            kv_heads=int(mc.get_num_kv_heads(vllm_config.parallel_config)),
-            head_dim=int(mc.get_head_size()),
+            # the cache vLLM allocated (its attention layers' heads), not the model config's count: a key that the
+            # architecture ignores (a stray num_key_value_heads in a GPT-2 or OPT config.json) sizes nothing here
+            kv_heads=int(kv_cache_spec.num_kv_heads),
+            head_dim=int(kv_cache_spec.head_size),
             block_size=self.block_size,
             max_rows=min(int(vllm_config.scheduler_config.max_num_seqs), 8),
             layout=self.layout_cls(),
@@ -172,6 +174,15 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping_: torch.Tensor) -> None:
         plan = _step_plan(layer.layer_name)
+        if plan is not None and key.shape[0] != slot_mapping_.shape[0]:
+            # vLLM's op writes key.shape[0] rows and reads that many slots, past the end of the mask's copy below
+            raise ValueError(
+                f"slake: attention layer {layer.layer_name} received {key.shape[0]} key rows for "
+                f"{slot_mapping_.shape[0]} tokens: vLLM built it with {self.num_kv_heads} KV heads of size "
+                f"{self.head_size}, which is not what the model computes (a config.json key that the architecture "
+                f"ignores, such as num_key_value_heads in a GPT-NeoX config, which vLLM's Transformers backend "
+                f"reads); remove that key from the model's config.json"
+            )
         if plan is not None and plan.masked_tokens is not None:
             slot_mapping_ = slot_mapping_.clone()
             slot_mapping_[plan.masked_tokens] = -1  # compressed decode tokens are placed by the pool in forward
