@@ -44,6 +44,17 @@ def _model_dir(folder: Path, context: int, vocab: int) -> str:
     return str(folder)
 
 
+@pytest.mark.parametrize("method", ["slake", "cake"])
+def test_a_window_over_the_budget_is_refused_naming_the_budget(method):
+    """CAKE/SLAKE at budget 16 with their window of 32: refused as the transformers engine refuses it, naming the
+    budget given. It was refused naming vLLM's layer cap (``max_layer_budget must exceed ... (32), got 32``), a
+    hyperparameter the user never set."""
+    with pytest.raises(ValueError) as exc:
+        parse_config(_additional_config({"method": method, "budget": 16}))
+    msg = str(exc.value)
+    assert msg.startswith("slake:") and "exceed the budget 16" in msg and "max_layer_budget" not in msg, msg
+
+
 def test_bench_refuses_lengths_beyond_the_context_before_anything_starts(tmp_path):
     """The default lengths end at 8192, the default model's context: vLLM refused ``max_model_len`` 8246 with a
     multi-line validation error after some rows were written, and no table."""

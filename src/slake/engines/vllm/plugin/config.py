@@ -212,6 +212,11 @@ def with_layer_cap(method: Method, budget: Budget) -> Method:
     times the budget (the cap binds only where a layer's preference share exceeds it; the transformers engine gives
     the same tokens with ``--set max_layer_budget=<that>``). Other methods are returned unchanged."""
     if method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None and not budget.is_ratio:
+        if method.protected > int(budget.value):  # said of the budget the user gave, not of the cap derived from it
+            raise ValueError(
+                f"slake: {method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
+                f"exceed the budget {budget.value}; use a larger budget or a smaller window"
+            )
         cap: dict[str, Any] = {"max_layer_budget": DEFAULT_LAYER_CAP_FACTOR * int(budget.value)}  # CAKE/SLAKE only
         return replace(method, **cap)
     return method
