@@ -6,12 +6,13 @@ commands in the docs that exit with code 2, or, shortened to a prefix of another
 
 Synopsis lines (``docs/cli.md``) are checked as what they are: every flag in their ``[--optional ...]`` parts must
 exist on the subcommand, every ``{a,b}`` choice list must hold choices of its option, and what is left outside the
-brackets (the first choice standing for a list) must parse and validate. ``eval``, ``calibrate``, ``demo`` and
+brackets (the first choice standing for a list) must parse and validate, and so must it with each optional
+``[--set NAME=VALUE ...]`` part added (hyperparameters of the method it names). ``eval``, ``calibrate``, ``demo`` and
 ``make-prompt``, whose checks ``validate_args`` leaves to the command, also run their command up to its first model
 or tokenizer load (patched to stop there; outputs redirected to a temporary folder). A command that leaves out
 what the parser requires (an inline mention such as ``slake eval --question-agnostic``, or a line shortened with
-``...``) is a fragment: it is completed with placeholder values for the missing required options before it is
-parsed, and only ``validate_args`` checks it.
+``...``; a quoted ``"..."`` is a value) is a fragment: it is completed with placeholder values for the missing
+required options before it is parsed, and only ``validate_args`` checks it.
 Validation needing what this machine has not got is skipped: a file the docs only name (``--prompt-file doc.txt``),
 CUDA, vLLM. ``docs/results/`` holds recorded outputs and is not read."""
 
@@ -49,6 +50,9 @@ _OPTIONAL = re.compile(r"(?:(?<=\s)|^)\[[^\[\]]*\]")
 _CHOICES = re.compile(r"\{([\w,.-]+)\}")
 #: stands for more; a command holding it is a fragment
 _ELLIPSIS = "..."
+#: "..." in quotes: a value written out as an ellipsis, and what stands for it when parsed
+_QUOTED_ELLIPSIS = re.compile(r"([\"'])\.\.\.\1")
+_VALUE = "written-out-value"
 #: a value's placeholder: N, DIR, F, SHAPE...
 _PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*")
 #: values that complete a fragment for the parser when it misses a required option
@@ -220,7 +224,9 @@ def _argv(cmd: DocCommand) -> tuple[list[str], bool]:
     words = [_CHOICES.sub(lambda m: m.group(1).split(",")[0], w) for w in required.split()]
     if required != cmd.text:  # a synopsis's remark after its options, "(docs/kvpress-protocol.md)", is prose
         words = [w for w in words if not re.fullmatch(r"\(\S*\)", w)]
-    argv = shlex.split(" ".join(words))[1:]
+    # a quoted "..." is a value (a prompt written as `--prompt "..."`), not a shortened line: it stays an argument,
+    # so that one standing alone (`slake generate ... "..."`, a positional prompt) fails to parse
+    argv = shlex.split(_QUOTED_ELLIPSIS.sub(_VALUE, " ".join(words)))[1:]
     fragment = cmd.inline or any(_ELLIPSIS in a for a in argv)
     # "..." stands for more: a word of it is dropped, and so is the end of a list "transformers,..."
     argv = [a.replace("," + _ELLIPSIS, "") for a in argv if a != _ELLIPSIS]
@@ -229,6 +235,26 @@ def _argv(cmd: DocCommand) -> tuple[list[str], bool]:
         if action is not None and action.type in (int, float) and _PLACEHOLDER.fullmatch(argv[k]):
             argv[k] = "1"
     return argv, fragment
+
+
+def _check_set_parts(cmd: DocCommand, argv: list[str]) -> list[str]:
+    """A synopsis's optional ``[--set NAME=VALUE ...]`` parts, each added to the command: its hyperparameters must
+    belong to the command's method (checked before the prompt file, which the docs only name, is read)."""
+    problems = []
+    for part in _OPTIONAL.findall(cmd.text):
+        words = shlex.split(part[1:-1])
+        if words[:1] != ["--set"] or "|" in words:
+            continue
+        args, error = _parse(argv + words)
+        if args is None:
+            problems.append(f"with {part}: does not parse: {error}")
+            continue
+        try:
+            validate_args(args)
+        except ValueError as e:
+            if not any(s in str(e) for s in _UNAVAILABLE):
+                problems.append(f"with {part}: fails validation: {e}")
+    return problems
 
 
 def check_command(cmd: DocCommand) -> tuple[list[str], str | None]:
@@ -261,6 +287,9 @@ def check_command(cmd: DocCommand) -> tuple[list[str], str | None]:
     stdin = sys.stdin
     sys.stdin = io.StringIO("Where is the needle?")  # --prompt-file - reads standard input
     try:
+        problems = _check_set_parts(cmd, argv)
+        if problems:
+            return problems, None
         validate_args(args)
         if sub in _CHECKED_BY_COMMAND and not completed and not fragment:
             if getattr(args, "suite", None) == "longbench":
@@ -319,6 +348,10 @@ def test_commands_are_found():
         ("slake eval --suite ruler --methods snapkv --budgets 128 --depths 10 --out DIR", "--depths applies"),
         ("slake make-prompt --task nosuch --length 2048 --out doc.txt", "unknown task 'nosuch'"),
         ("slake calibrate --methods snapkv --budgets 128", "tunes cake, slake"),
+        # a quoted "..." is a value: standing alone it is a positional argument generate does not take
+        ('slake generate --method slake --budget 128 --compile "..."', "does not parse"),
+        # a synopsis's optional hyperparameters belong to its method (gamma is CAKE's and SLAKE's)
+        ("slake generate --method snapkv --budget 128 --prompt-file doc.txt [--set window=16 gamma=100]", "gamma"),
     ],
 )
 def test_a_bad_command_is_reported(text, problem):
@@ -331,6 +364,8 @@ def test_fragments_and_missing_files_pass():
         ("slake eval --question-agnostic", True),
         ("slake eval --suite ruler ... --methods slake --budgets 128,256 ...", False),
         ("slake generate --method snapkv --budget 128 --prompt-file no-such-doc.txt", False),
+        ('slake generate --method snapkv --budget 128 --prompt "..."', False),
+        ("slake generate --method snapkv --budget 128 --prompt-file doc.txt [--set window=16 kernel=7]", False),
         ("slake eval --protocol kvpress --methods snapkv --out DIR [--tasks T1,T2]  (docs/kvpress-protocol.md)", False),
     ]:
         assert check_command(DocCommand("page.md", 1, text, inline))[0] == [], text
