@@ -190,6 +190,7 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
         method, profile = resolve_method(str(raw["method"]), budget, model, **overrides)
     except ValueError as exc:
         raise ValueError(f"slake: {exc}") from None
+    check_protected(method, budget)
     method = with_layer_cap(method, budget)
     check_supported(method, budget)
     return SlakeVllmConfig(method=method, budget=int(budget.value), profile=profile, kernels=kernels)
@@ -207,16 +208,22 @@ def check_kernels(kernels: Any) -> str:
     return kernels
 
 
+def check_protected(method: Method, budget: Budget) -> None:
+    """Refuse protected tokens (window + sinks) over an absolute budget, in one ``slake:`` line naming the budget
+    given: checked before :func:`with_layer_cap`, whose cap (derived from the budget) CAKE/SLAKE would otherwise
+    refuse naming ``max_layer_budget``, a hyperparameter the user never set."""
+    if not budget.is_ratio and not method.keeps_everything and method.protected > int(budget.value):
+        raise ValueError(
+            f"slake: {method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
+            f"exceed the budget {budget.value}; use a larger budget or a smaller window"
+        )
+
+
 def with_layer_cap(method: Method, budget: Budget) -> Method:
     """``method`` with ``max_layer_budget`` set for CAKE/SLAKE when the user set none: ``DEFAULT_LAYER_CAP_FACTOR``
     times the budget (the cap binds only where a layer's preference share exceeds it; the transformers engine gives
     the same tokens with ``--set max_layer_budget=<that>``). Other methods are returned unchanged."""
     if method.name in PREFERENCE_METHODS and getattr(method, "max_layer_budget", None) is None and not budget.is_ratio:
-        if method.protected > int(budget.value):  # said of the budget the user gave, not of the cap derived from it
-            raise ValueError(
-                f"slake: {method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
-                f"exceed the budget {budget.value}; use a larger budget or a smaller window"
-            )
         cap: dict[str, Any] = {"max_layer_budget": DEFAULT_LAYER_CAP_FACTOR * int(budget.value)}  # CAKE/SLAKE only
         return replace(method, **cap)
     return method
@@ -262,11 +269,7 @@ def check_supported(method: Method, budget: Budget) -> None:
         )
     if budget.is_ratio:
         raise ValueError("slake: the vLLM plugin needs an absolute budget in tokens (e.g. 128), not a ratio")
-    if not method.keeps_everything and method.protected > int(budget.value):
-        raise ValueError(
-            f"slake: {name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
-            f"exceed the budget {budget.value}"
-        )
+    check_protected(method, budget)
 
 
 #: ``--dtype`` spellings of the slake CLI -> vLLM dtype names (float32 when unset)
@@ -290,6 +293,7 @@ def resolve_plugin_method(
     built, profile = resolve_method(method, budget, model, **hyperparameters)
     if built.keeps_everything:
         return built, profile
+    check_protected(built, budget)
     built = with_layer_cap(built, budget)
     check_supported(built, budget)
     return built, profile
