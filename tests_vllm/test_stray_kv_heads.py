@@ -50,19 +50,22 @@ def _prompt() -> list[int]:
 
 
 def test_a_stray_kv_head_count_does_not_size_the_plugin_state(tmp_path):
-    """GPT-2 with ``num_key_value_heads: 2``: compressed exactly as without the key."""
-    runs = [
+    """GPT-2 with ``num_key_value_heads: 2``: compressed exactly as without the key, and its KV bytes counted from
+    the 4 heads vLLM allocated (they were counted from the key's 2: half the true bytes)."""
+    stray, clean = [
         run_vllm(
-            _gpt2(tmp_path / name, stray),
+            _gpt2(tmp_path / name, heads),
             [_prompt()],
             slake=SNAPKV,
             max_new_tokens=6,
             ignore_eos=True,
             max_model_len=256,
-        ).tokens  # fmt: skip
-        for name, stray in (("stray", 2), ("clean", None))
+        )
+        for name, heads in (("stray", 2), ("clean", None))
     ]
-    assert runs[0] == runs[1]
+    assert stray.tokens == clean.tokens
+    assert stray.model_info == clean.model_info and clean.model_info["kv_heads"] == 4
+    assert stray.kv_bytes == clean.kv_bytes
 
 
 def test_a_layer_built_with_other_kv_heads_than_the_model_computes_is_refused(tmp_path):

@@ -330,9 +330,13 @@ def run_vllm(
         outs = generate_stepwise(llm, prompts, params, step_log)
     wall = time.perf_counter() - t0
     model_config = llm.llm_engine.model_config
-    # vLLM's own reading of the config (GPT-2, OPT, Falcon... name their heads otherwise)
     layers = int(model_config.hf_text_config.num_hidden_layers)
-    kv_heads, head_dim = int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size())
+    # the cache vLLM allocated (the ranks' heads summed); vLLM's reading of the config where none is reported
+    shapes = [s for s in llm.collective_rpc(worker.kv_cache_heads) if s is not None]
+    if shapes:
+        kv_heads, head_dim = sum(h for h, _ in shapes), shapes[0][1]
+    else:
+        kv_heads, head_dim = int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size())
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype).replace("torch.", ""), 4)
     per_token = 2 * kv_heads * head_dim * itemsize  # one token of one layer, keys + values
     reports = [r for r in llm.collective_rpc(worker.report) if r is not None]

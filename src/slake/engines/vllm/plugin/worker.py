@@ -33,7 +33,7 @@ from typing import Any
 
 from slake.engines.vllm.plugin.state import PluginState
 
-__all__ = ["configure", "install", "report", "runner_states"]
+__all__ = ["configure", "install", "kv_cache_heads", "report", "runner_states"]
 
 
 def runner_states(runner: Any) -> list[PluginState]:
@@ -158,3 +158,16 @@ def report(worker: Any) -> dict | None:
     """This worker's :meth:`PluginState.report`, or None for plain vLLM."""
     states = _worker_states(worker)
     return states[0].report() if states else None
+
+
+def kv_cache_heads(worker: Any) -> tuple[int, int] | None:
+    """``(KV heads, head size)`` of the cache this worker allocated (its first KV-cache group's spec: the heads of
+    its attention layers as vLLM built them, this rank's share), or None before the cache exists. The model
+    config's count can differ: a ``num_key_value_heads`` key an MHA architecture ignores (GPT-2, OPT)."""
+    config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
+    groups = getattr(config, "kv_cache_groups", None) or []
+    for group in groups:
+        spec = group.kv_cache_spec
+        if hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size"):
+            return int(spec.num_kv_heads), int(spec.head_size)
+    return None
