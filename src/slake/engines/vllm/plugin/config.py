@@ -30,6 +30,7 @@ from typing import Any
 from slake.budgets.budget import Budget
 from slake.cache.compressed import KERNELS
 from slake.methods.base import Method, make_method
+from slake.methods.budget_check import check_method_budget
 
 ENV_VAR = "SLAKE_VLLM"
 
@@ -212,11 +213,10 @@ def check_protected(method: Method, budget: Budget) -> None:
     """Refuse protected tokens (window + sinks) over an absolute budget, in one ``slake:`` line naming the budget
     given: checked before :func:`with_layer_cap`, whose cap (derived from the budget) CAKE/SLAKE would otherwise
     refuse naming ``max_layer_budget``, a hyperparameter the user never set."""
-    if not budget.is_ratio and not method.keeps_everything and method.protected > int(budget.value):
-        raise ValueError(
-            f"slake: {method.name}: the protected tokens (window {method.window} + sinks {method.sinks}) "
-            f"exceed the budget {budget.value}; use a larger budget or a smaller window"
-        )
+    try:
+        check_method_budget(method, budget)  # the transformers engine's check and message
+    except ValueError as exc:
+        raise ValueError(f"slake: {exc}") from None
 
 
 def with_layer_cap(method: Method, budget: Budget) -> Method:
