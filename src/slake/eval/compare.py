@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slake.eval.results import RESULTS_FILE, read_results
+from slake.eval.results import RESULTS_FILE, read_results, summary_view
 from slake.eval.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_RESAMPLES,
@@ -37,7 +37,7 @@ from slake.eval.stats import (
     paired_difference,
     score_table,
 )
-from slake.eval.summary import write_summary
+from slake.eval.summary import budget_sort_key, write_summary
 
 __all__ = ["Line", "compare_lines", "merge_lines", "parse_line", "write_comparison"]
 
@@ -66,14 +66,16 @@ def parse_line(spec: str) -> Line:
 
 
 def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
-    """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample. A line
+    """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample (of each
+    model and suite). Rows measured with chunked prefill are their own method, ``"<method> (prefill_chunk=N)"``, as
+    in the summaries (:func:`slake.eval.results.summary_view`), so a line of exact rows never takes them. A line
     given twice (the same folder, method and label, as the first of several pairs) counts once.
 
     Raises
     ------
     ValueError
-        When one label names two different lines, a label is ``full``, or a folder has no results file or no row
-        of its line's method.
+        When one label names two different lines, a label is ``full``, a folder has no results file or no row
+        of its line's method, or a line's rows come from several models or suites (their samples share ids).
     """
     unique: dict[str, Line] = {}
     for line in lines:
@@ -82,17 +84,26 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
     if "full" in unique:
         raise ValueError("'full' names the full cache's rows, which are included once; choose another label")
     merged: list[dict[str, Any]] = []
-    full_seen: set[tuple[str, int, str]] = set()
+    full_seen: set[tuple[str, str, str, int, str]] = set()
     for line in unique.values():
         if not (line.folder / RESULTS_FILE).is_file():
             raise ValueError(f"no {RESULTS_FILE} in {line.folder}")
-        rows = read_results(line.folder / RESULTS_FILE)
+        rows = summary_view(read_results(line.folder / RESULTS_FILE))
         mine = [dict(r, method=line.label) for r in rows if r.get("method") == line.method]
         if not mine:
             found = sorted({str(r.get("method")) for r in rows})
             raise ValueError(f"{line.folder / RESULTS_FILE} has no row of {line.method!r} (it has: {found})")
+        sources = sorted({(str(r.get("model", "")), str(r.get("suite", ""))) for r in mine})
+        if len(sources) > 1:
+            named = ", ".join(f"model {m!r} suite {s!r}" for m, s in sources)
+            raise ValueError(
+                f"the rows of {line.method!r} in {line.folder / RESULTS_FILE} come from {len(sources)} models or "
+                f"suites ({named}), whose samples share ids: a line must be one model's rows of one suite; put each "
+                "model's rows in a folder of its own"
+            )
         for r in rows:
-            key = (str(r["task"]), int(r["length"]), str(r["sample_id"]))
+            key = (str(r.get("model", "")), str(r.get("suite", "")), str(r["task"]), int(r["length"]))
+            key += (str(r["sample_id"]),)
             if r.get("method") == "full" and key not in full_seen:
                 full_seen.add(key)
                 merged.append(r)
@@ -134,7 +145,7 @@ def compare_lines(
         cells = sorted(
             {(int(r["length"]), r["budget"]) for r in rows if r["method"] == first}
             & {(int(r["length"]), r["budget"]) for r in rows if r["method"] == second},
-            key=lambda c: (c[0], float(c[1])),
+            key=lambda c: (c[0], budget_sort_key(c[1])),
         )
         for length, budget in cells:
             sub = [r for r in rows if int(r["length"]) == length and r["method"] in (first, second)]

@@ -40,6 +40,9 @@ class FidelityLine:
     budget: Any
     interval: Interval
     against_closest: PairedDifference | None
+    #: samples whose KL was not finite (written as ``kl: null`` with ``kl_tokens`` > 0: the compressed cache's
+    #: logits overflowed or were NaN), left out of ``interval``; a line with any is never the closest
+    nonfinite: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,32 +66,39 @@ def fidelity_tables(
     resamples: int = DEFAULT_RESAMPLES,
     confidence: float = DEFAULT_CONFIDENCE,
 ) -> list[FidelityTable]:
-    """The KL tables of ``rows`` (rows without a ``kl`` field, such as the full cache's, are left out; no table when
-    no row has one)."""
+    """The KL tables of ``rows`` (rows without a KL measured, such as the full cache's, are left out; no table when
+    no row has one). A row with ``kl_tokens`` > 0 and no ``kl`` (a KL that was not finite, written as null) is
+    counted in its line's ``nonfinite``, not silently dropped."""
     groups: dict[tuple, dict[tuple, dict[tuple, dict[str, float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(dict))
     )
     order: dict[tuple, list[tuple]] = defaultdict(list)
+    nonfinite: dict[tuple, dict[tuple, set[str]]] = defaultdict(lambda: defaultdict(set))
     for r in rows:
-        if r.get("kl") is None:
+        finite = r.get("kl") is not None
+        if not finite and not r.get("kl_tokens"):  # no KL measured (the full cache, a run without --fidelity)
             continue
         key = (str(r.get("model", "")), str(r.get("suite", "")), int(r["length"]))
         pair = (r["method"], r.get("budget"))
-        if pair not in groups[key]:
+        if pair not in order[key]:
             order[key].append(pair)
-        groups[key][pair][(str(r["task"]), int(r["length"]))][str(r["sample_id"])] = float(r["kl"])
+        stratum, sample = (str(r["task"]), int(r["length"])), str(r["sample_id"])
+        if finite:  # a later row of the same sample wins, as in the score tables
+            groups[key][pair][stratum][sample] = float(r["kl"])
+            nonfinite[key][pair].discard(sample)
+        else:
+            groups[key][pair][stratum].pop(sample, None)
+            nonfinite[key][pair].add(sample)
     tables = []
-    for key in sorted(groups):
+    for key in sorted(order):
         table = groups[key]
-        intervals = {
-            p: line_interval(table[p], resamples=resamples, confidence=confidence, scale=1.0) for p in order[key]
-        }
-        tasks = {s[0] for p in order[key] for s in table[p]}
+        intervals = {p: _interval(table[p], resamples, confidence) for p in order[key]}
+        tasks = {s[0] for p in order[key] for s, v in table[p].items() if v}
         closest: dict[Any, tuple] = {}
         for p in order[key]:  # only a pair measured on every task can be the closest: a mean over fewer tasks is not
-            # comparable with the others
+            # comparable with the others; nor can a pair with a non-finite KL left out of its mean
             b = p[1]
-            if {s[0] for s in table[p]} != tasks:
+            if {s[0] for s, v in table[p].items() if v} != tasks or nonfinite[key][p]:
                 continue
             if b not in closest or intervals[p].mean < intervals[closest[b]].mean:
                 closest[b] = p
@@ -101,9 +111,17 @@ def fidelity_tables(
                     diff = paired_difference(table, p, best, resamples=resamples, confidence=confidence, scale=1.0)
                 except ValueError:  # no sample in common: nothing to compare
                     diff = None
-            lines.append(FidelityLine(p[0], p[1], intervals[p], diff))
+            lines.append(FidelityLine(p[0], p[1], intervals[p], diff, len(nonfinite[key][p])))
         tables.append(FidelityTable(key[0], key[1], key[2], lines))
     return tables
+
+
+def _interval(scores: dict[tuple, dict[str, float]], resamples: int, confidence: float) -> Interval:
+    """A line's mean KL with its interval; NaN without a finite sample."""
+    if not any(scores.values()):
+        nan = float("nan")
+        return Interval(nan, nan, nan, 0, confidence)
+    return line_interval(scores, resamples=resamples, confidence=confidence, scale=1.0)
 
 
 def fidelity_markdown(tables: list[FidelityTable], confidence: float = DEFAULT_CONFIDENCE) -> str:
@@ -117,7 +135,9 @@ def fidelity_markdown(tables: list[FidelityTable], confidence: float = DEFAULT_C
         "Mean KL(full || compressed) of the next-token distributions along the full cache's answer, nats per token "
         f"(the mean over tasks of each task's mean over samples), with its {level} bootstrap interval over samples; "
         "lower is closer to the full model. `vs closest`: the difference to the method with the lowest KL at the "
-        "same budget on the samples both have (paired bootstrap); **bold** when its interval excludes 0.",
+        "same budget on the samples both have (paired bootstrap); **bold** when its interval excludes 0. A sample "
+        "whose KL was not finite (the compressed cache's logits overflowed or were NaN) is left out of its line's "
+        "mean and counted beside it; such a line is never the closest.",
         "",
     ]
     for t in tables:
@@ -131,17 +151,18 @@ def fidelity_markdown(tables: list[FidelityTable], confidence: float = DEFAULT_C
             i, d = line.interval, line.against_closest
             vs = "closest" if d is None else (f"**{d.diff:+.4f}**" if d.significant else f"{d.diff:+.4f}")
             vs_ci = "" if d is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
+            mark = f" ({line.nonfinite} non-finite left out)" if line.nonfinite else ""
             out.append(
-                f"| {line.method} | {budget_label(line.budget)} | {i.mean:.4f} | [{i.low:.4f}, {i.high:.4f}] | {vs} | "
-                f"{vs_ci} | {i.n} |"
+                f"| {line.method} | {budget_label(line.budget)} | {i.mean:.4f}{mark} | [{i.low:.4f}, {i.high:.4f}] | "
+                f"{vs} | {vs_ci} | {i.n} |"
             )
         out.append("")
     return "\n".join(out) + "\n"
 
 
 def fidelity_csv_rows(tables: list[FidelityTable]) -> list[dict[str, Any]]:
-    """One CSV row per line: model, suite, length, method, budget, kl, low, high, n, closest, diff, diff_low,
-    diff_high, p."""
+    """One CSV row per line: model, suite, length, method, budget, kl, low, high, n, nonfinite, closest, diff,
+    diff_low, diff_high, p."""
     out = []
     for t in tables:
         for line in t.lines:
@@ -157,6 +178,7 @@ def fidelity_csv_rows(tables: list[FidelityTable]) -> list[dict[str, Any]]:
                     "low": round(i.low, 6),
                     "high": round(i.high, 6),
                     "n": i.n,
+                    "nonfinite": line.nonfinite,
                     "closest": "" if d is None else d.b[0],
                     "diff": "" if d is None else round(d.diff, 6),
                     "diff_low": "" if d is None else round(d.low, 6),

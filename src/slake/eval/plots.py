@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from slake.eval.results import FULL_METHOD, budget_label, read_results, summary_view
-from slake.eval.summary import method_budget_order, task_order
+from slake.eval.stats import score_table
+from slake.eval.summary import method_budget_order, table_strata, task_order
 
 __all__ = ["write_plots", "needle_heatmaps", "score_vs_budget"]
 
@@ -95,16 +96,21 @@ def needle_heatmaps(
 
 
 def _macro_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], float]:
-    """(method, budget) -> mean over tasks of the task's mean score (percent), for the pairs scored on every task of
-    ``rows`` (a mean over fewer tasks would not be comparable with the others, so such a pair has no point)."""
-    per_task: dict[tuple[str, Any, str], list[float]] = defaultdict(list)
-    for r in rows:
-        per_task[(r["method"], r.get("budget"), r["task"])].append(float(r["score"]))
-    tasks = {t for _, _, t in per_task}
-    out: dict[tuple[str, Any], list[float]] = defaultdict(list)
-    for (m, b, _), v in per_task.items():
-        out[(m, b)].append(100.0 * _mean(v))
-    return {k: _mean(v) for k, v in out.items() if len(v) == len(tasks)}
+    """(method, budget) -> the summary table's average (percent): the mean over tasks of each task's mean score, a
+    sample counting once (a later duplicate row wins, as in the tables: :func:`slake.eval.stats.score_table`), for
+    the pairs scored at every (task, length) of ``rows`` (:func:`slake.eval.summary.table_strata`; a mean over fewer
+    tasks or lengths would not be comparable with the others, so such a pair has no point)."""
+    scores = score_table(rows)
+    strata = table_strata(scores)
+    out: dict[tuple[str, Any], float] = {}
+    for pair, by_stratum in scores.items():
+        if {s for s, v in by_stratum.items() if v} != strata:
+            continue
+        per_task: dict[str, list[float]] = defaultdict(list)
+        for (task, _), by_sample in by_stratum.items():
+            per_task[task] += by_sample.values()
+        out[pair] = _mean([100.0 * _mean(v) for v in per_task.values()])
+    return out
 
 
 def score_vs_budget(

@@ -34,6 +34,8 @@ from slake.eval.stats import (
 
 __all__ = [
     "SummaryLine",
+    "budget_sort_key",
+    "table_strata",
     "SummaryTable",
     "summary_rows",
     "summary_tables",
@@ -45,7 +47,8 @@ __all__ = [
 ALL_LENGTHS = "all"
 
 
-def _budget_sort(budget: Any) -> tuple[int, float]:
+def budget_sort_key(budget: Any) -> tuple[int, float]:
+    """A budget's place in the tables: the full cache (None) first, then token budgets, then ratios, ascending."""
     if budget is None:
         return (0, 0.0)
     return (1, float(budget)) if isinstance(budget, int) else (2, float(budget))
@@ -61,7 +64,7 @@ def method_budget_order(rows: Iterable[dict[str, Any]]) -> list[tuple[str, Any]]
             methods.append(r["method"])
         budgets[r["method"]].add(r.get("budget"))
     methods.sort(key=lambda m: m != FULL_METHOD)  # stable: keeps first-appearance order otherwise
-    return [(m, b) for m in methods for b in sorted(budgets[m], key=_budget_sort)]
+    return [(m, b) for m in methods for b in sorted(budgets[m], key=budget_sort_key)]
 
 
 def task_order(rows: Iterable[dict[str, Any]]) -> list[str]:
@@ -144,8 +147,9 @@ class SummaryLine:
     n: int
     interval: Interval
     task_intervals: dict[str, Interval] = field(default_factory=dict)
-    #: the line has a cell in every task column of its table; an incomplete line's average is over fewer tasks, not
-    #: comparable with the others', and it is never the best of its budget
+    #: the line has samples in every task column of its table and, in the all-lengths table, at every length
+    #: (:func:`table_strata`); an incomplete line's average is over fewer tasks or lengths, not comparable with the
+    #: others', and it is never the best of its budget
     complete: bool = True
 
 
@@ -168,12 +172,20 @@ class SummaryTable:
         return f"{self.suite or 'results'}, {length}, model {self.model}"
 
 
+def table_strata(scores: dict[tuple[str, Any], dict[tuple[str, int], dict[str, float]]]) -> set[tuple[str, int]]:
+    """Every (task, length) that some line of a :func:`slake.eval.stats.score_table` has a sample in: a line is
+    complete when it has a sample in each (in a table over several lengths, a line run at fewer lengths averages
+    each task over fewer, and so easier or harder, prompts than the others and is not comparable with them)."""
+    return {s for by_stratum in scores.values() for s, v in by_stratum.items() if v}
+
+
 def _table(
     model: str, suite: str, length: int | str, rows: list[dict[str, Any]], resamples: int, confidence: float
 ) -> SummaryTable:
     tasks = task_order(rows)
     table = SummaryTable(model, suite, length, tasks)
     scores = score_table(rows)
+    everywhere = table_strata(scores)
     for method, budget in method_budget_order(rows):
         by_stratum = scores[(method, budget)]
         cells: dict[str, tuple[float, int]] = {}
@@ -187,7 +199,14 @@ def _table(
         interval = line_interval(by_stratum, resamples=resamples, confidence=confidence)
         table.lines.append(
             SummaryLine(
-                method, budget, cells, interval.mean, interval.n, interval, task_intervals, len(cells) == len(tasks)
+                method,
+                budget,
+                cells,
+                interval.mean,
+                interval.n,
+                interval,
+                task_intervals,
+                {s for s, v in by_stratum.items() if v} == everywhere,
             )
         )
     table.paired, table.against_best = _comparisons(table, scores, resamples, confidence)
@@ -198,8 +217,9 @@ def _comparisons(
     table: SummaryTable, scores: dict, resamples: int, confidence: float
 ) -> tuple[list[PairedDifference], list[PairedDifference]]:
     """Every pair of methods at one budget (``a - b`` in line order), and each method against the budget's best line
-    by average (``method - best``). Only a complete line (a cell in every task column) can be the best: an average
-    over fewer tasks is not comparable; without a complete line at a budget, no method is compared with a best."""
+    by average (``method - best``). Only a complete line (samples in every task and length of the table) can be the
+    best: an average over fewer tasks or lengths is not comparable; without a complete line at a budget, no method
+    is compared with a best."""
     by_budget: dict[Any, list[SummaryLine]] = defaultdict(list)
     for line in table.lines:
         if line.method != FULL_METHOD:
@@ -225,7 +245,7 @@ def _comparisons(
                 elif best is b:
                     against_best.append(d)
     rank = {(line.method, line.budget): i for i, line in enumerate(table.lines)}
-    against_best.sort(key=lambda d: (_budget_sort(d.a[1]), rank[d.a]))
+    against_best.sort(key=lambda d: (budget_sort_key(d.a[1]), rank[d.a]))
     return paired, against_best
 
 
@@ -280,7 +300,8 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
         "method is compared with the best method at its budget on the samples both have (paired bootstrap of the "
         "difference of averages); **bold** differences have an interval that excludes 0. Few samples per task "
         "make the intervals too narrow rather than too wide (see `slake.eval.stats`). An average marked † is over "
-        "the line's own tasks, fewer than the table's: it is not comparable with the others and never the best.",
+        "the line's own tasks (and, over all lengths, its own lengths), fewer than the table's: it is not comparable "
+        "with the others and never the best.",
         "",
     ]
     for t in tables:
