@@ -296,6 +296,20 @@ class Engine(abc.ABC):
         """The model's name in result rows."""
         return self.model_spec.label
 
+    @property
+    def weights_digest(self) -> str | None:
+        """A short digest of the weights the engine runs, as result rows record it (``weights``), so that a results
+        directory refuses rows of other weights under the same ``--model`` name; None where the engine cannot read
+        its weights (not compared)."""
+        return None
+
+    def profile_for(self, method: str, budget: Any) -> tuple[bool, dict | None]:
+        """``(known, profile)``: the model profile entry a (method, budget) pair will run with
+        (``{"source", "values", "budget"}``, None for none: :func:`slake.methods.profiles.resolve_method`), so that a
+        results directory refuses a rerun with other profile values; ``known`` is False where the engine learns it
+        only when the pair runs (not compared)."""
+        return False, None
+
     @abc.abstractmethod
     def eos_token_ids(self) -> list[int]:
         """The ids that end generation in an evaluation (the tokenizer's and the generation config's)."""

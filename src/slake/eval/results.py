@@ -32,6 +32,7 @@ __all__ = [
     "budget_label",
     "summary_view",
     "RUN_SETTINGS",
+    "check_profiles",
     "check_run_settings",
 ]
 
@@ -285,7 +286,44 @@ RUN_SETTINGS: dict[str, tuple[str, Any]] = {
     "chat_template": ("--no-chat-template", _UNRECORDED),
     "new_tokens_cap": ("--max-new-tokens", _UNRECORDED),
     "model_dtype": ("--dtype", _UNRECORDED),
+    "gguf_file": ("--gguf-file", _UNRECORDED),
+    "weights": ("--model: other weights under the same name", _UNRECORDED),
 }
+
+
+def check_profiles(store: ResultsWriter, model: str, expected: dict[tuple[str, Any], dict | None]) -> None:
+    """Raise ``ValueError`` when ``store`` holds rows of ``model`` at a (method, budget) of ``expected`` made with
+    other profile values than ``expected`` gives it (the ``values`` of the entry a pair will run with, None for none:
+    :func:`slake.methods.profiles.resolve_method`).
+
+    :func:`row_key` does not name the profile, and ``$SLAKE_NO_PROFILE``, ``$SLAKE_PROFILE_DIR`` or a new
+    ``slake calibrate`` change it: a rerun would take the earlier rows for its own and one summary line would mix
+    two sets of hyperparameters. Rows that do not record a profile (written before it was recorded) are not compared.
+    """
+    wanted = {(m, _budget(b)): None if p is None else p.get("values") for (m, b), p in expected.items()}
+    differ: dict[tuple[str, Any], set[str]] = {}
+    for r in store.scan.rows:
+        pair = (str(r.get("method")), _budget(r.get("budget")))
+        if str(r.get("model")) != model or pair not in wanted or "profile" not in r:
+            continue
+        stored = None if r["profile"] is None else r["profile"].get("values")
+        if stored != wanted[pair]:
+            differ.setdefault(pair, set()).add(json.dumps(stored, sort_keys=True))
+    if differ:
+        parts = [
+            f"{m} at {b}: {' and '.join(sorted(old))} where this run applies "
+            f"{json.dumps(wanted[(m, b)], sort_keys=True)}"
+            for (m, b), old in sorted(differ.items(), key=str)
+        ]
+        raise ValueError(
+            f"{store.path} holds rows made with other profile values ({'; '.join(parts)}; null: no profile). The "
+            "resume key does not name the profile ($SLAKE_NO_PROFILE, $SLAKE_PROFILE_DIR and slake calibrate change "
+            "it), so this run would take those rows for its own: write it to its own --out directory"
+        )
+
+
+def _budget(budget: Any) -> Any:
+    return int(budget) if isinstance(budget, float) and budget.is_integer() and budget >= 1 else budget
 
 
 def check_run_settings(store: ResultsWriter, settings: dict[str, Any]) -> None:
@@ -294,11 +332,15 @@ def check_run_settings(store: ResultsWriter, settings: dict[str, Any]) -> None:
     :func:`row_key` names the sample, method, budget, length, model and chunked prefill, not these settings: a rerun
     with another value would find the earlier rows under its keys, skip its own as done, and summarise the earlier
     ones as its own. So one directory serves one engine, one kind of prompt (query-aware or not), one storage
-    (``--kv-dtype``), one chat-template choice, one cap on new tokens and one model dtype. Rows that do not record a
-    setting (written before it was recorded) are not compared on it.
+    (``--kv-dtype``), one chat-template choice, one cap on new tokens, one model dtype, one GGUF file and one set of
+    weights (``weights``: a digest of the weights, where the engine reads them) per run. Rows that do not record a
+    setting (written before it was recorded) are not compared on it; a ``weights`` of None (an engine that cannot
+    read its weights) is not compared either.
     """
     differ = []
     for name, value in settings.items():
+        if name == "weights" and value is None:
+            continue
         flag, unrecorded = RUN_SETTINGS[name]
         seen = {
             json.dumps(r.get(name, unrecorded)) for r in store.scan.rows if name in r or unrecorded is not _UNRECORDED

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slake.budgets.budget import Budget
@@ -24,7 +25,7 @@ from slake.engines.context import check_context
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.prompts import build_prompt, has_chat_template
-from slake.eval.results import FULL_METHOD, ResultsWriter, check_run_settings, row_key
+from slake.eval.results import FULL_METHOD, ResultsWriter, check_profiles, check_run_settings, row_key
 from slake.eval.sample import Sample
 from slake.methods.budget_check import check_method_budget
 
@@ -172,7 +173,8 @@ def build_row(
 ) -> dict[str, Any]:
     """The result row of one (sample, method, budget), whatever the engine: the fields of
     :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.results.RUN_SETTINGS`: ``engine``,
-    ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``), the output's accounting,
+    ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``, ``gguf_file``,
+    ``weights``), the output's accounting,
     and the engine's own fields (``out.extra``)."""
     row: dict[str, Any] = {
         "suite": suite,
@@ -219,6 +221,8 @@ def run_settings(
         "chat_template": chat_template,
         "new_tokens_cap": max_new_tokens,
         "model_dtype": engine.model_dtype,
+        "gguf_file": Path(engine.model_spec.gguf_file).name if engine.model_spec.gguf_file else None,
+        "weights": engine.weights_digest,
     }
 
 
@@ -351,6 +355,8 @@ def evaluate_suite(
     with ResultsWriter(out_dir) as store:
         settings = run_settings(engine, opts, chat_template=chat_template, max_new_tokens=max_new_tokens)
         check_run_settings(store, settings)
+        profiles = {pair: engine.profile_for(*pair) for pair in pairs}
+        check_profiles(store, name, {pair: p for pair, (known, p) in profiles.items() if known})
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
             todo = tuple(

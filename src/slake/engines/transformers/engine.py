@@ -54,6 +54,7 @@ class TransformersEngine(Engine):
         self._loader = loader or _load
         self._loaded: tuple[Any, Any] | None = None
         self._name: str | None = None
+        self._weights: str | None = None
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, name: str | None = None) -> TransformersEngine:
@@ -95,6 +96,24 @@ class TransformersEngine(Engine):
     @property
     def model_name(self) -> str:
         return self._name or self.model_spec.label
+
+    @property
+    def weights_digest(self) -> str:
+        """The first 16 hex digits of :func:`slake.engines.transformers.prefill_once.weights_digest` of the loaded
+        model (loads it; one pass over the weights, once)."""
+        if self._weights is None:
+            from slake.engines.transformers.prefill_once import weights_digest
+
+            self._weights = weights_digest(self.model)[:16]
+        return self._weights
+
+    def profile_for(self, method: str, budget: Any) -> tuple[bool, dict | None]:
+        """The profile entry the pair runs with: what the evaluation applies (loads the model)."""
+        if budget is None:
+            return True, None
+        from slake.methods.profiles import resolve_method
+
+        return True, resolve_method(method, budget, self.model)[1]
 
     def eos_token_ids(self) -> list[int]:
         model, tokenizer = self.load()

@@ -12,9 +12,10 @@ the live prefill.
 
 A capture can be kept on disk across runs (:class:`CaptureStore`): it is saved exactly (the same tensors, bit for
 bit), under a key made of the prompt's token ids and a fingerprint of the model (its configuration, dtype, device
-type and a checksum of some weights), so a later run on the same prompt and model replays it instead of prefilling
-again, with the same results. A second-pass method's scores (KVzip's reconstruction) are kept beside the capture in
-the same way (:meth:`CaptureStore.save_pass_scores`), so a later run skips that pass as well.
+type, a digest of every weight and the versions that ran it: :func:`model_fingerprint`), so a later run on the same
+prompt and model replays it instead of prefilling again, with the same results. A second-pass method's scores
+(KVzip's reconstruction) are kept beside the capture in the same way (:meth:`CaptureStore.save_pass_scores`), so a
+later run skips that pass as well.
 """
 
 from __future__ import annotations
@@ -171,22 +172,61 @@ def _layer_contexts(model) -> list:
     return layer_contexts(model, layout.compressed, layout.layer_types)
 
 
-def model_fingerprint(model) -> str:
-    """A digest of what makes a model's prefill what it is: its configuration, dtype, device type, and the sums of its
-    first and last parameters (so that two checkpoints of one architecture under one name differ)."""
-    params = list(model.parameters())
+#: what a stored capture holds and how (bumped when that changes, so older files are prefilled again, not misread)
+CAPTURE_FORMAT = 2
+
+
+def weights_digest(model) -> str:
+    """A digest of every parameter and persistent buffer of ``model``: each one's name, shape, dtype, float64 sum (to
+    9 significant digits) and a sample of its values at evenly spaced positions (a change to any tensor, such as a
+    merged LoRA on some layers, changes the digest). Non-persistent buffers (the rotary ``inv_freq``, which dynamic
+    and LongRoPE scaling rewrite in the forward) are left out. One pass over the weights; a tensor on the meta device
+    (offloaded) counts by name and shape only.
+
+    Returns
+    -------
+    str
+        A sha256 hex digest.
+    """
+    digest = hashlib.sha256()
+    saved = set(model.state_dict(keep_vars=True))
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in saved]
     with torch.no_grad():
-        sums = [float(p.double().sum()) for p in (params[0], params[len(params) // 2], params[-1])]
+        for name, t in tensors:
+            digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            if t.device.type == "meta" or t.numel() == 0:
+                continue
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)].to("cpu", torch.float64)
+            # 9 significant digits: the same on every device, whatever order its reduction adds in
+            digest.update(f"{float(flat.sum(dtype=torch.float64)):.9g}".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model) -> str:
+    """A digest of what makes a model's prefill what it is: its configuration, dtype, device type, every weight
+    (:func:`weights_digest`), the transformers and torch versions that ran it and :data:`CAPTURE_FORMAT` (so that
+    two checkpoints of one architecture under one name differ, and an upgrade prefills again)."""
+    import transformers
+
+    params = list(model.parameters())
     config = model.config.to_dict()
     for transient in (
         "_attn_implementation_autoset",
         "_attn_implementation",
         "slake_model_name",
-        "transformers_version",
+        "transformers_version",  # the checkpoint's, not the one running (below)
     ):
         config.pop(transient, None)
     blob = json.dumps(
-        {"config": config, "dtype": str(params[0].dtype), "device": params[0].device.type, "sums": sums},
+        {
+            "config": config,
+            "dtype": str(params[0].dtype),
+            "device": params[0].device.type,
+            "weights": weights_digest(model),
+            "versions": [transformers.__version__, torch.__version__, CAPTURE_FORMAT],
+        },
         sort_keys=True,
         default=str,
     )
