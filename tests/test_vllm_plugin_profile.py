@@ -23,7 +23,7 @@ def no_user_profiles(tmp_path, monkeypatch):
 
 
 def converted_default_model() -> LlamaConfig:
-    """The config vLLM loads from the converted default model (``slake.engines.vllm.runner.local_model_dir``): the
+    """The config vLLM loads from the converted default model (``slake.engines.vllm.converted.local_model_dir``): the
     default model's architecture, named ``smollm2`` in its ``config.json`` as :func:`slake.load_model` names it."""
     config = LlamaConfig(**SMOLLM2)
     config.slake_model_name = "smollm2"

@@ -26,7 +26,7 @@ class VllmEngine(Engine):
     with their hyperparameters (``--linear-cache``/``--no-linear-cache`` included: the plugin keeps SLAKE's and
     ``cake[linear_cache=true]``'s linear state, runs ``slake[linear_cache=false]`` without one, and refuses it for the
     uniform methods); GGUF
-    models are converted once to a safetensors folder (:func:`slake.engines.vllm.runner.local_model_dir`). The
+    models are converted once to a safetensors folder (:func:`slake.engines.vllm.converted.local_model_dir`). The
     tokens equal the transformers engine's for the same method and budget (``make test-vllm`` checks it).
     ``--kernels`` (``generate``, ``bench``) goes into the plugin's configuration (``"kernels"``,
     :mod:`slake.engines.vllm.plugin.config`): on vLLM's CPU backend ``auto`` is the torch step, and ``triton`` runs
@@ -87,7 +87,7 @@ class VllmEngine(Engine):
     def model_dir(self) -> str:
         """The folder vLLM loads (a GGUF model is converted on first use)."""
         if self._model_dir is None:
-            from slake.engines.vllm.runner import local_model_dir
+            from slake.engines.vllm.converted import local_model_dir
 
             spec = self.model_spec
             self._model_dir = local_model_dir(spec.name, spec.gguf_file, self.dtype)

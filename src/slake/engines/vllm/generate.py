@@ -44,7 +44,7 @@ def generate_vllm(
         unless set. The result's ``hyperparameters`` and ``profile`` are what the plugin reports it ran.
     model, gguf_file, dtype :
         As ``slake generate --model/--gguf-file/--dtype``; GGUF models are converted once to safetensors
-        (:func:`slake.engines.vllm.runner.local_model_dir`).
+        (:func:`slake.engines.vllm.converted.local_model_dir`).
     max_new_tokens : int
         Upper bound of generated tokens.
     block_size : int

@@ -4,8 +4,8 @@
 block statistics can be read back), generates greedily from token ids, and returns tokens, timings, KV blocks held
 after prefill and at the end, the kept tokens per layer, and the method and profile the plugin ran (read from the
 worker with ``LLM.collective_rpc``, :mod:`slake.engines.vllm.plugin.worker`).
-:func:`local_model_dir` converts the packaged default model (a GGUF file) once to a safetensors directory that vLLM
-loads without the hub.
+:func:`local_model_dir` (:mod:`slake.engines.vllm.converted`) converts a GGUF model (the packaged default model)
+once to a safetensors directory that vLLM loads without the hub.
 """
 
 from __future__ import annotations
@@ -17,75 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-CACHE_ENV = "SLAKE_CACHE_DIR"
+from slake.engines.vllm.converted import CACHE_ENV, cache_dir, local_model_dir, save_dequantized  # noqa: F401
+
 #: vLLM's legacy CPU KV-cache size (whole GiB); when set, its CPU platform lets it override every engine's
 #: ``kv_cache_memory_bytes``, so :func:`new_llm` hides it while an engine is built
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-
-
-def cache_dir() -> Path:
-    """Folder for converted models: ``$SLAKE_CACHE_DIR`` or ``~/.cache/slake``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "slake")
-
-
-def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str = "float32") -> str:
-    """A directory vLLM can load for ``model``.
-
-    Parameters
-    ----------
-    model : str | None
-        ``"smollm2"`` / None (the packaged GGUF), a ``.gguf`` file, a hub id or a local directory. GGUF models are
-        loaded with :func:`slake.engines.transformers.models.load_model` and saved once as safetensors (with the
-        tokenizer) under
-        :func:`cache_dir`; anything else is returned as is.
-    gguf_file : str | None
-        GGUF file name inside ``model`` (a directory).
-    dtype : str
-        Weights dtype of the converted copy.
-    """
-    from slake.engines.transformers.models import resolve_model
-
-    path, gguf = resolve_model(model, gguf_file)
-    if gguf is None:
-        return path
-    out = cache_dir() / "vllm-models" / f"{Path(gguf).stem}-{dtype}"
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
-        return str(out)
-    from slake.engines.transformers.models import load_model
-
-    hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
-    tmp = out.with_name(out.name + ".part")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_dequantized(hf_model, tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
-    return str(out)
-
-
-def save_dequantized(hf_model, folder: Path) -> None:
-    """Save a (GGUF-dequantized) transformers model as a plain safetensors checkpoint that vLLM loads.
-
-    ``save_pretrained`` refuses GGUF-loaded models (their config still names the GGUF quantization), although the
-    weights are already dequantized; the config is written without it and tied output weights are left to
-    ``tie_word_embeddings``.
-    """
-    import copy
-
-    from safetensors.torch import save_file
-
-    config = copy.deepcopy(hf_model.config)
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    config._attn_implementation = "sdpa"  # do not write slake's attention name into config.json
-    config.architectures = [type(hf_model).__name__]  # vLLM picks the model class from this field
-    config.save_pretrained(folder)
-    if getattr(hf_model, "generation_config", None) is not None:
-        hf_model.generation_config.save_pretrained(folder)
-    state = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def model_len(prompt_len: int, new_tokens: int, limit: int | None = None) -> int:
