@@ -25,11 +25,16 @@ hyperparameter of the method equals the value it was calibrated with (a profile 
 context does not record counts as calibrated at the method's default; a cap on a layer's budget, ``max_layer_budget``,
 is not matched: it bounds whatever the profile gives, as vLLM's plugin caps after resolving). A model matches a profile
 when its name (normalised: lower case, alphanumerics, hub organisation dropped) is one of the profile's names and
-its architecture fingerprint (layers, heads, sizes, vocabulary) is the profile's.
+its architecture fingerprint (layers, heads, sizes, vocabulary) is the profile's. A model named by a local path is
+matched by its folder's name, so a fine-tune saved under its base's name finds the base's profile; a profile
+calibrated on that very path comes first, ``slake calibrate`` on another folder of the same name (two runs'
+``checkpoint-500``) writes a file of its own rather than into the other's, and running with another folder's
+profile is logged once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -42,6 +47,8 @@ from typing import Any
 logger = logging.getLogger("slake")
 #: (model, method) pairs already told that they run on the method's default values (one notice per pair)
 _TOLD_DEFAULTS: set[tuple[str, str]] = set()
+#: (model path, profile file) pairs already told that the profile was calibrated on another folder of the same name
+_TOLD_OTHER_FOLDER: set[tuple[str, str]] = set()
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -128,17 +135,37 @@ def _matches(profile: dict, identity: dict) -> bool:
     return normalise_name(identity["name"]) in names and profile.get("fingerprint") == identity["fingerprint"]
 
 
+def _local_path(name: str) -> str | None:
+    """The absolute path of a model named by a local path (``/...``, ``./...``, ``~/...`` or an existing file or
+    directory), None for a hub id or a packaged model's name."""
+    name = str(name)
+    expanded = os.path.expanduser(name)
+    if name and (name.startswith(("/", ".", "~")) or os.path.exists(expanded)):
+        return os.path.abspath(expanded)
+    return None
+
+
+def _calibrated_on(profile: dict, identity: dict) -> bool:
+    """Whether ``profile`` was calibrated on the model at ``identity``'s own local path."""
+    mine = _local_path(identity["name"])
+    return mine is not None and _local_path(profile.get("model", "")) == mine
+
+
 def load_profiles(identity: dict) -> list[tuple[str, dict]]:
-    """``[(source, profile)]`` matching the model: the user's first, then the shipped one (none under
+    """``[(source, profile)]`` matching the model: the user's first (a profile calibrated on the model's own local
+    path before one calibrated on another folder of the same name), then the shipped one (none under
     ``$SLAKE_NO_PROFILE``)."""
     if profiles_disabled():
         return []
     out = []
     for source, folder in (("user", profile_dir()), ("shipped", _shipped_dir())):
+        found = []
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             data = _read(path)
             if data is not None and _matches(data, identity):
-                out.append((f"{source}:{path}", data))
+                found.append((f"{source}:{path}", data))
+        found.sort(key=lambda item: not _calibrated_on(item[1], identity))  # stable: file order otherwise
+        out += found
     return out
 
 
@@ -267,6 +294,7 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
     if found is not None:
         source, entry = found
         values, at = {k: entry["values"][k] for k in free if k in entry["values"]}, entry["budget"]
+        _tell_other_folder(identity, source)
     else:
         paper = _paper_values(built.name, identity, value) or {}
         # the paper's pair too gives only what the user left unset: ``cake[tau1=0.5]`` keeps its tau1
@@ -277,6 +305,31 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
     valid = {f.name for f in fields(built)}
     values = {k: v for k, v in values.items() if k in valid}
     return replace(built, **values), {"source": source, "values": values, "budget": at}
+
+
+def _tell_other_folder(identity: dict, source: str) -> None:
+    """Log once per model and profile file when a model named by a local path runs with a user profile calibrated on
+    another local folder of the same name (a fine-tune uses its base's profile by name: docs/profiles.md; two
+    unrelated checkpoints of one folder name, such as ``checkpoint-500``, are told so)."""
+    mine = _local_path(identity["name"])
+    if mine is None or not source.startswith("user:"):
+        return
+    path = Path(source.removeprefix("user:"))
+    try:
+        other = _local_path(json.loads(path.read_text(encoding="utf-8")).get("model", ""))
+    except (OSError, ValueError):
+        return
+    key = (mine, str(path))
+    if other is None or other == mine or key in _TOLD_OTHER_FOLDER:
+        return
+    _TOLD_OTHER_FOLDER.add(key)
+    logger.warning(
+        "%s uses the profile calibrated on %s (%s), another folder of the same name; `slake calibrate` this model "
+        "for its own (docs/profiles.md)",
+        mine,
+        other,
+        path,
+    )
 
 
 def _tell_defaults(model: str, built: Any, free: list[str], budget: int | float) -> None:
@@ -307,9 +360,16 @@ def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases
     ``aliases`` (other names the model answers to) are added to the profile, whether it exists or not.
     """
     path = profile_path(identity, folder)
-    data = _read(path) or {
+    held = _read(path)
+    local = _local_path(identity["name"])
+    if held is not None and local is not None and _local_path(held.get("model", "")) not in (None, local):
+        # another local model of the same folder name (two runs' checkpoint-500): a file of this model's own
+        digest = hashlib.sha256(local.encode()).hexdigest()[:8]
+        path = path.with_name(f"{path.stem}-{digest}.json")
+        held = _read(path)
+    data = held or {
         "format": PROFILE_FORMAT,
-        "model": identity["name"],
+        "model": local or identity["name"],
         "aliases": [],
         "fingerprint": identity["fingerprint"],
         "entries": [],
