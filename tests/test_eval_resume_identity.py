@@ -132,3 +132,13 @@ def test_a_results_directory_refuses_other_profile_values(tmp_path, needle_essay
     # snapkv has no profile entry either way: its rows resume
     _run(model, out, "--methods", "snapkv", "--depths", "0,100")
     assert os.environ["SLAKE_NO_PROFILE"] == "1"
+
+
+def test_a_results_directory_refuses_rows_scored_with_another_metric(tmp_path, needle_essays):
+    model = tiny_model("llama-gqa")
+    _run(model, tmp_path)
+    rows = read_results(tmp_path)
+    # as a run scoring the same samples otherwise left them (a plain RULER run, then --protocol kvpress)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(dict(r, metric="kvpress")) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="metric"):  # before: resumed, the other metric's scores reported
+        _run(model, tmp_path, "--depths", "0,100")

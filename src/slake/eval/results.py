@@ -32,6 +32,7 @@ __all__ = [
     "budget_label",
     "summary_view",
     "RUN_SETTINGS",
+    "check_metrics",
     "check_profiles",
     "check_run_settings",
 ]
@@ -319,6 +320,22 @@ def check_profiles(store: ResultsWriter, model: str, expected: dict[tuple[str, A
             f"{store.path} holds rows made with other profile values ({'; '.join(parts)}; null: no profile). The "
             "resume key does not name the profile ($SLAKE_NO_PROFILE, $SLAKE_PROFILE_DIR and slake calibrate change "
             "it), so this run would take those rows for its own: write it to its own --out directory"
+        )
+
+
+def check_metrics(store: ResultsWriter, model: str, metrics: dict[tuple[str, str, int], str]) -> None:
+    """Raise ``ValueError`` when ``store`` holds rows of ``model`` for a sample of ``metrics`` (``{(task, sample_id,
+    length): metric}``) scored with another metric (a plain ``--suite ruler`` run, then ``--protocol kvpress``, which
+    scores the same samples with kvpress's cleaning, in the same directory). Rows without a metric are not compared.
+    """
+    for r in store.scan.rows:
+        key = (str(r.get("task")), str(r.get("sample_id")), int(r.get("length", -1)))
+        if str(r.get("model")) != model or key not in metrics or r.get("metric") in (None, metrics[key]):
+            continue
+        raise ValueError(
+            f"{store.path} holds rows of {key[1]} scored with the metric {r['metric']!r}, where this run scores it "
+            f"with {metrics[key]!r}; the resume key does not name the metric, so this run would take those rows for "
+            "its own: write it to its own --out directory"
         )
 
 

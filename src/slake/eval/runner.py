@@ -25,7 +25,14 @@ from slake.engines.context import check_context
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.prompts import build_prompt, has_chat_template
-from slake.eval.results import FULL_METHOD, ResultsWriter, check_profiles, check_run_settings, row_key
+from slake.eval.results import (
+    FULL_METHOD,
+    ResultsWriter,
+    check_metrics,
+    check_profiles,
+    check_run_settings,
+    row_key,
+)
 from slake.eval.sample import Sample
 from slake.methods.budget_check import check_method_budget
 
@@ -357,6 +364,7 @@ def evaluate_suite(
         check_run_settings(store, settings)
         profiles = {pair: engine.profile_for(*pair) for pair in pairs}
         check_profiles(store, name, {pair: p for pair, (known, p) in profiles.items() if known})
+        check_metrics(store, name, {(s.task, s.sample_id, target_length(s)): s.metric for s in samples})
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
             todo = tuple(
