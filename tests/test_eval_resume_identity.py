@@ -142,3 +142,46 @@ def test_a_results_directory_refuses_rows_scored_with_another_metric(tmp_path, n
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(dict(r, metric="kvpress")) + "\n" for r in rows))
     with pytest.raises(ValueError, match="metric"):  # before: resumed, the other metric's scores reported
         _run(model, tmp_path, "--depths", "0,100")
+
+
+def test_a_results_directory_still_takes_a_second_model(tmp_path, needle_essays):
+    _run(tiny_model("llama-gqa", seed=0), tmp_path, "--model", "a")
+    _run(tiny_model("llama-gqa", seed=1), tmp_path, "--model", "b")  # its own name, its own weights: its own rows
+    assert sorted({r["model"] for r in read_results(tmp_path)}) == ["a", "b"]
+
+
+def test_a_refused_protocol_run_writes_no_requests(tmp_path, monkeypatch):
+    import argparse
+    import dataclasses
+
+    from slake.cli.eval import add_eval_parser
+    from slake.eval import protocol as protocol_module
+
+    monkeypatch.setitem(
+        protocol_module.PROTOCOLS, "kvpress", dataclasses.replace(protocol_module.PROTOCOLS["kvpress"], length=400)
+    )
+    engine = TransformersEngine(loader=_loader(tiny_model("llama-gqa"), TinyTokenizer()))
+    common = ["--tasks", "niah_single_1", "--samples", "1", "--max-new-tokens", "3", "--out", str(tmp_path)]
+
+    def args(*extra):
+        parser = argparse.ArgumentParser()
+        add_eval_parser(parser.add_subparsers(dest="command"))
+        return parser.parse_args(
+            ["eval", "--methods", "snapkv", "--model", "tiny", "--no-progress", "--no-plots", *extra]
+        )
+
+    plain = ["--suite", "ruler", "--lengths", "400", "--budgets", "0.5", "--question-agnostic"]
+    cmd_eval(args(*plain, *common), engine=engine)  # the same samples, scored without kvpress's cleaning
+    with pytest.raises(ValueError, match="metric"):
+        cmd_eval(args("--protocol", "kvpress", *common), engine=engine)
+    assert not (tmp_path / protocol_module.REQUESTS_FILE).exists()  # before: written, then the run refused
+
+
+def test_offloaded_weights_are_not_compared_and_not_cached():
+    model = tiny_model("llama-gqa")
+    layer = model.model.layers[1].mlp.up_proj
+    layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device="meta"))  # as accelerate offloads it
+    assert weights_digest(model) is None
+    assert TransformersEngine.from_model(model, None).weights_digest is None  # how many layers offload varies
+    with pytest.raises(ValueError, match="offloaded"):
+        model_fingerprint(model)  # before: RuntimeError from a meta tensor's values

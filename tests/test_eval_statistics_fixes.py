@@ -154,4 +154,8 @@ def test_a_line_whose_every_kl_is_non_finite_still_has_its_line():
     (table,) = fidelity_tables(rows, resamples=200)
     lines = {line.method: line for line in table.lines}
     assert lines["snapkv"].nonfinite == 3 and lines["snapkv"].interval.n == 0
-    assert "3 non-finite left out" in fidelity_markdown([table])
+    markdown = fidelity_markdown([table])
+    (row,) = [line for line in markdown.splitlines() if line.startswith("| snapkv")]
+    assert "3 non-finite left out" in row and "closest" not in row  # it has no comparison, and is not the closest
+    (row,) = [line for line in markdown.splitlines() if line.startswith("| cake")]
+    assert "| closest |" in row

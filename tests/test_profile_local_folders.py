@@ -55,3 +55,14 @@ def test_a_folder_running_another_folders_profile_is_told_once(two_runs, caplog)
     with caplog.at_level(logging.WARNING, logger="slake"):
         resolve_method("slake", 128, a)  # its own profile: nothing to tell
     assert not [r for r in caplog.records if "another folder" in r.getMessage()]
+
+
+def test_a_folder_named_like_a_packaged_model_does_not_make_it_local(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()  # slake eval --out smollm2
+    assert profiles._local_path("smollm2") is None  # an --out folder, not a model: the packaged name
+    assert profiles._local_path("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    assert profiles._local_path("./smollm2") == str(tmp_path / "smollm2")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    assert profiles._local_path("ckpt") == str(tmp_path / "ckpt")

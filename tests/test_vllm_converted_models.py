@@ -78,3 +78,34 @@ def test_a_folder_without_a_record_is_converted_again_once(conversions):
     assert local_model_dir(str(a)) == str(folder)
     assert local_model_dir(str(a)) == str(folder)
     assert loaded == [str(a), str(a)]
+
+
+def test_a_read_only_cache_keeps_a_conversion_made_before_records(conversions, monkeypatch):
+    import tempfile
+
+    (a, _), loaded = conversions
+    folder = Path(local_model_dir(str(a)))
+    (folder / SOURCE_FILE).unlink()  # as a slake before records left it, in a cache since made read-only
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    assert local_model_dir(str(a)) == str(folder)  # before the fallback: OSError after loading the whole model
+    assert loaded == [str(a)]
+
+
+def test_a_conversion_never_replaces_another_files_put_in_place_meanwhile(conversions):
+    from slake.engines.vllm import converted
+
+    (a, b), _ = conversions
+    dir_b = Path(local_model_dir(str(b)))  # b converted first: it holds the plain folder
+    tmp = dir_b.parent / "model-float32.part-test"
+    tmp.mkdir()
+    for f in dir_b.iterdir():
+        (tmp / f.name).write_bytes(f.read_bytes())
+    source_a = converted._source(str(a.parent), a.name)
+    (tmp / SOURCE_FILE).write_text(json.dumps(source_a))
+    placed = converted._put_in_place(tmp, "model", "float32", source_a)
+    assert placed != dir_b and json.loads((dir_b / SOURCE_FILE).read_text())["gguf"] == str(b.resolve())
+    assert json.loads((placed / SOURCE_FILE).read_text()) == source_a

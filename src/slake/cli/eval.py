@@ -206,7 +206,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         print(f"slake eval: {previous.describe_skipped()}", file=sys.stderr)
     samples = build_samples(plan, engine.tokenizer)
     if protocol is not None:
-        samples = _protocol_start(args, protocol, samples, engine, out)
+        samples = _protocol_start(args, protocol, samples, engine, out, methods, budgets)
     options = EvalOptions(
         query_aware=not args.question_agnostic,
         prefill_chunk=args.prefill_chunk,
@@ -274,20 +274,29 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     return 0
 
 
-def _protocol_start(args: argparse.Namespace, protocol: Protocol, samples: list, engine: Engine, out: Path) -> list:
+def _protocol_start(
+    args: argparse.Namespace,
+    protocol: Protocol,
+    samples: list,
+    engine: Engine,
+    out: Path,
+    methods: list[str],
+    budgets: list,
+) -> list:
     """The samples scored as ``protocol`` scores them; their token ids written for the kvpress side.
 
-    A directory whose rows were written with other settings is refused first, as
-    :func:`slake.eval.runner.evaluate_suite` would refuse it: a refused run must not rewrite the requests (the
+    A directory whose rows were made otherwise is refused first, as :func:`slake.eval.runner.evaluate_suite` would
+    refuse it (:func:`slake.eval.runner.check_results_directory`): a refused run must not rewrite the requests (the
     kvpress side would answer them with this run's generation cap, and the next run merge those answers beside rows
     of the old one).
     """
     from slake.cache.quant import parse_kv_dtype
     from slake.engines.base import EvalOptions
     from slake.eval.protocol import model_location, protocol_samples, write_requests
-    from slake.eval.results import RESULTS_FILE, ResultsWriter, check_run_settings
-    from slake.eval.runner import run_settings
+    from slake.eval.results import RESULTS_FILE, ResultsWriter
+    from slake.eval.runner import check_results_directory, run_settings
 
+    samples = protocol_samples(samples, protocol, max_new_tokens=args.max_new_tokens)
     if (out / RESULTS_FILE).is_file():
         options = EvalOptions(
             query_aware=not args.question_agnostic, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", None))
@@ -295,9 +304,9 @@ def _protocol_start(args: argparse.Namespace, protocol: Protocol, samples: list,
         settings = run_settings(
             engine, options, chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens
         )
+        pairs = [("full", None)] + [(m, b) for m in methods for b in budgets]
         with ResultsWriter(out) as store:  # what evaluate_suite checks, checked before the requests are rewritten
-            check_run_settings(store, settings)
-    samples = protocol_samples(samples, protocol, max_new_tokens=args.max_new_tokens)
+            check_results_directory(store, engine, name=args.model, settings=settings, pairs=pairs, samples=samples)
     path = write_requests(
         out,
         samples,

@@ -43,6 +43,9 @@ class FidelityLine:
     #: samples whose KL was not finite (written as ``kl: null`` with ``kl_tokens`` > 0: the compressed cache's
     #: logits overflowed or were NaN), left out of ``interval``; a line with any is never the closest
     nonfinite: int = 0
+    #: the line is the closest at its budget (the lowest mean KL among the lines measured on every task with no
+    #: non-finite sample)
+    is_closest: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def fidelity_tables(
                     diff = paired_difference(table, p, best, resamples=resamples, confidence=confidence, scale=1.0)
                 except ValueError:  # no sample in common: nothing to compare
                     diff = None
-            lines.append(FidelityLine(p[0], p[1], intervals[p], diff, len(nonfinite[key][p])))
+            lines.append(FidelityLine(p[0], p[1], intervals[p], diff, len(nonfinite[key][p]), p == best))
         tables.append(FidelityTable(key[0], key[1], key[2], lines))
     return tables
 
@@ -149,7 +152,10 @@ def fidelity_markdown(tables: list[FidelityTable], confidence: float = DEFAULT_C
         ]
         for line in t.lines:
             i, d = line.interval, line.against_closest
-            vs = "closest" if d is None else (f"**{d.diff:+.4f}**" if d.significant else f"{d.diff:+.4f}")
+            if d is None:  # the closest itself, or no closest to compare with (none at the budget, no common sample)
+                vs = "closest" if line.is_closest else "-"
+            else:
+                vs = f"**{d.diff:+.4f}**" if d.significant else f"{d.diff:+.4f}"
             vs_ci = "" if d is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
             mark = f" ({line.nonfinite} non-finite left out)" if line.nonfinite else ""
             out.append(

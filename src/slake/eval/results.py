@@ -31,6 +31,7 @@ __all__ = [
     "row_key",
     "budget_label",
     "summary_view",
+    "PER_MODEL_SETTINGS",
     "RUN_SETTINGS",
     "check_metrics",
     "check_profiles",
@@ -288,7 +289,7 @@ RUN_SETTINGS: dict[str, tuple[str, Any]] = {
     "new_tokens_cap": ("--max-new-tokens", _UNRECORDED),
     "model_dtype": ("--dtype", _UNRECORDED),
     "gguf_file": ("--gguf-file", _UNRECORDED),
-    "weights": ("--model: other weights under the same name", _UNRECORDED),
+    "weights": ("other weights under the same --model name", _UNRECORDED),
 }
 
 
@@ -343,25 +344,32 @@ def _budget(budget: Any) -> Any:
     return int(budget) if isinstance(budget, float) and budget.is_integer() and budget >= 1 else budget
 
 
-def check_run_settings(store: ResultsWriter, settings: dict[str, Any]) -> None:
+#: settings of one model's rows: a directory may hold several models (the resume key names the model), each with its
+#: own weights and GGUF file
+PER_MODEL_SETTINGS = frozenset({"gguf_file", "weights"})
+
+
+def check_run_settings(store: ResultsWriter, settings: dict[str, Any], model: str | None = None) -> None:
     """Raise ``ValueError`` when ``store`` holds rows written with other :data:`RUN_SETTINGS` than ``settings``.
 
     :func:`row_key` names the sample, method, budget, length, model and chunked prefill, not these settings: a rerun
     with another value would find the earlier rows under its keys, skip its own as done, and summarise the earlier
     ones as its own. So one directory serves one engine, one kind of prompt (query-aware or not), one storage
     (``--kv-dtype``), one chat-template choice, one cap on new tokens, one model dtype, one GGUF file and one set of
-    weights (``weights``: a digest of the weights, where the engine reads them) per run. Rows that do not record a
-    setting (written before it was recorded) are not compared on it; a ``weights`` of None (an engine that cannot
-    read its weights) is not compared either.
+    weights (``weights``: a digest of the weights, where the engine reads them) per model name. Rows that do not
+    record a setting (written before it was recorded) are not compared on it; a ``weights`` of None (an engine that
+    cannot read its weights) is not compared either. :data:`PER_MODEL_SETTINGS` are compared with the rows of
+    ``model`` only (with every row when ``model`` is None).
     """
     differ = []
     for name, value in settings.items():
         if name == "weights" and value is None:
             continue
         flag, unrecorded = RUN_SETTINGS[name]
-        seen = {
-            json.dumps(r.get(name, unrecorded)) for r in store.scan.rows if name in r or unrecorded is not _UNRECORDED
-        }
+        rows = store.scan.rows
+        if name in PER_MODEL_SETTINGS and model is not None:
+            rows = [r for r in rows if str(r.get("model")) == model]
+        seen = {json.dumps(r.get(name, unrecorded)) for r in rows if name in r or unrecorded is not _UNRECORDED}
         other = sorted(seen - {json.dumps(value)})
         if other:
             differ.append(f"{name} {' and '.join(other)} where this run has {json.dumps(value)} ({flag})")

@@ -43,6 +43,7 @@ __all__ = [
     "build_row",
     "check_pairs",
     "check_requests_fit",
+    "check_results_directory",
     "decode_text",
     "encode_sample",
     "evaluate_suite",
@@ -233,6 +234,28 @@ def run_settings(
     }
 
 
+def check_results_directory(
+    store: ResultsWriter,
+    engine: Engine,
+    *,
+    name: str,
+    settings: dict[str, Any],
+    pairs: Sequence[Pair],
+    samples: Sequence[Sample],
+) -> None:
+    """Raise ``ValueError`` when the results directory ``store`` holds rows this run would take for its own but
+    that were made otherwise: with other :data:`slake.eval.results.RUN_SETTINGS` (weights and GGUF file compared
+    with the rows of model ``name``: :func:`slake.eval.results.check_run_settings`), other profile values for one of
+    ``pairs`` (:func:`slake.eval.results.check_profiles`, where the engine knows them before running:
+    :meth:`slake.engines.base.Engine.profile_for`), or another metric for one of ``samples``
+    (:func:`slake.eval.results.check_metrics`). :func:`evaluate_suite` calls it before running, and ``slake eval
+    --protocol`` before it writes the kvpress side's requests."""
+    check_run_settings(store, settings, model=name)
+    profiles = {pair: engine.profile_for(*pair) for pair in pairs}
+    check_profiles(store, name, {pair: p for pair, (known, p) in profiles.items() if known})
+    check_metrics(store, name, {(s.task, s.sample_id, target_length(s)): s.metric for s in samples})
+
+
 def check_requests_fit(requests: Sequence[EvalRequest], samples: Sequence[Sample], limit: int | None) -> None:
     """Raise ValueError, before anything runs, when a request's prompt plus its new tokens reach past the model's
     context ``limit`` (:mod:`slake.engines.context`): its scores would measure the model beyond what it was trained
@@ -361,10 +384,7 @@ def evaluate_suite(
     written: list[dict[str, Any]] = []
     with ResultsWriter(out_dir) as store:
         settings = run_settings(engine, opts, chat_template=chat_template, max_new_tokens=max_new_tokens)
-        check_run_settings(store, settings)
-        profiles = {pair: engine.profile_for(*pair) for pair in pairs}
-        check_profiles(store, name, {pair: p for pair, (known, p) in profiles.items() if known})
-        check_metrics(store, name, {(s.task, s.sample_id, target_length(s)): s.metric for s in samples})
+        check_results_directory(store, engine, name=name, settings=settings, pairs=pairs, samples=samples)
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
             todo = tuple(

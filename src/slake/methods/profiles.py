@@ -136,13 +136,17 @@ def _matches(profile: dict, identity: dict) -> bool:
 
 
 def _local_path(name: str) -> str | None:
-    """The absolute path of a model named by a local path (``/...``, ``./...``, ``~/...`` or an existing file or
-    directory), None for a hub id or a packaged model's name."""
+    """The absolute path of a model named by a local path, None for a hub id or a packaged model's name: as
+    :func:`slake.engines.transformers.models.looks_local` tells them apart (``/...``, ``./...``, ``~/...``, more than
+    one ``/``), or a name that is a model folder here (with a ``config.json``) or a ``.gguf`` file (an ``--out``
+    folder named ``smollm2`` does not make the packaged model a local one)."""
     name = str(name)
     expanded = os.path.expanduser(name)
-    if name and (name.startswith(("/", ".", "~")) or os.path.exists(expanded)):
-        return os.path.abspath(expanded)
-    return None
+    looks_local = name.startswith(("/", ".", "~")) or (os.sep != "/" and os.sep in name) or name.count("/") > 1
+    is_model = os.path.isfile(os.path.join(expanded, "config.json")) or (
+        name.lower().endswith(".gguf") and os.path.isfile(expanded)
+    )
+    return os.path.abspath(expanded) if name and (looks_local or is_model) else None
 
 
 def _calibrated_on(profile: dict, identity: dict) -> bool:

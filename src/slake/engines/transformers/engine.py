@@ -98,14 +98,15 @@ class TransformersEngine(Engine):
         return self._name or self.model_spec.label
 
     @property
-    def weights_digest(self) -> str:
+    def weights_digest(self) -> str | None:
         """The first 16 hex digits of :func:`slake.engines.transformers.prefill_once.weights_digest` of the loaded
-        model (loads it; one pass over the weights, once)."""
+        model (loads it; one pass over the weights, once); None for a model with offloaded (meta) weights."""
         if self._weights is None:
             from slake.engines.transformers.prefill_once import weights_digest
 
-            self._weights = weights_digest(self.model)[:16]
-        return self._weights
+            digest = weights_digest(self.model)
+            self._weights = "" if digest is None else digest[:16]
+        return self._weights or None
 
     def profile_for(self, method: str, budget: Any) -> tuple[bool, dict | None]:
         """The profile entry the pair runs with: what the evaluation applies (loads the model)."""

@@ -176,30 +176,34 @@ def _layer_contexts(model) -> list:
 CAPTURE_FORMAT = 2
 
 
-def weights_digest(model) -> str:
+def weights_digest(model) -> str | None:
     """A digest of every parameter and persistent buffer of ``model``: each one's name, shape, dtype, float64 sum (to
     9 significant digits) and a sample of its values at evenly spaced positions (a change to any tensor, such as a
     merged LoRA on some layers, changes the digest). Non-persistent buffers (the rotary ``inv_freq``, which dynamic
-    and LongRoPE scaling rewrite in the forward) are left out. One pass over the weights; a tensor on the meta device
-    (offloaded) counts by name and shape only.
+    and LongRoPE scaling rewrite in the forward) are left out. One pass over the weights, summed in slices of 4M
+    values (no float64 copy of a whole tensor).
 
     Returns
     -------
-    str
-        A sha256 hex digest.
+    str | None
+        A sha256 hex digest; None when a tensor is on the meta device (offloaded by accelerate: its values are not
+        in the model, and how many layers are offloaded depends on the memory free at load time).
     """
     digest = hashlib.sha256()
     saved = set(model.state_dict(keep_vars=True))
     tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in saved]
     with torch.no_grad():
         for name, t in tensors:
+            if t.device.type == "meta":
+                return None
             digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            if t.device.type == "meta" or t.numel() == 0:
+            if t.numel() == 0:
                 continue
-            flat = t.detach().reshape(-1)
+            flat = t.detach().flatten()  # a view where the tensor is contiguous (every weight of a loaded model)
+            total = sum(float(part.sum(dtype=torch.float64)) for part in flat.split(1 << 22))
             sample = flat[:: max(1, flat.numel() // 64)].to("cpu", torch.float64)
             # 9 significant digits: the same on every device, whatever order its reduction adds in
-            digest.update(f"{float(flat.sum(dtype=torch.float64)):.9g}".encode())
+            digest.update(f"{total:.9g}".encode())
             digest.update(sample.numpy().tobytes())
     return digest.hexdigest()
 
@@ -207,9 +211,21 @@ def weights_digest(model) -> str:
 def model_fingerprint(model) -> str:
     """A digest of what makes a model's prefill what it is: its configuration, dtype, device type, every weight
     (:func:`weights_digest`), the transformers and torch versions that ran it and :data:`CAPTURE_FORMAT` (so that
-    two checkpoints of one architecture under one name differ, and an upgrade prefills again)."""
+    two checkpoints of one architecture under one name differ, and an upgrade prefills again).
+
+    Raises
+    ------
+    ValueError
+        For a model with offloaded (meta) weights, whose values cannot be read.
+    """
     import transformers
 
+    weights = weights_digest(model)
+    if weights is None:
+        raise ValueError(
+            "--prefill-cache (prefill_cache) needs the model's weights in memory to tell checkpoints apart, and "
+            "accelerate has offloaded some (device_map): load the model without offloading, or run without the cache"
+        )
     params = list(model.parameters())
     config = model.config.to_dict()
     for transient in (
@@ -224,7 +240,7 @@ def model_fingerprint(model) -> str:
             "config": config,
             "dtype": str(params[0].dtype),
             "device": params[0].device.type,
-            "weights": weights_digest(model),
+            "weights": weights,
             "versions": [transformers.__version__, torch.__version__, CAPTURE_FORMAT],
         },
         sort_keys=True,

@@ -13,18 +13,23 @@ path, size and modification time; a hub repository's file by repository and name
 
 A conversion is written to a fresh temporary folder beside its target and renamed into place, so two processes
 converting at once never write into one folder, and a killed conversion leaves only a ``.part-*`` folder behind;
-where another process has put a matching conversion in place first, its folder is used.
+where another process has put a matching conversion in place first, its folder is used, and one of another file of
+the same name is never replaced. In a read-only cache, a complete folder without a record is used as it is (with a
+warning), as before records existed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("slake")
 
 __all__ = ["CACHE_ENV", "SOURCE_FILE", "cache_dir", "local_model_dir", "save_dequantized"]
 
@@ -59,22 +64,28 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     if gguf is None:
         return path
     source = _source(path, gguf)
-    out = _folder_for(Path(gguf).stem, dtype, source)
+    stem = Path(gguf).stem
+    out = _folder_for(stem, dtype, source)
     if _record(out) == source:
         return str(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.part-", dir=out.parent))
+    except OSError as e:  # a read-only cache: keep a complete conversion made without a record, if there is one
+        if _complete(out) and not (out / SOURCE_FILE).exists():
+            logger.warning("%s is read-only (%s): using %s, which records no source file", out.parent, e, out)
+            return str(out)
+        raise
     from slake.engines.transformers.models import load_model
 
-    hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.part-", dir=out.parent))
     try:
+        hf_model, tokenizer = load_model(model, device="cpu", dtype=dtype, gguf_file=gguf_file)
         save_dequantized(hf_model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps(source, sort_keys=True), encoding="utf-8")
-        _put_in_place(tmp, out, source)
+        return str(_put_in_place(tmp, stem, dtype, source))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
 
 
 def _source(path: str, gguf: str) -> dict[str, Any]:
@@ -87,9 +98,14 @@ def _source(path: str, gguf: str) -> dict[str, Any]:
     return {"gguf": str(local.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
+def _complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion (a configuration and weights)."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
 def _record(folder: Path) -> dict[str, Any] | None:
     """The source recorded in a complete converted folder (None: no folder, an incomplete one, or no record)."""
-    if not ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
+    if not _complete(folder):
         return None
     try:
         record = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))
@@ -109,23 +125,29 @@ def _folder_for(stem: str, dtype: str, source: dict[str, Any]) -> Path:
     return base / f"{stem}-{dtype}-{hashlib.sha256(source['gguf'].encode()).hexdigest()[:8]}"
 
 
-def _put_in_place(tmp: Path, out: Path, source: dict[str, Any]) -> None:
-    """Rename the finished conversion ``tmp`` to ``out``, replacing a stale conversion there; where another process
-    has put a conversion of the same source there meanwhile, keep that one."""
-    for _ in range(3):
+def _put_in_place(tmp: Path, stem: str, dtype: str, source: dict[str, Any]) -> Path:
+    """Rename the finished conversion ``tmp`` to its folder (:func:`_folder_for`, asked again at each try) and return
+    the folder. A conversion of the same source already there (another process's) is kept; a stale one (of an
+    earlier version of the same file, without a record, or unfinished) is replaced; one of another file of the same
+    name (put there meanwhile by another process) is left alone, and ``tmp`` goes to this file's own folder."""
+    for _ in range(4):
+        out = _folder_for(stem, dtype, source)
         try:
             tmp.rename(out)
-            return
-        except OSError:  # ``out`` exists (a stale or incomplete folder, or another process's finished one)
-            if _record(out) == source:
-                return
+            return out
+        except OSError:  # ``out`` exists
+            held = _record(out)
+            if held == source:
+                return out
+            if held is not None and held.get("gguf") != source["gguf"]:
+                continue  # another file's conversion: _folder_for now names this file's own folder
             stale = Path(tempfile.mkdtemp(prefix=f"{out.name}.stale-", dir=out.parent))
             try:
                 out.rename(stale / "old")
             except OSError:
                 pass  # another process moved it first: try again
             shutil.rmtree(stale, ignore_errors=True)
-    raise OSError(f"could not put the converted model in place at {out}")
+    raise OSError(f"could not put the converted model in place in {cache_dir() / 'vllm-models'}")
 
 
 def save_dequantized(hf_model, folder: Path) -> None:
