@@ -102,8 +102,8 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
                 "model's rows in a folder of its own"
             )
         for r in rows:
-            key = (str(r.get("model", "")), str(r.get("suite", "")), str(r["task"]), int(r["length"]))
-            key += (str(r["sample_id"]),)
+            model, suite = str(r.get("model", "")), str(r.get("suite", ""))
+            key = (model, suite, str(r["task"]), int(r["length"]), str(r["sample_id"]))
             if r.get("method") == "full" and key not in full_seen:
                 full_seen.add(key)
                 merged.append(r)
