@@ -71,14 +71,11 @@ def row_key(row: dict[str, Any]) -> RowKey:
     ``budget`` is None for the full-cache reference row, else the integer token budget or the float ratio.
     ``prefill_chunk`` is None for exact prefill (rows written before chunked prefill existed have no such field).
     """
-    budget = row.get("budget")
-    if isinstance(budget, float) and budget.is_integer() and budget >= 1:
-        budget = int(budget)
     return (
         str(row["task"]),
         str(row["sample_id"]),
         str(row["method"]),
-        budget,
+        _budget(row.get("budget")),
         int(row["length"]),
         str(row["model"]),
         row.get("prefill_chunk"),
@@ -341,6 +338,8 @@ def check_metrics(store: ResultsWriter, model: str, metrics: dict[tuple[str, str
 
 
 def _budget(budget: Any) -> Any:
+    """A row's budget as :func:`row_key` compares it: a whole float of at least 1 (a token budget read back) is an
+    int."""
     return int(budget) if isinstance(budget, float) and budget.is_integer() and budget >= 1 else budget
 
 
