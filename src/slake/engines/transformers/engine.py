@@ -109,12 +109,11 @@ class TransformersEngine(Engine):
         return self._weights or None
 
     def profile_for(self, method: str, budget: Any) -> tuple[bool, dict | None]:
-        """The profile entry the pair runs with: what the evaluation applies (loads the model)."""
-        if budget is None:
-            return True, None
-        from slake.methods.profiles import resolve_method
+        """The profile entry the pair runs with, from the evaluation's own
+        :func:`slake.engines.transformers.evaluate.method_for_pair` (loads the model)."""
+        from slake.engines.transformers.evaluate import method_for_pair
 
-        return True, resolve_method(method, budget, self.model)[1]
+        return True, method_for_pair(self.model, method, budget)[1]
 
     def eos_token_ids(self) -> list[int]:
         model, tokenizer = self.load()

@@ -51,7 +51,7 @@ from slake.engines.transformers.teacher_forcing import distances, teacher_forced
 from slake.methods.base import make_method
 from slake.methods.profiles import resolve_method
 
-__all__ = ["batches", "check_options", "evaluate"]
+__all__ = ["batches", "check_options", "evaluate", "method_for_pair"]
 
 
 def _sync(device: torch.device) -> None:
@@ -77,7 +77,7 @@ def batches(requests: Sequence[EvalRequest], size: int) -> list[list[EvalRequest
     return out
 
 
-def _method_for(model: Any, method: str, budget: int | float | None) -> tuple[Any, dict | None]:
+def method_for_pair(model: Any, method: str, budget: int | float | None) -> tuple[Any, dict | None]:
     """The method of a pair with the model's profile applied (:mod:`slake.methods.profiles`)."""
     if budget is None:
         return method, None
@@ -256,7 +256,7 @@ def _run_batch(
     ref = _reference(model, capture, cap, eos, device) if _wants_reference(options, batch[0]) else None
     for method, budget in batch[0].pairs:
         start = time.perf_counter()
-        built, profile = _method_for(model, method, budget)
+        built, profile = method_for_pair(model, method, budget)
         second, second_cached = _second_pass(
             model, capture, built, reconstruction, store, [req.prefill_ids for req in batch]
         )
@@ -327,7 +327,7 @@ def _run_one(
     for method, budget in req.pairs:
         start = time.perf_counter()
         chunk = None if budget is None else options.prefill_chunk
-        built, profile = _method_for(model, method, budget)
+        built, profile = method_for_pair(model, method, budget)
         second, second_cached = None, False
         if chunk is None:
             second, second_cached = _second_pass(model, capture, built, reconstruction, store, [req.prefill_ids])
