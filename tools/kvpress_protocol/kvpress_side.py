@@ -259,6 +259,8 @@ def run_request(model, tok, req: dict, names: list[str], ratios: list[float], eo
         out.append(
             {
                 "sample_id": req["sample_id"],
+                # echoed so that slake takes this output only for the prompt it was made from
+                "sample_digest": req.get("sample_digest"),
                 "press": name,
                 "compression_ratio": r,
                 "tokens": gen,
@@ -332,12 +334,12 @@ def main() -> None:
         for line in path.read_text().splitlines():
             with contextlib.suppress(json.JSONDecodeError):
                 o = json.loads(line)
-                done.add((o["sample_id"], o["press"]))
+                done.add((o["sample_id"], o.get("sample_digest"), o["press"]))
     from importlib.metadata import version
 
     versions = {"kvpress": version("kvpress"), "transformers": version("transformers"), "torch": torch.__version__}
     for req in todo:
-        missing = [n for n in names if (req["sample_id"], n) not in done]
+        missing = [n for n in names if (req["sample_id"], req.get("sample_digest"), n) not in done]
         if not missing:
             continue
         rows = run_request(model, tok, req, missing, ratios, eos)

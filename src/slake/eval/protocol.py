@@ -239,6 +239,7 @@ def write_requests(
         same folder is refused (ValueError), as is one :func:`read_requests` cannot read.
     """
     from slake.eval.runner import encode_sample, target_length
+    from slake.eval.sample import sample_digest
 
     path = Path(out_dir) / REQUESTS_FILE
     old = read_requests(path) if path.is_file() else None
@@ -258,6 +259,7 @@ def write_requests(
                 "answers": list(s.answers),
                 "metric": protocol.metric(s.task),
                 "depth": s.depth,
+                "sample_digest": sample_digest(s),
             }
         )
     if old is not None:  # keep the samples of earlier runs (other tasks, more samples)

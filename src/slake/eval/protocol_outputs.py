@@ -64,7 +64,8 @@ def output_problem(requests: dict[str, Any], request: dict[str, Any], output: di
 
     The kvpress side generates at most the request's ``max_new_tokens`` tokens, at the file's compression ratios:
     more tokens, or another ratio, mean the output answers an earlier version of the request (another
-    ``--max-new-tokens``), which the file no longer holds.
+    ``--max-new-tokens``), which the file no longer holds; so does an output that names another prompt's digest
+    (``sample_digest``, :func:`slake.eval.sample.sample_digest`) than the request's.
 
     Parameters
     ----------
@@ -86,6 +87,12 @@ def output_problem(requests: dict[str, Any], request: dict[str, Any], output: di
         return (
             f"{len(tokens)} tokens where the request allows max_new_tokens {cap}: generated for another version of "
             "the request (another --max-new-tokens)"
+        )
+    made_from, asked = output.get("sample_digest"), request.get("sample_digest")
+    if made_from is not None and asked is not None and made_from != asked:
+        return (
+            f"made from the prompt of digest {made_from} where the request's prompt now has {asked}: generated for an "
+            "earlier version of the sample (other essays or data, or a changed generator)"
         )
     ratio = output.get("compression_ratio")
     ratios = requests.get("compression_ratios")
@@ -151,6 +158,7 @@ def kvpress_rows(
             "max_new_tokens": int(req["max_new_tokens"]),
             "depth": req.get("depth"),
             "metric": req["metric"],
+            "sample_digest": req.get("sample_digest"),
             "kv_bytes": o.get("kv_bytes"),
             "prefill_chunk": None,
             "batch_size": 1,

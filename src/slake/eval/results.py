@@ -35,6 +35,7 @@ __all__ = [
     "RUN_SETTINGS",
     "check_metrics",
     "check_profiles",
+    "check_sample_digests",
     "check_run_settings",
 ]
 
@@ -334,6 +335,31 @@ def check_metrics(store: ResultsWriter, model: str, metrics: dict[tuple[str, str
             f"{store.path} holds rows of {key[1]} scored with the metric {r['metric']!r}, where this run scores it "
             f"with {metrics[key]!r}; the resume key does not name the metric, so this run would take those rows for "
             "its own: write it to its own --out directory"
+        )
+
+
+def check_sample_digests(store: ResultsWriter, model: str, digests: dict[tuple[str, str, int], str]) -> None:
+    """Raise ``ValueError`` when ``store`` holds rows of ``model`` for a sample of ``digests`` (``{(task, sample_id,
+    length): digest}``, :func:`slake.eval.sample.sample_digest`) made from another prompt under the same id.
+
+    The resume key names the sample by its id, which the text does not enter: rows made from the other essay package,
+    a generator whose wording has changed or an edited LongBench file would be taken for this run's and summarised as
+    its own. Rows without a digest (written before it was recorded) are not compared.
+    """
+    differ: list[str] = []
+    for r in store.scan.rows:
+        key = (str(r.get("task")), str(r.get("sample_id")), int(r.get("length", -1)))
+        stored = r.get("sample_digest")
+        if str(r.get("model")) != model or key not in digests or stored is None or stored == digests[key]:
+            continue
+        if key[1] not in differ:
+            differ.append(key[1])
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise ValueError(
+            f"{store.path} holds rows of {shown} made from another prompt than this run's sample of the same id (other "
+            "essays or data installed, or a generator or dataset file that has changed since); the resume key names "
+            "the sample by its id, so this run would take those rows for its own: write it to its own --out directory"
         )
 
 

