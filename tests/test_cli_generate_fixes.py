@@ -97,6 +97,17 @@ def test_make_prompt_writes_the_prompt_whose_tokens_it_counts(tmp_path, monkeypa
     assert text.endswith("mentioned in the text above is")  # the answer prefix opens the answer
 
 
+def test_make_prompt_to_standard_output_writes_the_same_text_as_to_a_file(tmp_path, monkeypatch, capsys):
+    """It added a newline, which `generate --no-chat-template --prompt-file -` sent as one more token after the
+    answer prefix."""
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: word_tokenizer())
+    argv = ["make-prompt", "--length", "300", "--task", "niah_single_1"]
+    assert main([*argv, "--out", str(tmp_path / "doc.txt")]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--out", "-"]) == 0
+    assert capsys.readouterr().out == (tmp_path / "doc.txt").read_text(encoding="utf-8")
+
+
 def test_make_prompt_refuses_depth_for_a_task_without_a_needle(tmp_path, monkeypatch, capsys):
     for task in ("vt", "cwe", "fwe", "qa_1", "qa_2"):
         assert _make_prompt(tmp_path, monkeypatch, "--task", task, "--depth", "10") == 2

@@ -68,7 +68,10 @@ def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
     # counts
     text = plain_prompt(sample.context, sample.question, sample.answer_prefix)
     if args.out == "-":
-        sys.stdout.write(text + "\n")
+        # no newline of our own: `generate --no-chat-template --prompt-file -` sends what it reads, and a RULER prompt
+        # ends with the answer prefix that the model's answer continues
+        sys.stdout.write(text)
+        sys.stdout.flush()
     else:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
