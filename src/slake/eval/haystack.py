@@ -15,6 +15,7 @@ __all__ = [
     "essay_words",
     "cycle_prefix",
     "word_boundaries",
+    "check_haystack_words",
     "insert_at_depths",
     "nearest_boundary",
     "essay_offset",
@@ -32,7 +33,9 @@ NOISE_SENTENCES: tuple[str, ...] = (
     "Round and round it goes.",
 )
 
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
+#: a sentence-final word: it ends with . ! ? (or a CJK full stop, exclamation or question mark), then closing quotes
+#: or brackets
+_SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f][\"')\]\u201d\u2019\u300d\u300f\uff09]*$")
 
 
 class LazyStream(Generic[T]):
@@ -97,6 +100,22 @@ def word_boundaries(words: Sequence[str]) -> list[int]:
     out = [0]
     out.extend(i + 1 for i, w in enumerate(words) if _SENTENCE_END.search(w))
     return out
+
+
+def check_haystack_words(words: Sequence[str]) -> None:
+    """Raise ``ValueError`` for essay words a needle cannot be placed in: none, or no sentence end among them.
+
+    Needles go between sentences (:func:`word_boundaries`): in a text without a sentence-final word the only
+    boundary is its start, so every depth would become 0 and every seed the same haystack while the sample still
+    recorded the depth asked for.
+    """
+    if not words:
+        raise ValueError("the essays are empty")
+    if len(word_boundaries(words)) < 2:
+        raise ValueError(
+            "the essays have no sentence end (a word ending in . ! ? or a CJK full stop, exclamation or question "
+            "mark, between whitespace): a needle goes between sentences, so every depth would be 0"
+        )
 
 
 def nearest_boundary(boundaries: Sequence[int], position: float) -> int:

@@ -359,8 +359,18 @@ def kvpress_ruler_metric(task: str) -> str:
 
 
 def needle_score(prediction: str, answers: Sequence[str]) -> float:
-    """Needle retrieval: 1.0 if the (any) answer is contained in the prediction, case-insensitive."""
-    return string_match_part(prediction, answers)
+    """Needle retrieval: 1.0 if an answer stands in the prediction as a whole word, case-insensitive, else 0.0.
+
+    The answer must not continue a longer word, number or hyphenated compound on either side: ``5867520`` inside
+    ``58675201`` and ``old-owl`` inside ``bold-owl`` are other needles, which plain containment (RULER's
+    :func:`string_match_part`, which RULER's own tasks keep) scored as found. Punctuation and spaces around the
+    answer are allowed (``"... is 5867520."``).
+    """
+    pred = prediction.lower()
+    return max(
+        (1.0 if re.search(rf"(?<![\w-]){re.escape(a.lower())}(?![\w-])", pred) else 0.0 for a in answers if a),
+        default=0.0,
+    )
 
 
 def ruler_score(predictions: Sequence[str], answers: Sequence[Sequence[str]], metric: str) -> float:

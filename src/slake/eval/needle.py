@@ -11,6 +11,7 @@ from slake.eval.fitting import DEFAULT_TOLERANCE, LengthFitError, fit_to_length
 from slake.eval.haystack import (
     cycle_prefix,
     default_essays,
+    check_haystack_words,
     essay_offset,
     essay_words,
     insert_at_depths,
@@ -108,8 +109,7 @@ def needle_sample(
     rng = random.Random(f"needle:{kind}:{seed}")
     needle, question_text, answer = make_needle(kind, rng)
     words = essay_words(default_essays(essays))
-    if not words:
-        raise ValueError("the essays are empty")
+    check_haystack_words(words)
     offset = essay_offset(words, rng)
     instruction = (
         f"Below is a long text. Somewhere in it, one sentence states a special magic {kind} "

@@ -227,7 +227,8 @@ def ruler_sample(
         metric=spec.metric,
         max_new_tokens=spec.max_new_tokens,
         length=fit.length,
-        sample_id=f"{task}-{length}-{seed}",
+        # a depth asked for is a prompt of its own (make-prompt --depth): its id says so
+        sample_id=f"{task}-{length}-{seed}" + ("" if depth is None else f"-d{depth:g}"),
         depth=depth_value,
         extra=extra,
     )

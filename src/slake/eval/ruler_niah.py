@@ -11,6 +11,7 @@ from slake.eval.haystack import (
     LazyStream,
     cycle_prefix,
     default_essays,
+    check_haystack_words,
     essay_offset,
     essay_words,
     insert_at_depths,
@@ -112,6 +113,8 @@ def niah_renderer(
         ``render(size)`` gives the :class:`Draft` for ``size`` haystack units (words for essays,
         sentences for noise, distractor needles for a needle haystack).
     """
+    if depth is not None and not 0.0 <= depth <= 100.0:  # NaN fails both
+        raise ValueError(f"depth must be in [0, 100], got {depth}")
     rng = random.Random(f"niah:{seed}")
     keys = _keys(cfg.key_type, rng, cfg.num_keys)
     needles: list[str] = []
@@ -148,8 +151,7 @@ def niah_renderer(
 
     if cfg.haystack == "essay":
         words = essay_words(default_essays(essays))
-        if not words:
-            raise ValueError("the essays are empty")
+        check_haystack_words(words)
         offset = essay_offset(words, rng)
 
         def units_of(n: int) -> tuple[list[str], list[int] | None]:
