@@ -140,6 +140,7 @@ def pyramid_budgets(
     beta: float = 20,
     exact: bool = False,
     snapkv_fallback: bool = True,
+    min_layer: int = 0,
 ) -> torch.Tensor:
     """PyramidKV's per-layer selectable budgets (KVCache-Factory ``PyramidKVCluster``, Oct. 2024).
 
@@ -158,7 +159,10 @@ def pyramid_budgets(
     ``snapkv_fallback=False`` is AdaKV's Ada-PyramidKV (FFY0/AdaKV ``AdaptiveSnapKVCluster`` with ``pyram_mode``),
     which has no such fallback: for ``C' + w <= S < 2*C'`` its layers still form a pyramid, capped at ``S - w``.
     Deviation: ``num_layers == 1`` (a division by zero in the reference) gives ``[C']``. Budgets are not
-    clamped to ``S - w`` in the fallback; the engine keeps ``min(B_l, S - w)``.
+    clamped to ``S - w`` in the fallback; the engine keeps ``min(B_l, S - w)``. ``min_layer`` (deviation, 0 by
+    default): a layer below it is raised to it and the tokens are taken from the largest layers, so the sum is
+    unchanged; PyramidKV passes 1 when it protects no token (``window=0`` and no sinks), where ``C' < beta`` made the
+    deepest layers 0 and would empty them.
     """
     if num_layers < 1 or selectable < 0 or prompt_len < 0 or window < 0 or not beta > 0:
         raise ValueError(
@@ -175,9 +179,24 @@ def pyramid_budgets(
         min_n = 2 * c - max_n
     if exact:
         real = max_n - (max_n - min_n) / (n - 1) * torch.arange(n, dtype=torch.float64)
-        return largest_remainder(real.clamp_min(0), n * c)
-    step = (max_n - min_n) // (n - 1)
-    return max_n - step * torch.arange(n, dtype=torch.int64)
+        budgets = largest_remainder(real.clamp_min(0), n * c)
+    else:
+        step = (max_n - min_n) // (n - 1)
+        budgets = max_n - step * torch.arange(n, dtype=torch.int64)
+    return _raise_to_floor(budgets, min(int(min_layer), c))
+
+
+def _raise_to_floor(budgets: torch.Tensor, floor: int) -> torch.Tensor:
+    """``budgets`` with every entry below ``floor`` raised to it, the tokens taken one at a time from the largest
+    entry (the first of equals), so the sum is unchanged; needs ``sum(budgets) >= floor * len(budgets)``."""
+    short = int((floor - budgets).clamp_min(0).sum())
+    if short == 0:
+        return budgets
+    out = budgets.clamp_min(floor).tolist()
+    for _ in range(short):
+        top = max(range(len(out)), key=lambda i: (out[i], -i))
+        out[top] -= 1
+    return torch.tensor(out, dtype=torch.int64)
 
 
 def _candidates(scores: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 
@@ -79,9 +80,14 @@ class Budget:
         return isinstance(self.value, float)
 
     def tokens(self, prompt_len: int) -> int:
-        """Absolute average per-layer budget for a prompt of ``prompt_len`` real tokens."""
+        """Absolute average per-layer budget for a prompt of ``prompt_len`` real tokens: ``ceil(ratio * prompt_len)``
+        for a ratio, at least 1.
+
+        The product is taken on the ratio as written (its shortest decimal, ``repr``), not on its binary float:
+        ``0.07 * 100`` is ``7.000000000000001`` in floating point, whose ceiling kept 8 tokens where 7 are 7% of
+        100."""
         if self.is_ratio:
-            return max(1, math.ceil(self.value * prompt_len))
+            return max(1, math.ceil(Fraction(repr(self.value)) * int(prompt_len)))
         return int(self.value)
 
     def __str__(self) -> str:

@@ -245,15 +245,15 @@ class Engine(abc.ABC):
     def check(self, **options: Any) -> None:
         """Refuse, before anything loads, the options this engine cannot honour.
 
-        Every option given a value other than None, False or ``"auto"`` that is in :attr:`unsupported` is listed in
-        one ``ValueError``, spelled as on the command line (``prefill_chunk`` -> ``--prefill-chunk``), and so is
-        ``compile``, ``prefill_cache`` or ``fidelity`` given to an engine whose ``supports_*`` attribute is False.
+        Every option given a value other than None, False or ``"auto"`` (0 is a value: ``prefill_chunk=0`` is
+        refused by an engine that does not chunk, not taken for "not given") that is in :attr:`unsupported` is
+        listed in one ``ValueError``, spelled as on the command line (``prefill_chunk`` -> ``--prefill-chunk``), and
+        so is ``compile``, ``prefill_cache`` or ``fidelity`` given to an engine whose ``supports_*`` attribute is
+        False.
         ``methods`` (the benchmark's, when given) is not an option; engines with :attr:`bench_baselines` read it.
         Engines add their own environment checks (:meth:`check_environment`).
         """
-        given = [
-            k for k, v in options.items() if v not in (None, False, "auto") and k in self.unsupported and k != "methods"
-        ]
+        given = [k for k, v in options.items() if _given(v) and k in self.unsupported and k != "methods"]
         for option in ("compile", "prefill_cache", "fidelity"):
             if options.get(option) and not getattr(self, f"supports_{option}", False) and option not in given:
                 given.append(option)
@@ -332,3 +332,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def bench(self, plan: BenchPlan) -> BenchReport:
         """Measure the plan's configurations; write rows, table and plots under ``plan.out``."""
+
+
+def _given(value: Any) -> bool:
+    """Whether an option was given: anything but None, False and ``"auto"`` (by identity and type, so that 0, which
+    equals False, counts as given)."""
+    return not (value is None or value is False or (isinstance(value, str) and value == "auto"))

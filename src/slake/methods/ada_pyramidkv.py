@@ -56,7 +56,14 @@ class AdaPyramidKV(AdaKVHeads, PyramidKV):
         """AdaKV's Ada-PyramidKV schedule: PyramidKV's pyramid at every prompt the engine compresses, without the
         uniform fallback below ``2 C'`` (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
         return pyramid_budgets(
-            num_layers, selectable, prompt_len, self.window, self.beta, exact=self.exact, snapkv_fallback=False
+            num_layers,
+            selectable,
+            prompt_len,
+            self.window,
+            self.beta,
+            exact=self.exact,
+            snapkv_fallback=False,
+            min_layer=0 if self.protected else 1,
         )
 
     summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"

@@ -56,4 +56,13 @@ class PyramidKV(SnapKV):
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
         """Pyramid budgets (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
-        return pyramid_budgets(num_layers, selectable, prompt_len, self.window, self.beta, exact=self.exact)
+        # a layer is never emptied: without protected tokens the deepest layers keep at least one
+        return pyramid_budgets(
+            num_layers,
+            selectable,
+            prompt_len,
+            self.window,
+            self.beta,
+            exact=self.exact,
+            min_layer=0 if self.protected else 1,
+        )
