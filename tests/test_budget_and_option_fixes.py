@@ -47,9 +47,10 @@ def test_the_pyramid_floor_keeps_the_sum_and_raises_the_emptied_layers(exact):
     assert int(plain.min()) == 0  # C' < beta: the deepest layer's share rounds to 0
     assert int(floored.min()) >= 1 and int(floored.sum()) == int(plain.sum())
     assert floored.tolist() == sorted(floored.tolist(), reverse=True)  # still a pyramid
-    assert pyramid_budgets(5, 100, 3000, 0, exact=exact, min_layer=1).tolist() == pyramid_budgets(
-        5, 100, 3000, 0, exact=exact
-    ).tolist()  # no layer short: unchanged
+    assert (
+        pyramid_budgets(5, 100, 3000, 0, exact=exact, min_layer=1).tolist()
+        == pyramid_budgets(5, 100, 3000, 0, exact=exact).tolist()
+    )  # no layer short: unchanged
 
 
 @pytest.mark.parametrize("name", ["pyramidkv", "ada-pyramidkv"])
@@ -59,9 +60,10 @@ def test_pyramidkv_without_protected_tokens_never_empties_a_layer(name):
     budgets = m.pyramid_schedule(4, 16, 300)
     assert int(budgets.min()) >= 1 and int(budgets.sum()) >= 4 * 16  # before: [32, 21, 11, 0]
     # with a window the deepest layer keeps its window: the reference's schedule is untouched
-    assert make_method(name, window=8).pyramid_schedule(4, 16, 300).tolist() == pyramid_budgets(
-        4, 16, 300, 8, exact=True, snapkv_fallback=name == "pyramidkv"
-    ).tolist()
+    assert (
+        make_method(name, window=8).pyramid_schedule(4, 16, 300).tolist()
+        == pyramid_budgets(4, 16, 300, 8, exact=True, snapkv_fallback=name == "pyramidkv").tolist()
+    )
 
 
 def test_pyramidkv_window_0_keeps_a_token_in_every_layer_end_to_end():

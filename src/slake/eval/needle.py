@@ -9,9 +9,9 @@ from typing import Literal
 
 from slake.eval.fitting import DEFAULT_TOLERANCE, LengthFitError, fit_to_length
 from slake.eval.haystack import (
+    check_haystack_words,
     cycle_prefix,
     default_essays,
-    check_haystack_words,
     essay_offset,
     essay_words,
     insert_at_depths,

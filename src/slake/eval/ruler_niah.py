@@ -9,9 +9,9 @@ from typing import Literal
 
 from slake.eval.haystack import (
     LazyStream,
+    check_haystack_words,
     cycle_prefix,
     default_essays,
-    check_haystack_words,
     essay_offset,
     essay_words,
     insert_at_depths,

@@ -29,9 +29,9 @@ from slake.eval.results import (
     FULL_METHOD,
     ResultsWriter,
     check_metrics,
-    check_sample_digests,
     check_profiles,
     check_run_settings,
+    check_sample_digests,
     row_key,
 )
 from slake.eval.sample import Sample, sample_digest
