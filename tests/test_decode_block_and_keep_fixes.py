@@ -130,13 +130,22 @@ def test_a_decode_block_s_output_is_the_cache_before_its_eviction(spec):
 
 # ====================================================================== keep counts of 0
 @pytest.mark.parametrize("linear", [False, True])
-def test_a_layer_with_a_keep_of_zero_keeps_nothing_and_folds_every_token_once(linear):
-    """PyramidKV, window 0, C=4 over 3 layers: layer budgets 8, 4, 0. The last layer keeps nothing (it kept one slot
-    per head, and with the linear cache also folded it: 65 tokens counted of 64), and stays consistent through
-    single-token steps and a multi-token block."""
+def test_a_layer_with_a_keep_of_zero_keeps_nothing_and_folds_every_token_once(linear, monkeypatch):
+    """PyramidKV's reference schedule, window 0, C=4 over 3 layers: layer budgets 8, 4, 0. The last layer keeps
+    nothing (it kept one slot per head, and with the linear cache also folded it: 65 tokens counted of 64), and stays
+    consistent through single-token steps and a multi-token block. (PyramidKV's own schedule now raises such a layer
+    to 1, ``min_layer``; the cache must still hold a keep of 0, which the unfloored schedule gives.)"""
+    from slake.budgets import pyramid_budgets
+    from slake.methods.pyramidkv import PyramidKV
+
+    method = make_method(f"pyramidkv[window=0,linear_cache={str(linear).lower()}]")
+    assert method.pyramid_schedule(3, 4, 64).tolist() == [7, 4, 1]  # a layer is never emptied by the schedule
+    monkeypatch.setattr(
+        PyramidKV, "pyramid_schedule", lambda self, n, c, s: pyramid_budgets(n, c, s, self.window, exact=True)
+    )
     L, S_ = 3, 64
     g = torch.Generator().manual_seed(0)
-    eng = CompressedKV(make_method(f"pyramidkv[window=0,linear_cache={str(linear).lower()}]"), 4, L, kernels="torch")
+    eng = CompressedKV(method, 4, L, kernels="torch")
     for li in range(L):
         qkv = (
             torch.randn(1, HQ, S_, D, generator=g),

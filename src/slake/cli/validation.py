@@ -166,6 +166,10 @@ def _check_fidelity(args: argparse.Namespace) -> None:
     budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
     _pairs(methods, budgets)
     _at_least(args, "steps", 1)
+    if args.prompt_file:
+        args.prompt_text = read_prompt(None, args.prompt_file)
+    else:
+        _at_least(args, "length", 2)
     output_tokens, output_samples = getattr(args, "output_tokens", 0), getattr(args, "output_samples", 1)
     if output_tokens < 0 or output_tokens == 1 or output_samples < 1:
         raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
@@ -176,10 +180,6 @@ def _check_fidelity(args: argparse.Namespace) -> None:
                 f"--length must be >= 64 for the output level's prompts, got {args.length} (--output-tokens 0 skips "
                 "the output level)"
             )
-    if args.prompt_file:
-        args.prompt_text = read_prompt(None, args.prompt_file)
-    else:
-        _at_least(args, "length", 2)
 
 
 def _check_bench(args: argparse.Namespace) -> None:
