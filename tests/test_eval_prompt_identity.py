@@ -74,9 +74,17 @@ def test_a_kvpress_output_made_from_another_prompt_is_skipped():
     outputs = [{**o, "sample_digest": digest[o["sample_id"]]} for o in _outputs()]
     rows = kvpress_rows(requests, outputs)
     assert len(rows) == len(outputs) and all(r["sample_digest"] == digest[r["sample_id"]] for r in rows)
+    # an output written before outputs named their prompt, then the same request answered again (merged in file
+    # order): the answer that names the request's prompt is the row, the older one is reported
+    old, new = {**_outputs()[0], "text": "is 999"}, outputs[0]
+    skipped_old: list[str] = []
+    (row,) = kvpress_rows(requests, [old, new], skipped=skipped_old)
+    assert row["prediction"] == new["text"] and row["sample_digest"] == new["sample_digest"]  # before: "is 999"
+    assert len(skipped_old) == 1 and "superseded" in skipped_old[0]
     stale = [{**o, "sample_digest": "f" * 16} for o in outputs[:3]]
     skipped: list[str] = []
     assert kvpress_rows(requests, stale, skipped=skipped) == []  # before: merged as the new prompt's rows
     assert len(skipped) == 3 and "earlier version" in skipped[0]
-    # an output of a kvpress side that does not echo the digest is still taken
-    assert len(kvpress_rows(requests, _outputs())) == len(outputs)
+    # an output of a kvpress side that does not echo the digest is still taken, and says it names no prompt
+    legacy = kvpress_rows(requests, _outputs())
+    assert len(legacy) == len(outputs) and all(r["sample_digest"] is None for r in legacy)

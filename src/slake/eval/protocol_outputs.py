@@ -11,8 +11,12 @@ mask instead of evicting, ``kv_bytes``, ``press_repr``, ``versions``).
 Each becomes a row of method ``kvpress:<press>`` at budget ``1 - compression_ratio`` (None for ``no_press``),
 scored with the request's metric by :func:`slake.eval.metrics.score_sample`, the function that scores our rows. An
 output that does not answer the request now in the requests file (more tokens than its ``max_new_tokens``, a ratio
-the file does not list, a missing field) is skipped and reported (:func:`output_problem`): it was generated for
-another request, and its row would sit beside ours as if generated under the same settings.
+the file does not list, a missing field, a ``sample_digest`` other than the request's) is skipped and reported
+(:func:`output_problem`): it was generated for another request, and its row would sit beside ours as if generated
+under the same settings. The kvpress side echoes the request's ``sample_digest``
+(:func:`slake.eval.sample.sample_digest`) and answers again a request whose outputs do not name it; an output without
+one (written before outputs named their prompt) is taken only where no output of the same sample, press and ratio
+names the request's.
 """
 
 from __future__ import annotations
@@ -123,12 +127,24 @@ def kvpress_rows(
         and that answers its request (others are skipped and reported in ``skipped``).
     """
     by_id = {r["sample_id"]: r for r in requests["requests"]}
+    outputs = list(outputs)
+    # an output that names the request's prompt supersedes one written before outputs named it (the kvpress side
+    # answers such a request again): the older one may come from another prompt
+    current = {
+        (o.get("sample_id"), o.get("press"), o.get("compression_ratio"))
+        for o in outputs
+        if o.get("sample_digest") is not None
+        and o.get("sample_digest") == by_id.get(o.get("sample_id"), {}).get("sample_digest")
+    }
     rows = []
     for o in outputs:
         req = by_id.get(o.get("sample_id"))
         if req is None:
             continue
         why = output_problem(requests, req, o)
+        if not why and o.get("sample_digest") is None:
+            if (o.get("sample_id"), o.get("press"), o.get("compression_ratio")) in current:
+                why = "superseded by an output made from the request's prompt (this one names none)"
         if why:
             if skipped is not None:
                 skipped.append(
@@ -158,7 +174,8 @@ def kvpress_rows(
             "max_new_tokens": int(req["max_new_tokens"]),
             "depth": req.get("depth"),
             "metric": req["metric"],
-            "sample_digest": req.get("sample_digest"),
+            # the prompt the output was made from, as the kvpress side names it (None: written before it did)
+            "sample_digest": o.get("sample_digest"),
             "kv_bytes": o.get("kv_bytes"),
             "prefill_chunk": None,
             "batch_size": 1,
