@@ -21,6 +21,8 @@ from tiny_models import word_tokenizer
         ("5867520", "5867520", 1.0),
         ("It is BOLD-OWL!", "bold-owl", 1.0),
         ("(5867520)", "5867520", 1.0),
+        ("The number is _5867520_.", "5867520", 1.0),  # markdown italics
+        ("**bold-owl**", "bold-owl", 1.0),
         ("58675201", "5867520", 0.0),  # before: 1.0, another number
         ("15867520", "5867520", 0.0),
         ("The special magic word for Oslo is bold-owl.", "old-owl", 0.0),  # before: 1.0, another word

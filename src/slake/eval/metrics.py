@@ -363,12 +363,13 @@ def needle_score(prediction: str, answers: Sequence[str]) -> float:
 
     The answer must not continue a longer word, number or hyphenated compound on either side: ``5867520`` inside
     ``58675201`` and ``old-owl`` inside ``bold-owl`` are other needles, which plain containment (RULER's
-    :func:`string_match_part`, which RULER's own tasks keep) scored as found. Punctuation and spaces around the
-    answer are allowed (``"... is 5867520."``).
+    :func:`string_match_part`, which RULER's own tasks keep) scored as found. Punctuation, spaces and markup around
+    the answer are allowed (``"... is 5867520."``, ``_5867520_``, ``**5867520**``). The metric keeps its name,
+    ``"contains"``.
     """
     pred = prediction.lower()
     return max(
-        (1.0 if re.search(rf"(?<![\w-]){re.escape(a.lower())}(?![\w-])", pred) else 0.0 for a in answers if a),
+        (1.0 if re.search(rf"(?<![^\W_]|-){re.escape(a.lower())}(?![^\W_]|-)", pred) else 0.0 for a in answers if a),
         default=0.0,
     )
 
