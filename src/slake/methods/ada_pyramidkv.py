@@ -20,9 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
-from slake.budgets.allocation import pyramid_budgets
 from slake.methods.ada_snapkv import AdaKVHeads
 from slake.methods.base import register
 from slake.methods.pyramidkv import PyramidKV
@@ -52,19 +49,9 @@ class AdaPyramidKV(AdaKVHeads, PyramidKV):
 
     name: ClassVar[str] = "ada-pyramidkv"
 
-    def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
-        """AdaKV's Ada-PyramidKV schedule: PyramidKV's pyramid at every prompt the engine compresses, without the
-        uniform fallback below ``2 C'`` (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
-        return pyramid_budgets(
-            num_layers,
-            selectable,
-            prompt_len,
-            self.window,
-            self.beta,
-            exact=self.exact,
-            snapkv_fallback=False,
-            min_layer=0 if self.protected else 1,
-        )
+    #: AdaKV's Ada-PyramidKV schedule: PyramidKV's pyramid at every prompt the engine compresses, without the
+    #: uniform fallback below ``2 C'`` (``docs/methods/baselines.md#pyramid-budgets``)
+    snapkv_fallback: ClassVar[bool] = False
 
     summary: ClassVar[str] = "PyramidKV layer budgets with AdaKV adaptive head budgets (cross-head top-k)"
     paper: ClassVar[str] = (

@@ -54,6 +54,9 @@ class PyramidKV(SnapKV):
                 f"got {self.beta}"
             )
 
+    #: every layer gets ``C'`` for prompts under ``2 C'`` (the reference's SnapKV fallback; AdaKV's form has none)
+    snapkv_fallback: ClassVar[bool] = True
+
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
         """Pyramid budgets (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
         # a layer is never emptied: without protected tokens the deepest layers keep at least one
@@ -64,5 +67,6 @@ class PyramidKV(SnapKV):
             self.window,
             self.beta,
             exact=self.exact,
+            snapkv_fallback=self.snapkv_fallback,
             min_layer=0 if self.protected else 1,
         )
