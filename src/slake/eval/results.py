@@ -327,10 +327,8 @@ def check_metrics(store: ResultsWriter, model: str, metrics: dict[tuple[str, str
     length): metric}``) scored with another metric (a plain ``--suite ruler`` run, then ``--protocol kvpress``, which
     scores the same samples with kvpress's cleaning, in the same directory). Rows without a metric are not compared.
     """
-    for r in store.scan.rows:
-        key = (str(r.get("task")), str(r.get("sample_id")), int(r.get("length", -1)))
-        if str(r.get("model")) != model or key not in metrics or r.get("metric") in (None, metrics[key]):
-            continue
+    for r in _rows_differing(store, model, "metric", metrics):
+        key = _sample_key(r)
         raise ValueError(
             f"{store.path} holds rows of {key[1]} scored with the metric {r['metric']!r}, where this run scores it "
             f"with {metrics[key]!r}; the resume key does not name the metric, so this run would take those rows for "
@@ -346,14 +344,7 @@ def check_sample_digests(store: ResultsWriter, model: str, digests: dict[tuple[s
     a generator whose wording has changed or an edited LongBench file would be taken for this run's and summarised as
     its own. Rows without a digest (written before it was recorded) are not compared.
     """
-    differ: list[str] = []
-    for r in store.scan.rows:
-        key = (str(r.get("task")), str(r.get("sample_id")), int(r.get("length", -1)))
-        stored = r.get("sample_digest")
-        if str(r.get("model")) != model or key not in digests or stored is None or stored == digests[key]:
-            continue
-        if key[1] not in differ:
-            differ.append(key[1])
+    differ = list(dict.fromkeys(_sample_key(r)[1] for r in _rows_differing(store, model, "sample_digest", digests)))
     if differ:
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         raise ValueError(
@@ -361,6 +352,26 @@ def check_sample_digests(store: ResultsWriter, model: str, digests: dict[tuple[s
             "essays or data installed, or a generator or dataset file that has changed since); the resume key names "
             "the sample by its id, so this run would take those rows for its own: write it to its own --out directory"
         )
+
+
+def _sample_key(row: dict[str, Any]) -> tuple[str, str, int]:
+    """``(task, sample_id, length)``: the sample a row answers."""
+    return (str(row.get("task")), str(row.get("sample_id")), int(row.get("length", -1)))
+
+
+def _rows_differing(
+    store: ResultsWriter, model: str, field: str, wanted: dict[tuple[str, str, int], Any]
+) -> list[dict[str, Any]]:
+    """The rows of ``model`` for a sample of ``wanted`` whose ``field`` is recorded and differs from the sample's
+    value there (rows without the field, written before it was recorded, are not compared)."""
+    return [
+        r
+        for r in store.scan.rows
+        if str(r.get("model")) == model
+        and _sample_key(r) in wanted
+        and r.get(field) is not None
+        and r.get(field) != wanted[_sample_key(r)]
+    ]
 
 
 def _budget(budget: Any) -> Any:
