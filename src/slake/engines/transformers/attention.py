@@ -10,6 +10,7 @@ plain SDPA.
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -143,6 +144,7 @@ def prepare_model(model) -> None:
             f"so it cannot serve this model"
         )
     _install_input_check(model)
+    _install_prefill_check(model)
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         return
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
@@ -153,6 +155,48 @@ def prepare_model(model) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(f"{type(model).__name__} refused the '{ATTENTION_NAME}' attention implementation")
+
+
+def _install_prefill_check(model) -> None:
+    """Wrap the model's ``generate`` prefill (``GenerationMixin._prefill``, on this instance only) in
+    :func:`_refuse_chunked_first_prompt`. A bound method rather than a closure: a deep copy of the model rebinds it
+    to the copy. Models without ``_prefill`` (not a ``GenerationMixin``) are left as they are."""
+    if "_prefill" in vars(model) or not callable(getattr(type(model), "_prefill", None)):
+        return
+    model._prefill = types.MethodType(_checked_prefill, model)
+
+
+def _checked_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+    """``GenerationMixin._prefill`` behind :func:`_refuse_chunked_first_prompt`."""
+    _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs)
+    return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs: dict) -> None:
+    """Refuse transformers' own chunked prefill (``generate(prefill_chunk_size=N)``, or a checkpoint's
+    ``generation_config``) of a first prompt longer than one chunk into an empty :class:`SlakeCache`.
+
+    transformers feeds such a prompt to the model in pieces, and the cache cannot tell a piece from a later turn: a
+    first piece within the budget compresses nothing (and no later piece does), a larger one is compressed alone by
+    the prefill rule and the rest evicted by the decode rule, which is neither the method's prefill nor slake's own
+    chunked prefill. A later turn may be chunked: its tokens are appended one decode step after another either way.
+    """
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    cache = cache_from_kwargs(model_kwargs)
+    if chunk is None or not isinstance(cache, SlakeCache) or cache.get_seq_length() > 0:
+        return
+    embeds = model_kwargs.get("inputs_embeds")
+    source = embeds if embeds is not None else input_ids
+    length = int(source.shape[1]) if source is not None and source.dim() >= 2 else 0
+    if length <= chunk:
+        return
+    raise ValueError(
+        f"generate(prefill_chunk_size={chunk}) (or the model's generation_config) would feed this "
+        f"{length}-token prompt to the SlakeCache in pieces, which it would take for a short prompt and later turns "
+        f"(compressing nothing, or the first piece alone): use slake's chunked prefill instead, "
+        f"slake.generate(..., prefill_chunk={chunk}) or SlakeCache(..., prefill_chunk={chunk}) filled by "
+        f"slake.engines.transformers.generate.prefill, or pass prefill_chunk_size=None"
+    )
 
 
 def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -312,6 +312,9 @@ def generate(
         # transformers refuses beside a cache object, or for none (use_cache=False): the SlakeCache is the cache
         "cache_implementation": None,
         "use_cache": True,
+        # nor its own chunked prefill (prefill_chunk_size), which a SlakeCache would take for turns: slake's own
+        # is prefill_chunk (below)
+        "prefill_chunk_size": None,
     }
     if compile:
         gen_kwargs["compile_config"] = compile_config(model.device)
