@@ -16,9 +16,9 @@ from tiny_models import random_ids, tiny_model
 PROMPT, BUDGET = 48, 24
 
 
-@pytest.mark.parametrize(
-    "method, hyper", [("expected-attention", {"epsilon": 1e38}), ("criticalkv", {"window": 8, "epsilon": 1e38})]
-)
+# criticalkv's epsilon is at most 1e6 since 2026-11-30 (tests/test_option_type_fixes.py): its scores reach float32's
+# largest only with value norms where the model's own activations overflow
+@pytest.mark.parametrize("method, hyper", [("expected-attention", {"epsilon": 1e38})])
 def test_an_overflowed_score_does_not_take_the_layer_past_its_budget(method, hyper):
     """``(attention + epsilon) * ||v||`` with value norms above 3.4: +inf in float32 for every slot."""
     model = tiny_model("llama-gqa", layers=2)

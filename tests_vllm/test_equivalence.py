@@ -90,7 +90,12 @@ def test_concurrent_requests_do_not_see_each_other(tiny_dir, prompts):
     "slake, extra, message",
     [
         ({"method": "pyramidkv", "budget": BUDGET}, {}, "slake: method 'pyramidkv' is not supported"),
-        ({"method": "cake", "budget": BUDGET, "set": {"max_layer_budget": BUDGET - 1}}, {}, "max_layer_budget >="),
+        (
+            {"method": "cake", "budget": BUDGET, "set": {"max_layer_budget": BUDGET - 1}},
+            {},
+            "is below the average budget",
+        ),
+        ({"method": "slake", "budget": BUDGET, "set": {"max_layer_budget": BUDGET - 1}}, {}, "max_layer_budget >="),
     ],
 )
 def test_unsupported_configuration_fails_at_start_up(tiny_dir, slake, extra, message):

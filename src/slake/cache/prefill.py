@@ -89,8 +89,11 @@ class PrefillCompressor:
         whole = real.cpu() + self.trailing_tokens  # the whole prompt's lengths
         self.trailing_tokens = 0
         budget = torch.tensor([self.state.budget.tokens(int(r)) for r in whole.tolist()], dtype=torch.int64)
+        charged = ""
         if self.charge_linear_state and self.state.method.linear_cache:
-            budget = budget - linear_state_slots(head_dim, itemsize)
+            slots = linear_state_slots(head_dim, itemsize)
+            budget = budget - slots
+            charged = f" (the budget less the {slots} slots of the linear state, charged by charge_linear_state)"
         compress = whole > budget
         if self.state.method.keeps_everything:
             compress[:] = False
@@ -99,10 +102,12 @@ class PrefillCompressor:
                 f"{self.state.method.name}: max_layer_budget={self._layer_cap()} is below the average budget "
                 f"{int(budget[compress].max())}; the layers could not hold the total budget"
             )
-        if bool(compress.any()) and int(budget[compress].min()) < self.state.method.protected:
+        least = max(1, self.state.method.protected)  # a row keeps its window and sinks, and at least one token
+        if bool(compress.any()) and int(budget[compress].min()) < least:
             raise ValueError(
-                f"{self.state.method.name}: a budget of {int(budget[compress].min())} tokens is smaller than "
-                f"the protected window + sinks ({self.state.method.protected}); use a larger budget or a smaller window"
+                f"{self.state.method.name}: a budget of {int(budget[compress].min())} tokens{charged} is smaller "
+                f"than {least} (the protected window + sinks, {self.state.method.protected}, and at least one "
+                f"token); use a larger budget or a smaller window"
             )
         return PrefillInfo(
             prompt_len=S,

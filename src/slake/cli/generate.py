@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from slake.budgets.budget import Budget
-from slake.cli.options import add_engine_arg, add_model_args, engine_from_args, parse_hyperparameters
+from slake.cli.options import add_engine_arg, add_model_args, engine_from_args, method_overrides
 
 __all__ = ["add_generate_parser", "cmd_generate"]
 
@@ -97,9 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from slake.cache.quant import parse_kv_dtype
     from slake.methods import make_method
 
-    hyper = parse_hyperparameters(args.set)
-    if args.linear_cache is not None:
-        hyper["linear_cache"] = args.linear_cache
+    hyper = method_overrides(args)
     budget = Budget(args.budget)
     kv_dtype = parse_kv_dtype(args.kv_dtype)
     engine = engine_from_args(args)

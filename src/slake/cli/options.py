@@ -94,3 +94,25 @@ def parse_hyperparameters(pairs: list[str] | None) -> dict[str, Any]:
         For an item without ``=``, an empty name, or a name given twice.
     """
     return parse_assignments(list(pairs or []), "--set")
+
+
+def method_overrides(args: Any) -> dict[str, Any]:
+    """``slake generate``'s overrides of the method's hyperparameters: ``--set`` (:func:`parse_hyperparameters`)
+    and ``--linear-cache`` / ``--no-linear-cache``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`parse_hyperparameters`, and for ``linear_cache`` given both in ``--set`` and as the flag (a name
+        given twice is refused, never settled by which came last).
+    """
+    hyper = parse_hyperparameters(getattr(args, "set", None))
+    flag = getattr(args, "linear_cache", None)
+    if flag is not None:
+        if "linear_cache" in hyper:
+            raise ValueError(
+                "linear_cache is set both by --set linear_cache=... and by --linear-cache/--no-linear-cache; "
+                "give it once"
+            )
+        hyper["linear_cache"] = flag
+    return hyper

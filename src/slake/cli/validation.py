@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slake.cli.options import engine_from_args, parse_hyperparameters, split_list
+from slake.cli.options import engine_from_args, method_overrides, split_list
 from slake.engines.transformers.models import check_device
 from slake.methods.budget_check import check_method_budget
 
@@ -136,9 +136,7 @@ def _check_generate(args: argparse.Namespace) -> None:
     from slake.budgets.budget import Budget
     from slake.methods.base import make_method
 
-    hyper = parse_hyperparameters(args.set)
-    if args.linear_cache is not None:
-        hyper["linear_cache"] = args.linear_cache
+    hyper = method_overrides(args)
     method = make_method(args.method, **hyper)
     check_method_budget(method, Budget(args.budget))
     refuse_unchunkable([method], args.prefill_chunk)

@@ -21,8 +21,9 @@ def check_method_budget(method: Method | str, budget: Budget | int | float | str
     Raises
     ------
     ValueError
-        For an unknown method or hyperparameter, a bad budget, or protected tokens (window + sinks) that exceed an
-        absolute budget (a layer could not keep its window).
+        For an unknown method or hyperparameter, a bad budget, protected tokens (window + sinks) that exceed an
+        absolute budget (a layer could not keep its window), or a ``max_layer_budget`` below an absolute budget
+        (methods without a linear cache; with one, the prefill refuses it, after the charge of the linear state).
     """
     m = make_method(method)
     b = budget if isinstance(budget, Budget) else Budget(budget)
@@ -30,5 +31,13 @@ def check_method_budget(method: Method | str, budget: Budget | int | float | str
         raise ValueError(
             f"{m.name}: the protected tokens (window {m.window} + sinks {m.sinks}) exceed the "
             f"budget {b.value}; use a larger budget or a smaller window"
+        )
+    cap = getattr(m, "max_layer_budget", None)
+    if not b.is_ratio and cap is not None and cap < b.value and not getattr(m, "linear_cache", False):
+        # as the prefill refuses it; with a linear cache the budget may be charged for the linear state
+        # (charge_linear_state), which lowers it by a head-size-dependent amount: left to the prefill
+        raise ValueError(
+            f"{m.name}: max_layer_budget={cap} is below the average budget {b.value}; the layers could not hold "
+            f"the total budget"
         )
     return m, b

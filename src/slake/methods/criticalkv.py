@@ -47,6 +47,8 @@ __all__ = ["KEPT", "AdaCriticalKV", "CriticalKV", "projected_norm", "two_stage"]
 #: score marking a first-stage pair (above any corrected score) and, for ``ada-criticalkv``, a kept pair
 FIRST = 1e30
 KEPT = 1e35
+#: largest ``epsilon``: ``(base + epsilon) * norm`` stays far below :data:`FIRST` for any value norm below 1e23
+MAX_EPSILON = 1e6
 
 
 def projected_norm(values: torch.Tensor, out_proj: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -128,8 +130,13 @@ class CriticalKV(Method):
         super().__post_init__()
         if self.scorer not in ("snapkv", "expected-attention"):
             raise ValueError(f"{self.name}: scorer must be 'snapkv' or 'expected-attention', got {self.scorer!r}")
-        if not 0.0 <= self.first_stage_ratio <= 1.0 or self.epsilon < 0:
-            raise ValueError(f"{self.name}: need 0 <= first_stage_ratio <= 1 and epsilon >= 0")
+        if not 0.0 <= self.first_stage_ratio <= 1.0:
+            raise ValueError(f"{self.name}: need 0 <= first_stage_ratio <= 1, got {self.first_stage_ratio}")
+        if not 0.0 <= self.epsilon <= MAX_EPSILON:
+            # (base + epsilon) * norm must stay below the first stage's mark (FIRST) and ada-criticalkv's (KEPT):
+            # a larger epsilon ranked second-stage pairs above the first stage and counted them as kept, over the
+            # budget; at 1e6 the second stage already orders by the value norm alone, within float32's precision
+            raise ValueError(f"{self.name}: need 0 <= epsilon <= {MAX_EPSILON:g}, got {self.epsilon}")
         # made once: the decode step asks for both at every step of every layer (hyperparameters never change)
         self._scorer = self._make_base()
         base_rule = self._scorer.fused_rule()

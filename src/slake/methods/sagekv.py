@@ -61,7 +61,9 @@ def sagekv_partition(
     """
     b = budget.to(torch.int64)
     sink = torch.floor(b.double() * sink_fraction).to(torch.int64)
-    kk = b // (2 * group) if k is None else torch.full_like(b, int(k))
+    # a given k above any budget leaves no room whatever it is: held at the largest budget + 1, so that ``G*k`` never
+    # wraps around in int64 (2 * (2**63 - 1) is -2, which left room) and a k past int64 does not overflow
+    kk = b // (2 * group) if k is None else torch.full_like(b, min(int(k), (int(b.max()) if b.numel() else 0) + 1))
     return sink, kk, b - sink - group * kk
 
 
@@ -117,8 +119,9 @@ class SageKV(Method):
         compress = real > budget
         sink, kk, recent = (t.to(dev) for t in sagekv_partition(budget, G, self.sink_fraction, self.k))
         if bool((compress & (recent < 1)).any()):
+            gk = (G * kk).tolist() if self.k is None else [G * int(self.k)] * len(kk)  # the k given, unclamped
             raise ValueError(
-                f"sagekv: sink {sink.tolist()} + G*k {(G * kk).tolist()} leave no room for the last "
+                f"sagekv: sink {sink.tolist()} + G*k {gk} leave no room for the last "
                 f"token within the budget {budget.tolist()}; lower k or sink_fraction"
             )
         pos = torch.arange(S, device=dev).view(1, S)

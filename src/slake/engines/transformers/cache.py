@@ -22,6 +22,7 @@ from slake.cache.prefill import check_left_padding, check_real_tokens
 from slake.cache.state import PrefillInfo
 from slake.engines.transformers.bounded_layers import bounded_layer, held_bytes
 from slake.engines.transformers.layer_layout import AttentionLayout, attention_layout, text_config
+from slake.engines.transformers.python_options import check_count, check_flag
 from slake.engines.transformers.window_layer import WindowLayer
 from slake.methods.base import Method, check_compileable
 
@@ -230,8 +231,9 @@ class SlakeCache(Cache):
         )
         if self.layout.num_layers != num_layers:
             raise ValueError(f"the config lists {self.layout.num_layers} layer types for {num_layers} layers")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
-            raise ValueError(f"prefill_chunk must be >= 1 (or None for an exact prefill), got {prefill_chunk}")
+        check_count("prefill_chunk", prefill_chunk, optional=True)  # None: an exact prefill
+        check_count("max_cache_len", max_cache_len, minimum=2, optional=True)  # prompt + new tokens
+        check_flag("charge_linear_state", charge_linear_state)
         m, self.profile = resolve_method(method, budget, source, **hyperparameters)
         self.compressor = CompressedKV(
             m,
@@ -249,8 +251,6 @@ class SlakeCache(Cache):
         if self.prefill_chunk is not None:  # refused when the cache is built, not at its first prompt
             check_chunkable(m)
         if max_cache_len is not None:
-            if isinstance(max_cache_len, bool) or int(max_cache_len) < 2:
-                raise ValueError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), got {max_cache_len!r}")
             chunked = sorted(i for i, (kind, _) in self.layout.bounded.items() if kind != "sliding_attention")
             if chunked:
                 raise ValueError(

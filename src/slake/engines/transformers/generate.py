@@ -21,6 +21,7 @@ from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs, recompile_limit_error
 from slake.engines.transformers.grad_mode import no_grad_here
 from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout, text_config
+from slake.engines.transformers.python_options import check_count, check_generate_options
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
@@ -112,7 +113,9 @@ def prefill(
         )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    chunk = prefill_chunk if prefill_chunk is not None else getattr(cache, "prefill_chunk", None)
+    chunk = check_count("prefill_chunk", prefill_chunk, optional=True)
+    if chunk is None:
+        chunk = getattr(cache, "prefill_chunk", None)
     if trailing_tokens:
         cache.compressor.expect_trailing_prompt_tokens(trailing_tokens)
     if chunk is not None and chunk < input_ids.shape[1]:
@@ -123,8 +126,6 @@ def prefill(
         return prefill_with_second_pass(model, cache, input_ids, attention_mask)
     S = input_ids.shape[1]
     pos = prefill_position_ids(attention_mask)
-    if chunk is not None and int(chunk) < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {chunk}")
     with no_grad_here():
         if chunk is None or chunk >= S:
             cache.exact_prefill = True  # asked for (a chunk of at least the prompt): not the cache's prefill_chunk
@@ -251,8 +252,9 @@ def generate(
     Raises
     ------
     ValueError
-        Before the model runs, for an empty prompt, a sequence past the model's context (unless
-        ``allow_long_context``), or one that outgrows the window of a model whose every layer slides
+        Before the model runs, for an empty prompt, an option of the wrong type or out of range
+        (:func:`~slake.engines.transformers.python_options.check_generate_options`), a sequence past the model's
+        context (unless ``allow_long_context``), or one that outgrows the window of a model whose every layer slides
         (:func:`check_sliding_window`).
 
     Notes
@@ -263,8 +265,19 @@ def generate(
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_generate_options(
+        max_new_tokens=max_new_tokens,
+        chat_template=chat_template,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        charge_linear_state=charge_linear_state,
+        prefill_chunk=prefill_chunk,
+        allow_long_context=allow_long_context,
+        compile=compile,
+    )
     budget_obj = Budget(budget)
     m, profile = resolve_method(method, budget_obj, model, **hyperparameters)
     prepare_model(model)

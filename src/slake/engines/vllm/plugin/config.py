@@ -180,15 +180,19 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
         raise ValueError(
             'slake: the configuration needs "method" and "budget", e.g. {"method": "snapkv", "budget": 128}'
         )
-    overrides = raw.get("set") or {}
+    overrides = raw.get("set")
+    if overrides is None:  # null or absent: no overrides; any other value that is not an object is refused
+        overrides = {}
     if not isinstance(overrides, dict):
-        raise ValueError('slake: "set" must be an object of hyperparameters, e.g. {"window": 16}')
+        raise ValueError(f'slake: "set" must be an object of hyperparameters, e.g. {{"window": 16}}, got {overrides!r}')
+    if not isinstance(raw["method"], str):
+        raise ValueError(f'slake: "method" must be a string (a name or spec, e.g. "snapkv"), got {raw["method"]!r}')
     kernels = check_kernels(raw.get("kernels", "auto"))
     from slake.methods.profiles import resolve_method
 
     try:
         budget = Budget(raw["budget"])
-        method, profile = resolve_method(str(raw["method"]), budget, model, **overrides)
+        method, profile = resolve_method(raw["method"], budget, model, **overrides)
     except ValueError as exc:
         raise ValueError(f"slake: {exc}") from None
     check_protected(method, budget)
