@@ -64,3 +64,35 @@ def test_a_request_with_slake_options_is_refused(tiny_dir, prompts, slake):
         _generate(llm, prompt, {"slake": {"method": "h2o", "budget": 16}})
     plain = _generate(llm, prompt, None)
     assert len(plain) == 4 and _generate(llm, prompt, {"unrelated": 1}) == plain
+    if slake is not None:  # beam search ran as plain vLLM's on a slake engine, without a word (2026-11-30)
+        from vllm.sampling_params import BeamSearchParams
+
+        with pytest.raises(ValueError, match=r"^slake: beam search is not compressed"):
+            llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_online_beam_search_is_refused_on_a_slake_engine_only(monkeypatch, configured):
+    """The OpenAI server's ``use_beam_search``: refused before its first step on a slake engine; a plain engine's
+    reaches vLLM's own beam search (which fails here on the fake server's missing parts)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+    from vllm.exceptions import VLLMValidationError
+
+    from slake.engines.vllm import plugin
+
+    monkeypatch.delenv("SLAKE_VLLM", raising=False)
+    plugin.register()
+    search = BeamSearchOnlineMixin.beam_search
+    assert getattr(search, "_slake", False) and not getattr(search.__wrapped__, "_slake", False)
+    config = {"slake": {"method": "snapkv", "budget": BUDGET} if configured else None}
+    server = SimpleNamespace(engine_client=SimpleNamespace(vllm_config=SimpleNamespace(additional_config=config)))
+
+    async def first_output():
+        return await search(server, prompt=None, request_id="r", params=None).__anext__()
+
+    with pytest.raises(VLLMValidationError if configured else AttributeError) as err:
+        asyncio.run(first_output())
+    assert str(err.value).startswith("slake: beam search is not compressed") == configured

@@ -79,7 +79,8 @@ class VllmRun:
     #: entry it applied) it ran with, ``kernels_asked`` and ``kernels`` (the decode step's implementation asked for,
     #: and which ran: ``torch``, ``triton`` or ``torch (fallback: why)``), ``kernel_steps`` and ``kernel_fallbacks``
     #: (the decode pool's counts), ``counters`` (preempted requests saved and restored), ``pool_rows``, ``running``
-    #: and ``saved`` requests at the end; None for plain vLLM
+    #: and ``saved`` requests at the end (``running``: rows held, the last step's finished requests included, which
+    #: vLLM names to the worker only with a next step); None for plain vLLM
     plugin: dict | None = None
     #: with ``timing``: per step with compressed decodes, (compressed rows, requests in the step, layers, plugin
     #: seconds summed over layers)

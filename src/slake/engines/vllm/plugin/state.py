@@ -492,7 +492,9 @@ class PluginState:
         ``kernels``: :meth:`kernels_ran`; ``kernel_steps`` and ``kernel_fallbacks``: the pool's
         :class:`~slake.cache.fused_step.KernelReport`, layer-steps per implementation and, per reason, the steps the
         fused kernels were asked for and did not cover), the recorded runs, the step timings, counters and the pool's
-        size."""
+        size. ``running`` counts the compressed requests whose rows the plugin holds, which includes those finished
+        in the last step: vLLM names a step's finished requests to the worker with the next step's scheduler output,
+        so after the last step of a run they are released only when another request comes."""
         report = None if self.pool is None else self.pool.report
         return {
             "method": self.config.method.name,
