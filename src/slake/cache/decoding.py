@@ -158,8 +158,9 @@ class Decoder:
         """Make sure every row of an eager layer has a free slot for one new token (host bookkeeping only)."""
         free = self._free[layer_idx]
         evicts = self.state.evicts(layer_idx)
-        if free is None:
-            free = store.min_free()  # once per layer after prefill
+        if free is None:  # once per layer after prefill; where some rows evict, only the others grow step by step
+            mixed = not evicts and self.state.scored(layer_idx)
+            free = store.room_when_some_rows_evict(self.state.decode_bound(layer_idx)) if mixed else store.min_free()
         if free < 1:
             growth = 1 if evicts else _GROWTH
             store._grow(growth)

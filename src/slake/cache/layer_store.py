@@ -420,6 +420,23 @@ class LayerStore:
         """Free slots of the fullest row (one read-back; called once after prefill, not per step)."""
         return int((~self.valid).sum(-1).min().item()) if self.valid.numel() else 0
 
+    def room_when_some_rows_evict(self, bound: torch.Tensor) -> int:
+        """Free slots of the fullest row and KV head that keeps every new token (``bound`` -1), for a layer whose rows
+        do not all evict at decode (a padded batch with a prompt within the budget), after growing the layer, once,
+        by what a row that evicts (``bound`` >= 0) lacks: it grows to its bound and then evicts one token per step,
+        so ``bound + 1`` slots are all it ever needs. ``1 << 30`` where every row evicts. One read-back, once after
+        the prefill, as :meth:`min_free`. ``bound``: ``(B, Hkv)`` int, on any device."""
+        if not self.valid.numel():
+            return 0
+        counts = self.valid.sum(-1)  # (B, H)
+        bound = bound.to(counts.device)
+        growing = torch.where(bound < 0, self.capacity - counts, 1 << 30).min()
+        spare = torch.where(bound >= 0, self.capacity - torch.maximum(counts, bound) - 1, 1 << 30).min()
+        lacking = max(0, -int(spare.item()))
+        if lacking:
+            self._grow(lacking)
+        return int(growing.item()) + lacking
+
     def free(
         self, evicted: torch.Tensor, slots: torch.Tensor | None = None, chosen: torch.Tensor | None = None
     ) -> None:

@@ -144,6 +144,16 @@ class CacheState:
             and info.compress_all
         )
 
+    def decode_bound(self, layer_idx: int) -> torch.Tensor:
+        """``(B, Hkv)`` the most slots each row and KV head of a scored layer holds after a decode step: its target,
+        or for an eviction across the layer's KV heads (``evicts_across_heads``) the row's largest target; -1 where
+        the row keeps every token."""
+        target = self.targets[layer_idx]
+        assert target is not None
+        if self.method.evicts_across_heads:
+            return target.amax(-1, keepdim=True).expand_as(target)
+        return target
+
     def scored(self, layer_idx: int) -> bool:
         """True when the layer's decode steps score its slots (it has targets and the method evicts at decode)."""
         m = self.method
