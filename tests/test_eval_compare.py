@@ -104,3 +104,19 @@ def test_write_comparison_and_command_line(two_runs, tmp_path, capsys):
     # an existing comparison is replaced, not appended to
     write_comparison(out, [parse_line(f"{a}:cake:default"), parse_line(f"{b}:cake:calibrated")], resamples=200)
     assert len((out / "results.jsonl").read_text().splitlines()) == 19
+
+
+def test_a_line_names_its_method_as_any_spelling_of_its_spec(tmp_path):
+    """``slake[window=8,VABS=false]`` names the rows written as ``slake[vabs=false,window=8]``, as the method specs
+    promise; it found none (2026-11-30). A chunked-prefill suffix is kept, and a row of an unknown method matches only
+    its own string."""
+    rows = [_row("slake[vabs=false,window=8]", 128, "t", i, 1.0) for i in range(2)]
+    rows += [_row("cake (prefill_chunk=64)", 128, "t", i, 1.0) for i in range(2)]
+    rows += [_row("no-such-method[x=1]", 128, "t", i, 1.0) for i in range(2)]
+    d = _folder(tmp_path, "a", rows)
+    for spelling in ("slake[window=8,VABS=false]", "SLAKE[vabs=false, window=8]", "slake[vabs=false,window=8]"):
+        assert len(merge_lines([parse_line(f"{d}:{spelling}:X")])) == 2
+    assert len(merge_lines([parse_line(f"{d}:CAKE (prefill_chunk=64):X")])) == 2
+    assert len(merge_lines([parse_line(f"{d}:no-such-method[x=1]:X")])) == 2
+    with pytest.raises(ValueError, match="has no row of"):
+        merge_lines([parse_line(f"{d}:slake[window=8]:X")])

@@ -7,6 +7,7 @@ an absolute per-sequence number.
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 from dataclasses import dataclass
@@ -22,12 +23,12 @@ class Budget:
     ----------
     value : int | float | str | Budget
         An integer ``>= 1``: average cached tokens per layer and KV head (window included). A float in ``(0, 1)``:
-        a ratio of each prompt's length (rounded up). Any integer or real scalar counts (numpy's included; a bool
-        does not). Strings such as ``"128"`` or ``"0.25"`` are parsed; a Budget is copied. The attribute ``value``
-        holds the resolved plain int or float. A whole float above 1 (``128.0``, ``"128.0"``) counts tokens; the
-        float ``1.0`` (or ``"1.0"``) is refused: read as a ratio it would be the whole prompt, read as tokens one
-        token, and either silent reading would surprise someone (pass ``1`` for one token, a ratio below 1, or the
-        method ``full`` to keep every token).
+        a ratio of each prompt's length (rounded up). Any integer or real scalar counts (numpy's and ``Decimal``
+        included, a ratio read from its shortest decimal; a bool does not). Strings such as ``"128"`` or ``"0.25"``
+        are parsed; a Budget is copied. The attribute ``value`` holds the resolved plain int or float. A whole float
+        above 1 (``128.0``, ``"128.0"``) counts tokens; the float ``1.0`` (or ``"1.0"``) is refused: read as a ratio
+        it would be the whole prompt, read as tokens one token, and either silent reading would surprise someone
+        (pass ``1`` for one token, a ratio below 1, or the method ``full`` to keep every token).
 
     Raises
     ------
@@ -50,10 +51,12 @@ class Budget:
         if isinstance(v, str):
             object.__setattr__(self, "value", _parse(v))
             v = self.value
+        if isinstance(v, decimal.Decimal):  # a real number outside Python's numeric tower
+            v = float(v)
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ValueError(f"budget must be a positive integer (tokens) or a ratio in (0, 1), got {v!r}")
         # numpy and other integer / real scalars alike: the value is a plain int or float from here on
-        v = int(v) if isinstance(v, numbers.Integral) else float(v)
+        v = int(v) if isinstance(v, numbers.Integral) else _as_written(v)
         object.__setattr__(self, "value", v)
         if isinstance(v, float) and v == 1.0:
             # a whole float counts tokens (128.0 is 128), but 1.0 also reads as "a ratio of 1, the whole prompt":
@@ -92,6 +95,17 @@ class Budget:
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+def _as_written(v: Any) -> float:
+    """A real scalar as a plain float, read from its shortest decimal where it has one: ``numpy.float32(0.07)`` is
+    ``0.07``, not the ``0.07000000029802322`` its binary value widens to (whose ratio of 100 tokens rounds up to 8)."""
+    if type(v) is float:
+        return v
+    try:
+        return float(str(v))
+    except ValueError:  # e.g. a Fraction, written "7/100"
+        return float(v)
 
 
 def _parse(text: str) -> int | float:

@@ -3,6 +3,7 @@ batch manipulations of ``generate`` (beam search, ``num_return_sequences``) appl
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,14 @@ def map_batch(state: CacheState, index: torch.Tensor | None = None, repeats: int
     """Select / reorder the sequences ``index`` (beam search), or repeat every sequence ``repeats`` times
     (``num_return_sequences``), in every layer, target and prefill fact."""
     fn: Callable[[torch.Tensor], torch.Tensor]
+    # refused before any layer changes: an empty batch was accepted and failed later in statistics() (max() of an
+    # empty tensor); an index past the batch fails in index_select, before anything is selected
+    if index is not None:
+        index = torch.as_tensor(index)
+    if index is not None and (index.dim() != 1 or index.numel() == 0 or index.is_floating_point()):
+        raise ValueError(f"a batch selection needs a non-empty 1-D integer index, got shape {tuple(index.shape)}")
+    if repeats is not None and (isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1):
+        raise ValueError(f"a batch repeat needs an integer count >= 1, got {repeats!r}")
     if index is not None:
         for s in state.layers:
             if s is not None:

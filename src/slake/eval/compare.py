@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import sys
@@ -65,6 +66,20 @@ def parse_line(spec: str) -> Line:
     return Line(Path(parts[0]), parts[1].strip(), parts[2].strip())
 
 
+@functools.lru_cache(maxsize=None)
+def _canonical(method: str) -> str:
+    """``method`` as a canonical spec (``SLAKE[window=8,VABS=false]`` and ``slake[vabs=false,window=8]`` name the same
+    rows, as :func:`slake.methods.spec.parse_method_spec` promises), a chunked-prefill suffix kept; unchanged when it
+    does not parse (a row of a method this version does not know)."""
+    from slake.methods.base import canonical_method_spec
+
+    base, sep, suffix = method.partition(" (")
+    try:
+        return canonical_method_spec(base) + sep + suffix
+    except ValueError:
+        return method
+
+
 def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
     """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample (of each
     model and suite). Rows measured with chunked prefill are their own method, ``"<method> (prefill_chunk=N)"``, as
@@ -89,7 +104,8 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
         if not (line.folder / RESULTS_FILE).is_file():
             raise ValueError(f"no {RESULTS_FILE} in {line.folder}")
         rows = summary_view(read_results(line.folder / RESULTS_FILE))
-        mine = [dict(r, method=line.label) for r in rows if r.get("method") == line.method]
+        wanted = _canonical(line.method)
+        mine = [dict(r, method=line.label) for r in rows if _canonical(str(r.get("method"))) == wanted]
         if not mine:
             found = sorted({str(r.get("method")) for r in rows})
             raise ValueError(f"{line.folder / RESULTS_FILE} has no row of {line.method!r} (it has: {found})")

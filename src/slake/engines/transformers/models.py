@@ -382,7 +382,7 @@ def load_model(
     (model, tokenizer)
         The model in eval mode with slake's attention function installed (:func:`slake.prepare_model`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from slake.engines.transformers.attention import prepare_model
 
@@ -397,8 +397,8 @@ def load_model(
         local_files_only = True
     if local_files_only:
         kwargs["local_files_only"] = True
+    tokenizer = _tokenizer(name, path, kwargs)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     except OSError as e:
         raise OSError(f"could not load model {name!r} ({path}): {e}") from e
@@ -413,13 +413,33 @@ def load_model(
 
 def load_tokenizer(name: str, gguf_file: str | None = None) -> Any:
     """The tokenizer of a model (no weights loaded): ``smollm2``, a hub id, a directory or a .gguf file."""
-    from transformers import AutoTokenizer
-
     path, gguf = resolve_model(name, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     if packaged_name(name) is not None or os.path.isdir(path):
         kwargs["local_files_only"] = True
+    return _tokenizer(name, path, kwargs)
+
+
+#: files one of which a model folder needs for transformers to build its tokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _tokenizer(name: Any, path: str, kwargs: dict[str, Any]) -> Any:
+    """``AutoTokenizer.from_pretrained(path, **kwargs)``, with an error that names the model: a folder without any
+    tokenizer file (weights saved alone) failed in transformers' ValueError about sentencepiece and tiktoken, which
+    named neither the model nor what was missing."""
+    from transformers import AutoTokenizer
+
+    if (
+        os.path.isdir(path)
+        and "gguf_file" not in kwargs
+        and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+    ):
+        raise OSError(
+            f"could not load the tokenizer of {name!r}: the folder {path} has none of {', '.join(_TOKENIZER_FILES)}; "
+            f"save the model's tokenizer beside its weights (tokenizer.save_pretrained({path!r}))"
+        )
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise OSError(f"could not load the tokenizer of {name!r} ({path}): {e}") from e
