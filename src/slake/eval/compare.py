@@ -66,7 +66,7 @@ def parse_line(spec: str) -> Line:
     return Line(Path(parts[0]), parts[1].strip(), parts[2].strip())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _canonical(method: str) -> str:
     """``method`` as a canonical spec (``SLAKE[window=8,VABS=false]`` and ``slake[vabs=false,window=8]`` name the same
     rows, as :func:`slake.methods.spec.parse_method_spec` promises), a chunked-prefill suffix kept; unchanged when it
