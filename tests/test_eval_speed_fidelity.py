@@ -243,3 +243,17 @@ def test_time_left_weighs_prompts_by_their_tokens():
     left.update(1)
     assert left.seconds_left() == 0.0
     assert [format_duration(x) for x in (5, 725, 11220)] == ["5s", "12m05s", "3h07m"]
+
+
+def test_fidelity_refuses_to_resume_rows_written_without_it(llama_gqa, tok, samples, tmp_path):
+    """A run with fidelity over a folder of rows written without it resumed them with no distance and said nothing
+    (2026-11-30); rows it does not resume, and rows written with fidelity, are no obstacle."""
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=2, progress=False)
+    out = tmp_path / "run"
+    run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [40], out, **kw)
+    with pytest.raises(ValueError, match=r"--fidelity: 1 compressed row\(s\) .* were written without --fidelity"):
+        run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [40], out, fidelity=True, **kw)
+    rows = run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [48], out, fidelity=True, **kw)
+    assert [r["budget"] for r in rows if r["method"] != "full"] == [48] and "kl_tokens" in rows[-1]
+    again = run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [48], out, fidelity=True, **kw)
+    assert again == []

@@ -281,6 +281,46 @@ def check_requests_fit(requests: Sequence[EvalRequest], samples: Sequence[Sample
     )
 
 
+def _run_key(sample: Sample, method: str, budget: Any, name: str, prefill_chunk: int | None) -> Any:
+    """The resume key of the row this run would write for ``sample`` and (``method``, ``budget``)."""
+    return row_key(
+        {
+            "task": sample.task,
+            "sample_id": sample.sample_id,
+            "method": method,
+            "budget": budget,
+            "length": target_length(sample),
+            "model": name,
+            "prefill_chunk": None if budget is None else prefill_chunk,
+        }
+    )
+
+
+def check_fidelity_rows(
+    store: ResultsWriter, name: str, pairs: Sequence[Pair], samples: Sequence[Sample], prefill_chunk: int | None
+) -> None:
+    """Raise ``ValueError`` when a run with ``fidelity`` would resume compressed rows written without it: they have
+    no distance to the full cache (``kl``, ``kl_tokens``), and the run would end with none for them and without a
+    word (the fidelity table then leaves them out). Rows of pairs or samples this run does not ask for are not
+    looked at."""
+    without = {row_key(r) for r in store.scan.rows if r.get("budget") is not None and "kl_tokens" not in r}
+    if not without:
+        return
+    hits = [
+        (s, m, b)
+        for s in samples
+        for m, b in pairs
+        if b is not None and _run_key(s, m, b, name, prefill_chunk) in without
+    ]
+    if hits:
+        s, m, b = hits[0]
+        raise ValueError(
+            f"--fidelity: {len(hits)} compressed row(s) in {store.path} this run would resume were written without "
+            f"--fidelity (e.g. {m} at budget {b}, sample {s.sample_id!r}) and have no distance to the full cache; use "
+            f"another --out, or remove those rows to measure them again"
+        )
+
+
 def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full: bool) -> list[Pair]:
     pairs: list[Pair] = [(FULL_METHOD, None)] if include_full else []
     return pairs + [(m, b) for m in methods for b in budgets]
@@ -390,24 +430,11 @@ def evaluate_suite(
     with ResultsWriter(out_dir) as store:
         settings = run_settings(engine, opts, chat_template=chat_template, max_new_tokens=max_new_tokens)
         check_results_directory(store, engine, name=name, settings=settings, pairs=pairs, samples=samples)
+        if opts.fidelity:
+            check_fidelity_rows(store, name, pairs, samples, opts.prefill_chunk)
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
-            todo = tuple(
-                (m, b)
-                for m, b in pairs
-                if row_key(
-                    {
-                        "task": s.task,
-                        "sample_id": s.sample_id,
-                        "method": m,
-                        "budget": b,
-                        "length": target_length(s),
-                        "model": name,
-                        "prefill_chunk": None if b is None else opts.prefill_chunk,
-                    }
-                )
-                not in store
-            )
+            todo = tuple((m, b) for m, b in pairs if _run_key(s, m, b, name, opts.prefill_chunk) not in store)
             if not todo:
                 continue
             prefill_ids, question_ids = encode_sample(
