@@ -92,7 +92,7 @@ def test_demo_counts_every_byte_each_cache_holds_on_a_hybrid_model(monkeypatch, 
         def check_pair(self, method, budget):
             pass
 
-        def generate(self, prompt, *, method, budget, max_new_tokens, chat_template):
+        def generate(self, prompt, *, method, budget, max_new_tokens, chat_template, **options):
             kv = GEMMA_FULL if method == "full" else GEMMA_SLAKE
             return GenerationResult(
                 texts=[": 4680899"], prompt_tokens=[1023], new_tokens=[4], method=method, budget=64, kv_bytes=dict(kv),

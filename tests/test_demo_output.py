@@ -17,3 +17,69 @@ def test_answer_excerpt_cuts_long_answers_at_a_word_boundary():
 def test_answer_excerpt_says_when_the_answer_is_empty():
     assert answer_excerpt("") == "(empty answer)"
     assert answer_excerpt(" \n: ") == "(empty answer)"
+
+
+# 2026-11-30 audit of the CLI: a decode time of 0 where none was timed, --method full accepted, --depth accepted and
+# ignored for tasks without a needle, and an error that named a --allow-long-context flag the demo did not have
+
+
+def _fake_demo(monkeypatch, decode_ms: float = 7.0):
+    import types
+
+    from slake.cli import demo
+    from slake.engines.result import GenerationResult
+
+    seen: dict = {}
+
+    class Engine:
+        name = "transformers"
+        tokenizer = None
+
+        def check(self, **options):
+            pass
+
+        def check_pair(self, method, budget):
+            pass
+
+        def generate(self, prompt, *, method, budget, max_new_tokens, **options):
+            seen.update(options)
+            return GenerationResult(
+                texts=[": 4680899"], prompt_tokens=[1023], new_tokens=[1], method=method, budget=64,
+                kv_bytes={"full": 10, "kept": 5}, kept_tokens_per_layer=[], compressed=method != "full",
+                prefill_s=0.5, decode_ms_per_token=decode_ms,
+            )  # fmt: skip
+
+    sample = types.SimpleNamespace(question="What is the number?", answers=["4680899"], metric="all", metadata={})
+    monkeypatch.setattr(demo, "engine_from_args", lambda args: Engine())
+    monkeypatch.setattr("slake.eval.ruler.ruler_sample", lambda *a, **k: seen.update(depth=k.get("depth")) or sample)
+    monkeypatch.setattr("slake.eval.prompts.build_prompt", lambda s, tok: "the document")
+    return seen
+
+
+def test_demo_says_na_where_no_decode_step_was_timed(monkeypatch, capsys):
+    import json
+
+    from slake.cli import main
+
+    _fake_demo(monkeypatch, decode_ms=0.0)
+    argv = ["demo", "--length", "1024", "--budget", "64", "--max-new-tokens", "1"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["full"]["decode_ms_per_token"] is None and out["compressed"]["decode_ms_per_token"] is None
+    assert main(argv) == 0
+    assert "decode n/a ms/token" in capsys.readouterr().out
+
+
+def test_demo_depth_only_where_a_needle_is_and_long_context_on_request(monkeypatch, capsys):
+    from slake.cli import main
+
+    seen = _fake_demo(monkeypatch)
+    assert main(["demo", "--task", "niah_single_1", "--length", "1024", "--json"]) == 0
+    assert seen["depth"] == 50.0 and seen["allow_long_context"] is False
+    assert main(["demo", "--task", "cwe", "--length", "1024", "--json", "--allow-long-context"]) == 0
+    assert seen["depth"] is None and seen["allow_long_context"] is True
+    capsys.readouterr()
+    assert main(["demo", "--task", "cwe", "--depth", "10", "--length", "1024"]) == 2
+    assert "--depth places a needle: task cwe has none" in capsys.readouterr().err
+    assert main(["demo", "--method", "full", "--length", "1024"]) == 2
+    assert "--method full" in capsys.readouterr().err

@@ -53,12 +53,23 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
         "repeated filler text; default)",
     )
     p.add_argument("--length", type=int, default=2048, help="document length in tokens")
-    p.add_argument("--depth", type=float, default=50.0, help="needle depth in percent")
+    p.add_argument(
+        "--depth", type=float, default=None, help="needle depth in percent (needle and niah_* tasks; default 50)"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="run a document longer than the model's context (its answers then measure the model past its training)",
+    )
     add_engine_arg(p, "answer")
     add_model_args(p)
+
+
+def _ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.0f}"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -83,24 +94,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import time
 
     from slake.budgets.budget import Budget
+    from slake.cli.generate import timed_decode_ms
     from slake.eval.metrics import score_prediction
     from slake.eval.needle import needle_sample
     from slake.eval.prompts import build_prompt
     from slake.eval.ruler import RULER_TASKS, ruler_sample
+    from slake.eval.ruler_niah import NIAH_TASKS
 
     budget = Budget(args.budget)
     if args.task != "needle" and args.task not in RULER_TASKS:
         raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
-    if args.length < 256 or args.max_new_tokens < 1 or not 0 <= args.depth <= 100:
+    if args.method == "full":
+        raise ValueError("--method full: the demo compares a compressed cache with the full cache; name a method")
+    has_needle = args.task == "needle" or args.task in NIAH_TASKS
+    if args.depth is not None and not has_needle:
+        raise ValueError(f"--depth places a needle: task {args.task} has none (needle and the niah_* tasks do)")
+    depth = 50.0 if args.depth is None and has_needle else args.depth
+    if args.length < 256 or args.max_new_tokens < 1 or (depth is not None and not 0 <= depth <= 100):
         raise ValueError("need --length >= 256, --max-new-tokens >= 1 and --depth in [0, 100]")
     engine = engine_from_args(args)
     engine.check()
     engine.check_pair(args.method, budget)
     tokenizer = engine.tokenizer
     if args.task == "needle":
-        sample = needle_sample(tokenizer, args.length, args.depth, kind="number", seed=args.seed)
+        sample = needle_sample(tokenizer, args.length, depth, kind="number", seed=args.seed)
     else:
-        sample = ruler_sample(args.task, tokenizer, args.length, seed=args.seed, depth=args.depth)
+        sample = ruler_sample(args.task, tokenizer, args.length, seed=args.seed, depth=depth)
     # the prompt exactly as the evaluation builds it: chat template, question last, and for RULER tasks the answer
     # prefix ("The special magic number for X mentioned in the text above is") opening the assistant turn
     prompt = build_prompt(sample, tokenizer)
@@ -108,7 +127,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     runs: dict[str, dict[str, Any]] = {}
     for name, method, b in (("full cache", "full", 1), (args.method, args.method, budget)):
         start = time.perf_counter()
-        res = engine.generate(prompt, method=method, budget=b, max_new_tokens=args.max_new_tokens, chat_template=False)
+        res = engine.generate(
+            prompt,
+            method=method,
+            budget=b,
+            max_new_tokens=args.max_new_tokens,
+            chat_template=False,
+            allow_long_context=args.allow_long_context,
+        )
         runs[name] = {
             "text": res.text,
             "correct": bool(score_prediction(sample, res.text) >= 1.0),
@@ -118,7 +144,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "stored_bytes": held_bytes(res.kv_bytes),
             "seconds": round(time.perf_counter() - start, 2),
             "prefill_s": round(res.prefill_s, 3),
-            "decode_ms_per_token": round(res.decode_ms_per_token, 2),
+            # None (n/a) where no decode step was timed (one new token); the vLLM engine's NaN is not JSON
+            "decode_ms_per_token": timed_decode_ms(res.decode_ms_per_token),
         }
     full, comp = runs["full cache"], runs[args.method]
     kept_pct = 100.0 * comp["stored_bytes"] / max(full["stored_bytes"], 1)
@@ -152,7 +179,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         pct = "" if run is full else f"  ({kept_pct:.1f}% of the full cache)"
         print(
             f"  {name}  KV memory {_fmt_bytes(run['stored_bytes']):>9}{pct}   time {run['seconds']:.1f} s "
-            f"(prefill {run['prefill_s']:.1f} s, decode {run['decode_ms_per_token']:.0f} ms/token)"
+            f"(prefill {run['prefill_s']:.1f} s, decode {_ms(run['decode_ms_per_token'])} ms/token)"
         )
     kv = comp["kv_bytes"]
     bookkeeping = sum(kv.get(k, 0) for k in ("padding", "slack", "metadata"))
