@@ -221,3 +221,25 @@ def test_a_code_lines_indentation_reaches_the_metric():
     eos = len(tok.encode(gold + "\n")) + 1000
     prediction = decode_text(tok, [*tok.encode(gold + "\n"), eos], [eos])
     assert prediction == gold + "\n" and score_prediction(sample, prediction) == 1.0
+
+
+@pytest.mark.parametrize(
+    "line", ["{}", '{"context": "text", "input": "q"}', '{"answers": ["a"]}', '{"context": "", "answers": ["a"]}']
+)
+def test_a_record_without_answers_or_text_is_refused(tmp_path, line):
+    """Such a record was read, scored 0 and counted in every average (2026-11-30)."""
+    from slake.eval.longbench import read_longbench_jsonl
+
+    path = tmp_path / "qasper.jsonl"
+    path.write_text('{"context": "c", "input": "q", "answers": ["a"]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"line 2: not a LongBench record .*non-empty 'answers'"):
+        read_longbench_jsonl(path, "qasper")
+
+
+def test_a_file_without_records_is_refused(tmp_path):
+    from slake.eval.longbench import read_longbench_jsonl
+
+    path = tmp_path / "qasper.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no LongBench record"):
+        read_longbench_jsonl(path, "qasper")

@@ -87,6 +87,12 @@ class LongBenchRecord:
         answers = obj.get("answers") or []
         if isinstance(answers, str):
             answers = [answers]
+        if not answers or not (obj.get("context") or obj.get("input")):
+            # a record without answers scored 0 and counted in every average; one without text measured nothing
+            raise ValueError(
+                "a LongBench record needs a non-empty 'answers' and a 'context' or an 'input' "
+                f"(keys given: {sorted(obj)})"
+            )
         return cls(
             input=obj.get("input") or "",
             context=obj.get("context") or "",
@@ -111,8 +117,10 @@ def read_longbench_jsonl(path: str | os.PathLike[str], dataset: str | None = Non
                     out.append(LongBenchRecord.from_json(json.loads(line), dataset))
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}, line {number}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{path}, line {number}: not a LongBench record ({type(e).__name__}: {e})") from None
+    if not out:
+        raise ValueError(f"{path} holds no LongBench record")
     return out
 
 
