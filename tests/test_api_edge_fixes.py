@@ -84,3 +84,15 @@ def test_a_ratio_is_read_as_written_whatever_its_type():
     for bad in (decimal.Decimal("NaN"), np.float32("nan"), decimal.Decimal("1.0")):
         with pytest.raises(ValueError):
             Budget(bad)
+
+
+def test_a_loader_error_is_one_line(tmp_path, monkeypatch):
+    import transformers
+
+    def fail(*args, **kwargs):
+        raise OSError("We couldn't connect to the hub.\nCheck your connection\n  or the name.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    with pytest.raises(OSError) as err:
+        load_tokenizer("nosuchorg/nosuchmodel")
+    assert "\n" not in str(err.value) and "hub. Check your connection or the name." in str(err.value)

@@ -401,7 +401,7 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     except OSError as e:
-        raise OSError(f"could not load model {name!r} ({path}): {e}") from e
+        raise OSError(f"could not load model {name!r} ({path}): {_one_line(e)}") from e
     model.to(device).eval()
     # the name profiles are matched by (slake.methods.profiles): a packaged model's name, else the name given
     model.config.slake_model_name = packaged_name(name) or str(name)
@@ -442,4 +442,9 @@ def _tokenizer(name: Any, path: str, kwargs: dict[str, Any]) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
-        raise OSError(f"could not load the tokenizer of {name!r} ({path}): {e}") from e
+        raise OSError(f"could not load the tokenizer of {name!r} ({path}): {_one_line(e)}") from e
+
+
+def _one_line(error: BaseException) -> str:
+    """transformers' loader message on one line (it wraps its text over several; the CLI's errors are one line)."""
+    return " ".join(str(error).split())
