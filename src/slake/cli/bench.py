@@ -24,11 +24,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slake.cli.options import add_engine_arg, engine_from_args, split_list
+from slake.cli.options import add_engine_arg, check_out_folder, engine_from_args, refuse_duplicates, split_list
 
 __all__ = [
     "add_bench_parser", "add_serve_args", "bench_lengths", "bench_methods", "bench_plan", "check_serve_options",
-    "cmd_bench", "refuse_duplicates",
+    "check_threads", "cmd_bench", "refuse_duplicates",
 ]  # fmt: skip
 
 
@@ -214,7 +214,7 @@ def bench_lengths(args: argparse.Namespace) -> tuple[int, ...]:
     text = getattr(args, "lengths", None)
     if not getattr(args, "serve", False):
         out = []
-        for n in split_list(text or DEFAULT_LENGTHS, "--lengths"):
+        for n in split_list(DEFAULT_LENGTHS if text is None else text, "--lengths"):
             try:
                 if int(n) < 2:
                     raise ValueError
@@ -223,7 +223,7 @@ def bench_lengths(args: argparse.Namespace) -> tuple[int, ...]:
             out.append(int(n))
         refuse_duplicates("--lengths", out)
         return tuple(out)
-    text = str(text or DEFAULT_SERVE_LENGTHS).strip()
+    text = str(DEFAULT_SERVE_LENGTHS if text is None else text).strip()
     lo, sep, hi = text.partition("-")
     try:
         low, high = int(lo), int(hi if sep else lo)
@@ -254,7 +254,8 @@ def check_serve_options(args: argparse.Namespace) -> None:
 def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
     from slake.engines.base import ServePlan
 
-    concurrency = tuple(int(x) for x in split_list(args.concurrency or DEFAULT_CONCURRENCY, "--concurrency"))
+    given = DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency
+    concurrency = tuple(int(x) for x in split_list(given, "--concurrency"))
     requests = DEFAULT_REQUESTS if args.requests is None else args.requests
     max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     kv = DEFAULT_KV_GIB if args.kv_memory is None else args.kv_memory
@@ -276,15 +277,21 @@ def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
     )
 
 
-def refuse_duplicates(option: str, items: list[Any], keys: list[Any] | None = None) -> None:
-    """Raise ValueError naming ``option`` when two of ``items`` are the same (compared by ``keys``, one per item,
-    where given): a benchmark would measure that configuration twice and write both rows under one name."""
-    seen: dict[Any, Any] = {}
-    for item, key in zip(items, keys if keys is not None else items):
-        if key in seen:
-            same = f"{item!r}" if str(item) == str(seen[key]) else f"{seen[key]!r} and {item!r}"
-            raise ValueError(f"{option}: {same} given twice; each configuration is measured once")
-        seen[key] = item
+def check_threads(threads: int | None) -> None:
+    """Refuse (ValueError naming ``--threads``) a thread count below 1 or above this machine's CPUs
+    (``os.cpu_count()``): torch would start that many threads (100000 crashed the process), and more threads than
+    CPUs time the contention between them, not the method."""
+    import os
+
+    if threads is None:
+        return
+    cpus = os.cpu_count() or 1
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if threads > cpus:
+        raise ValueError(
+            f"--threads {threads} is more than this machine's {cpus} CPUs (os.cpu_count()); use 1 to {cpus}"
+        )
 
 
 def bench_methods(text: str, baselines: tuple[str, ...] = ()) -> list[str]:
@@ -312,10 +319,13 @@ def bench_plan(args: argparse.Namespace, baselines: tuple[str, ...] = ()) -> Any
     from slake.engines.base import BenchPlan
 
     check_serve_options(args)
-    if getattr(args, "random_model", None) and getattr(args, "gguf_file", None):
+    if getattr(args, "random_model", None) is not None and getattr(args, "gguf_file", None) is not None:
         raise ValueError("--gguf-file names a file of --model; a --random-model has none (drop one of them)")
+    check_threads(args.threads)
+    check_out_folder(args.out)
     methods = bench_methods(args.methods, baselines)
-    kv_texts = split_list(getattr(args, "kv_dtype", None) or "auto", "--kv-dtype")
+    kv_dtype = getattr(args, "kv_dtype", None)
+    kv_texts = split_list("auto" if kv_dtype is None else kv_dtype, "--kv-dtype")
     kv_dtypes = tuple(parse_kv_dtype(k) for k in kv_texts)
     refuse_duplicates("--kv-dtype", kv_texts, list(kv_dtypes))
     budget_texts = split_list(args.budget, "--budget")

@@ -43,36 +43,44 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
 
 
-def _check_out_dir(out_dir: str | None) -> None:
-    """Raise ValueError unless the profile folder can be created and written (before the slow model load)."""
-    import tempfile
-
+def _profile_folder(out_dir: str | None) -> Path:
+    """The folder the profile is written to: ``--out-dir`` (``~`` expanded), else the user profile folder."""
     from slake.methods.profiles import profile_dir
 
-    folder = Path(out_dir).expanduser() if out_dir else profile_dir()
-    what = "--out-dir" if out_dir else "the profile folder ($SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ValueError(f"{what} {folder} cannot be written: {e.strerror or e}") from e
+    return profile_dir() if out_dir is None else Path(out_dir).expanduser()
+
+
+def _check_out_dir(out_dir: str | None) -> None:
+    """Raise ValueError unless the profile folder can be created and written (before the slow model load): an empty
+    ``--out-dir``, a path that is a file or below one, or whose nearest existing folder is not writable. Creates
+    nothing (the folder is made when the run starts)."""
+    from slake.cli.options import check_out_folder
+
+    what = "--out-dir" if out_dir is not None else "the profile folder ($SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"
+    check_out_folder(_profile_folder(out_dir) if out_dir is None or out_dir.strip() else out_dir, what)
 
 
 def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
     """Validate the arguments before the model loads; return the method specs, the built methods and the budgets."""
     from slake.budgets.budget import Budget
-    from slake.methods.base import make_method, parse_method_list
+    from slake.cli.options import refuse_duplicates
+    from slake.methods.base import canonical_method_spec, make_method, parse_method_list
     from slake.methods.profiles import SEARCHED
 
     specs = parse_method_list(args.methods)
+    refuse_duplicates("--methods", specs, [canonical_method_spec(m) for m in specs])
     methods = [make_method(m) for m in specs]
     for m in methods:
         if m.name not in SEARCHED:
             raise ValueError(f"slake calibrate tunes {', '.join(sorted(SEARCHED))}, not {m.name!r}")
-    budgets = [Budget(b.strip()).value for b in str(args.budgets).split(",") if b.strip()]
+    budget_texts = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
+    budgets = [Budget(b).value for b in budget_texts]
     if not budgets:
         raise ValueError("no budget given; use e.g. --budgets 128,256")
+    refuse_duplicates("--budgets", budget_texts, budgets)
+    blank = [a for a in args.alias if not a.strip()]
+    if blank:
+        raise ValueError(f"--alias {blank[0]!r} is blank; give the name the profile's model should answer to")
     if args.length < 256:
         raise ValueError(f"--length must be >= 256, got {args.length}")
     if args.samples < 1 or args.tokens < 2:
@@ -117,6 +125,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         can_allow=False,
     )
     identity = model_identity(model)
+    _profile_folder(args.out_dir).mkdir(parents=True, exist_ok=True)  # the run starts: its folder is made now
+    folder = None if args.out_dir is None else _profile_folder(args.out_dir)  # None: the profile folder
     # what is in force before calibrating (user or shipped profile, papers' values, defaults): the "before" point,
     # resolved before any entry is written so that a new entry does not become the "before" of a nearby budget
     in_force = {(i, b): resolve_method(spec, b, model) for i, spec in enumerate(specs) for b in budgets}
@@ -153,9 +163,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                     "slake_version": __version__,
                     "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 }
-                paths.add(
-                    write_entry(identity, entry, Path(args.out_dir) if args.out_dir else None, aliases=args.alias)
-                )
+                paths.add(write_entry(identity, entry, folder, aliases=args.alias))
                 entries.append(entry)
     finally:
         bar.close()

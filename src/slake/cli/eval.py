@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slake.cli.options import add_engine_arg, add_model_args, engine_from_args, split_list
+from slake.cli.options import add_engine_arg, add_model_args, check_out_folder, engine_from_args, split_list
 
 if TYPE_CHECKING:
     from slake.engines.base import Engine
@@ -159,7 +159,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         0 on success. Invalid arguments raise ValueError (the ``slake`` entry point prints them, exit code 2).
     """
     from slake.cache.quant import parse_kv_dtype
-    from slake.cli.validation import refuse_unchunkable
+    from slake.cli.validation import refuse_empty, refuse_unchunkable
     from slake.engines.base import EvalOptions
     from slake.eval.protocol import resolve_protocol_args
     from slake.eval.results import read_results, row_key, scan_results
@@ -167,16 +167,19 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     from slake.eval.suites import build_samples, parse_floats, parse_ints, plan_suite
     from slake.eval.summary import summary_rows, write_summary
 
+    refuse_empty(args)  # an empty --tasks, --lengths, --out ... names nothing: refused, not read as left out
     protocol = resolve_protocol_args(args)  # fills --suite, --lengths, --budgets, --question-agnostic
     engine = engine or engine_from_args(args)
     methods = resolve_methods(args.methods)
     refuse_unchunkable(methods, args.prefill_chunk)
-    budgets = parse_budgets(args.budgets) if methods else []
+    budgets = parse_budgets(args.budgets)  # parsed with the full cache alone too: a bad value is never ignored
+    if not methods:
+        budgets = []
     for m in methods:
         for b in budgets:
             engine.check_pair(m, b)
-    lengths = parse_ints(args.lengths, "--lengths") if args.lengths else None
-    depths = parse_floats(args.depths, "--depths", 0.0, 100.0) if args.depths else None
+    lengths = parse_ints(args.lengths, "--lengths") if args.lengths is not None else None
+    depths = parse_floats(args.depths, "--depths", 0.0, 100.0) if args.depths is not None else None
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk is not None and (args.prefill_chunk < 1 or args.question_agnostic):
@@ -196,7 +199,11 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
         fidelity=args.fidelity,
         allow_long_context=args.allow_long_context,
     )
-    tasks = split_list(args.tasks, "--tasks") if args.tasks else None
+    tasks = split_list(args.tasks, "--tasks") if args.tasks is not None else None
+    _refuse_longbench_options(args)
+    check_out_folder(args.out, "--out")
+    if args.prefill_cache is not None:
+        check_out_folder(args.prefill_cache, "--prefill-cache")
     plan = plan_suite(
         args.suite, tasks, lengths, args.samples, args.seed, depths, args.longbench_dir, args.longbench_hub
     )
@@ -272,6 +279,24 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     for p in plots:
         print(f"plot: {p}", file=sys.stderr)
     return 0
+
+
+def _refuse_longbench_options(args: argparse.Namespace) -> None:
+    """Refuse ``--longbench-dir`` and ``--longbench-hub`` with a suite other than longbench (as ``--depths`` is
+    refused with a suite other than needle), rather than ignore them."""
+    given = [
+        flag
+        for flag, value in (
+            ("--longbench-dir", args.longbench_dir is not None),
+            ("--longbench-hub", args.longbench_hub),
+        )
+        if value
+    ]
+    if given and args.suite != "longbench":
+        raise ValueError(
+            f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the longbench suite only, "
+            f"not to {args.suite}"
+        )
 
 
 def _protocol_start(

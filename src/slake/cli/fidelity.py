@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slake.budgets.budget import Budget
-from slake.cli.options import add_model_args, split_list
-from slake.cli.validation import read_prompt
+from slake.cli.options import add_model_args, check_out_folder
+from slake.cli.validation import fidelity_grid, read_prompt
 
-__all__ = ["add_fidelity_parser", "check_out_folder", "cmd_fidelity", "refuse_unsupported"]
+__all__ = ["add_fidelity_parser", "check_out_folder", "cmd_fidelity", "fidelity_grid", "refuse_unsupported"]
 
 
 def add_fidelity_parser(sub: Any) -> None:
@@ -67,25 +66,20 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from slake.engines.context import check_context, context_limit
     from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.models import load_model
-    from slake.methods.base import parse_method_list
     from slake.quality import fidelity
 
-    methods = parse_method_list(args.methods)
-    budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
+    methods, budgets, kv_dtypes = fidelity_grid(args)
     modes: dict[str, list[bool | None]] = {"default": [None], "on": [True], "off": [False], "both": [False, True]}
     lin_modes = modes[args.linear_cache]
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
     if args.output_tokens < 0 or args.output_tokens == 1 or args.output_samples < 1:
         raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
-    from slake.cache.quant import parse_kv_dtype
-
-    kv_dtypes = [parse_kv_dtype(k) for k in split_list(args.kv_dtype or "auto", "--kv-dtype")]
     refuse_unsupported(methods)
-    if args.out:
+    if args.out is not None:
         check_out_folder(args.out)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
-    if args.prompt_file:
+    if args.prompt_file is not None:
         text = getattr(args, "prompt_text", None) or read_prompt(None, args.prompt_file)
     else:
         from slake.eval.needle import needle_sample
@@ -123,7 +117,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             f"{args.output_samples} essay continuations + {args.output_samples} answers)\n\n"
             + output_fidelity.summary_table(output_rows)
         )
-    if args.out:
+    if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "fidelity.json").write_text(json.dumps({"rows": rows, "output_rows": output_rows}, indent=1))
@@ -167,29 +161,6 @@ def refuse_unsupported(methods: list[str]) -> None:
                 f"({built.second_pass}) that the attention level's replay of the recorded prompt does not run; "
                 f"measure its output-level distance with `slake eval --fidelity` instead"
             )
-
-
-def check_out_folder(out: str | Path) -> None:
-    """Refuse, before anything is measured, an ``--out`` folder that cannot be created or written: a path that is a
-    file, below a file, or in a folder without write permission. Creates nothing.
-
-    Raises
-    ------
-    ValueError
-        Naming the path at fault.
-    """
-    import os
-
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {out}: {path} exists and is not a folder")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is a file, so no folder can be made below it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {parent} is not writable")
 
 
 def _output_fidelity(

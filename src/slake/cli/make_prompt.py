@@ -41,8 +41,12 @@ def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
     """Run ``slake make-prompt``; ``tokenizer`` overrides loading ``args.model``'s tokenizer (tests)."""
+    from slake.cli.validation import refuse_empty
     from slake.eval.ruler import NIAH_TASKS, RULER_TASKS
 
+    refuse_empty(args, ("out", "model", "gguf_file"))  # an empty --out names no file: refused before the tokenizer
+    if args.out != "-" and Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a folder; name the prompt file to write (or - for standard output)")
     if args.task != "needle" and args.task not in RULER_TASKS:
         raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
     if args.length < 1:

@@ -8,12 +8,16 @@ the same way.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from slake.engines import ENGINES, Engine, ModelSpec, make_engine
 from slake.methods.spec import parse_assignments
 
-__all__ = ["add_engine_arg", "add_model_args", "engine_from_args", "model_spec", "parse_hyperparameters", "split_list"]
+__all__ = [
+    "add_engine_arg", "add_model_args", "check_out_folder", "engine_from_args", "model_spec", "parse_hyperparameters",
+    "refuse_duplicates", "split_list",
+]  # fmt: skip
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -50,10 +54,21 @@ def add_engine_arg(p: argparse.ArgumentParser, what: str = "run") -> None:
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The :class:`slake.engines.ModelSpec` of a parsed command line (``--random-model`` where the command has it)."""
+    """The :class:`slake.engines.ModelSpec` of a parsed command line (``--random-model`` where the command has it).
+
+    Raises
+    ------
+    ValueError
+        For an empty ``--random-model`` or ``--model`` (a value that names no model is refused, never read as the
+        option left out, which would load the packaged model).
+    """
     random = getattr(args, "random_model", None)
+    name = getattr(args, "model", None)
+    for flag, value in (("--random-model", random), ("--model", name)):
+        if value is not None and not str(value).strip():
+            raise ValueError(f"{flag} is empty ({value!r}); give it a value or leave {flag} out")
     return ModelSpec(
-        name=None if random else (getattr(args, "model", None) or "smollm2"),
+        name=None if random is not None else (name or "smollm2"),
         gguf_file=getattr(args, "gguf_file", None),
         device=getattr(args, "device", None),
         dtype=getattr(args, "dtype", None),
@@ -116,3 +131,46 @@ def method_overrides(args: Any) -> dict[str, Any]:
             )
         hyper["linear_cache"] = flag
     return hyper
+
+
+def refuse_duplicates(option: str, items: list[Any], keys: list[Any] | None = None) -> None:
+    """Raise ValueError naming ``option`` when two of ``items`` are the same (compared by ``keys``, one per item,
+    where given): a benchmark would measure that configuration twice and write both rows under one name."""
+    seen: dict[Any, Any] = {}
+    for item, key in zip(items, keys if keys is not None else items):
+        if key in seen:
+            same = f"{item!r}" if str(item) == str(seen[key]) else f"{seen[key]!r} and {item!r}"
+            raise ValueError(f"{option}: {same} given twice; each configuration is measured once")
+        seen[key] = item
+
+
+def check_out_folder(out: str | Path, option: str = "--out") -> None:
+    """Refuse, before anything is measured, an output folder that cannot be created or written: an empty path, a
+    path that is a file, below a file, or in a folder without write permission. Creates nothing.
+
+    Parameters
+    ----------
+    out : str or Path
+        The folder given.
+    option : str
+        The flag that gave it, named in the message (``--out``, ``--prefill-cache``, ``--out-dir``).
+
+    Raises
+    ------
+    ValueError
+        Naming the flag and the path at fault.
+    """
+    import os
+
+    if not str(out).strip():
+        raise ValueError(f"{option} is empty ({str(out)!r}); give it a folder or leave {option} out")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {out}: {path} exists and is not a folder")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {out}: {parent} is a file, so no folder can be made below it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {out}: {parent} is not writable")

@@ -18,11 +18,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slake.cli.options import engine_from_args, method_overrides, split_list
+from slake.cli.options import check_out_folder, engine_from_args, method_overrides, refuse_duplicates, split_list
 from slake.engines.transformers.models import check_device
 from slake.methods.budget_check import check_method_budget
 
-__all__ = ["read_prompt", "read_text", "refuse_unchunkable", "validate_args"]
+__all__ = ["fidelity_grid", "read_prompt", "read_text", "refuse_empty", "refuse_unchunkable", "validate_args"]
+
+#: options whose value names something (a list, a file or folder, a shape, a storage): an empty value is refused, never
+#: read as the option left out (``--tasks ''`` ran every task, ``--random-model ''`` loaded the packaged model)
+NOT_EMPTY = (
+    "tasks", "lengths", "depths", "out", "out_dir", "prefill_cache", "longbench_dir", "kv_dtype", "random_model",
+    "prompt_file", "model", "gguf_file",
+)  # fmt: skip
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
@@ -66,6 +73,24 @@ def _stdin_bytes() -> bytes:
     its text encoded back with the surrogates that stand for undecodable bytes."""
     buffer = getattr(sys.stdin, "buffer", None)
     return buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+
+
+def refuse_empty(args: argparse.Namespace, names: tuple[str, ...] = NOT_EMPTY) -> None:
+    """Refuse (ValueError naming the flag) an option of ``names`` given an empty or blank value: left out, it has a
+    default; given empty, it names nothing, and reading it as left out would run what was not asked.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        A parsed command line; options it does not have are skipped.
+    names : tuple of str
+        The attribute names to check (``--kv-dtype`` is ``kv_dtype``).
+    """
+    for name in names:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} is empty ({value!r}); give it a value or leave {flag} out")
 
 
 def _at_least(args: argparse.Namespace, name: str, low: int) -> None:
@@ -118,6 +143,7 @@ def refuse_unchunkable(methods: list[Any], prefill_chunk: int | None) -> None:
 def _check_common(args: argparse.Namespace) -> None:
     from slake.engines.transformers.models import default_device, parse_dtype
 
+    refuse_empty(args)
     check_device(getattr(args, "device", None))
     if getattr(args, "dtype", None) is not None:
         parse_dtype(args.dtype, args.device or default_device())
@@ -130,6 +156,43 @@ def _check_common(args: argparse.Namespace) -> None:
         # that is when Triton's interpreter can still be switched on (Triton missing, or CPU tensors on a machine
         # where Triton compiles for a GPU, is refused here)
         resolve_kernels("triton", getattr(args, "device", None))
+
+
+def fidelity_grid(args: argparse.Namespace) -> tuple[list[str], list[int | float], list[str | None]]:
+    """The methods, budgets and key/value storages of a ``slake fidelity`` command line, each given once.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed arguments of :func:`slake.cli.fidelity.add_fidelity_parser` (``--methods``, ``--budgets``,
+        ``--kv-dtype``, ``--linear-cache``).
+
+    Returns
+    -------
+    tuple
+        The method specs, the budget values and the ``kv_dtype`` names (None for the model's dtype).
+
+    Raises
+    ------
+    ValueError
+        For a bad item, an empty ``--kv-dtype``, or an item given twice (the same canonical method spec, with
+        ``linear_cache`` left out where ``--linear-cache`` forces it; the same budget value; the same storage): it
+        would be measured twice and reported twice under one name.
+    """
+    from slake.budgets.budget import Budget
+    from slake.cache.quant import parse_kv_dtype
+    from slake.methods.base import canonical_method_spec, parse_method_list
+
+    methods = parse_method_list(args.methods)
+    forced = ("linear_cache",) if getattr(args, "linear_cache", "default") != "default" else ()
+    refuse_duplicates("--methods", methods, [canonical_method_spec(m, drop=forced) for m in methods])
+    budget_texts = split_list(args.budgets, "--budgets")
+    budgets = [Budget(b).value for b in budget_texts]
+    refuse_duplicates("--budgets", budget_texts, budgets)
+    kv_texts = split_list("auto" if args.kv_dtype is None else args.kv_dtype, "--kv-dtype")
+    kv_dtypes = [parse_kv_dtype(k) for k in kv_texts]
+    refuse_duplicates("--kv-dtype", kv_texts, kv_dtypes)
+    return methods, budgets, kv_dtypes
 
 
 def _check_generate(args: argparse.Namespace) -> None:
@@ -153,18 +216,16 @@ def _check_generate(args: argparse.Namespace) -> None:
 
 
 def _check_fidelity(args: argparse.Namespace) -> None:
-    from slake.budgets.budget import Budget
-    from slake.methods.base import make_method, parse_method_list
+    from slake.methods.base import make_method
 
-    methods = parse_method_list(args.methods)
+    methods, budgets, _ = fidelity_grid(args)
     forced: dict[str, list[bool]] = {"on": [True], "off": [False], "both": [False, True]}
     for lin in forced.get(str(getattr(args, "linear_cache", "default")), []):
         for m in methods:  # forced on every method: one that cannot take it (full) fails here, before the model loads
             make_method(m, linear_cache=lin)
-    budgets = [Budget(b).value for b in split_list(args.budgets, "--budgets")]
     _pairs(methods, budgets)
     _at_least(args, "steps", 1)
-    if args.prompt_file:
+    if args.prompt_file is not None:
         args.prompt_text = read_prompt(None, args.prompt_file)
     else:
         _at_least(args, "length", 2)
@@ -182,9 +243,9 @@ def _check_fidelity(args: argparse.Namespace) -> None:
 
 def _check_bench(args: argparse.Namespace) -> None:
     from slake.budgets.budget import Budget
-    from slake.cli.bench import bench_lengths, bench_methods, check_serve_options
+    from slake.cli.bench import bench_lengths, bench_methods, check_serve_options, check_threads
 
-    _at_least(args, "threads", 1)
+    check_threads(args.threads)
     baselines = engine_from_args(args).bench_baselines
     methods = bench_methods(args.methods, baselines)
     budgets = [Budget(b).value for b in split_list(args.budget, "--budget")]
@@ -192,10 +253,11 @@ def _check_bench(args: argparse.Namespace) -> None:
     refuse_unchunkable([m for m in methods if m != "full" and m not in baselines], args.prefill_chunk)
     check_serve_options(args)
     bench_lengths(args)
-    if args.random_model:
+    if args.random_model is not None:
         from slake.engines.transformers.shapes import parse_shape
 
         parse_shape(args.random_model)
+    check_out_folder(args.out)
 
 
 def _check_eval(args: argparse.Namespace) -> None:
@@ -208,15 +270,17 @@ _CHECKS = {"generate": _check_generate, "fidelity": _check_fidelity, "bench": _c
 def validate_args(args: argparse.Namespace) -> None:
     """Check a parsed ``slake`` command line before any model load; raise ValueError naming the problem.
 
-    Checked for every command that has them: ``--device`` (parsable and present on this machine), ``--dtype``,
+    Checked for every command that has them: an empty value of an option of :data:`NOT_EMPTY` (never read as the
+    option left out), ``--device`` (parsable and present on this machine), ``--dtype``,
     ``--max-new-tokens >= 1``, ``--prefill-chunk >= 1``, ``--kernels triton`` (Triton installed and able to run on
     the device; the kernels are loaded here, through Triton's interpreter on a machine without CUDA). ``generate``:
     the method, its ``--set`` hyperparameters and the budget (a window larger than the budget is refused),
     ``--temperature`` and ``--top-p`` (checked when sampling, refused without ``--sample``), and the prompt (missing,
     a directory, empty or not UTF-8: a file, standard input or ``--prompt``).
-    ``fidelity``: methods (each with the ``--linear-cache`` setting it forces), budgets and their pairs,
-    ``--steps``, ``--length``, the prompt file. ``bench``: ``--threads >= 1``, methods, budgets and their pairs,
-    ``--lengths``, ``--random-model`` (unknown shapes and config keys); the engine's own baselines
+    ``fidelity``: methods (each with the ``--linear-cache`` setting it forces), budgets and their pairs, each given
+    once (:func:`fidelity_grid`), ``--steps``, ``--length``, the prompt file. ``bench``: ``--threads`` from 1 to
+    ``os.cpu_count()``, methods, budgets and their pairs, ``--lengths``, ``--random-model`` (unknown shapes, config
+    keys, a key given twice), ``--out`` (not a file, writable); the engine's own baselines
     (``Engine.bench_baselines``) are accepted among the methods.
     """
     _check_common(args)

@@ -191,8 +191,8 @@ def parse_shape(spec: str) -> tuple[str, dict]:
     Raises
     ------
     ValueError
-        For an unknown name (listing the known ones), a malformed override, or a shape no model can be built of; the
-        message is one line.
+        For an unknown name (listing the known ones), a malformed override, a config key given twice, or a shape no
+        model can be built of; the message is one line.
     """
     name, _, rest = spec.partition(":")
     key = name.strip().lower()
@@ -205,6 +205,8 @@ def parse_shape(spec: str) -> tuple[str, dict]:
         if "=" not in item:
             raise ValueError(f"--random-model {spec!r}: a shape override must be key=value, got {item!r}")
         k, v = (t.strip() for t in item.split("=", 1))
+        if k in given:  # refused, as --set refuses a name given twice, never settled by which came last
+            raise ValueError(f"--random-model {spec!r}: {k} is given twice; give each config key once")
         given[k] = kwargs[k] = _parse_value(v)
     defaults = _config_defaults(arch)
     unknown = sorted(set(kwargs) - set(SHAPES[key][1]) - set(defaults))
