@@ -249,3 +249,37 @@ def test_make_prompt_refuses_an_empty_or_folder_out_before_the_tokenizer(tmp_pat
     argv = ["make-prompt", "--task", "needle", "--length", "64", "--out"]
     _refused([*argv, ""], "--out is empty", capsys)
     _refused([*argv, str(tmp_path)], f"--out {tmp_path} is a folder", capsys)
+
+
+# ----------------------------------------------------------------------------- 8. a ratio below the window
+
+RATIO = [
+    ("bench", [*BENCH[:-4], "--methods", "full,snapkv", "--budget", "0.1", "--lengths", "1024,128"], "128-token"),
+    ("fidelity", ["fidelity", "--methods", "snapkv", "--budgets", "0.01", "--length", "256", "--output-tokens", "0"],
+     "256-token"),
+    ("calibrate", [*CAL[:4], "0.01", *CAL[5:]], "256-token"),
+    ("demo", ["demo", "--method", "snapkv", "--budget", "0.01", "--length", "256"], "256-token"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", RATIO, ids=[c[0] for c in RATIO])
+def test_a_ratio_below_the_protected_tokens_is_refused_before_the_model_loads(case, tmp_path, capsys, no_model_load):
+    """A ratio budget that leaves fewer tokens than the window was refused by the prefill: after the model loaded,
+    and in a sweep after the configurations before it had run and written their rows."""
+    name, argv, length = case
+    extra = _out(tmp_path) if name == "bench" else []
+    _refused([*argv, *extra], f"of a {length} prompt is", capsys)
+
+
+def test_eval_refuses_a_ratio_below_the_protected_tokens_before_any_row(tmp_path):
+    from slake.eval.needle import needle_grid
+    from slake.eval.runner import run_suite
+    from test_eval_runner import ESSAYS, TinyTokenizer
+    from tiny_models import tiny_model
+
+    tok = TinyTokenizer()
+    samples = needle_grid(tok, [200], [50], seed=1, essays=ESSAYS, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"snapkv: budget 0\.01 of a \d+-token prompt is 3 tokens"):
+        run_suite(tiny_model("llama-gqa", layers=2), tok, samples, ["snapkv"], [0.01], tmp_path / "o",
+                  suite="needle", model_name="tiny", progress=False)  # fmt: skip
+    assert not (tmp_path / "o" / "results.jsonl").exists() or not (tmp_path / "o" / "results.jsonl").read_text()

@@ -65,6 +65,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
     from slake.budgets.budget import Budget
     from slake.cli.options import refuse_duplicates
     from slake.methods.base import canonical_method_spec, make_method, parse_method_list
+    from slake.methods.budget_check import check_budget_at_length
     from slake.methods.profiles import SEARCHED
 
     specs = parse_method_list(args.methods)
@@ -95,6 +96,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
         for b in budgets:
             if isinstance(b, int) and b < m.protected:
                 raise ValueError(f"budget {b} is below {m.name}'s window/sinks ({m.protected} tokens)")
+            check_budget_at_length(m, b, args.length)  # a ratio of the calibration prompts
     _check_out_dir(args.out_dir)
     return specs, methods, budgets
 

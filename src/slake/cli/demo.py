@@ -100,6 +100,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from slake.eval.prompts import build_prompt
     from slake.eval.ruler import RULER_TASKS, ruler_sample
     from slake.eval.ruler_niah import NIAH_TASKS
+    from slake.methods.budget_check import check_budget_at_length
 
     budget = Budget(args.budget)
     if args.task != "needle" and args.task not in RULER_TASKS:
@@ -112,6 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     depth = 50.0 if args.depth is None and has_needle else args.depth
     if args.length < 256 or args.max_new_tokens < 1 or (depth is not None and not 0 <= depth <= 100):
         raise ValueError("need --length >= 256, --max-new-tokens >= 1 and --depth in [0, 100]")
+    check_budget_at_length(args.method, budget, args.length)  # a ratio of the document, before the model loads
     engine = engine_from_args(args)
     engine.check()
     engine.check_pair(args.method, budget)

@@ -20,7 +20,7 @@ from typing import Any
 
 from slake.cli.options import check_out_folder, engine_from_args, method_overrides, refuse_duplicates, split_list
 from slake.engines.transformers.models import check_device
-from slake.methods.budget_check import check_method_budget
+from slake.methods.budget_check import check_budget_at_length, check_method_budget
 
 __all__ = ["fidelity_grid", "read_prompt", "read_text", "refuse_empty", "refuse_unchunkable", "validate_args"]
 
@@ -229,6 +229,9 @@ def _check_fidelity(args: argparse.Namespace) -> None:
         args.prompt_text = read_prompt(None, args.prompt_file)
     else:
         _at_least(args, "length", 2)
+        for m in methods:  # a ratio of the --length-token prompt, before the model loads
+            for b in budgets:
+                check_budget_at_length(m, b, args.length)
     output_tokens, output_samples = getattr(args, "output_tokens", 0), getattr(args, "output_samples", 1)
     if output_tokens < 0 or output_tokens == 1 or output_samples < 1:
         raise ValueError("--output-tokens must be 0 (skip) or >= 2, and --output-samples >= 1")
@@ -252,7 +255,13 @@ def _check_bench(args: argparse.Namespace) -> None:
     _pairs([m for m in methods if m != "full" and m not in baselines], budgets)
     refuse_unchunkable([m for m in methods if m != "full" and m not in baselines], args.prefill_chunk)
     check_serve_options(args)
-    bench_lengths(args)
+    lengths = bench_lengths(args)
+    if not getattr(args, "serve", False):  # a ratio of each length: refused before the first configuration runs
+        for m in methods:
+            if m != "full" and m not in baselines:
+                for b in budgets:
+                    for n in lengths:
+                        check_budget_at_length(m, b, n)
     if args.random_model is not None:
         from slake.engines.transformers.shapes import parse_shape
 

@@ -35,7 +35,7 @@ from slake.eval.results import (
     row_key,
 )
 from slake.eval.sample import Sample, sample_digest
-from slake.methods.budget_check import check_method_budget
+from slake.methods.budget_check import check_budget_at_length, check_method_budget
 
 if TYPE_CHECKING:
     from slake.engines.base import Engine
@@ -321,6 +321,20 @@ def check_fidelity_rows(
         )
 
 
+def check_ratio_budgets(requests: Sequence[EvalRequest]) -> None:
+    """Raise ValueError, before anything runs, where a ratio budget of the shortest prompt that asks for it leaves
+    fewer tokens than the method protects (:func:`slake.methods.budget_check.check_budget_at_length`): the prefill
+    would refuse it after the rows before it ran. A prompt's length here is its prefill and question tokens."""
+    shortest: dict[Pair, int] = {}
+    for r in requests:
+        length = len(r.prefill_ids) + len(r.question_ids)
+        for m, b in r.pairs:
+            if isinstance(b, float):
+                shortest[(m, b)] = min(length, shortest.get((m, b), length))
+    for (m, b), length in shortest.items():
+        check_budget_at_length(m, b, length)
+
+
 def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full: bool) -> list[Pair]:
     pairs: list[Pair] = [(FULL_METHOD, None)] if include_full else []
     return pairs + [(m, b) for m in methods for b in budgets]
@@ -455,6 +469,7 @@ def evaluate_suite(
             )
         if not opts.allow_long_context:
             check_requests_fit(requests, samples, engine.context_limit)
+        check_ratio_budgets(requests)
         left = TimeLeft(requests)
         bar = tqdm(
             total=sum(len(r.pairs) for r in requests),

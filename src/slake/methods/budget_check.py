@@ -5,7 +5,7 @@ from __future__ import annotations
 from slake.budgets.budget import Budget
 from slake.methods.base import Method, make_method
 
-__all__ = ["check_method_budget"]
+__all__ = ["check_budget_at_length", "check_method_budget"]
 
 
 def check_method_budget(method: Method | str, budget: Budget | int | float | str) -> tuple[Method, Budget]:
@@ -41,3 +41,31 @@ def check_method_budget(method: Method | str, budget: Budget | int | float | str
             f"the total budget"
         )
     return m, b
+
+
+def check_budget_at_length(method: Method | str, budget: Budget | int | float | str, length: int) -> None:
+    """Raise ValueError where a ratio ``budget`` of a ``length``-token prompt leaves fewer tokens than the method
+    protects (window + sinks, and at least one): the prefill refuses it, but only once the model has loaded and,
+    in a sweep, after the configurations before it ran. An absolute budget is :func:`check_method_budget`'s; a
+    prompt within its budget is not compressed and is not refused.
+
+    Parameters
+    ----------
+    method : Method or str
+        A method object or spec.
+    budget : Budget, int, float or str
+        The budget; only a ratio is checked here.
+    length : int
+        The prompt's length in tokens, where a command knows it before loading (``bench --lengths``,
+        ``calibrate --length``) or before running (``eval``'s encoded prompts).
+    """
+    m = make_method(method)
+    b = budget if isinstance(budget, Budget) else Budget(budget)
+    if not b.is_ratio or m.keeps_everything:
+        return
+    tokens = b.tokens(length)
+    if length > tokens and tokens < max(1, m.protected):
+        raise ValueError(
+            f"{m.name}: budget {b.value} of a {length}-token prompt is {tokens} tokens, fewer than the protected "
+            f"window + sinks ({m.protected}); use a larger ratio, longer prompts or a smaller window"
+        )
