@@ -325,14 +325,14 @@ def check_ratio_budgets(requests: Sequence[EvalRequest]) -> None:
     """Raise ValueError, before anything runs, where a ratio budget of the shortest prompt that asks for it leaves
     fewer tokens than the method protects (:func:`slake.methods.budget_check.check_budget_at_length`): the prefill
     would refuse it after the rows before it ran. A prompt's length here is its prefill and question tokens."""
-    shortest: dict[Pair, int] = {}
+    shortest: dict[tuple[str, float], int] = {}
     for r in requests:
         length = len(r.prefill_ids) + len(r.question_ids)
         for m, b in r.pairs:
             if isinstance(b, float):
                 shortest[(m, b)] = min(length, shortest.get((m, b), length))
-    for (m, b), length in shortest.items():
-        check_budget_at_length(m, b, length)
+    for (method, ratio), length in shortest.items():
+        check_budget_at_length(method, ratio, length)
 
 
 def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full: bool) -> list[Pair]:
