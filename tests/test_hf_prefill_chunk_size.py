@@ -85,11 +85,17 @@ def test_a_later_turn_in_chunks_is_allowed(model):
     assert turns[0] == turns[1]
 
 
-def test_a_deep_copy_checks_its_own_prefill(model):
-    twin = copy.deepcopy(model)
-    assert twin._prefill.__self__ is twin
-    with torch.no_grad(), pytest.raises(ValueError, match="prefill_chunk_size=16"):
-        _generate(twin, _cache(twin), random_ids(S, seed=1), prefill_chunk_size=16)
+def test_copies_check_their_prefill_and_a_prepared_model_still_pickles(model, tmp_path):
+    """The check sits on the class: a deep or shallow copy checks too, and a prepared model is saved and loaded
+    whole (a method bound in the instance's dict, as first written, did not pickle)."""
+    assert "_prefill" not in vars(model)
+    for twin in (copy.deepcopy(model), copy.copy(model)):
+        with torch.no_grad(), pytest.raises(ValueError, match="prefill_chunk_size=16"):
+            _generate(twin, _cache(twin), random_ids(S, seed=1), prefill_chunk_size=16)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    ids = random_ids(S, seed=1)
+    assert _generate(loaded, _cache(loaded), ids) == _generate(model, _cache(model), ids)
 
 
 def test_slake_generate_ignores_a_checkpoints_prefill_chunk_size(model):

@@ -9,8 +9,8 @@ plain SDPA.
 
 from __future__ import annotations
 
+import functools
 import threading
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -158,18 +158,27 @@ def prepare_model(model) -> None:
 
 
 def _install_prefill_check(model) -> None:
-    """Wrap the model's ``generate`` prefill (``GenerationMixin._prefill``, on this instance only) in
-    :func:`_refuse_chunked_first_prompt`. A bound method rather than a closure: a deep copy of the model rebinds it
-    to the copy. Models without ``_prefill`` (not a ``GenerationMixin``) are left as they are."""
-    if "_prefill" in vars(model) or not callable(getattr(type(model), "_prefill", None)):
+    """Wrap the ``generate`` prefill the model's class uses (``GenerationMixin._prefill``, or an override of it on
+    the class that defines it) in :func:`_refuse_chunked_first_prompt`, once per process: it does nothing without a
+    :class:`SlakeCache`, so other models and caches are untouched. On the class rather than the instance: a method
+    bound in the instance's dict did not pickle (``torch.save(model)``), tied a shallow copy to the original and made
+    the model a reference cycle. Models without ``_prefill`` (not a ``GenerationMixin``) are left as they are."""
+    owner = next((c for c in type(model).__mro__ if "_prefill" in vars(c)), None)
+    if owner is None or not callable(vars(owner)["_prefill"]) or getattr(vars(owner)["_prefill"], "_slake", False):
         return
-    model._prefill = types.MethodType(_checked_prefill, model)
+    owner._prefill = _checked(vars(owner)["_prefill"])
 
 
-def _checked_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-    """``GenerationMixin._prefill`` behind :func:`_refuse_chunked_first_prompt`."""
-    _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs)
-    return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+def _checked(prefill):
+    """``prefill`` (``GenerationMixin._prefill``) behind :func:`_refuse_chunked_first_prompt`."""
+
+    @functools.wraps(prefill)
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs)
+        return prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    _prefill._slake = True  # type: ignore[attr-defined]
+    return _prefill
 
 
 def _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs: dict) -> None:
