@@ -69,18 +69,32 @@ def test_a_sagekv_k_beyond_the_budget_is_refused_with_the_k_given(model, k):
         ("max_new_tokens", None, "max_new_tokens must be an integer"),
         ("max_new_tokens", 1.5, "max_new_tokens must be an integer"),
         ("max_new_tokens", True, "max_new_tokens must be an integer"),
-        ("top_k", -1, "top_k must be >= 0"),
-        ("seed", "x", "seed must be an integer"),
-        ("temperature", float("inf"), "temperature must lie in"),
-        ("temperature", 0, "temperature must lie in"),
-        ("top_p", 1.5, "top_p must lie in"),
-        ("top_p", 0.0, "top_p must lie in"),
     ],
 )
 def test_slake_generate_refuses_an_option_it_would_misread(model, option, value, message):
     with pytest.raises(ValueError, match=message):
         slake.generate(model, word_tokenizer(), _prompt(), method="snapkv[window=8]", budget=24,
                        **{"max_new_tokens": 2, "chat_template": False, option: value})  # fmt: skip
+
+
+SAMPLING = [
+    ("top_k", -1, "top_k must be >= 0"),
+    ("seed", "x", "seed must be an integer"),
+    ("temperature", float("inf"), r"temperature must be a finite number in \(0.0, inf\)"),
+    ("temperature", 0, "temperature must be a finite number"),
+    ("top_p", 1.5, r"top_p must be a finite number in \(0.0, 1.0\]"),
+    ("top_p", 0.0, "top_p must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("option, value, message", SAMPLING)
+def test_sampling_options_are_checked_when_sampling_and_left_alone_when_greedy(model, option, value, message):
+    """Greedy decoding reads none of them: ``temperature=0`` is a common way to ask for it, and ran before."""
+    kw = {"max_new_tokens": 2, "chat_template": False, option: value}
+    with pytest.raises(ValueError, match=message):
+        slake.generate(model, word_tokenizer(), _prompt(), method="snapkv[window=8]", budget=24, do_sample=True, **kw)
+    res = slake.generate(model, word_tokenizer(), _prompt(), method="snapkv[window=8]", budget=24, **kw)
+    assert len(res.texts) == 1
 
 
 def test_numpy_and_plain_values_still_pass(model):

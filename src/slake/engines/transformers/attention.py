@@ -177,7 +177,7 @@ def _checked(prefill):
         _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs)
         return prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
 
-    _prefill._slake = True  # type: ignore[attr-defined]
+    _prefill._slake = True
     return _prefill
 
 

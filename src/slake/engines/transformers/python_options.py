@@ -18,10 +18,10 @@ __all__ = ["check_count", "check_flag", "check_generate_options", "check_real"]
 
 
 def check_flag(name: str, value: Any) -> bool:
-    """``value`` as a bool; a ValueError unless it is one (``True``/``False``, numpy's and torch's included)."""
+    """``value`` as a bool; a ValueError unless it is one (``True``/``False``, numpy's ``bool_`` included)."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ in ("bool_", "bool") and hasattr(value, "item"):  # numpy.bool_, a 0-d torch.bool
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):  # numpy.bool_ (numpy.bool)
         item = value.item()
         if isinstance(item, bool):
             return item
@@ -47,7 +47,8 @@ def check_real(name: str, value: Any, low: float, high: float, low_open: bool = 
         raise ValueError(f"{name} must be a number, got {value!r}")
     x = float(value)
     if not (math.isfinite(x) and (x > low if low_open else x >= low) and x <= high):
-        raise ValueError(f"{name} must lie in {'(' if low_open else '['}{low}, {high}], got {value}")
+        upper = f"{high}]" if math.isfinite(high) else "inf)"
+        raise ValueError(f"{name} must be a finite number in {'(' if low_open else '['}{low}, {upper}, got {value}")
     return x
 
 
@@ -66,9 +67,9 @@ def check_generate_options(
     compile: Any,
 ) -> None:
     """Refuse (ValueError, naming the option) what :func:`slake.generate` would misread: a flag that is not a bool,
-    a count that is not an integer in range (``top_k`` and ``seed`` may be 0 or None, ``prefill_chunk`` None), a
-    temperature that is not a finite number > 0, a ``top_p`` outside (0, 1] (checked whether or not ``do_sample``,
-    as their defaults are valid)."""
+    a count that is not an integer in range (``prefill_chunk`` may be None), and, when ``do_sample`` (greedy decoding
+    reads none of them, and ``temperature=0`` is a common way to ask for it): a temperature that is not a finite
+    number > 0, a ``top_p`` outside (0, 1], a ``top_k`` or ``seed`` that is not None or an integer >= 0."""
     for name, value in (
         ("chat_template", chat_template),
         ("do_sample", do_sample),
@@ -79,7 +80,8 @@ def check_generate_options(
         check_flag(name, value)
     check_count("max_new_tokens", max_new_tokens)
     check_count("prefill_chunk", prefill_chunk, optional=True)
-    check_count("top_k", top_k, minimum=0, optional=True)
-    check_count("seed", seed, minimum=0, optional=True)
-    check_real("temperature", temperature, 0.0, math.inf)
-    check_real("top_p", top_p, 0.0, 1.0)
+    if do_sample:
+        check_count("top_k", top_k, minimum=0, optional=True)
+        check_count("seed", seed, minimum=0, optional=True)
+        check_real("temperature", temperature, 0.0, math.inf)
+        check_real("top_p", top_p, 0.0, 1.0)
