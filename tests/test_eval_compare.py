@@ -120,3 +120,12 @@ def test_a_line_names_its_method_as_any_spelling_of_its_spec(tmp_path):
     assert len(merge_lines([parse_line(f"{d}:no-such-method[x=1]:X")])) == 2
     with pytest.raises(ValueError, match="has no row of"):
         merge_lines([parse_line(f"{d}:slake[window=8]:X")])
+
+
+def test_two_spellings_of_one_spec_for_one_sample_are_refused(tmp_path):
+    """``slake eval`` keeps ``slake[alpha=1]`` and ``slake[alpha=1.0]`` apart (it resumes by the spec as written):
+    a line matching both counted each sample twice."""
+    rows = [_row("slake[alpha=1]", 128, "t", 0, 1.0), _row("slake[alpha=1.0]", 128, "t", 0, 0.0)]
+    d = _folder(tmp_path, "a", rows)
+    with pytest.raises(ValueError, match="under two spellings"):
+        merge_lines([parse_line(f"{d}:slake[alpha=1]:X")])

@@ -432,10 +432,11 @@ class LayerStore:
         bound = bound.to(counts.device)
         growing = torch.where(bound < 0, self.capacity - counts, 1 << 30).min()
         spare = torch.where(bound >= 0, self.capacity - torch.maximum(counts, bound) - 1, 1 << 30).min()
-        lacking = max(0, -int(spare.item()))
+        free, least = torch.stack([growing, spare]).tolist()  # one read-back for both
+        lacking = max(0, -int(least))
         if lacking:
             self._grow(lacking)
-        return int(growing.item()) + lacking
+        return int(free) + lacking
 
     def free(
         self, evicted: torch.Tensor, slots: torch.Tensor | None = None, chosen: torch.Tensor | None = None

@@ -80,6 +80,23 @@ def _canonical(method: str) -> str:
         return method
 
 
+def _refuse_two_spellings(rows: Sequence[dict[str, Any]], line: Line) -> None:
+    """Refuse rows of one line written under two spellings of its spec for the same sample and budget: ``slake
+    eval`` resumes by the spec as written, so ``slake[alpha=1]`` and ``slake[alpha=1.0]`` are two runs in one folder,
+    and the line would count the sample twice."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for r in rows:
+        key = (r.get("task"), r.get("sample_id"), r.get("budget"), r.get("length"), r.get("model"))
+        spelling = str(r.get("method"))
+        first = seen.setdefault(key, spelling)
+        if first != spelling:
+            raise ValueError(
+                f"{line.folder / RESULTS_FILE} holds rows of {line.method!r} under two spellings, {first!r} and "
+                f"{spelling!r}, for the same sample ({r.get('sample_id')!r}, budget {r.get('budget')}): name one "
+                f"of them exactly"
+            )
+
+
 def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
     """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample (of each
     model and suite). Rows measured with chunked prefill are their own method, ``"<method> (prefill_chunk=N)"``, as
@@ -105,7 +122,9 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
             raise ValueError(f"no {RESULTS_FILE} in {line.folder}")
         rows = summary_view(read_results(line.folder / RESULTS_FILE))
         wanted = _canonical(line.method)
-        mine = [dict(r, method=line.label) for r in rows if _canonical(str(r.get("method"))) == wanted]
+        matched = [r for r in rows if _canonical(str(r.get("method"))) == wanted]
+        _refuse_two_spellings(matched, line)
+        mine = [dict(r, method=line.label) for r in matched]
         if not mine:
             found = sorted({str(r.get("method")) for r in rows})
             raise ValueError(f"{line.folder / RESULTS_FILE} has no row of {line.method!r} (it has: {found})")
