@@ -75,34 +75,52 @@ GEMMA_SLAKE = {"full": 22007808, "kept": 393216, "padding": 0, "slack": 6144, "m
                "linear_state": 792588, "sliding": 15697920}  # fmt: skip
 
 
+class FakeDemoEngine:
+    """An engine for ``slake demo`` that answers with fixed results: ``full_kv`` and ``kv`` (the method's) as
+    ``kv_bytes``, ``decode_ms`` per token; it records the options ``generate`` was given in ``options``, and the depth
+    the sample was asked at in ``options["depth"]`` (:func:`fake_demo`)."""
+
+    name = "transformers"
+    tokenizer = None
+
+    def __init__(self, full_kv: dict, kv: dict, decode_ms: float) -> None:
+        self.full_kv, self.kv, self.decode_ms, self.options = full_kv, kv, decode_ms, {}
+
+    def check(self, **options):
+        pass
+
+    def check_pair(self, method, budget):
+        pass
+
+    def generate(self, prompt, *, method, budget, max_new_tokens, **options):
+        from slake.engines.result import GenerationResult
+
+        self.options.update(options)
+        return GenerationResult(
+            texts=[": 4680899"], prompt_tokens=[1023], new_tokens=[4], method=method, budget=64,
+            kv_bytes=dict(self.full_kv if method == "full" else self.kv), kept_tokens_per_layer=[],
+            compressed=method != "full", prefill_s=0.5, decode_ms_per_token=self.decode_ms,
+        )  # fmt: skip
+
+
+def fake_demo(monkeypatch, full_kv: dict, kv: dict, decode_ms: float = 7.0) -> FakeDemoEngine:
+    """``slake demo`` run by a :class:`FakeDemoEngine` over a fixed sample and prompt (no model, no essays)."""
+    from slake.cli import demo
+
+    engine = FakeDemoEngine(full_kv, kv, decode_ms)
+    sample = types.SimpleNamespace(question="What is the number?", answers=["4680899"], metric="all", metadata={})
+    monkeypatch.setattr(demo, "engine_from_args", lambda args: engine)
+    ruler = lambda *a, **k: engine.options.update(depth=k.get("depth")) or sample  # noqa: E731
+    monkeypatch.setattr("slake.eval.ruler.ruler_sample", ruler)
+    monkeypatch.setattr("slake.eval.prompts.build_prompt", lambda s, tok: "the document")
+    return engine
+
+
 def test_demo_counts_every_byte_each_cache_holds_on_a_hybrid_model(monkeypatch, capsys):
     """On Gemma 3 (``slake demo --model gemma3-270m --length 1024 --budget 64``, its ``kv_bytes`` above) the demo
     printed 18.7% of the full cache, leaving out the sliding-window layers and the slack both caches hold; counting
     every byte it is 71.6%. ``--json`` says what the sum counts."""
-    from slake.cli import demo
-    from slake.engines.result import GenerationResult
-
-    class Engine:
-        name = "transformers"
-        tokenizer = None
-
-        def check(self, **options):
-            pass
-
-        def check_pair(self, method, budget):
-            pass
-
-        def generate(self, prompt, *, method, budget, max_new_tokens, chat_template, **options):
-            kv = GEMMA_FULL if method == "full" else GEMMA_SLAKE
-            return GenerationResult(
-                texts=[": 4680899"], prompt_tokens=[1023], new_tokens=[4], method=method, budget=64, kv_bytes=dict(kv),
-                kept_tokens_per_layer=[], compressed=method != "full", prefill_s=0.5, decode_ms_per_token=7.0,
-            )  # fmt: skip
-
-    sample = types.SimpleNamespace(question="What is the number?", answers=["4680899"], metric="all", metadata={})
-    monkeypatch.setattr(demo, "engine_from_args", lambda args: Engine())
-    monkeypatch.setattr("slake.eval.ruler.ruler_sample", lambda *a, **k: sample)
-    monkeypatch.setattr("slake.eval.prompts.build_prompt", lambda s, tok: "the document")
+    fake_demo(monkeypatch, GEMMA_FULL, GEMMA_SLAKE)
     argv = ["demo", "--model", "gemma3-270m", "--length", "1024", "--budget", "64", "--max-new-tokens", "4"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,6 +1,7 @@
 """``slake demo`` prints answers as text a person reads, not as Python reprs."""
 
 from slake.cli.demo import answer_excerpt
+from test_bench_honesty import fake_demo
 
 
 def test_answer_excerpt_collapses_line_breaks_and_the_leading_colon():
@@ -23,45 +24,12 @@ def test_answer_excerpt_says_when_the_answer_is_empty():
 # ignored for tasks without a needle, and an error that named a --allow-long-context flag the demo did not have
 
 
-def _fake_demo(monkeypatch, decode_ms: float = 7.0):
-    import types
-
-    from slake.cli import demo
-    from slake.engines.result import GenerationResult
-
-    seen: dict = {}
-
-    class Engine:
-        name = "transformers"
-        tokenizer = None
-
-        def check(self, **options):
-            pass
-
-        def check_pair(self, method, budget):
-            pass
-
-        def generate(self, prompt, *, method, budget, max_new_tokens, **options):
-            seen.update(options)
-            return GenerationResult(
-                texts=[": 4680899"], prompt_tokens=[1023], new_tokens=[1], method=method, budget=64,
-                kv_bytes={"full": 10, "kept": 5}, kept_tokens_per_layer=[], compressed=method != "full",
-                prefill_s=0.5, decode_ms_per_token=decode_ms,
-            )  # fmt: skip
-
-    sample = types.SimpleNamespace(question="What is the number?", answers=["4680899"], metric="all", metadata={})
-    monkeypatch.setattr(demo, "engine_from_args", lambda args: Engine())
-    monkeypatch.setattr("slake.eval.ruler.ruler_sample", lambda *a, **k: seen.update(depth=k.get("depth")) or sample)
-    monkeypatch.setattr("slake.eval.prompts.build_prompt", lambda s, tok: "the document")
-    return seen
-
-
 def test_demo_says_na_where_no_decode_step_was_timed(monkeypatch, capsys):
     import json
 
     from slake.cli import main
 
-    _fake_demo(monkeypatch, decode_ms=0.0)
+    fake_demo(monkeypatch, {"full": 10, "kept": 10}, {"full": 10, "kept": 5}, decode_ms=0.0)
     argv = ["demo", "--length", "1024", "--budget", "64", "--max-new-tokens", "1"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -73,7 +41,7 @@ def test_demo_says_na_where_no_decode_step_was_timed(monkeypatch, capsys):
 def test_demo_depth_only_where_a_needle_is_and_long_context_on_request(monkeypatch, capsys):
     from slake.cli import main
 
-    seen = _fake_demo(monkeypatch)
+    seen = fake_demo(monkeypatch, {"full": 10, "kept": 10}, {"full": 10, "kept": 5}).options
     assert main(["demo", "--task", "niah_single_1", "--length", "1024", "--json"]) == 0
     assert seen["depth"] == 50.0 and seen["allow_long_context"] is False
     assert main(["demo", "--task", "cwe", "--length", "1024", "--json", "--allow-long-context"]) == 0

@@ -2,7 +2,8 @@
 SlakeCache (2026-11-30 audit): transformers fed the prompt in pieces, which the cache took for a short first prompt
 and later turns. A first piece within the budget left the whole prompt uncompressed (every token kept, reported
 ``compressed=False``); a larger one was compressed alone and the rest evicted by the decode rule, and SAGE-KV, which
-refuses chunked prefill, was chunked. ``slake.generate`` kept a checkpoint's ``prefill_chunk_size``."""
+refuses chunked prefill, was chunked. ``slake.generate`` kept a checkpoint's ``prefill_chunk_size``
+(tests/test_hf_generate_fixes.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import transformers
 from packaging.version import Version
 from transformers import GenerationConfig
 
-import slake
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
-from tiny_models import random_ids, tiny_model, word_tokenizer
+from tiny_models import random_ids, tiny_model
 
 S = 64
 
@@ -96,16 +96,3 @@ def test_copies_check_their_prefill_and_a_prepared_model_still_pickles(model, tm
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
     ids = random_ids(S, seed=1)
     assert _generate(loaded, _cache(loaded), ids) == _generate(model, _cache(model), ids)
-
-
-def test_slake_generate_ignores_a_checkpoints_prefill_chunk_size(model):
-    saved = model.generation_config
-    model.generation_config = GenerationConfig.from_dict({"eos_token_id": 1, "pad_token_id": 2,
-                                                          "prefill_chunk_size": 16})  # fmt: skip
-    try:
-        prompt = " ".join(f"w{i}" for i in random_ids(S, seed=1)[0].tolist())
-        res = slake.generate(model, word_tokenizer(), prompt, method="snapkv", budget=24, window=8, max_new_tokens=3,
-                             chat_template=False)  # fmt: skip
-    finally:
-        model.generation_config = saved
-    assert res.compressed and max(res.kept_tokens_per_layer) <= 24
