@@ -161,7 +161,7 @@ def test_fidelity_and_calibrate_refuse_what_is_given_twice(case, tmp_path, capsy
 
 
 def test_fidelity_refuses_a_method_given_twice_once_linear_cache_is_forced():
-    from slake.cli.fidelity import fidelity_grid
+    from slake.cli.validation import fidelity_grid
 
     args = build_parser().parse_args([*FID[:1], "--methods", "snapkv,snapkv[linear_cache=true]", "--budgets", "64"])
     assert fidelity_grid(args)[0] == ["snapkv", "snapkv[linear_cache=true]"]

@@ -28,7 +28,7 @@ from slake.cli.options import add_engine_arg, check_out_folder, engine_from_args
 
 __all__ = [
     "add_bench_parser", "add_serve_args", "bench_lengths", "bench_methods", "bench_plan", "check_serve_options",
-    "check_threads", "cmd_bench", "refuse_duplicates",
+    "check_threads", "cmd_bench",
 ]  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from slake.cli.options import add_model_args, check_out_folder
 from slake.cli.validation import fidelity_grid, read_prompt
 
-__all__ = ["add_fidelity_parser", "check_out_folder", "cmd_fidelity", "fidelity_grid", "refuse_unsupported"]
+__all__ = ["add_fidelity_parser", "cmd_fidelity", "refuse_unsupported"]
 
 
 def add_fidelity_parser(sub: Any) -> None:
