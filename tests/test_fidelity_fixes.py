@@ -122,3 +122,19 @@ def test_a_bad_out_folder_is_refused_before_the_model_loads(monkeypatch, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0] and str(blocker) in err[0], err
     assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_a_progress_bar_counts_each_setting_at_each_level(llama_gqa, tmp_path, monkeypatch, capsys, hide):
+    """``slake fidelity`` over many settings ran for minutes with no sign of progress: a bar on standard error now
+    counts each (method, budget) setting at the attention level and again at the output level; ``--no-progress``
+    hides it."""
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (llama_gqa, _Tokenizer()))
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text(" ".join(f"w{i}" for i in range(100)))
+    argv = ["--prompt-file", str(prompt), "--methods", "snapkv,h2o", "--budgets", "40,48", "--length", "120",
+            "--steps", "2", "--output-tokens", "3", "--output-samples", "1", "--json"]  # fmt: skip
+    assert cmd_fidelity(_args(*argv, *(["--no-progress"] if hide else []))) == 0
+    err = capsys.readouterr().err
+    assert ("8/8" in err) is not hide  # 2 methods x 2 budgets, at two levels
+    assert "output level: 2 prompts" in err

@@ -56,6 +56,7 @@ def add_fidelity_parser(sub: Any) -> None:
         "--out", help="folder for fidelity.json, fidelity.md, fidelity_per_layer.png and output_kl_vs_budget.png"
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_args(p)
 
 
@@ -97,17 +98,24 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         )
     print(f"recording the full-cache run ({ids.shape[1]} prompt tokens, {args.steps} decode steps)...", file=sys.stderr)
     rec = fidelity.record(model, ids, args.steps)
+    settings = len(methods) * len(kv_dtypes) * len(lin_modes) * len(budgets)
+    bar = _progress_bar(args, settings * (2 if args.output_tokens else 1))
     rows = []
     for m in methods:
         for kvd in kv_dtypes:
             for lin in lin_modes:
                 for b in budgets:
+                    bar.set_postfix_str(f"attention level: {m} @ {b}", refresh=False)
                     rows += fidelity.measure(rec, m, b, linear_cache=lin, kv_dtype=kvd, profile_model=model)
+                    bar.update(1)
     for r in rows:
         r["prompt_tokens"] = int(ids.shape[1])
     output_rows = (
-        _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes, kv_dtypes) if args.output_tokens else []
+        _output_fidelity(args, model, tokenizer, methods, budgets, lin_modes, kv_dtypes, bar)
+        if args.output_tokens
+        else []
     )
+    bar.close()
     output_md = ""
     if output_rows:
         from slake.quality import output_fidelity
@@ -141,6 +149,16 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_bar(args: argparse.Namespace, total: int) -> Any:
+    """The run's progress bar on standard error: one unit per setting measured (method, kv dtype, linear cache,
+    budget), at the attention level and again at the output level; a bar that shows nothing with ``--no-progress``."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, desc="slake fidelity", unit="setting", file=sys.stderr, disable=getattr(args, "no_progress", False)
+    )
+
+
 def refuse_unsupported(methods: list[str]) -> None:
     """Refuse, before the model loads, a method ``slake fidelity`` cannot measure: one that needs a second pass over
     the prompt (``Method.second_pass``, KVzip's reconstruction), which the attention level's replay of the recorded
@@ -171,6 +189,7 @@ def _output_fidelity(
     budgets: list,
     lin_modes: list[bool | None],
     kv_dtypes: list[str | None],
+    bar: Any,
 ) -> list[dict]:
     """Output-level rows (:mod:`slake.quality.output_fidelity`) for every (method, kv dtype, linear cache, budget),
     labelled as the attention level labels them: ``method`` carries the storage (``snapkv@int8``) and
@@ -186,7 +205,7 @@ def _output_fidelity(
     )
 
     text = evaluation_text()
-    print(
+    bar.write(
         f"output level: {2 * args.output_samples} prompts of {args.length} tokens, "
         f"{args.output_tokens} continuation tokens each...",
         file=sys.stderr,
@@ -212,9 +231,11 @@ def _output_fidelity(
         for kvd in kv_dtypes:
             for lin in lin_modes:
                 for b in budgets:
+                    bar.set_postfix_str(f"output level: {m} @ {b}", refresh=False)
                     extra = {} if lin is None else {"linear_cache": lin}
                     built, _ = resolve_method(m, b, model, **extra)
                     for r in output_fidelity.measure_outputs(model, ref, built, b, label=label, kv_dtype=kvd):
                         r["linear_cache"] = built.linear_cache
                         rows.append(r)
+                    bar.update(1)
     return rows
