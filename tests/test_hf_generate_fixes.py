@@ -60,6 +60,38 @@ def test_prefill_then_a_plain_model_generate(model, method, kw):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("method", ["snapkv", "kvzip"])
+def test_model_generate_continues_from_a_whole_prompt_prefill(model, method):
+    """``prefill`` of the whole prompt, then ``model.generate`` of that prompt: transformers sliced
+    ``input_ids[:, -0:]`` and read the whole prompt again over the filled cache. The first token now comes from the
+    prefill's exact logits, and the tokens equal ``model.generate``'s own prefill (snapkv); KVzip, whose pass only
+    ``prefill`` runs, takes the same first token as the full cache."""
+    ids = random_ids(S, seed=1)
+    want = _generate(model, SlakeCache("snapkv", 24, config=model.config, window=8), ids, max_new_tokens=6)
+    with torch.no_grad():
+        first = int(model(ids).logits[0, -1].argmax())  # the full cache's first token
+    cache = SlakeCache(method, 24, config=model.config, window=8)
+    cache.reconstruction = ReconstructionPrompt(
+        repeat_ids=[5, 6, 7], continue_ids=[8, 9], suffix_ids=[10], prefix_ids=[]
+    )
+    with torch.no_grad():
+        prefill(model, cache, ids)
+        got = _generate(model, cache, ids, max_new_tokens=6)
+    assert got[0][0] == first
+    if method == "snapkv":
+        assert got == want
+    assert cache.prefilled_logits is None  # used once
+
+
+def test_a_prefilled_prompt_expanded_by_generate_is_refused(model):
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        prefill(model, cache, ids)
+        with pytest.raises(ValueError, match=r"prefilled prompt of 1 row\(s\).*num_return_sequences"):
+            _generate(model, cache, ids, max_new_tokens=2, num_beams=2, num_return_sequences=2)
+
+
 def test_a_cache_filled_in_inference_mode_is_refused_outside_it(model):
     ids = random_ids(S, seed=1)
     cache = SlakeCache("snapkv", 24, config=model.config, window=8)

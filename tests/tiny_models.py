@@ -105,13 +105,13 @@ def second_pass_ready(model, cache) -> bool:
 
 
 def prefill_for_generate(model, cache, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-    """What ``slake.generate`` does before ``model.generate`` for a second-pass method: prefill every prompt token
-    but the last through slake's prefill (exact prefill, second pass, compression), so that ``model.generate`` reads
-    the last one over the compressed cache. Nothing for other methods. Generate under ``torch.inference_mode``."""
+    """What ``slake.generate`` does before ``model.generate`` for a second-pass method: prefill the prompt through
+    slake's prefill (exact prefill, second pass, compression), which leaves its logits for ``model.generate`` to
+    continue from. Nothing for other methods. Generate under ``torch.inference_mode``."""
     if not second_pass_ready(model, cache):
         return
     from slake.engines.transformers.generate import prefill
 
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     with torch.inference_mode():
-        prefill(model, cache, ids[:, :-1], mask[:, :-1])
+        prefill(model, cache, ids, mask)

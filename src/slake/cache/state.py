@@ -116,7 +116,8 @@ class CacheState:
         if m.second_pass is not None and self.pass_scores is None:
             raise ValueError(
                 f"{m.name} scores the prompt with a second pass ({m.second_pass}) before compressing it: prefill it "
-                f"with slake.generate or slake.engines.transformers.generate.prefill, not a plain model forward"
+                f"with slake.generate or slake.engines.transformers.generate.prefill, not a plain model forward "
+                f"(model.generate given the same prompt then continues from that prefill)"
             )
 
     def store(self, layer_idx: int) -> LayerStore:

@@ -13,6 +13,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -20,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from slake.engines.transformers.cache import SlakeCache, _set_current, current_layer
-from slake.engines.transformers.cache_kwarg import cache_from_kwargs
+from slake.engines.transformers.cache_kwarg import cache_from_kwargs, with_cache
 from slake.engines.transformers.layer_layout import check_supported_attention, text_config
 from slake.engines.transformers.window_layer import _set_current as _set_window
 from slake.engines.transformers.window_layer import current_window
@@ -174,11 +175,42 @@ def _checked(prefill):
 
     @functools.wraps(prefill)
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        handed = _handed_over(self, input_ids, model_kwargs)
+        if handed is not None:
+            return handed
         _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs)
         return prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     _prefill._slake = True
     return _prefill
+
+
+def _handed_over(model, input_ids, model_kwargs: dict) -> Any:
+    """The model output of the prompt that :func:`slake.engines.transformers.generate.prefill` put in the cache, when
+    ``generate`` is given exactly that prompt; else None (and ``generate`` prefills what it is given, as usual).
+
+    ``prefill`` leaves its last position's logits on the cache (``SlakeCache.prefilled_logits``), used once: the
+    first token is then chosen from them, and nothing is read again. This is how ``slake.generate`` runs a method with
+    a second pass over the prompt (KVzip), which runs between the prompt's prefill and the first decode step: every
+    prompt token is prefilled exactly (ARCHITECTURE.md decision 2), as in ``slake eval`` and ``slake bench``. Without
+    this, transformers would read the whole prompt again over the filled cache (it slices ``input_ids[:, -0:]``)."""
+    cache = cache_from_kwargs(model_kwargs)
+    logits = getattr(cache, "prefilled_logits", None) if isinstance(cache, SlakeCache) else None
+    if logits is None:
+        return None
+    cache.prefilled_logits = None
+    rows, held = int(input_ids.shape[0]), int(cache.get_seq_length())
+    if int(input_ids.shape[1]) != held:
+        return None  # more tokens than prefilled (the last prompt token after trailing_tokens=1, a later turn)
+    if rows != logits.shape[0] or model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            f"the SlakeCache holds a prefilled prompt of {logits.shape[0]} row(s) and {held} tokens, but generate "
+            f"was given {rows} row(s) of {int(input_ids.shape[1])} tokens (beam search and num_return_sequences "
+            f"expand the batch): give generate that prompt itself"
+        )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(logits=logits[:, None, :], **with_cache(model, cache))
 
 
 def _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs: dict) -> None:

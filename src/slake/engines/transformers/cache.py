@@ -271,6 +271,10 @@ class SlakeCache(Cache):
         #: ReconstructionPrompt`), set by the caller that has the tokenizer; and the seconds its pass took
         self.reconstruction: Any = None
         self.second_pass_s: float | None = None
+        #: ``(B, vocab)`` last-position logits of the prompt that
+        #: :func:`slake.engines.transformers.generate.prefill` put in the cache, which ``model.generate``'s prefill
+        #: returns once, instead of reading the prompt again, when it is given exactly that prompt
+        self.prefilled_logits: torch.Tensor | None = None
         slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
         compressed: list[SlakeCacheLayer] = []
         layers: list = []

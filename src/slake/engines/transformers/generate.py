@@ -104,7 +104,10 @@ def prefill(
     Returns
     -------
     torch.Tensor
-        ``(B, vocab)`` float32 logits at the last prompt position (only that position's logits are computed).
+        ``(B, vocab)`` float32 logits at the last prompt position (only that position's logits are computed). They
+        also stay on the cache, once: a ``model.generate`` given exactly this prompt next continues from them (its
+        prefill reads nothing again, and the first token comes from these logits); given more tokens (the prompt's
+        last one, fed after ``trailing_tokens=1``), it reads those as usual.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(
@@ -123,7 +126,8 @@ def prefill(
     if cache.method.second_pass is not None:
         from slake.engines.transformers.reconstruction import prefill_with_second_pass
 
-        return prefill_with_second_pass(model, cache, input_ids, attention_mask)
+        cache.prefilled_logits = prefill_with_second_pass(model, cache, input_ids, attention_mask)
+        return cache.prefilled_logits
     S = input_ids.shape[1]
     pos = prefill_position_ids(attention_mask)
     with no_grad_here():
@@ -156,7 +160,8 @@ def prefill(
             finally:
                 cache.end_chunked_prefill()
     cache.check_routed()
-    return out.logits[:, -1].float()
+    cache.prefilled_logits = out.logits[:, -1].float()
+    return cache.prefilled_logits
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -309,8 +314,8 @@ def generate(
     chunked = prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1
     if not chunked:
         cache.prefill_chunk = None  # the prompt fits one chunk: model.generate prefills it whole, as asked
-    last_read_after = m.second_pass is not None  # read the last prompt token over the compressed cache
-    if last_read_after:
+    second_pass = m.second_pass is not None  # prefilled here, its pass between the prompt and the first token
+    if second_pass:
         from slake.engines.transformers.reconstruction import ReconstructionPrompt
 
         cache.reconstruction = ReconstructionPrompt.from_tokenizer(tokenizer)
@@ -344,9 +349,10 @@ def generate(
     # inside inference mode, as model.generate below: every tensor of the cache an inference tensor (a compiled step
     # guards on it)
     with torch.inference_mode():
-        if last_read_after and enc["input_ids"].shape[1] > 1:
-            # the context is compressed after its second pass; model.generate then reads the last prompt token over it
-            prefill(model, cache, enc["input_ids"][:, :-1], enc["attention_mask"][:, :-1], trailing_tokens=1)
+        if second_pass:
+            # the whole prompt exactly, then the pass and the compression; model.generate chooses the first token
+            # from the exact prefill's logits, as slake eval and slake bench do
+            prefill(model, cache, enc["input_ids"], enc["attention_mask"])
         elif chunked:
             prefill(
                 model,
