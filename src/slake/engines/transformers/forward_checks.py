@@ -1,0 +1,164 @@
+"""The checks a :class:`~slake.engines.transformers.cache.SlakeCache` runs before every forward of a prepared model
+(:meth:`SlakeCache.check_forward`): the input must fit the cache, continue what it holds, and find every layer in
+step. Host facts, with one read of the mask in eager steps; nothing runs inside a compiled step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from slake.cache.prefill import check_left_padding, check_real_tokens
+from slake.cache.state import PrefillInfo
+
+if TYPE_CHECKING:
+    from slake.engines.transformers.cache import SlakeCache
+
+__all__ = ["check_forward"]
+
+
+def check_forward(
+    cache: SlakeCache,
+    num_hidden_layers: int | None,
+    query_length: int | None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    batch_size: int | None = None,
+) -> None:
+    """:meth:`SlakeCache.check_forward` (its docstring says what is refused)."""
+    if num_hidden_layers is not None and int(num_hidden_layers) != len(cache.layers):
+        raise ValueError(
+            f"this SlakeCache was built for {len(cache.layers)} layers but the model has "
+            f"{num_hidden_layers}; build it with SlakeCache(..., config=model.config)"
+        )
+    if not torch.compiler.is_compiling():
+        _check_held(cache, batch_size)
+        _check_chunking(cache, query_length)
+    # model.generate gives a compileable cache's forward its 4D masks ready made (a dict of them per layer type
+    # in a hybrid model): only a 2D mask says which tokens are padding
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+    info = cache.compressor.info
+    if cache.compressor.static:
+        # a static-mode decode step (possibly compiled) reads no host counter; it must be one token
+        if query_length is not None and query_length != 1:
+            raise ValueError(
+                f"a SlakeCache built with max_cache_len decodes one token per forward after the "
+                f"prompt, got {query_length}"
+            )
+        # the mask check reads the mask back from the device: eager steps only, never inside a compiled one
+        # (model.generate hands a compileable cache's forward a 4D mask anyway)
+        if mask is not None and info is not None and not torch.compiler.is_compiling():
+            _refuse_padding_after_prompt(mask, info)
+        return
+    _refuse_layers_out_of_step(cache)
+    seen = cache.compressor.seen[0]
+    if query_length is None:
+        return
+    if seen == 0:
+        if mask is not None:  # the first prompt: left padding only, refused before any layer runs
+            check_left_padding(mask == 0)
+            if not cache.compressor.chunked_prefill:  # a chunk may be all padding in a row, a prompt may not
+                check_real_tokens(mask == 0)
+        return
+    given = None if mask is None else mask.shape[-1]
+    # no new token: transformers cut an input no longer than the cached tokens down to nothing (a new, shorter
+    # prompt), which the model's layers would fail on with a reshape error
+    bad = query_length == 0 or (given is not None and given != seen + query_length)
+    if not bad and mask is not None and info is not None:
+        _refuse_padding_after_prompt(mask, info)
+    if (
+        not bad
+        and position_ids is not None
+        and position_ids.dim() == 2
+        and info is not None
+        and position_ids.shape[-1] == query_length
+        and position_ids.shape[0] in (1, len(info.first_real))
+    ):
+        expected = seen + query_length - 1 - info.first_real
+        # only rows whose last new token is real: a prompt chunk may end inside a row's left padding, whose
+        # position ids are a convention (model.generate gives padding 1), not a continuation
+        real = expected >= 0
+        bad = bool(((position_ids[:, -1].cpu() != expected) & real).any())
+    if bad:
+        size = "" if given is None else f" ({given} tokens)"
+        raise ValueError(
+            f"this SlakeCache already holds {seen} tokens of an earlier prompt and the new input{size} does not "
+            f"continue it; a cache serves one conversation: create a new SlakeCache for a new prompt, or pass the "
+            f"whole conversation (cached tokens + new ones) to continue it"
+        )
+
+
+def _refuse_layers_out_of_step(cache: SlakeCache) -> None:
+    """Refuse a forward over layers that hold different numbers of tokens: an earlier forward stopped part-way
+    through the model (a Ctrl-C, an error in a layer), after some layers had stored its tokens and before the
+    others did. Continued, the cache would silently keep those layers a token short from then on (a plain
+    transformers cache fails on the shapes). Host counts only; a fixed-shape cache keeps its counts on the
+    device and is not checked."""
+    counts = [c for c in (layer.get_seq_length() for layer in cache.layers) if isinstance(c, int)]
+    if counts and min(counts) != max(counts):
+        raise ValueError(
+            f"this SlakeCache's layers hold different numbers of tokens ({min(counts)} to {max(counts)}): an "
+            f"earlier forward stopped part-way through the model (an interrupt, or an error in a layer), so the "
+            f"cache matches no sequence; create a new SlakeCache (or continue from a copy taken before that "
+            f"forward, copy.deepcopy(cache))"
+        )
+
+
+def _check_held(cache: SlakeCache, batch_size: int | None) -> None:
+    """Refuse a forward of another batch size than the sequences the cache holds, or one outside
+    ``torch.inference_mode()`` over a cache filled inside it (its tensors are inference tensors, which no later
+    step could update in place); host facts only."""
+    store = next((s for s in cache.compressor.layers if s is not None), None)
+    if store is None:
+        return
+    held = int(store.valid.shape[0])
+    if batch_size is not None and int(batch_size) != held:
+        raise ValueError(
+            f"this SlakeCache holds {held} sequence(s) but the input has {batch_size}: a cache continues the "
+            f"batch it was filled with; keep or reorder its sequences first (cache.batch_select_indices(indices), "
+            f"cache.batch_repeat_interleave(n)), or create a new SlakeCache"
+        )
+    if store.valid.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            "this SlakeCache was filled under torch.inference_mode() and cannot be updated outside it "
+            "(model.generate runs under torch.no_grad()): continue it inside `with torch.inference_mode():` "
+            "too, or fill it under torch.no_grad()"
+        )
+
+
+def _check_chunking(cache: SlakeCache, query_length: int | None) -> None:
+    """Refuse a first prompt longer than ``prefill_chunk`` given whole to the model (``model.generate``): only
+    :func:`slake.engines.transformers.generate.prefill` takes it in chunks, and the prefill memory the chunks
+    bound would silently not be bounded."""
+    chunk = cache.prefill_chunk
+    if chunk is None or query_length is None or query_length <= chunk or cache.exact_prefill:
+        return
+    if cache.compressor.chunked_prefill or any(s is not None for s in cache.compressor.layers):
+        return  # a chunk of a chunked prefill, or a later turn
+    raise ValueError(
+        f"this SlakeCache was built with prefill_chunk={chunk}, but a forward of the whole {query_length}-token "
+        f"prompt (model.generate) would prefill it in one piece: only slake.generate and "
+        f"slake.engines.transformers.generate.prefill take a prompt in chunks; call prefill(model, cache, "
+        f"input_ids[:, :-1], attention_mask[:, :-1], trailing_tokens=1) first (model.generate then reads the "
+        f"last token), or build the cache without prefill_chunk"
+    )
+
+
+def _refuse_padding_after_prompt(mask: torch.Tensor, info: PrefillInfo) -> None:
+    """Raise ValueError when the 2D ``mask`` (1 = attend) has a 0 at or after a row's first real prompt token
+    (``info.first_real``): the cache knows only the first prompt's left padding, keeps and attends every later
+    token, and would silently ignore such a 0 (one read of the mask back to the host)."""
+    if mask.shape[0] != info.first_real.shape[0]:
+        return  # a batch the cache does not hold: the continuation check refuses it
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    late = (mask == 0) & (cols >= info.device_copy("first_real", mask.device)[:, None])
+    if not bool(late.any()):
+        return
+    row = int(late.any(-1).nonzero()[0, 0])
+    at = int(late[row].nonzero()[0, 0])
+    raise ValueError(
+        f"the attention mask masks out position {at} of row {row}, after the prompt's left padding: a SlakeCache "
+        f"takes padding only at the left of its first prompt (tokenizer.padding_side = 'left') and padding after "
+        f"the prompt is not supported; give every later token a mask of 1 (model.generate does, also for rows that "
+        f"have finished), and continue conversations whose new turns differ in length in separate caches"
+    )
