@@ -171,6 +171,40 @@ def test_generate_leaves_the_tokenizers_padding_as_it_was_when_it_raises():
     assert tok.padding_side == "right" and tok.pad_token is None
 
 
+class _Frozen:
+    """A tokenizer that may be called and read but not changed, as one shared by threads must be."""
+
+    def __init__(self, tok) -> None:
+        object.__setattr__(self, "_tok", tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __setattr__(self, name, value):
+        raise AssertionError(f"slake.generate set tokenizer.{name} = {value!r}: another thread would see it")
+
+    def __call__(self, *a, **k):
+        return self._tok(*a, **k)
+
+
+def test_generate_pads_without_changing_the_tokenizer():
+    """slake.generate set the shared tokenizer's padding_side and lent it a padding token for the call: a second
+    thread tokenising meanwhile padded on the right (refused as right padding) or found no padding token."""
+    model = tiny_model("llama-gqa", layers=2)
+    prompts = [_words(random_ids(12, seed=2)[0]), _words(random_ids(7, seed=3)[0])]
+    kw = dict(method="snapkv", budget=8, window=4, max_new_tokens=3, chat_template=False)
+    for tok in (_bare_tokenizer(), word_tokenizer()):
+        want = slake.generate(model, tok, prompts, **kw)
+        got = slake.generate(model, _Frozen(tok), prompts, **kw)
+        assert torch.equal(got.sequences, want.sequences) and got.prompt_tokens == [12, 7]
+
+
+@pytest.mark.parametrize("prompt", [5, ["w5 w6", 7], None])
+def test_generate_refuses_a_prompt_that_is_not_text(prompt):
+    with pytest.raises(ValueError, match="the prompt must be a string or a list of strings, got"):
+        slake.generate(tiny_model("llama-gqa", layers=1), word_tokenizer(), prompt, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("method", ["full", "kvzip"])
 def test_the_benchmark_measures_a_multimodal_gemma3(gemma3_mm, method):
     """The benchmark's random prompt and KVzip's synthetic reconstruction prompt read the vocabulary off the text

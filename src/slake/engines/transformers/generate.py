@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -264,11 +262,13 @@ def generate(
 
     Notes
     -----
-    The tokenizer pads the batch on the left (with its end token where it has no padding token) for this call only;
-    its own settings are left as they were (:func:`_left_padding`).
+    The prompts are padded on the left (with the tokenizer's end token where it has no padding token) without
+    changing the tokenizer (:func:`left_padded`): several threads may share it.
     """
+    if not isinstance(prompt, (str, list, tuple)) or any(not isinstance(p, str) for p in prompt):
+        raise ValueError(f"the prompt must be a string or a list of strings, got {_kind_of(prompt)}")
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+    if not prompts or any(not p.strip() for p in prompts):
         raise ValueError("the prompt is empty")
     check_generate_options(
         max_new_tokens=max_new_tokens,
@@ -287,13 +287,9 @@ def generate(
     m, profile = resolve_method(method, budget_obj, model, **hyperparameters)
     prepare_model(model)
     texts = [format_prompt(tokenizer, p, chat_template) for p in prompts]
-    with _left_padding(tokenizer) as pad_token_id:
-        enc = tokenizer(
-            texts,
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=not uses_chat_template(tokenizer, chat_template),
-        )
+    enc, pad_token_id = left_padded(
+        tokenizer, texts, add_special_tokens=not uses_chat_template(tokenizer, chat_template)
+    )
     enc = {k: v.to(model.device) for k, v in enc.items()}
     prompt_lens = enc["attention_mask"].sum(-1).tolist()
     if min(prompt_lens) == 0:
@@ -441,28 +437,49 @@ def compile_config(device: torch.device, *, lean_guards: bool = True):
     return cfg
 
 
-@contextmanager
-def _left_padding(tokenizer: Any) -> Iterator[int | None]:
-    """Within the block, ``tokenizer`` pads on the left, with its end token where it has no padding token; yields
-    the padding id. The caller's settings are restored on leaving, also on an error: ``slake.generate`` borrows the
-    tokenizer and must not change how it pads elsewhere (a later right-padded training batch, say).
+def left_padded(tokenizer: Any, texts: list[str], *, add_special_tokens: bool) -> tuple[dict, int | None]:
+    """``texts`` tokenised one by one and padded on the left to the longest, with the tokenizer's padding token (its
+    end token where it has none); returns ``{"input_ids", "attention_mask"}`` (``(B, S)`` tensors) and the padding id.
 
-    Setting the attributes, rather than passing ``padding_side=`` to the call, keeps tokenizers that take no such
-    argument working, and no call argument can lend a missing padding token.
+    The tokenizer is only called, never changed: setting its ``padding_side`` and lending it a padding token for the
+    call (as before 2026-11-30) raced with other threads using the same tokenizer, which then padded on the right or
+    found no padding token, and a concurrent ``slake.generate`` failed on its own padding.
+
+    Raises
+    ------
+    ValueError
+        Prompts of different lengths and a tokenizer with neither a padding nor an end token.
     """
-    side = getattr(tokenizer, "padding_side", None)
-    lend_pad = getattr(tokenizer, "pad_token", None) is None
-    try:
-        if side != "left":
-            tokenizer.padding_side = "left"
-        if lend_pad:
-            tokenizer.pad_token = tokenizer.eos_token
-        yield tokenizer.pad_token_id
-    finally:
-        if lend_pad:
-            tokenizer.pad_token = None
-        if side != "left":
-            tokenizer.padding_side = side
+    rows = [
+        torch.as_tensor(
+            tokenizer([t], return_tensors="pt", padding=False, add_special_tokens=add_special_tokens)["input_ids"][0]
+        ).view(-1)
+        for t in texts
+    ]
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    width = max(len(r) for r in rows)
+    if pad is None and any(len(r) < width for r in rows):
+        raise ValueError(
+            "the prompts have different lengths and the tokenizer has neither a padding token nor an end token to "
+            "pad them with: set tokenizer.pad_token, or give the prompts one at a time"
+        )
+    ids = torch.full((len(rows), width), 0 if pad is None else int(pad), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r) :] = r
+            mask[i, width - len(r) :] = 1
+    return {"input_ids": ids, "attention_mask": mask}, pad
+
+
+def _kind_of(value: Any) -> str:
+    """``int``, or ``a list holding int`` for a sequence with a non-string item."""
+    if isinstance(value, (list, tuple)):
+        bad = next((p for p in value if not isinstance(p, str)), None)
+        return f"a {type(value).__name__} holding {type(bad).__name__}"
+    return type(value).__name__
 
 
 def check_sliding_window(config: Any, prompt_tokens: int, max_new_tokens: int) -> None:
