@@ -255,7 +255,8 @@ def generate(
     Raises
     ------
     ValueError
-        Before the model runs, for an empty prompt, an option of the wrong type or out of range
+        Before the model runs, for an empty prompt or one that is not a string or a list of strings, an option of
+        the wrong type or out of range
         (:func:`~slake.engines.transformers.python_options.check_generate_options`), a sequence past the model's
         context (unless ``allow_long_context``), or one that outgrows the window of a model whose every layer slides
         (:func:`check_sliding_window`).
