@@ -25,7 +25,10 @@ real-valued ones ``float64``.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +41,36 @@ __all__ = [
     "uniform_budgets",
     "waterfill",
 ]
+
+
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int (anything with ``__index__``: numpy and 0-d torch integers too); TypeError naming ``what``
+    for anything else, a bool included."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an integer, got {value!r}")
+
+
+def _check_real(value: Any, what: str) -> None:
+    """TypeError naming ``what`` unless ``value`` is a real number (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
+
+
+def _check_scores(scores: Any, per_row: Any, what: str) -> None:
+    """TypeError / ValueError unless ``scores`` is a ``(B, H, n)`` tensor and ``per_row`` (named ``what``) a tensor
+    of ``B`` (or one) entries."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores must be a (B, H, n) torch.Tensor, got {type(scores).__name__}")
+    if scores.ndim != 3:
+        raise ValueError(f"scores must have shape (B, H, n), got {tuple(scores.shape)}")
+    if not isinstance(per_row, torch.Tensor):
+        raise TypeError(f"{what} must be a (B,) int64 torch.Tensor, got {type(per_row).__name__}")
+    if per_row.numel() not in (1, scores.shape[0]):
+        raise ValueError(f"{what} must have one entry per sequence ({scores.shape[0]}), got {tuple(per_row.shape)}")
 
 
 def _as_prefs(prefs: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -58,7 +91,30 @@ def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -
     nothing unless every positive-preference layer is capped, in which case the remainder is shared equally among the
     zero-preference layers; all-zero preferences therefore give a uniform split. This keeps the result continuous in
     ``P`` and stage budgets monotone (Proposition 1). Negative or non-finite preferences raise ``ValueError``.
+
+    Parameters
+    ----------
+    prefs : sequence of float or torch.Tensor
+        Layer preferences ``P_l``, one per layer, finite and ``>= 0``.
+    total : float
+        Total budget to share, finite and ``>= 0``.
+    cap : float
+        Per-layer cap, finite and ``>= 0``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(len(prefs),)`` float64 budgets ``B``.
+
+    Raises
+    ------
+    TypeError
+        For a ``total`` or ``cap`` that is not a real number.
+    ValueError
+        For empty, negative or non-finite preferences, or a negative or non-finite ``total`` or ``cap``.
     """
+    _check_real(total, "total")
+    _check_real(cap, "cap")
     p = _as_prefs(prefs)
     if not (math.isfinite(total) and total >= 0) or not (math.isfinite(cap) and cap >= 0):
         raise ValueError(f"total and cap must be finite and >= 0 (got total={total}, cap={cap})")
@@ -84,7 +140,27 @@ def largest_remainder(real: torch.Tensor, total: int) -> torch.Tensor:
 
     Ties are broken deterministically, lowest index first. ``total`` must lie between ``sum(floor(real))`` and
     ``sum(floor(real)) + len(real)``, otherwise ``ValueError``.
+
+    Parameters
+    ----------
+    real : torch.Tensor
+        1-D finite non-negative reals (a sequence of numbers is accepted too).
+    total : int
+        The sum the rounded values must have.
+
+    Returns
+    -------
+    torch.Tensor
+        int64, the shape of ``real``, summing to ``total``.
+
+    Raises
+    ------
+    TypeError
+        For a ``total`` that is not an integer.
+    ValueError
+        For ``real`` not 1-D, not finite or negative, or a ``total`` out of reach by rounding.
     """
+    total = _as_int(total, "total")
     r = torch.as_tensor(real, dtype=torch.float64).detach().cpu()
     if r.ndim != 1 or not bool(torch.isfinite(r).all()) or bool((r < 0).any()):
         raise ValueError("largest_remainder expects a 1-D tensor of finite non-negative reals")
@@ -126,7 +202,28 @@ def preference_budgets(prefs: Sequence[float] | torch.Tensor, total: int, cap: i
 
 
 def uniform_budgets(num_layers: int, per_layer: int) -> torch.Tensor:
-    """Every layer gets the same selectable budget ``C'``: ``(num_layers,)`` int64."""
+    """Every layer gets the same selectable budget ``C'``: ``(num_layers,)`` int64.
+
+    Parameters
+    ----------
+    num_layers : int
+        Number of layers ``L``, ``>= 1``.
+    per_layer : int
+        Selectable budget ``C'`` of every layer, ``>= 0``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(num_layers,)`` int64, every entry ``per_layer``.
+
+    Raises
+    ------
+    TypeError
+        For arguments that are not integers.
+    ValueError
+        For ``num_layers < 1`` or ``per_layer < 0``.
+    """
+    num_layers, per_layer = _as_int(num_layers, "num_layers"), _as_int(per_layer, "per_layer")
     if num_layers < 1 or per_layer < 0:
         raise ValueError(f"need num_layers >= 1 and per_layer >= 0 (got {num_layers}, {per_layer})")
     return torch.full((num_layers,), int(per_layer), dtype=torch.int64)
@@ -163,7 +260,42 @@ def pyramid_budgets(
     default): a layer below it is raised to it and the tokens are taken from the largest layers, so the sum is
     unchanged; PyramidKV passes 1 when it protects no token (``window=0`` and no sinks), where ``C' < beta`` made the
     deepest layers 0 and would empty them.
+
+    Parameters
+    ----------
+    num_layers : int
+        Number of layers ``L``, ``>= 1``.
+    selectable : int
+        Average selectable budget ``C'`` per layer, ``>= 0``.
+    prompt_len : int
+        Prompt length ``S``, ``>= 0``.
+    window : int
+        Observation window ``w``, ``>= 0``.
+    beta : float
+        PyramidKV's ``beta``, ``> 0``.
+    exact : bool
+        Exact sum ``L*C'`` (real step and largest-remainder rounding) instead of the reference's floored step.
+    snapkv_fallback : bool
+        Every layer gets ``C'`` for ``S < 2*C'`` (the reference); False is AdaKV's form.
+    min_layer : int
+        Floor of every layer's budget (at most ``C'``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(num_layers,)`` int64 selectable budgets, layer 0 largest.
+
+    Raises
+    ------
+    TypeError
+        For an integer argument that is not an integer, or a ``beta`` that is not a real number.
+    ValueError
+        For ``num_layers < 1``, a negative ``selectable``, ``prompt_len`` or ``window``, or ``beta <= 0``.
     """
+    ints = {"num_layers": num_layers, "selectable": selectable, "prompt_len": prompt_len, "window": window}
+    for what, arg in (ints | {"min_layer": min_layer}).items():
+        _as_int(arg, what)
+    _check_real(beta, "beta")
     if num_layers < 1 or selectable < 0 or prompt_len < 0 or window < 0 or not beta > 0:
         raise ValueError(
             f"invalid pyramid arguments: num_layers={num_layers}, selectable={selectable}, "
@@ -220,7 +352,15 @@ def cross_head_counts(scores: torch.Tensor, total: torch.Tensor) -> torch.Tensor
         ``(B, H)`` int64, ``count[b, h]`` = entries of head ``h`` among the ``total[b]`` best candidates of sequence
         ``b``; the counts sum to ``min(total, candidates)`` exactly and never exceed a head's candidates. Ties are
         broken deterministically (lower head, then lower slot first), consistently with a stable per-head sort.
+
+    Raises
+    ------
+    TypeError
+        For ``scores`` or ``total`` that is not a tensor.
+    ValueError
+        For ``scores`` not 3-D, or a ``total`` with neither one entry nor one per sequence.
     """
+    _check_scores(scores, total, "total")
     B, H, n = scores.shape
     cand = _candidates(scores)
     flat = scores.float().masked_fill(~cand, float("-inf")).reshape(B, H * n)
@@ -236,9 +376,33 @@ def safeguarded_head_counts(scores: torch.Tensor, per_head: torch.Tensor, alpha:
 
     Every head first keeps its own ``F = int(alpha * per_head)`` best candidates; the remaining
     ``H * (per_head - F)`` slots go to one top-k over all heads' other candidates. ``alpha = 0`` is the pure
-    cross-head top-k, ``alpha = 1`` the uniform split. Returns ``(B, H)`` int64 summing to
-    ``min(H * per_head, candidates)`` when every head has at least ``F`` candidates.
+    cross-head top-k, ``alpha = 1`` the uniform split.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``(B, H, n)`` float scores; only finite entries are candidates (``+inf`` protected, ``-inf`` empty).
+    per_head : torch.Tensor
+        ``(B,)`` int64 average selectable budget per head.
+    alpha : float
+        Safeguard fraction in ``[0, 1]``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, H)`` int64 counts summing to ``min(H * per_head, candidates)`` when every head has at least ``F``
+        candidates.
+
+    Raises
+    ------
+    TypeError
+        For ``scores`` or ``per_head`` that is not a tensor, or an ``alpha`` that is not a real number.
+    ValueError
+        For ``scores`` not 3-D, a ``per_head`` with neither one entry nor one per sequence, or ``alpha`` outside
+        ``[0, 1]``.
     """
+    _check_scores(scores, per_head, "per_head")
+    _check_real(alpha, "alpha")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     B, H, n = scores.shape

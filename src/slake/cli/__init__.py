@@ -57,7 +57,19 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``slake`` console script."""
+    """Entry point of the ``slake`` console script.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments after ``slake`` (``["eval", "--suite", "ruler", ...]``); ``sys.argv[1:]`` when None.
+
+    Returns
+    -------
+    int
+        The command's exit status; 2 when it refused its arguments or failed with ``ValueError`` or ``OSError``
+        (the message goes to stderr). A parse error exits through argparse (``SystemExit``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

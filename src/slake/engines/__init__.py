@@ -17,6 +17,17 @@ ENGINES = ("transformers", "vllm")
 def make_engine(name: str = "transformers", model: ModelSpec | None = None) -> Engine:
     """The engine called ``name`` (one of :data:`ENGINES`) for ``model``; nothing is loaded yet.
 
+    Parameters
+    ----------
+    name : str
+        ``"transformers"`` (default) or ``"vllm"``.
+    model : ModelSpec, optional
+        The model the engine loads on first use; the packaged default model when None.
+
+    Returns
+    -------
+    Engine
+
     Raises
     ------
     ValueError

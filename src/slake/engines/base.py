@@ -65,8 +65,22 @@ def load_avg() -> float | None:
 class ModelSpec:
     """Which model an engine loads: ``--model``, ``--gguf-file``, ``--device``, ``--dtype``.
 
-    ``name`` is ``"smollm2"`` (the packaged default), a hub id, a local directory or a ``.gguf`` file; ``random``
-    names a random model shape (:mod:`slake.engines.transformers.shapes`, benchmarks only).
+    Parameters
+    ----------
+    name : str | None
+        ``"smollm2"`` (the packaged default, also for None), another packaged model, a hub id, a local directory or
+        a ``.gguf`` file (:func:`slake.load_model`).
+    gguf_file : str | None
+        A ``.gguf`` file inside the hub repo or directory ``name``.
+    device : str | None
+        ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; the engine's default when None (transformers: ``"cuda"`` when a GPU
+        is visible, else ``"cpu"``; vLLM runs on the CPU).
+    dtype : str | None
+        Model dtype (``"float32"``, ``"bfloat16"`` ...); the device's default when None.
+    random : str | None
+        A random model shape (:mod:`slake.engines.transformers.shapes`, benchmarks only) loaded instead of ``name``.
+    seed : int
+        Seed of the random model's weights.
     """
 
     name: str | None = "smollm2"

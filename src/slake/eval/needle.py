@@ -166,6 +166,35 @@ def needle_grid(
 
     Each cell's sample seed is :func:`needle_cell_seed` of ``seed`` and the cell's length and depth
     values (the sample ids embed it).
+
+    Parameters
+    ----------
+    tokenizer : TokenizerLike
+        The model's tokenizer; lengths count its tokens.
+    lengths : iterable of int
+        Target lengths in tokens.
+    depths : iterable of float
+        Needle depths in percent of the context, in ``[0, 100]``.
+    kind : NeedleKind
+        The needle's kind, as in :func:`needle_sample`.
+    seed : int
+        The grid's seed.
+    essays : sequence of str, optional
+        Haystack essays; Paul Graham's essays by default.
+    max_new_tokens : int
+        Generation cap stored in each sample.
+
+    Returns
+    -------
+    list of Sample
+        One per (length, depth), lengths outermost, in the order given.
+
+    Raises
+    ------
+    ValueError
+        For a depth outside ``[0, 100]``.
+    LengthFitError
+        When a cell's haystack cannot fit its length (:func:`needle_sample`).
     """
     essays = default_essays(essays)
     depths = list(depths)

@@ -166,7 +166,20 @@ def score_vs_budget(
 
 
 def write_plots(out_dir: str | os.PathLike[str], rows: Iterable[dict[str, Any]] | None = None) -> list[Path]:
-    """Write every plot for ``rows`` (default: ``DIR/results.jsonl``) into ``DIR``; returns the PNG paths."""
+    """Write every plot for ``rows`` (default: ``DIR/results.jsonl``) into ``DIR``; returns the PNG paths.
+
+    Parameters
+    ----------
+    out_dir : path-like
+        The folder ``DIR`` the plots go to (created if missing).
+    rows : iterable of dict, optional
+        Result rows; the rows of ``DIR/results.jsonl`` by default.
+
+    Returns
+    -------
+    list of Path
+        The PNG files written: needle heatmaps and score-vs-budget plots, per model when the rows hold several.
+    """
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
     rows = summary_view(read_results(directory) if rows is None else rows)

@@ -199,7 +199,15 @@ def scan_results(path: str | os.PathLike[str]) -> ResultsScan:
 def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The valid result rows of a results file (see :func:`scan_results`, which also reports skipped lines).
 
-    Returns an empty list when the file does not exist.
+    Parameters
+    ----------
+    path : path-like
+        A ``results.jsonl`` file, or the folder holding it.
+
+    Returns
+    -------
+    list of dict
+        The rows in file order; an empty list when the file does not exist.
     """
     return scan_results(path).rows
 

@@ -199,7 +199,8 @@ def ruler_sample(
     vocabulary : sequence of str, optional
         Word list for cwe; the essays' vocabulary by default.
     depth : float, optional
-        NIAH tasks only: depth in percent of the (first) asked needle; random otherwise.
+        NIAH tasks only (the ``niah_*`` tasks, which have a needle): depth in percent, in ``[0, 100]``, of the
+        (first) asked needle; random when None.
     tolerance : float
         Allowed relative shortfall of the achieved length.
 
@@ -209,11 +210,18 @@ def ruler_sample(
 
     Raises
     ------
+    KeyError
+        For an unknown task (the message lists the known ones).
+    ValueError
+        For a ``depth`` given to a task without a needle (vt, cwe, fwe, qa_1, qa_2), which would ignore it, or a
+        ``depth`` outside ``[0, 100]``.
     LengthFitError
         When no sample fits ``length``; the message names the task, length and seed, and the cause.
     """
     if task not in TASK_SPECS:
         raise KeyError(f"unknown RULER task {task!r}; expected one of {RULER_TASKS}")
+    if depth is not None and task not in NIAH_TASKS:
+        raise ValueError(f"depth places a needle: RULER task {task} has none (the niah_* tasks do), got depth={depth}")
     spec = TASK_SPECS[task]
     extra: dict[str, object] = {"seed": seed, "target_length": length}
     try:
@@ -274,8 +282,32 @@ def ruler_samples(
     seed: int = 0,
     **kwargs: object,
 ) -> list[Sample]:
-    """``num_samples`` samples with seeds ``seed, seed + 1, ...`` (keyword arguments as in
-    :func:`ruler_sample`).  Data files are loaded once and shared."""
+    """``num_samples`` samples with seeds ``seed, seed + 1, ...``.  Data files are loaded once and shared.
+
+    Parameters
+    ----------
+    task : str
+        One of :data:`RULER_TASKS`.
+    tokenizer : TokenizerLike
+        The model's tokenizer.
+    length : int
+        Target length in tokens.
+    num_samples : int
+        How many samples.
+    seed : int
+        Seed of the first sample.
+    **kwargs
+        ``essays``, ``qa_records``, ``vocabulary``, ``depth``, ``tolerance``, as in :func:`ruler_sample`.
+
+    Returns
+    -------
+    list of Sample
+
+    Raises
+    ------
+    KeyError, ValueError, LengthFitError
+        As :func:`ruler_sample`.
+    """
     if task in ("qa_1", "qa_2") and kwargs.get("qa_records") is None:
         kwargs["qa_records"] = squad_samples() if task == "qa_1" else hotpotqa_samples()
     if task == "cwe" and kwargs.get("vocabulary") is None:

@@ -522,9 +522,26 @@ def run_suite(
     """:func:`evaluate_suite` on a loaded transformers model (the Python API's shortcut).
 
     ``model`` is prepared for slake (:func:`slake.load_model` or :func:`slake.prepare_model`); the model name of the
-    rows is ``model_name`` if given, else ``config._name_or_path``. ``query_aware``, ``prefill_chunk``,
-    ``batch_size``, ``kv_dtype``, ``prefill_cache``, ``fidelity`` and ``allow_long_context`` form the
-    :class:`EvalOptions`; ``kwargs`` are those of :func:`evaluate_suite`.
+    rows is ``model_name`` if given, else ``config._name_or_path``.
+
+    Parameters
+    ----------
+    model : Any
+        A transformers causal LM prepared for slake.
+    tokenizer : Any
+        Its tokenizer.
+    samples, methods, budgets, out_dir
+        As in :func:`evaluate_suite`.
+    query_aware, prefill_chunk, batch_size, kv_dtype, prefill_cache, fidelity, allow_long_context
+        The fields of the run's :class:`EvalOptions`.
+    **kwargs
+        The other keywords of :func:`evaluate_suite` (``suite``, ``model_name``, ``seed``, ``max_new_tokens``,
+        ``chat_template``, ``include_full``, ``progress``).
+
+    Returns
+    -------
+    list of dict
+        As :func:`evaluate_suite`.
     """
     from slake.engines.transformers import TransformersEngine
 

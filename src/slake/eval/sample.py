@@ -107,7 +107,19 @@ def sample_digest(sample: Sample) -> str:
 
 
 def count_tokens(tokenizer: TokenizerLike, text: str) -> int:
-    """Number of tokens of ``text`` in ``tokenizer``, without special tokens."""
+    """Number of tokens of ``text`` in ``tokenizer``, without special tokens.
+
+    Parameters
+    ----------
+    tokenizer : TokenizerLike
+        Anything with ``encode(text, add_special_tokens=False)`` returning a sequence of ids.
+    text : str
+        The text to count.
+
+    Returns
+    -------
+    int
+    """
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,19 +103,47 @@ def plan_suite(
     RULER (its task scores average over depths, the summary has no depth axis for them), and a LongBench
     context is a given text; either refuses them rather than ignoring them.
 
+    Parameters
+    ----------
+    suite : str
+        One of :data:`SUITES`.
+    tasks : sequence of str, optional
+        Tasks of the suite (RULER tasks, LongBench datasets); all of them by default.
+    lengths : sequence of int, optional
+        Target lengths in tokens, integers ``>= 1``; :data:`DEFAULT_LENGTHS` of the suite by default.
+    samples : int, optional
+        Samples per (task, length) cell, an integer ``>= 1``; the suite's default when None (every LongBench
+        record).
+    seed : int
+        Seed of the first sample.
+    depths : sequence of float, optional
+        Needle depths in percent, each in ``[0, 100]``; needle suite only, :data:`DEFAULT_DEPTHS` by default.
+    longbench_dir : path-like, optional
+        Directory of the official LongBench JSONL files.
+    longbench_hub : bool
+        Read the LongBench datasets missing locally from the hub.
+
+    Returns
+    -------
+    SuitePlan
+
     Raises
     ------
     ValueError
-        Unknown suite or task, bad sample count, ``depths`` for a suite other than needle, missing LongBench
-        data.
+        Unknown suite or task; ``samples`` or a length that is not an integer ``>= 1``, a ``seed`` that is no
+        integer, a depth that is no number in ``[0, 100]`` (a bool is neither); ``depths`` for a suite other than
+        needle; missing LongBench data.
     """
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
-    if samples is not None and samples < 1:
-        raise ValueError(f"--samples must be >= 1, got {samples}")
-    n = samples if samples is not None else DEFAULT_SAMPLES[suite]
+    if samples is not None:
+        _check_int(samples, "samples (--samples)", 1)
+    _check_int(seed, "seed (--seed)", None)
+    lengths = _check_ints(lengths, "lengths (--lengths)", 1) if lengths is not None else None
+    depths = _check_depths(depths) if depths is not None else None
+    n = int(samples) if samples is not None else DEFAULT_SAMPLES[suite]
     plan = SuitePlan(
-        suite, [], list(lengths or DEFAULT_LENGTHS[suite]), n, seed, list(depths) if depths else list(DEFAULT_DEPTHS)
+        suite, [], list(lengths or DEFAULT_LENGTHS[suite]), n, int(seed), depths if depths else list(DEFAULT_DEPTHS)
     )
     if suite == "needle":
         if tasks and list(tasks) != ["needle"]:
@@ -131,6 +160,35 @@ def plan_suite(
     else:
         _plan_longbench(plan, tasks, longbench_dir, longbench_hub, depths)
     return plan
+
+
+def _check_int(value: Any, what: str, minimum: int | None) -> None:
+    """Refuse ``value`` unless it is an integer (a bool is not) at least ``minimum``, naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_ints(values: Any, what: str, minimum: int) -> list[int]:
+    """``values`` as a list of plain ints; ValueError naming ``what`` unless they are integers at least ``minimum``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{what} must be a sequence of integers, got {values!r}")
+    items = list(values)
+    for v in items:
+        _check_int(v, f"each of {what}", minimum)
+    return [int(v) for v in items]
+
+
+def _check_depths(depths: Any) -> list[float]:
+    """``depths`` as a list of floats; ValueError unless each is a real number (a bool is not) in ``[0, 100]``."""
+    if isinstance(depths, (str, bytes)) or not isinstance(depths, Iterable):
+        raise ValueError(f"depths (--depths) must be a sequence of numbers in [0, 100], got {depths!r}")
+    items = list(depths)
+    for d in items:
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 <= float(d) <= 100:
+            raise ValueError(f"each of depths (--depths) must be a number in [0, 100] (percent), got {d!r}")
+    return [float(d) for d in items]
 
 
 def _refuse_depths(suite: str, depths: Sequence[float] | None) -> None:
@@ -186,6 +244,21 @@ def build_samples(plan: SuitePlan, tokenizer: Any, *, essays: Sequence[str] | No
     Every sample has ``metadata["target_length"]`` (the row's ``length``).  A needle cell's sample depends on
     its length, depth and sample number (:func:`slake.eval.needle.needle_cell_seed`), not on the other
     lengths and depths asked.
+
+    Parameters
+    ----------
+    plan : SuitePlan
+        A validated request (:func:`plan_suite`).
+    tokenizer : TokenizerLike
+        The model's tokenizer; lengths count its tokens.
+    essays : sequence of str, optional
+        Haystack essays for the needle and essay-based RULER tasks; Paul Graham's essays by default.
+
+    Returns
+    -------
+    list of Sample
+        Needle: per sample number, length and depth; RULER: per task, length and seed; LongBench: per dataset,
+        length and record.
 
     Raises
     ------

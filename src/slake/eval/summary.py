@@ -92,6 +92,16 @@ def summary_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     prefill's rows are their own method (:func:`slake.eval.results.summary_view`). A sample counts once, as in the
     tables: a sample id written twice (a rerun appending to ``results.jsonl``) keeps its later row
     (:func:`slake.eval.stats.score_table`), so ``n`` counts samples and ``score`` is the tables' cell.
+
+    Parameters
+    ----------
+    rows : iterable of dict
+        Result rows (:func:`slake.eval.results.read_results`).
+
+    Returns
+    -------
+    list of dict
+        The summary rows, keyed as above.
     """
     rows = summary_view(rows)
     by_source: dict[tuple, list[dict[str, Any]]] = defaultdict(list)

@@ -47,14 +47,28 @@ def launch_mode() -> str:
     """How the fused kernels are launched now: ``"interpreter"`` (Triton's interpreter, CPU tensors), ``"cached"``
     (:class:`slake.kernels.launch_cache.CachedLaunch` on an NVIDIA GPU) or ``"triton"`` (``kernel[grid](...)`` at
     every launch: with :data:`slake.kernels.launch_config.CACHED_LAUNCH` off, and on AMD GPUs,
-    :func:`slake.kernels.launch_cache.cached`). ``slake bench`` records it in its rows."""
+    :func:`slake.kernels.launch_cache.cached`). ``slake bench`` records it in its rows.
+
+    Before :func:`load` has run, the mode it will set: ``"interpreter"`` on a machine where torch sees no CUDA device
+    (:func:`load` switches the interpreter on there), with one exception: a ROCm build of torch (``torch.version.hip``)
+    answers ``"triton"``, the mode of its GPUs, even where it sees none.
+
+    Returns
+    -------
+    str
+        ``"interpreter"``, ``"cached"`` or ``"triton"``.
+    """
     import torch
 
     from slake.kernels import launch_config
 
     if interpreted():
         return "interpreter"
-    return "cached" if launch_config.CACHED_LAUNCH and torch.version.hip is None else "triton"
+    if torch.version.hip is not None:
+        return "triton"
+    if not torch.cuda.is_available():
+        return "interpreter"
+    return "cached" if launch_config.CACHED_LAUNCH else "triton"
 
 
 def load() -> ModuleType:

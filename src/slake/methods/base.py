@@ -20,17 +20,14 @@ scores are float32. Methods never see a transformers object.
 from __future__ import annotations
 
 import math
-import numbers
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 
 from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.rotary import Rotary
-from slake.methods.spec import format_method_spec, parse_method_spec, split_method_list
+from slake.methods.spec import check_hyperparameters, format_method_spec, parse_method_spec, split_method_list
 
 LAYER_BUDGET_POLICIES = ("uniform", "pyramid", "preference")
 #: what an engine can tell a method about a layer of the model (:class:`LayerContext` fields)
@@ -221,6 +218,13 @@ class Method:
         SLAKE section 3.2). Off for plain eviction methods.
     decode_eviction : bool
         Keep the cache at its budget during decoding by evicting one token per step and KV head once over budget.
+
+    Raises
+    ------
+    ValueError
+        For a hyperparameter the class does not have, or a value given to the constructor that is not of its
+        field's declared type (:func:`check_hyperparameters`, as :func:`make_method` checks a spec), before the
+        method's own checks; or a value out of its domain.
     """
 
     window: int = 32
@@ -278,6 +282,14 @@ class Method:
     #: is within the budget) and leave the rest to the decode rule, silently another method. ``begin_chunked_prefill``
     #: refuses it (ValueError) before any chunk runs, as it refuses a method with a :attr:`second_pass`
     not_chunkable: ClassVar[str | None] = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Method:
+        # the values given (not the defaults) must have their declared types before any __post_init__ compares them:
+        # a method built directly refuses what make_method refuses (vabs="false" would be a true string)
+        if args or kwargs:
+            given = dict(zip((f.name for f in fields(cls) if f.init), args)) | kwargs
+            check_hyperparameters(cls, given, label=repr(cls.name))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.window < 0 or self.sinks < 0:
@@ -401,7 +413,27 @@ _REGISTRY: dict[str, type[Method]] = {}
 
 
 def register(cls: type[Method]) -> type[Method]:
-    """Class decorator adding a method to the registry under ``cls.name``."""
+    """Class decorator adding a method to the registry under ``cls.name``.
+
+    Parameters
+    ----------
+    cls : type[Method]
+        A dataclass subclass of :class:`Method` with a non-empty ``name``.
+
+    Returns
+    -------
+    type[Method]
+        ``cls`` itself.
+
+    Raises
+    ------
+    TypeError
+        For anything but a subclass of :class:`Method`.
+    ValueError
+        For a class without a name, or a name another class holds.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"register expects a subclass of slake.methods.Method, got {cls!r}")
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
@@ -448,91 +480,6 @@ def make_method(name: str | Method, **overrides: Any) -> Method:
     return cls(**check_hyperparameters(cls, {**from_spec, **overrides}, label=repr(name)))
 
 
-def _declared_types(cls: type[Method]) -> dict[str, Any]:
-    """The resolved annotations of ``cls``'s fields (``{}`` where they cannot be resolved)."""
-    try:
-        return typing.get_type_hints(cls)
-    except Exception:  # an annotation naming something out of reach (a class defined in a function)
-        return {}
-
-
-def _kind(declared: Any, default: Any) -> tuple[type | None, bool]:
-    """``(base type, optional)`` of a hyperparameter: its annotation's ``bool``/``int``/``float``/``str``, possibly
-    ``| None``; where the annotation says nothing usable, the type of its default. ``(None, ...)``: not checked."""
-    optional = False
-    if typing.get_origin(declared) in (typing.Union, types.UnionType):
-        args = typing.get_args(declared)
-        optional = type(None) in args
-        rest = [a for a in args if a is not type(None)]
-        declared = rest[0] if len(rest) == 1 else None
-    if declared in (bool, int, float, str):
-        return declared, optional
-    if default is not None and type(default) in (bool, int, float, str):
-        return type(default), False
-    return None, optional
-
-
-_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def check_hyperparameters(cls: type[Method], values: dict[str, Any], *, label: str = "") -> dict[str, Any]:
-    """Validate hyperparameter values for the method class ``cls`` as a spec's values are validated.
-
-    Used by :func:`make_method` and for overrides applied to a built Method
-    (:func:`slake.methods.profiles.resolve_method`), so that both refuse the same things.
-
-    Parameters
-    ----------
-    cls : type[Method]
-        The method class.
-    values : dict
-        Hyperparameter name -> value (a spec's JSON literals, or Python values).
-    label : str
-        What the values belong to, for messages (default the method's name).
-
-    Returns
-    -------
-    dict
-        The values, integers given for floats converted to float and numpy-style integer scalars to int.
-
-    Raises
-    ------
-    ValueError
-        For an unknown hyperparameter (listing those that exist) or a value not of the hyperparameter's declared
-        type (``bool``, ``int``, ``float``, ``str``, each possibly optional: ``None`` is then accepted); a bool is
-        never an integer or a number, and a string is never parsed.
-    """
-    label = label or repr(cls.name)
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(
-            f"method {cls.name!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
-        )
-    declared = _declared_types(cls)
-    out = dict(values)
-    for k, value in values.items():
-        default = known[k].default
-        kind, optional = _kind(declared.get(k), None if default is MISSING else default)
-        if kind is None or (optional and value is None):
-            continue
-        if kind is bool:
-            ok = isinstance(value, bool)
-        elif kind is str:
-            ok = isinstance(value, str)
-        elif kind is int:
-            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if not ok:
-            raise ValueError(f"{label}: {k} must be {_KIND_WORDS[kind]}{' or null' if optional else ''}, got {value!r}")
-        if kind is int:
-            out[k] = int(value)
-        elif kind is float:
-            out[k] = float(value)
-    return out
-
-
 def check_compileable(method: Method) -> None:
     """Raise ValueError when ``method``'s decode step cannot run with fixed shapes (compiled decoding,
     ``docs/compile.md``)."""
@@ -544,6 +491,16 @@ def check_compileable(method: Method) -> None:
 def parse_method_list(text: str) -> list[str]:
     """Split a command-line method list (:func:`split_method_list`) and validate every entry with
     :func:`slake.methods.make_method`, so a typo fails before any model is loaded.
+
+    Parameters
+    ----------
+    text : str
+        Comma-separated method specs, e.g. ``"snapkv,slake[vabs=false,window=16]"``.
+
+    Returns
+    -------
+    list of str
+        The specs as written, stripped.
 
     Raises
     ------
@@ -562,10 +519,22 @@ def canonical_method_spec(spec: str, *, drop: tuple[str, ...] = ()) -> str:
     """The canonical spec of the method ``spec`` builds, with the values the method holds (``slake[alpha=1]`` and
     ``slake[alpha=1.0]`` give the same string); keys in ``drop`` are left out (e.g. a column of their own).
 
+    Parameters
+    ----------
+    spec : str
+        A method spec, ``name`` or ``name[key=value,...]``.
+    drop : tuple of str
+        Hyperparameters left out of the result.
+
+    Returns
+    -------
+    str
+        :func:`format_method_spec` of the name and the overridden hyperparameters' values as the method holds them.
+
     Raises
     ------
     ValueError
-        As :func:`slake.methods.make_method`.
+        As :func:`slake.methods.make_method`, or for a value :func:`format_method_spec` cannot write.
     """
     name, overrides = parse_method_spec(spec)
     method = make_method(spec)

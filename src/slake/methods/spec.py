@@ -8,14 +8,29 @@ Grammar: ``name`` or ``name[key=value,key=value,...]``. Values are read as JSON 
 ``false``, ``16``, ``0.5``, ``null``); ``True``/``False`` are accepted too; anything else is a string
 (``cake[layer_budgets=uniform]``). :func:`format_method_spec` gives the canonical form: lower-case name, keys
 sorted, JSON literals, so that ``slake[VABS=False]`` and ``slake[vabs=false]`` name the same rows.
+:func:`check_hyperparameters` checks the values against the types a method class declares.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import numbers
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["format_method_spec", "parse_assignments", "parse_method_spec", "parse_value", "split_method_list"]
+if TYPE_CHECKING:
+    from slake.methods.base import Method
+
+__all__ = [
+    "check_hyperparameters",
+    "format_method_spec",
+    "parse_assignments",
+    "parse_method_spec",
+    "parse_value",
+    "split_method_list",
+]
 
 
 def split_method_list(text: str) -> list[str]:
@@ -139,14 +154,153 @@ def parse_assignments(items: list[str], source: str) -> dict[str, Any]:
 def format_method_spec(name: str, overrides: dict[str, Any] | None = None) -> str:
     """The canonical spec string: ``name`` alone, or ``name[k=v,...]`` with keys sorted and JSON literal values.
 
-    ``parse_method_spec(format_method_spec(n, o)) == (n.lower(), o)`` for bool, number and None values, and for
-    strings that do not themselves parse as JSON.
+    ``parse_method_spec(format_method_spec(n, o)) == (n.lower(), o)`` for every spec it returns: a name, key or
+    value that would not read back so is refused.
+
+    Parameters
+    ----------
+    name : str
+        The method's name (lower-cased).
+    overrides : dict, optional
+        Hyperparameter name -> value: a bool, number or None (written as a JSON literal), or a string that does not
+        itself read as a JSON literal or boolean (``"16"``, ``"true"``, ``"True"``).
+
+    Returns
+    -------
+    str
+        ``"slake[alpha=1.0,vabs=false]"``; the bare name without overrides.
+
+    Raises
+    ------
+    ValueError
+        For an empty name or one holding ``[``, ``]``, ``=`` or ``,``; a key that is not a lower-case name without
+        those characters and surrounding spaces; a value that would read back as something else: a string holding
+        ``,``, ``[`` or ``]``, with leading or trailing whitespace, or reading as a JSON literal, and any value
+        JSON cannot write without those characters (a list, an object JSON cannot write at all).
     """
     name = str(name).strip().lower()
+    if not name or any(c in name for c in "[]=,"):
+        raise ValueError(f"method name {name!r} cannot be written in a spec: it must be non-empty, without [ ] = ,")
     if not overrides:
         return name
     parts = []
-    for key in sorted(overrides):
+    for key in sorted(overrides, key=str):
+        if not isinstance(key, str) or not key or key != key.strip().lower() or any(c in key for c in "[]=,"):
+            raise ValueError(
+                f"hyperparameter name {key!r} cannot be written in a method spec: it must be a non-empty lower-case "
+                "string without surrounding spaces or [ ] = ,"
+            )
         value = overrides[key]
-        parts.append(f"{key}={value if isinstance(value, str) else json.dumps(value)}")
+        parts.append(f"{key}={_spec_value(key, value)}")
     return f"{name}[{','.join(parts)}]"
+
+
+def _spec_value(key: str, value: Any) -> str:
+    """``value`` as a spec writes it, or ValueError when :func:`parse_value` would not read it back."""
+    try:
+        text = value if isinstance(value, str) else json.dumps(value)
+    except (TypeError, ValueError):
+        text = None
+    if text is not None and not any(c in text for c in ",[]"):
+        back = parse_value(text)
+        same = back == value or (back != back and value != value)  # NaN reads back as NaN
+        if same and all(isinstance(back, t) == isinstance(value, t) for t in (bool, str)):
+            return text
+    raise ValueError(
+        f"hyperparameter {key}={value!r} cannot be written in a method spec so that it reads back: a spec value is a "
+        "JSON literal (bool, number, null) or a string without ',', '[' or ']', without surrounding whitespace, that "
+        "does not itself read as a literal"
+    )
+
+
+#: :func:`_declared_types` of each class asked, read once: every construction of a method checks its values
+#: (:meth:`slake.methods.base.Method.__new__`)
+_DECLARED: dict[type, dict[str, Any]] = {}
+
+
+def _declared_types(cls: type[Method]) -> dict[str, Any]:
+    """The resolved annotations of ``cls``'s fields (``{}`` where they cannot be resolved)."""
+    if cls not in _DECLARED:
+        try:
+            _DECLARED[cls] = typing.get_type_hints(cls)
+        except Exception:  # an annotation naming something out of reach (a class defined in a function)
+            _DECLARED[cls] = {}
+    return _DECLARED[cls]
+
+
+def _kind(declared: Any, default: Any) -> tuple[type | None, bool]:
+    """``(base type, optional)`` of a hyperparameter: its annotation's ``bool``/``int``/``float``/``str``, possibly
+    ``| None``; where the annotation says nothing usable, the type of its default. ``(None, ...)``: not checked."""
+    optional = False
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        args = typing.get_args(declared)
+        optional = type(None) in args
+        rest = [a for a in args if a is not type(None)]
+        declared = rest[0] if len(rest) == 1 else None
+    if declared in (bool, int, float, str):
+        return declared, optional
+    if default is not None and type(default) in (bool, int, float, str):
+        return type(default), False
+    return None, optional
+
+
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_hyperparameters(cls: type[Method], values: dict[str, Any], *, label: str = "") -> dict[str, Any]:
+    """Validate hyperparameter values for the method class ``cls`` as a spec's values are validated.
+
+    Used by :func:`slake.methods.make_method`, by a method's constructor for the values it is given
+    (:meth:`slake.methods.base.Method.__new__`) and for overrides applied to a built Method
+    (:func:`slake.methods.profiles.resolve_method`), so that all refuse the same things.
+
+    Parameters
+    ----------
+    cls : type[Method]
+        The method class.
+    values : dict
+        Hyperparameter name -> value (a spec's JSON literals, or Python values).
+    label : str
+        What the values belong to, for messages (default the method's name).
+
+    Returns
+    -------
+    dict
+        The values, integers given for floats converted to float and numpy-style integer scalars to int.
+
+    Raises
+    ------
+    ValueError
+        For an unknown hyperparameter (listing those that exist) or a value not of the hyperparameter's declared
+        type (``bool``, ``int``, ``float``, ``str``, each possibly optional: ``None`` is then accepted); a bool is
+        never an integer or a number, and a string is never parsed.
+    """
+    label = label or repr(cls.name)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"method {cls.name!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
+        )
+    declared = _declared_types(cls)
+    out = dict(values)
+    for k, value in values.items():
+        default = known[k].default
+        kind, optional = _kind(declared.get(k), None if default is MISSING else default)
+        if kind is None or (optional and value is None):
+            continue
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is str:
+            ok = isinstance(value, str)
+        elif kind is int:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"{label}: {k} must be {_KIND_WORDS[kind]}{' or null' if optional else ''}, got {value!r}")
+        if kind is int:
+            out[k] = int(value)
+        elif kind is float:
+            out[k] = float(value)
+    return out

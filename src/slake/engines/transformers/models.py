@@ -324,7 +324,8 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
     ValueError
         For ``gguf_file`` with a packaged model or a ``.gguf`` path, which name their file themselves.
     FileNotFoundError
-        For a name that can only be a local path (:func:`looks_local`) and is no directory.
+        For a name that can only be a local path (:func:`looks_local`) and is no directory (a path ending in
+        ``.gguf``: no file).
     """
     packaged = packaged_name(name)
     is_gguf_path = name is not None and name.lower().endswith(".gguf") and os.path.isfile(name)
@@ -343,7 +344,9 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
     if looks_local(name):
         name = os.path.expanduser(name)
         if not os.path.isdir(name):
-            raise FileNotFoundError(f"no such model directory: {name}")
+            # a path naming a .gguf file names a file, not a model directory
+            what = "file" if name.lower().endswith(".gguf") else "directory"
+            raise FileNotFoundError(f"no such model {what}: {name}")
     return name, gguf_file
 
 
