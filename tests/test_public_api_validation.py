@@ -348,3 +348,12 @@ def test_public_functions_document_their_parameters(fn):
         assert name in documented, f"{fn.__name__}: parameter {name} undocumented"
     if not isinstance(fn, type):
         assert "\nReturns\n-------\n" in doc, f"{fn.__name__}: no Returns section"
+
+
+@pytest.mark.parametrize("model", [None, "smollm2", torch.nn.Linear(2, 2)])
+def test_prepare_model_refuses_what_is_not_a_transformers_model(model):
+    """``prepare_model(None)`` failed in AttributeError: 'NoneType' object has no attribute 'config'."""
+    from slake.engines.transformers.attention import prepare_model
+
+    with pytest.raises(TypeError, match="prepare_model expects a transformers model, got"):
+        prepare_model(model)

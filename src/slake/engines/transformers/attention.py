@@ -120,8 +120,15 @@ def prepare_model(model) -> None:
     Without a :class:`SlakeCache` the function behaves exactly like SDPA, so a prepared model still works with
     transformers' default cache.
 
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM (or its base model) whose attention modules call ``ALL_ATTENTION_FUNCTIONS``.
+
     Raises
     ------
+    TypeError
+        For anything but a torch module with a ``config`` (a transformers model).
     ValueError
         If the model cannot switch its attention implementation (its attention does not use
         ``ALL_ATTENTION_FUNCTIONS``), or its attention is not plain softmax attention (logit soft-capping, learned
@@ -134,6 +141,8 @@ def prepare_model(model) -> None:
     tokens it already holds (:meth:`SlakeCache.check_forward`). The hook keeps no state; it does nothing without a
     SlakeCache.
     """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"prepare_model expects a transformers model, got {type(model).__name__}")
     check_supported_attention(model.config, type(model).__name__)
     if getattr(type(model), "_supports_sdpa", None) is False:
         # slake's function is SDPA over a compressed cache (and SDPA itself without one, or on bounded layers):
