@@ -141,7 +141,7 @@ def prepare_model(model) -> None:
     tokens it already holds (:meth:`SlakeCache.check_forward`). The hook keeps no state; it does nothing without a
     SlakeCache.
     """
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+    if not _is_transformers_model(model):
         raise TypeError(f"prepare_model expects a transformers model, got {type(model).__name__}")
     check_supported_attention(model.config, type(model).__name__)
     if getattr(type(model), "_supports_sdpa", None) is False:
@@ -165,6 +165,11 @@ def prepare_model(model) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(f"{type(model).__name__} refused the '{ATTENTION_NAME}' attention implementation")
+
+
+def _is_transformers_model(model: Any) -> bool:
+    """A torch module with a ``config`` (a function, so that the check does not narrow ``model``'s type)."""
+    return isinstance(model, torch.nn.Module) and hasattr(model, "config")
 
 
 def _install_prefill_check(model) -> None:

@@ -94,7 +94,7 @@ def _refuse_layers_out_of_step(cache: SlakeCache) -> None:
     others did. Continued, the cache would silently keep those layers a token short from then on (a plain
     transformers cache fails on the shapes). Host counts only; a fixed-shape cache keeps its counts on the
     device and is not checked."""
-    counts = [c for c in (layer.get_seq_length() for layer in cache.layers) if isinstance(c, int)]
+    counts = [c for c in (getattr(layer, "get_seq_length", _no_count)() for layer in cache.layers) if isinstance(c, int)]
     if counts and min(counts) != max(counts):
         raise ValueError(
             f"this SlakeCache's layers hold different numbers of tokens ({min(counts)} to {max(counts)}): an "
@@ -102,6 +102,11 @@ def _refuse_layers_out_of_step(cache: SlakeCache) -> None:
             f"cache matches no sequence; create a new SlakeCache (or continue from a copy taken before that "
             f"forward, copy.deepcopy(cache))"
         )
+
+
+def _no_count() -> None:
+    """The count of a layer without ``get_seq_length``: none, left out of the comparison."""
+    return None
 
 
 def _check_held(cache: SlakeCache, batch_size: int | None) -> None:
