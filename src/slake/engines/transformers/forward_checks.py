@@ -94,7 +94,9 @@ def _refuse_layers_out_of_step(cache: SlakeCache) -> None:
     others did. Continued, the cache would silently keep those layers a token short from then on (a plain
     transformers cache fails on the shapes). Host counts only; a fixed-shape cache keeps its counts on the
     device and is not checked."""
-    counts = [c for c in (getattr(layer, "get_seq_length", _no_count)() for layer in cache.layers) if isinstance(c, int)]
+    counts = [
+        c for c in (getattr(layer, "get_seq_length", _no_count)() for layer in cache.layers) if isinstance(c, int)
+    ]
     if counts and min(counts) != max(counts):
         raise ValueError(
             f"this SlakeCache's layers hold different numbers of tokens ({min(counts)} to {max(counts)}): an "
