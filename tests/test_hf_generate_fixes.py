@@ -83,6 +83,20 @@ def test_model_generate_continues_from_a_whole_prompt_prefill(model, method):
     assert cache.prefilled_logits is None  # used once
 
 
+def test_a_forward_after_the_prefill_drops_its_logits(model):
+    """The prefill's logits predict the token after the prompt: after a forward of that token by hand, a
+    ``model.generate`` of exactly what the cache then holds must not answer from them (a stale first token); it is
+    refused as a prompt that does not continue the cache, and one more token continues it."""
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        first = prefill(model, cache, ids).argmax(-1, keepdim=True)
+        second = model(first, **with_cache(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        with pytest.raises(ValueError, match="does not continue it"):
+            _generate(model, cache, torch.cat([ids, first], 1), max_new_tokens=1)
+        assert len(_generate(model, cache, torch.cat([ids, first, second], 1), max_new_tokens=2)[0]) == 2
+
+
 def test_a_prefilled_prompt_expanded_by_generate_is_refused(model):
     ids = random_ids(S, seed=1)
     cache = SlakeCache("snapkv", 24, config=model.config, window=8)

@@ -273,7 +273,8 @@ class SlakeCache(Cache):
         self.second_pass_s: float | None = None
         #: ``(B, vocab)`` last-position logits of the prompt that
         #: :func:`slake.engines.transformers.generate.prefill` put in the cache, which ``model.generate``'s prefill
-        #: returns once, instead of reading the prompt again, when it is given exactly that prompt
+        #: returns once, instead of reading the prompt again, when it is given exactly that prompt (any forward
+        #: drops them)
         self.prefilled_logits: torch.Tensor | None = None
         slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
         compressed: list[SlakeCacheLayer] = []
