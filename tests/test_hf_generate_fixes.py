@@ -97,6 +97,44 @@ def test_a_forward_after_the_prefill_drops_its_logits(model):
         assert len(_generate(model, cache, torch.cat([ids, first, second], 1), max_new_tokens=2)[0]) == 2
 
 
+def test_prefill_logits_go_only_to_a_generate_of_the_same_rows(model):
+    """The prefill's logits were handed to any generate of the same shape: another prompt of the prompt's length,
+    and the prompt's rows after ``batch_select_indices`` reordered the cache, got the old rows' first tokens. Both are
+    refused as a new prompt now, as before the hand-over existed."""
+    a, b = random_ids(40, seed=1), random_ids(40, seed=2)
+    with torch.no_grad():
+        cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+        prefill(model, cache, a)
+        with pytest.raises(ValueError, match="does not continue it"):
+            _generate(model, cache, b, max_new_tokens=2)
+        cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+        ids = torch.cat([a, b])
+        prefill(model, cache, ids)
+        cache.batch_select_indices(torch.tensor([1, 0]))
+        assert cache.prefilled_logits is None
+        with pytest.raises(ValueError, match="does not continue it"):
+            _generate(model, cache, ids[[1, 0]], max_new_tokens=2)
+
+
+def test_editing_the_returned_logits_leaves_generate_alone(model):
+    ids = random_ids(40, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        logits = prefill(model, cache, ids)
+        first = int(logits.argmax())
+        logits[:, (first + 1) % logits.shape[-1]] = 1e9  # the caller's tensor, not the cache's
+        assert _generate(model, cache, ids, max_new_tokens=1) == [[first]]
+
+
+def test_hidden_states_of_a_prefill_run_before_generate_are_refused(model):
+    ids = random_ids(40, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        prefill(model, cache, ids)
+        with pytest.raises(ValueError, match=r"output_hidden_states=True\) after slake's prefill"):
+            _generate(model, cache, ids, max_new_tokens=2, return_dict_in_generate=True, output_hidden_states=True)
+
+
 def test_a_prefilled_prompt_expanded_by_generate_is_refused(model):
     ids = random_ids(S, seed=1)
     cache = SlakeCache("snapkv", 24, config=model.config, window=8)

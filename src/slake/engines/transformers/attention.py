@@ -189,7 +189,7 @@ def _checked(prefill):
 
     @functools.wraps(prefill)
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-        handed = _handed_over(self, input_ids, model_kwargs)
+        handed = _handed_over(self, input_ids, generation_config, model_kwargs)
         if handed is not None:
             return handed
         _refuse_chunked_first_prompt(input_ids, generation_config, model_kwargs)
@@ -199,7 +199,7 @@ def _checked(prefill):
     return _prefill
 
 
-def _handed_over(model, input_ids, model_kwargs: dict) -> Any:
+def _handed_over(model, input_ids, generation_config, model_kwargs: dict) -> Any:
     """The model output of the prompt that :func:`slake.engines.transformers.generate.prefill` put in the cache, when
     ``generate`` is given exactly that prompt; else None (and ``generate`` prefills what it is given, as usual).
 
@@ -212,7 +212,8 @@ def _handed_over(model, input_ids, model_kwargs: dict) -> Any:
     logits = getattr(cache, "prefilled_logits", None) if isinstance(cache, SlakeCache) else None
     if logits is None:
         return None
-    cache.prefilled_logits = None
+    prompt, prompt_mask = cache.prefilled_input
+    cache.prefilled_logits = cache.prefilled_input = None
     rows, held = int(input_ids.shape[0]), int(cache.get_seq_length())
     if int(input_ids.shape[1]) != held:
         return None  # more tokens than prefilled (the last prompt token after trailing_tokens=1, a later turn)
@@ -222,6 +223,19 @@ def _handed_over(model, input_ids, model_kwargs: dict) -> Any:
             f"was given {rows} row(s) of {int(input_ids.shape[1])} tokens (beam search and num_return_sequences "
             f"expand the batch): give generate that prompt itself"
         )
+    mask = model_kwargs.get("attention_mask")
+    same = torch.equal(input_ids, prompt.to(input_ids.device)) and (
+        mask is None or torch.equal(mask.to(prompt_mask.dtype), prompt_mask.to(mask.device))
+    )
+    if not same:
+        return None  # another prompt of the same size: generate reads it, and the cache refuses it as a new prompt
+    for option in ("output_hidden_states", "output_attentions"):
+        if getattr(generation_config, option, False):
+            raise ValueError(
+                f"generate({option}=True) after slake's prefill: the prompt's forward ran in prefill(), so its "
+                f"{option.removeprefix('output_')} are not there to return; drop the option, or let generate prefill "
+                f"a method without a second pass itself"
+            )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(logits=logits[:, None, :], **with_cache(model, cache))

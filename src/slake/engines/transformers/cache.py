@@ -276,6 +276,8 @@ class SlakeCache(Cache):
         #: returns once, instead of reading the prompt again, when it is given exactly that prompt (any forward
         #: drops them)
         self.prefilled_logits: torch.Tensor | None = None
+        #: the ``(B, S)`` prompt and mask those logits are of: a generate of another prompt does not receive them
+        self.prefilled_input: tuple[torch.Tensor, torch.Tensor] | None = None
         slots = {layer: slot for slot, layer in enumerate(self.layout.compressed)}
         compressed: list[SlakeCacheLayer] = []
         layers: list = []
@@ -371,6 +373,20 @@ class SlakeCache(Cache):
         """Refused (:data:`CROP_REFUSAL`) unless it removes nothing (``0``), before any layer is touched."""
         if max_length:
             raise ValueError(CROP_REFUSAL)
+
+    # the rows move: the logits prefill left for model.generate are those of the old rows (a first token from
+    # another row's prompt), so they go; model.generate then reads its input as usual
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.prefilled_logits = None
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.prefilled_logits = None
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.prefilled_logits = None
+        super().batch_select_indices(indices)
 
     def check_routed(self) -> None:
         """Raise if a layer's prompt was stored but never reached the registered attention function."""

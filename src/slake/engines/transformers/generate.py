@@ -124,8 +124,9 @@ def prefill(
     if cache.method.second_pass is not None:
         from slake.engines.transformers.reconstruction import prefill_with_second_pass
 
-        cache.prefilled_logits = prefill_with_second_pass(model, cache, input_ids, attention_mask)
-        return cache.prefilled_logits
+        return _leave_for_generate(
+            cache, prefill_with_second_pass(model, cache, input_ids, attention_mask), input_ids, attention_mask
+        )
     S = input_ids.shape[1]
     pos = prefill_position_ids(attention_mask)
     with no_grad_here():
@@ -158,8 +159,18 @@ def prefill(
             finally:
                 cache.end_chunked_prefill()
     cache.check_routed()
-    cache.prefilled_logits = out.logits[:, -1].float()
-    return cache.prefilled_logits
+    return _leave_for_generate(cache, out.logits[:, -1].float(), input_ids, attention_mask)
+
+
+def _leave_for_generate(
+    cache: SlakeCache, logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """``logits``, with a copy left on ``cache`` for a ``model.generate`` of exactly this prompt
+    (:func:`slake.engines.transformers.attention._handed_over`): a caller who edits the returned tensor changes
+    nothing there."""
+    cache.prefilled_logits = logits.clone()
+    cache.prefilled_input = (input_ids.clone(), attention_mask.clone())
+    return logits
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
