@@ -18,10 +18,7 @@ import numbers
 import types
 import typing
 from dataclasses import MISSING, fields
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from slake.methods.base import Method
+from typing import Any
 
 __all__ = [
     "check_hyperparameters",
@@ -218,7 +215,7 @@ def _spec_value(key: str, value: Any) -> str:
 _DECLARED: dict[type, dict[str, Any]] = {}
 
 
-def _declared_types(cls: type[Method]) -> dict[str, Any]:
+def _declared_types(cls: type) -> dict[str, Any]:
     """The resolved annotations of ``cls``'s fields (``{}`` where they cannot be resolved)."""
     if cls not in _DECLARED:
         try:
@@ -247,7 +244,7 @@ def _kind(declared: Any, default: Any) -> tuple[type | None, bool]:
 _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def check_hyperparameters(cls: type[Method], values: dict[str, Any], *, label: str = "") -> dict[str, Any]:
+def check_hyperparameters(cls: type, values: dict[str, Any], *, label: str = "") -> dict[str, Any]:
     """Validate hyperparameter values for the method class ``cls`` as a spec's values are validated.
 
     Used by :func:`slake.methods.make_method`, by a method's constructor for the values it is given
@@ -275,12 +272,13 @@ def check_hyperparameters(cls: type[Method], values: dict[str, Any], *, label: s
         type (``bool``, ``int``, ``float``, ``str``, each possibly optional: ``None`` is then accepted); a bool is
         never an integer or a number, and a string is never parsed.
     """
-    label = label or repr(cls.name)
+    name = getattr(cls, "name", cls.__name__)  # a Method class (this module does not import slake.methods.base)
+    label = label or repr(name)
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(
-            f"method {cls.name!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
+            f"method {name!r} has no hyperparameter {', '.join(unknown)}; it has: {', '.join(sorted(known))}"
         )
     declared = _declared_types(cls)
     out = dict(values)

@@ -1,24 +1,22 @@
 """The checks a :class:`~slake.engines.transformers.cache.SlakeCache` runs before every forward of a prepared model
 (:meth:`SlakeCache.check_forward`): the input must fit the cache, continue what it holds, and find every layer in
-step. Host facts, with one read of the mask in eager steps; nothing runs inside a compiled step."""
+step. Host facts, with one read of the mask in eager steps; nothing runs inside a compiled step. ``cache`` is the
+SlakeCache (typed ``Any``: this module is imported by the cache's, which it must not import back)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from slake.cache.prefill import check_left_padding, check_real_tokens
 from slake.cache.state import PrefillInfo
 
-if TYPE_CHECKING:
-    from slake.engines.transformers.cache import SlakeCache
-
 __all__ = ["check_forward"]
 
 
 def check_forward(
-    cache: SlakeCache,
+    cache: Any,
     num_hidden_layers: int | None,
     query_length: int | None,
     attention_mask: torch.Tensor | None = None,
@@ -91,7 +89,7 @@ def check_forward(
         )
 
 
-def _refuse_layers_out_of_step(cache: SlakeCache) -> None:
+def _refuse_layers_out_of_step(cache: Any) -> None:
     """Refuse a forward over layers that hold different numbers of tokens: an earlier forward stopped part-way
     through the model (a Ctrl-C, an error in a layer), after some layers had stored its tokens and before the
     others did. Continued, the cache would silently keep those layers a token short from then on (a plain
@@ -114,7 +112,7 @@ def _no_count() -> None:
     return None
 
 
-def _check_held(cache: SlakeCache, batch_size: int | None) -> None:
+def _check_held(cache: Any, batch_size: int | None) -> None:
     """Refuse a forward of another batch size than the sequences the cache holds, or one outside
     ``torch.inference_mode()`` over a cache filled inside it (its tensors are inference tensors, which no later
     step could update in place); host facts only."""
@@ -136,7 +134,7 @@ def _check_held(cache: SlakeCache, batch_size: int | None) -> None:
         )
 
 
-def _check_chunking(cache: SlakeCache, query_length: int | None) -> None:
+def _check_chunking(cache: Any, query_length: int | None) -> None:
     """Refuse a first prompt longer than ``prefill_chunk`` given whole to the model (``model.generate``): only
     :func:`slake.engines.transformers.generate.prefill` takes it in chunks, and the prefill memory the chunks
     bound would silently not be bounded."""
