@@ -12,6 +12,7 @@ import torch
 from transformers import AttentionInterface
 
 import slake
+from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import available_methods, make_method
 from tiny_models import prefill_for_generate, random_ids, tiny_model
 
@@ -83,7 +84,7 @@ def test_decoding_over_the_kept_slots_equals_a_masked_full_forward(arch, method)
     prefill_for_generate(model, cache, ids)
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=STEPS, do_sample=False,
+            ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=STEPS, do_sample=False,
             return_dict_in_generate=True, output_logits=True, pad_token_id=0,
         )  # fmt: skip
     assert cache.statistics()["compressed"]
