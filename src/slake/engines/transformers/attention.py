@@ -210,9 +210,10 @@ def _handed_over(model, input_ids, generation_config, model_kwargs: dict) -> Any
     this, transformers would read the whole prompt again over the filled cache (it slices ``input_ids[:, -0:]``)."""
     cache = cache_from_kwargs(model_kwargs)
     logits = getattr(cache, "prefilled_logits", None) if isinstance(cache, SlakeCache) else None
-    if logits is None:
+    prefilled = getattr(cache, "prefilled_input", None)
+    if logits is None or prefilled is None:
         return None
-    prompt, prompt_mask = cache.prefilled_input
+    prompt, prompt_mask = prefilled
     cache.prefilled_logits = cache.prefilled_input = None
     rows, held = int(input_ids.shape[0]), int(cache.get_seq_length())
     if int(input_ids.shape[1]) != held:
