@@ -110,9 +110,10 @@ def _spy_chunks(monkeypatch) -> list[tuple[int, int]]:
 
 
 def test_slake_generate_prefills_in_chunks_of_prefill_chunk(monkeypatch):
-    """``slake.generate(prefill_chunk=16)`` on a 65-token prompt prefills its first 64 tokens in four chunks of 16
-    (the first exact, the other three appended and evicted in every layer), then decodes; the cache stays within
-    its budget."""
+    """``slake.generate(prefill_chunk=16)`` on a 65-token prompt prefills it in chunks of 16 and a last one of 1
+    (the first exact, the others appended and evicted in every layer), then decodes from the last chunk's logits, as
+    ``slake eval`` does (before 2026-11-30 the last prompt token was a decode step); the cache stays within its
+    budget."""
     import slake
     from slake.engines.transformers.shapes import random_model
     from tiny_models import word_tokenizer
@@ -126,7 +127,9 @@ def test_slake_generate_prefills_in_chunks_of_prefill_chunk(monkeypatch):
         chat_template=False, prefill_chunk=16,
     )  # fmt: skip
     assert out.prompt_tokens == [65] and out.compressed
-    assert sorted(appended) == sorted((layer, 16) for layer in range(L) for _ in range(3))
+    assert sorted(appended) == sorted(
+        [(layer, 16) for layer in range(L) for _ in range(3)] + [(layer, 1) for layer in range(L)]
+    )
     assert max(out.kept_tokens_per_layer) <= 24 + 4
 
 
@@ -175,10 +178,10 @@ def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
 
 @pytest.mark.parametrize(("method", "chunk"), [("snapkv", 8), ("slake", 8), ("kvzip", None)])
 def test_a_prompt_of_budget_plus_one_is_compressed_after_a_split_prefill(method, chunk, monkeypatch):
-    """``slake.generate`` prefills a chunked (or KVzip's two-pass) prompt but its last token, which
-    ``model.generate`` then feeds as a decode step. The compress decision and the budget are the whole prompt's, as
-    in the exact prefill: a prompt of ``budget + 1`` tokens was left uncompressed (the prefilled part held
-    ``budget``), its cache growing by every generated token."""
+    """A prompt of ``budget + 1`` tokens is compressed by a chunked (or KVzip's two-pass) prefill as by the exact
+    one. When ``slake.generate`` fed the last prompt token as a decode step (before 2026-11-30), such a prompt was
+    once left uncompressed (the prefilled part held ``budget``), its cache growing by every generated token; it now
+    prefills the whole prompt (the last chunk holds that token)."""
     import slake
     from slake.engines.transformers.shapes import random_model
     from tiny_models import word_tokenizer
@@ -191,9 +194,10 @@ def test_a_prompt_of_budget_plus_one_is_compressed_after_a_split_prefill(method,
     appended = _spy_chunks(monkeypatch)
     split = slake.generate(model, word_tokenizer(), prompt, prefill_chunk=chunk, **common)
     assert exact.prompt_tokens == split.prompt_tokens == [budget + 1]
-    if chunk is not None:  # the budget prefilled in five chunks of 8: the first exact, four appended in each layer
+    if chunk is not None:  # five chunks of 8 and one of 1: the first exact, the others appended in each layer
         L = model.config.num_hidden_layers
-        assert sorted(appended) == sorted((layer, chunk) for layer in range(L) for _ in range(budget // chunk - 1))
+        chunks = [chunk] * (budget // chunk - 1) + [1]
+        assert sorted(appended) == sorted((layer, n) for layer in range(L) for n in chunks)
     else:
         assert appended == []
     assert exact.compressed and split.compressed

@@ -219,6 +219,25 @@ def test_runner_prediction_equals_live_generate(llama_gqa, tok, needle_samples, 
         assert row["compressed"] == live.compressed
 
 
+@pytest.mark.parametrize("method", ["snapkv", "slake", "h2o"])
+def test_chunked_runner_prediction_equals_live_generate(llama_gqa, tok, needle_samples, tmp_path, method):
+    """With ``prefill_chunk``, slake.generate prefilled the prompt but its last token in chunks and fed that token
+    as a decode step, where the evaluation (and slake bench) prefill the whole prompt in chunks and take the first
+    token from the last chunk's logits: their answers differed."""
+    sample = needle_samples[3]
+    rows = run_suite(
+        llama_gqa, tok, [sample], [method], [40], tmp_path, model_name="tiny", max_new_tokens=6, progress=False,
+        prefill_chunk=64,
+    )  # fmt: skip
+    (row,) = [r for r in rows if r["budget"] == 40]
+    assert row["prefill_chunk"] == 64
+    live = slake.generate(
+        llama_gqa, tok, sample.context + sample.question, method=method, budget=40,
+        max_new_tokens=row["max_new_tokens"], prefill_chunk=64,
+    )  # fmt: skip
+    assert row["prediction"] == live.text
+
+
 def test_question_agnostic_rows(llama_gqa, tok, needle_samples, tmp_path):
     sample = needle_samples[0]
     ctx, q = encode_sample(sample, tok, query_aware=False)

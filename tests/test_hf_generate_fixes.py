@@ -230,12 +230,16 @@ def test_prefill_chunk_not_applied_by_model_generate_is_refused(model):
     with torch.no_grad(), pytest.raises(ValueError, match="built with prefill_chunk=16"):
         _generate(model, cache, ids, max_new_tokens=2)
     assert cache.compressor.layers[0] is None  # refused before any layer ran
+    with torch.no_grad():  # what the refusal advises: prefill() in chunks, then generate of the same prompt continues
+        prefill(model, cache, ids)
+        assert len(_generate(model, cache, ids, max_new_tokens=2)[0]) == 2
+    assert cache.statistics()["compressed"]
     exact = SlakeCache("snapkv", 24, config=model.config, window=8, prefill_chunk=16)
     with torch.no_grad():  # an exact prefill asked of prefill(): not refused
         prefill(model, exact, ids, prefill_chunk=S)
     tok = word_tokenizer()
     prompt = " ".join(f"w{i}" for i in random_ids(20, seed=1)[0].tolist())
-    for chunk in (19, 64):  # slake.generate with a chunk the prompt fits: model.generate prefills it whole
+    for chunk in (20, 64):  # slake.generate with a chunk the prompt fits: model.generate prefills it whole
         res = slake.generate(model, tok, prompt, method="snapkv", budget=8, window=4, prefill_chunk=chunk,
                              max_new_tokens=2, chat_template=False)  # fmt: skip
         assert len(res.texts) == 1

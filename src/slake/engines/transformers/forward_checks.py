@@ -147,8 +147,8 @@ def _check_chunking(cache: Any, query_length: int | None) -> None:
         f"this SlakeCache was built with prefill_chunk={chunk}, but a forward of the whole {query_length}-token "
         f"prompt (model.generate) would prefill it in one piece: only slake.generate and "
         f"slake.engines.transformers.generate.prefill take a prompt in chunks; call prefill(model, cache, "
-        f"input_ids[:, :-1], attention_mask[:, :-1], trailing_tokens=1) first (model.generate then reads the "
-        f"last token), or build the cache without prefill_chunk"
+        f"input_ids, attention_mask) first (model.generate of the same prompt then continues from its logits), or "
+        f"build the cache without prefill_chunk"
     )
 
 

@@ -87,9 +87,10 @@ def prefill(
         prompt (KVzip) is prefilled exactly, scored by its pass, then compressed
         (:func:`slake.engines.transformers.reconstruction.prefill_with_second_pass`); it cannot be chunked.
     trailing_tokens : int
-        Prompt tokens that will follow as decode steps (``slake.generate`` feeds the last one after a chunked or
-        second-pass prefill of the rest). The budget and the compress decision count them, so that they are the
-        whole prompt's, as in an exact prefill of it: a prompt of ``budget + 1`` tokens is compressed either way.
+        Prompt tokens that the caller will feed as decode steps after this prefill of the rest (``slake.generate``
+        feeds none since 2026-11-30: it prefills the whole prompt and ``model.generate`` continues from the logits
+        returned). The budget and the compress decision count them, so that they are the whole prompt's, as in an
+        exact prefill of it: a prompt of ``budget + 1`` tokens is compressed either way.
 
     Notes
     -----
@@ -319,7 +320,7 @@ def generate(
         max_cache_len=max_len,
         kernels=kernels,
     )
-    chunked = prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1] - 1
+    chunked = prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1]
     if not chunked:
         cache.prefill_chunk = None  # the prompt fits one chunk: model.generate prefills it whole, as asked
     second_pass = m.second_pass is not None  # prefilled here, its pass between the prompt and the first token
@@ -357,19 +358,10 @@ def generate(
     # inside inference mode, as model.generate below: every tensor of the cache an inference tensor (a compiled step
     # guards on it)
     with torch.inference_mode():
-        if second_pass:
-            # the whole prompt exactly, then the pass and the compression; model.generate chooses the first token
-            # from the exact prefill's logits, as slake eval and slake bench do
-            prefill(model, cache, enc["input_ids"], enc["attention_mask"])
-        elif chunked:
-            prefill(
-                model,
-                cache,
-                enc["input_ids"][:, :-1],
-                enc["attention_mask"][:, :-1],
-                prefill_chunk=prefill_chunk,
-                trailing_tokens=1,
-            )
+        if second_pass or chunked:
+            # the whole prompt here (exactly, then the pass and the compression; or in chunks), and model.generate
+            # chooses the first token from the prefill's last logits, as slake eval and slake bench do
+            prefill(model, cache, enc["input_ids"], enc["attention_mask"], prefill_chunk=prefill_chunk)
     with torch.inference_mode():
         processors = LogitsProcessorList([clock])
         try:
