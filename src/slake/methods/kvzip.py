@@ -85,6 +85,7 @@ def global_layer_counts(scores: torch.Tensor, candidates: torch.Tensor, keep: to
     """
     L, B, H, S = scores.shape
     out = torch.zeros(B, L, dtype=torch.int64)
+    candidates = candidates.to(scores.device)  # on a GPU the scores are there (a mask left on the CPU failed)
     for b in range(B):
         s = scores[:, b].float().masked_fill(~candidates[b].view(1, 1, S), float("-inf")).reshape(L, -1)
         n = int(candidates[b].sum()) * L * H
@@ -165,7 +166,7 @@ class KVzip(DecodeScope, Method):
         candidates = ~pad & ((pos >= first + self.sinks) & (pos < S - self.window))
         assert inputs.budget is not None
         keep = (inputs.budget.cpu() - self.protected).clamp_min(0) * L * H
-        counts = global_layer_counts(scores, candidates.cpu(), keep)
+        counts = global_layer_counts(scores, candidates, keep)
         pref = counts[:, inputs.layer_idx].double() / H
         return PrefillScores(scores=scores[inputs.layer_idx].float().clone(), preference=pref.to(scores.device))
 
