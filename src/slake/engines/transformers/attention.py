@@ -214,7 +214,7 @@ def _handed_over(model, input_ids, generation_config, model_kwargs: dict) -> Any
     if logits is None or prefilled is None:
         return None
     prompt, prompt_mask = prefilled
-    cache.prefilled_logits = cache.prefilled_input = None
+    cache.drop_prefilled()
     rows, held = int(input_ids.shape[0]), int(cache.get_seq_length())
     if int(input_ids.shape[1]) != held:
         return None  # more tokens than prefilled (the last prompt token after trailing_tokens=1, a later turn)

@@ -374,18 +374,21 @@ class SlakeCache(Cache):
         if max_length:
             raise ValueError(CROP_REFUSAL)
 
-    # the rows move: the logits prefill left for model.generate are those of the old rows (a first token from
-    # another row's prompt), so they go; model.generate then reads its input as usual
+    def drop_prefilled(self) -> None:
+        """Forget the logits ``prefill`` left for ``model.generate`` (and the prompt they are of): any forward does,
+        and so does moving the rows (a first token from another row's prompt); ``generate`` then reads its input."""
+        self.prefilled_logits = self.prefilled_input = None
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.prefilled_logits = None
+        self.drop_prefilled()
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.prefilled_logits = None
+        self.drop_prefilled()
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.prefilled_logits = None
+        self.drop_prefilled()
         super().batch_select_indices(indices)
 
     def check_routed(self) -> None:

@@ -26,7 +26,7 @@ def check_forward(
     """:meth:`SlakeCache.check_forward` (its docstring says what is refused). A forward also drops the logits that
     :func:`slake.engines.transformers.generate.prefill` left for ``model.generate``: they are the last prompt
     position's, stale once anything else is read."""
-    cache.prefilled_logits = cache.prefilled_input = None
+    cache.drop_prefilled()
     if num_hidden_layers is not None and int(num_hidden_layers) != len(cache.layers):
         raise ValueError(
             f"this SlakeCache was built for {len(cache.layers)} layers but the model has "
