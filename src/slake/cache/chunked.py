@@ -15,8 +15,9 @@ import torch
 
 from slake.attention.ptaa import attend
 from slake.attention.softmax import safe_softmax
+from slake.cache.block_logits import grouped_queries, layer_logits
 from slake.cache.decode_step import decode_extras
-from slake.cache.decoding import Decoder, grouped_queries, layer_logits
+from slake.cache.decoding import Decoder
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.prefill import PrefillCompressor, check_left_padding, check_real_tokens
 from slake.cache.state import CacheState

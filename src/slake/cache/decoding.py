@@ -16,16 +16,18 @@ from typing import Any
 import torch
 
 from slake.attention.ptaa import attend
-from slake.attention.softmax import matmul_f32, probs_values, safe_softmax
+from slake.attention.softmax import probs_values, safe_softmax
+from slake.cache.block_logits import layer_logits
 from slake.cache.decode_step import StepSlots, decode_extras, layer_victims, protected_slots, sdpa_step
 from slake.cache.dense_step import dense_kernel_reason, masked_dense_attention
+from slake.cache.free_runs import FreeRuns
 from slake.cache.fused_step import KernelReport, fused_arguments, fused_reason, keeps_order, run_step
 from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.state import CacheState
 from slake.kernels import launch_config
 from slake.methods.base import DecodeInputs
 
-__all__ = ["BLOCK_REASON", "Decoder", "grouped_queries", "layer_logits"]
+__all__ = ["BLOCK_REASON", "Decoder"]
 
 #: why a block of new tokens after the prefill (a later chat turn, several tokens fed at once) runs in torch where the
 #: fused kernels were asked for: they take one token per row and step (the block's count is left out, so that the
@@ -80,6 +82,9 @@ class Decoder:
         #: appends without evicting, or not static); counted on the host in eager steps only (:meth:`append`)
         self._static_room: int | None = None
         self._static_steps = 0  # the new tokens prepare_static made room for
+        #: per layer in static mode, the free slots of an append-only layer without scores, linear state or per-head
+        #: visibility, tracked on the device (:class:`~slake.cache.free_runs.FreeRuns`; None: searched at each step)
+        self._runs: list[FreeRuns | None] = [None] * state.num_layers
         #: the fused steps' scratch, shared by the layers (:class:`~slake.kernels.held_step.ScratchArena`; made with
         #: the first held step)
         self._arena: Any = None
@@ -97,6 +102,8 @@ class Decoder:
         """Forget the host bookkeeping of every layer (after the batch was reordered or repeated)."""
         for i in range(self.state.num_layers):
             self.reset_layer(i)
+            if self.static:  # the rows moved: their free slots with them (beam search runs its reorders eagerly)
+                self._runs[i] = self._free_runs(i)
 
     def reset_layer(self, layer_idx: int) -> None:
         """Forget what the decoder knew of a layer whose slots changed outside a decode step (a prefill, a chunk)."""
@@ -259,9 +266,13 @@ class Decoder:
             # no score, no linear term (a method with one keeps none where nothing was compressed): write the token,
             # then one attention over the store
             n = None if self.static else self._prefix_of(layer_idx, store)
+            runs = self._runs[layer_idx] if self.static else None
             if n is None:
-                slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
-                if self.static and torch.compiler.is_compiling():
+                if runs is not None:  # the next of the layer's free slots, tracked on the device (free_runs)
+                    slots = runs.take()
+                else:
+                    slots = (~store.valid).to(torch.uint8).argmax(-1, keepdim=True)
+                if runs is None and self.static and torch.compiler.is_compiling():
                     # a compiled step counts nothing on the host (:meth:`append` does in eager ones): a row without a
                     # free slot (more steps than max_cache_len made room for) gets an index past the store, which
                     # the write refuses (a CUDA device assert), instead of overwriting its slot 0
@@ -499,6 +510,7 @@ class Decoder:
             store = state.store(i)
             store.reserve(1 if state.evicts(i) else max(int(decode_tokens), 1))
             self._free[i] = None
+            self._runs[i] = self._free_runs(i)
             state.position[i] = torch.tensor(state.seen[i], dtype=torch.int64, device=store.keys.device)
             if state.method.slot_weighted and state.scored(i):
                 store.weights = self._slot_weights(i)
@@ -526,6 +538,17 @@ class Decoder:
             for t in self.static_tensors():
                 if t.is_cuda:  # fixed addresses: a CUDA graph replays over them without copying the cache
                     torch._dynamo.mark_static_address(t)
+
+    def _free_runs(self, layer_idx: int) -> FreeRuns | None:
+        """The free slots of layer ``layer_idx`` tracked on the device, for a static step that writes the first free
+        slot with no score, linear state or per-head visibility (:meth:`step`'s first branch); None for other layers,
+        in a compiled region (it reads the device once), or when the free slots are not in runs
+        (:meth:`FreeRuns.of`): then the step searches for its slot."""
+        state = self.state
+        store = state.store(layer_idx)
+        if state.scored(layer_idx) or store.linear is not None or store.head_visible is not None:
+            return None
+        return None if torch.compiler.is_compiling() else FreeRuns.of(store.valid)
 
     def planned_step(self, layer_idx: int) -> tuple[str, str | None]:
         """Which implementation a static single-token step of layer ``layer_idx`` runs, ``(kind, reason)``: ``kind``
@@ -563,37 +586,7 @@ class Decoder:
             if s._order is not None:
                 out.append(s._order)
         out += [t for t in state.targets if t is not None]
+        out += [t for runs in self._runs if runs is not None for t in runs.tensors()]
         if state.info is not None:
             out += list(state.info.on_device.values())
         return out
-
-
-def grouped_queries(queries: torch.Tensor, num_kv_heads: int, scaling: float) -> torch.Tensor:
-    """``scaling * q`` of ``(B, Hq, n_q, d)`` queries in group layout ``(B, Hkv, g, n_q, d)`` float32."""
-    B, Hq, nq, d = queries.shape
-    return (queries.float() * scaling).reshape(B, num_kv_heads, Hq // num_kv_heads, nq, d)
-
-
-def layer_logits(
-    store: LayerStore, queries: torch.Tensor, positions: torch.Tensor | None, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled queries ``scaling * q`` in group layout ``(B, Hkv, g, n_q, d)`` fp32 and their logits over the store's
-    slots (pass the queries to :func:`~slake.attention.ptaa.attend` with ``scaling=1.0``).
-
-    Logits are ``(scaling * q) . k`` in fp32, ``-inf`` for empty slots and for keys after the query's position.
-    ``positions=None`` means one query at the newest position, which sees every stored token (no causal test).
-    The ``g * n_q`` query rows of a KV head share one matmul against its keys (no per-query-head expansion or
-    copy of the cache); an fp32 cache is used as is, a low-precision one through :func:`matmul_f32`.
-    """
-    qf = grouped_queries(queries, store.keys.shape[1], scaling)
-    B, H, g, nq, d = qf.shape
-    x = matmul_f32(qf.reshape(B, H, g * nq, d), store.dense_keys().transpose(-1, -2)).view(B, H, g, nq, -1)
-    if positions is None:
-        visible = store.valid[:, :, None, None, :]
-    else:
-        visible = store.valid[:, :, None, None, :] & (
-            store.positions[:, :, None, None, :] <= positions.view(1, 1, 1, nq, 1)
-        )
-    if store.head_visible is not None:  # per-query-head visibility (SAGE-KV)
-        visible = visible & store.head_visible[:, :, :, None, :]
-    return qf, x.masked_fill_(~visible, float("-inf"))
