@@ -224,13 +224,16 @@ sanitize() {
 # short2 is the same for a second call on the still-warm machine, with what short leaves out, its deadline set to
 # the device time left (SHORT_SECONDS=270 after a first call of about 8 minutes in a 15-minute session):
 #   SHORT_SECONDS=270 timeout -k 5 300 bash benchmarks/gpu_session.sh short2 /tmp/gpu2; tar -C /tmp -czf "$OUT/gpu2.tgz" gpu2
-# The order since the third H200 session (2026-11-28), which timed the pool's step and the eager rows (sequential
-# medians, too noisy there to decide the 8K target): the compiled rows at 128K alone (compiled-128k, 270 s on the
-# H200 of 2026-11-27), then the eager targets timed interleaved; smoke's estimate includes the wait for the warm-up
-# bench beside it (the smoke tests alone took 134 s).
-SHORT_STEPS=("info 10" "smoke 250" "compiled-128k 270" "compiled-32k 90" "eager-targets 200" "pool-8 65" "host 70")
-SHORT2_STEPS=("eager-targets 200" "compiled-32k 90" "compiled-128k 270" "host 70" "pool-tune 50" "kernel-tune 115" \
-    "kernel-parts 90" "launch 170" "host-compiled 80" "kernels-1 130" "criticalkv-wide 150" "profile 200")
+# The order since the fourth H200 session (2026-11-30), which timed every target's rows (compiled at 128K and 32K,
+# the eager targets interleaved, the pool's step): first what no session has measured and what says where the
+# targets' remaining time goes, the eager step's host work beside transformers' own cache (host), the parts of
+# SLAKE's second kernel and the fused step alone at batch 1 (kernel-parts, kernels-1: 1.0 of compiled SLAKE's 6.2 ms
+# of kernels at 128K), then the target rows again (compiled-128k: the compiled full cache without its search for a
+# free slot since; eager-targets); smoke's estimate includes the wait for the warm-up bench beside it (the smoke
+# tests alone took 134 s).
+SHORT_STEPS=("info 10" "smoke 250" "host 70" "kernel-parts 90" "kernels-1 130" "compiled-128k 270" "eager-targets 200")
+SHORT2_STEPS=("compiled-128k 270" "kernel-tune 115" "host-compiled 80" "launch 170" "eager-targets 200" "pool-tune 50" \
+    "compiled-32k 90" "pool-8 65" "profile 200" "criticalkv-wide 150")
 
 # Triton's cache of the fused kernels built without a GPU (benchmarks/warm_cache.py, `make warm-cache`), when the call
 # carried it (run's carry: .warm-cache/triton-sm90.tgz) and it was built for this machine's Triton and GPU: the
