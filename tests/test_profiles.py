@@ -246,6 +246,24 @@ def test_a_model_without_profile_or_paper_values_is_told_once_that_it_runs_on_th
     assert "a ratio budget has no paper values" in caplog.records[-1].getMessage()
 
 
+def test_with_profiles_off_the_defaults_warning_says_so(profile_dir, caplog, monkeypatch):
+    """With ``SLAKE_NO_PROFILE=1`` a model whose profile exists runs on the defaults because the user turned the
+    profiles off: the warning said it had no calibrated profile and asked for ``slake calibrate``."""
+    import logging
+
+    from slake.methods import profiles
+
+    profiles._TOLD_DEFAULTS.clear()
+    caplog.set_level(logging.WARNING, logger="slake")
+    profiled = _config("my-org/Profiled-2B")
+    write_entry(model_identity(profiled), _entry(128, 0.9, 0.1))
+    monkeypatch.setenv("SLAKE_NO_PROFILE", "1")
+    m, applied = resolve_method("slake", 128, profiled)
+    assert applied is None and (m.alpha, m.beta) == (0.5, 0.4)
+    told = [r.getMessage() for r in caplog.records if "Profiled-2B" in r.getMessage()]
+    assert len(told) == 1 and "SLAKE_NO_PROFILE" in told[0] and "calibrate" not in told[0], told
+
+
 def test_a_value_the_user_set_is_never_replaced_by_the_papers(profile_dir):
     """On a paper's model, setting one of the pair kept the paper's value for both: ``cake[tau1=0.5]`` on
     Llama-3.1-8B at 128 ran tau1 = 1.6, ``slake[alpha=0.9]`` alpha = 0.4. The other one still comes from the paper."""

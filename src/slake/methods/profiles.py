@@ -346,6 +346,16 @@ def _tell_defaults(model: str, built: Any, free: list[str], budget: int | float)
         return
     _TOLD_DEFAULTS.add(key)
     shown = ", ".join(f"{k}={getattr(built, k)}" for k in free)
+    if profiles_disabled():  # the user turned the profiles off: they were not missing, and calibrating changes nothing
+        logger.warning(
+            "%s: profiles are off (SLAKE_NO_PROFILE is set) and %s has no paper values for it at this budget: %s uses "
+            "its defaults (%s)",
+            model,
+            built.name,
+            built.name,
+            shown,
+        )
+        return
     why = " (a ratio budget has no paper values)" if isinstance(budget, float) and budget < 1 else ""
     logger.warning(
         "%s has no calibrated profile for %s at this budget and no paper values%s: %s uses its defaults (%s); "
