@@ -80,6 +80,29 @@ def test_question_agnostic_mode_feeds_the_question_after_compression(llama_gqa):
     assert bool((store.positions[store.valid] >= 80).sum() == 16 * store.keys.shape[1])
 
 
+def test_the_question_after_a_context_within_the_budget_is_not_warned_about(llama_gqa, caplog):
+    """A question-agnostic run whose context fits the budget and whose question takes it past: the question is the
+    protocol, not a later turn. The warning meant for a user's multi-turn chat ("pass the whole of it to a new
+    SlakeCache") came once per sample and (method, budget) of ``slake eval --question-agnostic``; a chat on a user's
+    cache still gets it."""
+    import logging
+
+    model = llama_gqa
+    context, question = random_ids(80, seed=30), random_ids(12, seed=31)
+    capture = capture_prefill(model, context)
+    caplog.set_level(logging.WARNING, logger="slake")
+    for _ in range(2):
+        greedy_decode(model, capture, capture.replay("snapkv", 85), 3, extra_ids=question)
+    assert not [r for r in caplog.records if "within its budget" in r.getMessage()]
+    cache = capture.replay("snapkv", 85)  # the same cache driven by hand, as a chat's next turn
+    with torch.inference_mode():
+        mask = torch.ones(1, 92, dtype=torch.long)
+        model(
+            input_ids=question, attention_mask=mask, **with_cache(model, cache), position_ids=torch.arange(80, 92)[None]
+        )
+    assert [r for r in caplog.records if "within its budget" in r.getMessage()]
+
+
 @pytest.mark.parametrize("method", ["snapkv", "slake", "sagekv"])
 def test_stacked_single_captures_equal_a_padded_batch_capture(llama_gqa, method):
     """Prefilling each prompt alone and left-padding the records gives the padded batch's capture."""

@@ -201,6 +201,9 @@ class CompressedKV:
         self.max_cache_len: int | None = None
         #: a continuation grew this cache past its budget while it compresses nothing, and the user was told
         self._told_uncompressed = False
+        #: whether such a continuation is told (once, :meth:`append`); the question-agnostic evaluation, which asks
+        #: its question after compressing the context by design, turns it off on the caches it replays
+        self.tell_uncompressed_turns = True
 
     # ------------------------------------------------------------------ configuration and shared state
     @property
@@ -366,7 +369,7 @@ class CompressedKV:
         if self.chunks.active:
             self.chunks.append(layer_idx, keys, values)
             return self.state.store(layer_idx)
-        if layer_idx == 0 and keys.shape[2] > 1 and not self._told_uncompressed:
+        if layer_idx == 0 and keys.shape[2] > 1 and self.tell_uncompressed_turns and not self._told_uncompressed:
             self._tell_if_uncompressed(keys.shape[2])
         return self.decoder.append(layer_idx, keys, values)
 

@@ -499,6 +499,8 @@ def greedy_decode(
     real = mask.sum(-1)
     with torch.inference_mode():
         if extra_ids is not None:
+            # the question after the compressed context is the protocol, not a later turn the user should redo
+            cache.compressor.tell_uncompressed_turns = False
             n = extra_ids.shape[1]
             mask = torch.cat([mask, torch.ones_like(extra_ids)], 1)
             pos = real[:, None] + torch.arange(n, device=mask.device)[None]
