@@ -178,3 +178,35 @@ def test_unwritable_out_dir_is_refused_before_loading(tmp_path):
     args = build_parser().parse_args(["calibrate", "--out-dir", str(blocker / "x")])
     with pytest.raises(ValueError, match="--out-dir"):
         _check_args(args)
+
+
+# messages ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["slake[alpha=0.3]", "cake[tau2=2.0,window=8]"])
+def test_a_searched_value_in_a_spec_is_refused_before_loading(spec):
+    """``slake calibrate --methods slake[alpha=0.3]`` searched alpha anyway and wrote an entry that applied to plain
+    slake: the value set was silently dropped."""
+    args = build_parser().parse_args(["calibrate", "--methods", spec, "--budgets", "24", "--length", "256"])
+    with pytest.raises(ValueError, match="searches .*drop (alpha|tau2)"):
+        _check_args(args)
+
+
+def test_calibrate_does_not_tell_the_user_to_calibrate(fake_load, tmp_path, profile_dir, caplog):
+    """The "before" point of a model without a profile was resolved with the warning "no calibrated profile ...
+    `slake calibrate` fits them", printed by slake calibrate itself."""
+    import logging
+
+    from slake.methods import profiles
+
+    profiles._TOLD_DEFAULTS.clear()
+    caplog.set_level(logging.WARNING, logger="slake")
+    assert main(_calibrate(tmp_path / "out", "--json")) == 0
+    assert not [r for r in caplog.records if "slake calibrate" in r.getMessage()]
+
+
+def test_a_search_that_measured_nothing_names_the_searched_values(llama_gqa, reference):
+    """With VABS off SLAKE's alpha and beta allocate nothing: the message asked whether the budget was at or above
+    the prompts' length, which the command line refuses already."""
+    with pytest.raises(ValueError, match="alpha and beta change nothing here.*vabs=false"):
+        calibrate_method(llama_gqa, reference, make_method("slake[window=8,vabs=false]"), 24, grid=GRID, refine=False)

@@ -232,9 +232,10 @@ def test_a_model_without_profile_or_paper_values_is_told_once_that_it_runs_on_th
     caplog.set_level(logging.WARNING, logger="slake")
     cfg = _config("my-org/Unprofiled-1B")
     resolve_method("slake", 128, cfg)
-    resolve_method("slake", 256, cfg)
+    resolve_method("slake", 128, cfg)
     told = [r.getMessage() for r in caplog.records if "calibrate" in r.getMessage()]
     assert len(told) == 1 and "Unprofiled" in told[0] and "alpha=0.5, beta=0.4" in told[0]
+    assert "at budget 128" in told[0]
     caplog.clear()
     resolve_method("slake[alpha=0.3,beta=0.2]", 128, _config("my-org/Other-1B"))  # the user chose
     resolve_method("slake", 128)  # no model
@@ -244,6 +245,30 @@ def test_a_model_without_profile_or_paper_values_is_told_once_that_it_runs_on_th
     assert not [r for r in caplog.records if "calibrate" in r.getMessage()]
     resolve_method("slake", 0.25, _config("my-org/Ratio-1B"))
     assert "a ratio budget has no paper values" in caplog.records[-1].getMessage()
+
+
+def test_the_defaults_warning_names_each_budget_and_variant_that_runs_on_them(profile_dir, caplog):
+    """A profile covers some budgets of a model: the one warning per model and method said "at this budget" for the
+    first budget without an entry, and every later budget or variant of the method ran on the defaults without a
+    word (``slake eval --budgets 64,...,4096`` could not tell which). Now one per (model, spec, budget), naming them;
+    none inside :func:`defaults_untold` (``slake calibrate``'s "before" point)."""
+    import logging
+
+    from slake.methods import profiles
+    from slake.methods.profiles import defaults_untold
+
+    profiles._TOLD_DEFAULTS.clear()
+    caplog.set_level(logging.WARNING, logger="slake")
+    profiled = _config("my-org/Partly-1B")
+    write_entry(model_identity(profiled), _entry(128, 0.9, 0.1))
+    with defaults_untold():
+        assert resolve_method("slake", 8192, profiled)[1] is None
+    assert not caplog.records
+    for method, budget in (("slake", 128), ("slake", 8192), ("slake", 0.5), ("slake[vabs_split=uniform]", 8192)):
+        resolve_method(method, budget, profiled)
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 3, told
+    assert "slake at budget 8192" in told[0] and "ratio 0.5" in told[1] and "slake[vabs_split=uniform]" in told[2]
 
 
 def test_with_profiles_off_the_defaults_warning_says_so(profile_dir, caplog, monkeypatch):

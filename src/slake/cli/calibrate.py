@@ -67,13 +67,21 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
     from slake.methods.base import canonical_method_spec, make_method, parse_method_list
     from slake.methods.budget_check import check_budget_at_length
     from slake.methods.profiles import SEARCHED
+    from slake.methods.spec import parse_method_spec
 
     specs = parse_method_list(args.methods)
     refuse_duplicates("--methods", specs, [canonical_method_spec(m) for m in specs])
     methods = [make_method(m) for m in specs]
-    for m in methods:
+    for spec, m in zip(specs, methods, strict=True):
         if m.name not in SEARCHED:
             raise ValueError(f"slake calibrate tunes {', '.join(sorted(SEARCHED))}, not {m.name!r}")
+        fixed = [k for k in SEARCHED[m.name] if k in parse_method_spec(spec)[1]]
+        if fixed:
+            # the search would set them anyway, and the entry it writes would apply to the spec without them
+            raise ValueError(
+                f"--methods {spec}: slake calibrate searches {', '.join(SEARCHED[m.name])}; drop "
+                f"{', '.join(fixed)} from the spec (the other hyperparameters stay and make the entry's context)"
+            )
     budget_texts = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
     budgets = [Budget(b).value for b in budget_texts]
     if not budgets:
@@ -108,7 +116,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from slake import __version__
     from slake.engines.context import check_context, context_limit
     from slake.engines.transformers.models import load_model
-    from slake.methods.profiles import model_identity, resolve_method, write_entry
+    from slake.methods.profiles import defaults_untold, model_identity, resolve_method, write_entry
     from slake.quality.calibrate import (
         CALIBRATION_SOURCE,
         GRIDS,
@@ -131,7 +139,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     folder = None if args.out_dir is None else _profile_folder(args.out_dir)  # None: the profile folder
     # what is in force before calibrating (user or shipped profile, papers' values, defaults): the "before" point,
     # resolved before any entry is written so that a new entry does not become the "before" of a nearby budget
-    in_force = {(i, b): resolve_method(spec, b, model) for i, spec in enumerate(specs) for b in budgets}
+    with defaults_untold():  # "no profile: run slake calibrate" is not news to slake calibrate
+        in_force = {(i, b): resolve_method(spec, b, model) for i, spec in enumerate(specs) for b in budgets}
     print(f"calibration prompts: {2 * args.samples} of {args.length} tokens from {CALIBRATION_SOURCE}", file=sys.stderr)
     ref = calibration_reference(model, tokenizer, args.length, args.samples, args.tokens, args.seed)
     per = {

@@ -34,19 +34,24 @@ profile is logged once.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("slake")
-#: (model, method) pairs already told that they run on the method's default values (one notice per pair)
-_TOLD_DEFAULTS: set[tuple[str, str]] = set()
+#: (model, method spec, budget) already told that they run on the method's default values (one notice each)
+_TOLD_DEFAULTS: set[tuple[str, str, int | float]] = set()
+#: whether :func:`resolve_method` keeps that notice to itself (:func:`defaults_untold`)
+_UNTOLD: contextvars.ContextVar[bool] = contextvars.ContextVar("slake_defaults_untold", default=False)
 #: (model path, profile file) pairs already told that the profile was calibrated on another folder of the same name
 _TOLD_OTHER_FOLDER: set[tuple[str, str]] = set()
 
@@ -61,6 +66,7 @@ __all__ = [
     "load_profiles",
     "find_entry",
     "resolve_method",
+    "defaults_untold",
     "write_entry",
 ]
 
@@ -304,7 +310,8 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
         # the paper's pair too gives only what the user left unset: ``cake[tau1=0.5]`` keeps its tau1
         values, source, at = {k: v for k, v in paper.items() if k in free}, "paper", value
     if not values:
-        _tell_defaults(identity["name"], built, free, value)
+        if not _UNTOLD.get():
+            _tell_defaults(identity["name"], str(method), built, free, value)
         return built, None
     valid = {f.name for f in fields(built)}
     values = {k: v for k, v in values.items() if k in valid}
@@ -336,34 +343,49 @@ def _tell_other_folder(identity: dict, source: str) -> None:
     )
 
 
-def _tell_defaults(model: str, built: Any, free: list[str], budget: int | float) -> None:
-    """Log once per model and method that no calibrated profile or paper value exists for it, so its searched
-    hyperparameters keep the method's defaults (SLAKE's are Llama-2-7B's; the calibrations of this project's models
-    moved far from them)."""
+@contextlib.contextmanager
+def defaults_untold() -> Iterator[None]:
+    """Within the block, :func:`resolve_method` does not log that a method runs on its default values for want of a
+    profile or paper values (``slake calibrate`` resolves what is in force before it calibrates those values: telling
+    it to calibrate them says nothing)."""
+    token = _UNTOLD.set(True)
+    try:
+        yield
+    finally:
+        _UNTOLD.reset(token)
+
+
+def _tell_defaults(model: str, spec: str, built: Any, free: list[str], budget: int | float) -> None:
+    """Log once per model, method spec and budget that no calibrated profile or paper value exists for it, so its
+    searched hyperparameters keep the method's defaults (SLAKE's are Llama-2-7B's; the calibrations of this project's
+    models moved far from them). The budget is named: a profile covers some budgets of a model and not others."""
     model = model or "this model (it has no name)"
-    key = (model, built.name)
+    key = (model, spec, budget)
     if key in _TOLD_DEFAULTS:
         return
     _TOLD_DEFAULTS.add(key)
     shown = ", ".join(f"{k}={getattr(built, k)}" for k in free)
+    at = f"ratio {budget:g}" if isinstance(budget, float) and budget < 1 else str(budget)
     if profiles_disabled():  # the user turned the profiles off: they were not missing, and calibrating changes nothing
         logger.warning(
-            "%s: profiles are off (SLAKE_NO_PROFILE is set) and %s has no paper values for it at this budget: %s uses "
-            "its defaults (%s)",
+            "%s: profiles are off (SLAKE_NO_PROFILE is set) and %s has no paper values for it at budget %s: %s runs "
+            "on its defaults (%s)",
             model,
-            built.name,
-            built.name,
+            spec,
+            at,
+            spec,
             shown,
         )
         return
     why = " (a ratio budget has no paper values)" if isinstance(budget, float) and budget < 1 else ""
     logger.warning(
-        "%s has no calibrated profile for %s at this budget and no paper values%s: %s uses its defaults (%s); "
+        "%s has no calibrated profile for %s at budget %s and no paper values%s: %s runs on its defaults (%s); "
         "`slake calibrate` fits them to this model (docs/profiles.md)",
         model,
-        built.name,
+        spec,
+        at,
         why,
-        built.name,
+        spec,
         shown,
     )
 

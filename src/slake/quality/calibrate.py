@@ -148,7 +148,9 @@ def calibrate_method(
     if max(kls) - min(kls) <= 1e-9 * max(1.0, abs(max(kls))):
         raise NothingMeasured(
             f"the search of {method.name} at budget {budget} measured nothing: all {len(cache)} candidates gave the "
-            f"same distance ({kls[0]:.4g} nats/token); is the budget at or above the calibration prompts' length?"
+            f"same distance ({kls[0]:.4g} nats/token), so {' and '.join(keys)} change nothing here: either the "
+            f"method's other settings do not read them (slake[vabs=false] allocates no budgets by VABS), or the budget "
+            f"keeps every token the calibration prompts have"
         )
     best = min(cache, key=lambda v: (cache[v]["kl"], v != tuple(round(x, 4) for x in before_values)))
     context = {k: v for k, v in method.hyperparameters().items() if k not in keys}
