@@ -51,3 +51,46 @@ def test_demo_depth_only_where_a_needle_is_and_long_context_on_request(monkeypat
     assert "--depth places a needle: task cwe has none" in capsys.readouterr().err
     assert main(["demo", "--method", "full", "--length", "1024"]) == 2
     assert "--method full" in capsys.readouterr().err
+
+
+def _answers(monkeypatch, engine, texts: dict) -> None:
+    """The fake engine answers ``texts[method]``."""
+    generate = engine.generate
+
+    def answer(prompt, *, method, **kw):
+        result = generate(prompt, method=method, **kw)
+        result.texts = [texts[method]]
+        return result
+
+    monkeypatch.setattr(engine, "generate", answer)
+
+
+def test_demo_advises_a_larger_budget_only_when_the_full_cache_answered(monkeypatch, capsys):
+    """A larger budget cannot beat the full cache: where it also missed, the demo said "try a larger --budget"."""
+    from slake.cli import main
+
+    engine = fake_demo(monkeypatch, {"full": 10, "kept": 10}, {"full": 10, "kept": 5})
+    argv = ["demo", "--length", "1024", "--budget", "64", "--max-new-tokens", "4"]
+    _answers(monkeypatch, engine, {"full": "1234567", "slake": "7654321"})
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "full cache did not answer correctly either" in err and "larger --budget" not in err
+    _answers(monkeypatch, engine, {"full": "4680899", "slake": "7654321"})
+    assert main(argv) == 0
+    assert "try a larger --budget" in capsys.readouterr().err
+
+
+def test_demo_says_a_hidden_fact_only_where_one_is_hidden(monkeypatch, capsys):
+    """ "with one hidden fact" was printed for cwe (count words), vt and the multi-needle tasks."""
+    from slake.cli import main
+
+    fake_demo(monkeypatch, {"full": 10, "kept": 10}, {"full": 10, "kept": 5})
+    said_for = {
+        "niah_single_1": " with one hidden fact (niah",
+        "niah_multikey_2": " with hidden facts (niah",
+        "cwe": "tokens (cwe)",
+    }
+    for task, said in said_for.items():
+        assert main(["demo", "--task", task, "--length", "1024", "--max-new-tokens", "4"]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert said in first, first
