@@ -102,7 +102,7 @@ class SlakeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self.slake_state: PluginState | None = None
         if cfg is None:
             return
-        validate_engine_config(cfg, vllm_config)
+        validate_engine_config(cfg, vllm_config, warn=False)  # the engine's scheduler warns, once per engine
         check_isa(getattr(self, "isa", None), self.layout_cls)
         cfg = cfg.for_engine(getattr(mc, "max_model_len", None))  # the decode pool's rows: at most a request's tokens
         self.slake_state = PluginState(

@@ -31,6 +31,8 @@ from slake.budgets.budget import Budget
 from slake.cache.compressed import KERNELS
 from slake.methods.base import Method, make_method
 from slake.methods.budget_check import check_method_budget
+from slake.methods.profiles import SEARCHED, profiles_disabled
+from slake.methods.spec import parse_method_spec
 
 ENV_VAR = "SLAKE_VLLM"
 
@@ -75,6 +77,12 @@ class SlakeVllmConfig:
     #: the engine's ``max_model_len`` when known (set by the attention backend, :meth:`for_engine`): no layer of a
     #: request can keep more tokens than that, so it bounds :meth:`slots` (the decode pool's row width)
     max_model_len: int | None = None
+    #: the hyperparameters a profile may set (:data:`slake.methods.profiles.SEARCHED`) that the configuration sets
+    #: itself, in its method spec or ``set`` (no profile replaces them), named by :meth:`describe_profile`
+    user_set: tuple[str, ...] = ()
+    #: whether the profiles were off (``SLAKE_NO_PROFILE``, :func:`slake.methods.profiles.profiles_disabled`) when a
+    #: profile was looked for, so that :meth:`describe_profile` does not call them missing
+    profiles_off: bool = False
 
     def for_engine(self, max_model_len: int | None) -> SlakeVllmConfig:
         """This configuration bound to an engine whose requests hold at most ``max_model_len`` tokens."""
@@ -116,11 +124,23 @@ class SlakeVllmConfig:
         return f"{self.method.name}@{self.budget} ({hp})"
 
     def describe_profile(self) -> str:
-        """One line for logs: which profile entry set which hyperparameters, or that none applied."""
-        if self.profile is None:
-            return "no profile entry applies to this model: the method's own values"
-        values = ", ".join(f"{k}={v}" for k, v in self.profile["values"].items())
-        return f"profile {self.profile['source']} (entry at budget {self.profile['budget']}): {values}"
+        """One line for logs: which profile entry set which hyperparameters, or why none applied: the configuration
+        sets every hyperparameter a profile may set, the profiles are off (``SLAKE_NO_PROFILE``), or no entry
+        applies to this model (hyperparameters the configuration sets named as such)."""
+        if self.profile is not None:
+            values = ", ".join(f"{k}={v}" for k, v in self.profile["values"].items())
+            return f"profile {self.profile['source']} (entry at budget {self.profile['budget']}): {values}"
+        searched = SEARCHED.get(self.method.name, ())
+        mine = [k for k in searched if k in self.user_set]
+        shown = ", ".join(f"{k}={getattr(self.method, k)}" for k in mine)
+        if searched and len(mine) == len(searched):
+            return f"the configuration sets {shown} itself: no profile entry is used"
+        why = (
+            "profiles are off (SLAKE_NO_PROFILE is set)"
+            if self.profiles_off
+            else "no profile entry applies to this model"
+        )
+        return f"{why}: the method's own values" + (f", except {shown} (set by the configuration)" if mine else "")
 
 
 def _raw_from(additional_config: Any) -> dict | None:
@@ -198,7 +218,16 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
     check_protected(method, budget)
     method = with_layer_cap(method, budget)
     check_supported(method, budget)
-    return SlakeVllmConfig(method=method, budget=int(budget.value), profile=profile, kernels=kernels)
+    searched = SEARCHED.get(method.name, ())
+    user_set = set(parse_method_spec(raw["method"])[1]) | set(overrides)  # the spec parsed once already: valid
+    return SlakeVllmConfig(
+        method=method,
+        budget=int(budget.value),
+        profile=profile,
+        kernels=kernels,
+        user_set=tuple(k for k in searched if k in user_set),
+        profiles_off=model is not None and bool(searched) and profiles_disabled(),
+    )
 
 
 def check_kernels(kernels: Any) -> str:

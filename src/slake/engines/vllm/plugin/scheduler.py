@@ -4,9 +4,8 @@ vLLM 0.32 has no public hook for a request's block list, so this module wraps tw
 (:func:`install`), both inert unless the engine is configured for slake:
 
 * ``Scheduler.__init__``: reads the engine's slake configuration, validates the engine options
-  (:func:`slake.engines.vllm.plugin.validate.validate_engine_config`) and attaches a :class:`BlockPolicy` to the
-  scheduler's
-  ``KVCacheManager``;
+  (:func:`slake.engines.vllm.plugin.validate.validate_engine_config`, whose start-up warnings the scheduler alone
+  logs: one per engine) and attaches a :class:`BlockPolicy` to the scheduler's ``KVCacheManager``;
 * ``KVCacheManager.allocate_slots``: for a compressed request (prompt longer than the budget) past its prefill, the
   blocks beyond the first ``ceil(slots / block_size)`` are returned to the block pool (once, right after the
   prefill step) and no block is ever allocated again: the worker side (:mod:`slake.engines.vllm.plugin.backend`) keeps
@@ -137,6 +136,9 @@ def _wrap_init(original):
         validate_engine_config(cfg, vllm_config)
         if getattr(vllm_config.scheduler_config, "async_scheduling", False):
             raise ValueError("slake: asynchronous scheduling is not supported; add --no-async-scheduling")
+        # bound to the engine as the attention backend binds it: the slots logged are its decode pool's row width (a
+        # CAKE/SLAKE cap above max_model_len buys nothing); a request's own blocks, slots(prompt_len), are unchanged
+        cfg = cfg.for_engine(getattr(vllm_config.model_config, "max_model_len", None))
         self.kv_cache_manager.slake_policy = BlockPolicy(cfg)
         logger.info("slake: compressed requests keep %d KV slots per layer and head (%s)", cfg.slots(), cfg.describe())
         logger.info("slake: %s", cfg.describe_profile())

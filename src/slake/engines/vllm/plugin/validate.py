@@ -16,7 +16,7 @@ SUPPORTED_VLLM = "0.32."
 PER_HEAD_METHODS = "snapkv, h2o, streamingllm, keydiff, expected-attention, criticalkv"
 
 
-def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
+def validate_engine_config(cfg: SlakeVllmConfig, vllm_config, *, warn: bool = True) -> None:
     """Raise ``ValueError`` (one line, starting ``slake:``) for engine options that break compression.
 
     Parameters
@@ -25,6 +25,11 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
         The plugin configuration.
     vllm_config : vllm.config.VllmConfig
         The engine's configuration.
+    warn : bool
+        Whether to log what is accepted but worth saying (a budget no request can exceed). An engine validates its
+        configuration in its scheduler (one per engine, :mod:`slake.engines.vllm.plugin.scheduler`) and again in
+        each attention metadata builder (one per KV-cache group and worker, possibly in other processes), which
+        pass False, so that each engine says it once.
     """
     import vllm
 
@@ -54,9 +59,9 @@ def validate_engine_config(cfg: SlakeVllmConfig, vllm_config) -> None:
     if vllm_config.speculative_config is not None:
         raise ValueError("slake: speculative decoding is not supported with a compressed cache")
     max_len = getattr(vllm_config.model_config, "max_model_len", None)
-    if max_len is not None and cfg.budget >= int(max_len):
+    if warn and max_len is not None and cfg.budget >= int(max_len):
         # not refused: slake's own drivers size max_model_len to a run's prompts, and a run whose prompts all fit the
-        # budget is uncompressed, as in the transformers engine; said once, at start-up, rather than silently
+        # budget is uncompressed, as in the transformers engine; said once per engine, at start-up, not silently
         logger.warning(
             "slake: budget %d >= max_model_len %d: no request can exceed it, so this engine compresses nothing (it "
             "runs as plain vLLM); use a budget below max_model_len to compress",
