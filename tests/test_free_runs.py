@@ -67,7 +67,8 @@ def test_a_static_append_only_step_searches_no_slot(method, monkeypatch):
 
     def run(static: bool) -> torch.Tensor:
         hyper = {} if method == "full" else {"window": 4}
-        cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=PROMPT + steps if static else None, **hyper)
+        room = PROMPT + steps if static else None
+        cache = SlakeCache(method, BUDGET, config=model.config, max_cache_len=room, **hyper)
         with torch.inference_mode():
             tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
             if static:
