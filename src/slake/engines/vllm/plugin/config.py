@@ -31,7 +31,7 @@ from slake.budgets.budget import Budget
 from slake.cache.compressed import KERNELS
 from slake.methods.base import Method, make_method
 from slake.methods.budget_check import check_method_budget
-from slake.methods.profiles import SEARCHED, profiles_disabled
+from slake.methods.profiles import profiles_disabled
 from slake.methods.spec import parse_method_spec
 
 ENV_VAR = "SLAKE_VLLM"
@@ -130,6 +130,8 @@ class SlakeVllmConfig:
         if self.profile is not None:
             values = ", ".join(f"{k}={v}" for k, v in self.profile["values"].items())
             return f"profile {self.profile['source']} (entry at budget {self.profile['budget']}): {values}"
+        from slake.methods.profiles import SEARCHED  # a dict: not held in this module's namespace (no plugin state)
+
         searched = SEARCHED.get(self.method.name, ())
         mine = [k for k in searched if k in self.user_set]
         shown = ", ".join(f"{k}={getattr(self.method, k)}" for k in mine)
@@ -218,6 +220,8 @@ def parse_config(additional_config: Any, model: Any = None) -> SlakeVllmConfig |
     check_protected(method, budget)
     method = with_layer_cap(method, budget)
     check_supported(method, budget)
+    from slake.methods.profiles import SEARCHED  # a dict: not held in this module's namespace (no plugin state)
+
     searched = SEARCHED.get(method.name, ())
     user_set = set(parse_method_spec(raw["method"])[1]) | set(overrides)  # the spec parsed once already: valid
     return SlakeVllmConfig(
