@@ -11,30 +11,7 @@ import pytest
 import torch
 
 from slake.engines.vllm.plugin import scheduler as plugin_scheduler
-
-
-def vllm_config(slake: dict, *, max_model_len: int = 512):
-    """A stand-in for vLLM's ``VllmConfig`` with what the plugin's start-up reads (a 2-layer model, 2 KV heads)."""
-    text = SimpleNamespace(num_hidden_layers=2, layer_types=None, sliding_window=None)
-    model = SimpleNamespace(
-        max_model_len=max_model_len,
-        hf_config=None,  # no profile applies
-        hf_text_config=text,
-        is_attention_free=False,
-        use_mla=False,
-        dtype=torch.float32,
-        get_total_num_kv_heads=lambda: 2,
-        get_num_kv_heads=lambda parallel: 2,
-        get_head_size=lambda: 16,
-    )
-    return SimpleNamespace(
-        model_config=model,
-        cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
-        scheduler_config=SimpleNamespace(enable_chunked_prefill=False, max_num_seqs=4, async_scheduling=False),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=None,
-        additional_config={"slake": slake},
-    )
+from test_serve_guard_fixes import vllm_config
 
 
 class Said:
