@@ -34,3 +34,13 @@ def test_saved_copies_are_capped_by_bytes(tiny_dir, monkeypatch, caplog, cap):
     else:
         assert counters["saved"] == 0 and counters["restored"] == 0
         assert "would take the saved copies past" in caplog.text
+
+
+def test_a_request_past_the_count_cap_is_told_which_cap(tiny_dir, monkeypatch, caplog):
+    """Past ``save_max`` copies the warning said only that the request would be compressed afresh; the byte cap's
+    said why. Now both name their cap."""
+    monkeypatch.setattr(PluginState, "save_max", 0)
+    _, run = preempting_run(tiny_dir, "snapkv")
+    assert run.preemptions[1] >= 1, "the KV memory was not small enough to preempt the compressed request"
+    assert run.plugin is not None and run.plugin["counters"]["saved"] == 0
+    assert "0 saved copies are the most kept (PluginState.save_max)" in caplog.text

@@ -334,7 +334,8 @@ class PluginState:
         full = len(self.saved) >= self.save_max
         if st.row is None or pool is None or st.pending or full or not block_ids or not self.caches:
             if st.row is not None:
-                logger.warning("slake: preempted request %s will be compressed afresh when recomputed", req_id)
+                why = f": {self.save_max} saved copies are the most kept (PluginState.save_max)" if full else ""
+                logger.warning("slake: preempted request %s will be compressed afresh when recomputed%s", req_id, why)
             self.release(st)
             return
         held = torch.tensor(block_ids[: st.blocks(self.config, self.block_size)], dtype=torch.int64)
