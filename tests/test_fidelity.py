@@ -17,7 +17,7 @@ def test_fidelity_rows_and_limiting_cases(llama_gqa, tmp_path):
     slake_rows = fidelity.measure(rec, "slake", 40)
     assert all(r["rel_err"] > 1e-3 for r in cake)  # eviction does change attention
     assert {tuple(sorted(r)) for r in cake + slake_rows} == {
-        ("budget", "layer", "linear_cache", "method", "rel_err", "rel_err_window")
+        ("budget", "layer", "linear_cache", "method", "profile", "rel_err", "rel_err_window")
     }
     # the linear cache switch works for any evicting method and changes the result
     snap_lin = fidelity.measure(rec, "snapkv", 40, linear_cache=True)

@@ -195,8 +195,7 @@ def _output_fidelity(
     labelled as the attention level labels them: ``method`` carries the storage (``snapkv@int8``) and
     ``linear_cache`` the setting measured."""
     from slake.methods.base import canonical_method_spec
-    from slake.methods.profiles import resolve_method
-    from slake.quality import output_fidelity
+    from slake.quality import fidelity, output_fidelity
     from slake.quality.continuations import (
         EVALUATION_QUESTIONS,
         answer_continuations,
@@ -232,10 +231,10 @@ def _output_fidelity(
             for lin in lin_modes:
                 for b in budgets:
                     bar.set_postfix_str(f"output level: {m} @ {b}", refresh=False)
-                    extra = {} if lin is None else {"linear_cache": lin}
-                    built, _ = resolve_method(m, b, model, **extra)
+                    built, profile = fidelity.resolve_setting(m, b, model, lin)
                     for r in output_fidelity.measure_outputs(model, ref, built, b, label=label, kv_dtype=kvd):
                         r["linear_cache"] = built.linear_cache
+                        r["profile"] = profile
                         rows.append(r)
                     bar.update(1)
     return rows

@@ -17,13 +17,14 @@ section 3.2).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
 from slake.engines.transformers.cache_kwarg import with_cache
-from slake.methods.base import canonical_method_spec, make_method
+from slake.methods.base import Method, canonical_method_spec, make_method
 
 
 @dataclass
@@ -119,6 +120,40 @@ def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float(((a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-12)).mean())
 
 
+def resolve_setting(
+    method: str,
+    budget: int | float | str,
+    profile_model: Any = None,
+    linear_cache: bool | None = None,
+    **hyperparameters: Any,
+) -> tuple[Method, dict | None]:
+    """The method that one setting of ``slake fidelity`` measures, and the profile entry applied to it.
+
+    The model's profile (:func:`slake.methods.profiles.resolve_method`) is resolved for the method as given (its spec
+    and ``hyperparameters``); only then does ``linear_cache`` (``--linear-cache on|off|both``) switch PTAA on or off.
+    Both sides of ``--linear-cache both`` thus run the same values of everything else, as an ablation must: a profile
+    entry calibrated with the linear cache does not apply to a spec that turns it off (docs/profiles.md), and
+    resolving the switched spec gave the two sides different VABS exponents (or CAKE temperatures) wherever a profile
+    covered one side only.
+
+    Returns
+    -------
+    (Method, dict | None)
+        The method, and ``{"source", "values", "budget"}`` of the profile entry applied (None when none was).
+
+    Raises
+    ------
+    ValueError
+        As :func:`slake.methods.make_method`: an unknown hyperparameter or a value the method refuses.
+    """
+    from slake.methods.profiles import resolve_method
+
+    built, profile = resolve_method(method, budget, profile_model, **hyperparameters)
+    if linear_cache is not None:
+        built, _ = resolve_method(built, budget, None, linear_cache=linear_cache)
+    return built, profile
+
+
 def measure(
     recording: Recording,
     method: str,
@@ -131,17 +166,15 @@ def measure(
 ) -> list[dict]:
     """Per-layer relative errors of one (method, budget) against full attention.
 
-    Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache"}``. ``method`` is the
-    canonical spec of the variant (``slake[vabs=false]``, :mod:`slake.methods.spec`) without ``linear_cache``, which
-    has its own column. ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``) stores the kept entries in 8 bits; the label
-    then ends in ``@int8`` / ``@fp8_e4m3``. ``profile_model`` (the model or its config) applies the model's
-    hyperparameter profile (:mod:`slake.methods.profiles`) to what the spec leaves unset.
+    Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache", "profile"}``.
+    ``method`` is the canonical spec of the variant (``slake[vabs=false]``, :mod:`slake.methods.spec`) without
+    ``linear_cache``, which has its own column. ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``) stores the kept entries in
+    8 bits; the label then ends in ``@int8`` / ``@fp8_e4m3``. ``profile_model`` (the model or its config) applies the
+    model's hyperparameter profile (:mod:`slake.methods.profiles`) to what the spec leaves unset, and ``profile`` is
+    the entry applied (None when none was); ``linear_cache`` switches PTAA on or off after that
+    (:func:`resolve_setting`).
     """
-    from slake.methods.profiles import resolve_method
-
-    if linear_cache is not None:
-        hyperparameters["linear_cache"] = linear_cache
-    m, _ = resolve_method(method, budget, profile_model, **hyperparameters)
+    m, profile = resolve_setting(method, budget, profile_model, linear_cache, **hyperparameters)
     label = canonical_method_spec(method, drop=("linear_cache",)) if isinstance(method, str) else m.name
     L = recording.num_layers
     eng = CompressedKV(m, Budget(budget), L, kv_dtype=kv_dtype)
@@ -178,6 +211,7 @@ def measure(
             "budget": Budget(budget).value,
             "layer": layer,
             "linear_cache": m.linear_cache,
+            "profile": profile,
             "rel_err": sum(decode_err[layer]) / max(len(decode_err[layer]), 1),
             "rel_err_window": window_err[layer],
         }
