@@ -138,3 +138,21 @@ def test_a_progress_bar_counts_each_setting_at_each_level(llama_gqa, tmp_path, m
     err = capsys.readouterr().err
     assert ("8/8" in err) is not hide  # 2 methods x 2 budgets, at two levels
     assert "output level: 2 prompts" in err
+
+
+def test_rows_and_the_report_name_the_model_measured(llama_gqa, tmp_path, monkeypatch, capsys):
+    """fidelity.json and fidelity.md did not say which model they measured (evaluation rows carry ``model``)."""
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (llama_gqa, _Tokenizer()))
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text(" ".join(f"w{i}" for i in range(100)))
+    out = tmp_path / "out"
+    args = _args(
+        "--model", "my-org/some-model", "--prompt-file", str(prompt), "--methods", "snapkv", "--budgets", "40",
+        "--length", "120", "--steps", "2", "--output-tokens", "3", "--output-samples", "1", "--no-progress",
+        "--out", str(out), "--json",
+    )  # fmt: skip
+    assert cmd_fidelity(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["model"] for r in data["rows"] + data["output_rows"]} == {"my-org/some-model"}
+    assert json.loads((out / "fidelity.json").read_text())["rows"][0]["model"] == "my-org/some-model"
+    assert (out / "fidelity.md").read_text().startswith("# Attention fidelity (my-org/some-model, ")

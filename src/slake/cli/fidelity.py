@@ -116,6 +116,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         else []
     )
     bar.close()
+    named = args.model if args.gguf_file is None else f"{args.model} ({args.gguf_file})"
+    for r in rows + output_rows:  # as evaluation rows name theirs: a results folder says what it measured
+        r["model"] = named
     output_md = ""
     if output_rows:
         from slake.quality import output_fidelity
@@ -130,7 +133,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "fidelity.json").write_text(json.dumps({"rows": rows, "output_rows": output_rows}, indent=1))
         (out / "fidelity.md").write_text(
-            f"# Attention fidelity ({ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
+            f"# Attention fidelity ({named}, {ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
             + fidelity.summary_table(rows)
             + output_md
             + "\n\n## Per layer (decode queries)\n\n"
