@@ -300,3 +300,29 @@ def test_a_value_the_user_set_is_never_replaced_by_the_papers(profile_dir):
     m, applied = resolve_method("slake[alpha=0.9]", 128, llama31)
     assert (m.alpha, m.beta) == (0.9, 0.2) and applied["source"] == "paper"
     assert resolve_method("slake[alpha=0.9,beta=0.1]", 128, llama31)[1] is None
+
+
+def test_the_defaults_warning_names_the_variant_run_and_the_entry_it_misses(profile_dir, caplog):
+    """``slake generate --method slake --no-linear-cache`` on the default model said "smollm2 has no calibrated
+    profile for slake at budget 128": it has one, for the linear cache on, and the variant that ran (the linear cache
+    off, passed beside the spec) was not named. Now the variant is named, and the entry's differing values."""
+    import logging
+
+    from slake.methods import profiles
+
+    profiles._TOLD_DEFAULTS.clear()
+    caplog.set_level(logging.WARNING, logger="slake")
+    profiled = _config("my-org/Variant-1B")
+    write_entry(model_identity(profiled), _entry(128, 0.9, 0.1))  # calibrated with the linear cache on
+    m, applied = resolve_method("slake", 128, profiled, linear_cache=False)
+    assert applied is None and (m.alpha, m.linear_cache) == (0.5, False)
+    resolve_method("slake[vabs_split=uniform]", 128, profiled, window=16)
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 2, told
+    assert "for slake[linear_cache=false] at budget 128" in told[0]
+    assert "calibrated with linear_cache=true and applies only to that variant" in told[0]
+    assert "for slake[vabs_split=uniform,window=16] at budget 128" in told[1]
+    assert 'calibrated with vabs_split="taylor", window=32' in told[1]
+    caplog.clear()
+    resolve_method("slake", 8192, profiled, linear_cache=False)  # no entry near this budget: nothing to point at
+    assert "applies only to that variant" not in caplog.records[-1].getMessage()

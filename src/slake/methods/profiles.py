@@ -204,31 +204,40 @@ def find_entry(profiles: list[tuple[str, dict]], method: Any, budget: int | floa
     searched = SEARCHED.get(method.name)
     if not searched:
         return None
-    hyper = method.hyperparameters()
-    defaults = _defaults(method)
-    is_ratio = isinstance(budget, float) and budget < 1
     for source, prof in profiles:
-        cands = []
-        for e in prof["entries"]:
-            b = e.get("budget")
-            if e.get("method") != method.name or not isinstance(b, (int, float)) or b <= 0:
-                continue
-            if (isinstance(b, float) and b < 1) != is_ratio:
-                continue
-            ctx = e.get("context", {})
-            # a key the entry's context lacks was calibrated at the method's default (profiles written before the
-            # hyperparameter existed): a variant that sets it otherwise is not what the entry was calibrated for
-            skip = _NOT_MATCHED.union(searched)
-            if any(hyper.get(k) != v for k, v in ctx.items() if k not in skip) or any(
-                v != defaults.get(k, v) for k, v in hyper.items() if k not in skip and k not in ctx
-            ):
-                continue
-            d = _budget_distance(float(b), float(budget))
-            if d <= math.log(2) + 1e-9:
-                cands.append((d, float(b), e))
+        cands = [(d, b, e) for d, b, e, differs in _entries_near(prof, method, budget) if not differs]
         if cands:
             return source, min(cands, key=lambda c: (c[0], c[1]))[2]
     return None
+
+
+def _entries_near(profile: dict, method: Any, budget: int | float) -> list[tuple[float, float, dict, dict]]:
+    """``(distance, budget, entry, differs)`` for each of ``profile``'s entries for ``method``'s name within a factor
+    of 2 of ``budget`` (token budgets and ratios apart), ``differs`` the hyperparameters the entry was calibrated
+    with where ``method`` sets another value (empty: the entry applies). A key the entry's context lacks was calibrated
+    at the method's default (profiles written before the hyperparameter existed): a variant that sets it otherwise
+    is not what the entry was calibrated for."""
+    hyper = method.hyperparameters()
+    defaults = _defaults(method)
+    skip = _NOT_MATCHED.union(SEARCHED.get(method.name, ()))
+    is_ratio = isinstance(budget, float) and budget < 1
+    near = []
+    for e in profile["entries"]:
+        b = e.get("budget")
+        if e.get("method") != method.name or not isinstance(b, (int, float)) or b <= 0:
+            continue
+        if (isinstance(b, float) and b < 1) != is_ratio:
+            continue
+        d = _budget_distance(float(b), float(budget))
+        if d > math.log(2) + 1e-9:
+            continue
+        ctx = e.get("context", {})
+        differs = {k: v for k, v in ctx.items() if k not in skip and hyper.get(k) != v}
+        differs.update(
+            {k: defaults[k] for k, v in hyper.items() if k not in skip and k not in ctx and v != defaults.get(k, v)}
+        )
+        near.append((d, float(b), e, differs))
+    return near
 
 
 def _paper_values(method_name: str, identity: dict, budget: int | float) -> dict | None:
@@ -300,7 +309,8 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
         return built, None
     value = Budget(budget).value
     identity = model_identity(model_or_config)
-    found = find_entry(load_profiles(identity), built, value)
+    held = load_profiles(identity)
+    found = find_entry(held, built, value)
     if found is not None:
         source, entry = found
         values, at = {k: entry["values"][k] for k in free if k in entry["values"]}, entry["budget"]
@@ -311,7 +321,12 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
         values, source, at = {k: v for k, v in paper.items() if k in free}, "paper", value
     if not values:
         if not _UNTOLD.get():
-            _tell_defaults(identity["name"], str(method), built, free, value)
+            # entries of this method near this budget calibrated with other hyperparameters: said, so that a user
+            # of slake[linear_cache=false] is not told the model has no profile for slake
+            otherwise = [differs for _, prof in held for *_, differs in _entries_near(prof, built, value) if differs]
+            variant = _variant(str(method), from_spec, overrides)
+            nearest = min(otherwise, key=len) if otherwise else None  # the entry that differs in the fewest values
+            _tell_defaults(identity["name"], variant, built, free, value, nearest)
         return built, None
     valid = {f.name for f in fields(built)}
     values = {k: v for k, v in values.items() if k in valid}
@@ -355,10 +370,33 @@ def defaults_untold() -> Iterator[None]:
         _UNTOLD.reset(token)
 
 
-def _tell_defaults(model: str, spec: str, built: Any, free: list[str], budget: int | float) -> None:
+def _variant(spec: str, from_spec: dict[str, Any], overrides: dict[str, Any]) -> str:
+    """The method as it runs: ``spec`` with the ``overrides`` given beside it (``--no-linear-cache``, ``--set``)
+    written in, ``slake[linear_cache=false]``; ``spec`` itself without overrides."""
+    from slake.methods.spec import format_method_spec, parse_method_spec
+
+    if not overrides:
+        return spec
+    name, _ = parse_method_spec(spec)
+    try:
+        return format_method_spec(name, {**from_spec, **overrides})
+    except ValueError:  # a value no spec can write: named beside the spec
+        return f"{spec} with " + ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
+
+
+def _tell_defaults(
+    model: str,
+    spec: str,
+    built: Any,
+    free: list[str],
+    budget: int | float,
+    calibrated_with: dict[str, Any] | None = None,
+) -> None:
     """Log once per model, method spec and budget that no calibrated profile or paper value exists for it, so its
     searched hyperparameters keep the method's defaults (SLAKE's are Llama-2-7B's; the calibrations of this project's
-    models moved far from them). The budget is named: a profile covers some budgets of a model and not others."""
+    models moved far from them). The budget is named: a profile covers some budgets of a model and not others.
+    ``calibrated_with``: the values a profile entry of the method near this budget was calibrated with where the
+    spec sets others (the entry exists, for another variant)."""
     model = model or "this model (it has no name)"
     key = (model, spec, budget)
     if key in _TOLD_DEFAULTS:
@@ -378,8 +416,15 @@ def _tell_defaults(model: str, spec: str, built: Any, free: list[str], budget: i
         )
         return
     why = " (a ratio budget has no paper values)" if isinstance(budget, float) and budget < 1 else ""
+    other = (
+        f"; its profile's entry for {built.name} near this budget was calibrated with "
+        + ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(calibrated_with.items()))
+        + " and applies only to that variant"
+        if calibrated_with
+        else ""
+    )
     logger.warning(
-        "%s has no calibrated profile for %s at budget %s and no paper values%s: %s runs on its defaults (%s); "
+        "%s has no calibrated profile for %s at budget %s and no paper values%s: %s runs on its defaults (%s)%s; "
         "`slake calibrate` fits them to this model (docs/profiles.md)",
         model,
         spec,
@@ -387,6 +432,7 @@ def _tell_defaults(model: str, spec: str, built: Any, free: list[str], budget: i
         why,
         spec,
         shown,
+        other,
     )
 
 
