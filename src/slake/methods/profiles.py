@@ -324,7 +324,7 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
             # entries of this method near this budget calibrated with other hyperparameters: said, so that a user
             # of slake[linear_cache=false] is not told the model has no profile for slake
             otherwise = [differs for _, prof in held for *_, differs in _entries_near(prof, built, value) if differs]
-            variant = _variant(str(method), from_spec, overrides)
+            variant = _variant(str(method), built, [*from_spec, *overrides])
             nearest = min(otherwise, key=len) if otherwise else None  # the entry that differs in the fewest values
             _tell_defaults(identity["name"], variant, built, free, value, nearest)
         return built, None
@@ -370,18 +370,17 @@ def defaults_untold() -> Iterator[None]:
         _UNTOLD.reset(token)
 
 
-def _variant(spec: str, from_spec: dict[str, Any], overrides: dict[str, Any]) -> str:
-    """The method as it runs: ``spec`` with the ``overrides`` given beside it (``--no-linear-cache``, ``--set``)
-    written in, ``slake[linear_cache=false]``; ``spec`` itself without overrides."""
-    from slake.methods.spec import format_method_spec, parse_method_spec
+def _variant(spec: str, built: Any, user_set: list[str]) -> str:
+    """The method as it runs: the spec of ``built`` with every hyperparameter the user set, in the spec or beside it
+    (``--no-linear-cache``, ``--set``), at the value the method holds (as
+    :func:`slake.methods.base.canonical_method_spec` writes a spec): ``slake[linear_cache=false]``."""
+    from slake.methods.spec import format_method_spec
 
-    if not overrides:
-        return spec
-    name, _ = parse_method_spec(spec)
+    values = {k: getattr(built, k) for k in user_set}
     try:
-        return format_method_spec(name, {**from_spec, **overrides})
+        return format_method_spec(built.name, values)
     except ValueError:  # a value no spec can write: named beside the spec
-        return f"{spec} with " + ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items()))
+        return f"{spec} with " + ", ".join(f"{k}={v!r}" for k, v in sorted(values.items()))
 
 
 def _tell_defaults(
