@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from slake.eval.longbench_config import (
+    CLASSIFICATION_DATASETS,
     DATASET2MAXLEN,
     DATASET2PROMPT,
     NO_CHAT_TEMPLATE_DATASETS,
@@ -93,12 +95,19 @@ class LongBenchRecord:
                 "a LongBench record needs a non-empty 'answers' and a 'context' or an 'input' "
                 f"(keys given: {sorted(obj)})"
             )
+        name = obj.get("dataset") or dataset or ""
+        if not obj.get("all_classes") and name and _base_of(name) in CLASSIFICATION_DATASETS:
+            # LongBench scores these by the class names found in the prediction: without them every answer scores 0
+            raise ValueError(
+                f"a record of {name} needs a non-empty 'all_classes' (its metric matches class names; "
+                f"keys given: {sorted(obj)})"
+            )
         return cls(
             input=obj.get("input") or "",
             context=obj.get("context") or "",
             answers=[str(a) for a in answers],
             length=int(obj.get("length") or 0),
-            dataset=obj.get("dataset") or dataset or "",
+            dataset=name,
             language=obj.get("language") or "",
             all_classes=list(obj["all_classes"]) if obj.get("all_classes") else None,
             id=str(obj.get("_id", "")),
@@ -121,7 +130,7 @@ def read_longbench_jsonl(path: str | os.PathLike[str], dataset: str | None = Non
                 raise ValueError(f"{path}, line {number}: not a LongBench record ({type(e).__name__}: {e})") from None
     if not out:
         raise ValueError(f"{path} holds no LongBench record")
-    return out
+    return _distinct_ids(out, str(path))
 
 
 def read_longbench_archive(path: str | os.PathLike[str], dataset: str) -> list[LongBenchRecord]:
@@ -137,12 +146,50 @@ def read_longbench_archive(path: str | os.PathLike[str], dataset: str) -> list[L
         members = [m for m in archive.namelist() if m.rsplit("/", 1)[-1] == name]
         if not members:
             raise FileNotFoundError(f"{path} has no {name}")
-        with archive.open(sorted(members, key=len)[0]) as fh:
-            return [
+        member = sorted(members, key=len)[0]
+        with archive.open(member) as fh:
+            records = [
                 LongBenchRecord.from_json(json.loads(line), dataset)
                 for line in (raw.decode("utf-8") for raw in fh)
                 if line.strip()
             ]
+    return _distinct_ids(records, f"{path}:{member}")
+
+
+def _base_of(name: str) -> str:
+    """The base dataset of ``name`` (``"trec_e"`` -> ``"trec"``), or ``name`` itself when it is not LongBench's."""
+    try:
+        return base_dataset(name)
+    except KeyError:
+        return name
+
+
+def _distinct_ids(records: list[LongBenchRecord], source: str) -> list[LongBenchRecord]:
+    """``records`` with each repeated ``_id`` made distinct: its k-th occurrence (k >= 2) becomes ``"<_id>#k"``.
+
+    A sample's id is its key in the results store (with the method, budget and length), so two records sharing one
+    would be one sample: the second's row was dropped as already written, and a rerun was refused as "made from
+    another prompt". Records without an id are left to the caller (which numbers them by position). Warns when it
+    renames any.
+    """
+    seen: dict[str, int] = {}
+    out = []
+    renamed = []
+    for record in records:
+        if record.id:
+            seen[record.id] = seen.get(record.id, 0) + 1
+            if seen[record.id] > 1:
+                new_id = f"{record.id}#{seen[record.id]}"
+                renamed.append(new_id)
+                record = replace(record, id=new_id)
+        out.append(record)
+    if renamed:
+        warnings.warn(
+            f"{source}: {len(renamed)} record(s) repeat an earlier record's _id; evaluated as "
+            f"{', '.join(renamed[:3])}{' ...' if len(renamed) > 3 else ''}",
+            stacklevel=3,
+        )
+    return out
 
 
 def _download_archive() -> str:

@@ -12,6 +12,7 @@ __all__ = [
     "DATASET2LANGUAGE",
     "DATASET2CATEGORY",
     "NO_CHAT_TEMPLATE_DATASETS",
+    "CLASSIFICATION_DATASETS",
     "LONGBENCH_DATASETS",
     "LONGBENCH_E_DATASETS",
     "base_dataset",
@@ -136,6 +137,10 @@ DATASET2CATEGORY: dict[str, str] = {
 
 #: Datasets whose prompt is fed without the chat template (official ``pred.py``).
 NO_CHAT_TEMPLATE_DATASETS: frozenset[str] = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+
+#: Datasets scored by the class names found in the prediction (official ``classification_score``): their records
+#: carry ``all_classes``.
+CLASSIFICATION_DATASETS: frozenset[str] = frozenset({"trec", "lsht"})
 
 LONGBENCH_DATASETS: tuple[str, ...] = tuple(DATASET2PROMPT)
 

@@ -318,6 +318,9 @@ def longbench_sample_score(
         For an unknown dataset.
     """
     name, metric = _dataset_metric(dataset)
+    if metric is classification_score and not all_classes:
+        # the official code fails here (iterating None); an empty list scored every answer, even the exact one, 0
+        raise ValueError(f"{dataset} is scored by class names: give its record's all_classes")
     if name in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     best = 0.0

@@ -136,10 +136,11 @@ def _row_problem(row: dict[str, Any]) -> str:
         return f"score is not a number ({score!r})"
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
         return f"budget is not null or a positive number ({budget!r})"
-    if any(
-        not isinstance(row[k], (str, int)) or isinstance(row[k], bool) for k in ("task", "sample_id", "method", "model")
-    ):
-        return "task, sample_id, method and model must be strings"
+    if any(not isinstance(row[k], str) for k in ("task", "method", "model")):
+        # an integer task passed here, then broke the summaries, which name tasks by their string
+        return "task, method and model must be strings"
+    if not isinstance(row["sample_id"], (str, int)) or isinstance(row["sample_id"], bool):
+        return f"sample_id is not a string or an integer ({row['sample_id']!r})"
     return ""
 
 

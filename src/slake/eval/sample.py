@@ -39,8 +39,8 @@ class Sample:
     answers : list of str
         Reference answers.
     metric : str
-        Scoring rule name: ``"all"``/``"part"`` (RULER), ``"contains"`` (needle) or a
-        LongBench dataset metric name such as ``"qa_f1_score"``.
+        Scoring rule name: ``"all"``/``"part"`` (RULER), ``"contains"`` (needle) or, for LongBench, the dataset
+        whose metric scores it, such as ``"hotpotqa"`` (``qa_f1_score``).
     max_new_tokens : int
         Generation budget for the answer.
     length : int
