@@ -144,6 +144,10 @@ class KVzip(DecodeScope, Method):
     layer_budgets: ClassVar[str] = "preference"
     second_pass: ClassVar[str | None] = "reconstruction"
     decode_accumulates: ClassVar[bool] = True  # the running max over every step's attention
+    # the window's prompt tokens carry their reconstruction score into decoding: with the default +inf, a running
+    # max kept them for good once they left the window, and a head whose unprotected slots all scored +inf lost
+    # its sinks and then each new token
+    carry_protected_scores: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
