@@ -33,7 +33,8 @@ class SnapKV(Method):
     Parameters
     ----------
     window : int
-        Observation window (default 32, as CAKE's comparisons).
+        Observation window (default 32, as CAKE's comparisons): the queries that score and the recent tokens kept.
+        0 keeps no recent token; the last query still scores (as at decode).
     kernel : int
         Pooling kernel (default 5, the SnapKV class default; the SnapKV LongBench configs use max-pool 7).
     pooling : str
@@ -55,10 +56,12 @@ class SnapKV(Method):
 
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """Summed window attention over the non-window keys, pooled, group-mean."""
-        a = window_attention(inputs.queries, inputs.keys, self.window, inputs.scaling, inputs.key_padding)
+        # at least the last query observes, as at decode: with window=0 no query scored, every score was 0 and the
+        # prompt's first tokens were kept
+        a = window_attention(inputs.queries, inputs.keys, max(self.window, 1), inputs.scaling, inputs.key_padding)
         s = a.sum(2)  # (B,Hq,S)
-        w = a.shape[2]
         S = s.shape[-1]
+        w = min(self.window, S)
         s[..., S - w :] = 0.0  # window columns are protected; keep them out of the neighbours' pooling
         Hkv = inputs.keys.shape[1]
         if self.group_first:
