@@ -108,3 +108,13 @@ def test_an_unsupported_option_given_as_0_is_refused():
             Engine.check(engine, prefill_chunk=value)
     with pytest.raises(ValueError, match="--threads"):
         Engine.check(engine, threads=0)
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "ada-pyramidkv"])
+def test_pyramidkv_with_sinks_caps_a_layer_at_its_candidates(name):
+    """With sinks, the top layer's cap is the prompt less every protected token: capped at S - window, it was
+    given the sinks' share, which the engine clipped and no other layer received (792 of 800 tokens kept)."""
+    m = make_method(name, sinks=4)  # window 32: 36 protected
+    budgets = m.pyramid_schedule(4, 64, 130)
+    assert int(budgets.max()) <= 130 - 36 and int(budgets.sum()) == 4 * 64
+    assert make_method(name).pyramid_schedule(4, 64, 130).tolist() == [98, 75, 53, 30]  # without sinks: unchanged

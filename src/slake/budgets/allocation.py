@@ -270,7 +270,7 @@ def pyramid_budgets(
     prompt_len : int
         Prompt length ``S``, ``>= 0``.
     window : int
-        Observation window ``w``, ``>= 0``.
+        Observation window ``w``, ``>= 0``: the prompt's tokens that are not candidates (the window and any sinks).
     beta : float
         PyramidKV's ``beta``, ``> 0``.
     exact : bool

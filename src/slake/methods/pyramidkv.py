@@ -59,12 +59,13 @@ class PyramidKV(SnapKV):
 
     def pyramid_schedule(self, num_layers: int, selectable: int, prompt_len: int) -> torch.Tensor:
         """Pyramid budgets (``docs/methods/baselines.md#pyramid-budgets``), layer 0 largest."""
-        # a layer is never emptied: without protected tokens the deepest layers keep at least one
+        # a layer is never emptied: without protected tokens the deepest layers keep at least one. The cap is
+        # S - protected, the candidates' count: S - window left the sinks' share of the top layer unspent
         return pyramid_budgets(
             num_layers,
             selectable,
             prompt_len,
-            self.window,
+            self.protected,
             self.beta,
             exact=self.exact,
             snapkv_fallback=self.snapkv_fallback,
