@@ -100,12 +100,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from slake.eval.prompts import build_prompt
     from slake.eval.ruler import RULER_TASKS, ruler_sample
     from slake.eval.ruler_niah import NIAH_TASKS
+    from slake.methods import make_method
     from slake.methods.budget_check import check_budget_at_length
 
     budget = Budget(args.budget)
     if args.task != "needle" and args.task not in RULER_TASKS:
         raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
-    if args.method == "full":
+    if make_method(args.method).name == "full":  # any spelling: FULL, full[]
         raise ValueError("--method full: the demo compares a compressed cache with the full cache; name a method")
     has_needle = args.task == "needle" or args.task in NIAH_TASKS
     if args.depth is not None and not has_needle:

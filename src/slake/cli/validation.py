@@ -33,14 +33,15 @@ NOT_EMPTY = (
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
-    """A UTF-8 text file's content; errors name the file (missing, a directory, unreadable, not UTF-8)."""
+    """A UTF-8 text file's content, without a leading byte-order mark; errors name the file (missing, a directory,
+    unreadable, not UTF-8)."""
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{what} {p} is a directory, not a file")
     if not p.is_file():
         raise ValueError(f"{what} not found: {p}")
     try:
-        return p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {p} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
@@ -58,7 +59,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     elif prompt_file == "-":
         try:
             # universal newlines, as a text stream and read_text read them
-            text = _stdin_bytes().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+            text = _stdin_bytes().decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
         except UnicodeDecodeError as e:
             raise ValueError(f"the prompt on standard input is not UTF-8 text (byte {e.start}: {e.reason})") from None
     else:
@@ -91,6 +92,10 @@ def refuse_empty(args: argparse.Namespace, names: tuple[str, ...] = NOT_EMPTY) -
         if isinstance(value, str) and not value.strip():
             flag = f"--{name.replace('_', '-')}"
             raise ValueError(f"{flag} is empty ({value!r}); give it a value or leave {flag} out")
+
+
+#: seeds run from 0 to this, excluded (torch's generators take 64 bits)
+SEED_LIMIT = 2**64
 
 
 def _at_least(args: argparse.Namespace, name: str, low: int) -> None:
@@ -149,6 +154,10 @@ def _check_common(args: argparse.Namespace) -> None:
         parse_dtype(args.dtype, args.device or default_device())
     _at_least(args, "max_new_tokens", 1)
     _at_least(args, "prefill_chunk", 1)
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        # torch's generators take 64 bits: a larger seed failed after the model loaded, without naming the option
+        raise ValueError(f"--seed must be an integer from 0 to 2**64 - 1, got {seed}")
     if getattr(args, "kernels", None) == "triton":
         from slake.cache.compressed import resolve_kernels
 

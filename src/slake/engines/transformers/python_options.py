@@ -83,5 +83,7 @@ def check_generate_options(
     if do_sample:
         check_count("top_k", top_k, minimum=0, optional=True)
         check_count("seed", seed, minimum=0, optional=True)
+        if seed is not None and seed >= 2**64:  # torch's generators take 64 bits
+            raise ValueError(f"seed must be below 2**64, got {seed}")
         check_real("temperature", temperature, 0.0, math.inf)
         check_real("top_p", top_p, 0.0, 1.0)
