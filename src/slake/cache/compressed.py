@@ -24,7 +24,7 @@ from slake.budgets.budget import Budget
 from slake.cache import accounting
 from slake.cache.chunked import ChunkedPrefill
 from slake.cache.decoding import Decoder
-from slake.cache.layer_store import LayerStore
+from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.cache.prefill import PrefillCompressor, linear_state_slots
 from slake.cache.quant import parse_kv_dtype
 from slake.cache.state import CacheState, PrefillInfo
@@ -423,6 +423,14 @@ class CompressedKV:
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a static decode step reads or updates in place (``torch._dynamo.mark_static_address``)."""
         return self.decoder.static_tensors()
+
+    def expect_decode_steps(self, steps: int) -> None:
+        """Size an append-only layer's growth for ``steps`` decode steps (at most the default 256 slots at once):
+        a generation that decodes 40 tokens then holds room for 40, not 256 (``CacheState.growth``). More steps
+        than that grow the layer again; a compressed layer, which evicts, never grows."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        self.state.growth = min(steps, _GROWTH)
 
     # ------------------------------------------------------------------ reporting and batch manipulation
     def kept_tokens_per_layer(self) -> list[float]:

@@ -169,7 +169,7 @@ class Decoder:
             mixed = not evicts and self.state.scored(layer_idx)
             free = store.room_when_some_rows_evict(self.state.decode_bound(layer_idx)) if mixed else store.min_free()
         if free < 1:
-            growth = 1 if evicts else _GROWTH
+            growth = 1 if evicts else self.state.growth
             store._grow(growth)
             free += growth
         self._free[layer_idx] = free if evicts else free - 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slake.budgets.budget import Budget
-from slake.cache.layer_store import LayerStore
+from slake.cache.layer_store import _GROWTH, LayerStore
 from slake.methods.base import LayerContext, Method
 
 __all__ = ["CacheState", "PrefillInfo"]
@@ -84,6 +84,11 @@ class CacheState:
     pass_scores : torch.Tensor | None
         ``(L, B, Hkv, S)`` scores of the method's second pass over the prompt (``Method.second_pass``), set by the
         engine before the prefill (``PrefillInputs.pass_scores``).
+    growth : int
+        Slots a decode step adds to an append-only layer (the full cache, a prompt within the budget, no decode
+        eviction) whose row is full: 256 by default, which amortises the reallocation; an engine that knows how many
+        tokens it will decode sets it to that (:meth:`CompressedKV.expect_decode_steps`), so that the layer holds no
+        room it never uses.
     """
 
     def __init__(self, method: Method, budget: Budget, num_layers: int, kv_dtype: str | None) -> None:
@@ -98,6 +103,7 @@ class CacheState:
         self.info: PrefillInfo | None = None
         self.layer_context: list[LayerContext | None] = [None] * num_layers
         self.pass_scores: torch.Tensor | None = None
+        self.growth: int = _GROWTH
 
     def check_engine_inputs(self, layer_idx: int) -> None:
         """Refuse a prefill that lacks what the engine must give the method: its layer facts (rotary embedding,

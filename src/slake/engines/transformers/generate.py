@@ -320,6 +320,7 @@ def generate(
         max_cache_len=max_len,
         kernels=kernels,
     )
+    cache.compressor.expect_decode_steps(max_new_tokens)  # an append-only layer holds room for these, not 256
     chunked = prefill_chunk is not None and prefill_chunk < enc["input_ids"].shape[1]
     if not chunked:
         cache.prefill_chunk = None  # the prompt fits one chunk: model.generate prefills it whole, as asked

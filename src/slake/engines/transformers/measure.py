@@ -131,6 +131,9 @@ def _new_cache(model, cfg: BenchConfig) -> Any:
         max_cache_len=max_len,
         kernels=cfg.kernels,
     )
+    # an eager append-only layer holds room for the steps timed, not 256 (the profiled ones, after the cache's
+    # statistics are read, grow it again)
+    cache.compressor.expect_decode_steps(steps - cfg.profile_steps)
     if cache.method.second_pass is not None:  # random prompts: the pass's cost depends on lengths only
         from slake.engines.transformers.reconstruction import ReconstructionPrompt
 
