@@ -9,6 +9,7 @@ prompt held 8.6x the full cache's bytes.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import slake
@@ -76,6 +77,8 @@ def test_expect_decode_steps_sizes_the_growth_and_checks_its_input():
     assert cache.compressor.state.growth == 40
     cache.compressor.expect_decode_steps(10_000)
     assert cache.compressor.state.growth == 256
+    cache.compressor.expect_decode_steps(np.int64(12))  # numpy integers, as max_new_tokens may be
+    assert cache.compressor.state.growth == 12
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="steps must be an integer >= 1"):
             cache.compressor.expect_decode_steps(bad)

@@ -873,10 +873,10 @@ def test_a_layer_that_does_not_evict_takes_the_kernels_at_any_width(monkeypatch)
     run its plain form: SLAKE compressed at prefill to a budget of 32K and decoded append-only (kvpress's protocol at
     64K) ran the torch step on a GPU. Rows truly wider than ``WIDE_SLOTS`` (grown by that much at the first token,
     mostly empty)."""
-    from slake.cache import decoding
+    from slake.cache import state
 
     method = _method("slake[decode_eviction=false]")
-    monkeypatch.setattr(decoding, "_GROWTH", launch_config.WIDE_SLOTS + 100)  # the first append widens the rows
+    monkeypatch.setattr(state, "_GROWTH", launch_config.WIDE_SLOTS + 100)  # the first append widens the rows
     kwargs = dict(B=1, H=1, G=2, steps=2, layers=1)
     ref, ref_out = _run(method, "torch", **kwargs)
     fused, fused_out = _run(method, "triton", **kwargs)

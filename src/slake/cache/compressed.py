@@ -17,6 +17,7 @@ Conventions: ``docs/conventions.md``; positions index the (left-padded) input se
 from __future__ import annotations
 
 import logging
+import numbers
 
 import torch
 
@@ -428,9 +429,9 @@ class CompressedKV:
         """Size an append-only layer's growth for ``steps`` decode steps (at most the default 256 slots at once):
         a generation that decodes 40 tokens then holds room for 40, not 256 (``CacheState.growth``). More steps
         than that grow the layer again; a compressed layer, which evicts, never grows."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-        self.state.growth = min(steps, _GROWTH)
+        self.state.growth = min(int(steps), _GROWTH)
 
     # ------------------------------------------------------------------ reporting and batch manipulation
     def kept_tokens_per_layer(self) -> list[float]:
