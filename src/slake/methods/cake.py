@@ -45,19 +45,28 @@ LOG_EPS = 1e-10
 
 # reference code's config/model2tau.json: {family pattern: {budget C: (tau1, tau2)}}
 _MODEL2TAU: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
-    ("llama27b",): {128: (0.9, 2.3), 1024: (1.9, 1.8)},
-    ("llama213b",): {128: (1.8, 2.0), 1024: (0.5, 0.4)},
-    ("llama318b",): {128: (1.6, 0.6), 1024: (1.6, 0.4)},
-    ("mistral7b", "v03"): {128: (1.0, 0.8), 1024: (0.8, 0.5)},
-    ("qwen257b",): {128: (0.4, 0.6), 1024: (1.5, 0.6)},
+    ("llama-2-7b",): {128: (0.9, 2.3), 1024: (1.9, 1.8)},
+    ("llama-2-13b",): {128: (1.8, 2.0), 1024: (0.5, 0.4)},
+    ("llama-3.1-8b",): {128: (1.6, 0.6), 1024: (1.6, 0.4)},
+    ("mistral-7b", "v0.3"): {128: (1.0, 0.8), 1024: (0.8, 0.5)},
+    ("qwen2.5-7b",): {128: (0.4, 0.6), 1024: (1.5, 0.6)},
 }
 
 
+def _family_key(name: str) -> str:
+    """``name`` lower case, hub organisation dropped, alphanumerics only but for a ``|`` where separators split two
+    runs of digits: ``"meta-llama/Llama-3.1-8B-Instruct"`` -> ``"llama3|1|8binstruct"``. The mark keeps
+    ``Qwen2-57B`` (``"qwen2|57b"``) apart from ``Qwen2.5-7B`` (``"qwen2|5|7b"``), which dropping every separator
+    made one name."""
+    low = str(name).lower().rsplit("/", 1)[-1]
+    return re.sub(r"[^a-z0-9|]", "", re.sub(r"(?<=\d)[^a-z0-9]+(?=\d)", "|", low))
+
+
 def match_family(model_family: str, patterns: list[tuple[str, ...]]) -> tuple[str, ...] | None:
-    """First pattern all of whose parts occur in the normalised model name (lower case, alphanumerics only, hub
-    organisation dropped: ``"meta-llama/Llama-3.1-8B-Instruct"`` -> ``"llama318binstruct"``), else None."""
-    key = re.sub(r"[^a-z0-9]", "", str(model_family).lower().rsplit("/", 1)[-1])
-    return next((p for p in patterns if all(part in key for part in p)), None)
+    """First pattern all of whose parts occur in the model's name, both normalised by :func:`_family_key` (any
+    separators, any case: ``Llama-3.1-8B``, ``llama3.1_8b``), else None."""
+    key = _family_key(model_family)
+    return next((p for p in patterns if all(_family_key(part) in key for part in p)), None)
 
 
 def cake_taus(model_family: str, budget: int) -> tuple[float, float]:

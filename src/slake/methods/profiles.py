@@ -205,9 +205,10 @@ def find_entry(profiles: list[tuple[str, dict]], method: Any, budget: int | floa
     if not searched:
         return None
     for source, prof in profiles:
-        cands = [(d, b, e) for d, b, e, differs in _entries_near(prof, method, budget) if not differs]
-        if cands:
-            return source, min(cands, key=lambda c: (c[0], c[1]))[2]
+        near = _entries_near(prof, method, budget)
+        cands = [(d, b, -i, e) for i, (d, b, e, differs) in enumerate(near) if not differs]
+        if cands:  # the nearest budget, the lower of two as near, the latest written of equals
+            return source, min(cands, key=lambda c: c[:3])[3]
     return None
 
 
@@ -435,6 +436,22 @@ def _tell_defaults(
     )
 
 
+def _entry_key(entry: dict) -> tuple:
+    """What an entry is calibrated for, as :func:`find_entry` matches it: the method, the budget and the context with
+    the keys never matched left out and those it lacks at the method's defaults. A new entry replaces an old one of
+    the same key: an entry written before a hyperparameter existed, or with another ``max_layer_budget``, had stayed
+    beside the new one and, first in the file, kept being applied."""
+    from slake.methods.base import available_methods
+
+    context = {k: v for k, v in entry.get("context", {}).items() if k not in _NOT_MATCHED}
+    cls = available_methods().get(str(entry.get("method")))
+    if cls is not None:
+        searched = SEARCHED.get(cls.name, ())
+        defaults = {k: v for k, v in _defaults(cls).items() if k not in _NOT_MATCHED and k not in searched}
+        context = {**defaults, **context}
+    return entry.get("method"), entry.get("budget"), json.dumps(context, sort_keys=True, default=str)
+
+
 def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases: list[str] | None = None) -> Path:
     """Add (or replace) one (method, budget, context) entry in the model's profile and return its path.
 
@@ -462,12 +479,8 @@ def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases
         if normalise_name(alias) not in known:
             data["aliases"] = list(data.get("aliases", [])) + [alias]
             known.add(normalise_name(alias))
-    key = (entry["method"], entry["budget"], json.dumps(entry.get("context", {}), sort_keys=True))
-    data["entries"] = [
-        e
-        for e in data["entries"]
-        if (e.get("method"), e.get("budget"), json.dumps(e.get("context", {}), sort_keys=True)) != key
-    ]
+    key = _entry_key(entry)
+    data["entries"] = [e for e in data["entries"] if _entry_key(e) != key]
     data["entries"].append(entry)
     data["entries"].sort(key=lambda e: (e["method"], float(e["budget"])))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,9 +45,9 @@ __all__ = ["Slake", "VABS_SPLITS", "slake_alpha_beta", "vabs_preference"]
 
 # paper Table 3 read as one (alpha, beta) pair per (model, budget) column (docs/methods/slake.md#hyperparameters)
 _ALPHA_BETA: dict[tuple[str, ...], dict[int, tuple[float, float]]] = {
-    ("llama27b",): {128: (0.5, 0.4), 256: (0.5, 0.4)},
-    ("llama318b",): {128: (0.4, 0.2), 256: (0.6, 0.5)},
-    ("mistral7b", "v03"): {128: (0.6, 0.5), 256: (0.4, 0.2)},
+    ("llama-2-7b",): {128: (0.5, 0.4), 256: (0.5, 0.4)},
+    ("llama-3.1-8b",): {128: (0.4, 0.2), 256: (0.6, 0.5)},
+    ("mistral-7b", "v0.3"): {128: (0.6, 0.5), 256: (0.4, 0.2)},
 }
 DEFAULT_ALPHA_BETA = (0.5, 0.4)
 

@@ -72,6 +72,11 @@ def _score(rows: list[dict]) -> dict:
     }
 
 
+def _finite(cache: dict[tuple, dict]) -> list[tuple]:
+    """The candidates of ``cache`` whose distance is a finite number, in the order they were measured."""
+    return [v for v, c in cache.items() if math.isfinite(c["kl"])]
+
+
 def calibrate_method(
     model: Any,
     ref: OutputReference,
@@ -136,15 +141,23 @@ def calibrate_method(
     for a in grid[keys[0]]:
         for b in grid[keys[1]]:
             evaluate((a, b))
-    if refine:
-        best = min(cache, key=lambda v: cache[v]["kl"])
+    if refine and _finite(cache):
+        best = min(_finite(cache), key=lambda v: cache[v]["kl"])
         steps = (1 / math.sqrt(2), 1.0, math.sqrt(2))
         for fa in steps:
             for fb in steps:
                 a, b = best[0] * fa, best[1] * fb
                 if min(a, b) >= 0 and (a, b) != best:
                     evaluate((a, b))
-    kls = [c["kl"] for c in cache.values()]
+    # a candidate whose distance is NaN or infinite (an overflow) is no candidate: min() kept a NaN met first, and an
+    # infinite one made every finite difference look like nothing
+    finite = _finite(cache)
+    if not finite:
+        raise NothingMeasured(
+            f"the search of {method.name} at budget {budget} measured nothing: all {len(cache)} candidates gave a "
+            f"distance that is not a finite number (an overflow in the model's dtype?)"
+        )
+    kls = [cache[v]["kl"] for v in finite]
     if max(kls) - min(kls) <= 1e-9 * max(1.0, abs(max(kls))):
         raise NothingMeasured(
             f"the search of {method.name} at budget {budget} measured nothing: all {len(cache)} candidates gave the "
@@ -152,7 +165,7 @@ def calibrate_method(
             f"method's other settings do not read them (slake[vabs=false] allocates no budgets by VABS), or the budget "
             f"keeps every token the calibration prompts have"
         )
-    best = min(cache, key=lambda v: (cache[v]["kl"], v != tuple(round(x, 4) for x in before_values)))
+    best = min(finite, key=lambda v: (cache[v]["kl"], v != tuple(round(x, 4) for x in before_values)))
     context = {k: v for k, v in method.hyperparameters().items() if k not in keys}
     return {
         "method": method.name,
