@@ -156,3 +156,19 @@ def test_rows_and_the_report_name_the_model_measured(llama_gqa, tmp_path, monkey
     assert {r["model"] for r in data["rows"] + data["output_rows"]} == {"my-org/some-model"}
     assert json.loads((out / "fidelity.json").read_text())["rows"][0]["model"] == "my-org/some-model"
     assert (out / "fidelity.md").read_text().startswith("# Attention fidelity (my-org/some-model, ")
+
+
+def test_a_hybrid_models_layers_are_numbered_as_the_model_numbers_them():
+    """Gemma 3's compressed layers are its full-attention ones: rows said layers 0 and 1 for the model's 1 and 3."""
+    from hybrid_models import hybrid_model
+
+    model = hybrid_model("gemma3")
+    full = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    assert full != list(range(len(full)))
+    rec = fidelity.record(model, random_ids(120), 2)
+    assert rec.model_layers == full
+    rows = fidelity.measure(rec, "snapkv", 64, profile_model=model)
+    assert [r["layer"] for r in rows] == full
+    assert [line.split(" | ")[0].lstrip("| ") for line in fidelity.per_layer_table(rows).splitlines()[2:]] == [
+        str(i) for i in full
+    ]

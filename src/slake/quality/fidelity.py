@@ -36,10 +36,16 @@ class Recording:
     prompt: list[tuple]
     steps: list[list[tuple]]  # steps[t][layer] = (q, k, v)
     layer_context: list = field(default_factory=list)
+    #: the model's index of each recorded layer (a hybrid model records its full-attention layers only); empty: 0..L-1
+    model_layers: list[int] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
         return len(self.prompt)
+
+    def model_layer(self, layer: int) -> int:
+        """The model's index of recorded layer ``layer`` (Gemma 3's second compressed layer is its layer 11)."""
+        return self.model_layers[layer] if self.model_layers else layer
 
 
 class _Recorder(CompressedKV):
@@ -97,7 +103,9 @@ def record(model, input_ids: torch.Tensor, steps: int) -> Recording:
         )
     cache.check_routed()
     context = layer_contexts(model, cache.layout.compressed, cache.layout.layer_types)
-    return Recording(prompt=rec.prompt, steps=rec.steps[:steps], layer_context=context)
+    return Recording(
+        prompt=rec.prompt, steps=rec.steps[:steps], layer_context=context, model_layers=list(cache.layout.compressed)
+    )
 
 
 def _full_attention(
@@ -166,7 +174,8 @@ def measure(
 ) -> list[dict]:
     """Per-layer relative errors of one (method, budget) against full attention.
 
-    Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache", "profile"}``.
+    Returns rows ``{"method", "budget", "layer", "rel_err", "rel_err_window", "linear_cache", "profile"}``, ``layer``
+    the model's index of the layer (a hybrid model's rows are its full-attention layers).
     ``method`` is the canonical spec of the variant (``slake[vabs=false]``, :mod:`slake.methods.spec`) without
     ``linear_cache``, which has its own column. ``kv_dtype`` (``"int8"``, ``"fp8_e4m3"``) stores the kept entries in
     8 bits; the label then ends in ``@int8`` / ``@fp8_e4m3``. ``profile_model`` (the model or its config) applies the
@@ -209,7 +218,7 @@ def measure(
         {
             "method": label,
             "budget": Budget(budget).value,
-            "layer": layer,
+            "layer": recording.model_layer(layer),  # the model's numbering: a hybrid model's full-attention layers
             "linear_cache": m.linear_cache,
             "profile": profile,
             "rel_err": sum(decode_err[layer]) / max(len(decode_err[layer]), 1),
