@@ -126,3 +126,28 @@ def test_paper_families_match_the_papers_models_only(name, family):
     if family is None:
         assert cake_taus(name, 128) == (1.0, 1.0)
     assert slake_alpha_beta("Qwen/Qwen2-57B-A14B-Instruct", 128) == (0.5, 0.4)
+
+
+def test_a_calibration_under_an_alias_goes_into_the_profile_that_answers_to_it(profile_dir):
+    """``calibrate --model mymodel --alias Org/MyModel-Instruct`` then ``calibrate --model Org/MyModel-Instruct``:
+    the second wrote ``mymodelinstruct.json``, read after ``mymodel.json``, which kept being applied."""
+    write_entry(model_identity(CFG), _entry((2.0, 0.0), _context()), aliases=["Org/MyModel-Instruct"])
+    other = SimpleNamespace(**{**vars(CFG), "slake_model_name": "Org/MyModel-Instruct"})
+    path = write_entry(model_identity(other), _entry((0.25, 1.0), _context()))
+    assert [p.name for p in profile_dir.glob("*.json")] == ["mymodel.json"] == [path.name]
+    for cfg in (CFG, other):
+        m, _ = resolve_method("slake", 128, cfg)
+        assert (m.alpha, m.beta) == (0.25, 1.0)
+
+
+@pytest.mark.parametrize("name", [".", "./"])
+def test_a_model_run_from_its_own_folder_reads_back_its_profile(profile_dir, tmp_path, monkeypatch, name):
+    folder = tmp_path / "models" / "mymodel"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    monkeypatch.chdir(folder)
+    cfg = SimpleNamespace(**{**vars(CFG), "slake_model_name": name})
+    path = write_entry(model_identity(cfg), _entry((2.0, 0.0), _context()))
+    assert path.name == "mymodel.json"
+    m, prof = resolve_method("slake", 128, cfg)
+    assert (m.alpha, m.beta) == (2.0, 0.0) and prof is not None  # before: the defaults (0.5, 0.4)

@@ -85,8 +85,13 @@ _FINGERPRINT_KEYS = (
 
 
 def normalise_name(name: str) -> str:
-    """``"HuggingFaceTB/SmolLM2-135M-Instruct"`` -> ``"smollm2135minstruct"``."""
-    return re.sub(r"[^a-z0-9]", "", str(name).lower().rstrip("/").rsplit("/", 1)[-1])
+    """``"HuggingFaceTB/SmolLM2-135M-Instruct"`` -> ``"smollm2135minstruct"``; a path that ends in ``.`` or ``..``
+    (a model run from inside its folder: ``--model .``) is named by the folder it stands for, which was ``""``
+    and matched no profile, not even the one calibrate had just written."""
+    last = str(name).rstrip("/").rsplit("/", 1)[-1]
+    if last in (".", "..") or (not last and str(name)):
+        last = os.path.basename(os.path.abspath(os.path.expanduser(str(name))))
+    return re.sub(r"[^a-z0-9]", "", last.lower())
 
 
 def model_identity(model_or_config: Any) -> dict:
@@ -169,13 +174,19 @@ def load_profiles(identity: dict) -> list[tuple[str, dict]]:
         return []
     out = []
     for source, folder in (("user", profile_dir()), ("shipped", _shipped_dir())):
-        found = []
-        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            data = _read(path)
-            if data is not None and _matches(data, identity):
-                found.append((f"{source}:{path}", data))
+        found = [(f"{source}:{path}", data) for path, data in _profiles_in(folder) if _matches(data, identity)]
         found.sort(key=lambda item: not _calibrated_on(item[1], identity))  # stable: file order otherwise
         out += found
+    return out
+
+
+def _profiles_in(folder: Path) -> list[tuple[Path, dict]]:
+    """Every slake profile in ``folder``, in file-name order."""
+    out = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        data = _read(path)
+        if data is not None:
+            out.append((path, data))
     return out
 
 
@@ -460,6 +471,12 @@ def write_entry(identity: dict, entry: dict, folder: Path | None = None, aliases
     path = profile_path(identity, folder)
     held = _read(path)
     local = _local_path(identity["name"])
+    if held is None and local is None:
+        # the profile that already answers to this name as an alias: a second file of the same model, read after
+        # it (file order), was never applied
+        held, path = next(
+            ((data, p) for p, data in _profiles_in(path.parent) if _matches(data, identity)), (None, path)
+        )
     if held is not None and local is not None and _local_path(held.get("model", "")) not in (None, local):
         # another local model of the same folder name (two runs' checkpoint-500): a file of this model's own
         digest = hashlib.sha256(local.encode()).hexdigest()[:8]
