@@ -133,8 +133,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="also measure every configuration with compiled decoding (one torch.compile graph per step, "
-        "fixed shapes; CUDA graphs on CUDA), paired with its eager run: decode_vs_eager and "
-        "compile_s in bench.jsonl (docs/compile.md)",
+        "fixed shapes; CUDA graphs on CUDA), paired with its eager run: decode_vs_eager (over interleaved "
+        "rounds, or the ratio of the two medians where decode_timing is sequential) and compile_s in bench.jsonl "
+        "(docs/compile.md)",
     )
     p.add_argument(
         "--kernels",

@@ -97,6 +97,8 @@ def _isolated(spec: ModelSpec, plan: BenchPlan, cfg: BenchConfig) -> list[dict]:
         cfg.kernels,
         "--profile-steps",
         str(cfg.profile_steps),
+        "--decode-timing",  # isolated rows are timed in their own runs, as --help says (the child interleaved)
+        "sequential",
         "--out",
         str(plan.out / "isolated"),
     ]
@@ -186,6 +188,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
                     row["load_avg_1m_after"] = load_avg()
                     group_rows.append(row)
                     if not interleave:
+                        _pair_sequential(row, group_rows)
                         _add_roofline(row, floor)
                         f.write(json.dumps(row) + "\n")
                         f.flush()
@@ -200,6 +203,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
                     bar.update(len(group))
             if interleave:
                 for row in group_rows:
+                    _pair_sequential(row, group_rows)
                     _add_roofline(row, floor)
                     f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -336,6 +340,17 @@ def apply_interleaved(rows: list[dict], times: list[list[float]]) -> None:
         )
         if row.get("compile") and _label(row) in eager:  # the paired ratio: compiled step / eager step, per round
             row["decode_vs_eager"] = statistics.median(a / b for a, b in zip(t, eager[_label(row)]))
+
+
+def _pair_sequential(row: dict, rows: list[dict]) -> None:
+    """A compiled row not timed interleaved with its eager twin (on CUDA a compiled group is never interleaved, nor
+    is any under ``--decode-timing sequential``) gets ``decode_vs_eager`` as the ratio of the two rows' own medians,
+    which its ``decode_timing`` (``"sequential"``) qualifies: without it the compiled rows had none."""
+    if not row.get("compile") or row.get("decode_vs_eager") is not None:
+        return
+    eager = next((r for r in rows if not r.get("compile") and _label(r) == _label(row)), None)
+    if eager is not None and eager.get("decode_ms_per_token") and row.get("decode_ms_per_token") is not None:
+        row["decode_vs_eager"] = row["decode_ms_per_token"] / eager["decode_ms_per_token"]
 
 
 def _label(row: dict) -> str:

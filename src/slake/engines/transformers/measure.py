@@ -131,9 +131,9 @@ def _new_cache(model, cfg: BenchConfig) -> Any:
         max_cache_len=max_len,
         kernels=cfg.kernels,
     )
-    # an eager append-only layer holds room for the steps timed, not 256 (the profiled ones, after the cache's
-    # statistics are read, grow it again)
-    cache.compressor.expect_decode_steps(steps - cfg.profile_steps)
+    # an eager append-only layer holds room for the steps run before the cache's statistics are read, not 256 (the
+    # profiled ones, after them, grow it again)
+    cache.compressor.expect_decode_steps(max(cfg.warmup + cfg.decode_steps + pipelined_steps(model, cfg), 1))
     if cache.method.second_pass is not None:  # random prompts: the pass's cost depends on lengths only
         from slake.engines.transformers.reconstruction import ReconstructionPrompt
 
@@ -160,12 +160,17 @@ def _statistics(cache: Any) -> dict:
     sliding-window layers in ``sliding`` (a full cache's row and this one then compare part by part)."""
     if isinstance(cache, SlakeCache):
         return cache.statistics()
-    held = [
-        (bool(getattr(layer, "is_sliding", False)), t.numel() * t.element_size(), int(layer.keys.shape[-2]))
-        for layer in cache.layers
-        if getattr(layer, "keys", None) is not None and layer.keys.numel()
-        for t in (layer.keys, layer.values)
-    ]  # fmt: skip
+    held = []
+    seen: set[int] = set()
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or not layer.keys.numel():
+            continue
+        for t in (layer.keys, layer.values):
+            # the storage, not the view: a sliding layer keeps a window-1 token view of a window-token tensor
+            storage = t.untyped_storage()
+            size = 0 if storage.data_ptr() in seen else storage.nbytes()
+            seen.add(storage.data_ptr())
+            held.append((bool(getattr(layer, "is_sliding", False)), size, int(layer.keys.shape[-2])))
     kv_bytes = {"kept": sum(b for sliding, b, _ in held if not sliding)}
     if any(sliding for sliding, _, _ in held):
         kv_bytes["sliding"] = sum(b for sliding, b, _ in held if sliding)

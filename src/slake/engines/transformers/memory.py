@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import sys
 
 import torch
 
@@ -87,7 +88,10 @@ class MemoryMeter:
             try:
                 import resource
 
-                return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+                # ru_maxrss is in kilobytes on Linux and the BSDs, in bytes on macOS
+                return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (
+                    1 if sys.platform == "darwin" else 1024
+                )
             except (ImportError, OSError):
                 return 0
         return hwm * 1024
