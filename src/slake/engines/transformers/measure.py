@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from slake.engines.transformers.baselines import TRANSFORMERS
+from slake.engines.transformers.bounded_layers import held_bytes
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs
@@ -160,25 +161,18 @@ def _statistics(cache: Any) -> dict:
     sliding-window layers in ``sliding`` (a full cache's row and this one then compare part by part)."""
     if isinstance(cache, SlakeCache):
         return cache.statistics()
-    held = []
-    seen: set[int] = set()
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or not layer.keys.numel():
-            continue
-        for t in (layer.keys, layer.values):
-            # the storage, not the view: a sliding layer keeps a window-1 token view of a window-token tensor
-            storage = t.untyped_storage()
-            size = 0 if storage.data_ptr() in seen else storage.nbytes()
-            seen.add(storage.data_ptr())
-            held.append((bool(getattr(layer, "is_sliding", False)), size, int(layer.keys.shape[-2])))
-    kv_bytes = {"kept": sum(b for sliding, b, _ in held if not sliding)}
-    if any(sliding for sliding, _, _ in held):
-        kv_bytes["sliding"] = sum(b for sliding, b, _ in held if sliding)
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    full = [layer for layer in layers if not getattr(layer, "is_sliding", False)]
+    sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
+    # the storage each layer holds, as a SlakeCache counts it: a sliding layer's view keeps the prompt's whole tensor
+    kv_bytes = {"kept": held_bytes([t for layer in full for t in (layer.keys, layer.values)])}
+    if sliding:
+        kv_bytes["sliding"] = held_bytes([t for layer in sliding for t in (layer.keys, layer.values)])
     return {
         "kernels": "sdpa",
         "compressed": False,
         "kv_bytes": kv_bytes,
-        "kept_tokens_per_layer": [n for sliding, _, n in held[::2] if not sliding],
+        "kept_tokens_per_layer": [int(layer.keys.shape[-2]) for layer in full],
     }
 
 
