@@ -214,7 +214,7 @@ def test_sampling_options_without_sample_are_refused(monkeypatch, capsys):
     assert main([*GEN, "--temperature", "-3", "--top-p", "7"]) == 2
     assert "--temperature and --top-p only apply with --sample" in capsys.readouterr().err
     assert main([*GEN, "--top-p", "0.9"]) == 2
-    assert "--top-p only apply with --sample" in capsys.readouterr().err
+    assert "--top-p only applies with --sample" in capsys.readouterr().err
     engine = _engine(monkeypatch)
     assert main([*GEN, "--sample", "--json"]) == 0  # the documented defaults under --sample
     assert (engine.asked["do_sample"], engine.asked["temperature"], engine.asked["top_p"]) == (True, 1.0, 1.0)

@@ -388,7 +388,7 @@ def test_documented_command_parses_and_validates(cmd: DocCommand):
 def test_every_flag_cli_md_names_exists():
     """Every ``--flag`` in backticks in docs/cli.md (code spans and blocks) is an option of some subcommand."""
     text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
-    known = {o for sub in SUBPARSERS for o in _options(sub)}
+    known = {o for sub in SUBPARSERS for o in _options(sub)} | set(_PARSER._option_string_actions)  # --version
     bad = []
     for span in re.finditer(r"```.*?```|`[^`]+`", text, re.S):
         for f in _FLAG.finditer(span.group(0)):

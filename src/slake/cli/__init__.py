@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from slake import __version__
 from slake.cli.bench import add_bench_parser, cmd_bench
 from slake.cli.calibrate import add_calibrate_parser, cmd_calibrate
 from slake.cli.demo import add_demo_parser, cmd_demo
@@ -21,6 +22,7 @@ from slake.cli.fidelity import add_fidelity_parser, cmd_fidelity
 from slake.cli.generate import add_generate_parser, cmd_generate
 from slake.cli.make_prompt import add_make_prompt_parser, cmd_make_prompt
 from slake.cli.methods import add_methods_parser, cmd_methods
+from slake.cli.options import DefaultsShownFormatter
 from slake.cli.validation import validate_args
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -29,6 +31,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``slake`` command."""
     parser = argparse.ArgumentParser(prog="slake", description="KV-cache compression for transformers models")
+    parser.add_argument("--version", action="version", version=f"slake {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
         add_methods_parser,
@@ -41,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_demo_parser,
     ):
         add(sub)
+    for sub_parser in sub.choices.values():
+        sub_parser.formatter_class = DefaultsShownFormatter  # every option's default in its help
     return parser
 
 

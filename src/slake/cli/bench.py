@@ -86,8 +86,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--lengths",
         default=None,
-        help=f"comma-separated context lengths (default {DEFAULT_LENGTHS}); with --serve the prompt lengths: one "
-        f"length or a range LO-HI, each request's length drawn uniformly from it (default {DEFAULT_SERVE_LENGTHS})",
+        help=f"comma-separated context lengths (default: {DEFAULT_LENGTHS}); with --serve the prompt lengths: one "
+        f"length or a range LO-HI, each request's length drawn uniformly from it (default: {DEFAULT_SERVE_LENGTHS})",
     )
     p.add_argument(
         "--kv-dtype",
@@ -99,7 +99,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--decode-steps", type=int, default=None, help="timed decode steps (after --warmup steps; default 32)"
     )
-    p.add_argument("--warmup", type=int, default=None, help="untimed decode steps before timing (default 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed decode steps before timing (default: 3)")
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -141,7 +141,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--kernels",
         choices=["auto", "torch", "triton"],
         default=None,
-        help="the decode step's implementation (default auto: Triton's fused kernels on NVIDIA GPUs, torch "
+        help="the decode step's implementation (default: auto, Triton's fused kernels on NVIDIA GPUs, torch "
         "elsewhere); the rows record which ran",
     )
     p.add_argument(
@@ -187,22 +187,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--concurrency",
         default=None,
-        help=f"comma-separated numbers of requests in flight, one level each (default {DEFAULT_CONCURRENCY})",
+        help=f"comma-separated numbers of requests in flight, one level each (default: {DEFAULT_CONCURRENCY})",
     )
     g.add_argument(
-        "--requests", type=int, default=None, help=f"requests per concurrency level (default {DEFAULT_REQUESTS})"
+        "--requests", type=int, default=None, help=f"requests per concurrency level (default: {DEFAULT_REQUESTS})"
     )
     g.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help=f"tokens each request generates, end-of-sequence ignored (default {DEFAULT_MAX_TOKENS})",
+        help=f"tokens each request generates, end-of-sequence ignored (default: {DEFAULT_MAX_TOKENS})",
     )
     g.add_argument(
         "--kv-memory",
         type=float,
         default=None,
-        help=f"KV cache memory of the server in GiB, the same for every configuration (default {DEFAULT_KV_GIB})",
+        help=f"KV cache memory of the server in GiB, the same for every configuration (default: {DEFAULT_KV_GIB})",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=None, help="requests the server runs at once (default: most --concurrency)"

@@ -33,7 +33,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=int, default=2048, help="calibration prompt length in tokens")
     p.add_argument("--samples", type=int, default=2, help="prompts of each kind (text continuation, answer)")
     p.add_argument("--tokens", type=int, default=16, help="continuation tokens per prompt")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
     p.add_argument("--no-refine", action="store_true", help="grid only, no local refinement")
     p.add_argument(
         "--out-dir", default=None, help="profile folder (default: $SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"

@@ -40,11 +40,11 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
         "answer with the full cache and with a compressed cache; print both answers, "
         "their correctness and the KV memory kept.",
     )
-    p.add_argument("--method", default=DEMO_METHOD, help="compression method (default slake)")
+    p.add_argument("--method", default=DEMO_METHOD, help="compression method (default: slake)")
     p.add_argument(
         "--budget",
         default=DEMO_BUDGET,
-        help="tokens per layer and KV head, or a ratio of the prompt in (0, 1) (default 128)",
+        help="tokens per layer and KV head, or a ratio of the prompt in (0, 1) (default: 128)",
     )
     p.add_argument(
         "--task",
@@ -56,8 +56,8 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--depth", type=float, default=None, help="needle depth in percent (needle and niah_* tasks; default 50)"
     )
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--seed", type=int, default=1, help="seed of the document and its needle")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens each cache answers with at most")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--allow-long-context",
@@ -143,6 +143,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "correct": bool(score_prediction(sample, res.text) >= 1.0),
             "kv_bytes": res.kv_bytes,
             "prompt_tokens": res.prompt_tokens[0],
+            "new_tokens": res.new_tokens[0],
             "profile": res.profile,
             "stored_bytes": held_bytes(res.kv_bytes),
             "seconds": round(time.perf_counter() - start, 2),
@@ -192,7 +193,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{_fmt_bytes(kv.get('linear_state', 0))} and {_fmt_bytes(bookkeeping)} of bookkeeping (padding, free "
         f"slots, slot metadata){sliding}."
     )
-    if not full["correct"]:  # no budget does better than the full cache
+    if not full["correct"] and full["new_tokens"] >= args.max_new_tokens:
+        # cut before it could finish: the length of the answer, not the model, may be what failed
+        print(
+            f"\nThe full cache did not answer correctly either, and its answer was cut at --max-new-tokens "
+            f"{args.max_new_tokens}: try a larger --max-new-tokens (then a shorter --length, another --task, or a "
+            "larger --model; docs/results.md lists what was measured).",
+            file=sys.stderr,
+        )
+    elif not full["correct"]:  # no budget does better than the full cache
         print(
             "\nThe full cache did not answer correctly either: this model misses this task at this length, whatever "
             "the budget; try a shorter --length, another --task, or a larger --model (docs/results.md lists what was "
@@ -200,9 +209,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     elif not comp["correct"]:
+        cut = comp["new_tokens"] >= args.max_new_tokens
+        also = f", or a larger --max-new-tokens (its answer was cut at {args.max_new_tokens} tokens)" if cut else ""
         print(
             f"\n{args.method} did not answer correctly at budget {budget.value} on this document: try a larger "
-            "--budget (docs/results.md lists what was measured).",
+            f"--budget{also} (docs/results.md lists what was measured).",
             file=sys.stderr,
         )
     return 0

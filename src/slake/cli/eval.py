@@ -61,7 +61,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--budgets",
         default=None,
         help="comma-separated budgets: tokens per layer and KV head (e.g. 128,256) or ratios in (0, 1) of the "
-        "prompt kept; required without --protocol",
+        "prompt kept; required without --protocol, unless --methods is full alone",
     )
     p.add_argument(
         "--lengths",
@@ -77,7 +77,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "LongBench (default: needle 1, ruler 5, longbench all)",
     )
     p.add_argument(
-        "--depths", default=None, help="needle depths in percent (default 0,25,50,75,100; --suite needle only)"
+        "--depths", default=None, help="needle depths in percent (default: 0,25,50,75,100; --suite needle only)"
     )
     p.add_argument("--seed", type=int, default=0, help="sample seed")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on every task's generation length")
@@ -168,11 +168,19 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     from slake.eval.summary import summary_rows, write_summary
 
     refuse_empty(args)  # an empty --tasks, --lengths, --out ... names nothing: refused, not read as left out
-    protocol = resolve_protocol_args(args)  # fills --suite, --lengths, --budgets, --question-agnostic
+    methods = resolve_methods(args.methods)  # [] for the full cache alone, which needs no --budgets
+    # fills --suite, --lengths, --budgets, --question-agnostic
+    protocol = resolve_protocol_args(args, budgets_required=bool(methods))
     engine = engine or engine_from_args(args)
-    methods = resolve_methods(args.methods)
+    if protocol is not None and "question_agnostic" in engine.unsupported:
+        # named for the option given: the protocol, not the --question-agnostic it sets
+        raise ValueError(
+            f"--engine {engine.name} cannot run --protocol {protocol.name}, which compresses question-agnostic "
+            f"prompts ({engine.unsupported['question_agnostic']})"
+        )
     refuse_unchunkable(methods, args.prefill_chunk)
-    budgets = parse_budgets(args.budgets)  # parsed with the full cache alone too: a bad value is never ignored
+    # parsed with the full cache alone too, when given: a bad value is never ignored
+    budgets = parse_budgets(args.budgets) if args.budgets is not None else []
     if not methods:
         budgets = []
     for m in methods:

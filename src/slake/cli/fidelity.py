@@ -27,12 +27,12 @@ def add_fidelity_parser(sub: Any) -> None:
     p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (generated needle document)")
     p.add_argument("--prompt-file", help="use this prompt instead of a generated document")
     p.add_argument("--steps", type=int, default=16, help="decode steps whose queries are measured")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated documents")
     p.add_argument(
         "--linear-cache",
         choices=["default", "on", "off", "both"],
         default="default",
-        help="force the PTAA linear cache on/off for every method, or measure both",
+        help="force the PTAA linear cache on/off for every method, or measure both (default: each method's own)",
     )
     p.add_argument(
         "--kv-dtype",

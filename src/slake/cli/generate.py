@@ -25,12 +25,14 @@ def add_generate_parser(sub: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="a file holding the prompt ('-' for standard input)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as is")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None, help="with --sample: sampling temperature (default 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default 1.0)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="with --sample: sampling temperature (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus sampling's mass (default: 1.0)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="with --sample: seed of the draws (default: torch's generator unseeded)"
+    )
     p.add_argument(
         "--linear-cache",
         action="store_true",

@@ -32,7 +32,7 @@ def add_make_prompt_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="needle depth in percent (needle: default 50; RULER NIAH tasks: random by default; no other task)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated prompt")
     p.add_argument("--model", default="smollm2", help="model whose tokenizer measures the length")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--out", required=True, help="output text file ('-' for standard output)")

@@ -15,9 +15,32 @@ from slake.engines import ENGINES, Engine, ModelSpec, make_engine
 from slake.methods.spec import parse_assignments
 
 __all__ = [
-    "add_engine_arg", "add_model_args", "check_out_folder", "engine_from_args", "model_spec", "parse_hyperparameters",
-    "refuse_duplicates", "split_list",
+    "DefaultsShownFormatter", "add_engine_arg", "add_model_args", "check_out_folder", "engine_from_args",
+    "model_spec", "parse_hyperparameters", "refuse_duplicates", "split_list",
 ]  # fmt: skip
+
+
+class DefaultsShownFormatter(argparse.HelpFormatter):
+    """Help that names every option's default: ``(default: X)`` after an option whose help does not say it.
+
+    Flags (``store_true``/``store_false``), options without a default (``None``) or with an empty one, and options
+    whose help already mentions its default are left as written.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or default in ("", [], ())
+            or "default" in text.lower()
+            or action.nargs == 0  # a flag of another action (append_const, count ...)
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -151,6 +151,7 @@ def _check_common(args: argparse.Namespace) -> None:
     refuse_empty(args)
     check_device(getattr(args, "device", None))
     if getattr(args, "dtype", None) is not None:
+        args.dtype = args.dtype.strip().lower()  # --dtype BF16 as bf16, for either engine
         parse_dtype(args.dtype, args.device or default_device())
     _at_least(args, "max_new_tokens", 1)
     _at_least(args, "prefill_chunk", 1)
@@ -218,7 +219,8 @@ def _check_generate(args: argparse.Namespace) -> None:
     else:
         given = [f"--{n.replace('_', '-')}" for n in ("temperature", "top_p") if getattr(args, n) is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} only apply with --sample (decoding is greedy without it)")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f"{' and '.join(given)} only {verb} with --sample (decoding is greedy without it)")
     # read once here (standard input cannot be read twice); cmd_generate uses args.prompt
     args.prompt = read_prompt(args.prompt, args.prompt_file)
     args.prompt_file = None

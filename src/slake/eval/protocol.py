@@ -124,12 +124,20 @@ def ratio_of_budget(budget: float) -> float:
     return round(1.0 - b, 12)
 
 
-def resolve_protocol_args(args: argparse.Namespace) -> Protocol | None:
+def resolve_protocol_args(args: argparse.Namespace, budgets_required: bool = True) -> Protocol | None:
     """Fill ``args.suite``, ``args.lengths``, ``args.budgets`` and ``args.question_agnostic`` from ``--protocol``.
 
-    Without ``--protocol``, ``--suite`` and ``--budgets`` are required. With it, the options it sets may be left out
+    Without ``--protocol``, ``--suite`` and ``--budgets`` are required (``--budgets`` not when
+    ``budgets_required`` is False: a run of the full cache alone). With it, the options it sets may be left out
     (or repeat the protocol's values); any other value is refused, as are the options the protocol's question-agnostic
     prompts exclude.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        ``slake eval``'s parsed arguments; the protocol's values are written into it.
+    budgets_required : bool
+        Whether the run needs budgets: False when the full cache, which keeps every token, is the only method.
 
     Returns
     -------
@@ -143,7 +151,7 @@ def resolve_protocol_args(args: argparse.Namespace) -> Protocol | None:
     """
     name = getattr(args, "protocol", None)
     if name is None:
-        for option in ("suite", "budgets"):
+        for option in ("suite", "budgets") if budgets_required else ("suite",):
             if getattr(args, option, None) is None:
                 raise ValueError(f"--{option} is required (or --protocol, which sets it)")
         return None

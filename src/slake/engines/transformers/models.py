@@ -94,7 +94,9 @@ def default_dtype(device: str) -> torch.dtype:
 
 def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """The torch dtype of a ``--dtype`` value (``fp32``, ``bf16``, ``fp16`` and their long names; None or ``"auto"``:
-    the device's default, :func:`default_dtype`); ValueError for anything else."""
+    the device's default, :func:`default_dtype`), in any case; ValueError for anything else."""
+    if isinstance(dtype, str):
+        dtype = dtype.strip().lower()  # BF16, Float32 ... as the user wrote them
     if dtype is None or dtype == "auto":
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
@@ -325,7 +327,7 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
         For ``gguf_file`` with a packaged model or a ``.gguf`` path, which name their file themselves.
     FileNotFoundError
         For a name that can only be a local path (:func:`looks_local`) and is no directory (a path ending in
-        ``.gguf``: no file).
+        ``.gguf``: no file; an existing file that is not a ``.gguf`` file is named as a file).
     """
     packaged = packaged_name(name)
     is_gguf_path = name is not None and name.lower().endswith(".gguf") and os.path.isfile(name)
@@ -343,6 +345,12 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
         return str(p.parent), p.name
     if looks_local(name):
         name = os.path.expanduser(name)
+        if os.path.isfile(name):
+            # an existing file that is not a .gguf file: neither a model folder nor a GGUF model
+            raise FileNotFoundError(
+                f"the model {name} is a file, not a model directory (a folder with config.json and the weights, or "
+                "a .gguf file)"
+            )
         if not os.path.isdir(name):
             # a path naming a .gguf file names a file, not a model directory
             what = "file" if name.lower().endswith(".gguf") else "directory"

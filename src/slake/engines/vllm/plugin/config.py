@@ -314,7 +314,10 @@ _VLLM_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "
 
 
 def vllm_dtype(dtype: str | None) -> str:
-    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None for float32)."""
+    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None for float32), in any
+    case."""
+    if isinstance(dtype, str):
+        dtype = dtype.strip().lower()
     return _VLLM_DTYPES.get(dtype) or str(dtype)
 
 
