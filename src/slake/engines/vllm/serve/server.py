@@ -324,7 +324,8 @@ class VllmServer:
             )
             raise RuntimeError(
                 f"vLLM's server started without the slake plugin (no {PLUGIN_LOG_LINE!r} in {self.cfg.log_path}); "
-                f"is slake installed in vLLM's environment (pip install -e . there)?{hint}"
+                "is slake installed in vLLM's environment (pip install slake there, or pip install -e . from a "
+                f"clone)?{hint}"
             )
 
     def plugin_lines(self) -> list[str]:
