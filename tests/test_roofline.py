@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slake.engines.transformers.roofline import copy_bandwidth, decode_weight_bytes, roofline_fields, step_kv_bytes
+from slake.engines.transformers.memory import MemoryMeter
+from slake.engines.transformers.roofline import (
+    COPY_BYTES,
+    copy_bandwidth,
+    decode_weight_bytes,
+    roofline_fields,
+    step_kv_bytes,
+)
 from tiny_models import tiny_model
 
 
@@ -45,3 +52,21 @@ def test_copy_bandwidth_is_positive_and_refuses_an_empty_copy():
     assert copy_bandwidth("cpu", nbytes=1 << 20, repeats=2) > 0
     with pytest.raises(ValueError):
         copy_bandwidth("cpu", nbytes=0)
+
+
+@pytest.mark.skipif(not MemoryMeter.available(), reason="needs Linux's resettable high-water mark to see the copy")
+def test_bench_measures_the_bandwidth_apart_where_the_peak_cannot_be_reset(monkeypatch):
+    """Where the high-water mark cannot be reset per configuration (macOS, Windows), the roofline's 2 x 256 MiB copy
+    in the bench's process raised every row's peak memory to at least weights + 512 MiB (the 2026-11-30 audit of
+    ``slake bench``); it runs in a child process there. Linux's reset shows the difference here."""
+    from slake.engines.transformers import bench
+
+    meter = MemoryMeter("cpu")
+    meter.reset()
+    monkeypatch.setattr(MemoryMeter, "available", staticmethod(lambda: False))
+    assert bench.device_bandwidth(torch.device("cpu")) > 0
+    assert meter.peak() - meter.baseline < COPY_BYTES["cpu"] // 2  # the child's buffers are not ours
+    monkeypatch.setattr(MemoryMeter, "available", staticmethod(lambda: True))
+    meter.reset()
+    assert bench.device_bandwidth(torch.device("cpu")) > 0  # resettable: in this process, and it shows
+    assert meter.peak() - meter.baseline >= COPY_BYTES["cpu"]

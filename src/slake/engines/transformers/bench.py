@@ -25,14 +25,22 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slake.engines.base import BenchPlan, BenchReport, ModelSpec, load_avg
 from slake.engines.transformers.baselines import holds_every_token
 from slake.engines.transformers.compile_options import make_room_for_graphs
 from slake.engines.transformers.measure import BenchConfig
-from slake.engines.transformers.roofline import copy_bandwidth, decode_weight_bytes, roofline_fields
+from slake.engines.transformers.roofline import (
+    copy_bandwidth,
+    cpu_copy_bandwidth_apart,
+    decode_weight_bytes,
+    roofline_fields,
+)
 from slake.optional_plots import draw_if_possible
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["configs", "run_bench"]
 
@@ -169,7 +177,7 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     }
     floor = None  # the roofline's terms (roofline.py): weights read per step, the device's copy bandwidth
     if model is not None:
-        floor = decode_weight_bytes(model, plan.batch), copy_bandwidth(model.device)
+        floor = decode_weight_bytes(model, plan.batch), device_bandwidth(model.device)
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
     rows = []
@@ -255,6 +263,17 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
     ordered = [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}} for r in rows]
     return BenchReport(rows=ordered, table=markdown_table(rows), files=files)
+
+
+def device_bandwidth(device: torch.device) -> float:
+    """The copy bandwidth of the roofline, measured where its buffers leave the rows' peak memory alone: in this
+    process, but in a child on a CPU whose high-water mark cannot be reset per configuration (not Linux; the mark
+    would keep the copy's 512 MiB for every row, ``--isolate``'s rows included)."""
+    from slake.engines.transformers.memory import MemoryMeter
+
+    if device.type == "cpu" and not MemoryMeter.available():
+        return cpu_copy_bandwidth_apart()
+    return copy_bandwidth(device)
 
 
 def _add_roofline(row: dict, floor: tuple[int, float] | None) -> None:

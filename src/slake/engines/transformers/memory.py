@@ -7,7 +7,9 @@
   ``malloc_trim(0)`` so that memory freed by the previous configuration is returned to the system first. It counts
   everything the process holds (weights, Python, allocator slack). Where the reset is not possible (not Linux, no
   permission), the high-water mark is monotone over the run and ``peak_mem_reset`` is reported False; use
-  ``--isolate`` to run each configuration in a fresh process then.
+  ``--isolate`` to run each configuration in a fresh process then (``slake bench`` measures its roofline's copy
+  bandwidth in a child process there, :func:`~slake.engines.transformers.bench.device_bandwidth`, so that the
+  copy's buffers are not in the mark).
 """
 
 from __future__ import annotations

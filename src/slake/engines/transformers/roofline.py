@@ -11,11 +11,13 @@ read them, and they are a few percent of a compressed layer's bytes.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import torch
 
-__all__ = ["copy_bandwidth", "decode_weight_bytes", "roofline_fields", "step_kv_bytes"]
+__all__ = ["copy_bandwidth", "cpu_copy_bandwidth_apart", "decode_weight_bytes", "roofline_fields", "step_kv_bytes"]
 
 #: what :func:`copy_bandwidth` copies by default: 1 GiB on a GPU (well beyond its caches), 256 MiB on a CPU
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 28}
@@ -69,6 +71,28 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeat
         best = min(best, time.perf_counter() - t0)
     del src, dst
     return 2 * n / max(best, 1e-9)
+
+
+def cpu_copy_bandwidth_apart(threads: int | None = None) -> float:
+    """:func:`copy_bandwidth` on the CPU, measured in a child process with ``threads`` torch threads (default: this
+    process's), so that its two buffers of :data:`COPY_BYTES` do not raise this process's memory high-water mark:
+    ``slake bench`` measures it so where it cannot reset that mark per configuration (not Linux), and every row's peak
+    would otherwise count the 512 MiB of the copy.
+
+    Raises
+    ------
+    RuntimeError
+        When the child fails (its standard error in the message).
+    """
+    code = (
+        "import sys, torch; torch.set_num_threads(int(sys.argv[1])); "
+        "from slake.engines.transformers.roofline import copy_bandwidth; print(copy_bandwidth('cpu'))"
+    )
+    n = int(threads if threads is not None else torch.get_num_threads())
+    done = subprocess.run([sys.executable, "-c", code, str(n)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring the CPU's copy bandwidth in a child process failed: {done.stderr.strip()}")
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def roofline_fields(decode_ms: float, weight_bytes: int, kv_bytes_detail: dict[str, int], bandwidth: float) -> dict:
