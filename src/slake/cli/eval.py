@@ -40,8 +40,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "question-agnostic compression, compression ratios 0.25/0.5/0.75/0.875 removed, i.e. budgets "
         "0.75/0.5/0.25/0.125 kept, scored as kvpress scores it); sets --suite, --lengths, --budgets and "
         "--question-agnostic, writes the token ids for kvpress's side (tools/kvpress_protocol/ in slake's "
-        "repository) and merges its "
-        "outputs found in --out; see docs/kvpress-protocol.md",
+        "repository) and merges its outputs found in --out; see docs/kvpress-protocol.md",
     )
     p.add_argument(
         "--suite", default=None, choices=("needle", "ruler", "longbench"), help="required without --protocol"
