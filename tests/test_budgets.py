@@ -46,6 +46,19 @@ def test_waterfill_zero_preferences():
     assert b.tolist() == [2.0, 5.0, 2.0] and not torch.isnan(b).any()
 
 
+@pytest.mark.parametrize("scale", [1e-310, 1e-320, 4.9e-324])
+def test_waterfill_depends_on_the_proportions_however_small(scale):
+    """Subnormal preferences (CAKE with extreme temperatures, ``cake[tau1=tau2=1/13]`` on a tiny model) made
+    ``rest / sum`` overflow: every layer counted as capped, then a division by zero (2026-11-30 audit of VABS)."""
+    assert waterfill([scale] * 4, 384.0, 4000.0).tolist() == [96.0] * 4
+    assert waterfill([scale, 0.0, 0.0], 384.0, 4000.0).tolist() == [384.0, 0.0, 0.0]
+    assert waterfill([scale, 1.0], 150.0, 100.0).tolist() == pytest.approx([50.0, 100.0])  # capped: the rest
+    assert (
+        preference_budgets(torch.tensor([scale] * 4, dtype=torch.float64), 4 * 96, 4000, final=True).tolist()
+        == [96] * 4
+    )
+
+
 @pytest.mark.parametrize("bad", [[], [1.0, -1.0], [float("nan"), 1.0], [[1.0, 2.0]]])
 def test_waterfill_rejects_bad_preferences(bad):
     with pytest.raises(ValueError):

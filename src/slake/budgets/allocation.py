@@ -90,7 +90,8 @@ def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -
     Zero preferences are treated as an infinitesimal positive preference (the limit ``P_l -> 0+``): such a layer gets
     nothing unless every positive-preference layer is capped, in which case the remainder is shared equally among the
     zero-preference layers; all-zero preferences therefore give a uniform split. This keeps the result continuous in
-    ``P`` and stage budgets monotone (Proposition 1). Negative or non-finite preferences raise ``ValueError``.
+    ``P`` and stage budgets monotone (Proposition 1). The split depends on the preferences' proportions only, however
+    small they are (subnormal ones included). Negative or non-finite preferences raise ``ValueError``.
 
     Parameters
     ----------
@@ -128,6 +129,11 @@ def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -
         psum = float(p[free].sum())
         weights = p if psum > 0 else free.to(torch.float64)  # zero prefs only: equal shares of the rest
         c = rest / float(weights[free].sum())
+        if not math.isfinite(c):
+            # preferences so small (subnormal) that rest / sum overflows: the same proportions, scaled so that the
+            # largest free one is 1 (an inf share would cap a layer whatever its true share)
+            weights = weights / float(weights[free].max())
+            c = rest / float(weights[free].sum())
         b = torch.where(capped, torch.full_like(p, float(cap)), c * weights)
         newly = free & (b > cap)
         if not bool(newly.any()):
