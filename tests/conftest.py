@@ -77,7 +77,38 @@ def _helper_calls_keep_the_launch_patch() -> None:
     interpreter.InterpretedFunction.__call__ = helper_call
 
 
+def _bf16_casts_round_to_nearest_even() -> None:
+    """Triton's interpreter (3.6.0) casts float32 to bfloat16 by cutting the low bits off (its ``cast_impl`` passes
+    no rounding mode), where a GPU's ``.to(tl.bfloat16)`` and torch round to nearest, ties to even: half of the
+    values differed by one bf16 step, and CriticalKV's bf16 weights, stored through such a cast, made a fused step
+    diverge from the torch step over ~150 decode steps on the CPU alone (the 2026-11-30 audit of long decoding). Here
+    that one cast rounds as torch does; every other cast is the interpreter's. Applied only to the Triton version
+    whose interpreter this was read from, when the interpreter is on."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        import triton
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    cast = getattr(builder, "cast_impl", None)
+    if triton.__version__ != "3.6.0" or cast is None or not hasattr(interpreter, "TensorHandle"):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+
+
 _helper_calls_keep_the_launch_patch()
+_bf16_casts_round_to_nearest_even()
 if os.environ.get("TRITON_INTERPRET") == "1":  # every kernel's loads and stores within its launch's tensors
     import kernel_bounds  # noqa: E402
 
