@@ -42,7 +42,7 @@ from slake.optional_plots import draw_if_possible
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["configs", "run_bench"]
+__all__ = ["configs", "device_bandwidth", "run_bench"]
 
 
 def configs(plan: BenchPlan) -> list[BenchConfig]:
