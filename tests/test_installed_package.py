@@ -19,6 +19,7 @@ import pytest
 
 from slake.cli import main
 from slake.optional_plots import draw_if_possible
+from slake.release import release as _release
 
 ROOT = Path(__file__).parents[1]
 
@@ -111,10 +112,6 @@ def _floors() -> dict[str, str]:
         name, floor = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+).*", req).groups()
         out[name.lower()] = floor
     return out
-
-
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split("."))
 
 
 def _same_release(a: str, b: str) -> bool:
