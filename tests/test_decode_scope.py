@@ -186,3 +186,24 @@ def test_decode_scope_is_checked():
         make_method("ada-snapkv[decode_scope=layer,linear_cache=true]")
     assert not make_method("kvzip[decode_scope=layer,decode_eviction=false]").evicts_across_heads
     assert not make_method("snapkv").evicts_across_heads
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_keep_generated_tells_a_context_pair_at_attention_one_from_a_generated_token(kernels):
+    """A context pair whose stored score is exactly 1 (a query attended to it alone) is still context: with
+    ``keep_generated`` it goes before any generated token. Before generated tokens carried ``2 +`` their maximum,
+    a stored score of 1 marked a slot as generated, and such pairs outranked the tokens being written."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    steps = 6
+    eng, g = _engine("kvzip[keep_generated=true]", kernels=kernels)
+    prompt_end = eng.seen[0]
+    eng.pass_scores = None
+    for st in eng.layers:  # every context pair of KV head 0 scored exactly 1, as a fully attended pair would be
+        st.scores[:, 0] = torch.where(st.valid[:, 0] & (st.scores[:, 0] < INF), 1.0, st.scores[:, 0])
+    _decode(eng, g, steps)
+    for st in eng.layers:
+        first = 4 + 5 * (torch.arange(B) == 0).view(B, 1)  # past the sinks (row 0 is padded by 5)
+        context = st.valid[:, 0] & (st.positions[:, 0] < prompt_end) & (st.positions[:, 0] >= first)
+        kept = ((st.positions[:, 0] >= prompt_end) & st.valid[:, 0]).sum(-1)
+        assert bool((kept[context.sum(-1) > 0] == steps).all()), (kept, context.sum(-1))

@@ -36,7 +36,8 @@ def rule_score(stored, sig, pos, valid, generated, pinned, RULE: tl.constexpr, G
     """The new decode score of the rules that update a slot's stored score, elementwise (a row's slots, its lanes,
     or the new token alone): H2O's accumulation (``RULE`` 1: 0 where the stored score is not finite), AhaKV's (2: 0
     where a valid slot's is not finite), KVzip's running maximum (6: generated tokens, ``generated`` or a stored
-    score >= 1, carry 1 + their maximum with ``GEN_FIRST``), recency (4: the position) and SAGE-KV's pinned recency
+    score >= 2, carry 2 + their maximum with ``GEN_FIRST``: :data:`slake.methods.kvzip.GENERATED`, above any
+    context pair's attention, which is at most 1), recency (4: the position) and SAGE-KV's pinned recency
     (5: ``pinned`` where the stored score is at least half of it, else the position). ``sig``: this step's attention
     signal (unread by 4 and 5)."""
     finite = (stored == stored) & (tl.abs(stored) != float("inf"))
@@ -46,7 +47,7 @@ def rule_score(stored, sig, pos, valid, generated, pinned, RULE: tl.constexpr, G
         score = tl.where((~finite) & valid, 0.0, stored) + sig
     elif RULE == 6:
         if GEN_FIRST:
-            sig = sig + (generated | (stored >= 1.0)).to(tl.float32)
+            sig = sig + 2.0 * (generated | (stored >= 2.0)).to(tl.float32)
         score = tl.maximum(stored, sig)
     elif RULE == 4:
         score = pos.to(tl.float32)

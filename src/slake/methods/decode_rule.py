@@ -62,9 +62,10 @@ class FusedDecodeRule:
     two_stage_epsilon : float
         Added to the base score before the weighting.
     generated_first : bool
-        ``running_max``: generated tokens (the step's new slot, and every slot whose stored score is at least 1)
-        take ``1 +`` this step's reduced attention, so that they rank above every prompt slot, whose scores are
-        attention probabilities (at most 1). KVzip's ``keep_generated``.
+        ``running_max``: generated tokens (the step's new slot, and every slot whose stored score is at least 2)
+        take ``2 +`` this step's reduced attention (:data:`slake.methods.kvzip.GENERATED`), so that they rank above
+        every prompt slot, whose scores are attention probabilities (at most 1, exactly 1 for a pair a query
+        attended to alone). KVzip's ``keep_generated``.
 
     The ``expected_attention`` kind's map is not a parameter here: the kernels take it from
     :meth:`slake.methods.base.Method.decode_query_map`.

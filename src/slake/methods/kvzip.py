@@ -43,7 +43,13 @@ from slake.methods.base import DecodeInputs, Method, PrefillInputs, PrefillScore
 from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.decode_scope import DecodeScope
 
-__all__ = ["KVzip", "global_layer_counts", "reconstruction_attention"]
+__all__ = ["GENERATED", "KVzip", "global_layer_counts", "reconstruction_attention"]
+
+GENERATED = 2.0
+"""With ``keep_generated``: what a generated token's decode score carries above its running maximum of attention.
+Context pairs score attention probabilities, at most 1 (exactly 1 when a query attended to the pair alone), so a
+stored score of at least 2 marks a generated token and nothing else; the fused kernels' rule 6
+(:func:`slake.kernels.triton_rules.rule_score`) uses the same value."""
 
 
 def reconstruction_attention(
@@ -119,11 +125,11 @@ class KVzip(DecodeScope, Method):
         Keep the chat template's prefix (system prompt) and put it in the softmax, as the authors' code does; False
         (default, kvpress): only the ``sinks`` first tokens, the rest of the prefix scores 0.
     keep_generated : bool
-        Generated tokens rank above every context pair at decode (they carry ``1 +`` their running max; context
-        pairs carry attention probabilities, at most 1), so a decode step evicts the context's lowest pairs while
-        any is evictable, as the paper, which keeps every generated token, would have it within a fixed size.
-        False: one scale for both, and a new token, whose attention is spread over the whole cache, usually scores
-        below the reconstruction's peaked maxima and goes at once (``docs/methods/kvzip.md#decode-rule``).
+        Generated tokens rank above every context pair at decode (they carry :data:`GENERATED` ``+`` their running
+        max; context pairs carry attention probabilities, at most 1), so a decode step evicts the context's lowest
+        pairs while any is evictable, as the paper, which keeps every generated token, would have it within a fixed
+        size. False: one scale for both, and a new token, whose attention is spread over the whole cache, usually
+        scores below the reconstruction's peaked maxima and goes at once (``docs/methods/kvzip.md#decode-rule``).
     decode_scope : str
         ``"head"``: one eviction per step and KV head; ``"layer"``: the layer keeps its size and evicts across its
         heads (:class:`~slake.methods.decode_scope.DecodeScope`), so that heads the global budget left with their
@@ -186,16 +192,17 @@ class KVzip(DecodeScope, Method):
 
     def decode_scores(self, inputs: DecodeInputs) -> torch.Tensor:
         """Running max of the attention a slot receives (max over the KV head's query heads and the step's
-        queries); with ``keep_generated``, ``1 +`` it for generated tokens: the newest token of a single-token step
-        (its position is ``inputs.newest``) and every slot whose stored score is already at least 1. Tokens appended
+        queries); with ``keep_generated``, :data:`GENERATED` ``+`` it for generated tokens: the newest token of a
+        single-token step (its position is ``inputs.newest``) and every slot whose stored score is already at least
+        :data:`GENERATED` (a context pair's is at most 1, also when a query attended to it alone). Tokens appended
         several at once (a continuation prompt, which has no ``newest``) are context and score as context."""
         B, Hq, nq, n = inputs.probs.shape
         H = inputs.positions.shape[1]
         now = inputs.probs.float().reshape(B, H, Hq // H, nq, n).amax(dim=(2, 3))
         stored = inputs.stored.float()
         if self.keep_generated:
-            generated = stored >= 1.0
+            generated = stored >= GENERATED
             if inputs.newest is not None:
                 generated = generated | (inputs.positions == inputs.newest)
-            now = now + generated.float()
+            now = now + GENERATED * generated.float()
         return torch.maximum(stored, now)
