@@ -82,6 +82,7 @@ class FakeDemoEngine:
 
     name = "transformers"
     tokenizer = None
+    context_limit = None  # no model: every length fits
 
     def __init__(self, full_kv: dict, kv: dict, decode_ms: float) -> None:
         self.full_kv, self.kv, self.decode_ms, self.options = full_kv, kv, decode_ms, {}

@@ -100,10 +100,14 @@ def test_cmd_eval_takes_allow_long_context(short_context, tok, tmp_path, monkeyp
     monkeypatch.setattr(suites, "build_samples", lambda plan, tokenizer: real_build(plan, tokenizer, essays=ESSAYS))
     engine = TransformersEngine(loader=_loader(short_context, tok))
     args = _eval_args(tmp_path / "run")
-    args.methods, args.budgets, args.lengths, args.depths = "snapkv", "32", "200", "0"
-    with pytest.raises(ValueError, match=r"\(length 200\) has .* beyond the model's context of 150 tokens"):
+    # a length within the context whose prompt and new tokens are not: refused sample by sample, as before
+    args.methods, args.budgets, args.lengths, args.depths = "snapkv", "32", "145", "0"
+    with pytest.raises(ValueError, match=r"\(length 145\) has .* beyond the model's context of 150 tokens"):
         cmd_eval(args, engine=engine)
     assert read_results(tmp_path / "run") == []
+    args.lengths = "200"  # a length past the context: refused before its samples are built
+    with pytest.raises(ValueError, match=r"--lengths 200 asks .* beyond the model's context of 150 tokens"):
+        cmd_eval(args, engine=engine)
     args = _eval_args(tmp_path / "run", "--allow-long-context")
     args.methods, args.budgets, args.lengths, args.depths = "snapkv", "32", "200", "0"
     assert cmd_eval(args, engine=engine) == 0
@@ -126,7 +130,8 @@ def test_fidelity_refuses_prompts_beyond_the_context(short_context, tok, tmp_pat
     add_fidelity_parser(parser.add_subparsers(dest="command"))
     prompt = tmp_path / "doc.txt"
     prompt.write_text(" ".join(f"w{i}" for i in range(200)))
-    args = parser.parse_args(["fidelity", "--prompt-file", str(prompt), "--methods", "snapkv", "--budgets", "32"])
+    argv = ["fidelity", "--prompt-file", str(prompt), "--output-tokens", "0", "--methods", "snapkv", "--budgets", "32"]
+    args = parser.parse_args(argv)
     with pytest.raises(ValueError, match=r"the prompt has \d+ tokens and up to 16 more .* context of 150 tokens"):
         cmd_fidelity(args)
     args = parser.parse_args(
@@ -135,4 +140,58 @@ def test_fidelity_refuses_prompts_beyond_the_context(short_context, tok, tmp_pat
     args.prompt_file = str(prompt)
     prompt.write_text(" ".join(f"w{i}" for i in range(60)))
     with pytest.raises(ValueError, match=r"each output-level prompt \(--length\) has 140 tokens and up to 32 more"):
+        cmd_fidelity(args)
+
+
+def test_cmd_eval_refuses_a_length_past_the_context_before_building_samples(short_context, tok, tmp_path, monkeypatch):
+    """``slake eval --lengths 100000000`` (a mistyped length) on the 8K-token default model built samples for minutes
+    before the check on their tokens refused them: a requested length alone past the context is refused before any
+    sample is built (with ``--allow-long-context`` the samples are built as asked)."""
+    from slake.eval import suites
+
+    built = []
+    monkeypatch.setattr(suites, "build_samples", lambda plan, tokenizer: built.append(plan) or [])
+    engine = TransformersEngine(loader=_loader(short_context, tok))
+    args = _eval_args(tmp_path / "run")
+    args.methods, args.budgets, args.lengths, args.depths = "snapkv", "32", "120,100000000", "0"
+    with pytest.raises(ValueError, match=r"--lengths 100000000 .* beyond the model's context of 150 tokens"):
+        cmd_eval(args, engine=engine)
+    assert built == []
+    args = _eval_args(tmp_path / "run", "--allow-long-context")
+    args.methods, args.budgets, args.lengths, args.depths = "snapkv", "32", "120,100000000", "0"
+    cmd_eval(args, engine=engine)
+    assert [p.lengths for p in built] == [[120, 100000000]]
+
+
+def test_demo_refuses_a_length_past_the_context_before_building_its_sample(short_context, tok, monkeypatch, capsys):
+    import slake.cli.demo as demo
+    import slake.eval.needle as needle
+    from slake.cli import main
+
+    def built(*args, **kwargs):
+        raise AssertionError("a sample was built")
+
+    engine = TransformersEngine(loader=_loader(short_context, tok))
+    monkeypatch.setattr(demo, "engine_from_args", lambda args: engine)
+    monkeypatch.setattr(needle, "needle_sample", built)
+    assert main(["demo", "--length", "100000000", "--budget", "64"]) == 2
+    assert "--length 100000000" in capsys.readouterr().err
+
+
+def test_fidelity_refuses_a_length_past_the_context_before_building_its_prompt(short_context, monkeypatch):
+    import argparse
+
+    import slake.engines.transformers.models as models
+    import slake.eval.needle as needle
+    from slake.cli.fidelity import add_fidelity_parser, cmd_fidelity
+
+    def built(*args, **kwargs):
+        raise AssertionError("a prompt was built")
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (short_context, TinyTokenizer()))
+    monkeypatch.setattr(needle, "needle_sample", built)
+    parser = argparse.ArgumentParser()
+    add_fidelity_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["fidelity", "--length", "100000000", "--methods", "snapkv", "--budgets", "32"])
+    with pytest.raises(ValueError, match=r"--length 100000000 .* context of 150 tokens .*shorter one$"):
         cmd_fidelity(args)

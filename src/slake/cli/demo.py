@@ -95,6 +95,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from slake.budgets.budget import Budget
     from slake.cli.generate import timed_decode_ms
+    from slake.engines.context import check_lengths
     from slake.eval.metrics import score_prediction
     from slake.eval.needle import needle_sample
     from slake.eval.prompts import build_prompt
@@ -118,6 +119,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     engine = engine_from_args(args)
     engine.check()
     engine.check_pair(args.method, budget)
+    check_lengths(engine.context_limit, [args.length], flag="--length", allow_long_context=args.allow_long_context)
     tokenizer = engine.tokenizer
     if args.task == "needle":
         sample = needle_sample(tokenizer, args.length, depth, kind="number", seed=args.seed)

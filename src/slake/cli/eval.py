@@ -162,6 +162,7 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     from slake.cache.quant import parse_kv_dtype
     from slake.cli.validation import refuse_empty, refuse_unchunkable
     from slake.engines.base import EvalOptions
+    from slake.engines.context import check_lengths
     from slake.eval.protocol import resolve_protocol_args
     from slake.eval.results import read_results, row_key, scan_results
     from slake.eval.runner import evaluate_suite, parse_budgets, resolve_methods
@@ -216,6 +217,10 @@ def cmd_eval(args: argparse.Namespace, engine: Engine | None = None) -> int:
     plan = plan_suite(
         args.suite, tasks, lengths, args.samples, args.seed, depths, args.longbench_dir, args.longbench_hub
     )
+    # a generated sample has the length asked: one past the context is refused before the samples are built (a
+    # LongBench length only caps its records, which check_requests_fit measures)
+    synthetic = plan.lengths if plan.suite != "longbench" else []
+    check_lengths(engine.context_limit, synthetic, flag="--lengths", allow_long_context=args.allow_long_context)
     out = Path(args.out)
     previous = scan_results(out)
     if previous.skipped:

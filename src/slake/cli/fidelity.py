@@ -66,7 +66,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     """Run ``slake fidelity`` (``docs/cli.md``, ``docs/results-fidelity.md``): each method's attention error
     against the full cache per layer, and its output-level distance; writes ``fidelity.md`` and ``fidelity.json``
     (and a plot) to ``--out``. Returns the exit code."""
-    from slake.engines.context import check_context, context_limit
+    from slake.engines.context import check_context, check_lengths, context_limit
     from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.models import load_model
     from slake.quality import fidelity
@@ -82,6 +82,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_folder(args.out)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+    limit = context_limit(model.config)
+    if args.prompt_file is None or args.output_tokens:  # --length builds a prompt: refused past the context first
+        check_lengths(limit, [args.length], flag="--length", can_allow=False)
     if args.prompt_file is not None:
         text = getattr(args, "prompt_text", None) or read_prompt(None, args.prompt_file)
     else:
@@ -92,7 +95,6 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     plain = not uses_chat_template(tokenizer)
     ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=plain).input_ids
     ids = ids.to(model.device)
-    limit = context_limit(model.config)
     check_context(limit, int(ids.shape[1]), args.steps, what="the prompt has", can_allow=False)
     if args.output_tokens:
         check_context(

@@ -8,10 +8,10 @@ refuse such a prompt unless the user allows it explicitly (``allow_long_context=
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["check_context", "context_limit"]
+__all__ = ["check_context", "check_lengths", "context_limit"]
 
 
 def context_limit(config: Any) -> int | None:
@@ -64,4 +64,39 @@ def check_context(
         f"{what} {prompt_tokens} tokens and up to {max_new_tokens} more are generated, beyond the model's context "
         f"of {limit} tokens (max_position_embeddings), where answers degrade; shorten the prompt or lower the "
         f"new tokens{allow}"
+    )
+
+
+def check_lengths(
+    limit: int | None,
+    lengths: Iterable[int],
+    *,
+    flag: str,
+    allow_long_context: bool = False,
+    can_allow: bool = True,
+) -> None:
+    """Raise ValueError when a requested prompt length alone exceeds ``limit`` (the model's context), before any
+    sample of that length is built: building one costs its whole text and tokenization (minutes for a mistyped
+    ``--lengths 100000000``) only for :func:`check_context` to refuse it afterwards.
+
+    Parameters
+    ----------
+    limit : int or None
+        The model's context (:func:`context_limit`); None passes everything.
+    lengths : iterable of int
+        The prompt lengths asked for, in the model's tokens.
+    flag : str
+        The option that asked for them, named in the message (``"--lengths"``, ``"--length"``).
+    allow_long_context : bool
+        Pass anyway (the user asked for it).
+    can_allow : bool
+        The caller takes ``allow_long_context``; the message then says how to allow it.
+    """
+    over = [n for n in lengths if limit is not None and n > limit]
+    if allow_long_context or not over:
+        return
+    allow = ", or allow it explicitly (--allow-long-context)" if can_allow else ""
+    raise ValueError(
+        f"{flag} {max(over)} asks for a prompt of {max(over)} tokens, beyond the model's context of {limit} tokens "
+        f"(max_position_embeddings), where answers degrade; ask for a shorter one{allow}"
     )
