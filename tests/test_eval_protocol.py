@@ -296,6 +296,29 @@ def test_merge_resumes_and_one_summary_and_table_hold_both(tmp_path):
     assert common.strip().startswith("100.0") and not every.strip().startswith("100.0")
 
 
+def test_a_cell_of_one_sample_per_task_shows_no_interval(tmp_path):
+    """With one sample per task the bootstrap measures no uncertainty (:mod:`slake.eval.stats`): the cell shows the
+    average alone, not a zero-width interval (nor ``[nan, nan]``)."""
+    rows = [
+        {
+            "suite": "ruler",
+            "task": task,
+            "sample_id": f"{task}-4096-0",
+            "model": "tiny",
+            "method": method,
+            "budget": budget,
+            "length": 4096,
+            "score": score,
+            "query_aware": False,
+        }
+        for task in ("niah_single_1", "vt")
+        for method, budget, score in (("full", None, 1.0), ("snapkv", 0.25, 0.5))
+    ]
+    md = write_protocol_report(tmp_path, rows, KVPRESS, plots=False)[0].read_text()
+    snap = next(line for line in md.splitlines() if line.startswith("| snapkv |"))
+    assert snap.split("|")[4].strip() == "50.0" and "nan" not in md  # ratio 0.75: budget 0.25
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 
 

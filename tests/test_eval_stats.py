@@ -124,3 +124,40 @@ def test_summary_marks_significant_differences_against_the_best(tmp_path):
     with open(tmp_path / "intervals.csv") as fh:
         intervals = list(csv.DictReader(fh))
     assert {(p["method"], p["task"]) for p in intervals} >= {("full", "t"), ("full", "average"), ("bad", "average")}
+
+
+def test_one_sample_per_stratum_has_no_interval_and_no_significance(tmp_path):
+    """Resampling one sample per (task, length) cannot move the statistic: the interval was [x, x] and the paired
+    difference of a single sample, or of one sample per task, was significant with p 0 (a wins 3 tasks of 5 and ties
+    2: +60 [60, 60], p 0.000, where a sign test gives p 0.25)."""
+    single = score_table(_rows("a", 64, {"t": [1.0]}) + _rows("b", 64, {"t": [0.0]}))
+    d = paired_difference(single, ("a", 64), ("b", 64))
+    assert d.diff == 100.0 and d.n == 1 and not d.significant
+    assert math.isnan(d.low) and math.isnan(d.high) and math.isnan(d.p_value)
+    one_each = _rows("a", 64, {f"t{k}": [1.0] for k in range(5)}) + _rows(
+        "b", 64, {f"t{k}": [0.0 if k < 3 else 1.0] for k in range(5)}
+    )
+    d = paired_difference(score_table(one_each), ("a", 64), ("b", 64))
+    assert d.diff == pytest.approx(60.0) and d.n == 5 and not d.significant and math.isnan(d.p_value)
+    i = line_interval(score_table(one_each)[("a", 64)])
+    assert i.mean == 100.0 and i.n == 5 and math.isnan(i.low) and math.isnan(i.high)
+    # a stratum of two samples is something to resample: the interval is back
+    i = line_interval(score_table(_rows("m", 64, {"t": [1.0, 0.0], "u": [1.0]}))[("m", 64)])
+    assert i.low < i.mean < i.high
+    rows = one_each + _rows("full", None, {f"t{k}": [1.0] for k in range(5)}) + _rows("c", 64, {"t0": [0.0]})
+    for r in rows:
+        r.update(model="m", suite="ruler")
+    md, _ = write_summary(tmp_path, rows, resamples=200)
+    text = md.read_text()
+    assert "| a | 64 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | - | 5 |" in text
+    assert "| 64 | b | a | -60.0 | - | - | 5 |" in text  # not bold, no interval, no p
+
+
+def test_an_interval_does_not_depend_on_the_order_of_the_rows():
+    """The same rows appended in another order (a run split over several processes) gave another interval."""
+    rng = random.Random(4)
+    rows = _rows("m", 64, {"a": [rng.random() for _ in range(20)], "b": [float(rng.random() < 0.5) for _ in range(9)]})
+    shuffled = list(rows)
+    random.Random(5).shuffle(shuffled)
+    assert line_interval(score_table(rows)[("m", 64)]) == line_interval(score_table(shuffled)[("m", 64)])
+    assert line_interval(score_table(rows)[("m", 64)]) == line_interval(score_table(rows[::-1])[("m", 64)])

@@ -98,6 +98,8 @@ def _methods(lines: list[SummaryLine]) -> list[str]:
 def _cell(line: SummaryLine | None) -> str:
     if line is None:
         return ""
+    if line.interval.low != line.interval.low:  # NaN: one sample per task, no interval (slake.eval.stats)
+        return f"{line.average:.1f}"
     return f"{line.average:.1f} [{line.interval.low:.1f}, {line.interval.high:.1f}]"
 
 

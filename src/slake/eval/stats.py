@@ -14,10 +14,14 @@ difference between two methods is best judged *paired*, on the samples both were
   smaller tail mass at 0, each tail holding the replicates equal to 0 (so it falls below ``1 - confidence`` where the
   interval excludes 0, up to the quantile's interpolation).
 
-Resampling uses a fixed seed, so a summary written twice from the same rows is identical. Limits worth saying in
-the documentation that quotes these intervals: with few samples per task a percentile bootstrap interval is too
-narrow (it cannot be wider than the observed spread: a task all of whose samples score 100 gets [100, 100]), and the
-intervals say nothing about tasks or lengths that were not run.
+Resampling uses a fixed seed and takes each stratum's samples in the order of their ids, so a summary written twice
+from the same rows, in any order, is identical. Limits worth saying in the documentation that quotes these
+intervals: with few samples per task a percentile bootstrap interval is too narrow (it cannot be wider than the
+observed spread: a task all of whose samples score 100 gets [100, 100], and a stratum of one sample adds no spread
+at all), and the intervals say nothing about tasks or lengths that were not run. Where *every* stratum holds a
+single sample (one sample per task, or a single common sample), resampling cannot move the statistic and measures
+no uncertainty: the interval's bounds (and a paired difference's p-value) are NaN, never a zero-width interval, and
+such a difference is never called significant.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class Interval:
     mean : float
         The statistic on the observed samples (0-100).
     low, high : float
-        The percentile bootstrap interval at ``confidence``.
+        The percentile bootstrap interval at ``confidence``; NaN when every stratum holds a single sample (nothing to
+        resample).
     n : int
         Samples behind it (all strata together).
     confidence : float
@@ -83,11 +88,12 @@ class PairedDifference:
     a, b : (method, budget)
         The two lines compared.
     diff, low, high : float
-        The observed difference and its interval (percentage points).
+        The observed difference and its interval (percentage points); ``low`` and ``high`` NaN when every stratum
+        holds a single common sample (the replicates would all equal ``diff``: no uncertainty is measured).
     p_value : float
         Two-sided bootstrap p-value of "no difference": twice the smaller share of replicates at or on either side
         of 0 (replicates at exactly 0 count in both), at most 1; below ``1 - confidence`` where the interval excludes
-        0.
+        0; NaN where the interval is.
     n : int
         Common samples.
     confidence : float
@@ -105,7 +111,7 @@ class PairedDifference:
 
     @property
     def significant(self) -> bool:
-        """Whether the interval excludes 0."""
+        """Whether the interval excludes 0 (never where it is NaN)."""
         return self.low > 0.0 or self.high < 0.0
 
 
@@ -185,13 +191,17 @@ def line_interval(
     ------
     ValueError
         For no samples, fewer than 1 resample or a confidence outside (0, 1).
+
+    Where every stratum holds a single sample the bounds are NaN (see the module docstring).
     """
     _check(resamples, confidence)
-    cols = {s: list(v.values()) for s, v in scores.items() if v}
+    # samples in the order of their ids, not of the rows: the same rows appended in another order (a run split over
+    # several processes) give the same interval
+    cols = {s: [v[k] for k in sorted(v)] for s, v in scores.items() if v}
     if not cols:
         raise ValueError("no samples to bootstrap")
     observed, reps = _replicates([cols], resamples, seed)
-    lo, hi = _quantiles(reps[0], confidence)
+    lo, hi = _quantiles(reps[0], confidence) if _resamplable(cols) else (float("nan"), float("nan"))
     n = sum(len(v) for v in cols.values())
     return Interval(scale * observed[0], scale * lo, scale * hi, n, confidence)
 
@@ -221,6 +231,9 @@ def paired_difference(
     ------
     ValueError
         When a line is missing or the two share no sample.
+
+    Where every stratum holds a single common sample the interval and the p-value are NaN and the difference is not
+    significant (see the module docstring).
     """
     _check(resamples, confidence)
     for p in (a, b):
@@ -236,6 +249,13 @@ def paired_difference(
     if not col_a:
         raise ValueError(f"{a[0]} at {a[1]} and {b[0]} at {b[1]} share no sample")
     observed, reps = _replicates([col_a, col_b], resamples, seed)
+    n = sum(len(v) for v in col_a.values())
+    diff = scale * (observed[0] - observed[1])
+    if not _resamplable(col_a):
+        # one common sample per stratum: every replicate is the observed difference, a zero-width interval and p 0
+        # that would call a single sample's difference significant
+        nan = float("nan")
+        return PairedDifference(a, b, diff, nan, nan, nan, n, confidence)
     d = reps[0] - reps[1]
     lo, hi = _quantiles(d, confidence)
     # each tail counts the replicates at 0 (a tie is no evidence of a difference): with 0/1 scores many replicates
@@ -243,9 +263,12 @@ def paired_difference(
     # interval still reached 0 (p 0.043 beside [0, 23.3]); counted in both, p < 1 - confidence where the interval
     # excludes 0
     p_value = min(1.0, 2.0 * min(float(np.mean(d <= 0)), float(np.mean(d >= 0))))
-    n = sum(len(v) for v in col_a.values())
-    diff = scale * (observed[0] - observed[1])
     return PairedDifference(a, b, diff, scale * lo, scale * hi, p_value, n, confidence)
+
+
+def _resamplable(columns: dict[Stratum, list[float]]) -> bool:
+    """Whether some stratum holds two samples or more (else every bootstrap replicate equals the observed value)."""
+    return any(len(v) > 1 for v in columns.values())
 
 
 def _check(resamples: int, confidence: float) -> None:

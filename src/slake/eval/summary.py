@@ -292,7 +292,7 @@ def _fmt(value: float) -> str:
 
 
 def _ci(i: Interval) -> str:
-    return f"[{i.low:.1f}, {i.high:.1f}]"
+    return "-" if i.low != i.low else f"[{i.low:.1f}, {i.high:.1f}]"  # NaN: one sample per stratum, no interval
 
 
 def _line_name(pair: tuple[str, Any]) -> str:
@@ -309,9 +309,10 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
         "rows (samples) behind each line. Budget `full` is the uncompressed reference. Under each table, every "
         "method is compared with the best method at its budget on the samples both have (paired bootstrap of the "
         "difference of averages); **bold** differences have an interval that excludes 0. Few samples per task "
-        "make the intervals too narrow rather than too wide (see `slake.eval.stats`). An average marked † is over "
-        "the line's own tasks (and, over all lengths, its own lengths), fewer than the table's: it is not comparable "
-        "with the others and never the best.",
+        "make the intervals too narrow rather than too wide (see `slake.eval.stats`); with a single sample in each "
+        "task and length there is no interval (`-`) and no difference is called significant. An average marked † is "
+        "over the line's own tasks (and, over all lengths, its own lengths), fewer than the table's: it is not "
+        "comparable with the others and never the best.",
         "",
     ]
     for t in tables:
@@ -344,9 +345,10 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
                 "|---:|---|---|---:|---:|---:|---:|",
             ]
             for d in t.against_best:
+                ci, p = ("-", "-") if d.low != d.low else (f"[{d.low:+.1f}, {d.high:+.1f}]", f"{d.p_value:.3f}")
                 out.append(
                     f"| {budget_label(d.a[1])} | {d.a[0]} | {d.b[0]} | {_bold(f'{d.diff:+.1f}', d.significant)} | "
-                    f"[{d.low:+.1f}, {d.high:+.1f}] | {d.p_value:.3f} | {d.n} |"
+                    f"{ci} | {p} | {d.n} |"
                 )
             out.append("")
     if not tables:
