@@ -129,3 +129,43 @@ def test_two_spellings_of_one_spec_for_one_sample_are_refused(tmp_path):
     d = _folder(tmp_path, "a", rows)
     with pytest.raises(ValueError, match="under two spellings"):
         merge_lines([parse_line(f"{d}:slake[alpha=1]:X")])
+
+
+def test_a_non_finite_kl_is_counted_beside_the_kl_difference(tmp_path):
+    """A sample whose KL overflowed (``kl: null``, ``kl_tokens`` > 0) vanished from the KL difference, whose table
+    gave the score's n: the line that overflowed looked as close to the full cache as its finite samples."""
+    a, b = [], []
+    for i in range(4):
+        a.append({**_row("cake", 128, "t1", i, 1.0, 0.5), "kl_tokens": 9})
+        b.append({**_row("cake", 128, "t1", i, 1.0, 0.1), "kl_tokens": 9})
+    b[3] = {**b[3], "kl": None}  # overflowed
+    b[2] = {**b[2], "kl": float("nan")}  # a NaN written by another tool: JSON's NaN, which the reader accepts
+    lines = [parse_line(f"{_folder(tmp_path, 'a', a)}:cake:A"), parse_line(f"{_folder(tmp_path, 'b', b)}:cake:B")]
+    (c,) = compare_lines(merge_lines(lines), ["A", "B"], resamples=200)
+    assert c.score.n == 4 and c.kl is not None and c.kl.n == 2 and c.kl_nonfinite == 2
+    assert c.kl.diff == pytest.approx(-0.4)
+    write_comparison(tmp_path / "out", lines, resamples=200)
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "| 4 | 2 (2 non-finite left out) |" in md
+    csv_text = (tmp_path / "out" / "comparison.csv").read_text().splitlines()
+    assert csv_text[0].endswith(",n,kl_n,kl_nonfinite") and csv_text[1].endswith(",4,2,2")
+
+
+def test_rows_of_another_prompt_under_the_same_sample_id_are_refused(tmp_path):
+    """A sample id names the task, length and seed, not the text: two folders made from different prompts (another
+    essay source, a generator whose wording changed) were paired sample by sample as if they were one."""
+    a = [
+        {**_row(m, bud, "t1", i, 1.0), "sample_digest": f"d{i}"}
+        for i in range(3)
+        for m, bud in (("full", None), ("cake", 128))
+    ]
+    b = [dict(r) for r in a]
+    dir_a, same = _folder(tmp_path, "a", a), _folder(tmp_path, "same", b)
+    assert len(merge_lines([parse_line(f"{dir_a}:cake:A"), parse_line(f"{same}:cake:B")])) == 9
+    b[3] = {**b[3], "sample_digest": "other"}  # cake's row of sample 1 answers another prompt
+    other = _folder(tmp_path, "other", b)
+    with pytest.raises(ValueError, match="'t1-8192-1'.*another prompt"):
+        merge_lines([parse_line(f"{dir_a}:cake:A"), parse_line(f"{other}:cake:B")])
+    # rows written before the digest existed are not checked
+    old = _folder(tmp_path, "old", [{k: v for k, v in r.items() if k != "sample_digest"} for r in b])
+    assert len(merge_lines([parse_line(f"{dir_a}:cake:A"), parse_line(f"{old}:cake:B")])) == 9

@@ -51,3 +51,18 @@ def test_summary_carries_the_kl_section_and_csv(tmp_path):
     text = md.read_text()
     assert "## Output-level distance to the full cache" in text and "### ruler, length 8192, model m" in text
     assert (tmp_path / "fidelity.csv").read_text().splitlines()[0].startswith("model,suite,length,method")
+
+
+def test_a_nan_or_infinite_kl_is_counted_as_non_finite_and_never_the_closest():
+    """A ``kl`` written as JSON's NaN or Infinity (the reader accepts both) went into the mean: a NaN mean made its
+    line the closest at its budget (no mean compares below NaN)."""
+    rows = []
+    for i in range(4):
+        base = {"model": "m", "suite": "ruler", "task": "t", "length": 8192, "sample_id": f"t-{i}", "kl_tokens": 9}
+        bad = {0: float("nan"), 1: float("inf")}.get(i, 0.1)
+        rows += [{**base, "method": "snapkv", "budget": 128, "score": 1.0, "kl": bad}]
+        rows += [{**base, "method": "cake", "budget": 128, "score": 1.0, "kl": 0.5}]
+    (table,) = fidelity_tables(rows, resamples=200)
+    snap, cake = table.lines
+    assert snap.nonfinite == 2 and snap.interval.n == 2 and snap.interval.mean == pytest.approx(0.1)
+    assert cake.is_closest and not snap.is_closest and snap.against_closest is not None

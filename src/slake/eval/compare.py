@@ -1,14 +1,17 @@
 """Compare configurations measured in different result folders, on the samples they share.
 
 ``slake eval``'s summary compares the lines of one folder. A calibrated profile, a hyperparameter or a code change is
-often evaluated later, into a folder of its own, on the same samples (same suite, lengths, seed and sample count, so
-the same ``sample_id``). This module puts named lines from several folders into one: each line is ``DIR:METHOD:LABEL``
-(the rows of ``METHOD`` in ``DIR/results.jsonl``, renamed ``LABEL``), the full cache's rows are taken once (from the
-first folder that has each sample), and the folder gets the usual summary (:func:`slake.eval.summary.write_summary`:
-scores, intervals and, for rows written with ``--fidelity``, the KL table) plus ``comparison.md`` and
-``comparison.csv``: for each consecutive pair of lines (the second minus the first) and each (length, budget) both
-have, the paired difference of scores (points) and of KL (nats per token), each with its paired bootstrap interval
-(:func:`slake.eval.stats.paired_difference`, samples resampled within each task).
+often evaluated later, into a folder of its own, on the same samples (same suite, lengths, seed and sample count, so the
+same ``sample_id``). This module puts named lines from several folders into one: each line is ``DIR:METHOD:LABEL`` (the
+rows of ``METHOD`` in ``DIR/results.jsonl``, renamed ``LABEL``), the full cache's rows are taken once (from the first
+folder that has each sample; folders whose rows of one sample id record different prompts, ``sample_digest``, are
+refused: their rows would be paired as one sample), and the folder gets the usual summary
+(:func:`slake.eval.summary.write_summary`: scores, intervals and, for rows written with ``--fidelity``, the KL table)
+plus ``comparison.md`` and ``comparison.csv``: for each consecutive pair of lines (the second minus the first) and each
+(length, budget) both have, the paired difference of scores (points) and of KL (nats per token), each with its paired
+bootstrap interval (:func:`slake.eval.stats.paired_difference`, samples resampled within each task). A sample whose KL
+was not finite (``kl: null`` with ``kl_tokens`` > 0) is left out of the KL difference and counted beside it, and the KL
+difference says on how many samples it stands, as the score's does.
 
 Command line::
 
@@ -23,6 +26,7 @@ import argparse
 import csv
 import functools
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -97,6 +101,25 @@ def _refuse_two_spellings(rows: Sequence[dict[str, Any]], line: Line) -> None:
             )
 
 
+def _refuse_other_prompts(rows: Iterable[dict[str, Any]], line: Line, seen: dict[tuple, tuple[str, Path]]) -> None:
+    """Refuse a row whose sample id was seen (in an earlier folder, or earlier in this one) with another prompt: a
+    sample id names the task, length and seed, not the text (:func:`slake.eval.sample.sample_digest`), and rows of
+    two prompts under one id would be paired as one sample. Rows without ``sample_digest`` (written before it)
+    are not checked."""
+    for r in rows:
+        digest = r.get("sample_digest")
+        if not digest:
+            continue
+        key = (str(r.get("model", "")), str(r.get("suite", "")), str(r["task"]), int(r["length"]), str(r["sample_id"]))
+        first, where = seen.setdefault(key, (str(digest), line.folder))
+        if first != str(digest):
+            raise ValueError(
+                f"sample {r['sample_id']!r} ({r['task']}, length {r['length']}, model {key[0]!r}) was another prompt "
+                f"in {where} (digest {first}) than in {line.folder} (digest {digest}): its rows would be paired as one "
+                "sample; compare folders made from the same prompts"
+            )
+
+
 def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
     """The rows of every line, ``method`` replaced by its label, and the full cache's rows once per sample (of each
     model and suite). Rows measured with chunked prefill are their own method, ``"<method> (prefill_chunk=N)"``, as
@@ -107,7 +130,8 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
     ------
     ValueError
         When one label names two different lines, a label is ``full``, a folder has no results file or no row
-        of its line's method, or a line's rows come from several models or suites (their samples share ids).
+        of its line's method, a line's rows come from several models or suites (their samples share ids), or two
+        folders' rows of one sample id record different prompts (``sample_digest``).
     """
     unique: dict[str, Line] = {}
     for line in lines:
@@ -117,6 +141,7 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
         raise ValueError("'full' names the full cache's rows, which are included once; choose another label")
     merged: list[dict[str, Any]] = []
     full_seen: set[tuple[str, str, str, int, str]] = set()
+    digests: dict[tuple, tuple[str, Path]] = {}
     for line in unique.values():
         if not (line.folder / RESULTS_FILE).is_file():
             raise ValueError(f"no {RESULTS_FILE} in {line.folder}")
@@ -136,6 +161,7 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
                 f"suites ({named}), whose samples share ids: a line must be one model's rows of one suite; put each "
                 "model's rows in a folder of its own"
             )
+        _refuse_other_prompts([r for r in rows if r.get("method") == "full"] + matched, line, digests)
         for r in rows:
             model, suite = str(r.get("model", "")), str(r.get("suite", ""))
             key = (model, suite, str(r["task"]), int(r["length"]), str(r["sample_id"]))
@@ -148,7 +174,8 @@ def merge_lines(lines: Sequence[Line]) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """``second - first`` at one (length, budget): scores in points, KL in nats per token (None without KL rows)."""
+    """``second - first`` at one (length, budget): scores in points, KL in nats per token (None without KL rows;
+    ``kl.n`` counts its samples, which may be fewer than ``score.n``)."""
 
     first: str
     second: str
@@ -156,6 +183,25 @@ class Comparison:
     budget: Any
     score: PairedDifference
     kl: PairedDifference | None
+    #: rows of the two lines at this (length, budget), one per line and sample, whose KL was not finite (``kl: null``
+    #: with ``kl_tokens`` > 0: the compressed cache's logits overflowed or were NaN), left out of ``kl``
+    kl_nonfinite: int = 0
+
+
+def _kl_split(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The rows with a finite KL (as scores), and how many (line, sample) had a KL measured that was not finite (a
+    later row of a sample wins, as in :func:`slake.eval.stats.score_table`)."""
+    finite: dict[tuple, dict[str, Any] | None] = {}
+    for r in rows:
+        key = (r["method"], r.get("budget"), str(r["task"]), int(r["length"]), str(r["sample_id"]))
+        kl = r.get("kl")
+        if kl is not None and math.isfinite(float(kl)):
+            finite[key] = dict(r, score=float(kl))
+        elif kl is not None or r.get("kl_tokens"):  # measured, not finite
+            finite[key] = None
+        else:
+            finite.pop(key, None)  # no KL measured (a run without --fidelity)
+    return [r for r in finite.values() if r is not None], sum(r is None for r in finite.values())
 
 
 def compare_lines(
@@ -191,14 +237,15 @@ def compare_lines(
                 )
             except ValueError:
                 continue
-            kls = score_table([dict(r, score=r["kl"]) for r in sub if r.get("kl") is not None])
+            kl_rows, nonfinite = _kl_split(r for r in sub if r["budget"] == budget)
+            kls = score_table(kl_rows)
             try:
                 d_kl: PairedDifference | None = paired_difference(
                     kls, (second, budget), (first, budget), resamples=resamples, confidence=confidence, scale=1.0
                 )
             except ValueError:  # a line without KL rows (run without --fidelity), or none in common
                 d_kl = None
-            out.append(Comparison(first, second, length, budget, d_score, d_kl))
+            out.append(Comparison(first, second, length, budget, d_score, d_kl, nonfinite))
         if not any(c.first == first and c.second == second for c in out):
             raise ValueError(f"{first!r} and {second!r} share no sample at any length and budget")
     return out
@@ -208,7 +255,8 @@ def _cell(d: PairedDifference | None, fmt: str) -> tuple[str, str]:
     if d is None:
         return "", ""
     text = format(d.diff, fmt)
-    return (f"**{text}**" if d.significant else text), f"[{d.low:{fmt}}, {d.high:{fmt}}]"
+    ci = "-" if d.low != d.low else f"[{d.low:{fmt}}, {d.high:{fmt}}]"  # NaN: one sample per task, no interval
+    return (f"**{text}**" if d.significant else text), ci
 
 
 def write_comparison(
@@ -244,16 +292,23 @@ def write_comparison(
         "",
         "Lines: " + "; ".join(f"`{line.label}` = `{line.method}` in `{line.folder}`" for line in lines) + ".",
         f"Score in points, KL(full || compressed) in nats per token, each with its {level} paired bootstrap "
-        "interval (samples resampled within each task); **bold** where the interval excludes 0.",
+        "interval (samples resampled within each task); **bold** where the interval excludes 0; `-`: no interval "
+        "(one sample per task). `n`: samples of the score difference; `KL n`: of the KL difference, a sample whose "
+        "KL was not finite left out and counted beside it.",
         "",
-        "| second - first | length | budget | score | interval | KL | interval | n |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| second - first | length | budget | score | interval | KL | interval | n | KL n |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     csv_rows = []
     for c in comparisons:
         s, s_ci = _cell(c.score, "+.1f")
         k, k_ci = _cell(c.kl, "+.3f")
-        md.append(f"| {c.second} - {c.first} | {c.length} | {c.budget} | {s} | {s_ci} | {k} | {k_ci} | {c.score.n} |")
+        kl_n = ("" if c.kl is None else str(c.kl.n)) + (
+            f" ({c.kl_nonfinite} non-finite left out)" if c.kl_nonfinite else ""
+        )
+        md.append(
+            f"| {c.second} - {c.first} | {c.length} | {c.budget} | {s} | {s_ci} | {k} | {k_ci} | {c.score.n} | {kl_n} |"
+        )
         csv_rows.append(
             {
                 "first": c.first,
@@ -267,6 +322,8 @@ def write_comparison(
                 "kl_low": "" if c.kl is None else round(c.kl.low, 6),
                 "kl_high": "" if c.kl is None else round(c.kl.high, 6),
                 "n": c.score.n,
+                "kl_n": "" if c.kl is None else c.kl.n,
+                "kl_nonfinite": c.kl_nonfinite,
             }
         )
     (out / "comparison.md").write_text("\n".join(md) + "\n", encoding="utf-8")

@@ -12,6 +12,7 @@ is continuous, so a few samples already give intervals far narrower than a 0/1 s
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,24 +71,27 @@ def fidelity_tables(
     confidence: float = DEFAULT_CONFIDENCE,
 ) -> list[FidelityTable]:
     """The KL tables of ``rows`` (rows without a KL measured, such as the full cache's, are left out; no table when
-    no row has one). A row with ``kl_tokens`` > 0 and no ``kl`` (a KL that was not finite, written as null) is
-    counted in its line's ``nonfinite``, not silently dropped."""
+    no row has one). A row with ``kl_tokens`` > 0 and no ``kl`` (a KL that was not finite, written as null), or with a
+    ``kl`` that is NaN or infinite (JSON's ``NaN``/``Infinity``, which the reader accepts), is counted in its line's
+    ``nonfinite``, not silently dropped nor let into the mean."""
     groups: dict[tuple, dict[tuple, dict[tuple, dict[str, float]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(dict))
     )
     order: dict[tuple, list[tuple]] = defaultdict(list)
     nonfinite: dict[tuple, dict[tuple, set[str]]] = defaultdict(lambda: defaultdict(set))
     for r in rows:
-        finite = r.get("kl") is not None
-        if not finite and not r.get("kl_tokens"):  # no KL measured (the full cache, a run without --fidelity)
+        kl = r.get("kl")
+        if kl is None and not r.get("kl_tokens"):  # no KL measured (the full cache, a run without --fidelity)
             continue
+        # a NaN mean would be the closest (no mean compares below NaN) and an infinite one breaks the interval
+        finite = kl is not None and math.isfinite(float(kl))
         key = (str(r.get("model", "")), str(r.get("suite", "")), int(r["length"]))
         pair = (r["method"], r.get("budget"))
         if pair not in order[key]:
             order[key].append(pair)
         stratum, sample = (str(r["task"]), int(r["length"])), str(r["sample_id"])
         if finite:  # a later row of the same sample wins, as in the score tables
-            groups[key][pair][stratum][sample] = float(r["kl"])
+            groups[key][pair][stratum][sample] = float(kl)
             nonfinite[key][pair].discard(sample)
         else:
             groups[key][pair][stratum].pop(sample, None)
