@@ -11,7 +11,9 @@ the attention output of
 
 with full attention: ``||o_method - o_full|| / ||o_full||`` (Frobenius norm over heads and head dims, mean over
 queries). This isolates the approximation of attention itself, the quantity PTAA is designed to improve (SLAKE
-section 3.2).
+section 3.2). Both sides are causal: a window query sees the kept entries and, with the linear cache, the evicted
+tokens at or before its own position only (a method that evicts inside the window, such as TOVA, folds later tokens
+into the layer's linear state, which that query must not read).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Any
 
 import torch
 
+from slake.attention.linear_state import LinearState
 from slake.budgets.budget import Budget
 from slake.cache.compressed import CompressedKV
+from slake.cache.quant import dequantize_rows, quantize_rows
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import Method, canonical_method_spec, make_method
 
@@ -121,6 +125,61 @@ def _full_attention(
     return torch.matmul(torch.softmax(x, -1), v.float().unsqueeze(2)).reshape(B, Hq, nq, d)
 
 
+def _window_attention(
+    eng: CompressedKV,
+    layer: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    positions: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of prompt ``queries`` at ``positions`` over the compressed layer, causal in the linear term too.
+
+    :meth:`CompressedKV.attention` masks the kept entries after each query's position, but the layer's PTAA linear
+    state sums every evicted prompt token. Where a method evicted tokens after a query's position, that query's
+    state here leaves them out (``[k, 1]^T [v, 1]`` of each such token subtracted, in the form the cache folded it:
+    8-bit storage folds the stored rows), so it reads the evicted tokens full attention would see. Returns
+    ``(B, Hq, n_q, d)`` float32.
+    """
+    out = eng.attention(layer, queries, positions, scaling)
+    store = eng.layers[layer]
+    lin = store.linear
+    if lin is None or positions.numel() == 0:
+        return out
+    B, H, S, d = keys.shape
+    first = int(positions.min())
+    # the tokens after the first query: kept or not (a prompt slot's position is its index in the recorded prompt)
+    kept = torch.zeros(B, H, S + 1, dtype=torch.bool, device=keys.device)
+    in_prompt = store.valid & (store.positions >= 0) & (store.positions < S)
+    kept.scatter_(-1, torch.where(in_prompt, store.positions, S), True)
+    later = ~kept[..., first + 1 : S]
+    if key_padding is not None:  # padding is never kept and never folded
+        later &= ~key_padding[:, None, first + 1 : S].to(later.device)
+    if not bool(later.any()):
+        return out
+    k, v = keys[:, :, first + 1 :], values[:, :, first + 1 :]
+    if store.kv_dtype is not None:
+        k, v = dequantize_rows(*quantize_rows(k, store.kv_dtype)), dequantize_rows(*quantize_rows(v, store.kv_dtype))
+    ones = torch.ones(*k.shape[:-1], 1, dtype=lin.aug.dtype, device=k.device)
+    kp = torch.cat([k.to(lin.aug.dtype), ones], -1)
+    vp = torch.cat([v.to(lin.aug.dtype), ones], -1)
+    kpos = torch.arange(first + 1, S, device=keys.device)
+    out = out.clone()
+    try:
+        for i, p in enumerate(positions.tolist()):
+            future = later & (kpos > p)
+            if not bool(future.any()):
+                continue
+            fp = kp * future[..., None].to(kp.dtype)
+            store.linear = LinearState(lin.aug - fp.transpose(-1, -2) @ vp)
+            out[:, :, i : i + 1] = eng.attention(layer, queries[:, :, i : i + 1], positions[i : i + 1], scaling)
+    finally:
+        store.linear = lin
+    return out
+
+
 def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     """Mean over queries of ``||approx - exact|| / ||exact||`` (norm over heads and head dims)."""
     a = approx.float().transpose(1, 2).flatten(2)  # (B, nq, Hq*d)
@@ -198,10 +257,13 @@ def measure(
         eng.prefill_layer(layer, q, k, v, pad, scaling)
     full_k = [rec[1] for rec in recording.prompt]
     full_v = [rec[2] for rec in recording.prompt]
-    for layer, (q, k, v, _pad, scaling) in enumerate(recording.prompt):
+    for layer, (q, k, v, pad, scaling) in enumerate(recording.prompt):
         qw = q[:, :, win_pos]
         window_err.append(
-            _rel_err(eng.attention(layer, qw, win_pos, scaling), _full_attention(qw, k, v, win_pos, scaling))
+            _rel_err(
+                _window_attention(eng, layer, qw, k, v, pad, win_pos, scaling),
+                _full_attention(qw, k, v, win_pos, scaling),
+            )
         )
     decode_err = [[] for _ in range(L)]
     for t, step in enumerate(recording.steps):
@@ -264,7 +326,8 @@ def per_layer_table(rows: list[dict]) -> str:
 
 
 def plot_per_layer(rows: list[dict], path: str) -> None:
-    """Line plot of decode relative error per layer, one line per (method, budget); saved as PNG."""
+    """Line plot of decode relative error per layer, one line per (method, linear cache, budget), labelled as
+    :func:`per_layer_table` heads its columns (``+ linear cache`` wherever it is on); saved as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,7 +346,7 @@ def plot_per_layer(rows: list[dict], path: str) -> None:
             [r["rel_err"] for r in rs],
             marker="o",
             markersize=3,
-            label=f"{m}{' + linear cache' if lin and m != 'slake' else ''} @ {b}",
+            label=f"{m}{' + linear cache' if lin else ''} @ {b}",  # slake's two settings apart too
         )
     ax.set_xlabel("layer")
     ax.set_ylabel("relative error of attention output")

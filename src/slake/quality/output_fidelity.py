@@ -15,7 +15,8 @@ Only predictions that depend on the compressed cache count: the first continuati
 exact prefill's last position, identical for every method, so it is left out. Two kinds of continuation are built:
 ``"text"``, the real text that follows the prompt (a language-modelling continuation), and ``"answer"``, the full
 cache's own greedy answer to the question at the end of a prompt. Both are numbers that still separate methods when
-task accuracy is 0 for all of them. The cost per (method, budget) is one replay and ``T`` batched decode steps.
+task accuracy is 0 for all of them. The cost per (method, budget) is one replay and ``T - 1`` batched decode
+steps (the first prediction is the prefill's).
 """
 
 from __future__ import annotations
