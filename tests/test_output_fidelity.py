@@ -75,6 +75,26 @@ def test_distances_by_hand():
     assert math.isnan(distances(p, q, targets, torch.zeros(1, 2, dtype=torch.bool))["kl"][0])
 
 
+def test_distances_at_a_token_the_full_cache_gives_probability_zero():
+    # 0 * log(0 / q) is 0: a token the full cache rules out adds nothing to KL(full || method), not NaN
+    p = torch.tensor([[[1.0, 0.0]]]).log()
+    q = torch.tensor([[[0.5, 0.5]]]).log()
+    d = distances(p, q, torch.tensor([[0]]), torch.tensor([[True]]))
+    assert math.isclose(d["kl"][0], math.log(2.0), rel_tol=1e-6)
+
+
+def test_distances_ignore_what_lies_past_a_rows_end():
+    # a position that does not count never reaches the means, even where its values are not finite
+    p = torch.tensor([[[0.5, 0.5], [0.5, 0.5]]]).log()
+    q = torch.tensor([[[0.25, 0.75], [0.5, 0.5]]]).log()
+    q[0, 1] = float("nan")
+    d = distances(p, q, torch.tensor([[1, 0]]), torch.tensor([[True, False]]))
+    kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert math.isclose(d["kl"][0], kl, rel_tol=1e-6)
+    assert math.isclose(d["delta_nll"][0], -math.log(0.75) + math.log(0.5), rel_tol=1e-6)
+    assert d["top1"] == [0.0]
+
+
 def test_bad_continuations_raise(llama_gqa):
     with pytest.raises(ValueError, match="at least 2"):
         prepare_reference(llama_gqa, [Continuation("text", "x", [5, 6, 7], [8])])

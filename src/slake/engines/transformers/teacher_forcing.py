@@ -72,15 +72,18 @@ def distances(full_lp: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, va
         ``{"kl", "delta_nll", "top1", "nll_full", "tokens"}``, each a list over rows (means over the row's valid
         positions; ``nan`` for a row with none).
     """
-    kl = (full_lp.exp() * (full_lp - lp)).sum(-1).clamp_min(0.0)  # (B, T); rounding can go a hair below 0
+    # p log(p / q) is 0 where the full cache gives probability 0 (log p = -inf), not 0 * -inf = NaN
+    terms = full_lp.exp() * (full_lp - lp)
+    kl = terms.masked_fill(full_lp == float("-inf"), 0.0).sum(-1).clamp_min(0.0)  # (B, T); rounding: a hair below 0
     nll_full = -full_lp.gather(-1, targets[..., None]).squeeze(-1)
     nll = -lp.gather(-1, targets[..., None]).squeeze(-1)
     top1 = (full_lp.argmax(-1) == lp.argmax(-1)).float()
     n = valid.sum(-1)
-    v = valid.float()
 
     def mean(x: torch.Tensor) -> list[float]:
-        return [float(s / c) if c > 0 else float("nan") for s, c in zip((x * v).sum(-1).tolist(), n.tolist())]
+        # masked, not multiplied: a position that does not count (past a row's end) may hold anything, NaN included
+        sums = x.masked_fill(~valid, 0.0).sum(-1)
+        return [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.tolist(), n.tolist())]
 
     return {
         "kl": mean(kl),
