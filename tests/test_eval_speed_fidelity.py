@@ -4,6 +4,8 @@ model."""
 
 from __future__ import annotations
 
+import zipfile
+
 import pytest
 import torch
 
@@ -159,6 +161,81 @@ def test_a_stored_capture_is_bit_identical_and_bound_to_its_model_and_prompt(lla
     assert CaptureStore(tmp_path, other).load(ids) is None  # same shape, other weights
     path.write_bytes(b"not a capture")
     assert store.load(ids) is None  # unreadable: prefilled again, then replaced
+
+
+def test_a_stored_file_with_a_damaged_byte_is_prefilled_again_not_read(llama_gqa, tmp_path):
+    """torch.load checks no CRC: one flipped byte inside a stored tensor (a disk error, a crash after the rename) was
+    read back as a valid capture and replayed into every row; the archive's CRC-32s now make it count as missing."""
+    ids = list(range(5, 70))
+    capture = capture_prefill(llama_gqa, torch.tensor([ids]))
+    store = CaptureStore(tmp_path, llama_gqa)
+    path = store.save(ids, capture)
+    raw = bytearray(path.read_bytes())
+    keys = bytes(capture.records[1][1].untyped_storage().tolist())  # layer 1's keys, as stored
+    at = bytes(raw).find(keys)
+    assert at > 0
+    raw[at + len(keys) // 2] ^= 0x40  # one bit of one key
+    path.write_bytes(bytes(raw))
+    assert store.load(ids) is None  # damaged: prefilled again, then replaced
+    store.save(ids, capture)
+    # a damaged central directory that marks a record a folder: torch's reader returned the tensor's memory unset
+    with zipfile.ZipFile(path) as archive:
+        (tensor,) = [i.filename for i in archive.infolist() if i.filename.endswith("/data/0")]
+        directory = archive.start_dir
+    raw = bytearray(path.read_bytes())
+    entry = bytes(raw).find(b"PK\x01\x02", directory)
+    while raw[entry + 46 : entry + 46 + len(tensor)] != tensor.encode():  # the central directory's entry of it
+        entry = bytes(raw).find(b"PK\x01\x02", entry + 4)
+    raw[entry + 38] |= 0x10  # its external attributes: MS-DOS folder
+    path.write_bytes(bytes(raw))
+    assert store.load(ids) is None
+    store.save(ids, capture)
+    loaded = store.load(ids)
+    assert loaded is not None and torch.equal(loaded.records[1][1], capture.records[1][1])
+    # the same for KVzip's stored scores
+    scores = torch.rand(3, 1, 2, len(ids))
+    pass_file = store.save_pass_scores(ids, "k", scores, 1.0)
+    raw = bytearray(pass_file.read_bytes())
+    at = bytes(raw).find(scores.numpy().tobytes())
+    assert at > 0
+    raw[at + 5] ^= 0x01
+    pass_file.write_bytes(bytes(raw))
+    assert store.load_pass_scores(ids, "k") is None
+
+
+def test_a_full_disk_warns_once_and_the_run_goes_on_with_the_same_rows(
+    llama_gqa, tok, samples, tmp_path, monkeypatch, caplog
+):
+    """A capture that could not be written (torch's zip writer reports a full disk as a RuntimeError) stopped the
+    evaluation mid-run with '[enforce fail at inline_container.cc] unexpected pos'; the stored files only save work,
+    so the run goes on with the same rows, one warning says why, no partial file is left and no more is tried."""
+    from slake.engines.transformers import prefill_once
+
+    kw = dict(suite="needle", model_name="tiny", max_new_tokens=4, progress=False)
+    plain = run_suite(llama_gqa, tok, samples, ["snapkv", "kvzip"], [40], tmp_path / "plain", **kw)
+    tries: list[str] = []
+
+    def full_disk(data, target):
+        tries.append(str(target))
+        with open(target, "wb") as f:
+            f.write(b"PK\x03\x04 partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 280832 vs 280720")
+
+    monkeypatch.setattr(prefill_once.torch, "save", full_disk)
+    cache = tmp_path / "captures"
+    with caplog.at_level("WARNING", logger="slake"):
+        rows = run_suite(llama_gqa, tok, samples, ["snapkv", "kvzip"], [40], tmp_path / "a", prefill_cache=cache, **kw)
+    assert len(tries) == 1  # no more writes after the first failure
+    warned = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warned) == 1 and "disk full" in warned[0] and str(cache) in warned[0]
+    assert [p for p in cache.rglob("*") if p.is_file()] == []  # the partial file is removed
+    by_key = {row_key(r): r for r in plain}
+    assert len(rows) == len(plain)
+    for row in rows:
+        ref = by_key[row_key(row)]
+        assert {f: row[f] for f in FIELDS if f != "prefill_s"} == {f: ref[f] for f in FIELDS if f != "prefill_s"}
+    monkeypatch.undo()
+    assert CaptureStore(cache, llama_gqa).writable  # a later run tries again
 
 
 def test_fidelity_rows_equal_slake_fidelity_on_the_same_answer(llama_gqa, tok, samples, tmp_path):

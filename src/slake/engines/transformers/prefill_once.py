@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,7 +257,9 @@ class CaptureStore:
     One file per (model fingerprint, prompt token ids), written atomically. A capture of an ``S``-token prompt holds
     every layer's queries, keys and values in the model's dtype: for Qwen2.5-0.5B in fp32 about 108 KiB per token
     (0.9 GB at 8K tokens), so the folder is the user's to clear. Second-pass scores (KVzip's reconstruction) go to its
-    ``second_pass/`` subfolder, one file per prompt and pass configuration (:meth:`save_pass_scores`).
+    ``second_pass/`` subfolder, one file per prompt and pass configuration (:meth:`save_pass_scores`). A file is read
+    back only when its archive's CRC-32s match (a damaged one counts as missing and is written again); a write that
+    fails (a full disk) warns once and ends the store's writes, not the run.
 
     Parameters
     ----------
@@ -270,6 +274,8 @@ class CaptureStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.model = model
         self.fingerprint = model_fingerprint(model)
+        #: False after a write failed (:meth:`_write`): the store still reads, and writes nothing more
+        self.writable = True
 
     def path(self, ids: list[int]) -> Path:
         """The file of one prompt's capture."""
@@ -312,21 +318,33 @@ class CaptureStore:
         return data["scores"], float(data["seconds"])
 
     def _read(self, path: Path, ids: list[int]) -> dict | None:
-        """The contents of a stored file of the prompt ``ids`` on this model, or None: missing, unreadable, or of
-        another prompt or model (a hash collision, or a file from elsewhere)."""
+        """The contents of a stored file of the prompt ``ids`` on this model, or None: missing, unreadable, damaged
+        (a CRC-32 of its archive does not match), or of another prompt or model (a hash collision, or a file from
+        elsewhere)."""
         if not path.is_file():
             return None
         try:
-            data = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+            with open(path, "rb") as f:
+                # torch.load checks no CRC: a damaged byte in a tensor (a disk error, a crash after the rename
+                # before the data reached the disk) was read back silently; the archive's own CRC-32s catch it. An
+                # entry marked a folder (torch.save writes none) is damage too: torch's reader takes it for an
+                # empty record, the tensor's memory left unset, where zipfile's check reads its bytes
+                with zipfile.ZipFile(f) as archive:
+                    if archive.testzip() is not None or any(
+                        info.filename.endswith("/") or info.external_attr & 0x10 for info in archive.infolist()
+                    ):
+                        return None
+                f.seek(0)
+                data = torch.load(f, map_location=next(self.model.parameters()).device, weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile):
             return None
-        if data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint:
+        if not isinstance(data, dict) or data.get("ids") != list(ids) or data.get("fingerprint") != self.fingerprint:
             return None
         return data
 
-    def save_pass_scores(self, ids: list[int], key: str, scores: torch.Tensor, seconds: float) -> Path:
+    def save_pass_scores(self, ids: list[int], key: str, scores: torch.Tensor, seconds: float) -> Path | None:
         """Write the single prompt's ``(L, 1, Hkv, len(ids))`` second-pass scores under ``key`` atomically, with the
-        seconds their pass took; returns the file's path.
+        seconds their pass took; returns the file's path (None when it could not be written: :meth:`_write`).
 
         Raises
         ------
@@ -341,21 +359,42 @@ class CaptureStore:
         data["seconds"] = float(seconds)
         return self._write(self.pass_path(ids, key), data)
 
-    def _write(self, path: Path, data: dict) -> Path:
+    def _write(self, path: Path, data: dict) -> Path | None:
         """``torch.save`` ``data`` to ``path`` through a temporary file in the same folder, so that a reader never
-        sees a partial file."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".part", dir=path.parent)
-        os.close(fd)
+        sees a partial file; returns ``path``, or None when it could not be written.
+
+        A failed write (a full disk, a folder that became read-only) is not the run's failure: the stored files only
+        save work, so the partial file is removed, one warning names the folder and the error, and the store writes
+        nothing more in this run (each later try would write up to the free space again) while it still reads.
+        """
+        if not self.writable:
+            return None
+        tmp = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".part", dir=path.parent)
+            os.close(fd)
             torch.save(data, tmp)
             os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
+            self.writable = False
+            logging.getLogger("slake").warning(
+                "slake: --prefill-cache (prefill_cache) could not write %s (%s: %s; is the disk full?); this run "
+                "goes on without storing more captures or second-pass scores in %s, and its rows are unchanged",
+                path.name,
+                type(e).__name__,
+                str(e).strip(),
+                self.folder,
+            )
+            return None
         finally:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
         return path
 
-    def save(self, ids: list[int], capture: PrefillCapture) -> Path:
-        """Write ``capture`` (of the single prompt ``ids``) atomically; returns its path."""
+    def save(self, ids: list[int], capture: PrefillCapture) -> Path | None:
+        """Write ``capture`` (of the single prompt ``ids``) atomically; returns its path (None when it could not be
+        written: :meth:`_write`)."""
         path = self.path(ids)
         data = {
             "ids": list(ids),
