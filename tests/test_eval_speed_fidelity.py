@@ -142,6 +142,29 @@ def test_stored_reconstruction_scores_are_bound_to_prompt_model_and_pass(llama_g
         store.save_pass_scores(ids, key, scores.expand(-1, 2, -1, -1), 1.0)
 
 
+def test_stored_reconstruction_scores_are_bound_to_the_scoring_code(llama_gqa, tmp_path, monkeypatch):
+    # scores stored by an older scoring (another overlap between chunks, prefix score, or a bumped format after a fix
+    # of the pass) are computed again, never reused as if today's code had made them
+    from slake.engines.transformers import reconstruction
+    from slake.engines.transformers.reconstruction import ReconstructionPrompt
+
+    _count_passes(monkeypatch)
+    ids = list(range(5, 70))
+    store = CaptureStore(tmp_path, llama_gqa)
+    prompt = ReconstructionPrompt.synthetic(256)
+
+    def cached() -> bool:
+        capture = capture_prefill(llama_gqa, torch.tensor([ids]))
+        return engine_eval._second_pass(llama_gqa, capture, "kvzip", prompt, store, [ids])[1]
+
+    assert not cached() and cached()
+    for name, value in (("SCORES_FORMAT", reconstruction.SCORES_FORMAT + 1), ("OVERLAP", 4), ("PREFIX_SCORE", 3.0)):
+        with monkeypatch.context() as m:
+            m.setattr(reconstruction, name, value)
+            assert not cached(), name
+    assert cached()  # today's code finds its own scores again
+
+
 def test_a_stored_capture_is_bit_identical_and_bound_to_its_model_and_prompt(llama_gqa, tmp_path):
     ids = list(range(5, 70))
     capture = capture_prefill(llama_gqa, torch.tensor([ids]))

@@ -44,6 +44,11 @@ CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8
 #: score of the template prefix's tokens with ``keep_prefix``: above any attention probability
 PREFIX_SCORE = 2.0
+#: version of the scores a reconstruction pass makes, part of :meth:`ReconstructionPrompt.fingerprint` with
+#: :data:`OVERLAP` and :data:`PREFIX_SCORE`: bump it with any change to what the pass computes (this module's
+#: chunking, :func:`slake.methods.kvzip.reconstruction_attention`), so that scores stored by older code
+#: (``--prefill-cache``) are computed again rather than reused
+SCORES_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,12 @@ class ReconstructionPrompt:
         return cls(ids[:8], ids[:12], ids[12:17], [])
 
     def fingerprint(self) -> str:
-        """A short digest of the four token lists: scores stored across runs (``--prefill-cache``) are reused only
-        under the same reconstruction prompt."""
+        """A short digest of the four token lists and of the scoring's version (:data:`SCORES_FORMAT`,
+        :data:`OVERLAP`, :data:`PREFIX_SCORE`): scores stored across runs (``--prefill-cache``) are reused only under
+        the same reconstruction prompt and by the same scoring."""
         lists = [self.repeat_ids, self.continue_ids, self.suffix_ids, self.prefix_ids]
-        return hashlib.sha256(json.dumps(lists).encode()).hexdigest()[:16]
+        scoring = [SCORES_FORMAT, OVERLAP, PREFIX_SCORE]
+        return hashlib.sha256(json.dumps([lists, scoring]).encode()).hexdigest()[:16]
 
     def prefix_length(self, ids: list[int]) -> int:
         """Tokens of the template prefix at the start of ``ids`` (0 when the prompt does not start with it)."""
