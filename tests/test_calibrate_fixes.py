@@ -210,3 +210,79 @@ def test_a_search_that_measured_nothing_names_the_searched_values(llama_gqa, ref
     the prompts' length, which the command line refuses already."""
     with pytest.raises(ValueError, match="alpha and beta change nothing here.*vabs=false"):
         calibrate_method(llama_gqa, reference, make_method("slake[window=8,vabs=false]"), 24, grid=GRID, refine=False)
+
+
+# the written profile is plain JSON, the progress bar ends at its total, --out-dir says how to use it --------------
+
+
+def _strict_json(text: str):
+    """``json.loads`` refusing ``NaN`` and ``Infinity``, which JSON does not have (jq and JavaScript reject them)."""
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_before_point_that_overflowed_is_written_as_null(fake_load, monkeypatch, tmp_path, profile_dir, capsys):
+    """The "before" point's distance was written as ``NaN`` into the profile and the ``--json`` output when it
+    overflowed (the other candidates being finite): only Python's lenient parser read the file."""
+    measure = calibrate_module.measure_outputs
+
+    def overflowing_before(model, ref, m, budget):
+        rows = measure(model, ref, m, budget)
+        if (m.alpha, m.beta) == (0.5, 0.4):  # slake's defaults, not on GRID: the "before" point
+            rows = [{**r, "kl": float("nan"), "delta_nll": float("inf")} for r in rows]
+        return rows
+
+    monkeypatch.setattr(calibrate_module, "measure_outputs", overflowing_before)
+    out = tmp_path / "out"
+    assert main(_calibrate(out, "--json")) == 0
+    (entry,) = _strict_json(capsys.readouterr().out)["entries"]
+    assert entry["before"]["kl"] is None and entry["before"]["delta_nll"] is None
+    assert entry["after"]["kl"] >= 0 and entry["values"] != {"alpha": 0.5, "beta": 0.4}
+    (written,) = _strict_json(profile_path(model_identity(fake_load), out).read_text())["entries"]
+    assert written["before"]["kl"] is None and written["after"] == entry["after"]
+    assert main(_calibrate(out)) == 0  # the table shows what is not a number
+    assert "| n/a |" in capsys.readouterr().out
+
+
+def test_a_search_whose_candidates_overflowed_says_so(monkeypatch):
+    """Of 26 candidates 25 overflowed and one was finite: the message said "all 26 candidates gave the same
+    distance" and blamed the budget or vabs=false."""
+
+    def one_finite(model, ref, m, budget):
+        kl = 0.3 if (m.alpha, m.beta) == (1.0, 1.0) else float("nan")
+        return [{"kl": kl, "delta_nll": 0.0, "top1": 1.0, "tokens": 4}]
+
+    monkeypatch.setattr(calibrate_module, "measure_outputs", one_finite)
+    with pytest.raises(ValueError, match="25 of 26 candidates gave a distance that is not a finite number"):
+        calibrate_method(None, None, make_method("slake"), 128, refine=False)
+
+
+def test_the_progress_bar_ends_at_its_total(fake_load, monkeypatch, tmp_path, profile_dir):
+    """A "before" point on the grid is measured once: the bar planned 1 + grid candidates per search and ended at
+    4/5 (with the refinement, often 28/34), as if the run had stopped short."""
+    import tqdm.auto
+
+    ends = []
+
+    class Bar(tqdm.auto.tqdm):
+        def close(self):
+            ends.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setitem(calibrate_module.GRIDS, "slake", {"alpha": (0.0, 0.5), "beta": (0.0, 0.4)})
+    assert main(_calibrate(tmp_path / "out", "--json", budgets="24,100")) == 0  # 100: measured nothing, skipped
+    assert ends and set(ends) == {(10, 10)}  # tqdm closes again when collected
+
+
+def test_an_out_dir_slake_does_not_read_is_named_with_the_variable_to_set(fake_load, tmp_path, profile_dir, capsys):
+    """``--out-dir DIR`` wrote a profile that generate/eval/bench never read (they read ``$SLAKE_PROFILE_DIR``),
+    and nothing said so: the next runs used the former values."""
+    out = tmp_path / "elsewhere"
+    assert main(_calibrate(out, "--json")) == 0
+    assert f"SLAKE_PROFILE_DIR={out}" in capsys.readouterr().err
+    assert main(_calibrate(profile_dir, "--json")) == 0
+    assert "SLAKE_PROFILE_DIR=" not in capsys.readouterr().err

@@ -36,7 +36,10 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration prompts")
     p.add_argument("--no-refine", action="store_true", help="grid only, no local refinement")
     p.add_argument(
-        "--out-dir", default=None, help="profile folder (default: $SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"
+        "--out-dir",
+        default=None,
+        help="profile folder (default: $SLAKE_PROFILE_DIR or ~/.cache/slake/profiles, the folder slake reads "
+        "profiles from; a profile written elsewhere applies once SLAKE_PROFILE_DIR names its folder)",
     )
     p.add_argument("--alias", action="append", default=[], help="another name the profile's model answers to")
     p.add_argument("--json", action="store_true", help="print the profile entries as JSON")
@@ -58,6 +61,21 @@ def _check_out_dir(out_dir: str | None) -> None:
 
     what = "--out-dir" if out_dir is not None else "the profile folder ($SLAKE_PROFILE_DIR or ~/.cache/slake/profiles)"
     check_out_folder(_profile_folder(out_dir) if out_dir is None or out_dir.strip() else out_dir, what)
+
+
+def _tell_where_read(folder: Path | None) -> None:
+    """Say on stderr, when the profile went to an ``--out-dir`` that is not the folder slake reads profiles from,
+    how to use it: generate/eval/bench/fidelity read ``$SLAKE_PROFILE_DIR`` (or ``~/.cache/slake/profiles``) only,
+    and ran on the former values after a calibration into another folder without a word."""
+    from slake.methods.profiles import profile_dir
+
+    if folder is None or folder.resolve() == profile_dir().expanduser().resolve():
+        return
+    print(
+        f"slake calibrate: slake reads profiles from {profile_dir()}, not {folder}: run with "
+        f"SLAKE_PROFILE_DIR={folder} for this profile to apply",
+        file=sys.stderr,
+    )
 
 
 def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
@@ -153,17 +171,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     entries, paths, skipped = [], set(), []
+    planned = 0  # candidates the bar counts for the searches done: a search measures fewer when its "before" point
+    # is a grid point or its refinement meets measured ones, and the bar ended short of its total (33/34)
     try:
         for i, m in enumerate(methods):
             for b in budgets:
                 bar.set_postfix_str(f"{m.name} @ {b}")
                 before, applied = in_force[(i, b)]
+                planned += per[m.name]
                 try:
                     entry = calibrate_method(model, ref, before, b, refine=not args.no_refine, on_candidate=bar.update)
                 except NothingMeasured as err:  # no entry from a search that measured nothing
                     skipped.append(f"{specs[i]} @ {b}: {err}")
                     print(f"slake calibrate: skipped {specs[i]} @ {b}: {err}", file=sys.stderr)
                     continue
+                finally:
+                    bar.update(max(planned - bar.n, 0))
                 entry["before"]["source"] = applied["source"] if applied else "defaults"
                 entry["calibration"] = {
                     "source": CALIBRATION_SOURCE,
@@ -180,6 +203,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         bar.close()
     if not entries:
         raise ValueError(f"no profile entry written: {'; '.join(skipped)}")
+    _tell_where_read(folder)
     if args.json:
         print(json.dumps({"model": identity["name"], "profiles": sorted(map(str, paths)), "entries": entries}))
         return 0
@@ -187,10 +211,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print("|---|---:|---|---:|---|---:|---|")
     for e in entries:
         fmt = lambda v: ", ".join(f"{k}={x:g}" for k, x in v.items())  # noqa: E731
+        num = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731  (None: not a finite number)
         print(
-            f"| {e['method']} | {e['budget']} | {fmt(e['before']['values'])} | {e['before']['kl']:.4f} | "
-            f"{fmt(e['after']['values'])} | {e['after']['kl']:.4f} | "
-            f"{e['before']['delta_nll']:+.4f} -> {e['after']['delta_nll']:+.4f} |"
+            f"| {e['method']} | {e['budget']} | {fmt(e['before']['values'])} | {num(e['before']['kl'], '.4f')} | "
+            f"{fmt(e['after']['values'])} | {num(e['after']['kl'], '.4f')} | "
+            f"{num(e['before']['delta_nll'], '+.4f')} -> {num(e['after']['delta_nll'], '+.4f')} |"
         )
     for p in sorted(paths):
         print(f"profile written: {p}")

@@ -72,6 +72,13 @@ def _score(rows: list[dict]) -> dict:
     }
 
 
+def _reported(score: dict) -> dict:
+    """``score`` as the entry reports it: a distance that is not a finite number is None (``null`` in the profile),
+    since ``NaN`` and ``Infinity`` are not JSON (a "before" point that overflowed wrote them into the profile, which
+    then only Python's lenient parser read)."""
+    return {k: v if math.isfinite(v) else None for k, v in score.items()}
+
+
 def _finite(cache: dict[tuple, dict]) -> list[tuple]:
     """The candidates of ``cache`` whose distance is a finite number, in the order they were measured."""
     return [v for v, c in cache.items() if math.isfinite(c["kl"])]
@@ -110,7 +117,8 @@ def calibrate_method(
     -------
     dict
         ``{"method", "budget", "values", "context", "before", "after", "search"}`` where ``before``/``after`` hold
-        the values and their distances (``kl``, ``delta_nll``, ``top1``).
+        the values and their distances (``kl``, ``delta_nll``, ``top1``; None where a distance is not a finite
+        number, as the "before" point's can be: the entry is plain JSON).
 
     Raises
     ------
@@ -159,6 +167,13 @@ def calibrate_method(
         )
     kls = [cache[v]["kl"] for v in finite]
     if max(kls) - min(kls) <= 1e-9 * max(1.0, abs(max(kls))):
+        if len(finite) < len(cache):
+            # "all 34 candidates gave the same distance" was said of 1 finite candidate and 33 that overflowed
+            raise NothingMeasured(
+                f"the search of {method.name} at budget {budget} measured nothing: {len(cache) - len(finite)} of "
+                f"{len(cache)} candidates gave a distance that is not a finite number (an overflow in the model's "
+                f"dtype?) and the {len(finite)} others the same distance ({kls[0]:.4g} nats/token)"
+            )
         raise NothingMeasured(
             f"the search of {method.name} at budget {budget} measured nothing: all {len(cache)} candidates gave the "
             f"same distance ({kls[0]:.4g} nats/token), so {' and '.join(keys)} change nothing here: either the "
@@ -172,8 +187,8 @@ def calibrate_method(
         "budget": budget,
         "values": dict(zip(keys, best)),
         "context": context,
-        "before": {"values": dict(zip(keys, before_values)), **before},
-        "after": {"values": dict(zip(keys, best)), **cache[best]},
+        "before": {"values": dict(zip(keys, before_values)), **_reported(before)},
+        "after": {"values": dict(zip(keys, best)), **_reported(cache[best])},
         "search": {
             "candidates": len(cache),
             "objective": "mean KL(full || compressed), nats/token",
