@@ -280,8 +280,13 @@ def truncate_middle(text: str, tokenizer: Any, max_length: int) -> str:
 
     Texts of at most ``max_length`` tokens are returned unchanged.  The tokenizer needs
     ``encode(text, add_special_tokens=False)`` and ``decode(ids, skip_special_tokens=True)``.
-    (The official code encodes with special tokens and drops them when decoding; encoding
-    without them keeps the same text and a budget that excludes special tokens.)
+
+    Deviation, on purpose: ``max_length`` counts the text's tokens only, as every length in slake does
+    (:func:`slake.eval.sample.count_tokens`). The official ``pred.py`` encodes with the tokenizer's special tokens
+    and drops them when decoding, so where the tokenizer adds a BOS (Llama, Mistral, Gemma) the BOS takes one of
+    the ``max_length`` places: it truncates prompts of exactly ``max_length`` text tokens too, and its head keeps
+    ``max_length // 2 - 1`` text tokens where this keeps ``max_length // 2`` (the tails are the same unless the
+    tokenizer also appends an end token). With a tokenizer that adds no special token (Qwen) the texts are the same.
 
     Parameters
     ----------
