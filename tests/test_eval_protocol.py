@@ -319,6 +319,66 @@ def test_a_cell_of_one_sample_per_task_shows_no_interval(tmp_path):
     assert snap.split("|")[4].strip() == "50.0" and "nan" not in md  # ratio 0.75: budget 0.25
 
 
+def _report_row(task, i, method, budget, score, metric="kvpress:all"):
+    return {
+        "suite": "ruler",
+        "task": task,
+        "sample_id": f"{task}-4096-{i}",
+        "model": "tiny",
+        "method": method,
+        "budget": budget,
+        "length": 4096,
+        "score": score,
+        "query_aware": False,
+        "metric": metric,
+    }
+
+
+def test_the_table_leaves_out_rows_scored_with_another_metric(tmp_path):
+    """A plain ``--suite ruler --lengths 4096 --question-agnostic`` run may have left rows of other samples in the
+    folder, scored with RULER's own metric (no kvpress cleaning): the table, which says it is scored as kvpress
+    scores it, does not average them in."""
+    rows = [
+        _report_row(task, i, method, budget, 1.0)
+        for task in ("niah_single_1", "niah_single_2")
+        for i in range(2)
+        for method, budget in (("full", None), ("snapkv", 0.5))
+    ]
+    rows += [
+        _report_row("vt", 0, method, budget, 0.0, metric="all") for method, budget in (("full", None), ("snapkv", 0.5))
+    ]
+    md = write_protocol_report(tmp_path, rows, KVPRESS, plots=False)[0].read_text()
+    assert "Tasks: niah_single_1, niah_single_2;" in md and "vt" not in md.split("## model")[1]
+    snap = next(line for line in md.splitlines() if line.startswith("| snapkv |"))
+    assert snap.split("|")[3].strip() == "100.0 [100.0, 100.0]"  # ratio 0.5, over the two niah tasks only
+
+
+def test_a_line_over_fewer_tasks_is_marked(tmp_path):
+    """A line without samples in every task of its table averages its own tasks (:class:`SummaryLine.complete`), as
+    ``summary.md`` marks with †: the protocol's table marks it too, so that an average over one task is not read
+    beside averages over all of them (``ada-criticalkv`` ran one sample of one task in the SmolLM2 results)."""
+    rows = [
+        _report_row(task, i, method, budget, 1.0)
+        for task in ("niah_single_1", "niah_single_2")
+        for i in range(2)
+        for method, budget in (("full", None), ("snapkv", 0.5))
+    ]
+    rows.append(_report_row("niah_single_1", 0, "ada-criticalkv", 0.5, 1.0))
+    rows += [_report_row("niah_single_2", i, "tova", 0.5, 0.0) for i in range(2)]
+    paths = write_protocol_report(tmp_path, rows, KVPRESS, plots=True)
+    text = paths[0].read_text()
+    assert text.count("## model") == 1  # one section: no kvpress rows, every line on the same samples
+    cells = {  # method -> its cell at ratio 0.5
+        line.split("|")[1].strip(): line.split("|")[3].strip()
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| method")
+    }
+    assert cells["snapkv"] == "100.0 [100.0, 100.0]"  # both tasks: unmarked
+    assert cells["ada-criticalkv"] == "100.0 †" and cells["tova"] == "0.0 † [0.0, 0.0]"
+    assert "marked † is over the line's own tasks" in text
+    assert paths[2].stat().st_size > 0
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 
 

@@ -1,13 +1,15 @@
 """The protocol's table and plot: score against kvpress's compression ratio, a line per method, our methods and
 kvpress's presses (``kvpress:<press>``) together.
 
-Written by ``slake eval --protocol kvpress`` into its ``--out`` folder, from the rows of that protocol:
+Written by ``slake eval --protocol kvpress`` into its ``--out`` folder, from the rows of that protocol (those scored
+with its metric: :func:`protocol_rows`):
 
 * ``protocol_kvpress.md`` and ``protocol_kvpress.csv``: per model, one line per method, one column per compression
   ratio (fraction removed, as kvpress states it): the mean over tasks of each task's mean score, in percent, with its
-  bootstrap interval over samples (:mod:`slake.eval.stats`), as in ``summary.md``;
+  bootstrap interval over samples (:mod:`slake.eval.stats`), as in ``summary.md``; as there, a line without samples
+  in every task of its table averages its own tasks, which the markdown table marks ``†``;
 * ``score_vs_ratio_kvpress[_MODEL].png``: the same numbers as lines, our methods solid, kvpress's presses dashed, the
-  full cache as a horizontal line.
+  full cache as a horizontal line (a line over fewer tasks is marked ``†`` in the legend).
 """
 
 from __future__ import annotations
@@ -28,14 +30,22 @@ __all__ = ["common_rows", "protocol_lines", "protocol_rows", "write_protocol_rep
 
 
 def protocol_rows(rows: Iterable[dict[str, Any]], protocol: Protocol) -> list[dict[str, Any]]:
-    """The rows a protocol's report reads: its suite and length, question-agnostic when it is, ratio budgets or the
-    full cache."""
+    """The rows a protocol's report reads: its suite and length, question-agnostic when it is, scored with the
+    protocol's metric (:meth:`Protocol.metric`; a row that names no metric is kept), ratio budgets or the full cache.
+
+    A results folder may also hold rows of a plain ``--suite ruler --lengths 4096 --question-agnostic`` run (other
+    samples: ``slake eval`` refuses another metric only for the samples it runs), scored with RULER's own metric,
+    which does not clean the prediction as kvpress's scorer does: they are left out of the table that says it is
+    scored as kvpress scores it.
+    """
     out = []
     for r in rows:
         budget = r.get("budget")
         if r.get("suite") != protocol.suite or int(r["length"]) != protocol.length:
             continue
         if protocol.question_agnostic and r.get("query_aware", True):
+            continue
+        if r.get("metric") is not None and r["metric"] != protocol.metric(str(r.get("task", ""))):
             continue
         if budget is not None and not (isinstance(budget, float) and 0.0 < budget < 1.0):
             continue
@@ -95,12 +105,17 @@ def _methods(lines: list[SummaryLine]) -> list[str]:
     return sorted(names, key=rank)
 
 
+#: marks an average over fewer tasks than the table's (as ``summary.md`` marks it)
+FEWER_TASKS = " †"
+
+
 def _cell(line: SummaryLine | None) -> str:
     if line is None:
         return ""
+    mark = "" if line.complete else FEWER_TASKS  # the line's own tasks only: not comparable with the others
     if line.interval.low != line.interval.low:  # NaN: one sample per task, no interval (slake.eval.stats)
-        return f"{line.average:.1f}"
-    return f"{line.average:.1f} [{line.interval.low:.1f}, {line.interval.high:.1f}]"
+        return f"{line.average:.1f}{mark}"
+    return f"{line.average:.1f}{mark} [{line.interval.low:.1f}, {line.interval.high:.1f}]"
 
 
 def _slug(text: str) -> str:
@@ -119,7 +134,8 @@ def _markdown(protocol: Protocol, sections: list[tuple[str, PerModel]]) -> str:
         f"{'question-agnostic' if protocol.question_agnostic else 'query-aware'} compression, scored as kvpress "
         f"scores it ({protocol.source}). Columns: kvpress's compression ratio (fraction of the context removed; our "
         "budget is the fraction kept, 1 - ratio). Cells: mean over tasks of each task's mean score in percent, "
-        "with its 95% bootstrap interval over samples. Methods named `kvpress:<press>` are kvpress's own presses "
+        "with its 95% bootstrap interval over samples; an average marked † is over the line's own tasks, fewer than "
+        "the table's, and not comparable with the others. Methods named `kvpress:<press>` are kvpress's own presses "
         "run by kvpress in its own environment on the same token ids.",
         "",
     ]
@@ -194,20 +210,21 @@ def _plot(path: Path, protocol: Protocol, model: str, tasks: list[str], lines: l
         twin = COUNTERPARTS.get(method) or {v: k for k, v in COUNTERPARTS.items()}.get(method)
         colour = colours.get(twin or "", palette[len(colours) % len(palette)])  # a method and its press share one
         colours[method] = colour
-        pts = [
-            (r, by_pair[(method, b)].average)
+        found = [
+            (r, by_pair[(method, b)])
             for r, b in zip(protocol.compression_ratios, protocol.budgets, strict=True)
             if (method, b) in by_pair
         ]
-        if not pts:
+        if not found:
             continue
+        fewer = not all(line.complete for _, line in found)  # averaged over its own tasks, as the table marks it
         ax.plot(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
+            [r for r, _ in found],
+            [line.average for _, line in found],
             marker="osD^v<>pPhX*"[i % 11],
             linestyle="--" if method in theirs else "-",
             color=colour,
-            label=method,
+            label=method + (f"{FEWER_TASKS} (fewer tasks)" if fewer else ""),
         )
     full = by_pair.get((FULL_METHOD, None))
     if full is not None:
