@@ -78,6 +78,26 @@ def test_the_bits_code_rounded_values_as_the_gpus_conversion_does():
     assert torch.equal(codes[3][1], ref_scales.reshape(-1))
 
 
+@pytest.mark.parametrize("kind, quant", [("int8", 1), ("fp8_e4m3", 2), ("fp8_e4m3", 3)])
+def test_extreme_rows_are_stored_as_the_torch_quantiser_stores_them(kind, quant):
+    """A row written by the kernels at decode is the row :func:`slake.cache.quant.quantize_rows` stores, at the
+    extremes too: below float32's smallest normal scale (coded on that scale, not decoded to a fraction of itself),
+    at float32's largest numbers (a scale whose largest code decodes finite), and a zero row (scale 0)."""
+    rows = torch.zeros(4, 16)
+    rows[0, :4] = torch.tensor([1e-37, -5e-38, 2e-38, 0.0])
+    rows[1, :4] = torch.tensor([torch.finfo(torch.float32).max, -1e38, 1.0, 0.0])
+    rows[2, :3] = torch.tensor([1e-36, 3.0e-37, -7e-37])
+    rows = rows.to(DEVICE)
+    dtype = torch.int8 if kind == "int8" else torch.uint8
+    out = torch.empty(rows.shape, dtype=dtype, device=DEVICE)
+    scales = torch.empty(rows.shape[0], dtype=torch.float32, device=DEVICE)
+    _store[(rows.shape[0],)](rows, out, scales, D=16, QUANT=quant)
+    ref_codes, ref_scales = quantize_rows(rows.cpu(), kind)
+    assert torch.equal(scales.cpu(), ref_scales.reshape(-1))
+    assert torch.equal(out.cpu().view(ref_codes.dtype), ref_codes)
+    assert torch.isfinite(ref_scales).all() and scales[3] == 0
+
+
 def test_the_conversion_is_chosen_by_the_device(monkeypatch):
     """fp8 takes the GPU's conversion on NVIDIA GPUs from compute capability 8.9 and in the interpreter, the bits on
     an A100 (8.0), a T4 (7.5) and AMD GPUs; int8 and the model's dtype are the same everywhere; FP8_BITS overrides."""

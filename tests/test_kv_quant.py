@@ -42,6 +42,32 @@ def test_round_trip_error_bounds(src_dtype):
     assert torch.equal(deq[0, 0, 0], torch.zeros(64)) and bool(torch.isfinite(deq).all())
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_extreme_rows_decode_within_their_bound_and_finite(kind):
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor(
+        [
+            [1e-37, -5e-38, 2e-38, 0.0],  # below qmax * float32's smallest normal number (~1.5e-36 for int8)
+            [1e-40, -3e-41, 0.0, 0.0],  # subnormal
+            [big, -1e38, 1.0, 0.0],  # float32's largest: qmax * (max / qmax) rounds up to inf
+            [0.0, 0.0, 0.0, 0.0],
+        ]
+    )
+    codes, scale = quantize_rows(x, kind)
+    deq = dequantize_rows(codes, scale)
+    assert bool(torch.isfinite(deq).all()) and bool((scale[:3] > 0).all()) and float(scale[3]) == 0.0
+    err = (deq - x).abs()
+    if kind == "int8":
+        assert bool((err <= scale / 2).all())  # the stored scale is the one the codes were computed with
+    else:
+        assert bool((err <= torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-5)).all())
+    assert float(deq[0, 0]) == pytest.approx(1e-37, rel=0.07)  # was 7.1e-39: codes on one scale, another stored
+    # +-inf saturates to the largest code (a finite row); a NaN row stays NaN, never silently zeros
+    codes, scale = quantize_rows(torch.tensor([[float("inf"), 1.0], [float("nan"), 1.0]]), kind)
+    deq = dequantize_rows(codes, scale)
+    assert float(deq[0, 0]) == pytest.approx(big, rel=1e-6) and bool(deq[1].isnan().all())
+
+
 def _engine(kv_dtype, method="slake", d=64, seed=0, steps=12):
     g = torch.Generator().manual_seed(seed)
     L, B, HQ, HKV, S = 2, 2, 6, 2, 160

@@ -11,9 +11,12 @@ as ``d`` 8-bit codes plus one float32 scale per row (per-token absmax scaling):
 
 Attention dequantises (``code * scale``, float32) right before the logits and the value product; scores, the
 softmax, the PTAA linear state (``docs/methods/slake.md#linear-state``) and everything else stay float32. A row of zeros
-has scale 0 and decodes to zeros. Bytes per stored token and KV head: ``2 * (d + 4)`` (136 at ``d = 64``, i.e.
-0.53x of bf16's 256; 0.52x at ``d = 128``). Prefill attention is exact and unaffected; only what later tokens see
-is quantised, like eviction itself.
+has scale 0 and decodes to zeros. The scale of any other finite row lies between float32's smallest normal number
+(a row below ``qmax`` times it, about 1.5e-36, is coded on that scale: its error stays at most ``scale / 2``, never the
+row's own size) and the largest scale whose ``qmax * scale`` is finite (a row at float32's largest numbers decodes to
+finite numbers, not ``inf``); ``+-inf`` saturates to the largest code, and a row with a NaN stays NaN. Bytes per
+stored token and KV head: ``2 * (d + 4)`` (136 at ``d = 64``, i.e. 0.53x of bf16's 256; 0.52x at ``d = 128``).
+Prefill attention is exact and unaffected; only what later tokens see is quantised, like eviction itself.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ KV_DTYPES: dict[str, tuple[torch.dtype, float]] = {
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
 }
 _SCALE_DTYPE = torch.float32
+_TINY = torch.finfo(_SCALE_DTYPE).tiny  # smallest normal float32: the smallest scale of a non-zero row
+
+
+def _largest_scale(qmax: float) -> float:
+    """The largest float32 ``s`` with ``qmax * s`` finite in float32 (the largest code decodes to a finite number)."""
+    s = torch.tensor(torch.finfo(_SCALE_DTYPE).max / qmax, dtype=_SCALE_DTYPE)
+    while not bool(torch.isfinite(s * qmax)):
+        s = torch.nextafter(s, torch.zeros_like(s))
+    return float(s)
+
+
+_MAX_SCALE = {kind: _largest_scale(qmax) for kind, (_, qmax) in KV_DTYPES.items()}
 _ALIASES = {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3", "qint8": "int8"}
 _NONE = {None, "", "none", "auto", "model"}
 
@@ -62,8 +77,11 @@ def quantize_rows(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
     """
     qdtype, qmax = KV_DTYPES[kind]
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).div_(qmax)
-    y = xf / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # the codes are computed with the scale that is stored (a row's own, smaller scale stored beside codes computed on
+    # a clamped one decoded a row below qmax * tiny to a fraction of itself); a zero row keeps scale 0, a NaN row NaN
+    scale = (amax / qmax).clamp_(_TINY, _MAX_SCALE[kind]).masked_fill_(amax == 0, 0.0)
+    y = xf / scale.clamp_min(_TINY)
     if qdtype == torch.int8:
         codes = y.round_().clamp_(-qmax, qmax).to(qdtype)
     else:

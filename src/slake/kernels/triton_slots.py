@@ -75,12 +75,17 @@ def e4m3_value(code):
 def store_row(ptr, scale_ptr, x, dd, dmask, QUANT: tl.constexpr):
     """Store one key or value row ``x`` (float32, ``(DP,)``): as is, or as 8-bit codes plus a float32 scale
     (:func:`slake.cache.quant.quantize_rows`: ``scale = max|x| / qmax``, codes ``round(x / scale)`` for int8, the
-    e4m3 conversion for fp8)."""
+    e4m3 conversion for fp8; the scale of a non-zero row kept between float32's smallest normal number and the
+    largest whose ``qmax * scale`` is finite, 0 for a zero row, as there)."""
     if QUANT == 0:
         tl.store(ptr + dd, x.to(ptr.dtype.element_ty), mask=dmask)
     else:
         qmax = 127.0 if QUANT == 1 else 448.0
-        scale = tl.max(tl.abs(x), 0) / qmax
+        # slake.cache.quant._MAX_SCALE: the largest float32 s with qmax * s finite
+        top = 2.6793883890187504e36 if QUANT == 1 else 7.595588094610019e35
+        amax = tl.max(tl.abs(x), 0)
+        scale = tl.minimum(tl.maximum(amax / qmax, 1.1754943508222875e-38), top)
+        scale = tl.where(amax == 0.0, 0.0, scale)
         y = x / tl.maximum(scale, 1.1754943508222875e-38)
         y = tl.minimum(tl.maximum(y, -qmax), qmax)
         if QUANT == 1:
