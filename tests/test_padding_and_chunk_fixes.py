@@ -118,6 +118,43 @@ def test_the_compressor_leaves_padding_of_a_later_chunk_empty():
     assert torch.equal(store.linear.count[1], (S - 30 - store.valid[1].sum(-1)).float())
 
 
+@pytest.mark.parametrize(
+    ("method", "hyper"),
+    [("expected-attention", {}), ("ada-expected-attention", {}), ("criticalkv", {"scorer": "expected-attention"})],
+)
+def test_expected_attention_scores_a_chunk_without_the_queries_of_a_rows_padding(llama_gqa, method, hyper):
+    """A chunk that holds the end of a row's left padding (positions 16-17 of the chunk 16-31 here) took the
+    padding's queries into Expected Attention's statistics, which its prefill leaves out: the row's scores moved by
+    up to 7e-3 with other padding token ids, and with ada-expected-attention its kept sets and logits (by 0.03)."""
+    padding = 18
+    ids, mask = _padded_batch(padding=padding)
+    other = ids.clone()
+    other[1, :padding] = (other[1, :padding] + 77) % 250 + 3
+    L = llama_gqa.config.num_hidden_layers
+
+    def run(tokens):
+        cache = SlakeCache(method, 10, L, window=0, **hyper)
+        raw = []  # each later chunk's scores of row 1, before its eviction
+        evict = cache.compressor.chunks.evict
+
+        def spy(layer_idx, newest):
+            store = cache.compressor.layers[layer_idx]
+            raw.append(store.scores[1][store.valid[1]].clone())
+            evict(layer_idx, newest)
+
+        cache.compressor.chunks.evict = spy
+        logits = prefill(llama_gqa, cache, tokens, mask, prefill_chunk=CHUNK)
+        return logits, cache.compressor, raw
+
+    (a, ca, ra), (b, cb, rb) = run(ids), run(other)
+    assert len(ra) == len(rb) == L * (ids.shape[1] // CHUNK - 1)
+    for x, y in zip(ra, rb, strict=True):
+        torch.testing.assert_close(x, y, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(a[1], b[1], atol=0.0, rtol=0.0)
+    for sa, sb in zip(ca.layers, cb.layers):
+        assert torch.equal(sa.valid[1], sb.valid[1]) and torch.equal(sa.positions[1], sb.positions[1])
+
+
 # ------------------------------------------------------------------------------------- the continuation check
 @pytest.mark.parametrize("chunk", [8, 16])
 def test_a_chunk_that_ends_inside_a_rows_padding_continues_the_cache(llama_gqa, chunk):

@@ -11,6 +11,8 @@ prompt before it selects (a second pass, KVzip; a one-shot selection, SAGE-KV) i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from slake.attention.ptaa import attend
@@ -111,7 +113,8 @@ class ChunkedPrefill:
         every query for a rule that adds each query's attention into a running score (``Method.decode_accumulates``:
         H2O and AhaKV, whose prefill sums every prompt query), block by block as the attention goes. A rule that reads
         the queries as a distribution (``Method.reads_block_queries``: Expected Attention, whose prefill takes the
-        statistics of every prompt query) gets every query of the chunk, beside its window's probabilities."""
+        statistics of every prompt query) gets every query of the chunk but a row's padding and first ``sinks``
+        tokens, which its prefill leaves out too (:meth:`_score_block`), beside its window's probabilities."""
         state = self.state
         store = state.store(layer_idx)
         B, Hq, nq, d = queries.shape
@@ -131,38 +134,72 @@ class ChunkedPrefill:
             if not every_query:
                 w = max(min(state.method.window, nq), 1)
                 qw, x = layer_logits(store, queries[:, :, nq - w :], qpos[nq - w :], scaling)
-                if state.method.reads_block_queries:  # the rule's statistics over every query of the chunk
-                    qw = grouped_queries(queries, qw.shape[1], scaling)
-                self.score(layer_idx, x, qw)
+                if state.method.reads_block_queries:  # the rule's statistics over the chunk's queries
+                    self._score_block(layer_idx, x, grouped_queries(queries, qw.shape[1], scaling), newest - nq + 1)
+                else:
+                    self.score(layer_idx, x, qw)
             self.evict(layer_idx, newest)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def score(self, layer_idx: int, x: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+    def _score_block(self, layer_idx: int, x: torch.Tensor, queries: torch.Tensor, start: int) -> None:
+        """:meth:`score` for a rule that reads the chunk's queries as a distribution (``Method.reads_block_queries``:
+        Expected Attention), from ``queries`` ``(B, Hkv, g, n_q, d)``, the chunk's starting at position ``start``.
+
+        As the prefill's statistics (:func:`slake.methods.expected_attention.query_statistics`), each row's take
+        neither its left padding nor its first ``sinks`` real tokens: a chunk that holds the end of a row's padding
+        would otherwise score the row with its padding tokens' queries, and its kept set would depend on what the
+        padding holds. Those queries are a prefix of the chunk in every row; rows are scored in groups by its
+        length. A row with nothing else in the chunk holds only padding and sinks so far (empty or protected slots),
+        so its scores are not read, and are left as they are."""
+        nq = queries.shape[-2]
+        first = self.state.prefill_info().first_real
+        skip = (first + self.state.method.sinks - start).clamp(0, nq)  # (B,) on the host: the prefix to leave out
+        if not bool(skip.any()):
+            self.score(layer_idx, x, queries)
+            return
+        for n_skip in sorted(set(skip.tolist())):
+            if n_skip < nq:
+                rows = (skip == n_skip).nonzero().flatten().to(x.device)
+                self.score(layer_idx, x, queries[..., n_skip:, :], rows)
+
+    def score(
+        self, layer_idx: int, x: torch.Tensor, queries: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    ) -> None:
         """Update a layer's slot scores with the method's decode rule from ``x``, the ``(B, Hkv, g, n_q, n)`` logits
-        of some of the chunk's queries (``queries``: those queries, for rules that read them)."""
+        of some of the chunk's queries (``queries``: those queries, for rules that read them); ``rows``: only these
+        batch rows (the others' scores are left as they are)."""
         state = self.state
         store = state.store(layer_idx)
         info = state.prefill_info()
         B, H, g, w, n = x.shape
         probs = safe_softmax(x)
-        store.scores = state.method.decode_scores(
-            DecodeInputs(
-                probs=probs.reshape(B, H * g, w, n),
-                positions=store.positions,
-                valid=store.valid,
-                stored=store.scores,
-                prompt_len=info.real_len.to(x.device),
-                budget=info.budget.to(x.device),
-                **decode_extras(
-                    state.method,
-                    state.layer_context[layer_idx],
-                    store.dense_keys(),
-                    store.dense_values(),
-                    None if queries is None else queries.reshape(B, H * g, queries.shape[-2], -1),
-                ),
-                target=state.targets[layer_idx],
-            )
-        ).float()
+        inputs = DecodeInputs(
+            probs=probs.reshape(B, H * g, w, n),
+            positions=store.positions,
+            valid=store.valid,
+            stored=store.scores,
+            prompt_len=info.real_len.to(x.device),
+            budget=info.budget.to(x.device),
+            **decode_extras(
+                state.method,
+                state.layer_context[layer_idx],
+                store.dense_keys(),
+                store.dense_values(),
+                None if queries is None else queries.reshape(B, H * g, queries.shape[-2], -1),
+            ),
+            target=state.targets[layer_idx],
+        )
+        if rows is None:
+            store.scores = state.method.decode_scores(inputs).float()
+            return
+        picked = {
+            f.name: value[rows]
+            for f in dataclasses.fields(inputs)
+            if isinstance(value := getattr(inputs, f.name), torch.Tensor) and value.dim() and value.shape[0] == B
+        }
+        scores = store.scores.clone()
+        scores[rows] = state.method.decode_scores(dataclasses.replace(inputs, **picked)).float()
+        store.scores = scores
 
     def evict(self, layer_idx: int, newest: int) -> None:
         """Evict a layer back to its budget after a prompt chunk has been scored (:meth:`score`).

@@ -228,9 +228,9 @@ def generate(
     charge_linear_state : bool
         Charge SLAKE's linear state against the budget.
     prefill_chunk : int | None
-        Prefill all prompt tokens but the last in chunks of this many tokens, compressing after each chunk
-        (bounded prefill memory; see :func:`prefill`); the last prompt token is then the first step of
-        ``model.generate``. None (default): exact prefill.
+        Prefill the whole prompt in chunks of this many tokens, compressing after each chunk (bounded prefill
+        memory; see :func:`prefill`); ``model.generate`` then takes the first token from the last chunk's logits, as
+        ``slake eval`` and ``slake bench`` do. None (default), or a chunk of at least the prompt: exact prefill.
     allow_long_context : bool
         Run even when the prompt plus ``max_new_tokens`` exceeds the model's context (``max_position_embeddings``);
         by default that raises ValueError, because the answer degrades silently past the trained positions.
