@@ -156,8 +156,9 @@ def test_decode_reuses_storage_in_place(llama_gqa, method):
 
 
 def test_model_generate_continues_after_a_chunked_prefill(llama_gqa):
-    """The pattern of ``slake.generate(prefill_chunk=...)``: chunked prefill of all prompt tokens but the last, then
-    ``model.generate`` on the whole prompt feeds the last token as the first step."""
+    """A cache prefilled in chunks with all prompt tokens but the last continues under plain ``model.generate``,
+    which feeds the last token as its first step (the pattern of ``slake.generate(prefill_chunk=...)`` before
+    2026-11-30; it now prefills the whole prompt and hands the last chunk's logits over)."""
     L = llama_gqa.config.num_hidden_layers
     ids = random_ids(100, seed=6)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
