@@ -59,6 +59,19 @@ def test_waterfill_depends_on_the_proportions_however_small(scale):
     )
 
 
+@pytest.mark.parametrize("scale", [1e308, 1.7e308, 1e300])
+def test_waterfill_depends_on_the_proportions_however_large(scale):
+    """Finite preferences whose sum overflows float64 (CAKE or VABS with extreme exponents, below the prefill's
+    overflow check) made ``c = rest / inf = 0``: every layer got 0 and the final rounding raised "cannot round"."""
+    assert waterfill([scale] * 4, 384.0, 4000.0).tolist() == pytest.approx([96.0] * 4)
+    assert waterfill([scale, scale, 0.0], 10.0, 100.0).tolist() == pytest.approx([5.0, 5.0, 0.0])
+    assert waterfill([scale, scale / 17], 180.0, 1000.0).tolist() == pytest.approx([170.0, 10.0])
+    assert waterfill([scale, scale, 1.0], 150.0, 60.0).tolist() == pytest.approx([60.0, 60.0, 30.0])  # capped
+    for final in (True, False):
+        prefs = torch.tensor([scale] * 32, dtype=torch.float64)
+        assert preference_budgets(prefs, 32 * 96, 4000, final=final).tolist() == [96] * 32
+
+
 @pytest.mark.parametrize("bad", [[], [1.0, -1.0], [float("nan"), 1.0], [[1.0, 2.0]]])
 def test_waterfill_rejects_bad_preferences(bad):
     with pytest.raises(ValueError):
@@ -206,3 +219,24 @@ def test_pyramid_budgets_follow_kvcache_factory():
         assert int(ex.sum()) == layers * sel and bool((ex[:-1] >= ex[1:]).all()) and bool((ex >= 0).all())
     with pytest.raises(ValueError):
         pyramid_budgets(4, 96, 4000, 32, beta=0)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("snapkv_fallback", [True, False])
+def test_pyramid_budgets_below_beta_1_stay_within_the_candidates(exact, snapkv_fallback):
+    """``beta < 1`` (allowed by PyramidKV, layer 0 smallest) capped only ``max_n``: the deepest layer got
+    ``C' // beta`` = 181 of 168 candidates (S - w), the engine kept 168, and the layers summed below ``L * C'``."""
+    b = pyramid_budgets(4, 100, 200, 32, beta=0.55, exact=exact, snapkv_fallback=snapkv_fallback)
+    assert b[0] == 32 and b[-1] == 168 and bool((b[:-1] <= b[1:]).all())  # min_n = 168, max_n = 200 - 168
+    assert int(b.sum()) == 400 if exact else int(b.sum()) >= 400
+    b = pyramid_budgets(32, 127, 257, 32, beta=0.6, exact=exact, snapkv_fallback=snapkv_fallback)
+    assert int(b.max()) <= 257 - 32 and bool((b[:-1] <= b[1:]).all())
+    if exact:
+        assert int(b.sum()) == 32 * 127
+    else:  # the floored (negative) step overshot the deep end by up to L - 2: [43, 49, ..., 223, 229] before
+        assert b[0] == 43 and b[-2] == 223 and b[-1] == 225
+    if not snapkv_fallback:  # AdaKV's form compresses below 2 C' too: 150 - 32 = 118 candidates
+        b = pyramid_budgets(4, 100, 150, 32, beta=0.55, exact=exact, snapkv_fallback=False)
+        assert int(b.max()) <= 118 and (int(b.sum()) == 400 or not exact)
+    with pytest.raises(ValueError):  # at 0.5 and below the largest layer would get nothing or less
+        pyramid_budgets(4, 100, 232, 32, beta=0.5, exact=exact, snapkv_fallback=snapkv_fallback)

@@ -91,7 +91,8 @@ def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -
     nothing unless every positive-preference layer is capped, in which case the remainder is shared equally among the
     zero-preference layers; all-zero preferences therefore give a uniform split. This keeps the result continuous in
     ``P`` and stage budgets monotone (Proposition 1). The split depends on the preferences' proportions only, however
-    small they are (subnormal ones included). Negative or non-finite preferences raise ``ValueError``.
+    small or large they are (subnormal ones included, and finite ones whose sum overflows). Negative or non-finite
+    preferences raise ``ValueError``.
 
     Parameters
     ----------
@@ -128,10 +129,12 @@ def waterfill(prefs: Sequence[float] | torch.Tensor, total: float, cap: float) -
         free = ~capped
         psum = float(p[free].sum())
         weights = p if psum > 0 else free.to(torch.float64)  # zero prefs only: equal shares of the rest
-        c = rest / float(weights[free].sum())
-        if not math.isfinite(c):
-            # preferences so small (subnormal) that rest / sum overflows: the same proportions, scaled so that the
-            # largest free one is 1 (an inf share would cap a layer whatever its true share)
+        wsum = float(weights[free].sum())
+        c = rest / wsum
+        if not (math.isfinite(c) and math.isfinite(wsum)):
+            # preferences so small (subnormal) that rest / sum overflows, or so large that their sum does (two of
+            # 1e308: c = rest / inf = 0 gave every layer 0): the same proportions, scaled so that the largest free
+            # one is 1 (an inf share would cap a layer whatever its true share)
             weights = weights / float(weights[free].max())
             c = rest / float(weights[free].sum())
         b = torch.where(capped, torch.full_like(p, float(cap)), c * weights)
@@ -259,8 +262,11 @@ def pyramid_budgets(
     reference code's SnapKV fallback. The floor on ``step`` makes ``sum B_l >= L*C'`` (slight over-budget, as the
     reference). ``exact=True`` (an option, not the reference) instead uses the unfloored real step and
     :func:`largest_remainder`, so that ``sum B_l == L*C'`` exactly (``max_n + min_n == 2*C'`` by construction).
-    ``snapkv_fallback=False`` is AdaKV's Ada-PyramidKV (FFY0/AdaKV ``AdaptiveSnapKVCluster`` with ``pyram_mode``),
-    which has no such fallback: for ``C' + w <= S < 2*C'`` its layers still form a pyramid, capped at ``S - w``.
+    For ``beta < 1`` (layer 0 smallest) the deepest layer is capped at ``S - w`` the same way (``min_n = S - w``,
+    ``max_n = 2*C' - min_n``; the reference leaves it above the layer's candidates), and the floored (negative) step's
+    overshoot at the deep end is clamped to ``S - w``. ``snapkv_fallback=False`` is AdaKV's Ada-PyramidKV (FFY0/AdaKV
+    ``AdaptiveSnapKVCluster`` with ``pyram_mode``), which has no such fallback: for ``C' + w <= S < 2*C'`` its layers
+    still form a pyramid, capped at ``S - w``.
     Deviation: ``num_layers == 1`` (a division by zero in the reference) gives ``[C']``. Budgets are not
     clamped to ``S - w`` in the fallback; the engine keeps ``min(B_l, S - w)``. ``min_layer`` (deviation, 0 by
     default): a layer below it is raised to it and the tokens are taken from the largest layers, so the sum is
@@ -278,7 +284,7 @@ def pyramid_budgets(
     window : int
         Observation window ``w``, ``>= 0``: the prompt's tokens that are not candidates (the window and any sinks).
     beta : float
-        PyramidKV's ``beta``, ``> 0``.
+        PyramidKV's ``beta``, ``> 0.5`` (at ``0.5`` and below the largest layer would get nothing or less).
     exact : bool
         Exact sum ``L*C'`` (real step and largest-remainder rounding) instead of the reference's floored step.
     snapkv_fallback : bool
@@ -296,13 +302,13 @@ def pyramid_budgets(
     TypeError
         For an integer argument that is not an integer, or a ``beta`` that is not a real number.
     ValueError
-        For ``num_layers < 1``, a negative ``selectable``, ``prompt_len`` or ``window``, or ``beta <= 0``.
+        For ``num_layers < 1``, a negative ``selectable``, ``prompt_len`` or ``window``, or ``beta <= 0.5``.
     """
     ints = {"num_layers": num_layers, "selectable": selectable, "prompt_len": prompt_len, "window": window}
     for what, arg in (ints | {"min_layer": min_layer}).items():
         _as_int(arg, what)
     _check_real(beta, "beta")
-    if num_layers < 1 or selectable < 0 or prompt_len < 0 or window < 0 or not beta > 0:
+    if num_layers < 1 or selectable < 0 or prompt_len < 0 or window < 0 or not beta > 0.5:
         raise ValueError(
             f"invalid pyramid arguments: num_layers={num_layers}, selectable={selectable}, "
             f"prompt_len={prompt_len}, window={window}, beta={beta}"
@@ -315,12 +321,15 @@ def pyramid_budgets(
     if max_n >= s - w:
         max_n = s - w
         min_n = 2 * c - max_n
+    elif min_n > s - w:  # beta < 1 turns the pyramid over (the deepest layer largest): its top is capped the same way
+        min_n = s - w
+        max_n = 2 * c - min_n
     if exact:
         real = max_n - (max_n - min_n) / (n - 1) * torch.arange(n, dtype=torch.float64)
         budgets = largest_remainder(real.clamp_min(0), n * c)
     else:
-        step = (max_n - min_n) // (n - 1)
-        budgets = max_n - step * torch.arange(n, dtype=torch.int64)
+        step = (max_n - min_n) // (n - 1)  # for beta < 1 a negative step, floored past S - w at the deep end
+        budgets = (max_n - step * torch.arange(n, dtype=torch.int64)).clamp_max(s - w)
     return _raise_to_floor(budgets, min(int(min_layer), c))
 
 
