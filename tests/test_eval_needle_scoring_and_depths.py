@@ -8,7 +8,7 @@ import pytest
 
 from slake.eval.haystack import check_haystack_words, essay_words
 from slake.eval.metrics import needle_score, score_sample
-from slake.eval.needle import needle_sample
+from slake.eval.needle import needle_grid, needle_sample
 from slake.eval.ruler import ruler_sample
 from test_eval_support import fake_essays
 from tiny_models import word_tokenizer
@@ -67,3 +67,20 @@ def test_a_ruler_sample_at_a_chosen_depth_is_a_sample_of_its_own():
     for bad in (150.0, -40.0, math.nan):  # before: clamped to 100 or 0 without a word
         with pytest.raises(ValueError, match="depth"):
             ruler_sample("niah_single_2", tok, 300, essays=essays, depth=bad)
+
+
+def test_one_text_given_as_the_essays_is_refused_where_it_would_be_read_letter_by_letter():
+    tok = word_tokenizer()
+    text = " ".join(fake_essays(n_essays=4, sentences=60))
+    for make in (
+        lambda e: needle_sample(tok, 300, 50.0, essays=e),
+        lambda e: needle_grid(tok, [300], [50.0], essays=e)[0],
+        lambda e: ruler_sample("niah_single_2", tok, 300, essays=e),
+    ):
+        # before: a haystack of single letters between spaces ("M e l l o w ..."), built without a word
+        with pytest.raises(TypeError, match=r"pass \[text\]"):
+            make(text)
+        words = make([text]).context.split()
+        assert sum(len(w) == 1 for w in words) < len(words) / 10  # a list of one text is read word by word
+    with pytest.raises(TypeError, match="sequence of texts"):
+        essay_words(text)

@@ -83,8 +83,19 @@ def noise_units(n: int) -> list[str]:
     return cycle_prefix(NOISE_SENTENCES, n)
 
 
+def _refuse_one_text(essays: object) -> None:
+    """Raise ``TypeError`` for one text given where a sequence of texts is expected.
+
+    A ``str`` is a sequence of one-character strings, so it would be read as one essay per character: a haystack of
+    single letters between spaces, built without a word.
+    """
+    if isinstance(essays, (str, bytes)):
+        raise TypeError(f"essays must be a sequence of texts, not one {type(essays).__name__}: pass [text]")
+
+
 def essay_words(essays: Sequence[str]) -> list[str]:
-    """All whitespace-separated words of the essays, in order."""
+    """All whitespace-separated words of the essays, in order; ``TypeError`` for one ``str`` (pass ``[text]``)."""
+    _refuse_one_text(essays)
     words: list[str] = []
     for essay in essays:
         words.extend(essay.split())
@@ -174,8 +185,12 @@ def essay_offset(words: Sequence[str], rng: random.Random) -> int:
 
 
 def default_essays(essays: Sequence[str] | None) -> Sequence[str]:
-    """``essays`` or, when None, the Paul Graham essays from :mod:`slake.eval.data_sources`."""
+    """``essays`` or, when None, the Paul Graham essays from :mod:`slake.eval.data_sources`.
+
+    ``TypeError`` for one ``str`` instead of a sequence of texts (pass ``[text]``).
+    """
     if essays is not None:
+        _refuse_one_text(essays)
         return essays
     from slake.eval.data_sources import paul_graham_essays
 

@@ -69,25 +69,29 @@ def needle_sample(
 ) -> Sample:
     """Build one needle-in-a-haystack sample.
 
-    The haystack is a run of essay text starting at a seeded sentence start (cycling through the
-    essays when a long context needs more text), cut so that the whole plain prompt has
-    ``length`` tokens (within ``tolerance``).  The needle goes at the sentence boundary nearest to
-    ``depth`` percent of the haystack.
+    The haystack is a run of essay words starting at a seeded sentence start (cycling through the
+    essays, so repeating them, when a long context needs more text than they hold), cut so that the
+    whole plain prompt (:func:`slake.eval.sample.plain_prompt`: instruction, haystack and question,
+    without special tokens or chat template) has at most ``length`` tokens, within ``tolerance``
+    below it or, where one haystack word is coarser than that, less than one word below it
+    (:func:`slake.eval.fitting.fit_to_length`).  The needle goes at the sentence boundary nearest to
+    ``depth`` percent of the haystack's words: 0 before the first word, 100 after the last full
+    sentence, so before a trailing partial one.
 
     Parameters
     ----------
     tokenizer : TokenizerLike
         Measures lengths.
     length : int
-        Target prompt length in tokens.
+        Target plain prompt length in tokens (a maximum).
     depth : float
-        Needle depth in percent, 0 (start) to 100 (end).
+        Needle depth in percent of the haystack's words, 0 (start) to 100 (end).
     kind : {"word", "number"}
         Value type of the needle.
     seed : int
         Seed for the needle, its value and the haystack start.
     essays : sequence of str, optional
-        Haystack source; the Paul Graham essays by default.
+        Haystack source, a sequence of texts (one ``str`` is refused); the Paul Graham essays by default.
     max_new_tokens : int
         Generation budget stored on the sample.
     tolerance : float
@@ -102,7 +106,12 @@ def needle_sample(
     Raises
     ------
     LengthFitError
-        When no haystack fits ``length``; the message names the length, depth and seed.
+        When no haystack fits ``length`` (below the tokens of the prompt without any haystack, or
+        ``length`` < 1); the message names the length, depth and seed.
+    ValueError
+        For a depth outside ``[0, 100]``, an unknown ``kind``, or essays without a sentence end.
+    TypeError
+        For ``essays`` given as one ``str``.
     """
     if not 0.0 <= depth <= 100.0:
         raise ValueError(f"depth must be in [0, 100], got {depth}")
@@ -174,7 +183,7 @@ def needle_grid(
     lengths : iterable of int
         Target lengths in tokens.
     depths : iterable of float
-        Needle depths in percent of the context, in ``[0, 100]``.
+        Needle depths in percent of the haystack's words, in ``[0, 100]``.
     kind : NeedleKind
         The needle's kind, as in :func:`needle_sample`.
     seed : int
@@ -193,6 +202,8 @@ def needle_grid(
     ------
     ValueError
         For a depth outside ``[0, 100]``.
+    TypeError
+        For ``essays`` given as one ``str``.
     LengthFitError
         When a cell's haystack cannot fit its length (:func:`needle_sample`).
     """
