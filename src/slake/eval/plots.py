@@ -3,7 +3,10 @@
 * ``needle_<method>_<budget>.png``: needle-in-a-haystack accuracy heatmap, needle depth (y) x context length (x),
   one per (method, budget), the full reference included.
 * ``score_vs_budget_<suite>.png``: mean score vs budget, one line per method, the full cache as a dashed
-  horizontal line; the score is the mean over tasks of each task's mean over samples and lengths.
+  horizontal line; the score is the mean over tasks of each task's mean over samples and lengths. Token budgets and
+  ratios share a categorical axis when both were run, a method's line broken between the two units.
+
+A sample counts once in both, as in the summary tables: of a sample id written twice, the later row wins.
 
 A model suffix is added to the file names when the results hold several models.
 """
@@ -60,11 +63,16 @@ def needle_heatmaps(
     lengths = sorted({int(r["length"]) for r in rows})
     paths = []
     for method, budget in method_budget_order(rows):
-        cells: dict[tuple[float, int], list[float]] = defaultdict(list)
+        # a sample counts once, as in the tables: a later duplicate row (a rerun appending) wins
+        cells: dict[tuple[float, int], dict[tuple[str, str], float]] = defaultdict(dict)
         for r in rows:
             if r["method"] == method and r.get("budget") == budget:
-                cells[(float(r["depth"]), int(r["length"]))].append(float(r["score"]))
-        grid = [[100.0 * _mean(cells[(d, n)]) if cells.get((d, n)) else float("nan") for n in lengths] for d in depths]
+                sample = (str(r["task"]), str(r["sample_id"]))
+                cells[(float(r["depth"]), int(r["length"]))][sample] = float(r["score"])
+        grid = [
+            [100.0 * _mean(list(cells[(d, n)].values())) if cells.get((d, n)) else float("nan") for n in lengths]
+            for d in depths
+        ]
         fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.4 + 0.5 * len(depths)), dpi=120)
         im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto", origin="upper")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
@@ -84,7 +92,7 @@ def needle_heatmaps(
                         color="black" if 20 <= v <= 80 else "white",
                     )
         label = "full cache" if budget is None else f"{method}, budget {budget_label(budget)}"
-        mean = _mean([s for v in cells.values() for s in v]) * 100
+        mean = _mean([s for v in cells.values() for s in v.values()]) * 100
         ax.set_title(f"needle: {label} (mean {mean:.1f}%)", fontsize=10)
         fig.colorbar(im, ax=ax, label="accuracy (%)", fraction=0.05, pad=0.03)
         fig.tight_layout()
@@ -133,15 +141,20 @@ def score_vs_budget(
         numeric = bool(budgets) and all(isinstance(b, int) for b in budgets)
         xpos = {b: (b if numeric else i) for i, b in enumerate(budgets)}
         methods = [m for m, _ in pairs if m != FULL_METHOD]
+        # token budgets and ratios are different units: a method's line is drawn in one segment per unit, never
+        # joining a token budget to a ratio (on the shared categorical axis, a dotted rule parts the two)
+        units = [[b for b in budgets if isinstance(b, int)], [b for b in budgets if not isinstance(b, int)]]
+        units = [u for u in units if u]
         for i, method in enumerate(dict.fromkeys(methods)):  # markers and dashes tell apart >10 colour-cycled lines
-            pts = [(xpos[b], scores[(m, b)]) for m, b in pairs if m == method and b is not None and (m, b) in scores]
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="osD^v<>pPhX*"[i % 12],
-                linestyle=("-", "-.", ":")[(i // 10) % 3],
-                label=method,
-            )
+            style = dict(color=f"C{i % 10}", marker="osD^v<>pPhX*"[i % 12], linestyle=("-", "-.", ":")[(i // 10) % 3])
+            segments = [[(xpos[b], scores[(method, b)]) for b in unit if (method, b) in scores] for unit in units]
+            segments = [seg for seg in segments if seg] or [[]]
+            for k, seg in enumerate(segments):
+                # a method with no complete point keeps its legend entry, saying it has none
+                label = (method if seg else f"{method} (incomplete: no point)") if k == 0 else "_nolegend_"
+                ax.plot([p[0] for p in seg], [p[1] for p in seg], label=label, **style)
+        if len(units) > 1:
+            ax.axvline(len(units[0]) - 0.5, color="grey", linestyle=":", linewidth=1)
         if (FULL_METHOD, None) in scores:
             ax.axhline(scores[(FULL_METHOD, None)], color="black", linestyle="--", linewidth=1.2, label="full cache")
         if numeric:
@@ -149,7 +162,12 @@ def score_vs_budget(
         ax.set_xticks([xpos[b] for b in budgets], [budget_label(b) for b in budgets])
         ax.minorticks_off()
         ax.set_ylim(-3, 103)
-        ax.set_xlabel("KV budget (tokens per layer and head)" if numeric else "KV budget")
+        if numeric:
+            ax.set_xlabel("KV budget (tokens per layer and head)")
+        elif len(units) > 1:
+            ax.set_xlabel("KV budget: tokens per layer and head | ratio of the prompt")
+        else:
+            ax.set_xlabel("KV budget (ratio of the prompt)" if budgets else "KV budget")
         ax.set_ylabel("mean score (%)")
         tasks = task_order(srows)
         lengths = sorted({int(r["length"]) for r in srows})
