@@ -150,6 +150,29 @@ def test_a_results_directory_still_takes_a_second_model(tmp_path, needle_essays)
     assert sorted({r["model"] for r in read_results(tmp_path)}) == ["a", "b"]
 
 
+def test_two_runs_on_one_directory_at_once_do_not_mix_their_rows(tmp_path, needle_essays):
+    """A --kv-dtype int8 run started while a plain one on the same --out was between its checks and its rows: both
+    passed the checks of the (empty) directory and both wrote every row, so results.jsonl held two rows per key with
+    two kv_dtype values and each summary took whichever came later. The second is now refused while the first runs."""
+    model = tiny_model("llama-gqa")
+    refused: list[str] = []
+
+    class Interleaved(TransformersEngine):  # the second run starts while the first holds the directory
+        def evaluate(self, requests, options):
+            try:
+                _run(model, tmp_path, "--kv-dtype", "int8")
+            except ValueError as e:
+                refused.append(str(e))
+            yield from super().evaluate(requests, options)
+
+    args = _eval_args(tmp_path, "--methods", "snapkv", "--budgets", "40", "--lengths", "200", "--depths", "0")
+    cmd_eval(args, engine=Interleaved(loader=_loader(model, TinyTokenizer())))
+    assert len(refused) == 1 and "being written by another run" in refused[0]  # before: ran, 4 rows
+    rows = read_results(tmp_path)
+    assert len(rows) == 2 and {r["kv_dtype"] for r in rows} == {None}
+    _run(model, tmp_path, "--depths", "0,100")  # the directory is free again once the first run has ended
+
+
 def test_a_refused_protocol_run_writes_no_requests(tmp_path, monkeypatch):
     import argparse
     import dataclasses

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import inspect
 import json
+import os
 import weakref
 
 import pytest
@@ -456,6 +457,61 @@ def test_partial_last_line_is_cut(tmp_path):
         assert store.write({**ROW, "sample_id": "b"})
     assert [r["sample_id"] for r in read_results(tmp_path)] == ["a", "b"]
     assert scan_results(tmp_path).skipped == []
+
+
+def test_a_partial_last_line_is_reported_as_removed_not_as_kept(tmp_path):
+    """slake eval printed "skipped 1 line ... (kept in the file): line 2 (not JSON)" for a row cut by a crash, then
+    the writer removed that line: the report said the opposite of what happened."""
+    path = tmp_path / "results.jsonl"
+    path.write_text(_row() + "\n" + "not json\n" + _row(sample_id="b")[:-9])
+    scan = scan_results(tmp_path)
+    assert [r["sample_id"] for r in scan.rows] == ["a"]
+    assert [n for n, _ in scan.skipped] == [2, 3] and scan.cut_tail == 3
+    note = scan.describe_skipped()
+    assert "skipped 1 line of results.jsonl" in note and "(kept in the file): line 2 (not JSON)" in note
+    assert "line 3) is an incomplete row" in note and "removed" in note and "line 3 (" not in note
+    with ResultsWriter(tmp_path):
+        pass
+    assert path.read_text().splitlines() == [_row(), "not json"]  # what the report said: line 2 kept, 3 removed
+    # a complete last row without its newline, or a JSON line that is not a row, is kept: not an incomplete row
+    path.write_text(_row() + "\n" + json.dumps({"task": 1}))
+    assert scan_results(tmp_path).cut_tail is None
+    assert "(kept in the file): line 2" in scan_results(tmp_path).describe_skipped()
+
+
+def test_a_second_writer_of_one_directory_is_refused_until_the_first_closes(tmp_path):
+    """Two runs with one --out at once both passed the checks of the rows present, both ran every pending row and
+    appended side by side, whatever their settings (a --kv-dtype int8 run beside a plain one): each summary mixed
+    the other's rows. The writer now holds a lock on the directory."""
+    first = ResultsWriter(tmp_path)
+    with pytest.raises(ValueError, match="being written by another run"):  # before: a second writer, no word
+        ResultsWriter(tmp_path)
+    first.write(ROW)
+    first.close()
+    with ResultsWriter(tmp_path) as again:  # released by close()
+        assert not again.write(ROW)
+    dropped = ResultsWriter(tmp_path)
+    del dropped
+    gc.collect()
+    with ResultsWriter(tmp_path / "sub"), ResultsWriter(tmp_path):  # released when dropped; one lock per directory
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_keep_the_results_directory_locked(tmp_path):
+    import multiprocessing
+
+    writer = ResultsWriter(tmp_path)
+    ready = multiprocessing.get_context("fork").Event()
+    child = multiprocessing.get_context("fork").Process(target=ready.wait, args=(30,))  # a worker outliving the run
+    child.start()
+    try:
+        writer.close()
+        with ResultsWriter(tmp_path):  # the child's copy of the descriptor would still hold the lock
+            pass
+    finally:
+        ready.set()
+        child.join()
 
 
 def test_non_utf8_line_is_skipped_not_fatal(tmp_path):

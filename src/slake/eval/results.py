@@ -3,6 +3,8 @@
 Rows are appended and flushed one at a time, so an interrupted run loses at most the row being written. When the
 file is opened again, a last line that does not parse (a crash mid-write) is cut off; a complete last row that only
 lacks its newline gets one. A row is identified by :func:`row_key`; a resumed run skips every key already present.
+One writer at a time: :class:`ResultsWriter` holds an exclusive lock on its directory, so a second run on the same
+directory while the first is running is refused instead of appending beside it.
 
 One reader, :func:`scan_results`, serves resuming, summaries and plots: it keeps the valid result rows
 (:func:`is_result_row`) and reports every other line (not UTF-8, not JSON, not an object, missing or mistyped
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,22 +155,33 @@ def is_result_row(row: Any) -> bool:
 
 @dataclass
 class ResultsScan:
-    """What :func:`scan_results` found: the valid rows and the skipped lines ``(line number, reason)``."""
+    """What :func:`scan_results` found: the valid rows and the skipped lines ``(line number, reason)``.
+
+    ``cut_tail`` is the number of a last line that has no newline and does not parse (a write cut short by a crash):
+    it is in ``skipped`` too, but unlike the others it is not kept, :class:`ResultsWriter` removes it."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    cut_tail: int | None = None
 
     def describe_skipped(self, name: str = RESULTS_FILE, limit: int = 10) -> str:
-        """One line: ``skipped 2 lines of results.jsonl that are not valid result rows: 3 (not JSON), 7 (...)``."""
-        if not self.skipped:
-            return ""
-        shown = ", ".join(f"{n} ({why})" for n, why in self.skipped[:limit])
-        more = f" and {len(self.skipped) - limit} more" if len(self.skipped) > limit else ""
-        return (
-            f"skipped {len(self.skipped)} line{'s' if len(self.skipped) > 1 else ''} of {name} that "
-            f"{'are' if len(self.skipped) > 1 else 'is'} not valid result rows (kept in the file): "
-            f"line {shown}{more}"
-        )
+        """One line: ``skipped 2 lines of results.jsonl that are not valid result rows: 3 (not JSON), 7 (...)``,
+        and what happens to an incomplete last line (``cut_tail``)."""
+        kept = [(n, why) for n, why in self.skipped if n != self.cut_tail]
+        parts = []
+        if kept:
+            shown = ", ".join(f"{n} ({why})" for n, why in kept[:limit])
+            more = f" and {len(kept) - limit} more" if len(kept) > limit else ""
+            parts.append(
+                f"skipped {len(kept)} line{'s' if len(kept) > 1 else ''} of {name} that "
+                f"{'are' if len(kept) > 1 else 'is'} not valid result rows (kept in the file): line {shown}{more}"
+            )
+        if self.cut_tail is not None:
+            parts.append(
+                f"the last line of {name} (line {self.cut_tail}) is an incomplete row, a write cut short by a crash: "
+                "it is removed before rows are appended, and its row is run again"
+            )
+        return "; ".join(parts)
 
 
 def _results_path(path: str | os.PathLike[str]) -> Path:
@@ -186,12 +200,15 @@ def scan_results(path: str | os.PathLike[str]) -> ResultsScan:
     scan = ResultsScan()
     if not p.is_file():
         return scan
-    for number, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
+    lines = p.read_bytes().split(b"\n")
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         row, why = _parse_line(raw.strip())
         if row is None:
             scan.skipped.append((number, why))
+            if number == len(lines) and not _parses(raw):  # no newline after it, as _repair_tail cuts it
+                scan.cut_tail = number
         else:
             scan.rows.append(row)
     return scan
@@ -213,6 +230,15 @@ def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return scan_results(path).rows
 
 
+def _parses(raw: bytes) -> bool:
+    """Whether ``raw`` is UTF-8 JSON; a last line without its newline that is not was cut short mid-write."""
+    try:
+        json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
+
+
 def _repair_tail(path: Path) -> None:
     """Make the file end with a newline: cut a last line that does not parse as JSON (a write interrupted before
     its newline); give a complete last line its missing newline. Nothing else is touched."""
@@ -226,17 +252,83 @@ def _repair_tail(path: Path) -> None:
         fh.seek(0)
         data = fh.read()
         cut = data.rfind(b"\n") + 1
-        try:
-            json.loads(data[cut:].decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        if not _parses(data[cut:]):
             fh.truncate(cut)
             return
         fh.seek(0, os.SEEK_END)
         fh.write(b"\n")
 
 
+class _DirectoryLock:
+    """An exclusive advisory lock (``flock``) on a directory, held by an open descriptor until :meth:`release`."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+        _HELD.add(self)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor of the lock releases it
+            self.fd = None
+
+    def _forget(self) -> None:
+        """In a forked child: close the child's copy of the descriptor. The lock stays the parent's (a flock is
+        released when every descriptor of it is closed), and a long-lived child (a worker pool) no longer keeps the
+        directory locked after the parent's writer has closed."""
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
+_HELD: weakref.WeakSet[_DirectoryLock] = weakref.WeakSet()
+
+
+def _forget_locks_in_child() -> None:
+    for lock in list(_HELD):
+        lock._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
+def _lock_directory(directory: Path, path: Path) -> _DirectoryLock | None:
+    """An exclusive advisory lock on ``directory``, or None where the platform or the filesystem has none (the
+    writer then runs unlocked, as before the lock existed). Raises ``ValueError`` while another writer holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    try:
+        fd = os.open(directory, os.O_RDONLY)  # not inherited by a program this process executes
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(
+            f"{path} is being written by another run (another slake eval, or a merge of kvpress's outputs, with the "
+            "same --out): two runs appending to one results file would each run every pending row and mix their "
+            "rows, whatever their settings; wait for it to end, or use another --out directory"
+        ) from None
+    except OSError:  # a filesystem without flock (some network mounts)
+        os.close(fd)
+        return None
+    return _DirectoryLock(fd)
+
+
 class ResultsWriter:
     """Append rows to ``DIR/results.jsonl``, flushing each one; knows which keys are done.
+
+    The writer holds an exclusive lock on ``DIR`` from its creation to :meth:`close` (where the platform has
+    ``flock``): a second writer of the same directory, in another process or this one, is refused with
+    ``ValueError`` while the first is open. Without it two runs started on one ``--out`` would both pass the checks
+    of the rows present (:func:`check_run_settings` ...), both run every pending row and append them side by side,
+    and each summary would mix the other's rows, whatever their settings.
 
     Parameters
     ----------
@@ -248,12 +340,17 @@ class ResultsWriter:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / RESULTS_FILE
-        if self.path.is_file():
-            _repair_tail(self.path)
-        #: what the existing file held: valid rows and skipped lines (reported by ``slake eval``)
-        self.scan = scan_results(self.path)
-        self.done: set[RowKey] = {row_key(r) for r in self.scan.rows}
         self._fh: TextIO | None = None
+        self._lock = _lock_directory(self.dir, self.path)
+        try:
+            if self.path.is_file():
+                _repair_tail(self.path)
+            #: what the existing file held: valid rows and skipped lines (reported by ``slake eval``)
+            self.scan = scan_results(self.path)
+            self.done: set[RowKey] = {row_key(r) for r in self.scan.rows}
+        except BaseException:
+            self.close()
+            raise
 
     def __contains__(self, key: RowKey) -> bool:
         return key in self.done
@@ -271,10 +368,17 @@ class ResultsWriter:
         return True
 
     def close(self) -> None:
-        """Close the file (rows are already flushed)."""
+        """Close the file (rows are already flushed) and release the directory's lock."""
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __del__(self) -> None:  # a writer dropped without close() must not keep its directory locked
+        if getattr(self, "_lock", None) is not None:
+            self.close()
 
     def __enter__(self) -> ResultsWriter:
         return self
