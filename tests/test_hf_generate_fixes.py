@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -243,3 +245,44 @@ def test_prefill_chunk_not_applied_by_model_generate_is_refused(model):
         res = slake.generate(model, tok, prompt, method="snapkv", budget=8, window=4, prefill_chunk=chunk,
                              max_new_tokens=2, chat_template=False)  # fmt: skip
         assert len(res.texts) == 1
+
+
+def test_a_decode_loops_1d_position_ids_are_checked_as_its_2d_ones(model):
+    """A user's own decode loop may give one token's position as ``torch.tensor([pos])``, which transformers reads as
+    the row ``[[pos]]``: a position taken from the kept entries (the store's ``keys.shape[-2]``) instead of the whole
+    sequence put the token at a wrong rotary position, silently, where the 2D form was refused (2026-12 audit)."""
+    ids = random_ids(S, seed=1)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        token = model(ids, **with_cache(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        kept = cache.layers[0].keys.shape[-2]
+        assert kept < S == cache.get_seq_length()
+        for wrong in (torch.tensor([kept]), torch.tensor([[kept]])):
+            with pytest.raises(ValueError, match="does not continue it"):
+                model(token, position_ids=wrong, **with_cache(model, cache))
+        assert cache.get_seq_length() == S  # refused before any layer ran
+        logits = [model(token, position_ids=p, **with_cache(model, copy.deepcopy(cache))).logits
+                  for p in (torch.tensor([S]), torch.tensor([[S]]), None)]  # fmt: skip
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
+def test_keys_and_values_follow_the_rows_after_a_batch_is_reordered_selected_or_repeated(model):
+    """``cache.layers[i].keys`` / ``values`` (transformers' cache interface) kept the tensors of before a beam
+    search's reorder, a selection or a repeat of the rows: the wrong rows and row count, and the old storage held alive
+    until the next forward (2026-12 audit)."""
+    ids = random_ids(S, seed=1, batch=3)
+    cache = SlakeCache("snapkv", 24, config=model.config, window=8)
+    with torch.no_grad():
+        model(ids, **with_cache(model, cache))
+    for op, arg, rows in [("reorder_cache", torch.tensor([2, 0, 0]), 3), ("batch_select_indices", torch.tensor([1]), 1),
+                          ("batch_repeat_interleave", 2, 2)]:  # fmt: skip
+        getattr(cache, op)(arg)
+        for layer in cache.layers:
+            store = cache.compressor.layers[layer.slot]
+            assert layer.keys is store.keys and layer.values is store.values, op
+            assert layer.keys.shape[0] == layer.values.shape[0] == rows, op
+    out = model.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), num_beams=3, max_new_tokens=4,
+                         do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                         **with_cache(model, SlakeCache("snapkv", 24, config=model.config, window=8)))  # fmt: skip
+    beams = out.get("cache", out.get("past_key_values"))
+    assert all(layer.keys is beams.compressor.layers[layer.slot].keys for layer in beams.layers)

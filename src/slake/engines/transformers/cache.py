@@ -93,13 +93,18 @@ class SlakeCacheLayer(CacheLayerMixin):
         keys, values = self.pending
         self.pending = None
         self.compressor.prefill_layer(self.slot, queries, keys, values, key_padding, scaling)
-        for layer in self._siblings():  # the cascade and static preallocation may replace earlier layers' tensors
-            store = self.compressor.layers[layer.slot]
-            if store is not None:
-                layer.keys, layer.values = store.keys, store.values
+        self._refresh_siblings()  # the cascade and static preallocation may replace earlier layers' tensors
 
     def _siblings(self) -> list:
         return self._all if self._all is not None else [self]
+
+    def _refresh_siblings(self) -> None:
+        """Point every compressed layer's ``keys`` / ``values`` at its store's current tensors (after the compressor
+        replaced them: a prefill's cascade, a batch reordered, selected or repeated)."""
+        for layer in self._siblings():
+            store = self.compressor.layers[layer.slot]
+            if store is not None:
+                layer.keys, layer.values = store.keys, store.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.compressor.static:
@@ -126,17 +131,22 @@ class SlakeCacheLayer(CacheLayerMixin):
         if tokens_to_remove:
             raise ValueError(CROP_REFUSAL)
 
+    # the compressor maps every compressed layer's rows at once (when slot 0's layer is called); ``keys`` /
+    # ``values`` then follow the new tensors, so that they show the cache's rows and no longer hold the old storage
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.slot == 0:
             self.compressor.select_batch(beam_idx)
+            self._refresh_siblings()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.slot == 0:
             self.compressor.repeat_batch(repeats)
+            self._refresh_siblings()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.slot == 0:
             self.compressor.select_batch(indices)
+            self._refresh_siblings()
 
 
 class SlakeCache(Cache):
@@ -337,6 +347,10 @@ class SlakeCache(Cache):
             numbers of tokens (an earlier forward stopped part-way through the model: an interrupt, or an error in
             a layer).
         """
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 1:
+            # a decode loop's ``position_ids=torch.tensor([pos])``, which transformers broadcasts as ``[[pos]]``:
+            # checked as that row, not passed unchecked
+            position_ids = position_ids[None]
         forward_checks.check_forward(self, num_hidden_layers, query_length, attention_mask, position_ids, batch_size)
 
     def bind_model(self, model) -> None:
