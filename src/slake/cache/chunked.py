@@ -12,6 +12,7 @@ prompt before it selects (a second pass, KVzip; a one-shot selection, SAGE-KV) i
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -192,7 +193,7 @@ class ChunkedPrefill:
         if rows is None:
             store.scores = state.method.decode_scores(inputs).float()
             return
-        picked = {
+        picked: dict[str, Any] = {
             f.name: value[rows]
             for f in dataclasses.fields(inputs)
             if isinstance(value := getattr(inputs, f.name), torch.Tensor) and value.dim() and value.shape[0] == B

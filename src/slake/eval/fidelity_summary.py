@@ -90,7 +90,7 @@ def fidelity_tables(
         if pair not in order[key]:
             order[key].append(pair)
         stratum, sample = (str(r["task"]), int(r["length"])), str(r["sample_id"])
-        if finite:  # a later row of the same sample wins, as in the score tables
+        if finite and kl is not None:  # a later row of the same sample wins, as in the score tables
             groups[key][pair][stratum][sample] = float(kl)
             nonfinite[key][pair].discard(sample)
         else:
