@@ -497,15 +497,24 @@ def test_a_second_writer_of_one_directory_is_refused_until_the_first_closes(tmp_
         pass
 
 
+def _signal_then_wait(started, ready) -> None:
+    started.set()
+    ready.wait(30)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_keep_the_results_directory_locked(tmp_path):
     import multiprocessing
 
+    fork = multiprocessing.get_context("fork")
     writer = ResultsWriter(tmp_path)
-    ready = multiprocessing.get_context("fork").Event()
-    child = multiprocessing.get_context("fork").Process(target=ready.wait, args=(30,))  # a worker outliving the run
+    started, ready = fork.Event(), fork.Event()
+    child = fork.Process(target=_signal_then_wait, args=(started, ready))  # a worker outliving the run
     child.start()
     try:
+        # once the child runs (its at-fork hook has closed its copy of the descriptor; a loaded machine may schedule
+        # it after the parent's next lines, and the copy holds the lock until then)
+        assert started.wait(30)
         writer.close()
         with ResultsWriter(tmp_path):  # the child's copy of the descriptor would still hold the lock
             pass
