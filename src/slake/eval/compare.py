@@ -255,7 +255,7 @@ def _cell(d: PairedDifference | None, fmt: str) -> tuple[str, str]:
     if d is None:
         return "", ""
     text = format(d.diff, fmt)
-    ci = "-" if d.low != d.low else f"[{d.low:{fmt}}, {d.high:{fmt}}]"  # NaN: one sample per task, no interval
+    ci = f"[{d.low:{fmt}}, {d.high:{fmt}}]" if d.measured else "-"  # one sample per task: no interval
     return (f"**{text}**" if d.significant else text), ci
 
 

@@ -113,7 +113,7 @@ def _cell(line: SummaryLine | None) -> str:
     if line is None:
         return ""
     mark = "" if line.complete else FEWER_TASKS  # the line's own tasks only: not comparable with the others
-    if line.interval.low != line.interval.low:  # NaN: one sample per task, no interval (slake.eval.stats)
+    if not line.interval.measured:  # one sample per task: no interval (slake.eval.stats)
         return f"{line.average:.1f}{mark}"
     return f"{line.average:.1f}{mark} [{line.interval.low:.1f}, {line.interval.high:.1f}]"
 

@@ -26,6 +26,7 @@ such a difference is never called significant.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -78,6 +79,11 @@ class Interval:
         """Half the interval's width, in points."""
         return (self.high - self.low) / 2.0
 
+    @property
+    def measured(self) -> bool:
+        """Whether there is an interval (not NaN: some stratum holds two samples or more)."""
+        return not math.isnan(self.low)
+
 
 @dataclass(frozen=True)
 class PairedDifference:
@@ -108,6 +114,11 @@ class PairedDifference:
     p_value: float
     n: int
     confidence: float = DEFAULT_CONFIDENCE
+
+    @property
+    def measured(self) -> bool:
+        """Whether there is an interval (not NaN: some stratum holds two common samples or more)."""
+        return not math.isnan(self.low)
 
     @property
     def significant(self) -> bool:

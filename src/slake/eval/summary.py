@@ -292,7 +292,7 @@ def _fmt(value: float) -> str:
 
 
 def _ci(i: Interval) -> str:
-    return "-" if i.low != i.low else f"[{i.low:.1f}, {i.high:.1f}]"  # NaN: one sample per stratum, no interval
+    return f"[{i.low:.1f}, {i.high:.1f}]" if i.measured else "-"  # one sample per stratum: no interval
 
 
 def _line_name(pair: tuple[str, Any]) -> str:
@@ -345,7 +345,7 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
                 "|---:|---|---|---:|---:|---:|---:|",
             ]
             for d in t.against_best:
-                ci, p = ("-", "-") if d.low != d.low else (f"[{d.low:+.1f}, {d.high:+.1f}]", f"{d.p_value:.3f}")
+                ci, p = (f"[{d.low:+.1f}, {d.high:+.1f}]", f"{d.p_value:.3f}") if d.measured else ("-", "-")
                 out.append(
                     f"| {budget_label(d.a[1])} | {d.a[0]} | {d.b[0]} | {_bold(f'{d.diff:+.1f}', d.significant)} | "
                     f"{ci} | {p} | {d.n} |"
