@@ -11,6 +11,7 @@ Submodules (imported lazily so that ``import slake.eval`` stays cheap):
 * :mod:`~slake.eval.sample` - the :class:`Sample` record.
 * :mod:`~slake.eval.runner` - prefill once, replay every (method, budget), score; rows to ``results.jsonl``.
 * :mod:`~slake.eval.results` - the resumable JSONL results store.
+* :mod:`~slake.eval.provenance` - which code wrote a row (``code_version``).
 * :mod:`~slake.eval.summary` / :mod:`~slake.eval.plots` - ``summary.md``/``.csv``, heatmaps, score vs budget.
 * :mod:`~slake.eval.compare` - lines of several result folders compared on their common samples.
 * :mod:`~slake.eval.suites` / :mod:`~slake.cli.eval` - ``slake eval`` and ``slake make-prompt``.

@@ -14,6 +14,7 @@ Question-agnostic: the context alone is prefilled and compressed, then the quest
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from slake.engines.context import check_context
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.prompts import build_prompt, has_chat_template
+from slake.eval.provenance import code_version, describe_other_code, rows_of_other_code
 from slake.eval.results import (
     FULL_METHOD,
     ResultsWriter,
@@ -183,9 +185,9 @@ def build_row(
     """The result row of one (sample, method, budget), whatever the engine: the fields of
     :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.results.RUN_SETTINGS`: ``engine``,
     ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``, ``gguf_file``,
-    ``weights``), the sample's digest (``sample_digest``: :func:`slake.eval.sample.sample_digest`), the output's
-    accounting,
-    and the engine's own fields (``out.extra``)."""
+    ``weights``), the sample's digest (``sample_digest``: :func:`slake.eval.sample.sample_digest`), the code that
+    made the row (``code_version``: :func:`slake.eval.provenance.code_version`), the output's accounting, and the
+    engine's own fields (``out.extra``)."""
     row: dict[str, Any] = {
         "suite": suite,
         "task": sample.task,
@@ -212,6 +214,7 @@ def build_row(
         "batch_size": out.batch_size,
         "profile": out.profile,
         "sample_digest": sample_digest(sample),
+        "code_version": code_version(),
     }
     row.update(settings)
     if out.hyperparameters is not None:
@@ -396,7 +399,8 @@ def evaluate_suite(
         (:meth:`slake.engines.base.Engine.check`). The resume key does not name the run's settings (engine,
         query-aware prompts, ``kv_dtype``, ``chat_template``, ``max_new_tokens``, the model's dtype): a directory
         holding rows of other settings is refused (:func:`slake.eval.results.check_run_settings`). Rows resumed
-        from a run without ``fidelity`` have no distance fields.
+        from a run without ``fidelity`` have no distance fields. Resumed rows that another code version wrote
+        (:func:`slake.eval.provenance.rows_of_other_code`) are kept, with a warning on the ``slake`` logger.
 
     Returns
     -------
@@ -446,6 +450,9 @@ def evaluate_suite(
         check_results_directory(store, engine, name=name, settings=settings, pairs=pairs, samples=samples)
         if opts.fidelity:
             check_fidelity_rows(store, name, pairs, samples, opts.prefill_chunk)
+        resumed = {_run_key(s, m, b, name, opts.prefill_chunk) for s in samples for m, b in pairs} & store.done
+        if other := rows_of_other_code(store.scan.rows, resumed, code_version()):
+            logging.getLogger("slake").warning(describe_other_code(other, code_version(), store.path))
         requests: list[EvalRequest] = []
         for i, s in enumerate(samples):
             todo = tuple((m, b) for m, b in pairs if _run_key(s, m, b, name, opts.prefill_chunk) not in store)
