@@ -29,6 +29,7 @@ from slake.cache.compressed import CompressedKV
 from slake.cache.quant import dequantize_rows, quantize_rows
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.methods.base import Method, canonical_method_spec, make_method
+from slake.optional_plots import set_log_y
 
 
 @dataclass
@@ -350,7 +351,7 @@ def plot_per_layer(rows: list[dict], path: str) -> None:
         )
     ax.set_xlabel("layer")
     ax.set_ylabel("relative error of attention output")
-    ax.set_yscale("log")
+    set_log_y(ax, [float(r["rel_err"]) for r in rows])  # an error of 0 (nothing evicted) is drawn at 0
     ax.set_title("Attention fidelity vs full cache (decode-step queries)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

@@ -21,6 +21,7 @@ steps (the first prediction is the prefill's).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 from slake.budgets.budget import Budget
 from slake.engines.transformers.teacher_forcing import distances, teacher_forced_logprobs
 from slake.methods.base import Method
+from slake.optional_plots import set_log_y
 
 __all__ = [
     "Continuation",
@@ -40,6 +42,7 @@ __all__ = [
     "measure_outputs",
     "summary_table",
     "plot_kl_vs_budget",
+    "draw_kl_vs_budget",
 ]
 
 
@@ -183,29 +186,39 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def plot_kl_vs_budget(rows: list[dict], path: str) -> None:
-    """KL(full || method) against budget, one line per method, storage and linear cache setting (log scales); saved
-    as PNG."""
+    """KL(full || method) against budget, one line per method, storage and linear cache setting (log scales, a
+    linear segment around 0 where some mean is 0: :func:`draw_kl_vs_budget`); saved as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw_kl_vs_budget(rows, ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_kl_vs_budget(rows: list[dict], ax: Any) -> None:
+    """Draw :func:`plot_kl_vs_budget`'s lines on the matplotlib axes ``ax``.
+
+    A mean KL of 0 (the method kept every token, or reproduced the full cache's distributions exactly) is drawn at 0:
+    the y axis is then symmetric-log, linear below the smallest positive mean (:func:`slake.optional_plots.set_log_y`),
+    where a floor such as 1e-6 on a log axis would draw a made-up value. A NaN mean is left out of its line.
+    """
     by_method: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for (m, lin, b), rs in _groups(rows).items():
         by_method.setdefault((m, _lin(lin)), []).append((float(b), mean_distance(rs)))
     markers = "os^vD<>pxh*+"
     for i, ((m, lin), pts) in enumerate(sorted(by_method.items())):
-        pts.sort()
+        pts = sorted(p for p in pts if not math.isnan(p[1]))
         label = f"{m} + linear cache" if lin == "yes" else m
-        ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], marker=markers[i % len(markers)], label=label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=label)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    set_log_y(ax, [y for pts in by_method.values() for _, y in pts])
     ax.set_xlabel("budget (tokens per layer and KV head)")
     ax.set_ylabel("mean KL(full || compressed), nats/token")
     ax.set_title("Output-level fidelity (teacher-forced next-token distributions)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
