@@ -24,9 +24,14 @@ Generation stops at the ids our side stops at (the requests' ``eos_token_ids``),
 same rule; kvpress's pipeline reads ``model.generation_config.eos_token_id``.
 
 The model: a GGUF file is de-quantised once with transformers (``from_pretrained(..., gguf_file=...)``) and saved as
-a local safetensors directory (``--hf-dir``, default ``~/.cache/slake/kvpress-hf/<file stem>``), which is loaded
-with ``attn_implementation="sdpa"`` in float32: KVzip reads the tokenizer from ``model.config.name_or_path``, which
-needs such a directory.
+a local safetensors directory (``--hf-dir``, default ``~/.cache/slake/kvpress-hf/<file stem>-<8 hex digits>``, the
+digits a hash of the file's location), which is loaded with ``attn_implementation="sdpa"`` in float32: KVzip reads
+the tokenizer from ``model.config.name_or_path``, which needs such a directory. The directory records what it was
+made from (``slake_source.json``, written last): a conversion cut short is made again, and a directory made from
+another GGUF file is refused.
+
+``--tasks`` (comma-separated, as ``slake eval`` takes them) and ``--samples`` select requests; a task the requests
+file does not hold, ``--samples`` below 1, or an empty selection is refused before the model loads.
 
     /work/venv-kvpress/bin/python tools/kvpress_protocol/kvpress_side.py --dir runs/protocol \\
         --presses no_press,snapkv,pyramidkv,tova,streaming_llm,knorm,keydiff,expected_attention,adakv_snapkv,kvzip
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -88,19 +94,71 @@ def make_press(name: str):
 PRESSES = "no_press,snapkv,pyramidkv,tova,streaming_llm,knorm,keydiff,expected_attention,adakv_snapkv,kvzip"
 
 
+#: written into the de-quantised model's directory last: what it was made from (and that it is complete)
+SOURCE_FILE = "slake_source.json"
+
+
+def default_hf_dir(model_path: str, gguf: str) -> Path:
+    """Where a GGUF file is de-quantised to by default: ``~/.cache/slake/kvpress-hf/<file stem>-<8 hex digits>``.
+
+    The digits hash the model's location and file name, so that two GGUF files of the same name in different
+    places (``model.gguf`` of two checkpoints) get different directories.
+
+    Parameters
+    ----------
+    model_path : str
+        The requests' ``model_path`` (a directory or hub id).
+    gguf : str
+        The requests' ``gguf_file`` (a file name inside ``model_path``).
+
+    Returns
+    -------
+    Path
+        The directory (not created).
+    """
+    digest = hashlib.sha256(json.dumps([str(model_path), str(gguf)]).encode("utf-8")).hexdigest()[:8]
+    return Path.home() / ".cache" / "slake" / "kvpress-hf" / f"{Path(gguf).stem}-{digest}"
+
+
+def hf_dir_source(hf_dir: Path) -> dict | None:
+    """What the de-quantised model in ``hf_dir`` was made from (``model_path``, ``gguf_file``), or None when the
+    directory holds no complete conversion (none yet, or one interrupted before its source was recorded)."""
+    path = hf_dir / SOURCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        source = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return source if isinstance(source, dict) else None
+
+
 def load_model(requests: dict, hf_dir: Path | None):
-    """The model and tokenizer, from a local safetensors directory made once from the GGUF file."""
+    """The model and tokenizer, from a local safetensors directory made once from the GGUF file.
+
+    The directory records what it was made from (:data:`SOURCE_FILE`, written after the model and tokenizer): an
+    incomplete one is made again, and one made from another GGUF file is refused (SystemExit) rather than loaded in
+    its place.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, gguf = requests["model_path"], requests.get("gguf_file")
     if gguf:
-        hf_dir = hf_dir or Path.home() / ".cache" / "slake" / "kvpress-hf" / Path(gguf).stem
-        if not (hf_dir / "config.json").is_file():
+        hf_dir = hf_dir or default_hf_dir(path, gguf)
+        wanted = {"model_path": str(path), "gguf_file": str(gguf)}
+        source = hf_dir_source(hf_dir)
+        if source is not None and source != wanted:
+            raise SystemExit(
+                f"{hf_dir} holds the model de-quantised from {source.get('gguf_file')!r} in "
+                f"{source.get('model_path')!r}, not {gguf!r} in {path!r}; give another --hf-dir"
+            )
+        if source is None:
             model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf)
             model.save_pretrained(hf_dir)
             tok.save_pretrained(hf_dir)
             del model
+            (hf_dir / SOURCE_FILE).write_text(json.dumps(wanted) + "\n", encoding="utf-8")
         path = str(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     return model, AutoTokenizer.from_pretrained(path)
@@ -225,8 +283,10 @@ def run_request(model, tok, req: dict, names: list[str], ratios: list[float], eo
             finally:
                 for h in hooks:
                     h.remove()
-            prefill_s = time.perf_counter() - start
-        kvzip_s = time.perf_counter() - start - prefill_s
+            prefill_end = time.perf_counter()
+        kvzip_s = time.perf_counter() - prefill_end
+        # the prefill alone: the hook's calls of every press's compress ran inside it (each is in its compress_s)
+        prefill_s = prefill_end - start - sum(cap.seconds.values())
         if kvzip is not None:
             kvzip_scores = recorded[0]
     full = {i: (k, v, None) for i, (k, v) in cap.full.items()}
@@ -234,7 +294,7 @@ def run_request(model, tok, req: dict, names: list[str], ratios: list[float], eo
     if "no_press" in names:
         configs.append(("no_press", None, full, 0.0))
     for (name, r), kept in cap.kept.items():
-        configs.append((name, r, kept, cap.seconds[(name, r)] - 0.0))
+        configs.append((name, r, kept, cap.seconds[(name, r)]))
     if kvzip is not None:
         from kvpress import KVzipPress
 
@@ -297,6 +357,54 @@ def check_native(model, tok, req: dict, names: list[str], ratio: float, eos: set
         print(f"check-native {name:>22} @ {ratio}: tokens equal {gen == ours[name]}", flush=True)
 
 
+def select_requests(requests: list[dict], tasks: str | None, samples: int | None) -> list[dict]:
+    """The requests ``--tasks`` and ``--samples`` select, in the file's order.
+
+    Parameters
+    ----------
+    requests : list of dict
+        The requests file's ``requests``.
+    tasks : str or None
+        ``--tasks``: comma-separated task names (spaces around a name ignored); None for every task.
+    samples : int or None
+        ``--samples``: the first N requests of each task; None for all.
+
+    Returns
+    -------
+    list of dict
+        The selected requests.
+
+    Raises
+    ------
+    SystemExit
+        For a task the file does not hold (naming those it holds), ``--samples`` below 1, or nothing selected.
+    """
+    todo = list(requests)
+    if tasks is not None:
+        wanted = [t.strip() for t in tasks.split(",") if t.strip()]
+        known = list(dict.fromkeys(r["task"] for r in requests))
+        unknown = [t for t in wanted if t not in known]
+        if not wanted or unknown:
+            raise SystemExit(
+                f"--tasks {tasks!r}: no requests of {', '.join(unknown) or 'any task'}; the requests file holds "
+                f"{', '.join(known) or 'none'}"
+            )
+        todo = [r for r in todo if r["task"] in wanted]
+    if samples is not None:
+        if samples < 1:
+            raise SystemExit(f"--samples must be at least 1, got {samples}")
+        seen: dict[str, int] = {}
+        kept = []
+        for r in todo:
+            seen[r["task"]] = seen.get(r["task"], 0) + 1
+            if seen[r["task"]] <= samples:
+                kept.append(r)
+        todo = kept
+    if not todo:
+        raise SystemExit("the requests file holds no request to run")
+    return todo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True, help="the --out folder of slake eval --protocol kvpress")
@@ -306,25 +414,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=None, help="only the first N samples of each task")
     ap.add_argument("--check-native", action="store_true", help="compare with kvpress's own path on one sample")
     args = ap.parse_args()
-    requests = json.loads((args.dir / REQUESTS_FILE).read_text())
-    names = [n.strip() for n in args.presses.split(",") if n.strip()]
+    requests = json.loads((args.dir / REQUESTS_FILE).read_text(encoding="utf-8"))
+    names = list(dict.fromkeys(n.strip() for n in args.presses.split(",") if n.strip()))
+    if not names:
+        raise SystemExit("--presses names no press")
     for n in names:
         make_press(n)  # unknown names fail before the model loads
+    todo = select_requests(requests["requests"], args.tasks, args.samples)  # so do unknown tasks
     ratios = [float(r) for r in requests["compression_ratios"]]
     eos = set(requests["eos_token_ids"])
     model, tok = load_model(requests, args.hf_dir)
-    todo = requests["requests"]
-    if args.tasks:
-        wanted = set(args.tasks.split(","))
-        todo = [r for r in todo if r["task"] in wanted]
-    if args.samples is not None:
-        seen: dict[str, int] = {}
-        kept = []
-        for r in todo:
-            seen[r["task"]] = seen.get(r["task"], 0) + 1
-            if seen[r["task"]] <= args.samples:
-                kept.append(r)
-        todo = kept
     if args.check_native:
         check_native(model, tok, todo[0], [n for n in names if n != "kvzip"], 0.5, eos)
         return

@@ -8,6 +8,10 @@ Inputs: the captured cases of ``capture.py`` and the ``ref.pt`` of ``reference_s
 * ``tests/fixtures/reference/summary.json``: agreement per reference output over every layer and case (the
   numbers of ``docs/faithfulness.md``).
 
+A ``ref.pt`` in which a reference failed (``reference_side.py`` records the failure and goes on) is refused unless
+``--allow-failures`` is given (the fixtures would lack its comparisons), as is a default-model capture other than
+``FIXTURE_MODEL``'s (the committed ``model_*`` fixture would be left stale).
+
 Usage: ``PYTHONPATH=src python tools/reference/compare.py --cases /tmp/slake-ref --ref /tmp/slake-ref/ref.pt``
 """
 
@@ -104,13 +108,48 @@ def compare_kvzip(case: dict, res: dict, stem: str, kind: str, agg, fixtures: di
         fx["meta"]["hq"] = int(case["queries"].shape[1])
 
 
+def check_ref(ref: dict, allow_failures: bool = False) -> None:
+    """Refuse a ``ref.pt`` whose fixtures would be silently incomplete or stale.
+
+    Parameters
+    ----------
+    ref : dict
+        ``reference_side.py``'s output: ``versions``, ``failures``, ``cases``.
+    allow_failures : bool
+        ``--allow-failures``: go on where a reference failed (its comparisons are then missing from the fixtures).
+
+    Raises
+    ------
+    SystemExit
+        Where a reference failed (``reference_side.py`` records the failure and goes on: written as they are, the
+        fixtures and ``summary.json`` would drop that reference's comparisons without a word), or where the default
+        model's cases do not include :data:`FIXTURE_MODEL`'s capture (the committed ``model_*`` fixture would be left
+        as it was while ``summary.json`` describes another capture).
+    """
+    failures = ref.get("failures") or {}
+    if failures and not allow_failures:
+        lines = "\n".join(f"  {name}: {str(why).strip().splitlines()[-1] if str(why).strip() else why}"
+                          for name, why in failures.items())
+        raise SystemExit(f"reference_side.py recorded failures; fix them and run it again (or pass "
+                         f"--allow-failures to write the fixtures without those comparisons):\n{lines}")
+    stems = {key.split("/")[0] for key in ref.get("cases", {})}
+    models = sorted(s for s in stems if s.startswith("model_"))
+    if models and FIXTURE_MODEL[0] not in stems:
+        raise SystemExit(f"the captured model cases are {', '.join(models)}, not {FIXTURE_MODEL[0]} whose layer "
+                         f"{FIXTURE_MODEL[1]} the fixtures hold: the capture changed; set FIXTURE_MODEL in "
+                         f"{Path(__file__).name} (and the tests and docs that name it)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=Path, required=True)
     ap.add_argument("--ref", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--allow-failures", action="store_true",
+                    help="write the fixtures even where a reference failed (its comparisons are then missing)")
     args = ap.parse_args()
     ref = torch.load(args.ref)
+    check_ref(ref, args.allow_failures)
     args.out.mkdir(parents=True, exist_ok=True)
     agg = defaultdict(lambda: defaultdict(list))  # key -> metric -> values (over cases and layers)
     fixtures: dict[str, dict] = {}

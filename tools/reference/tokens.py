@@ -152,10 +152,14 @@ def ours_side(work: Path, only: list[str] | None = None) -> None:
     import slake
 
     cases = json.loads((work / "cases.json").read_text())
+    by_name = {c["name"]: c for c in cases["cases"]}
+    unknown = [n for n in only or [] if n not in by_name]
+    if unknown:  # before the model loads
+        raise SystemExit(f"--cases {' '.join(unknown)}: not in {work / 'cases.json'} ({', '.join(by_name)})")
+    todo = cases["cases"] if not only else [by_name[n] for n in only]
     model, tokenizer = slake.load_model(device="cpu", dtype="float32")
     path = work / "ours.json"
     res = json.loads(path.read_text()) if path.exists() else {}  # resumes: written after every case
-    todo = cases["cases"] if not only else [next(c for c in cases["cases"] if c["name"] == n) for n in only]
     for case in todo:
         for key, spec in OURS.items():
             if key in res.get(case["name"], {}):
@@ -314,6 +318,10 @@ def main() -> None:
     ap.add_argument("--kvpress-venv", type=Path)
     ap.add_argument("--out", type=Path, default=FIXTURE)
     args = ap.parse_args()
+    if args.step in ("run", "prepare") and not args.prompts:
+        ap.error(f"{args.step} needs --prompts")
+    if args.step == "run" and args.kvpress_venv is None:
+        ap.error("run needs --kvpress-venv (the kvpress step runs with its interpreter)")
     args.work.mkdir(parents=True, exist_ok=True)
     if args.step == "prepare":
         prepare(args.prompts, args.work)
