@@ -7,8 +7,9 @@ through the environment variable ``SLAKE_VLLM`` holding the same JSON object (``
 drivers state every configuration so, :func:`slake.engines.vllm.runner.engine_kwargs`). Keys: ``method`` (a name or
 spec such as ``snapkv[window=16]``), ``budget`` (an absolute token count), ``set`` (optional hyperparameter
 overrides), ``kernels`` (optional: the decode step's implementation, ``"auto"``, ``"torch"`` or ``"triton"``, as the
-transformers engine's ``kernels``, :func:`slake.cache.compressed.resolve_kernels`; default ``"auto"``). Without
-``method`` and ``budget``, the plugin changes nothing.
+transformers engine's ``kernels``, :func:`slake.cache.compressed.resolve_kernels`; default ``"auto"``). Without a
+configuration (no ``"slake"`` key and no variable, or ``null``/``false`` in either) the plugin changes nothing; a
+configuration without ``method`` or ``budget`` is refused, never run as plain vLLM.
 
 The plugin applies the model's hyperparameter profile itself (:func:`slake.methods.profiles.resolve_method`, from
 the config of the model vLLM loads, as the transformers engine does from its model), so ``vllm serve`` with a bare
@@ -48,6 +49,7 @@ SUPPORTED_METHODS = (
 PREFERENCE_METHODS = ("cake", "slake")
 #: default ``max_layer_budget`` of preference methods in vLLM, as a multiple of the budget
 DEFAULT_LAYER_CAP_FACTOR = 2
+_RATIO_REFUSAL = "slake: the vLLM plugin needs an absolute budget in tokens (e.g. 128), not a ratio"
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class SlakeVllmConfig:
 
 def _raw_from(additional_config: Any) -> dict | None:
     """The raw configuration: ``additional_config["slake"]`` when the key is there (``null`` or ``false``: plain vLLM,
-    stated explicitly, whatever ``SLAKE_VLLM`` holds), else the ``SLAKE_VLLM`` variable's, else None."""
+    stated explicitly, whatever ``SLAKE_VLLM`` holds), else the ``SLAKE_VLLM`` variable's (``null`` or ``false``
+    there: plain vLLM too), else None."""
     if isinstance(additional_config, dict) and "slake" in additional_config:
         raw = additional_config["slake"]
         if isinstance(raw, str):
@@ -162,11 +165,12 @@ def _raw_from(additional_config: Any) -> dict | None:
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         try:
-            return json.loads(env)
+            raw = json.loads(env)
         except json.JSONDecodeError as exc:
             raise ValueError(
                 f'slake: {ENV_VAR} must hold a JSON object such as {{"method": "snapkv", "budget": 128}}: {exc}'
             ) from None
+        return None if raw is None or raw is False else raw  # as a "slake" key holding null or false
     return None
 
 
@@ -305,17 +309,21 @@ def check_supported(method: Method, budget: Budget) -> None:
             f"table is shared by all layers), got {cap}"
         )
     if budget.is_ratio:
-        raise ValueError("slake: the vLLM plugin needs an absolute budget in tokens (e.g. 128), not a ratio")
+        raise ValueError(_RATIO_REFUSAL)
     check_protected(method, budget)
 
 
-#: ``--dtype`` spellings of the slake CLI -> vLLM dtype names (float32 when unset)
-_VLLM_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32"})
+#: ``--dtype`` spellings of the slake CLI -> vLLM dtype names: float32 when unset or ``auto``, as the transformers
+#: engine reads them on CPU (:func:`slake.engines.transformers.models.parse_dtype`), the only device ``--engine vllm``
+#: runs on; vLLM's own ``auto`` would run bfloat16 there, even for a float32 checkpoint
+_VLLM_DTYPES = MappingProxyType(
+    {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32", "auto": "float32"}
+)
 
 
 def vllm_dtype(dtype: str | None) -> str:
-    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None for float32), in any
-    case."""
+    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None or ``auto`` for
+    float32, the transformers engine's default on CPU), in any case."""
     if isinstance(dtype, str):
         dtype = dtype.strip().lower()
     return _VLLM_DTYPES.get(dtype) or str(dtype)
@@ -344,20 +352,20 @@ def plugin_config(method: Method | str, budget: Budget, *, kernels: str = "auto"
     cache), as a user of ``vllm serve`` writes it: the method (name or spec), the budget, and in ``set`` only what
     the caller sets (``overrides``), so that the plugin applies the model's profile itself. A built
     :class:`~slake.methods.base.Method` is used exactly as given: all its hyperparameters go into ``set``.
-    ``kernels`` other than ``"auto"`` (the plugin's default) goes in as ``"kernels"``."""
+    ``kernels`` other than ``"auto"`` (the plugin's default) goes in as ``"kernels"``. A ratio budget is refused
+    (``ValueError``, as the plugin refuses it), except for the full cache."""
     kernels = check_kernels(kernels)
+    if (method if isinstance(method, Method) else make_method(method)).keeps_everything:
+        return None
+    if budget.is_ratio:  # int() of the ratio wrote "budget": 0, which the plugin refused as below one token
+        raise ValueError(_RATIO_REFUSAL)
+    cfg: dict[str, Any] = {"method": str(method), "budget": int(budget.value)}
     if isinstance(method, Method):
-        if method.keeps_everything:
-            return None
         if overrides:
             raise ValueError("pass hyperparameters either on the Method object or as overrides, not both")
-        cfg: dict[str, Any] = {"method": method.name, "budget": int(budget.value), "set": method.hyperparameters()}
-    elif make_method(method).keeps_everything:
-        return None
-    else:
-        cfg = {"method": str(method), "budget": int(budget.value)}
-        if overrides:
-            cfg["set"] = dict(overrides)
+        cfg = {"method": method.name, "budget": int(budget.value), "set": method.hyperparameters()}
+    elif overrides:
+        cfg["set"] = dict(overrides)
     if kernels != "auto":
         cfg["kernels"] = kernels
     return cfg
