@@ -51,6 +51,7 @@ class WindowLayer(CacheLayerMixin):
         positions, its own included.
     max_cache_len : int
         Positions the cache serves (prompt + new tokens); the ring holds ``min(sliding_window, max_cache_len)`` slots.
+        A ring shorter than the window refuses a token past ``max_cache_len`` (``_slot_within_capacity``).
     """
 
     is_compileable = True
@@ -65,8 +66,12 @@ class WindowLayer(CacheLayerMixin):
         if int(sliding_window) < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.window = min(int(sliding_window), int(max_cache_len))
+        #: the positions the ring serves when it is shorter than the window (``max_cache_len``), else None: past
+        #: them a ring of ``max_cache_len`` slots would overwrite a position its window still sees
+        self.capacity = int(max_cache_len) if self.window < int(sliding_window) else None
         self.prompt_keys: torch.Tensor | None = None  # the prompt's keys until its attention has run
         self.prompt_len = 0
+        self._host_len = 0  # the positions written, counted in eager steps only (a compiled step counts nothing)
 
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -97,7 +102,7 @@ class WindowLayer(CacheLayerMixin):
             self.values.index_copy_(2, slots, value_states[:, :, n - keep :])
             self.positions.index_copy_(1, slots, pos.expand(self.positions.shape[0], keep))
             self.counter.fill_(n)
-            self.prompt_len = n
+            self.prompt_len = self._host_len = n
             self.prompt_keys = key_states
             _set_current(self)
             return key_states, value_states
@@ -107,12 +112,31 @@ class WindowLayer(CacheLayerMixin):
                 f"got {n} tokens (build the cache without max_cache_len for this use)"
             )
         slot = torch.remainder(self.counter, self.window).view(1)
+        if self.capacity is not None:
+            slot = self._slot_within_capacity(slot, self.capacity)
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)
         self.positions.index_copy_(1, slot, self.counter.view(1, 1).expand(self.positions.shape[0], 1))
         self.counter.add_(1)
         _set_current(self)
         return self.keys, self.values
+
+    def _slot_within_capacity(self, slot: torch.Tensor, capacity: int) -> torch.Tensor:
+        """``slot``, or for a token past :attr:`capacity` (a ring shorter than the window, decoded past the
+        ``max_cache_len`` it was built for) a refusal: eagerly a ValueError (counted on the host), in a compiled step
+        an index past the ring, which the write refuses (an index error; a device assert on CUDA), instead of
+        overwriting the oldest slot, which the window still sees (the step answered silently from a cache that had
+        lost a token)."""
+        if torch.compiler.is_compiling():
+            return torch.where(self.counter < capacity, slot, torch.full_like(slot, self.window))
+        if self._host_len >= capacity:
+            raise ValueError(
+                f"this SlakeCache was built with max_cache_len={capacity}: its sliding-window layers keep "
+                f"{capacity} positions (fewer than the model's window), and position {self._host_len} was decoded; "
+                f"build it with max_cache_len >= prompt + new tokens"
+            )
+        self._host_len += 1
+        return slot
 
     def finish_prompt(self, attention_mask: torch.Tensor | None) -> None:
         """Mark the kept prompt slots that hold padding tokens empty (called by the attention function with the
