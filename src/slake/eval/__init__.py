@@ -7,6 +7,7 @@ Submodules (imported lazily so that ``import slake.eval`` stays cheap):
 * :mod:`~slake.eval.ruler` - the 13 RULER tasks.
 * :mod:`~slake.eval.longbench` / :mod:`~slake.eval.longbench_config` - LongBench v1.
 * :mod:`~slake.eval.prompts` - chat-template prompts, query-aware or question-agnostic.
+* :mod:`~slake.eval.encoding` - a sample's prompt as token ids (``encode_sample``).
 * :mod:`~slake.eval.metrics` - LongBench, RULER and needle scoring.
 * :mod:`~slake.eval.sample` - the :class:`Sample` record.
 * :mod:`~slake.eval.runner` - prefill once, replay every (method, budget), score; rows to ``results.jsonl``.

@@ -218,7 +218,7 @@ def write_requests(
 ) -> Path:
     """Write ``DIR/kvpress_requests.json``: every sample's token ids as our side prefills them, for the kvpress side.
 
-    The ids come from :func:`slake.eval.runner.encode_sample` with question-agnostic prompts, the function the runner
+    The ids come from :func:`slake.eval.encoding.encode_sample` with question-agnostic prompts, the function the runner
     uses, so both sides see the same context ids (compressed) and question ids (fed after compression).
 
     Parameters
@@ -246,7 +246,8 @@ def write_requests(
         The file written, atomically (a temporary file renamed over it). A file of another model or protocol in the
         same folder is refused (ValueError), as is one :func:`read_requests` cannot read.
     """
-    from slake.eval.runner import encode_sample, target_length
+    from slake.eval.encoding import encode_sample
+    from slake.eval.runner import target_length
     from slake.eval.sample import sample_digest
 
     path = Path(out_dir) / REQUESTS_FILE

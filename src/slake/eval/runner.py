@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from slake.budgets.budget import Budget
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest, Pair
 from slake.engines.context import check_context
+from slake.eval.encoding import encode_sample
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
-from slake.eval.prompts import build_prompt, has_chat_template
 from slake.eval.provenance import code_version, describe_other_code, rows_of_other_code
 from slake.eval.results import (
     FULL_METHOD,
@@ -140,26 +140,6 @@ def check_pairs(methods: Sequence[str], budgets: Sequence[int | float]) -> None:
 def target_length(sample: Sample) -> int:
     """The length a sample was generated for (``metadata["target_length"]``), else its achieved length."""
     return int(sample.metadata.get("target_length", sample.length))
-
-
-def encode_sample(
-    sample: Sample, tokenizer: Any, *, query_aware: bool = True, chat_template: bool = True
-) -> tuple[list[int], list[int]]:
-    """Token ids of the prompt: ``(prefill_ids, question_ids)``.
-
-    Query-aware: the whole prompt is prefilled and ``question_ids`` is empty. Question-agnostic: the context part
-    is prefilled, the question part (with the chat template's closing tokens) is fed after compression. Special
-    tokens (BOS) are added only when no chat template is used (the template writes its own).
-    """
-    use_chat = chat_template and sample.use_chat_template and has_chat_template(tokenizer)
-    built = build_prompt(sample, tokenizer, chat_template=chat_template, query_aware=query_aware)
-    if isinstance(built, str):
-        return list(tokenizer.encode(built, add_special_tokens=not use_chat)), []
-    context, question = built
-    return (
-        list(tokenizer.encode(context, add_special_tokens=not use_chat)),
-        list(tokenizer.encode(question, add_special_tokens=False)) if question else [],
-    )
 
 
 def decode_text(tokenizer: Any, tokens: list[int], eos: list[int]) -> str:
