@@ -64,9 +64,11 @@ def needle_essays(monkeypatch):
     monkeypatch.setattr(suites, "build_samples", lambda plan, tokenizer: real_build(plan, tokenizer, essays=ESSAYS))
 
 
-def _run(model, out, *extra):
+def _run(model, out, *extra, tok=None):
+    """``slake eval`` on ``model``; ``tok``: the tokenizer (a new TinyTokenizer by default, whose ids depend on what it
+    has encoded: runs that resume each other's samples share one, or their ids differ, which a rerun refuses)."""
     args = _eval_args(out, "--methods", "snapkv", "--budgets", "40", "--lengths", "200", "--depths", "0", *extra)
-    cmd_eval(args, engine=TransformersEngine(loader=_loader(model, TinyTokenizer())))
+    cmd_eval(args, engine=TransformersEngine(loader=_loader(model, tok or TinyTokenizer())))
 
 
 def test_a_results_directory_refuses_other_weights_under_the_same_name(tmp_path, needle_essays):
@@ -123,14 +125,15 @@ def test_a_results_directory_refuses_other_profile_values(tmp_path, needle_essay
     entry = {"method": "slake", "budget": 40, "values": {"alpha": 3.0, "beta": 0.0}, "context": {}}
     write_entry(model_identity(model), entry, folder=Path(profiles))
     out = tmp_path / "run"
-    _run(model, out, "--methods", "slake")
+    tok = TinyTokenizer()
+    _run(model, out, "--methods", "slake", tok=tok)
     assert {r["profile"]["values"]["alpha"] for r in read_results(out) if r["method"] == "slake"} == {3.0}
-    _run(model, out, "--methods", "slake", "--depths", "0,100")  # the same profile resumes
+    _run(model, out, "--methods", "slake", "--depths", "0,100", tok=tok)  # the same profile resumes
     monkeypatch.setenv("SLAKE_NO_PROFILE", "1")
     with pytest.raises(ValueError, match="profile"):  # before: resumed, one line of two sets of hyperparameters
-        _run(model, out, "--methods", "slake", "--depths", "0,50,100")
+        _run(model, out, "--methods", "slake", "--depths", "0,50,100", tok=tok)
     # snapkv has no profile entry either way: its rows resume
-    _run(model, out, "--methods", "snapkv", "--depths", "0,100")
+    _run(model, out, "--methods", "snapkv", "--depths", "0,100", tok=tok)
     assert os.environ["SLAKE_NO_PROFILE"] == "1"
 
 

@@ -4,12 +4,14 @@ requests (:mod:`slake.eval.protocol`) both encode with it."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from slake.eval.prompts import build_prompt, has_chat_template
 from slake.eval.sample import Sample
 
-__all__ = ["encode_sample"]
+__all__ = ["encode_sample", "ids_digest"]
 
 
 def encode_sample(
@@ -67,3 +69,16 @@ def encode_sample(
     if shared == 0:
         return context_ids, question_ids
     return full[:shared], full[shared:]
+
+
+def ids_digest(prefill_ids: Sequence[int], question_ids: Sequence[int]) -> str:
+    """16 hex digits of SHA-256 over a prompt's token ids (:func:`encode_sample`'s two lists, told apart).
+
+    :func:`slake.eval.sample.sample_digest` names a sample's text; the same text gives other ids under another
+    tokenizer (a transformers release that changed it, another tokenizer file under the same model name) or another
+    way of encoding it. Result rows record this digest (``ids_digest``), and a run refuses to add rows to a sample whose
+    earlier rows were made from other ids (:func:`slake.eval.results.check_ids_digests`): one sample's methods would
+    otherwise be compared on two different prompts.
+    """
+    payload = ",".join(map(str, prefill_ids)) + "|" + ",".join(map(str, question_ids))
+    return hashlib.sha256(payload.encode("ascii")).hexdigest()[:16]

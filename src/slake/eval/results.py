@@ -36,6 +36,7 @@ __all__ = [
     "summary_view",
     "PER_MODEL_SETTINGS",
     "RUN_SETTINGS",
+    "check_ids_digests",
     "check_metrics",
     "check_profiles",
     "check_sample_digests",
@@ -464,6 +465,23 @@ def check_sample_digests(store: ResultsWriter, model: str, digests: dict[tuple[s
             f"{store.path} holds rows of {shown} made from another prompt than this run's sample of the same id (other "
             "essays or data installed, or a generator or dataset file that has changed since); the resume key names "
             "the sample by its id, so this run would take those rows for its own: write it to its own --out directory"
+        )
+
+
+def check_ids_digests(store: ResultsWriter, model: str, digests: dict[tuple[str, str, int], str]) -> None:
+    """Raise ``ValueError`` when ``store`` holds rows of ``model`` for a sample of ``digests`` (``{(task, sample_id,
+    length): digest}``, :func:`slake.eval.encoding.ids_digest`, for the samples this run will add rows to) made from
+    other token ids than this run's: the same text tokenized otherwise (another tokenizer under the same model name, a
+    transformers release that tokenizes it differently, a change to how prompts are encoded). The new rows would sit
+    beside the old ones in one sample's comparisons. Rows without the digest (written before it was recorded) are not
+    compared."""
+    differ = list(dict.fromkeys(_sample_key(r)[1] for r in _rows_differing(store, model, "ids_digest", digests)))
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise ValueError(
+            f"{store.path} holds rows of {shown} made from other token ids than this run's prompt of the same text "
+            "(another tokenizer or transformers release, or another way of encoding prompts); this run would add rows "
+            "beside them and compare methods on two prompts: write it to its own --out directory"
         )
 
 

@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 from slake.budgets.budget import Budget
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest, Pair
 from slake.engines.context import check_context
-from slake.eval.encoding import encode_sample
+from slake.eval.encoding import encode_sample, ids_digest
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.provenance import code_version, describe_other_code, rows_of_other_code
 from slake.eval.results import (
     FULL_METHOD,
     ResultsWriter,
+    check_ids_digests,
     check_metrics,
     check_profiles,
     check_run_settings,
@@ -161,12 +162,14 @@ def build_row(
     model_name: str,
     seed: int,
     settings: dict[str, Any],
+    ids: str | None = None,
 ) -> dict[str, Any]:
     """The result row of one (sample, method, budget), whatever the engine: the fields of
     :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.results.RUN_SETTINGS`: ``engine``,
     ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``, ``gguf_file``,
     ``weights``), the sample's digest (``sample_digest``: :func:`slake.eval.sample.sample_digest`), the code that
-    made the row (``code_version``: :func:`slake.eval.provenance.code_version`), the output's accounting, and the
+    made the row (``code_version``: :func:`slake.eval.provenance.code_version`), the digest of the prompt's token ids
+    where given (``ids_digest``: ``ids``, :func:`slake.eval.encoding.ids_digest`), the output's accounting, and the
     engine's own fields (``out.extra``)."""
     row: dict[str, Any] = {
         "suite": suite,
@@ -196,6 +199,8 @@ def build_row(
         "sample_digest": sample_digest(sample),
         "code_version": code_version(),
     }
+    if ids is not None:
+        row["ids_digest"] = ids
     row.update(settings)
     if out.hyperparameters is not None:
         row["hyperparameters"] = out.hyperparameters
@@ -434,6 +439,7 @@ def evaluate_suite(
         if other := rows_of_other_code(store.scan.rows, resumed, code_version()):
             logging.getLogger("slake").warning(describe_other_code(other, code_version(), store.path))
         requests: list[EvalRequest] = []
+        encoded: dict[int, str] = {}  # the ids digest of every sample this run adds rows to
         for i, s in enumerate(samples):
             todo = tuple((m, b) for m, b in pairs if _run_key(s, m, b, name, opts.prefill_chunk) not in store)
             if not todo:
@@ -443,6 +449,7 @@ def evaluate_suite(
             )
             if not prefill_ids:
                 raise ValueError(f"sample {s.sample_id!r} has an empty prompt")
+            encoded[i] = ids_digest(prefill_ids, question_ids)
             cap = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, max_new_tokens)
             requests.append(
                 EvalRequest(
@@ -454,6 +461,8 @@ def evaluate_suite(
                     pairs=todo,
                 )
             )
+        keys = {(samples[i].task, samples[i].sample_id, target_length(samples[i])): d for i, d in encoded.items()}
+        check_ids_digests(store, name, keys)
         if not opts.allow_long_context:
             check_requests_fit(requests, samples, engine.context_limit)
         check_ratio_budgets(requests)
@@ -478,6 +487,7 @@ def evaluate_suite(
                 model_name=name,
                 seed=seed,
                 settings=settings,
+                ids=encoded[out.key],
             )
             if store.write(row):
                 written.append(row)
