@@ -94,3 +94,20 @@ def test_smollm2_keeps_the_separate_encoding_of_kvpress_pipeline():
         ctx, question = encode_sample(RULER_LIKE, tok, query_aware=False, chat_template=chat)
         assert ctx[-1] == tok.encode("\n\n")[0] and len(ctx) + len(question) == len(full) - 1
         assert tok.decode(ctx + question) == tok.decode(full)
+
+
+def test_an_empty_chat_template_is_no_template_for_eval_as_for_generate():
+    """``chat_template = ""`` counted as a template for ``slake eval`` (has_chat_template: not None) and as none for
+    ``slake generate`` (uses_chat_template: falsy), so one tokenizer's prompts were sent two ways."""
+    from slake.engines.transformers.generate import uses_chat_template
+    from slake.eval.prompts import has_chat_template
+
+    class Tok:
+        chat_template = ""
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            raise AssertionError("an empty template is not rendered")
+
+    assert has_chat_template(Tok()) is False is uses_chat_template(Tok())
+    Tok.chat_template = "{{ messages }}"
+    assert has_chat_template(Tok()) is True is uses_chat_template(Tok())

@@ -29,11 +29,13 @@ def build_messages(sample: Sample, system: str | None = None) -> list[dict[str, 
 
 
 def has_chat_template(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` can render chat messages."""
+    """Whether ``tokenizer`` can render chat messages: it has ``apply_chat_template`` and a template that is not empty
+    (None or ``""``: none, as :func:`slake.engines.transformers.generate.uses_chat_template` reads it, so that
+    ``slake eval`` and ``slake generate`` send one tokenizer's prompts alike; a tokenizer without the attribute is
+    taken at its method's word)."""
     if not hasattr(tokenizer, "apply_chat_template"):
         return False
-    template = getattr(tokenizer, "chat_template", "present")
-    return template is not None
+    return bool(getattr(tokenizer, "chat_template", "present"))
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
