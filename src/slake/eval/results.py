@@ -458,9 +458,7 @@ def check_sample_digests(store: ResultsWriter, model: str, digests: dict[tuple[s
     a generator whose wording has changed or an edited LongBench file would be taken for this run's and summarised as
     its own. Rows without a digest (written before it was recorded) are not compared.
     """
-    differ = list(dict.fromkeys(_sample_key(r)[1] for r in _rows_differing(store, model, "sample_digest", digests)))
-    if differ:
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    if shown := _samples_differing(store, model, "sample_digest", digests):
         raise ValueError(
             f"{store.path} holds rows of {shown} made from another prompt than this run's sample of the same id (other "
             "essays or data installed, or a generator or dataset file that has changed since); the resume key names "
@@ -475,14 +473,18 @@ def check_ids_digests(store: ResultsWriter, model: str, digests: dict[tuple[str,
     transformers release that tokenizes it differently, a change to how prompts are encoded). The new rows would sit
     beside the old ones in one sample's comparisons. Rows without the digest (written before it was recorded) are not
     compared."""
-    differ = list(dict.fromkeys(_sample_key(r)[1] for r in _rows_differing(store, model, "ids_digest", digests)))
-    if differ:
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    if shown := _samples_differing(store, model, "ids_digest", digests):
         raise ValueError(
             f"{store.path} holds rows of {shown} made from other token ids than this run's prompt of the same text "
             "(another tokenizer or transformers release, or another way of encoding prompts); this run would add rows "
             "beside them and compare methods on two prompts: write it to its own --out directory"
         )
+
+
+def _samples_differing(store: ResultsWriter, model: str, field: str, wanted: dict[tuple[str, str, int], str]) -> str:
+    """The sample ids of :func:`_rows_differing`'s rows, first five named (``"a, b and 3 more"``); ``""`` for none."""
+    differ = list(dict.fromkeys(_sample_key(r)[1] for r in _rows_differing(store, model, field, wanted)))
+    return ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
 
 
 def _sample_key(row: dict[str, Any]) -> tuple[str, str, int]:
