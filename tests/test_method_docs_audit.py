@@ -206,3 +206,14 @@ def test_parser_reads_the_formats() -> None:
     assert _strip_remark("20, true ([PyramidKV](baselines.md#pyramidkv))") == "20, true"
     with pytest.raises(ValueError):
         parse_value("twenty")
+
+
+def test_slake_budget_hint_below_the_protected_tokens_is_refused():
+    """``budget_hint`` took any value >= 0: below the window, VABS's ``C - window`` went negative and the uniform split
+    became the window split without a word, for a budget the engines refuse."""
+    from slake.methods.slake import Slake
+
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match="budget_hint must be at least"):
+            Slake(window=8, budget_hint=bad)
+    assert Slake(window=8, budget_hint=8).budget_hint == 8

@@ -264,9 +264,10 @@ class Slake(Cake):
         True: VABS preference; False: CAKE's ``H^(1/tau1) V^(1/tau2)`` (ablation).
     budget_hint : int | None
         Average per-layer budget ``C`` (window included) for VABS's provisional split. When None (default), the
-        compressor's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it. Only the ``"uniform"``
-        split reads it: under ``"taylor"`` (the default) and ``"window"`` the preference does not depend on the budget
-        (it decides only whether a prompt fits it and is left uncompressed).
+        compressor's per-sequence ``PrefillInputs.budget`` is used; when set, it overrides it, and must be at least
+        ``max(1, sinks + window)``, as a budget must. The ``"uniform"`` split chooses tokens by it; under ``"taylor"``
+        (the default) and ``"window"`` it decides only whether a prompt fits it (every layer's preference is then
+        ``eps``: uniform layer budgets).
     vabs_split : str
         Which tokens VABS's PTAA error map linearises (``docs/methods/slake.md#the-provisional-split``). The paper says
         only that "in the prefill stage, SLAKE first performs VABS, which considers both the linear approximation error
@@ -310,8 +311,13 @@ class Slake(Cake):
             raise ValueError(
                 f"{self.name}: need alpha, beta >= 0 and gamma_v > 0 (got {self.alpha}, {self.beta}, {self.gamma_v})"
             )
-        if self.budget_hint is not None and self.budget_hint < 0:
-            raise ValueError(f"{self.name}: budget_hint must be >= 0, got {self.budget_hint}")
+        if self.budget_hint is not None and self.budget_hint < max(1, self.protected):
+            # C - window below 0 made the uniform split the window one without a word; the engines refuse such a
+            # budget itself (slake.methods.budget_check)
+            raise ValueError(
+                f"{self.name}: budget_hint must be at least the protected tokens (sinks + window = {self.protected}) "
+                f"and 1, as a budget must, got {self.budget_hint}"
+            )
         if self.vabs_split not in VABS_SPLITS:
             raise ValueError(
                 f"{self.name}: vabs_split must be one of {', '.join(VABS_SPLITS)}, got {self.vabs_split!r}"
