@@ -3,8 +3,10 @@
 
 Each request asks for exactly ``max_tokens`` tokens (``ignore_eos``), greedily, streamed, with vLLM's
 ``return_token_ids`` so that every chunk says how many tokens it carries. Times are taken as ``vllm bench serve``
-takes them: time to first token from sending to the first chunk with a token, latency to the end of the stream,
-time per output token ``(latency - ttft) / (tokens - 1)``.
+takes them: time to first token from sending to the first chunk with a token, latency from sending to the last
+chunk with a token (not to the usage chunk, ``[DONE]`` or the connection's close after it), time per output token
+``(latency - ttft) / (tokens - 1)``. A request whose stream carries no token fails (it has no time to first token,
+and counting it as completed would leave it out of the percentiles but in the throughput).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ async def stream_completion(
     """Send one streaming completion request; never raises for a failed request (``ok`` False, ``error`` says
     why). ``stop_after``: close the stream after that many tokens (a client that disconnects)."""
     n_tokens, ttft, usage_tokens = 0, None, None
+    t_last: float | None = None  # when the last chunk with a token arrived
     t0 = time.perf_counter()
     try:
         stream = await client.completions.create(
@@ -69,8 +72,10 @@ async def stream_completion(
             async for chunk in stream:
                 if chunk.choices:
                     k = _tokens_in(chunk.choices[0])
-                    if k and ttft is None:
-                        ttft = time.perf_counter() - t0
+                    if k:
+                        t_last = time.perf_counter()
+                        if ttft is None:
+                            ttft = t_last - t0
                     n_tokens += k
                 if getattr(chunk, "usage", None) is not None:
                     usage_tokens = chunk.usage.completion_tokens
@@ -82,8 +87,15 @@ async def stream_completion(
         return RequestResult(
             ok=False, prompt_len=len(prompt), output_tokens=n_tokens, ttft_s=ttft, error=f"{type(e).__name__}: {e}"
         )
-    latency = time.perf_counter() - t0
+    latency = None if t_last is None else t_last - t0
     tokens = usage_tokens if usage_tokens is not None else n_tokens
+    if stop_after is None and ttft is None:
+        return RequestResult(
+            ok=False,
+            prompt_len=len(prompt),
+            output_tokens=tokens,
+            error=f"no chunk of the stream carried a token ({tokens} tokens by the usage)",
+        )
     if stop_after is None and tokens != max_tokens:
         return RequestResult(
             ok=False,

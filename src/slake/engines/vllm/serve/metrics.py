@@ -121,7 +121,10 @@ def server_state(samples: list[Sample]) -> ServerState:
 class MetricsWatch:
     """The extremes of a series of :class:`ServerState` samples and the counters' growth since the first.
 
-    ``pool_blocks`` converts the usage fraction into blocks held (rounded to the nearest block).
+    ``pool_blocks`` converts the usage fraction into blocks held (rounded to the nearest block). A failed scrape is
+    recorded with :meth:`miss`: the counters' growth is only known when the first scrape (the baseline, taken
+    before the level's first request) and the last one (after its last request) succeeded, and the maxima only
+    when some scrape did.
     """
 
     pool_blocks: int | None = None
@@ -132,6 +135,9 @@ class MetricsWatch:
     max_kv_usage: float = 0.0
     samples: int = 0
     errors: list[str] = field(default_factory=list)
+    #: the first scrape failed (no baseline before the level) / the latest one did
+    missed_first: bool = False
+    missed_last: bool = False
 
     def add(self, state: ServerState) -> None:
         """Record one sample."""
@@ -139,25 +145,35 @@ class MetricsWatch:
             self.first = state
         self.last = state
         self.samples += 1
+        self.missed_last = False
         self.max_running = max(self.max_running, state.running)
         self.max_waiting = max(self.max_waiting, state.waiting)
         self.max_kv_usage = max(self.max_kv_usage, state.kv_usage)
 
+    def miss(self, error: str) -> None:
+        """Record a failed scrape (``error`` says why)."""
+        self.errors.append(error)
+        if self.samples == 0:
+            self.missed_first = True
+        self.missed_last = True
+
     def summary(self) -> dict:
-        """``max_running``, ``max_waiting``, ``max_kv_usage``, ``max_kv_blocks`` (None without the pool size),
-        ``kv_pool_blocks``, ``preemptions`` and ``server_generation_tokens`` (growth between the first and the last
-        sample), ``metrics_samples`` and ``metrics_errors`` (scrapes that failed)."""
+        """``max_running``, ``max_waiting``, ``max_kv_usage``, ``max_kv_blocks`` (None without the pool size, and
+        all four None when every scrape failed), ``kv_pool_blocks``, ``preemptions`` and
+        ``server_generation_tokens`` (growth between the first and the last sample; None when either scrape
+        failed), ``metrics_samples`` and ``metrics_errors`` (scrapes that failed)."""
         grown: dict[str, int | None] = {"preemptions": None, "server_generation_tokens": None}
-        if self.first is not None and self.last is not None:
+        if self.first is not None and self.last is not None and not (self.missed_first or self.missed_last):
             grown = {
                 "preemptions": int(self.last.preemptions - self.first.preemptions),
                 "server_generation_tokens": int(self.last.generation_tokens - self.first.generation_tokens),
             }
-        blocks = None if self.pool_blocks is None else round(self.max_kv_usage * self.pool_blocks)
+        unknown = self.samples == 0 and bool(self.errors)  # not one sample: no maximum to report
+        blocks = None if self.pool_blocks is None or unknown else round(self.max_kv_usage * self.pool_blocks)
         return {
-            "max_running": int(self.max_running),
-            "max_waiting": int(self.max_waiting),
-            "max_kv_usage": round(self.max_kv_usage, 4),
+            "max_running": None if unknown else int(self.max_running),
+            "max_waiting": None if unknown else int(self.max_waiting),
+            "max_kv_usage": None if unknown else round(self.max_kv_usage, 4),
             "max_kv_blocks": blocks,
             "kv_pool_blocks": self.pool_blocks,
             **grown,

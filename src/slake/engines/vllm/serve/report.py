@@ -3,8 +3,9 @@ throughput-vs-concurrency plot of ``slake bench --engine vllm --serve``.
 
 Definitions (those of ``vllm bench serve``): requests/s and output tokens/s count completed requests over the
 level's wall time (first request sent to last one finished); TTFT is the time from sending a request to its first
-token; TPOT, time per output token after the first, is ``(latency - ttft) / (tokens - 1)`` per request; p50/p99 are
-percentiles over the completed requests with linear interpolation (``numpy.percentile``'s default).
+token, latency to its last token; TPOT, time per output token after the first, is ``(latency - ttft) / (tokens -
+1)`` per request; p50/p99 are percentiles over the completed requests with linear interpolation
+(``numpy.percentile``'s default).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "markdown_table",
     "percentile",
     "plot_throughput",
+    "table_notes",
 ]
 
 JSONL = "bench_serve.jsonl"
@@ -127,6 +129,28 @@ def markdown_table(rows: Sequence[dict]) -> str:
             f"| {blocks} | {_fmt(r.get('preemptions'))} | {r.get('failed', 0)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def table_notes(rows: Sequence[dict]) -> str:
+    """What the table's numbers leave out, one bullet per affected row (empty when nothing is): requests that
+    failed (the row's throughput counts only the completed ones, its percentiles are over them) with the first
+    error, and ``/metrics`` scrapes that failed (the server columns cover the other samples)."""
+    notes = []
+    for r in rows:
+        where = f"{r['label']} at concurrency {r['concurrency']}"
+        if r.get("failed"):
+            notes.append(
+                f"* {where}: {r['failed']} of {r.get('requests', '?')} requests failed (first: "
+                f"{r.get('first_error')}); its throughput counts the completed requests only and its percentiles "
+                "are over them."
+            )
+        if r.get("metrics_errors"):
+            n = r["metrics_errors"] + (r.get("metrics_samples") or 0)
+            notes.append(
+                f"* {where}: {r['metrics_errors']} of {n} scrapes of /metrics failed; its server columns come "
+                "from the others (- where no sample, or no baseline before the level, was taken)."
+            )
+    return "\n" + "\n".join(notes) + "\n" if notes else ""
 
 
 def plot_throughput(rows: Sequence[dict], path: Path) -> Path:

@@ -5,14 +5,14 @@ Per level: ``requests`` streaming completion requests (the same prompts for ever
 token ids, lengths drawn uniformly from the plan's range, seeded), at most C in flight, each generating exactly
 ``max_tokens`` tokens; ``/metrics`` is sampled every ``metrics_interval_s`` meanwhile. Before the first level a
 short request warms the server up. Rows are appended to ``OUT/bench_serve.jsonl`` as levels finish; this run's
-table goes to ``OUT/bench_serve.md``, the plot to ``OUT/serve_throughput.png``, each server's log to
-``OUT/server-<engine>.log`` (its path is in the rows).
+table goes to ``OUT/bench_serve.md``, rewritten after every level and marked incomplete until the run ends (with
+the error that stopped it, if one did), with notes on failed requests and scrapes (:func:`report.table_notes`); the
+plot to ``OUT/serve_throughput.png``, each server's log to ``OUT/server-<engine>.log`` (its path is in the rows).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import random
 import re
@@ -68,7 +68,7 @@ async def _watch_metrics(
                 r.raise_for_status()
                 watch.add(server_state(parse_prometheus(r.text)))
             except Exception as e:  # noqa: BLE001 - a failed scrape is counted, the level goes on
-                watch.errors.append(f"{type(e).__name__}: {e}")
+                watch.miss(f"{type(e).__name__}: {e}")
             if started is not None:
                 started.set()
             if last:
@@ -226,12 +226,70 @@ def run_serve_bench(
         raise ValueError("run_serve_bench needs a plan with serve settings (--serve)")
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
-    settings = _server_settings(sp, model_dir, block_size)
+    settings = {
+        **_server_settings(sp, model_dir, block_size),
+        "block_size": block_size,
+        "model_dir": model_dir,
+        "dtype": dtype,
+        "model_name": model_name,
+        "skip_tokenizer_init": not has_tokenizer(model_dir),
+    }
     prompts = prompt_set(sp.requests, sp.prompt_lens, settings["vocab"], plan.seed)
-    tokenizer = has_tokenizer(model_dir)
     rows: list[dict] = []
+    configs = _configs(plan, plugin_config)
+    lo, hi = sp.prompt_lens
+    header = (
+        "# slake bench --engine vllm --serve\n\n"
+        f"Model {model_name} ({dtype}), KV memory {sp.kv_memory_gib} GiB, block size {block_size}, prompts of "
+        f"{lo}-{hi} random tokens, {sp.max_tokens} output tokens each (ignore_eos), {sp.requests} requests per "
+        f"concurrency level, max_num_seqs {settings['max_num_seqs']}.\n\n"
+    )
+    levels = len(configs) * len(sp.concurrency)
+
+    def write_table(status: str | None) -> str:
+        # this run's rows so far, rewritten after every level: a run that stops leaves its own finished levels
+        # marked as such, never an earlier run's table or a table that looks complete
+        table = report.markdown_table(rows) + report.table_notes(rows)
+        (out / report.TABLE).write_text(header + (f"**{status}**\n\n" if status else "") + table, encoding="utf-8")
+        return table
+
+    write_table(f"Incomplete: the run is going on or stopped (0 of {levels} levels finished).")
+    try:
+        _run_configs(plan, configs, prompts, settings, rows, write_table)
+    except BaseException as e:
+        write_table(
+            f"Incomplete: the run stopped before its end ({len(rows)} of {levels} levels finished): "
+            + type(e).__name__
+            + (f": {str(e).splitlines()[0]}" if str(e).strip() else "")
+        )
+        raise
+    table = write_table(None)
+    files = [out / report.JSONL, out / report.TABLE]
+    if plan.plots and rows:
+        plot = draw_if_possible("slake bench", lambda: report.plot_throughput(rows, out / report.PLOT))
+        if plot is not None:  # None: matplotlib, an optional dependency, is missing
+            files.append(plot)
+    return BenchReport(rows=rows, table=table, files=files)
+
+
+def _run_configs(
+    plan: BenchPlan,
+    configs: list[tuple[str, int | None, dict | None]],
+    prompts: list[list[int]],
+    settings: dict,
+    rows: list[dict],
+    write_table: Callable[[str | None], str],
+) -> None:
+    """One server per configuration (``settings``: the servers' and the rows' common settings, see
+    :func:`run_serve_bench`) and through it its levels; every finished level's row is appended to ``rows`` and
+    the JSONL file, and the table rewritten (``write_table``)."""
+    sp = plan.serve
+    assert sp is not None
+    out, block_size = plan.out, int(settings["block_size"])
+    model_dir, dtype, model_name = settings["model_dir"], settings["dtype"], settings["model_name"]
+    levels = len(configs) * len(sp.concurrency)
     with open(out / report.JSONL, "a", encoding="utf-8") as f:
-        for method, budget, slake_cfg in _configs(plan, plugin_config):
+        for method, budget, slake_cfg in configs:
             label = report.engine_label(method, budget)
             log = out / f"server-{_slug(label)}.log"
             cfg = ServerConfig(
@@ -243,7 +301,7 @@ def run_serve_bench(
                 max_num_seqs=settings["max_num_seqs"],
                 dtype=dtype,
                 block_size=block_size,
-                skip_tokenizer_init=not tokenizer,
+                skip_tokenizer_init=settings["skip_tokenizer_init"],
             )
             print(f"slake bench (vllm serve): {label}: starting the server (log: {log})", file=sys.stderr)
             fixed = {
@@ -266,20 +324,11 @@ def run_serve_bench(
             }
             with VllmServer(cfg) as server:
                 fixed["plugin_log"] = server.plugin_lines()
-                emit = functools.partial(_emit, f, rows, fixed)
+
+                def emit(c: int, stats: dict, rss: int, fixed: dict = fixed) -> None:
+                    _emit(f, rows, fixed, c, stats, rss)
+                    write_table(
+                        f"Incomplete: the run is going on or stopped ({len(rows)} of {levels} levels finished)."
+                    )
+
                 asyncio.run(_sweep(server, plan, sp, prompts, label, emit))
-    table = report.markdown_table(rows)
-    lo, hi = sp.prompt_lens
-    header = (
-        "# slake bench --engine vllm --serve\n\n"
-        f"Model {model_name} ({dtype}), KV memory {sp.kv_memory_gib} GiB, block size {block_size}, prompts of "
-        f"{lo}-{hi} random tokens, {sp.max_tokens} output tokens each (ignore_eos), {sp.requests} requests per "
-        f"concurrency level, max_num_seqs {settings['max_num_seqs']}.\n\n"
-    )
-    (out / report.TABLE).write_text(header + table, encoding="utf-8")
-    files = [out / report.JSONL, out / report.TABLE]
-    if plan.plots and rows:
-        plot = draw_if_possible("slake bench", lambda: report.plot_throughput(rows, out / report.PLOT))
-        if plot is not None:  # None: matplotlib, an optional dependency, is missing
-            files.append(plot)
-    return BenchReport(rows=rows, table=table, files=files)
