@@ -357,3 +357,40 @@ def test_fidelity_refuses_to_resume_rows_written_without_it(llama_gqa, tok, samp
     assert [r["budget"] for r in rows if r["method"] != "full"] == [48] and "kl_tokens" in rows[-1]
     again = run_suite(llama_gqa, tok, samples[:1], ["snapkv"], [48], out, fidelity=True, **kw)
     assert again == []
+
+
+def _requests(n_prompts: int, n_pairs: int) -> list:
+    pairs = tuple(("snapkv", 64 * (i + 1)) for i in range(n_pairs))
+    return [
+        EvalRequest(key=k, prefill_ids=[1] * 100, question_ids=[], max_new_tokens=1, group="a", pairs=pairs)
+        for k in range(n_prompts)
+    ]
+
+
+def test_time_left_waits_for_a_whole_prompt_when_a_prompt_is_replayed_pair_by_pair():
+    """The transformers engine prefills a prompt once, then replays every pair: the first output carries the prompt's
+    prefill but was credited one pair's share, and the estimate was several times the time left (a KVzip run showed
+    ~8h20m left after its first output and ~1h27m after its seventh). Now the estimate waits for the first whole
+    prompt."""
+    now = [0.0]
+    left = TimeLeft(_requests(3, 4), clock=lambda: now[0])
+    now[0] = 9.0  # prefill 8 s + one pair 1 s
+    left.update(0)
+    assert left.seconds_left() is None and "after the first prompt" in left.describe()
+    now[0] = 12.0  # the other three pairs, 1 s each: one prompt costs 12 s
+    for _ in range(3):
+        left.update(0)
+    assert left.seconds_left() == pytest.approx(24.0)  # two prompts left
+
+
+def test_time_left_starts_once_every_prompt_has_an_output_when_pairs_run_over_all_prompts():
+    """An engine that runs each pair over every prompt at once (vLLM) completes no prompt until its last pair: the
+    estimate starts once each prompt has one output."""
+    now = [0.0]
+    left = TimeLeft(_requests(2, 3), clock=lambda: now[0])
+    now[0] = 5.0
+    left.update(0)
+    assert left.seconds_left() is None
+    now[0] = 10.0
+    left.update(1)
+    assert left.seconds_left() == pytest.approx(20.0)  # one pair of three done for both prompts in 10 s
