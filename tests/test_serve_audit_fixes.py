@@ -161,9 +161,9 @@ def test_server_maxima_are_unknown_when_every_scrape_failed(monkeypatch):
     assert "| - (of 100) |" in report.markdown_table([{"label": "x", "concurrency": 4, **row}])
 
 
-def test_a_watch_that_never_scraped_keeps_its_zeros():
-    s = MetricsWatch(pool_blocks=10).summary()  # no scrape attempted: as before
-    assert s["max_kv_blocks"] == 0 and s["preemptions"] is None
+def test_a_watch_that_never_scraped_reports_no_maximum():
+    s = MetricsWatch(pool_blocks=10).summary()  # no scrape attempted: no number the server reported (before: 0)
+    assert s["max_kv_blocks"] is None and s["max_running"] is None and s["preemptions"] is None
 
 
 # --------------------------------------------------------------------------------------------------- the table

@@ -111,14 +111,15 @@ def test_prometheus_sums_engines_and_refuses_garbage():
 
 def test_metrics_watch_keeps_maxima_and_counter_growth():
     w = MetricsWatch(pool_blocks=1000)
-    assert w.summary()["preemptions"] is None and w.summary()["max_kv_blocks"] == 0
+    assert w.summary()["preemptions"] is None and w.summary()["max_kv_blocks"] is None  # no sample yet
     for running, usage, pre, gen in ((0, 0.0, 5, 100), (4, 0.1234, 5, 140), (2, 0.05, 7, 180), (0, 0.0, 7, 200)):
         w.add(ServerState(running, 1.0, usage, pre, gen))
     s = w.summary()
     assert s["max_running"] == 4 and s["max_waiting"] == 1 and s["max_kv_usage"] == 0.1234
     assert s["max_kv_blocks"] == 123 and s["kv_pool_blocks"] == 1000
     assert s["preemptions"] == 2 and s["server_generation_tokens"] == 100 and s["metrics_samples"] == 4
-    assert MetricsWatch().summary()["max_kv_blocks"] is None  # pool size unknown
+    assert MetricsWatch(pool_blocks=10).summary()["max_kv_blocks"] is None  # no sample taken: no maximum
+    assert MetricsWatch().summary()["max_running"] is None  # (before: 0, a number the server never reported)
 
 
 # --------------------------------------------------------------------------------------------------- rows, table, plot

@@ -159,7 +159,7 @@ class MetricsWatch:
 
     def summary(self) -> dict:
         """``max_running``, ``max_waiting``, ``max_kv_usage``, ``max_kv_blocks`` (None without the pool size, and
-        all four None when every scrape failed), ``kv_pool_blocks``, ``preemptions`` and
+        all four None when no scrape succeeded), ``kv_pool_blocks``, ``preemptions`` and
         ``server_generation_tokens`` (growth between the first and the last sample; None when either scrape
         failed), ``metrics_samples`` and ``metrics_errors`` (scrapes that failed)."""
         grown: dict[str, int | None] = {"preemptions": None, "server_generation_tokens": None}
@@ -168,7 +168,7 @@ class MetricsWatch:
                 "preemptions": int(self.last.preemptions - self.first.preemptions),
                 "server_generation_tokens": int(self.last.generation_tokens - self.first.generation_tokens),
             }
-        unknown = self.samples == 0 and bool(self.errors)  # not one sample: no maximum to report
+        unknown = self.samples == 0  # not one sample (failed, or never taken): no maximum to report
         blocks = None if self.pool_blocks is None or unknown else round(self.max_kv_usage * self.pool_blocks)
         return {
             "max_running": None if unknown else int(self.max_running),
