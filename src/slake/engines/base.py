@@ -248,6 +248,10 @@ class Engine(abc.ABC):
     supports_prefill_cache: ClassVar[bool] = False
     #: True when the engine's evaluation can measure the output-level distance to the full cache (``--fidelity``)
     supports_fidelity: ClassVar[bool] = False
+    #: True when the engine's evaluation prefills a prompt (or a batch) once and replays every pair from it, so that
+    #: its first outputs carry the prefill (the progress bar's time left waits for a whole prompt,
+    #: :class:`slake.eval.progress.TimeLeft`)
+    prefills_once: ClassVar[bool] = False
     #: names ``slake bench --methods`` takes besides slake's methods: rows of the engine's own baselines (the
     #: transformers engine's ``transformers``, its own cache without slake's); :meth:`check` refuses what they cannot
     #: be timed with, :meth:`check_pair` takes them at any budget

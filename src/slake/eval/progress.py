@@ -12,7 +12,9 @@ No estimate is given until the work done stands for the rest: every output of so
 a prompt once and replays every pair from it spends most of the prompt's time before its first output, which an
 equal share credits with one pair's part: after that first output the estimate was several times the time left,
 a KVzip run on Qwen at 8K showed "~8h20m left" after its first output and "~1h27m" after its seventh), or one output
-of every prompt (an engine that runs each pair over all prompts at once).
+of every prompt (an engine that runs each pair over all prompts at once). An engine that prefills a prompt once and
+replays every pair from it (``whole_prompts``) waits for a whole prompt: where one batch holds every pending prompt,
+its first outputs carry every prefill.
 """
 
 from __future__ import annotations
@@ -34,15 +36,25 @@ class TimeLeft:
         The pending prompts, with their pending pairs.
     clock : callable
         Seconds, monotonic (tests pass a fake).
+    whole_prompts : bool
+        Give no estimate before every output of some prompt is done (an engine that prefills a prompt once and replays
+        every pair from it, :attr:`slake.engines.base.Engine.prefills_once`); else one output of every prompt is enough.
     """
 
-    def __init__(self, requests: Sequence[EvalRequest], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        requests: Sequence[EvalRequest],
+        clock: Callable[[], float] = time.perf_counter,
+        *,
+        whole_prompts: bool = False,
+    ) -> None:
         self._share = {r.key: (len(r.prefill_ids) + len(r.question_ids)) / max(len(r.pairs), 1) for r in requests}
         self.total = float(sum(self._share[r.key] * len(r.pairs) for r in requests))
         self.done = 0.0
         self._pending = {r.key: len(r.pairs) for r in requests}  # outputs each prompt has still to give
         self._untouched = {r.key for r in requests if r.pairs}  # prompts without an output yet
-        self._ready = not self._untouched  # the work done stands for the rest (module docstring)
+        self._whole_prompts = whole_prompts
+        self._ready = not self._untouched and not whole_prompts  # the work done stands for the rest (module docstring)
         self._clock = clock
         self._start = clock()
 
@@ -52,7 +64,7 @@ class TimeLeft:
         self._untouched.discard(key)
         if key in self._pending:
             self._pending[key] -= 1
-            self._ready = self._ready or self._pending[key] <= 0 or not self._untouched
+            self._ready = self._ready or self._pending[key] <= 0 or (not self._untouched and not self._whole_prompts)
 
     def seconds_left(self) -> float | None:
         """Estimated seconds left, or None until the work done stands for the rest (every output of some prompt, or

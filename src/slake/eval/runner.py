@@ -466,7 +466,7 @@ def evaluate_suite(
         if not opts.allow_long_context:
             check_requests_fit(requests, samples, engine.context_limit)
         check_ratio_budgets(requests)
-        left = TimeLeft(requests)
+        left = TimeLeft(requests, whole_prompts=getattr(engine, "prefills_once", False))
         bar = tqdm(
             total=sum(len(r.pairs) for r in requests),
             desc=f"eval {suite} ({engine.name})",

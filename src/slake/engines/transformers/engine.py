@@ -44,6 +44,7 @@ class TransformersEngine(Engine):
     supports_compile = True
     supports_prefill_cache = True
     supports_fidelity = True
+    prefills_once = True
     unsupported = {"serve": "the load benchmark runs vLLM's OpenAI-compatible server: use --engine vllm"}
     #: ``slake bench``'s row of transformers' own cache (``DynamicCache``, eager, no slake cache): the decode a user
     #: has without slake, beside slake's full cache (:mod:`slake.engines.transformers.baselines`)
