@@ -6,6 +6,11 @@
   eager and the compiled static steps answered silently from a cache that had lost a token (logits off by 0.15-0.27
   on a tiny Gemma 3 from the first such step). Now the eager step refuses it with a ValueError, the compiled one
   with an index error, as an append-only layer past its room does.
+* Compiled steps, then eager ones, on one static cache: a compiled step counts nothing on the host, so the eager
+  steps after it believed the room :meth:`~slake.cache.decoding.Decoder.prepare_static` made was still whole. Past
+  it, an append-only layer whose free slots are searched at each step (not two runs) wrote its token into slot 0,
+  over a kept one, and a ring shorter than the window overwrote its oldest position; both answered silently. The
+  eager static step now also refuses on the device what its host count cannot see.
 """
 
 from __future__ import annotations
@@ -17,27 +22,31 @@ from hybrid_models import hybrid_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.generate import prefill
-from tiny_models import random_ids
+from tiny_models import random_ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 PROMPT = 8
 
 
-def _logits(model, cache: SlakeCache, ids: torch.Tensor, steps: int, compiled: bool = False) -> torch.Tensor:
+def _logits(
+    model, cache: SlakeCache, ids: torch.Tensor, steps: int, compiled: bool = False, compiled_steps: int | None = None
+) -> torch.Tensor:
     """``(1, steps, vocab)`` logits of ``steps`` greedy single-token steps after ``ids`` (batch 1), each step eager
-    or through ``torch.compile(fullgraph=True, dynamic=False, backend="eager")``."""
+    or through ``torch.compile(fullgraph=True, dynamic=False, backend="eager")``; ``compiled_steps``: the first so
+    many steps compiled, the others eager."""
     with torch.inference_mode():
         tok = prefill(model, cache, ids, torch.ones_like(ids)).argmax(-1, keepdim=True)
 
     def step(tok, pos):
         return model(input_ids=tok, position_ids=pos, **with_cache(model, cache), use_cache=True).logits[:, -1]
 
-    fn = torch.compile(step, fullgraph=True, dynamic=False, backend="eager") if compiled else step
+    graph = torch.compile(step, fullgraph=True, dynamic=False, backend="eager")
     out = []
     with torch.inference_mode():
         for t in range(steps):
-            logits = fn(tok, torch.tensor([[ids.shape[1] + t]])).clone()
+            on_graph = compiled if compiled_steps is None else t < compiled_steps
+            logits = (graph if on_graph else step)(tok, torch.tensor([[ids.shape[1] + t]])).clone()
             out.append(logits)
             tok = logits.argmax(-1, keepdim=True)
     return torch.stack(out, 1)
@@ -62,3 +71,43 @@ def test_a_ring_shorter_than_the_window_refuses_a_token_past_max_cache_len():
         _logits(model, cache(10), ids, 3, compiled=True)
     # a ring of the whole window serves any length: no refusal past max_cache_len (the compressed layers evict)
     torch.testing.assert_close(_logits(model, cache(16), ids, 12), _logits(model, cache(None), ids, 12))
+
+
+@pytest.mark.parametrize("compiled_steps", [1, 2])
+def test_eager_steps_after_compiled_ones_refuse_a_ring_past_max_cache_len(compiled_steps):
+    """The ring of the test above, its room spent partly by compiled steps, then eager ones: the third token past
+    the prompt is refused (before: the eager steps counted only themselves and it overwrote position 0)."""
+    model = hybrid_model("gemma3")
+    ids = random_ids(PROMPT, seed=2)
+    cache = SlakeCache("snapkv", 4, config=model.config, window=2, max_cache_len=10)
+    with pytest.raises((ValueError, RuntimeError), match="max_cache_len=10"):
+        _logits(model, cache, ids, 3, compiled_steps=compiled_steps)
+
+
+def test_eager_steps_after_compiled_ones_refuse_an_append_only_layer_past_its_room():
+    """A full cache whose rows' free slots are not two runs (a slot inside the prompt free, the room's last one
+    taken, so each step searches the first free one): room for 2 tokens past the prompt, 1 step compiled and 2 eager.
+    The last is refused (before: the eager count saw one slot left and the token overwrote the row's slot 0)."""
+    model = tiny_model("qwen2", layers=2)
+    ids = random_ids(PROMPT, seed=3)
+
+    def run(compiled_steps: int | None, steps: int) -> torch.Tensor:
+        cache = SlakeCache("full", 64, config=model.config, max_cache_len=PROMPT + 2)
+        real = cache.compressor.prepare_static
+
+        def with_holes(decode_tokens: int) -> None:  # free slots: [1, 2) and the room but its last slot
+            real(decode_tokens)
+            for layer in cache.compressor.layers:
+                layer.valid[..., 1] = False
+                layer.valid[..., -1] = True
+            cache.compressor.decoder._runs[:] = [None] * len(cache.compressor.decoder._runs)
+
+        cache.compressor.prepare_static = with_holes
+        return _logits(model, cache, ids, steps, compiled_steps=compiled_steps)
+
+    run(None, 2)  # in room
+    with pytest.raises(ValueError, match="room for 2 new tokens"):
+        run(None, 3)  # eager only: counted on the host
+    run(1, 2)
+    with pytest.raises(RuntimeError, match=f"max_cache_len={PROMPT + 2}: after its prompt"):
+        run(1, 3)

@@ -131,7 +131,7 @@ class Decoder:
             if not self.static:
                 self._make_room(layer_idx, store)
                 state.seen[layer_idx] += 1
-            elif layer_idx == 0 and self._static_room is not None and not torch.compiler.is_compiling():
+            elif layer_idx == 0 and self._static_room is not None:
                 self._use_static_room()
             self._staged[layer_idx] = (keys, values)
             return store
@@ -150,16 +150,25 @@ class Decoder:
         return store
 
     def _use_static_room(self) -> None:
-        """Count one eager static step against the free slots :meth:`prepare_static` gave the append-only layers, and
+        """Count one static step against the free slots :meth:`prepare_static` gave the append-only layers, and
         refuse the step that has none left: its token would overwrite a kept one and the step answer from a cache
-        that silently lost it."""
-        if self._static_room is not None and self._static_room < 1:
-            raise ValueError(
-                f"this SlakeCache was built with max_cache_len={self.state.seen[0] + self._static_steps}: after its "
-                f"prompt of {self.state.seen[0]} tokens it has room for {self._static_steps} new tokens, and one more "
-                f"was decoded; build it with max_cache_len >= prompt + new tokens"
-            )
-        self._static_room = None if self._static_room is None else self._static_room - 1
+        that silently lost it.
+
+        An eager step is counted on the host (a ValueError). A compiled step changes no host state, so every step
+        is also checked on the device, against the new token's position (``torch._assert_async``: a RuntimeError on
+        the CPU, a device-side assert on CUDA): eager steps after compiled ones on one cache count only themselves
+        on the host."""
+        seen = self.state.seen[0]
+        message = (
+            f"this SlakeCache was built with max_cache_len={seen + self._static_steps}: after its prompt of {seen} "
+            f"tokens it has room for {self._static_steps} new tokens, and one more was decoded; build it with "
+            f"max_cache_len >= prompt + new tokens"
+        )
+        if not torch.compiler.is_compiling():
+            if self._static_room is not None and self._static_room < 1:
+                raise ValueError(message)
+            self._static_room = None if self._static_room is None else self._static_room - 1
+        torch._assert_async(self.position_of(0) < seen + self._static_steps, message)
 
     def _make_room(self, layer_idx: int, store: LayerStore) -> None:
         """Make sure every row of an eager layer has a free slot for one new token (host bookkeeping only)."""

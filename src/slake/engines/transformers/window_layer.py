@@ -126,16 +126,14 @@ class WindowLayer(CacheLayerMixin):
         ``max_cache_len`` it was built for) a refusal: eagerly a ValueError (counted on the host), in a compiled step
         an index past the ring, which the write refuses (an index error; a device assert on CUDA), instead of
         overwriting the oldest slot, which the window still sees (the step answered silently from a cache that had
-        lost a token)."""
+        lost a token). A compiled step counts nothing on the host, so an eager one is also checked on the device
+        (``torch._assert_async``): eager steps after compiled ones on one cache count only themselves on the host."""
         if torch.compiler.is_compiling():
             return torch.where(self.counter < capacity, slot, torch.full_like(slot, self.window))
         if self._host_len >= capacity:
-            raise ValueError(
-                f"this SlakeCache was built with max_cache_len={capacity}: its sliding-window layers keep "
-                f"{capacity} positions (fewer than the model's window), and position {self._host_len} was decoded; "
-                f"build it with max_cache_len >= prompt + new tokens"
-            )
+            raise ValueError(_capacity_message(capacity, str(self._host_len)))
         self._host_len += 1
+        torch._assert_async(self.counter < capacity, _capacity_message(capacity, "past it"))
         return slot
 
     def finish_prompt(self, attention_mask: torch.Tensor | None) -> None:
@@ -206,3 +204,12 @@ class WindowLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self._select(lambda t: t[indices])
+
+
+def _capacity_message(capacity: int, position: str) -> str:
+    """Why a token past a short ring's ``max_cache_len`` is refused."""
+    return (
+        f"this SlakeCache was built with max_cache_len={capacity}: its sliding-window layers keep {capacity} "
+        f"positions (fewer than the model's window), and position {position} was decoded; build it with "
+        f"max_cache_len >= prompt + new tokens"
+    )
