@@ -11,9 +11,17 @@
   it, an append-only layer whose free slots are searched at each step (not two runs) wrote its token into slot 0,
   over a kept one, and a ring shorter than the window overwrote its oldest position; both answered silently. The
   eager static step now also refuses on the device what its host count cannot see.
+* An eager static step whose ``position_ids`` do not continue the cache (the positions of a step before, or of
+  another prompt): the dynamic cache refuses them with a ValueError; the static one took them silently, rotating the
+  new token to a position other than the one it records for it. Now refused on the device.
+* ``slake.generate(compile=True)`` (and ``slake bench --compile``'s step) on a model that transformers declines to
+  compile (quantized by a method torch.compile does not take, or offloaded by accelerate): ``model.generate`` warned
+  and decoded eagerly, and the result reported its first eager step as ``compile_s``. Now a ValueError up front.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +30,7 @@ from hybrid_models import hybrid_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.generate import prefill
-from tiny_models import random_ids, tiny_model
+from tiny_models import random_ids, tiny_model, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -111,3 +119,72 @@ def test_eager_steps_after_compiled_ones_refuse_an_append_only_layer_past_its_ro
     run(1, 2)
     with pytest.raises(RuntimeError, match=f"max_cache_len={PROMPT + 2}: after its prompt"):
         run(1, 3)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_step_whose_position_ids_do_not_continue_the_cache_is_refused(static):
+    """A two-row batch, the second row left-padded by 3: after the prompt, an eager step must give each row its next
+    position (the real tokens it has seen). The dynamic cache refused a step of other positions with a ValueError;
+    a static one took it and answered with the cache's own positions for its keys (before: no check)."""
+    model = tiny_model("qwen2", layers=2)
+    ids = random_ids(PROMPT, seed=4, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = SlakeCache("snapkv", 4, config=model.config, window=2, max_cache_len=PROMPT + 4 if static else None)
+    with torch.inference_mode():
+        tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
+        good = torch.tensor([[PROMPT], [PROMPT - 3]])
+        full = torch.ones(2, PROMPT + 1, dtype=mask.dtype)
+        full[:, :PROMPT] = mask
+
+        def step(pos, attention_mask):
+            return model(input_ids=tok, position_ids=pos, attention_mask=attention_mask, **with_cache(model, cache))
+
+        step(good, full)
+        full = torch.cat([full, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        with pytest.raises((ValueError, RuntimeError), match="not continue it"):
+            step(good, full)  # the positions of the step before
+
+
+_HQQ = SimpleNamespace(is_compileable=False, quantization_config=SimpleNamespace(quant_method="hqq"))
+
+
+@pytest.mark.parametrize(
+    "quirk, match",
+    [
+        ({"hf_quantizer": _HQQ}, "quantized by a method that torch.compile does not take \\(hqq\\)"),
+        ({"hf_device_map": {"model.embed_tokens": 0, "model.layers.0": "cpu"}}, "its weights to the CPU"),
+        ({"hf_device_map": {"model.embed_tokens": "cpu", "model.layers.0": "disk"}}, "to disk"),
+    ],
+)
+def test_compiled_decoding_refuses_a_model_transformers_would_not_compile(quirk, match):
+    """transformers' ``model.generate`` declines to compile these (a warning, then eager steps): slake refuses them
+    before the model runs, in ``slake.generate`` and in the benchmark's compiled step."""
+    import slake
+    from slake.engines.transformers.measure import compiled_step
+
+    model = tiny_model("llama-gqa", layers=2)
+    for name, value in quirk.items():
+        setattr(model, name, value)
+    prompt = " ".join(f"w{3 + (7 * i) % 250}" for i in range(20))
+    with pytest.raises(ValueError, match=match):
+        slake.generate(model, word_tokenizer(), prompt, method="snapkv", budget=8, max_new_tokens=3,
+                       chat_template=False, compile=True)  # fmt: skip
+    cache = SlakeCache("snapkv", 8, config=model.config, window=2, max_cache_len=32)
+    with pytest.raises(ValueError, match=match):
+        compiled_step(model, cache)
+
+
+def test_a_model_on_one_device_or_quantized_compileably_still_compiles():
+    """What transformers compiles is not refused: a whole model on the CPU (``{"": "cpu"}``), or a quantization that
+    torch.compile takes."""
+    from slake.engines.transformers.compile_options import uncompilable_reason
+
+    model = tiny_model("llama-gqa", layers=2)
+    assert uncompilable_reason(model) is None
+    model.hf_device_map = {"": "cpu"}
+    assert uncompilable_reason(model) is None
+    model.hf_device_map = {"a": 0, "b": 1}
+    assert uncompilable_reason(model) is None
+    model.hf_quantizer = SimpleNamespace(is_compileable=True)
+    assert uncompilable_reason(model) is None

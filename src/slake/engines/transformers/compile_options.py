@@ -42,6 +42,7 @@ __all__ = [
     "guard_filter_supported",
     "make_room_for_graphs",
     "recompile_limit_error",
+    "uncompilable_reason",
 ]
 
 #: the fewest graphs of one model's step that compiled decoding lets dynamo keep (its default limit is 8): slake
@@ -130,3 +131,24 @@ def recompile_limit_error(exc: BaseException) -> ValueError | None:
         f"within the budget its padded length and the new tokens); call torch._dynamo.reset() to start afresh, or "
         f"raise torch._dynamo.config.recompile_limit ({type(exc).__name__}: {str(exc)[:200]})"
     )
+
+
+def uncompilable_reason(model: Any) -> str | None:
+    """Why ``model``'s decode step cannot be compiled, or None: transformers' ``model.generate`` declines to compile
+    (with a warning, and decodes eagerly) a model quantized by a method it does not compile
+    (``model.hf_quantizer.is_compileable`` false) or one that accelerate offloads to the CPU or to disk
+    (``model.hf_device_map``), since compiling those crashes. slake refuses them up front instead: before
+    2026-12-02 ``slake.generate(compile=True)`` answered eagerly and reported the first eager step as ``compile_s``.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+        return f"it is quantized by a method that torch.compile does not take ({method or type(quantizer).__name__})"
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict):
+        places = {str(v) for v in device_map.values()}
+        if "disk" in places:
+            return "accelerate offloads some of its weights to disk (device_map)"
+        if "cpu" in places and len(places) > 1:
+            return "accelerate offloads some of its weights to the CPU (device_map)"
+    return None

@@ -50,6 +50,8 @@ def check_forward(
         # (model.generate hands a compileable cache's forward a 4D mask anyway)
         if mask is not None and info is not None and not torch.compiler.is_compiling():
             _refuse_padding_after_prompt(mask, info)
+        if info is not None and not torch.compiler.is_compiling():
+            _check_static_positions(cache, position_ids, info)
         return
     _refuse_layers_out_of_step(cache)
     seen = cache.compressor.seen[0]
@@ -87,6 +89,28 @@ def check_forward(
             f"continue it; a cache serves one conversation: create a new SlakeCache for a new prompt, or pass the "
             f"whole conversation (cached tokens + new ones) to continue it"
         )
+
+
+def _check_static_positions(cache: Any, position_ids: torch.Tensor | None, info: PrefillInfo) -> None:
+    """Check an eager static step's ``position_ids`` against the cache's next position on the device (no read-back:
+    ``torch._assert_async``, a RuntimeError on the CPU, a device-side assert on CUDA), as the dynamic cache checks
+    them on the host: each row's new token must be its next real token (its next position less its left padding).
+    A compiled step is not checked (the hook runs in the graph; the row table would be a new constant)."""
+    rows = info.first_real.shape[0]
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != 1:
+        return
+    if position_ids.shape[0] not in (1, rows):
+        return  # a batch the cache does not hold: refused by the batch check
+    counter = cache.compressor.decoder.position_of(0)
+    expected = counter.to(position_ids.device) - info.device_copy("first_real", position_ids.device)
+    seen = cache.compressor.seen[0]
+    # as on the host: a row whose next token would still be left padding has no position to continue
+    torch._assert_async(
+        ((position_ids[:, -1] == expected) | (expected < 0)).all(),
+        f"this SlakeCache holds the tokens of an earlier prompt (its {seen} prompt tokens and the steps after "
+        f"them) and the new input's position_ids do not continue it (each row's next real token); a cache serves "
+        f"one conversation: create a new SlakeCache for a new prompt",
+    )
 
 
 def _refuse_layers_out_of_step(cache: Any) -> None:

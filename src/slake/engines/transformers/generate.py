@@ -16,7 +16,12 @@ from slake.engines.result import GenerationResult
 from slake.engines.transformers.attention import prepare_model
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
-from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs, recompile_limit_error
+from slake.engines.transformers.compile_options import (
+    compile_kwargs,
+    make_room_for_graphs,
+    recompile_limit_error,
+    uncompilable_reason,
+)
 from slake.engines.transformers.grad_mode import no_grad_here
 from slake.engines.transformers.layer_layout import BOUNDED_TYPES, attention_layout, text_config
 from slake.engines.transformers.python_options import check_count, check_generate_options
@@ -271,7 +276,8 @@ def generate(
         the wrong type or out of range
         (:func:`~slake.engines.transformers.python_options.check_generate_options`), a sequence past the model's
         context (unless ``allow_long_context``), or one that outgrows the window of a model whose every layer slides
-        (:func:`check_sliding_window`).
+        (:func:`check_sliding_window`), or with ``compile`` a model whose step cannot be compiled (quantized by a
+        method torch.compile does not take, or offloaded by accelerate: :func:`refuse_uncompilable`).
 
     Notes
     -----
@@ -296,6 +302,8 @@ def generate(
         allow_long_context=allow_long_context,
         compile=compile,
     )
+    if compile:
+        refuse_uncompilable(model)
     budget_obj = Budget(budget)
     m, profile = resolve_method(method, budget_obj, model, **hyperparameters)
     prepare_model(model)
@@ -424,6 +432,15 @@ def generate(
         | ({"compile_s": round(clock.times[1] - clock.times[0], 5)} if first else {})
         | ({} if cache.second_pass_s is None else {"second_pass_s": round(cache.second_pass_s, 5)}),
     )
+
+
+def refuse_uncompilable(model: Any) -> None:
+    """Raise ValueError when ``model``'s decode step cannot be compiled
+    (:func:`~slake.engines.transformers.compile_options.uncompilable_reason`): transformers would decode it eagerly
+    with a warning, and the run would be reported as compiled."""
+    why = uncompilable_reason(model)
+    if why is not None:
+        raise ValueError(f"compiled decoding cannot compile this model's step: {why}; decode it without compile")
 
 
 def compile_config(device: torch.device, *, lean_guards: bool = True):

@@ -34,7 +34,7 @@ from slake.engines.transformers.bounded_layers import held_bytes
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.cache_kwarg import with_cache
 from slake.engines.transformers.compile_options import compile_kwargs, make_room_for_graphs
-from slake.engines.transformers.generate import prefill
+from slake.engines.transformers.generate import prefill, refuse_uncompilable
 from slake.engines.transformers.layer_layout import text_config
 from slake.engines.transformers.memory import MemoryMeter
 from slake.engines.transformers.step_profile import profile_decode
@@ -199,6 +199,7 @@ def compiled_step(model, cache: SlakeCache):
     be static (built with ``max_cache_len``, prefilled). Compilation happens at the first call; every later call of
     the same cache runs the same graph, and a cache of the same model and configuration reuses it
     (``docs/compile.md``)."""
+    refuse_uncompilable(model)  # torch.compile crashes on an offloaded model or one of some quantizations
     # one graph per benchmark configuration: the limit guards a function whose shapes should not change, not this
     make_room_for_graphs()
     fn = _COMPILED.get(model)
