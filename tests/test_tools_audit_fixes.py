@@ -228,6 +228,33 @@ def test_tasks_are_split_as_slake_eval_splits_them(side, fake_kvpress, monkeypat
     assert ran == ["niah_single_1", "vt"]
 
 
+def test_a_resumed_run_passes_over_lines_that_are_not_outputs(side, fake_kvpress, monkeypatch, tmp_path, capsys):
+    """Before: a line of valid JSON without an output's keys (a list, a record without ``sample_id``) stopped the
+    resumed run with a TypeError or KeyError, and the rows of a run resumed after one cut mid-line were appended to
+    that partial line, where no reader could parse them."""
+    import importlib.metadata
+
+    d = _write_requests(tmp_path, [_request(), _request("vt-4096-0", "vt")])
+    done = {"sample_id": _request()["sample_id"], "sample_digest": _request().get("sample_digest"), "press": "knorm"}
+    out = d / side.OUTPUTS_FILE
+    out.write_text("[1, 2]\n" + '{"press": "knorm"}\n' + json.dumps(done) + '\n{"sample_id": "vt-4', encoding="utf-8")
+    ran: list[str] = []
+
+    def fake_run(model, tok, req, names, ratios, eos):
+        ran.append(req["task"])
+        return [{"sample_id": req["sample_id"], "press": n, "compression_ratio": 0.5, "text": "x"} for n in names]
+
+    monkeypatch.setattr(side, "load_model", lambda requests, hf_dir: (None, None))
+    monkeypatch.setattr(side, "run_request", fake_run)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0")
+    monkeypatch.setattr(sys, "argv", ["kvpress_side.py", "--dir", str(d), "--presses", "knorm"])
+    side.main()
+    assert ran == ["vt"]  # the first sample's knorm output was there
+    assert "3 line(s) are not outputs" in capsys.readouterr().err
+    last = json.loads(out.read_text(encoding="utf-8").splitlines()[-1])
+    assert (last["sample_id"], last["press"]) == ("vt-4096-0", "knorm")
+
+
 def test_converted_model_of_another_gguf_file_is_not_reused(side, monkeypatch, tmp_path):
     """Before: the de-quantised model's default directory was named after the GGUF file's stem only, and any
     directory with a ``config.json`` was taken as done: another model whose file has the same name (``model.gguf``

@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -405,6 +406,31 @@ def select_requests(requests: list[dict], tasks: str | None, samples: int | None
     return todo
 
 
+def done_keys(path: Path) -> set[tuple]:
+    """``(sample_id, sample_digest, press)`` of every output already in ``path`` (none when it does not exist), for a
+    resumed run to skip. A line that is not an output (cut short by a killed run, edited, another record) is passed
+    over with a note on stderr, and its (sample, press) is run again: before 2026-12-02 a line of valid JSON without
+    an output's keys stopped the run with a KeyError or TypeError."""
+    done: set[tuple] = set()
+    if not path.is_file():
+        return done
+    bad = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            o = json.loads(line)
+        except json.JSONDecodeError:
+            o = None
+        if not isinstance(o, dict) or not isinstance(o.get("sample_id"), str) or not isinstance(o.get("press"), str):
+            bad += 1
+            continue
+        done.add((o["sample_id"], o.get("sample_digest"), o["press"]))
+    if bad:
+        print(f"{path}: {bad} line(s) are not outputs and were passed over; their samples run again", file=sys.stderr)
+    return done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True, help="the --out folder of slake eval --protocol kvpress")
@@ -428,12 +454,7 @@ def main() -> None:
         check_native(model, tok, todo[0], [n for n in names if n != "kvzip"], 0.5, eos)
         return
     path = args.dir / OUTPUTS_FILE
-    done = set()
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                o = json.loads(line)
-                done.add((o["sample_id"], o.get("sample_digest"), o["press"]))
+    done = done_keys(path)
     from importlib.metadata import version
 
     versions = {"kvpress": version("kvpress"), "transformers": version("transformers"), "torch": torch.__version__}
@@ -443,6 +464,8 @@ def main() -> None:
             continue
         rows = run_request(model, tok, req, missing, ratios, eos)
         with open(path, "a", encoding="utf-8") as fh:
+            if fh.tell() and not path.read_bytes().endswith(b"\n"):
+                fh.write("\n")  # a run cut mid-line: the new rows start on their own lines, not glued to it
             for o in rows:
                 o["versions"] = versions
                 fh.write(json.dumps(o) + "\n")
