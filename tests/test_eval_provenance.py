@@ -56,6 +56,38 @@ def test_a_committed_checkout_names_its_commit_and_uncommitted_changes(checkout)
 
 
 @needs_git
+def test_an_untracked_file_in_the_package_makes_it_dirty_and_an_ignored_one_does_not(checkout):
+    """Before: ``git status --untracked-files=no``, so a new module not yet added (code that runs) left the suffix
+    clean."""
+    repo, package = checkout
+    clean = provenance.checkout_suffix(package)
+    (repo / ".gitignore").write_text("venv/\n__pycache__/\n")
+    _git(repo, "add", ".gitignore")
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert provenance.checkout_suffix(package) == clean
+    (package / "new_method.py").write_text("y = 1\n")
+    assert provenance.checkout_suffix(package) == clean + ".dirty"
+
+
+@needs_git
+def test_another_repository_in_git_dir_is_not_asked(checkout, tmp_path, monkeypatch):
+    """Before: with ``GIT_DIR`` set (a git hook, a user working on another repository) git answered for that
+    repository: its commit, or none."""
+    repo, package = checkout
+    clean = provenance.checkout_suffix(package)
+    other = tmp_path / "other"
+    other.mkdir()
+    _git(other, "init", "-q")
+    (other / "f").write_text("f\n")
+    _git(other, "add", ".")
+    _git(other, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "other")
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(other))
+    assert provenance.checkout_suffix(package) == clean
+
+
+@needs_git
 def test_a_copy_git_does_not_track_names_no_commit(checkout, tmp_path):
     repo, package = checkout
     ignored = repo / "venv" / "site-packages" / "pkg"  # an installed copy inside an ignored folder of a checkout

@@ -9,6 +9,7 @@ finds the resumed rows another version wrote, so that the run can say so.
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -21,7 +22,11 @@ _GIT_TIMEOUT_S = 10.0
 
 
 def _git(package: Path, *args: str) -> str | None:
-    """The stripped output of ``git -C package ARGS``, or None where git is missing, fails or times out."""
+    """The stripped output of ``git -C package ARGS``, or None where git is missing, fails or times out. git finds the
+    repository from ``package`` alone: the environment's ``GIT_*`` variables (``GIT_DIR``, ``GIT_WORK_TREE``,
+    ``GIT_INDEX_FILE``, set by a git hook or by a user working on another repository) are left out, since with them
+    git answered for that other repository (before 2026-12-02)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     try:
         done = subprocess.run(
             ["git", "-C", str(package), *args],
@@ -29,6 +34,7 @@ def _git(package: Path, *args: str) -> str | None:
             text=True,
             timeout=_GIT_TIMEOUT_S,
             check=False,
+            env=env,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -36,7 +42,8 @@ def _git(package: Path, *args: str) -> str | None:
 
 
 def checkout_suffix(package: Path) -> str:
-    """``+g<commit>`` (12 hex digits), with ``.dirty`` where files under ``package`` differ from that commit, when
+    """``+g<commit>`` (12 hex digits), with ``.dirty`` where files under ``package`` differ from that commit or are
+    not tracked by it (ignored files aside), when
     ``package``'s files are tracked by a git work tree; ``""`` otherwise: an installed copy (a wheel, a
     ``git archive`` snapshot), a copy in an ignored folder of some other repository (a virtual environment inside a
     checkout), or no git on the machine.
@@ -51,7 +58,9 @@ def checkout_suffix(package: Path) -> str:
     commit = _git(package, "rev-parse", "--short=12", "HEAD")
     if not commit:
         return ""
-    changes = _git(package, "status", "--porcelain", "--untracked-files=no", "--", ".")
+    # untracked files count (a new module not yet added runs too; before 2026-12-02 it did not make the tree
+    # dirty); ignored ones (__pycache__) do not
+    changes = _git(package, "status", "--porcelain", "--untracked-files=normal", "--", ".")
     return f"+g{commit}" + (".dirty" if changes else "")
 
 
