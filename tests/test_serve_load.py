@@ -34,6 +34,7 @@ from slake.engines.vllm.serve.server import (
     process_tree,
     server_command,
     server_env,
+    tree_pss_bytes,
     tree_rss_bytes,
 )
 
@@ -252,6 +253,29 @@ def test_server_command_and_environment(tmp_path):
         {"VLLM_CPU_KVCACHE_SPACE": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SLAKE_VLLM": "{}", "A": "1"}
     )
     assert env == {"A": "1"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="the kernel gives no smaps_rollup")
+def test_the_pss_of_a_tree_counts_the_pages_its_processes_share_once():
+    """Before: the rows gave the summed RSS only, which counts every page a forked process shares with its parent
+    (vLLM's engine core and API server share torch's libraries) once per process."""
+    shared = bytearray(os.urandom(1)) * (256 * 2**20)  # 256 MiB, touched: resident in this process
+    child = os.fork()
+    if child == 0:  # the child maps the same pages, copy-on-write, and never writes them
+        time.sleep(30)
+        os._exit(0)
+    try:
+        time.sleep(0.5)
+        me = os.getpid()
+        rss, pss = tree_rss_bytes(me), tree_pss_bytes(me)
+        assert pss is not None and rss > 0
+        assert rss - pss > 200 * 2**20  # the 256 MiB counted twice in the RSS, once in the PSS
+        assert tree_pss_bytes(child) < tree_rss_bytes(child) - 100 * 2**20
+        assert tree_pss_bytes(2**22 + 12345) is None
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    del shared
 
 
 def test_process_tree_and_rss_of_this_process():

@@ -189,14 +189,23 @@ async def _sweep(
                 raise RuntimeError(
                     f"{label}: vLLM's server died at concurrency {c}; its log ends:\n{server.log_tail()}"
                 )
-            emit(c, stats, server.rss_bytes())
+            emit(c, stats, server.rss_bytes(), server.pss_bytes())
     finally:
         await client.close()
 
 
-def _emit(f: Any, rows: list[dict], fixed: dict, c: int, stats: dict, rss: int) -> None:
-    """Append one level's row to ``rows`` and the JSONL file ``f``; one line on stderr."""
-    row = {**fixed, "concurrency": c, **stats, "server_rss_mib": round(rss / 2**20, 1), "load_avg_1m": load_avg()}
+def _emit(f: Any, rows: list[dict], fixed: dict, c: int, stats: dict, rss: int, pss: int | None) -> None:
+    """Append one level's row to ``rows`` and the JSONL file ``f``; one line on stderr. ``rss``: the summed RSS of the
+    server's processes (shared pages counted in each); ``pss``: their PSS (shared pages counted once), None where the
+    kernel does not give it."""
+    row = {
+        **fixed,
+        "concurrency": c,
+        **stats,
+        "server_rss_mib": round(rss / 2**20, 1),
+        "server_pss_mib": None if pss is None else round(pss / 2**20, 1),
+        "load_avg_1m": load_avg(),
+    }
     rows.append(row)
     f.write(json.dumps(row) + "\n")
     f.flush()
@@ -325,8 +334,8 @@ def _run_configs(
             with VllmServer(cfg) as server:
                 fixed["plugin_log"] = server.plugin_lines()
 
-                def emit(c: int, stats: dict, rss: int, fixed: dict = fixed) -> None:
-                    _emit(f, rows, fixed, c, stats, rss)
+                def emit(c: int, stats: dict, rss: int, pss: int | None, fixed: dict = fixed) -> None:
+                    _emit(f, rows, fixed, c, stats, rss, pss)
                     write_table(
                         f"Incomplete: the run is going on or stopped ({len(rows)} of {levels} levels finished)."
                     )

@@ -44,6 +44,7 @@ __all__ = [
     "process_tree",
     "server_command",
     "server_env",
+    "tree_pss_bytes",
     "tree_rss_bytes",
 ]
 
@@ -184,6 +185,30 @@ def tree_rss_bytes(pid: int) -> int:
         except OSError:
             continue
     return total
+
+
+def tree_pss_bytes(pid: int) -> int | None:
+    """The summed proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``) of ``pid`` and its descendants: each
+    page shared by n processes counts 1/n in each, so the sum counts it once, where :func:`tree_rss_bytes` counts it
+    in every process that maps it (vLLM's engine core and API server share the libraries and torch's pages). None
+    where the kernel gives no ``smaps_rollup`` (before Linux 4.14, or not Linux) for a process of the tree, or the
+    tree is gone."""
+    total, read = 0, False
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup", encoding="utf-8") as f:
+                pss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), None)
+        except FileNotFoundError:
+            if os.path.exists(f"/proc/{p}"):
+                return None  # the process is there and the kernel does not say
+            continue  # it ended between the listing and the read
+        except (OSError, ValueError):
+            return None
+        if pss is None:
+            return None
+        total += pss
+        read = True
+    return total if read else None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -348,6 +373,11 @@ class VllmServer:
     def rss_bytes(self) -> int:
         """The RSS of the server's process tree (0 when it is gone)."""
         return 0 if self.pid is None else tree_rss_bytes(self.pid)
+
+    def pss_bytes(self) -> int | None:
+        """The PSS of the server's process tree (:func:`tree_pss_bytes`: shared pages counted once; None where the
+        kernel does not give it, or the server is gone)."""
+        return None if self.pid is None else tree_pss_bytes(self.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server and every process of its session: SIGTERM (vLLM shuts its engine down), SIGKILL after
