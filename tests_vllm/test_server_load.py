@@ -283,6 +283,8 @@ def test_bench_serve_command_end_to_end(served_dir, tmp_path, capsys):
         assert r["slake_config"] == {"method": "snapkv", "budget": 64} and r["ttft_p50_s"] > 0  # as users write it
         assert any(line.startswith("slake: compressing the KV cache with snapkv@64") for line in r["plugin_log"])
         assert any(line.startswith("slake: no profile entry applies") for line in r["plugin_log"])  # a random model
+        # the server's memory: its processes' RSS summed, and their PSS (shared pages counted once) below it
+        assert 0 < r["server_pss_mib"] < r["server_rss_mib"]
     assert (out / "bench_serve.md").read_text().count("| snapkv@64 |") == 2
     assert (out / "serve_throughput.png").stat().st_size > 0
     assert len((out / "bench_serve.jsonl").read_text().splitlines()) == 2
