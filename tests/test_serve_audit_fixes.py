@@ -206,8 +206,8 @@ def _stats(failed: int = 0) -> dict:
 
 def test_failed_requests_get_a_note_under_the_table(tmp_path, monkeypatch):
     async def sweep(server, plan, sp, prompts, label, emit):
-        emit(1, _stats(), 0)
-        emit(2, _stats(failed=1), 0)
+        emit(1, _stats(), 0, None)
+        emit(2, _stats(failed=1), 0, None)
 
     plan = _bench(tmp_path, monkeypatch, sweep)
     rep = run.run_serve_bench(plan, str(tmp_path), "float32", "tiny", lambda m, b: None)
@@ -221,7 +221,7 @@ def test_the_table_is_this_runs_and_says_incomplete_while_it_runs_and_when_it_st
     seen: list[str] = []
 
     async def sweep(server, plan, sp, prompts, label, emit):
-        emit(1, _stats(), 0)
+        emit(1, _stats(), 0, None)
         seen.append((plan.out / report.TABLE).read_text())
         raise RuntimeError("plain vLLM: vLLM's server died at concurrency 2; its log ends:\nTraceback ...")
 
