@@ -152,12 +152,10 @@ class Decoder:
     def _use_static_room(self) -> None:
         """Count one static step against the free slots :meth:`prepare_static` gave the append-only layers, and
         refuse the step that has none left: its token would overwrite a kept one and the step answer from a cache
-        that silently lost it.
-
-        An eager step is counted on the host (a ValueError). A compiled step changes no host state, so every step
-        is also checked on the device, against the new token's position (``torch._assert_async``: a RuntimeError on
-        the CPU, a device-side assert on CUDA): eager steps after compiled ones on one cache count only themselves
-        on the host."""
+        that silently lost it. An eager step is counted on the host (a ValueError). A compiled step changes no host
+        state, so every step is also checked on the device, against the new token's position
+        (``torch._assert_async``: a RuntimeError on the CPU, a device-side assert on CUDA): eager steps after
+        compiled ones on one cache count only themselves on the host."""
         seen = self.state.seen[0]
         message = (
             f"this SlakeCache was built with max_cache_len={seen + self._static_steps}: after its prompt of {seen} "
