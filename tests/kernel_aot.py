@@ -20,8 +20,8 @@ one JSON line per
 case: the kernels compiled, whether each produced a cubin, its shared memory in bytes, its warps, and what ``ptxas -v``
 reports of it (registers per thread, stack frame, bytes spilled to local memory), with its machine code's static
 instruction counts (``sass``), and the memory hazards within a program that its Triton GPU IR shows (``hazards``:
-``tests/kernel_hazards.py``). Nothing runs: the outputs of these
-steps are garbage, and not looked at.
+``tests/kernel_hazards.py``); and whether the process has loaded transformers (``transformers_loaded``). Nothing
+runs: the outputs of these steps are garbage, and not looked at.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def main(argv: list[str]) -> None:
             scales = torch.empty(R, H, W, 1) if codes != dtype else torch.empty(0)
             triton_dense.dense_attention(torch.empty(R, H * G, D, dtype=dtype), keys, values, valid, scales, scales,
                                          D**-0.5)  # fmt: skip
-            print(json.dumps({"case": case, "compiled": compiled}), flush=True)
+            print(json.dumps({"case": case, "compiled": compiled, **_loaded()}), flush=True)
             continue
         if budgets:  # one engine per budget: layers whose rows differ in width, as per-layer budgets make them
             seen.clear()
@@ -313,7 +313,13 @@ def main(argv: list[str]) -> None:
             continue
         with launch_config.leaving_out(*left_out), launch_config.tuned(**tune):
             harness._run(harness._method(method), "triton", **shape, **options)
-        print(json.dumps({"case": case, "compiled": compiled}), flush=True)
+        print(json.dumps({"case": case, "compiled": compiled, **_loaded()}), flush=True)
+
+
+def _loaded() -> dict:
+    """Whether this process has loaded transformers so far (``make test-oldest`` leaves the compilations out, on the
+    ground that they read none: ``tests/test_kernels_compile.py`` checks it)."""
+    return {"transformers_loaded": "transformers" in sys.modules}
 
 
 if __name__ == "__main__":

@@ -74,12 +74,15 @@ def _compile(cases: dict[str, int], *shape: str, target: str = "cuda:90") -> lis
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in results] == list(cases)
+    # the compilations read no transformers, so `make test-oldest` (transformers at its floor) leaves them out
+    assert not any(r["transformers_loaded"] for r in results if "compiled" in r), "the compilation loaded transformers"
     for r in results:
         for k in r.get("compiled", ()):
             assert not k["hazards"], f"{r['case']}: {k['kernel']}: " + "; ".join(k["hazards"])
     return results
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 @pytest.mark.parametrize("shape", ["batch1-1024", "batch8-128"])
 def test_every_fused_kernel_compiles_for_an_h100(shape):
@@ -122,6 +125,7 @@ OTHER_GPUS = {
 }  # fmt: skip
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 @pytest.mark.parametrize("target", list(OTHER_GPUS))
 def test_the_fused_kernels_compile_for_other_gpus(target):
@@ -160,6 +164,7 @@ def test_the_fused_kernels_compile_for_other_gpus(target):
     assert unpipelined == expected.get(target, set())
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_gemma3_heads_fit_a_gpu_of_99_kb():
     """Heads of 256 dims (Gemma 3's) on an RTX 4090: the full cache's bfloat16 attention over a static store
@@ -176,6 +181,7 @@ def test_gemma3_heads_fit_a_gpu_of_99_kb():
     assert unpipelined == {("dense@bfloat16", "_dense_partials_kernel")}
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
     """``python -m benchmarks kernel-parts`` times SLAKE's second kernel with each of its parts left out
@@ -188,6 +194,7 @@ def test_the_second_kernel_compiles_without_the_parts_kernel_parts_leaves_out():
     assert all(k["binary"] for k in r["compiled"]), r
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 @pytest.mark.parametrize(
     "variant", ["COMBINE=8,RECOMPUTE_BLOCK=64,TARGET_PROGRAMS=512", "WIDE_WARPS=16", "POOL_GATHER=0,SHORT_KEYS=0"]
@@ -215,6 +222,7 @@ WIDE_CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_the_blockwise_form_of_wide_rows_compiles_for_an_h100():
     """Rows wider than ``WIDE_SLOTS`` (16,384) are read in blocks of ``WIDE_BLOCK`` (1,024) slots: lowered to 512 here
@@ -232,6 +240,7 @@ def test_the_blockwise_form_of_wide_rows_compiles_for_an_h100():
             assert k["spill_stores"] + k["spill_loads"] == 0, r
 
 
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not _ptxas().exists(), reason="Triton's CUDA backend (ptxas) is not installed")
 def test_the_dense_attention_compiles_for_an_h100():
     """The full cache's masked step over a static store of 128K slots (``slake.kernels.triton_dense``, two kernels)

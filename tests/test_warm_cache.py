@@ -110,6 +110,7 @@ def test_one_width_of_each_class_compiles_every_width_of_it():
         assert _compilations(case, reps + others) == _compilations(case, reps)
 
 
+@pytest.mark.gpu_compile
 def test_a_build_installs_where_it_was_built_and_reports_what_the_device_compiled(tmp_path):
     """A small build (SnapKV's eager step at one width, keyed for this machine's Triton) packs metadata and cubins
     only; installed for an sm_90 GPU it lands where it was built, for another GPU it is refused; the report counts
@@ -160,6 +161,7 @@ def test_the_smoke_tests_it_compiles_are_the_ones_the_session_runs():
         assert f"def {node.split('::')[1]}(" in source, node
 
 
+@pytest.mark.gpu_compile
 def test_the_smoke_part_compiles_the_fused_and_the_probe_kernels(tmp_path):
     """The smoke part (the :mod:`benchmarks.warm_smoke` plugin over the smoke step's tests) leaves the fused kernels
     and the tests' probe kernels compiled for sm_90 in the cache, though every test fails (nothing ran)."""
@@ -173,6 +175,7 @@ def test_the_smoke_part_compiles_the_fused_and_the_probe_kernels(tmp_path):
     assert set(manifest["suffixes"]) == set(manifest["entries"])  # recorded in the tests' own process too
 
 
+@pytest.mark.gpu_compile
 def test_a_logged_compilation_is_compiled_again_by_the_recorded_part(tmp_path):
     """``SLAKE_TRITON_COMPILE_LOG`` logs each compilation of slake's kernels (:mod:`slake.kernels.compile_log`, as a
     GPU session does); the build's ``recorded`` part compiles the logged specializations again (Triton's
@@ -243,6 +246,7 @@ def test_the_tuning_part_compiles_the_variants_the_session_times():
     assert {(m, r, b) for m, r, b, *_ in runs} == {("slake", 1, 1024), ("slake", 8, 128)}
 
 
+@pytest.mark.gpu_compile
 def test_a_build_keyed_with_the_devices_own_key_installs_there(tmp_path):
     """A GPU session writes its machine's Triton key (``python -m benchmarks.warm_cache key``); a later build given
     it (``--key-file``) is keyed with it verbatim, no wheel needed: here the key is this machine's, so the archive
@@ -267,6 +271,7 @@ def test_a_build_keyed_with_the_devices_own_key_installs_there(tmp_path):
     assert warm_cache.install(other, capability=(9, 0)) == 1
 
 
+@pytest.mark.gpu_compile
 def test_a_build_for_another_libtriton_of_the_same_triton_is_rekeyed_on_install(tmp_path):
     """The device's Triton may be another build of the same release than the one the build keyed for (PyPI's wheel,
     or PyTorch's index's): then only libtriton's hash differs in Triton's key, and install re-keys the archive's
@@ -314,6 +319,7 @@ def test_a_build_for_another_libtriton_of_the_same_triton_is_rekeyed_on_install(
     )
 
 
+@pytest.mark.gpu_compile
 def test_an_archive_of_another_ptxas_is_refused_though_the_key_is_the_same(tmp_path):
     """Every entry's cache key holds the CUDA backend's hash (ptxas's version): an archive built with another ptxas
     would install and then miss every kernel; install refuses it and says why."""
