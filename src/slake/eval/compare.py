@@ -216,8 +216,10 @@ def compare_lines(
     Raises
     ------
     ValueError
-        When ``labels`` has an odd count, or a pair shares no (length, budget) with common samples.
+        When ``labels`` is empty or has an odd count, or a pair shares no (length, budget) with common samples.
     """
+    if not labels:
+        raise ValueError("no line to compare: give lines in pairs (first, second)")
     if len(labels) % 2:
         raise ValueError(f"lines are compared in pairs (first, second); got {len(labels)}")
     rows = list(rows)
@@ -273,9 +275,19 @@ def write_comparison(
     out_dir : path-like
         The comparison's folder (created; an existing ``results.jsonl`` there is replaced).
     lines : sequence of Line
-        An even number of lines, compared in consecutive pairs.
+        An even number of lines (at least two), compared in consecutive pairs.
     resamples, confidence
         As in :func:`slake.eval.stats.paired_difference`.
+
+    Returns
+    -------
+    list of Comparison
+        As :func:`compare_lines`.
+
+    Raises
+    ------
+    ValueError
+        As :func:`merge_lines` and :func:`compare_lines` (no line, an odd count ...), before anything is written.
     """
     labels = [line.label for line in lines]
     rows = merge_lines(lines)

@@ -128,6 +128,20 @@ def zh_tokens(text: str) -> list[str]:
     return list(require_jieba().cut(text, cut_all=False))
 
 
+def _answer_list(answers: Sequence[str]) -> Sequence[str]:
+    """``answers`` unchanged; ``TypeError`` for one ``str`` (or ``bytes``), which would be scored per character."""
+    if isinstance(answers, (str, bytes)):
+        kind = type(answers).__name__
+        raise TypeError(f"answers must be a sequence of answers, not one {kind} (its characters): pass [{answers!r}]")
+    return answers
+
+
+def _check_counts(predictions: Sequence[str], answers: Sequence[Sequence[str]]) -> None:
+    """``ValueError`` unless there are as many answer lists as predictions (also when there is no prediction)."""
+    if len(predictions) != len(answers):
+        raise ValueError(f"{len(predictions)} predictions but {len(answers)} answer lists: give one per prediction")
+
+
 # --------------------------------------------------------------------------- LongBench metrics
 
 
@@ -317,14 +331,17 @@ def _dataset_metric(dataset: str) -> tuple[str, Metric]:
 def longbench_sample_score(
     dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None
 ) -> float:
-    """Score of one prediction in ``[0, 1]``: the max over ground truths of the dataset metric.
+    """Score of one prediction in ``[0, 1]``: the max over ground truths (``answers``, a list) of the dataset metric.
 
     Raises
     ------
     ValueError
-        For an unknown dataset.
+        For an unknown dataset, or a classification dataset without ``all_classes``.
+    TypeError
+        For ``answers`` given as one ``str`` (each character would be a ground truth).
     """
     name, metric = _dataset_metric(dataset)
+    _answer_list(answers)
     if metric is classification_score and not all_classes:
         # the official code fails here (iterating None); an empty list scored every answer, even the exact one, 0
         raise ValueError(f"{dataset} is scored by class names: give its record's all_classes")
@@ -364,9 +381,13 @@ def longbench_score(
     Raises
     ------
     ValueError
-        For an unknown dataset, or ``predictions`` and ``answers`` of different lengths.
+        For an unknown dataset, or ``predictions`` and ``answers`` of different lengths (also for no predictions
+        but some answers).
+    TypeError
+        For a record's answers given as one ``str``.
     """
     _dataset_metric(dataset)
+    _check_counts(predictions, answers)
     if not predictions:
         return 0.0
     total = sum(longbench_sample_score(dataset, p, a, all_classes) for p, a in zip(predictions, answers, strict=True))
@@ -377,17 +398,19 @@ def longbench_score(
 
 
 def string_match_all(prediction: str, answers: Sequence[str]) -> float:
-    """Fraction of answers contained in the prediction (case-insensitive)."""
-    if not answers:
+    """Fraction of ``answers`` (a list, not one ``str``: :class:`TypeError`) contained in the prediction,
+    case-insensitive (RULER's ``string_match_all`` of one sample); 0.0 for no answer."""
+    if not _answer_list(answers):
         return 0.0
     pred = prediction.lower()
     return sum(1.0 for a in answers if a.lower() in pred) / len(answers)
 
 
 def string_match_part(prediction: str, answers: Sequence[str]) -> float:
-    """1.0 if any answer is contained in the prediction (case-insensitive), else 0.0."""
+    """1.0 if any of ``answers`` (a list, not one ``str``: :class:`TypeError`) is contained in the prediction,
+    case-insensitive, else 0.0 (RULER's ``string_match_part`` of one sample)."""
     pred = prediction.lower()
-    return max((1.0 if a.lower() in pred else 0.0 for a in answers), default=0.0)
+    return max((1.0 if a.lower() in pred else 0.0 for a in _answer_list(answers)), default=0.0)
 
 
 #: what kvpress's RULER scorer removes from a prediction before matching (``evaluation/benchmarks/ruler/
@@ -414,11 +437,16 @@ def needle_score(prediction: str, answers: Sequence[str]) -> float:
     ``58675201`` and ``old-owl`` inside ``bold-owl`` are other needles, which plain containment (RULER's
     :func:`string_match_part`, which RULER's own tasks keep) scored as found. Punctuation, spaces and markup around
     the answer are allowed (``"... is 5867520."``, ``_5867520_``, ``**5867520**``). The metric keeps its name,
-    ``"contains"``.
+    ``"contains"``. ``answers`` is a list (one ``str``, whose characters would be answers, raises
+    :class:`TypeError`); empty answers are ignored.
     """
     pred = prediction.lower()
     return max(
-        (1.0 if re.search(rf"(?<![^\W_]|-){re.escape(a.lower())}(?![^\W_]|-)", pred) else 0.0 for a in answers if a),
+        (
+            1.0 if re.search(rf"(?<![^\W_]|-){re.escape(a.lower())}(?![^\W_]|-)", pred) else 0.0
+            for a in _answer_list(answers)
+            if a
+        ),
         default=0.0,
     )
 
@@ -447,11 +475,15 @@ def ruler_score(predictions: Sequence[str], answers: Sequence[Sequence[str]], me
     Raises
     ------
     ValueError
-        For an unknown ``metric``, or ``predictions`` and ``answers`` of different lengths.
+        For an unknown ``metric``, or ``predictions`` and ``answers`` of different lengths (also for no predictions
+        but some answers).
+    TypeError
+        For a sample's answers given as one ``str``.
     """
     if metric not in _RULER_METRICS:
         raise ValueError(f"unknown RULER metric {metric!r}; expected one of {', '.join(_RULER_METRICS)}")
     fn = _RULER_METRICS[metric]
+    _check_counts(predictions, answers)
     if not predictions:
         return 0.0
     total = sum(fn(p, a) for p, a in zip(predictions, answers, strict=True))
@@ -485,6 +517,8 @@ def score_sample(metric: str, prediction: str, answers: Sequence[str], **kwargs:
     ------
     KeyError
         For an unknown metric name.
+    TypeError
+        For ``answers`` given as one ``str`` (each character would be an answer).
     """
     if metric == "all":
         return string_match_all(prediction, answers)

@@ -110,14 +110,16 @@ def plan_suite(
     tasks : sequence of str, optional
         Tasks of the suite (RULER tasks, LongBench datasets); all of them by default.
     lengths : sequence of int, optional
-        Target lengths in tokens, integers ``>= 1``; :data:`DEFAULT_LENGTHS` of the suite by default.
+        Target lengths in tokens, integers ``>= 1`` (a repeated one is kept once); :data:`DEFAULT_LENGTHS` of the
+        suite when None (an empty sequence is refused).
     samples : int, optional
         Samples per (task, length) cell, an integer ``>= 1``; the suite's default when None (every LongBench
         record).
     seed : int
         Seed of the first sample.
     depths : sequence of float, optional
-        Needle depths in percent, each in ``[0, 100]``; needle suite only, :data:`DEFAULT_DEPTHS` by default.
+        Needle depths in percent, each in ``[0, 100]`` (a repeated one is kept once); needle suite only,
+        :data:`DEFAULT_DEPTHS` when None (an empty sequence is refused).
     longbench_dir : path-like, optional
         Directory of the official LongBench JSONL files.
     longbench_hub : bool
@@ -131,8 +133,8 @@ def plan_suite(
     ------
     ValueError
         Unknown suite or task; ``samples`` or a length that is not an integer ``>= 1``, a ``seed`` that is no
-        integer, a depth that is no number in ``[0, 100]`` (a bool is neither); ``depths`` for a suite other than
-        needle; missing LongBench data.
+        integer, a depth that is no number in ``[0, 100]`` (a bool is neither), an empty ``lengths`` or ``depths``;
+        ``depths`` for a suite other than needle; missing LongBench data.
     """
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; expected one of {', '.join(SUITES)}")
@@ -175,9 +177,11 @@ def _check_ints(values: Any, what: str, minimum: int) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise ValueError(f"{what} must be a sequence of integers, got {values!r}")
     items = list(values)
+    if not items:  # names nothing: not the default, which is asked by leaving the argument out (None)
+        raise ValueError(f"{what} must name at least one integer, got none")
     for v in items:
         _check_int(v, f"each of {what}", minimum)
-    return [int(v) for v in items]
+    return list(dict.fromkeys(int(v) for v in items))  # a repeated value once, as parse_ints keeps it
 
 
 def _check_depths(depths: Any) -> list[float]:
@@ -185,10 +189,12 @@ def _check_depths(depths: Any) -> list[float]:
     if isinstance(depths, (str, bytes)) or not isinstance(depths, Iterable):
         raise ValueError(f"depths (--depths) must be a sequence of numbers in [0, 100], got {depths!r}")
     items = list(depths)
+    if not items:  # names nothing: not the default, which is asked by leaving the argument out (None)
+        raise ValueError("depths (--depths) must name at least one number in [0, 100], got none")
     for d in items:
         if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 <= float(d) <= 100:
             raise ValueError(f"each of depths (--depths) must be a number in [0, 100] (percent), got {d!r}")
-    return [float(d) for d in items]
+    return list(dict.fromkeys(float(d) for d in items))  # a repeated depth once, as parse_floats keeps it
 
 
 def _refuse_depths(suite: str, depths: Sequence[float] | None) -> None:
