@@ -73,16 +73,43 @@ def main(argv: list[str] | None = None) -> int:
     -------
     int
         The command's exit status; 2 when it refused its arguments or failed with ``ValueError`` or ``OSError``
-        (the message goes to stderr). A parse error exits through argparse (``SystemExit``).
+        (the message goes to stderr); 141, without a message, when standard output's reader left before the output
+        ended (``slake methods | head``). A parse error exits through argparse (``SystemExit``).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         validate_args(args)  # every argument, before any model load or file write
         return COMMANDS[args.command](args)
+    except BrokenPipeError as e:
+        if not _stdout_gone():  # another pipe (a socket): an error like any other
+            print(f"slake {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        return 141  # the reader of standard output left (slake methods | head): as a shell reports SIGPIPE
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"slake {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has left (``poll`` reports an error on it); if so, standard
+    output is pointed at the null device, so that what is still buffered is not written again, with a second error,
+    when Python exits. False where that cannot be told (no ``poll``, no file descriptor)."""
+    import os
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -100,6 +100,13 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
                 f"--methods {spec}: slake calibrate searches {', '.join(SEARCHED[m.name])}; drop "
                 f"{', '.join(fixed)} from the spec (the other hyperparameters stay and make the entry's context)"
             )
+        if m.name == "slake" and not m.vabs:
+            # known before the model loads: the search found it only after measuring every candidate, and wrote nothing
+            raise ValueError(
+                f"--methods {spec}: with vabs=false slake allocates its layers' budgets by CAKE's preference, which "
+                f"does not read alpha and beta: every candidate would measure the same distance and no entry would be "
+                f"written; calibrate slake with VABS, or cake"
+            )
     budget_texts = [b.strip() for b in str(args.budgets).split(",") if b.strip()]
     budgets = [Budget(b).value for b in budget_texts]
     if not budgets:

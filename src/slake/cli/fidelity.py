@@ -69,6 +69,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from slake.engines.context import check_context, check_lengths, context_limit
     from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.models import load_model
+    from slake.methods.budget_check import check_budget_at_length
     from slake.quality import fidelity
 
     methods, budgets, kv_dtypes = fidelity_grid(args)
@@ -96,6 +97,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     ids = tokenizer(format_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=plain).input_ids
     ids = ids.to(model.device)
     check_context(limit, int(ids.shape[1]), args.steps, what="the prompt has", can_allow=False)
+    for m in methods:  # a ratio of this prompt (--prompt-file's length is known now), before the full-cache recording
+        for b in budgets:
+            check_budget_at_length(m, b, int(ids.shape[1]))
     if args.output_tokens:
         check_context(
             limit, args.length, args.output_tokens, what="each output-level prompt (--length) has", can_allow=False

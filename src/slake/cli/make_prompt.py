@@ -47,6 +47,11 @@ def cmd_make_prompt(args: argparse.Namespace, tokenizer: Any = None) -> int:
     refuse_empty(args, ("out", "model", "gguf_file"))  # an empty --out names no file: refused before the tokenizer
     if args.out != "-" and Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; name the prompt file to write (or - for standard output)")
+    if args.out != "-":
+        from slake.cli.options import check_out_folder
+
+        # the folder the file goes in (made when it is written): below a file, it failed after the prompt was built
+        check_out_folder(Path(args.out).parent, "--out")
     if args.task != "needle" and args.task not in RULER_TASKS:
         raise ValueError(f"unknown task {args.task!r}; expected 'needle' or one of {', '.join(RULER_TASKS)}")
     if args.length < 1:
