@@ -326,3 +326,21 @@ def test_the_defaults_warning_names_the_variant_run_and_the_entry_it_misses(prof
     caplog.clear()
     resolve_method("slake", 8192, profiled, linear_cache=False)  # no entry near this budget: nothing to point at
     assert "applies only to that variant" not in caplog.records[-1].getMessage()
+
+
+def test_slake_without_vabs_is_not_told_to_calibrate_alpha_and_beta(profile_dir, caplog):
+    """``slake[vabs=false]`` splits its layers' budgets by CAKE's preference and reads no alpha or beta: a model
+    without a profile was warned that it "runs on its defaults (alpha=0.5, beta=0.4)" and that ``slake calibrate``
+    fits them, which calibrate refuses for that variant. No warning, no profile values; SLAKE with VABS still told."""
+    import logging
+
+    from slake.methods import profiles
+
+    profiles._TOLD_DEFAULTS.clear()
+    caplog.set_level(logging.WARNING, logger="slake")
+    cfg = _config("my-org/Unprofiled-2B")
+    m, applied = resolve_method("slake[vabs=false]", 128, cfg)
+    assert applied is None and not m.vabs
+    assert not [r for r in caplog.records if "calibrate" in r.getMessage()]
+    resolve_method("slake", 128, cfg)
+    assert [r for r in caplog.records if "calibrate" in r.getMessage()]

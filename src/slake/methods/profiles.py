@@ -210,6 +210,16 @@ def _defaults(method: Any) -> dict[str, Any]:
     return out
 
 
+def _searched(method: Any) -> tuple[str, ...]:
+    """The hyperparameters of ``method`` (a built Method) that a profile sets (:data:`SEARCHED`) and that it reads:
+    none for SLAKE without VABS (``vabs=False``), whose layers' budgets follow CAKE's preference, not alpha and beta
+    (it was told that it ran on the default alpha and beta, and to calibrate them, which ``slake calibrate``
+    refuses)."""
+    if method.name == "slake" and not getattr(method, "vabs", True):
+        return ()
+    return SEARCHED.get(method.name, ())
+
+
 def find_entry(profiles: list[tuple[str, dict]], method: Any, budget: int | float) -> tuple[str, dict] | None:
     """The first profile entry that applies to ``method`` (a built Method) at ``budget``, with its source."""
     searched = SEARCHED.get(method.name)
@@ -311,7 +321,7 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
         # validated as make_method validates them: a replace() alone would take vabs="false" as given
         return replace(method, **check_hyperparameters(type(method), overrides, label=repr(method.name))), None
     built = make_method(method, **overrides)
-    searched = SEARCHED.get(built.name)
+    searched = _searched(built)
     if model_or_config is None or not searched:
         return built, None
     _, from_spec = parse_method_spec(str(method))
