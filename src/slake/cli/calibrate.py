@@ -100,7 +100,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
                 f"--methods {spec}: slake calibrate searches {', '.join(SEARCHED[m.name])}; drop "
                 f"{', '.join(fixed)} from the spec (the other hyperparameters stay and make the entry's context)"
             )
-        if m.name == "slake" and not m.vabs:
+        if m.name == "slake" and not getattr(m, "vabs", True):
             # known before the model loads: the search found it only after measuring every candidate, and wrote nothing
             raise ValueError(
                 f"--methods {spec}: with vabs=false slake allocates its layers' budgets by CAKE's preference, which "
