@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from slake.engines.transformers import forward_checks
 from slake.engines.transformers.cache import SlakeCache, _set_current, current_layer
 from slake.engines.transformers.cache_kwarg import cache_from_kwargs, with_cache
 from slake.engines.transformers.layer_layout import check_supported_attention, text_config
@@ -294,6 +295,8 @@ def _check_slake_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> No
         kwargs.get("position_ids"),
         batch_size=batch,
     )
+    if not torch.compiler.is_compiling():  # once per model config, in the eager prefill
+        forward_checks.check_layout(cache, cfg)
     cache.bind_model(module)
 
 

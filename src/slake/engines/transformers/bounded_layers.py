@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
+from slake.engines.transformers.forward_checks import check_same_heads
+
 __all__ = ["bounded_layer", "held_bytes"]
 
 #: a view is copied when its storage holds more than this many times its own bytes
@@ -41,13 +43,16 @@ def _compacting(cls: Any) -> type:
     if made is None:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            keys, values = getattr(self, "keys", None), getattr(self, "values", None)
+            if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4:
+                check_same_heads(getattr(self, "_slake_layer_idx", -1), keys, values, key_states, value_states)
             out = cls.update(self, key_states, value_states, *args, **kwargs)
             _compact(self)
             return out
 
         update.__doc__ = (
-            f"{cls.__name__}.update, then a copy of what the layer keeps where it is a view of a larger storage "
-            f"(the whole prompt after a prefill)."
+            f"{cls.__name__}.update (refused for keys of other heads than the layer holds), then a copy of what the "
+            f"layer keeps where it is a view of a larger storage (the whole prompt after a prefill)."
         )
         made = type(cls.__name__, (cls,), {"update": update, "__module__": __name__})
         made.__doc__ = f"transformers' {cls.__name__} holding only what it keeps (:mod:`{__name__}`)."
@@ -55,10 +60,14 @@ def _compacting(cls: Any) -> type:
     return made
 
 
-def bounded_layer(kind: str, kwargs: dict[str, Any]) -> Any:
+def bounded_layer(kind: str, kwargs: dict[str, Any], layer_idx: int = -1) -> Any:
     """A new dynamic bounded layer of transformers' ``kind`` (``"sliding_attention"``, ``"chunked_attention"``, as in
-    ``DYNAMIC_LAYER_TYPE_MAPPING``) built with ``kwargs``, that holds only what it keeps (see the module)."""
-    return _compacting(DYNAMIC_LAYER_TYPE_MAPPING[kind])(**kwargs)
+    ``DYNAMIC_LAYER_TYPE_MAPPING``) built with ``kwargs``, that holds only what it keeps (see the module) and refuses
+    keys of other heads than it holds (another model's, :func:`~slake.engines.transformers.forward_checks.
+    check_same_heads`), naming the model's ``layer_idx``."""
+    layer = _compacting(DYNAMIC_LAYER_TYPE_MAPPING[kind])(**kwargs)
+    layer._slake_layer_idx = layer_idx  # not transformers' own attribute: a name of ours
+    return layer
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

@@ -82,6 +82,7 @@ class SlakeCacheLayer(CacheLayerMixin):
             self.compressor.seen[self.slot] = key_states.shape[2]
             out = key_states, value_states
         else:
+            forward_checks.check_same_heads(self.layer_idx, store.keys, store.values, key_states, value_states)
             store = self.compressor.append(self.slot, key_states, value_states)
             out = store.keys, store.values
         self.keys, self.values = out
@@ -258,6 +259,8 @@ class SlakeCache(Cache):
         self.exact_prefill = False
         #: the model's class, once a forward has bound it (:meth:`bind_model`), for errors that name it
         self.model_name: str | None = None
+        #: the model config whose layer layout was found to be this cache's (``forward_checks.check_layout``)
+        self._layout_config: Any = None
         if self.prefill_chunk is not None:  # refused when the cache is built, not at its first prompt
             check_chunkable(m)
         if max_cache_len is not None:
@@ -300,9 +303,9 @@ class SlakeCache(Cache):
             else:
                 kind, kwargs = self.layout.bounded[i]
                 if self.static_len is not None:  # a fixed-shape ring (transformers' static layer recompiles per step)
-                    layers.append(WindowLayer(kwargs["sliding_window"], self.static_len))
+                    layers.append(WindowLayer(kwargs["sliding_window"], self.static_len, layer_idx=i))
                 else:  # transformers' own layer, copying what it keeps out of the whole prompt (bounded_layers)
-                    layers.append(bounded_layer(kind, kwargs))
+                    layers.append(bounded_layer(kind, kwargs, i))
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -393,15 +396,21 @@ class SlakeCache(Cache):
         and so does moving the rows (a first token from another row's prompt); ``generate`` then reads its input."""
         self.prefilled_logits = self.prefilled_input = None
 
+    # each argument is checked before any layer moves: a hybrid model's bounded layers (transformers' own) come
+    # before its first compressed layer and took what the compressed layers then refused (forward_checks.batch_index)
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        beam_idx = forward_checks.batch_index(self, beam_idx, check_values=False)
         self.drop_prefilled()
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        forward_checks.check_repeats(repeats)
         self.drop_prefilled()
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (integers, or a boolean mask over the rows), in that order, in every layer."""
+        indices = forward_checks.batch_index(self, indices)
         self.drop_prefilled()
         super().batch_select_indices(indices)
 

@@ -1,18 +1,25 @@
 """The checks a :class:`~slake.engines.transformers.cache.SlakeCache` runs before every forward of a prepared model
 (:meth:`SlakeCache.check_forward`): the input must fit the cache, continue what it holds, and find every layer in
 step. Host facts, with one read of the mask in eager steps; nothing runs inside a compiled step. ``cache`` is the
-SlakeCache (typed ``Any``: this module is imported by the cache's, which it must not import back)."""
+SlakeCache (typed ``Any``: this module is imported by the cache's, which it must not import back).
+
+Also the checks that keep a cache whole where a model or a caller could leave it part-changed: the model's layer
+layout against the cache's (:func:`check_layout`), each layer's new keys against the heads it holds
+(:func:`check_same_heads`), and a batch operation's argument before any layer moves (:func:`batch_index`,
+:func:`check_repeats`)."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 
 from slake.cache.prefill import check_left_padding, check_real_tokens
 from slake.cache.state import PrefillInfo
+from slake.engines.transformers.layer_layout import attention_layout
 
-__all__ = ["check_forward"]
+__all__ = ["batch_index", "check_forward", "check_layout", "check_repeats", "check_same_heads"]
 
 
 def check_forward(
@@ -194,3 +201,82 @@ def _refuse_padding_after_prompt(mask: torch.Tensor, info: PrefillInfo) -> None:
         f"the prompt is not supported; give every later token a mask of 1 (model.generate does, also for rows that "
         f"have finished), and continue conversations whose new turns differ in length in separate caches"
     )
+
+
+def check_layout(cache: Any, config: Any) -> None:
+    """Refuse a model whose sliding-window or chunked layers are not the ones ``cache`` was built for.
+
+    A hybrid cache (built with ``config=`` of a model with bounded layers) keeps transformers' bounded cache layer
+    for each of them; given to a model of the same layer count whose layer is full attention (or bounded by another
+    window), that layer would keep only a window of the keys its attention reads, and the tokens would be silently
+    wrong. A cache built from a layer count (every layer compressed) is left to the attention function's window check
+    (:func:`slake.engines.transformers.attention._check_window`). Checked once per model config (by identity)."""
+    if config is None or not cache.layout.hybrid or getattr(cache, "_layout_config", None) is config:
+        return
+    try:
+        model = attention_layout(config)
+    except ValueError as err:  # layer types slake cannot serve: not the layout this cache was built for either
+        raise ValueError(f"this SlakeCache was built for another model: {err}") from err
+    for i, (kind, kwargs) in sorted(cache.layout.bounded.items()):
+        theirs = model.bounded.get(i)
+        if theirs != (kind, kwargs):
+            what = model.layer_types[i] if theirs is None else f"{theirs[0]} {theirs[1]}"
+            raise ValueError(
+                f"this SlakeCache was built for a model whose layer {i} is {kind} {kwargs}, but this model's layer {i} "
+                f"is {what}: the cache's layers would not hold what the model's attention reads; build the cache "
+                f"for this model, SlakeCache(..., config=model.config)"
+            )
+    cache._layout_config = config
+
+
+def check_same_heads(
+    layer_idx: int, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+) -> None:
+    """Refuse new keys and values ``(B, H, n, d)`` of another head count or size than the ``keys`` / ``values`` a
+    layer holds (a cache continued by another model), before the layer changes. Shapes only: compile-safe."""
+    held = (int(keys.shape[1]), int(keys.shape[-1]), int(values.shape[-1]))
+    new = (int(key_states.shape[1]), int(key_states.shape[-1]), int(value_states.shape[-1]))
+    if held != new:
+        raise ValueError(
+            f"layer {layer_idx} of this SlakeCache holds {held[0]} KV heads of size {held[1]} (values {held[2]}), "
+            f"but the model gave {new[0]} heads of size {new[1]} (values {new[2]}): a cache serves the model that "
+            f"filled it; create a new SlakeCache for this model (SlakeCache(..., config=model.config))"
+        )
+
+
+def _held_rows(cache: Any) -> int | None:
+    """Sequences the cache holds (None before its first prefill)."""
+    store = next((s for s in cache.compressor.layers if s is not None), None)
+    return None if store is None else int(store.valid.shape[0])
+
+
+def batch_index(cache: Any, index: Any, *, check_values: bool = True) -> torch.Tensor:
+    """``index`` as a 1-D integer tensor of the rows ``cache`` holds, refused (ValueError) before any layer moves.
+
+    A boolean mask over the rows is taken as the rows it marks (transformers' own layers index with it). With
+    ``check_values`` every index must be a row (``0 <= i < rows``; one read of the index back to the host): the
+    compressed layers' ``index_select`` takes no negative index where transformers' bounded layers do, and a hybrid
+    cache's sliding layers before the first compressed one had moved when the compressed ones refused. Beam search's
+    ``reorder_cache`` passes ``check_values=False`` (its rows are valid, and a step reads nothing back)."""
+    index = torch.as_tensor(index)
+    rows = _held_rows(cache)
+    if index.dtype == torch.bool and index.dim() == 1:
+        if rows is not None and index.numel() != rows:
+            raise ValueError(f"a batch selection by a boolean mask of {index.numel()} for {rows} sequences")
+        index = index.nonzero().flatten()
+    if index.dim() != 1 or index.numel() == 0 or index.is_floating_point() or index.dtype == torch.bool:
+        raise ValueError(f"a batch selection needs a non-empty 1-D integer index, got shape {tuple(index.shape)}")
+    if check_values and rows is not None:
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= rows:
+            raise ValueError(
+                f"a batch selection takes indices of the {rows} sequences the cache holds (0 to {rows - 1}), "
+                f"got {low if low < 0 else high}"
+            )
+    return index
+
+
+def check_repeats(repeats: Any) -> None:
+    """Refuse a batch repeat count that is not an integer >= 1, before any layer moves."""
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise ValueError(f"a batch repeat needs an integer count >= 1, got {repeats!r}")

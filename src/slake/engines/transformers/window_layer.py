@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from slake.cache.decode_step import sdpa_step
+from slake.engines.transformers.forward_checks import check_same_heads
 
 __all__ = ["WindowLayer", "current_window"]
 
@@ -52,6 +53,8 @@ class WindowLayer(CacheLayerMixin):
     max_cache_len : int
         Positions the cache serves (prompt + new tokens); the ring holds ``min(sliding_window, max_cache_len)`` slots.
         A ring shorter than the window refuses a token past ``max_cache_len`` (``_slot_within_capacity``).
+    layer_idx : int
+        The model's layer, named when keys of other heads than the ring holds (another model's) are refused.
     """
 
     is_compileable = True
@@ -61,8 +64,9 @@ class WindowLayer(CacheLayerMixin):
     keys: torch.Tensor  # (B, Hkv, window, d) once initialised, as ``values``
     values: torch.Tensor
 
-    def __init__(self, sliding_window: int, max_cache_len: int, **kwargs) -> None:
+    def __init__(self, sliding_window: int, max_cache_len: int, layer_idx: int = -1, **kwargs) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # the model's layer, named by the refusal of another model's keys
         if int(sliding_window) < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.window = min(int(sliding_window), int(max_cache_len))
@@ -111,6 +115,7 @@ class WindowLayer(CacheLayerMixin):
                 f"a fixed-shape SlakeCache's sliding-window layer takes the prompt once and then one token per step, "
                 f"got {n} tokens (build the cache without max_cache_len for this use)"
             )
+        check_same_heads(self.layer_idx, self.keys, self.values, key_states, value_states)
         slot = torch.remainder(self.counter, self.window).view(1)
         if self.capacity is not None:
             slot = self._slot_within_capacity(slot, self.capacity)
