@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -200,8 +201,19 @@ def preference_budgets(prefs: Sequence[float] | torch.Tensor, total: int, cap: i
         True at the last stage: largest-remainder rounding so that ``sum == min(T, n*cap)`` exactly. False at
         intermediate stages: ``min(ceil(B_real), cap)``, which can exceed the final budgets but never increases from
         one stage to the next, so re-evicting a layer with its new budget equals evicting it once (Theorem 1).
+
+    Raises
+    ------
+    TypeError
+        For a ``total`` or ``cap`` that is not a real number (a bool included).
+    ValueError
+        For a ``total`` or ``cap`` that is not a finite non-negative whole number, or preferences :func:`waterfill`
+        refuses.
     """
-    if int(total) != total or int(cap) != cap or total < 0 or cap < 0:
+    _check_real(total, "total")  # a bool is not a total (True was taken as 1)
+    _check_real(cap, "cap")
+    # in range before int(): int() of an infinite total raised OverflowError, of a NaN one a message naming neither
+    if not all(0 <= x <= sys.float_info.max and int(x) == x for x in (total, cap)):
         raise ValueError(f"total and cap must be non-negative integers (got total={total}, cap={cap})")
     real = waterfill(prefs, float(total), float(cap))
     if final:

@@ -20,6 +20,7 @@ scores are float32. Methods never see a transformers object.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -292,6 +293,14 @@ class Method:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        # numbers held as make_method holds them (an int given for a float hyperparameter as a float): built directly,
+        # Cake(gamma=10**40) kept the int, which the float32-range check below never saw, and PyramidKV(beta=20)
+        # differed from make_method's (repr, hyperparameters())
+        numbers_ = {f.name: getattr(self, f.name) for f in fields(self)}
+        numbers_ = {k: v for k, v in numbers_.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)}
+        for k, v in check_hyperparameters(type(self), numbers_, label=repr(self.name)).items():
+            if type(v) is not type(numbers_[k]):
+                setattr(self, k, v)
         if self.window < 0 or self.sinks < 0:
             raise ValueError(
                 f"{self.name}: window and sinks must be >= 0 (got window={self.window}, sinks={self.sinks})"

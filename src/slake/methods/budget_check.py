@@ -45,9 +45,10 @@ def check_method_budget(method: Method | str, budget: Budget | int | float | str
 
 def check_budget_at_length(method: Method | str, budget: Budget | int | float | str, length: int) -> None:
     """Raise ValueError where a ratio ``budget`` of a ``length``-token prompt leaves fewer tokens than the method
-    protects (window + sinks, and at least one): the prefill refuses it, but only once the model has loaded and,
-    in a sweep, after the configurations before it ran. An absolute budget is :func:`check_method_budget`'s; a
-    prompt within its budget is not compressed and is not refused.
+    protects (window + sinks, and at least one), or more than its ``max_layer_budget`` (as
+    :func:`check_method_budget` refuses an absolute budget): the prefill refuses either, but only once the model has
+    loaded and, in a sweep, after the configurations before it ran. An absolute budget is
+    :func:`check_method_budget`'s; a prompt within its budget is not compressed and is not refused.
 
     Parameters
     ----------
@@ -68,4 +69,11 @@ def check_budget_at_length(method: Method | str, budget: Budget | int | float | 
         raise ValueError(
             f"{m.name}: budget {b.value} of a {length}-token prompt is {tokens} tokens, fewer than the protected "
             f"window + sinks ({m.protected}); use a larger ratio, longer prompts or a smaller window"
+        )
+    cap = getattr(m, "max_layer_budget", None)
+    if length > tokens and cap is not None and cap < tokens and not getattr(m, "linear_cache", False):
+        # as check_method_budget refuses an absolute budget above the cap (a linear cache's charge is the prefill's)
+        raise ValueError(
+            f"{m.name}: budget {b.value} of a {length}-token prompt is {tokens} tokens, above max_layer_budget={cap}; "
+            f"the layers could not hold the total budget"
         )

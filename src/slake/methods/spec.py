@@ -270,7 +270,8 @@ def check_hyperparameters(cls: type, values: dict[str, Any], *, label: str = "")
     ValueError
         For an unknown hyperparameter (listing those that exist) or a value not of the hyperparameter's declared
         type (``bool``, ``int``, ``float``, ``str``, each possibly optional: ``None`` is then accepted); a bool is
-        never an integer or a number, and a string is never parsed.
+        never an integer or a number, and a string is never parsed; or a number past a float's range (an
+        integer such as ``10**400``) for a number.
     """
     name = getattr(cls, "name", cls.__name__)  # a Method class (this module does not import slake.methods.base)
     label = label or repr(name)
@@ -300,5 +301,10 @@ def check_hyperparameters(cls: type, values: dict[str, Any], *, label: str = "")
         if kind is int:
             out[k] = int(value)
         elif kind is float:
-            out[k] = float(value)
+            try:
+                out[k] = float(value)
+            except OverflowError:  # an integer past a float's range (10**400): the OverflowError named nothing
+                raise ValueError(
+                    f"{label}: {k} must be a finite number within float32's range, got a number past a float's range"
+                ) from None
     return out
