@@ -60,17 +60,26 @@ def evaluation_text() -> str:
     return "\n\n".join(paul_graham_essays())
 
 
+#: tokens read past a window's end, so that a word cut where the text is cut never reaches the window
+_CUT_MARGIN = 16
+
+
 def _window(tokenizer: Any, text: str, rng: random.Random, n_tokens: int) -> list[int]:
     """``n_tokens`` consecutive token ids of ``text`` from a seeded paragraph start (wrapping around the text)."""
     starts = [0] + [i + 2 for i in range(len(text) - 2) if text[i : i + 2] == "\n\n"]
     start = rng.choice(starts[:-1] or starts)
     chars = n_tokens * 6 + 1000  # generous: a token is rarely longer than 6 characters of English/code
-    chunk = (text[start:] + "\n\n" + text)[:chars] if start + chars > len(text) else text[start : start + chars]
-    ids = list(tokenizer.encode(chunk, add_special_tokens=False))
-    while len(ids) < n_tokens:  # very short source text: repeat it
-        chunk += "\n\n" + text
-        ids = list(tokenizer.encode(chunk, add_special_tokens=False))
-    return ids[:n_tokens]
+    source = text[start:]
+    for _ in range(12):  # then over 24,000 characters a token: the tokenizer reads (almost) nothing of the text
+        while len(source) < chars:  # past the text's end (or a short text): wrap around to its beginning
+            source += "\n\n" + text
+        ids = list(tokenizer.encode(source[:chars], add_special_tokens=False))
+        # the last few tokens may be a word cut at ``chars``; a shorter encoding reads further along ``source``
+        # (appending the text after the cut put its beginning after a word cut mid-text)
+        if len(ids) >= n_tokens + _CUT_MARGIN:
+            return ids[:n_tokens]
+        chars *= 2
+    raise ValueError(f"{chars // 2} characters of the text gave {len(ids)} tokens, fewer than {n_tokens}")
 
 
 def text_continuations(
@@ -111,7 +120,16 @@ def answer_continuations(
 ) -> list[Continuation]:
     """``samples`` prompts (about ``length`` tokens of ``text`` + a question, in the chat template, or as plain text
     after the tokenizer's BOS when it has none), each continued by the full cache's greedy answer (at most
-    ``target_tokens`` tokens, end-of-sequence included)."""
+    ``target_tokens`` tokens, end-of-sequence included).
+
+    A prompt the model answers with an immediate end-of-sequence is replaced by another (the next question).
+
+    Raises
+    ------
+    ValueError
+        For ``length < 64``, ``target_tokens < 2``, ``samples < 1``, no question or an empty text, and when
+        ``samples + 2 * len(questions)`` prompts in a row were answered at once (a model that answers nothing).
+    """
     from slake.engines.transformers.generate import format_prompt, uses_chat_template
     from slake.engines.transformers.prefill_once import capture_prefill, greedy_decode
 
@@ -122,10 +140,12 @@ def answer_continuations(
             f"need length >= 64, target_tokens >= 2, samples >= 1 and a question (got {length}, "
             f"{target_tokens}, {samples})"
         )
+    if not text.strip():
+        raise ValueError("the source text is empty")
     rng = random.Random(f"{name}-{seed}")
     eos = [i for i in (getattr(tokenizer, "eos_token_id", None),) if isinstance(i, int)]
     out: list[Continuation] = []
-    tries = 0
+    tries = silent = 0  # prompts drawn; of them the last ones answered at once, in a row
     while len(out) < samples:
         question = questions[tries % len(questions)]
         tries += 1
@@ -137,6 +157,12 @@ def answer_continuations(
         answer = greedy_decode(model, cap, cap.replay("full", 1), target_tokens, eos)[0]
         if len(answer) >= 2:  # an immediate end-of-sequence says nothing about the cache: draw another prompt
             out.append(Continuation("answer", f"{name}-{length}-{seed}-{len(out)}", ids, answer))
-        elif tries >= samples + 2 * len(questions):
-            raise ValueError("the model ends its answer at once on every prompt; use text continuations instead")
+            silent = 0
+            continue
+        silent += 1  # give up on a model that answers nothing, not on one that skips some question
+        if silent >= samples + 2 * len(questions):
+            raise ValueError(
+                f"the model ended its answer at once on the last {silent} prompts ({len(out)} of {samples} answers "
+                f"drawn); use text continuations instead"
+            )
     return out

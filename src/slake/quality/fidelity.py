@@ -174,7 +174,11 @@ def _window_attention(
             if not bool(future.any()):
                 continue
             fp = kp * future[..., None].to(kp.dtype)
-            store.linear = LinearState(lin.aug - fp.transpose(-1, -2) @ vp)
+            left = lin.aug - fp.transpose(-1, -2) @ vp
+            # a head whose every folded token is after p holds n_e = 0 exactly but a rounding residue in k_sum,
+            # v_sum and L (summed in another order than the fold's), which PTAA read as mu = residue / 0 = +-inf
+            left.masked_fill_(left[..., d:, d:] < 0.5, 0.0)
+            store.linear = LinearState(left)
             out[:, :, i : i + 1] = eng.attention(layer, queries[:, :, i : i + 1], positions[i : i + 1], scaling)
     finally:
         store.linear = lin
