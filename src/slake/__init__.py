@@ -8,7 +8,8 @@ Quick start::
     print(result.text, result.kv_bytes)
 
 Public names: :func:`load_model`, :func:`generate`, :class:`SlakeCache`, :func:`prepare_model`,
-:func:`available_methods`, :func:`make_method`, :class:`Budget`.
+:func:`available_methods`, :func:`make_method`, :class:`Method`, :class:`Budget`, :class:`GenerationResult`,
+:data:`DEFAULT_MODEL`.
 """
 
 from __future__ import annotations

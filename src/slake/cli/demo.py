@@ -36,9 +36,9 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="answer a question about a long document with the full cache and with SLAKE",
-        description="Build a needle-in-a-haystack document from real essays, ask for the needle, and "
-        "answer with the full cache and with a compressed cache; print both answers, "
-        "their correctness and the KV memory kept.",
+        description="Build a needle-in-a-haystack document (by default RULER's niah_single_1: a number in a "
+        "repeated filler text; --task needle hides it in real essays), ask for the needle, and answer with the full "
+        "cache and with a compressed cache; print both answers, their correctness and the KV memory kept.",
     )
     p.add_argument("--method", default=DEMO_METHOD, help="compression method (default: slake)")
     p.add_argument(
