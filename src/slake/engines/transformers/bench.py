@@ -238,19 +238,14 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
             else "interleaved where the rows' decode_timing says so (lengths whose caches fit together), else "
             "sequential; decode vs first compares the interleaved rows of a length"
         ),
-        "peak memory: "
-        + (
-            "CUDA max_memory_allocated (reset per configuration)"
-            if rows and rows[0]["peak_mem_kind"].startswith("cuda")
-            else "process RSS high-water mark (VmHWM, reset per configuration via "
-            "/proc/self/clear_refs; includes the model weights)"
-        ),
+        "peak memory: " + _peak_note(rows, plan.isolate),
     ]
     if any("vs_roofline" in r for r in rows):
         r0 = next(r for r in rows if "vs_roofline" in r)
         notes.append(
             "x roofline: decode ms/token over the memory's floor, the bytes a step must read (the weights, the input "
-            "embedding's looked-up rows only, plus the kept keys and values and the linear state) at the device's "
+            "embedding's looked-up rows only, plus the kept keys and values, the linear state and a hybrid model's "
+            "sliding-window layers) at the device's "
             f"measured copy bandwidth ({r0['bandwidth_gbs']} GB/s; roofline_ms in bench.jsonl)"
         )
     (out / "bench.md").write_text(markdown_table(rows, "slake bench", notes), encoding="utf-8")
@@ -263,6 +258,29 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
     ordered = [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}} for r in rows]
     return BenchReport(rows=ordered, table=markdown_table(rows), files=files)
+
+
+def _peak_note(rows: list[dict], isolate: bool) -> str:
+    """What ``bench.md`` says the peak column is: CUDA's reset peak, or the CPU's high-water mark, reset per
+    configuration only where every row says so (``peak_mem_reset``; where it cannot be reset the mark only grows over
+    the run, or over each configuration's own process with ``isolate``)."""
+    if rows and rows[0]["peak_mem_kind"].startswith("cuda"):
+        return "CUDA max_memory_allocated (reset per configuration)"
+    if all(r.get("peak_mem_reset") for r in rows):
+        return (
+            "process RSS high-water mark (VmHWM, reset per configuration via /proc/self/clear_refs; includes the "
+            "model weights)"
+        )
+    where = (
+        "since the start of each configuration's own process (--isolate)"
+        if isolate
+        else "over the whole run, so a row's peak includes the earlier configurations' (--isolate gives each its own "
+        "process)"
+    )
+    return (
+        "process RSS high-water mark, which could not be reset here (peak_mem_reset false in bench.jsonl): the most "
+        f"the process held {where}; includes the model weights"
+    )
 
 
 def device_bandwidth(device: torch.device) -> float:

