@@ -76,3 +76,36 @@ def test_the_peak_note_says_reset_where_every_row_was_reset(tmp_path: Path, monk
 def test_the_roofline_note_names_the_sliding_layers_it_counts(tmp_path: Path, monkeypatch) -> None:
     text = _bench_md(tmp_path, monkeypatch, reset_ok=True, shape="tiny-hybrid")
     assert "sliding-window layers" in _note(text, "x roofline")
+
+
+def test_a_model_whose_every_layer_slides_is_refused_before_any_row(tmp_path: Path) -> None:
+    """Every layer of a Mistral with ``sliding_window=16`` slides, and slake compresses full-attention layers only:
+    the attention function refused the step that crossed the window, once the ``transformers`` row had been timed,
+    and that length's rows were never written. Now refused before any row, naming the options; a length whose rows
+    stay within the window runs."""
+    shape = "mistral-7b:num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,"
+    shape += "num_key_value_heads=1,vocab_size=256,sliding_window=16"
+    model = random_model(shape)
+    measured: list = []
+    plan = BenchPlan(
+        methods=("transformers", "snapkv[window=4]"), budgets=(8,), lengths=(24,), out=tmp_path, decode_steps=2,
+        warmup=1, plots=False, progress=False,
+    )  # fmt: skip
+    from slake.engines.transformers import measure
+
+    real = measure.measure
+
+    def counting(*args: object, **kwargs: object) -> dict:
+        measured.append(args)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measure, "measure", counting)
+        with pytest.raises(ValueError, match="--lengths 24 with --warmup 1 and --decode-steps 2.*full-attention"):
+            bench.run_bench(plan, ModelSpec(random=shape), f"random:{shape}", lambda: model)
+    assert measured == [] and not (tmp_path / "bench.jsonl").exists()
+    short = BenchPlan(
+        methods=("snapkv[window=4]",), budgets=(8,), lengths=(12,), out=tmp_path / "short", decode_steps=2, warmup=1,
+        plots=False, progress=False,
+    )  # fmt: skip
+    assert bench.run_bench(short, ModelSpec(random=shape), f"random:{shape}", lambda: model).rows

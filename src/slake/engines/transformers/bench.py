@@ -155,6 +155,8 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     model = None if plan.isolate else load()
+    if model is not None:
+        _check_windows(model, cfgs)
     interleave = interleaved_timing(plan, model)  # a group's rows wait for its interleaved timing, if it runs one
     bar = None
     if plan.progress:
@@ -258,6 +260,25 @@ def run_bench(plan: BenchPlan, spec: ModelSpec, model_name: str, load: Callable[
     keys = ("method", "budget", "length", "batch", "prefill_s", "decode_ms_per_token", "peak_mem_bytes", "kv_bytes")
     ordered = [{**{k: r[k] for k in keys}, **{k: v for k, v in r.items() if k not in keys}} for r in rows]
     return BenchReport(rows=ordered, table=markdown_table(rows), files=files)
+
+
+def _check_windows(model: Any, cfgs: list) -> None:
+    """Refuse, before any row is measured, a configuration whose cache would outgrow a model whose every layer is
+    bounded (a sliding window or a chunk): slake compresses full-attention layers only, and the attention function
+    refused the step that crossed the window, after the lengths' earlier rows had been timed and without writing that
+    length's rows. The tokens counted are the fewest a row takes (its prompt, the warm-up and timed steps)."""
+    from slake.engines.transformers.baselines import TRANSFORMERS
+    from slake.engines.transformers.generate import check_sliding_window
+
+    for cfg in cfgs:
+        if cfg.method == TRANSFORMERS:
+            continue  # transformers' own cache: any length
+        try:
+            check_sliding_window(model.config, cfg.length, cfg.warmup + cfg.decode_steps + 1)
+        except ValueError as err:
+            raise ValueError(
+                f"--lengths {cfg.length} with --warmup {cfg.warmup} and --decode-steps {cfg.decode_steps}: {err}"
+            ) from None
 
 
 def _peak_note(rows: list[dict], isolate: bool) -> str:
