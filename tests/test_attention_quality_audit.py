@@ -144,3 +144,11 @@ def test_a_text_the_tokenizer_reads_nothing_of_is_refused_not_looped_on() -> Non
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_recording_without_decode_steps_reports_no_decode_error_rather_than_zero() -> None:
+    """``rel_err`` is the mean over the recording's decode steps; with none it was 0.0, a perfect score for what was
+    not measured. NaN now; the window error is measured as before."""
+    rows = fidelity.measure(_late_eviction_recording(15), "snapkv[window=8]", 60, window=8)
+    assert rows and all(math.isnan(r["rel_err"]) for r in rows)
+    assert all(math.isfinite(r["rel_err_window"]) for r in rows)

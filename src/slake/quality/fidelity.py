@@ -18,6 +18,7 @@ into the layer's linear state, which that query must not read).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,7 +246,7 @@ def measure(
     8 bits; the label then ends in ``@int8`` / ``@fp8_e4m3``. ``profile_model`` (the model or its config) applies the
     model's hyperparameter profile (:mod:`slake.methods.profiles`) to what the spec leaves unset, and ``profile`` is
     the entry applied (None when none was); ``linear_cache`` switches PTAA on or off after that
-    (:func:`resolve_setting`).
+    (:func:`resolve_setting`). ``rel_err`` is the mean over the recording's decode steps: NaN when it has none.
     """
     m, profile = resolve_setting(method, budget, profile_model, linear_cache, **hyperparameters)
     label = canonical_method_spec(method, drop=("linear_cache",)) if isinstance(method, str) else m.name
@@ -288,7 +289,8 @@ def measure(
             "layer": recording.model_layer(layer),  # the model's numbering: a hybrid model's full-attention layers
             "linear_cache": m.linear_cache,
             "profile": profile,
-            "rel_err": sum(decode_err[layer]) / max(len(decode_err[layer]), 1),
+            # NaN, not 0 (a perfect score), for a recording without decode steps: nothing was measured
+            "rel_err": sum(decode_err[layer]) / len(decode_err[layer]) if decode_err[layer] else math.nan,
             "rel_err_window": window_err[layer],
         }
         for layer in range(L)
