@@ -84,7 +84,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
     from slake.cli.options import refuse_duplicates
     from slake.methods.base import canonical_method_spec, make_method, parse_method_list
     from slake.methods.budget_check import check_budget_at_length
-    from slake.methods.profiles import SEARCHED
+    from slake.methods.profiles import SEARCHED, searched_hyperparameters
     from slake.methods.spec import parse_method_spec
 
     specs = parse_method_list(args.methods)
@@ -100,7 +100,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list, list]:
                 f"--methods {spec}: slake calibrate searches {', '.join(SEARCHED[m.name])}; drop "
                 f"{', '.join(fixed)} from the spec (the other hyperparameters stay and make the entry's context)"
             )
-        if m.name == "slake" and not getattr(m, "vabs", True):
+        if not searched_hyperparameters(m):
             # known before the model loads: the search found it only after measuring every candidate, and wrote nothing
             raise ValueError(
                 f"--methods {spec}: with vabs=false slake allocates its layers' budgets by CAKE's preference, which "

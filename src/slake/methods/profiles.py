@@ -58,6 +58,7 @@ _TOLD_OTHER_FOLDER: set[tuple[str, str]] = set()
 __all__ = [
     "PROFILE_FORMAT",
     "SEARCHED",
+    "searched_hyperparameters",
     "model_identity",
     "normalise_name",
     "profile_dir",
@@ -210,7 +211,7 @@ def _defaults(method: Any) -> dict[str, Any]:
     return out
 
 
-def _searched(method: Any) -> tuple[str, ...]:
+def searched_hyperparameters(method: Any) -> tuple[str, ...]:
     """The hyperparameters of ``method`` (a built Method) that a profile sets (:data:`SEARCHED`) and that it reads:
     none for SLAKE without VABS (``vabs=False``), whose layers' budgets follow CAKE's preference, not alpha and beta
     (it was told that it ran on the default alpha and beta, and to calibrate them, which ``slake calibrate``
@@ -321,7 +322,7 @@ def resolve_method(method: Any, budget: Any, model_or_config: Any = None, **over
         # validated as make_method validates them: a replace() alone would take vabs="false" as given
         return replace(method, **check_hyperparameters(type(method), overrides, label=repr(method.name))), None
     built = make_method(method, **overrides)
-    searched = _searched(built)
+    searched = searched_hyperparameters(built)
     if model_or_config is None or not searched:
         return built, None
     _, from_spec = parse_method_spec(str(method))
