@@ -34,6 +34,24 @@ def model_len(prompt_len: int, new_tokens: int, limit: int | None = None) -> int
     return rounded
 
 
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per value of the model dtype ``dtype`` (any spelling :func:`slake.engines.vllm.plugin.config.vllm_dtype`
+    reads, or a ``torch.`` name), for the KV bytes a run reports.
+
+    Raises
+    ------
+    ValueError
+        For a dtype that is none of float32, float16 and bfloat16 (never counted as some default size).
+    """
+    from slake.engines.vllm.plugin.config import vllm_dtype
+
+    name = vllm_dtype(str(dtype).replace("torch.", ""))
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
+    if name not in sizes:
+        raise ValueError(f"slake: unknown model dtype {dtype!r}; use float32, float16 or bfloat16")
+    return sizes[name]
+
+
 def _config_json(model_dir: str) -> dict:
     """A model folder's ``config.json``."""
     return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
@@ -218,6 +236,7 @@ def run_vllm(
         Tokens one step may hold, at least the default (``max(max_model_len, 2048)``): the sum of the prompts
         prefills them all in one step.
     """
+    itemsize = dtype_itemsize(dtype)  # an unknown dtype is refused before the engine starts
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for --json
     from vllm import SamplingParams
@@ -274,7 +293,6 @@ def run_vllm(
         kv_heads, head_dim = sum(h for h, _ in shapes), shapes[0][1]
     else:
         kv_heads, head_dim = int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size())
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype).replace("torch.", ""), 4)
     per_token = 2 * kv_heads * head_dim * itemsize  # one token of one layer, keys + values
     reports = [r for r in llm.collective_rpc(worker.report) if r is not None]
     plugin = reports[0] if reports else None

@@ -317,13 +317,22 @@ def check_supported(method: Method, budget: Budget) -> None:
 #: engine reads them on CPU (:func:`slake.engines.transformers.models.parse_dtype`), the only device ``--engine vllm``
 #: runs on; vLLM's own ``auto`` would run bfloat16 there, even for a float32 checkpoint
 _VLLM_DTYPES = MappingProxyType(
-    {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", None: "float32", "auto": "float32"}
+    {
+        "fp32": "float32",
+        "fp16": "float16",
+        "bf16": "bfloat16",
+        "half": "float16",
+        "float": "float32",
+        None: "float32",
+        "auto": "float32",
+    }
 )
 
 
 def vllm_dtype(dtype: str | None) -> str:
-    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, a vLLM name, or None or ``auto`` for
-    float32, the transformers engine's default on CPU), in any case."""
+    """vLLM's name for a slake ``--dtype`` (``fp32``/``fp16``/``bf16``, ``half``, a vLLM name, or None or ``auto``
+    for float32, the transformers engine's default on CPU), in any case: one name per dtype (``half`` is
+    ``float16``), as result rows record it and the driver counts its bytes."""
     if isinstance(dtype, str):
         dtype = dtype.strip().lower()
     return _VLLM_DTYPES.get(dtype) or str(dtype)

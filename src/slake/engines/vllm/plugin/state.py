@@ -460,6 +460,11 @@ class PluginState:
         idx = torch.tensor([d[2] for d in decodes], dtype=torch.int64)
         held = torch.tensor([d[3] for d in decodes], dtype=torch.int64)
         tbl = table[idx, :nb].to(torch.int64)
+        if tbl.shape[1] < nb:
+            # vLLM's block table holds ceil(max_model_len / block_size) blocks rounded up to 128 tokens, and the pool's
+            # width can be one slot more (min(layer_tokens, max_model_len) + 1: CAKE/SLAKE whose cap reaches
+            # max_model_len); the missing columns are past every request's own blocks, replaced just below
+            tbl = torch.cat([tbl, tbl[:, :1].expand(-1, nb - tbl.shape[1])], dim=1)
         # slots past a request's own blocks (CAKE/SLAKE prompts below the layer cap) are never valid: point them at
         # its first block so that the gather stays inside its own data
         tbl = torch.where(torch.arange(nb)[None, :] < held[:, None], tbl, tbl[:, :1])
