@@ -319,17 +319,28 @@ def _run_one(
     store: CaptureStore | None,
     reconstruction: Any = None,
 ) -> Iterator[EvalOutput]:
-    """Prefill one request once, then decode every pending pair from it."""
+    """Prefill one request once, then decode every pending pair from it.
+
+    The exact prefill's capture is made only when a pair replays it (an exact prefill: the full cache, or every pair
+    without ``prefill_chunk``) or fidelity rows need the reference: a pair with ``prefill_chunk`` is prefilled live,
+    in chunks, and its row's ``prefill_s`` is that chunked prefill's (compression included, as in
+    :func:`slake.generate`). A chunked run never records the whole prompt's queries, keys and values, whose memory
+    the chunks are there to bound.
+    """
     ids = torch.tensor([req.prefill_ids], dtype=torch.long, device=device)
     extra_ids = torch.tensor([req.question_ids], dtype=torch.long, device=device) if req.question_ids else None
-    capture = _capture(model, req.prefill_ids, device, store)
-    ref = _reference(model, capture, req.max_new_tokens, eos, device) if _wants_reference(options, req) else None
+    replayed = options.prefill_chunk is None or any(budget is None for _, budget in req.pairs)
+    capture = _capture(model, req.prefill_ids, device, store) if replayed or _wants_reference(options, req) else None
+    ref = None
+    if capture is not None and _wants_reference(options, req):
+        ref = _reference(model, capture, req.max_new_tokens, eos, device)
     for method, budget in req.pairs:
         start = time.perf_counter()
         chunk = None if budget is None else options.prefill_chunk
         built, profile = method_for_pair(model, method, budget)
         second, second_cached = None, False
         if chunk is None:
+            assert capture is not None  # made above for every pair that replays it
             second, second_cached = _second_pass(model, capture, built, reconstruction, store, [req.prefill_ids])
             cache = capture.replay(built, len(req.prefill_ids) if budget is None else budget, kv_dtype=options.kv_dtype)
             source = capture
@@ -337,6 +348,7 @@ def _run_one(
             assert budget is not None  # the full cache is never chunked
             cache = SlakeCache(built, budget, config=model.config, prefill_chunk=chunk, kv_dtype=options.kv_dtype)
             logits = prefill(model, cache, ids, torch.ones_like(ids), prefill_chunk=chunk)
+            _sync(device)
             source = PrefillCapture(
                 records=[],
                 attention_mask=torch.ones_like(ids),
@@ -354,11 +366,11 @@ def _run_one(
             _sync(device)
             decode_s = time.perf_counter() - start
         del cache
-        extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": capture.cached}
+        extra: dict[str, Any] = {"compress_s": round(compress_s, 5), "prefill_cached": source.cached}
         if second is not None:
             extra["second_pass_s"] = round(second, 5)
             extra["second_pass_cached"] = second_cached
-        if ref is not None and budget is not None:
+        if ref is not None and budget is not None and capture is not None:
             extra.update(_fidelity(model, capture, ref, built, budget, options.kv_dtype)[0])
         yield EvalOutput(
             key=req.key,
@@ -366,7 +378,7 @@ def _run_one(
             budget=budget,
             tokens=tokens,
             prompt_tokens=len(req.prefill_ids) + len(req.question_ids),
-            prefill_s=round(capture.prefill_s, 5),
+            prefill_s=round(source.prefill_s, 5),
             decode_s=round(decode_s, 5),
             compressed=bool(stats["compressed"]),
             kv_bytes=stats["kv_bytes"],

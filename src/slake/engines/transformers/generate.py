@@ -28,6 +28,20 @@ from slake.engines.transformers.python_options import check_count, check_generat
 from slake.methods.base import Method
 from slake.methods.profiles import resolve_method
 
+#: ``model.generate`` options :func:`generate` sets whatever the checkpoint's ``generation_config`` says: one sequence
+#: per prompt (no beam search, no ``num_return_sequences``), returned as a tensor, with no per-step scores or
+#: hidden states: a checkpoint's ``generation_config`` asking for beam search, several sequences or a dict output
+#: would otherwise change what :func:`generate` returns (or fail inside it).
+PINNED_GENERATION: dict[str, Any] = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+    "output_attentions": False,
+    "output_hidden_states": False,
+}
+
 
 class _StepClock(LogitsProcessor):
     """Records the wall time of every sampling step (the first one marks the end of prefill)."""
@@ -283,6 +297,11 @@ def generate(
     -----
     The prompts are padded on the left (with the tokenizer's end token where it has no padding token) without
     changing the tokenizer (:func:`left_padded`): several threads may share it.
+
+    The model's ``generation_config`` supplies what these options leave open (its end tokens, a repetition penalty),
+    but not the search or the output (:data:`PINNED_GENERATION`): one greedy or sampled sequence per prompt, even
+    where a checkpoint asks for beam search, several sequences or a dict output. Beam search over a ``SlakeCache`` is
+    ``model.generate(..., num_beams=n)`` with the cache.
     """
     if not isinstance(prompt, (str, list, tuple)) or any(not isinstance(p, str) for p in prompt):
         raise ValueError(f"the prompt must be a string or a list of strings, got {_kind_of(prompt)}")
@@ -351,6 +370,9 @@ def generate(
         # nor its own chunked prefill (prefill_chunk_size), which a SlakeCache would take for turns: slake's own
         # is prefill_chunk (below)
         "prefill_chunk_size": None,
+        # nor another search or output (:data:`PINNED_GENERATION`): one greedy or sampled sequence per prompt, as
+        # documented and counted below
+        **PINNED_GENERATION,
     }
     if compile:
         gen_kwargs["compile_config"] = compile_config(model.device)
