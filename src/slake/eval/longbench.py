@@ -84,62 +84,129 @@ class LongBenchRecord:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], dataset: str | None = None) -> LongBenchRecord:
-        """Build from one official JSON object (unknown keys are kept in ``extra``)."""
+        """Build from one official JSON object (unknown keys are kept in ``extra``).
+
+        Parameters
+        ----------
+        obj : dict
+            One record: ``context`` and ``input`` texts (either may be empty or missing, not both), ``answers`` (a
+            list of texts, or one text; numbers are read as their text), ``all_classes`` (a list of class names, or
+            null), ``_id`` (a text or an integer; null is no id), ``length``, ``dataset``, ``language``.
+        dataset : str, optional
+            The dataset the record is read for, where the record does not name its own.
+
+        Returns
+        -------
+        LongBenchRecord
+
+        Raises
+        ------
+        ValueError
+            For a record that would be scored or prompted wrongly without a word: no answer, or only empty ones; no
+            text; a field of another type than the official format's (``answers`` as a SQuAD-style object, which
+            would be read as its keys; ``all_classes`` as one text, which would be read as its characters; a
+            ``context`` that is a list of passages); a classification record (trec, lsht) without ``all_classes``.
+        """
         known = {"input", "context", "answers", "length", "dataset", "language", "all_classes", "_id"}
-        answers = obj.get("answers") or []
-        if isinstance(answers, str):
-            answers = [answers]
-        if not answers or not (obj.get("context") or obj.get("input")):
+        if not isinstance(obj, dict):
+            raise ValueError(f"a LongBench record is a JSON object, got {type(obj).__name__}")
+        answers = _texts(obj.get("answers"), "answers", obj)
+        for key in ("context", "input", "dataset", "language"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise ValueError(
+                    f"a LongBench record's {key!r} must be a text, got {type(obj[key]).__name__} "
+                    f"(keys given: {sorted(obj)})"
+                )
+        if not any(answers) or not (obj.get("context") or obj.get("input")):
             # a record without answers scored 0 and counted in every average; one without text measured nothing
             raise ValueError(
                 "a LongBench record needs a non-empty 'answers' and a 'context' or an 'input' "
                 f"(keys given: {sorted(obj)})"
             )
         name = obj.get("dataset") or dataset or ""
-        if not obj.get("all_classes") and name and _base_of(name) in CLASSIFICATION_DATASETS:
+        classes = _texts(obj.get("all_classes"), "all_classes", obj, one_text=False)
+        if not classes and name and _base_of(name) in CLASSIFICATION_DATASETS:
             # LongBench scores these by the class names found in the prediction: without them every answer scores 0
             raise ValueError(
                 f"a record of {name} needs a non-empty 'all_classes' (its metric matches class names; "
                 f"keys given: {sorted(obj)})"
             )
+        record_id = obj.get("_id")
+        if record_id is not None and (isinstance(record_id, bool) or not isinstance(record_id, (str, int))):
+            raise ValueError(f"a LongBench record's '_id' must be a text, got {type(record_id).__name__}")
         return cls(
             input=obj.get("input") or "",
             context=obj.get("context") or "",
-            answers=[str(a) for a in answers],
+            answers=answers,
             length=int(obj.get("length") or 0),
             dataset=name,
             language=obj.get("language") or "",
-            all_classes=list(obj["all_classes"]) if obj.get("all_classes") else None,
-            id=str(obj.get("_id", "")),
+            all_classes=classes or None,
+            id="" if record_id is None else str(record_id),  # null is no id (was "None", one id for them all)
             extra={k: v for k, v in obj.items() if k not in known},
         )
 
 
+def _texts(value: Any, key: str, obj: dict[str, Any], *, one_text: bool = True) -> list[str]:
+    """``value`` of field ``key`` as a list of texts: None is none, a text is one (where ``one_text``), a list's
+    numbers are their text; ValueError for anything else (an object, a list holding null, lists or objects), which
+    ``str`` or ``list`` would turn into other texts without a word."""
+    if value is None:
+        return []
+    if isinstance(value, str) and one_text:
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        return [str(v) for v in value]
+    raise ValueError(
+        f"a LongBench record's {key!r} must be a list of texts{' or one text' if one_text else ''}, got "
+        f"{json.dumps(value, ensure_ascii=False)[:80]} (keys given: {sorted(obj)})"
+    )
+
+
 def read_longbench_jsonl(path: str | os.PathLike[str], dataset: str | None = None) -> list[LongBenchRecord]:
-    """Read an official LongBench JSONL file."""
-    out = []
+    """Read an official LongBench JSONL file.
+
+    Parameters
+    ----------
+    path : path-like
+        The file.
+    dataset : str, optional
+        The dataset it holds, for records that do not name theirs.
+
+    Returns
+    -------
+    list of LongBenchRecord
+
+    Raises
+    ------
+    ValueError
+        Naming the file and line: a line that is not UTF-8, not JSON or not a valid record
+        (:meth:`LongBenchRecord.from_json`); a file without any record.
+    """
     with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-                if line.strip():
-                    out.append(LongBenchRecord.from_json(json.loads(line), dataset))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}, line {number}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{path}, line {number}: not a LongBench record ({type(e).__name__}: {e})") from None
-    if not out:
-        raise ValueError(f"{path} holds no LongBench record")
-    return _distinct_ids(out, str(path))
+        return _parse_lines(fh, str(path), dataset)
 
 
 def read_longbench_archive(path: str | os.PathLike[str], dataset: str) -> list[LongBenchRecord]:
     """Read ``<dataset>.jsonl`` from the official ``data.zip`` without unpacking it.
 
+    Parameters
+    ----------
+    path : path-like
+        The archive.
+    dataset : str
+        The dataset to read.
+
+    Returns
+    -------
+    list of LongBenchRecord
+
     Raises
     ------
     FileNotFoundError
         When the archive has no member named ``<dataset>.jsonl`` (in any folder).
+    ValueError
+        As :func:`read_longbench_jsonl`, naming the archive's member and line.
     """
     name = f"{dataset}.jsonl"
     with zipfile.ZipFile(path) as archive:
@@ -148,12 +215,25 @@ def read_longbench_archive(path: str | os.PathLike[str], dataset: str) -> list[L
             raise FileNotFoundError(f"{path} has no {name}")
         member = sorted(members, key=len)[0]
         with archive.open(member) as fh:
-            records = [
-                LongBenchRecord.from_json(json.loads(line), dataset)
-                for line in (raw.decode("utf-8") for raw in fh)
-                if line.strip()
-            ]
-    return _distinct_ids(records, f"{path}:{member}")
+            return _parse_lines(fh, f"{path}:{member}", dataset)
+
+
+def _parse_lines(lines: Iterable[bytes], source: str, dataset: str | None) -> list[LongBenchRecord]:
+    """The records of a JSONL file's ``lines`` (blank lines skipped), repeated ids made distinct
+    (:func:`_distinct_ids`); ValueError naming ``source`` and the line for a bad line or a file without a record."""
+    out = []
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+            if line.strip():
+                out.append(LongBenchRecord.from_json(json.loads(line), dataset))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{source}, line {number}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{source}, line {number}: not a LongBench record ({type(e).__name__}: {e})") from None
+    if not out:
+        raise ValueError(f"{source} holds no LongBench record")
+    return _distinct_ids(out, source)
 
 
 def _base_of(name: str) -> str:
@@ -375,9 +455,16 @@ def longbench_sample(
 
 
 def longbench_samples(
-    records: Iterable[LongBenchRecord], tokenizer: Any = None, max_length: int | None = None
+    records: Iterable[LongBenchRecord],
+    tokenizer: Any = None,
+    max_length: int | None = None,
+    dataset: str | None = None,
 ) -> list[Sample]:
-    """:func:`longbench_sample` for each record.
+    """:func:`longbench_sample` for each record; a record without an ``_id`` gets ``"<dataset>-<i>"``, its position.
+
+    A sample's id is its key in the results (with its task, length, method and budget), so records without one must
+    not share the empty id: the runner would refuse them as one sample asking different things
+    (:func:`slake.eval.runner.evaluate_suite`). ``slake eval`` numbers them the same way.
 
     Parameters
     ----------
@@ -387,9 +474,16 @@ def longbench_samples(
         As in :func:`longbench_sample`.
     max_length : int, optional
         As in :func:`longbench_sample`.
+    dataset : str, optional
+        As in :func:`longbench_sample`.
 
     Returns
     -------
     list of Sample
     """
-    return [longbench_sample(r, tokenizer, max_length) for r in records]
+    out = []
+    for i, record in enumerate(records):
+        sample = longbench_sample(record, tokenizer, max_length, dataset)
+        sample.sample_id = sample.sample_id or f"{sample.task}-{i}"
+        out.append(sample)
+    return out

@@ -18,7 +18,7 @@ from slake.eval.haystack import (
     word_boundaries,
 )
 from slake.eval.metrics import needle_score
-from slake.eval.sample import Draft, Sample, TokenizerLike
+from slake.eval.sample import Draft, Sample, TokenizerLike, depth_label
 from slake.eval.vocab import CITIES, random_number, random_word
 
 __all__ = [
@@ -145,7 +145,7 @@ def needle_sample(
         metric="contains",
         max_new_tokens=max_new_tokens,
         length=fit.length,
-        sample_id=f"needle-{kind}-{length}-{depth:g}-{seed}",
+        sample_id=f"needle-{kind}-{length}-{depth_label(depth)}-{seed}",
         depth=float(depth),
         extra={"kind": kind, "seed": seed, "target_length": length},
     )

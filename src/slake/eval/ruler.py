@@ -70,7 +70,7 @@ from slake.eval.ruler_niah import NIAH_TASKS, niah_renderer
 from slake.eval.ruler_qa import qa_renderer
 from slake.eval.ruler_vt import vt_renderer
 from slake.eval.ruler_words import cwe_renderer, fwe_renderer, vocabulary_from_texts
-from slake.eval.sample import Draft, Sample, TokenizerLike, count_tokens
+from slake.eval.sample import Draft, Sample, TokenizerLike, count_tokens, depth_label
 
 __all__ = [
     "RULER_TASKS",
@@ -236,7 +236,7 @@ def ruler_sample(
         max_new_tokens=spec.max_new_tokens,
         length=fit.length,
         # a depth asked for is a prompt of its own (make-prompt --depth): its id says so
-        sample_id=f"{task}-{length}-{seed}" + ("" if depth is None else f"-d{depth:g}"),
+        sample_id=f"{task}-{length}-{seed}" + ("" if depth is None else f"-d{depth_label(depth)}"),
         depth=depth_value,
         extra=extra,
     )

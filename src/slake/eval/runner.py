@@ -52,6 +52,7 @@ __all__ = [
     "encode_sample",
     "evaluate_suite",
     "parse_budgets",
+    "repeated_samples",
     "resolve_methods",
     "run_settings",
     "run_suite",
@@ -323,6 +324,35 @@ def check_ratio_budgets(requests: Sequence[EvalRequest]) -> None:
         check_budget_at_length(method, ratio, length)
 
 
+def repeated_samples(samples: Sequence[Sample]) -> set[int]:
+    """Indices of the samples that repeat an earlier one of ``samples``: the same task, sample id and target length
+    (a row's key, with the method and budget) and the same prompt (:func:`slake.eval.sample.sample_digest`). A run
+    runs such a sample once; its rows would be the first's.
+
+    Raises
+    ------
+    ValueError
+        When two samples share a task, sample id and target length but ask different things: only the first one's
+        rows could be written (the results store keeps one row per key), and the other's outputs would be computed
+        and dropped without a word. The message names the id; give each sample its own id.
+    """
+    seen: dict[tuple[str, str, int], str] = {}
+    repeats: set[int] = set()
+    for i, s in enumerate(samples):
+        key, digest = (s.task, s.sample_id, target_length(s)), sample_digest(s)
+        if key not in seen:
+            seen[key] = digest
+        elif seen[key] == digest:
+            repeats.add(i)
+        else:
+            raise ValueError(
+                f"two samples of task {s.task!r} at length {key[2]} share the sample id {s.sample_id!r} but ask "
+                "different things: a row's key names the sample by its id, so only one of them could be scored; "
+                "give each sample its own id"
+            )
+    return repeats
+
+
 def _pairs(methods: Sequence[str], budgets: Sequence[int | float], include_full: bool) -> list[Pair]:
     pairs: list[Pair] = [(FULL_METHOD, None)] if include_full else []
     return pairs + [(m, b) for m in methods for b in budgets]
@@ -352,7 +382,9 @@ def evaluate_suite(
     engine : slake.engines.base.Engine
         What generates (its tokenizer encodes the prompts).
     samples : sequence of Sample
-        The suite; the row's ``length`` is the sample's target length (:func:`target_length`).
+        The suite; the row's ``length`` is the sample's target length (:func:`target_length`). A sample given twice
+        runs once; two samples of one task, id and target length that ask different things are refused
+        (:func:`repeated_samples`).
     methods : str or sequence of str
         Method names or ``"all"`` (see :func:`resolve_methods`); ``"full"`` or an empty list runs the full-cache
         reference alone.
@@ -425,6 +457,7 @@ def evaluate_suite(
         fidelity=opts.fidelity,
         allow_long_context=opts.allow_long_context,
     )
+    repeats = repeated_samples(samples)
     pairs = _pairs(method_names, budget_values, include_full)
     name = model_name or engine.model_name
     tokenizer = engine.tokenizer
@@ -441,6 +474,8 @@ def evaluate_suite(
         requests: list[EvalRequest] = []
         encoded: dict[int, str] = {}  # the ids digest of every sample this run adds rows to
         for i, s in enumerate(samples):
+            if i in repeats:
+                continue
             todo = tuple((m, b) for m, b in pairs if _run_key(s, m, b, name, opts.prefill_chunk) not in store)
             if not todo:
                 continue

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Sample", "Draft", "TokenizerLike", "count_tokens", "plain_prompt", "sample_digest"]
+__all__ = ["Sample", "Draft", "TokenizerLike", "count_tokens", "depth_label", "plain_prompt", "sample_digest"]
 
 
 @runtime_checkable
@@ -104,6 +104,26 @@ def sample_digest(sample: Sample) -> str:
         bool(sample.use_chat_template),
     ]
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def depth_label(depth: float) -> str:
+    """A needle depth as a sample id writes it: ``f"{depth:g}"`` (``50``, ``12.5``), or the float's ``repr`` where
+    ``:g``'s six significant digits would round it (``33.3333333`` is not ``33.3333``'s id).
+
+    Two depths that round alike under ``:g`` gave one id to two different samples (each depth has its own needle),
+    of which a results directory could keep one.
+
+    Parameters
+    ----------
+    depth : float
+        Depth in percent.
+
+    Returns
+    -------
+    str
+    """
+    short = f"{depth:g}"
+    return short if float(short) == float(depth) else repr(float(depth))
 
 
 def count_tokens(tokenizer: TokenizerLike, text: str) -> int:

@@ -291,13 +291,11 @@ def build_samples(plan: SuitePlan, tokenizer: Any, *, essays: Sequence[str] | No
             for length in sorted(plan.lengths):
                 out += ruler_samples(task, tokenizer, length, n, seed=plan.seed, **extra)
     else:
-        from slake.eval.longbench import longbench_sample
+        from slake.eval.longbench import longbench_samples
 
         for task in plan.tasks:
             for length in sorted(plan.lengths):
-                for i, record in enumerate(plan.longbench_records[task]):
-                    sample = longbench_sample(record, tokenizer, max_length=length, dataset=task)
+                for sample in longbench_samples(plan.longbench_records[task], tokenizer, length, dataset=task):
                     sample.metadata["target_length"] = length
-                    sample.sample_id = sample.sample_id or f"{task}-{i}"
                     out.append(sample)
     return out
