@@ -76,10 +76,17 @@ class ChunkedPrefill:
         """Write a later chunk's keys/values into the layer (growing it by what is missing).
 
         The chunk's positions that are a row's left padding are written as empty slots (:meth:`_empty_padding`), as
-        the first chunk's are (:meth:`PrefillCompressor.prefill_layer`): never attended, kept or folded."""
+        the first chunk's are (:meth:`PrefillCompressor.prefill_layer`): never attended, kept or folded. A chunk that
+        reaches past the prompt given to :meth:`begin` is refused (RuntimeError), padded or not: its budget and
+        compress decision were the declared prompt's."""
         state = self.state
         store = state.store(layer_idx)
         start, n_new = state.seen[layer_idx], keys.shape[2]
+        if self.padding is not None and start + n_new > self.padding.shape[1]:  # with padding or without
+            raise RuntimeError(
+                f"a prefill chunk reaches position {start + n_new}, past the {self.padding.shape[1]}-token prompt "
+                f"given to begin_chunked_prefill"
+            )
         pos = torch.arange(start, start + n_new, device=keys.device)
         padded = self._chunk_padding(start, n_new, keys.device)
         if padded is not None:  # no padding token's content enters the store, not even in a slot left empty
@@ -97,13 +104,7 @@ class ChunkedPrefill:
         when none is (the chunk starts past every row's left padding)."""
         if self.padding is None or start >= self.padded_until:
             return None
-        padded = self.padding[:, start : start + n_new].to(device)
-        if padded.shape[1] != n_new:
-            raise RuntimeError(
-                f"a prefill chunk reaches position {start + n_new}, past the {self.padding.shape[1]}-token prompt "
-                f"given to begin_chunked_prefill"
-            )
-        return padded
+        return self.padding[:, start : start + n_new].to(device)  # within the prompt (checked by append)
 
     def attention(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """The chunk's attention over the compressed past (plus the linear term) and the chunk itself, causal by

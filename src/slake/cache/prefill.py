@@ -30,7 +30,7 @@ from slake.cache.quant import scale_bytes_per_row
 from slake.cache.state import CacheState, PrefillInfo
 from slake.methods.base import Method, PrefillInputs, PrefillScores
 
-__all__ = ["PrefillCompressor", "check_left_padding", "linear_state_slots"]
+__all__ = ["PrefillCompressor", "check_left_padding", "check_prefill_inputs", "linear_state_slots"]
 
 
 class PrefillCompressor:
@@ -134,9 +134,29 @@ class PrefillCompressor:
 
         ``chunk_padding``: during a chunked prefill (:mod:`slake.cache.chunked`), the ``(B, S)`` padding of the whole
         prompt, of which these are the first chunk's entries; its budget, compress decision and real lengths are the
-        whole prompt's."""
+        whole prompt's.
+
+        Raises
+        ------
+        RuntimeError
+            For a layer prefilled already (a cache holds one prompt; a later chunk is appended), or a first chunk
+            longer than the prompt given to ``begin_chunked_prefill``.
+        ValueError
+            For inputs whose shapes disagree or a padding mask that is not bool (:func:`check_prefill_inputs`), and
+            budgets the method cannot keep (:meth:`_start`)."""
         chunked = chunk_padding is not None
+        if self.state.layers[layer_idx] is not None:  # before anything changes (the facts below are the prompt's)
+            raise RuntimeError(
+                f"layer {layer_idx} is prefilled already: a compressed cache holds one prompt (a later prompt chunk "
+                f"is appended, not prefilled); build a new cache for another prompt"
+            )
+        check_prefill_inputs(queries, keys, values, key_padding)
         B, H, S, d = keys.shape
+        if chunked and S > chunk_padding.shape[-1]:
+            raise RuntimeError(
+                f"a prefill chunk reaches position {S}, past the {chunk_padding.shape[-1]}-token prompt given to "
+                f"begin_chunked_prefill"
+            )
         dev = keys.device
         if key_padding is None:
             key_padding = torch.zeros(B, S, dtype=torch.bool, device=dev)
@@ -377,6 +397,53 @@ def linear_state_slots(head_dim: int, itemsize: int | float) -> int:
     67 bf16 ones."""
     state_bytes = (head_dim + 1) * (head_dim + 1) * 4
     return int(math.ceil(state_bytes / (2 * head_dim * itemsize) - 1e-9))
+
+
+def check_prefill_inputs(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_padding: torch.Tensor | None
+) -> None:
+    """Refuse a layer's prefill inputs whose shapes disagree, or a padding mask that is not a ``(B, S)`` bool tensor.
+
+    Parameters
+    ----------
+    queries : torch.Tensor
+        ``(B, Hq, n, d)`` post-RoPE queries, ``Hq`` a multiple of ``Hkv`` (``n``: the prompt's ``S``, or fewer for a
+        method that reads none, see below).
+    keys, values : torch.Tensor
+        ``(B, Hkv, S, d)`` each.
+    key_padding : torch.Tensor | None
+        ``(B, S)`` bool, True at padded positions (``attention_mask == 0``), or None for no padding. An integer mask
+        is refused: read with ``~`` it gave negative real lengths, and it cannot tell an attention mask (1 = real)
+        from a padding mask (1 = padded).
+
+    Raises
+    ------
+    ValueError
+        Naming the input and its shape or dtype.
+    """
+    if keys.dim() != 4 or values.shape != keys.shape:
+        raise ValueError(
+            f"keys and values must both be (B, Hkv, S, d), got keys {tuple(keys.shape)} and values "
+            f"{tuple(values.shape)}"
+        )
+    B, H, S, d = keys.shape
+    # the queries' length is not checked: a method that reads no query (KVzip's second pass scores) may be given
+    # the last one only (slake.engines.transformers.prefill_once, keep_queries=False)
+    hq = queries.shape[1] if queries.dim() == 4 else 0
+    if queries.dim() != 4 or (queries.shape[0], queries.shape[3]) != (B, d) or not hq or hq % H:
+        raise ValueError(
+            f"queries must be (B, Hq, n, d) with Hq a multiple of the {H} KV heads, matching keys "
+            f"{tuple(keys.shape)}; got queries {tuple(queries.shape)}"
+        )
+    if key_padding is None:
+        return
+    if key_padding.dtype != torch.bool:
+        raise ValueError(
+            f"key_padding must be a bool mask, True at padded positions (attention_mask == 0), got dtype "
+            f"{key_padding.dtype}"
+        )
+    if tuple(key_padding.shape) != (B, S):
+        raise ValueError(f"key_padding must be (B, S) = {(B, S)} for these keys, got {tuple(key_padding.shape)}")
 
 
 def check_real_tokens(key_padding: torch.Tensor) -> None:
