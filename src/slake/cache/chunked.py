@@ -68,9 +68,24 @@ class ChunkedPrefill:
         self.padding = padding
         self.padded_until = int(padding.sum(-1).max()) if padding.numel() else 0
 
-    def end(self) -> None:
-        """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction."""
-        self.padding = None
+    def end(self, *, check: bool = True) -> None:
+        """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction.
+
+        With ``check`` (the default), refuses (RuntimeError, after leaving the mode) a prefill that stopped before
+        the prompt given to :meth:`begin` was fed: its budget and compress decision were the whole prompt's, so the
+        layers would be held at fewer entries than their budget, or left uncompressed, without a word. ``check=False``
+        leaves the mode after a chunk that failed (the caller is raising that error already)."""
+        padding, self.padding = self.padding, None
+        if not check or padding is None:
+            return
+        prompt = padding.shape[1]
+        fed = min(self.state.seen, default=prompt)
+        if fed != prompt:
+            raise RuntimeError(
+                f"the chunked prefill ended after {fed} of the {prompt} prompt tokens given to begin_chunked_prefill "
+                "(the budget and the compress decision are the whole prompt's): feed every chunk before "
+                "end_chunked_prefill"
+            )
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a later chunk's keys/values into the layer (growing it by what is missing).

@@ -353,9 +353,16 @@ class CompressedKV:
         """
         self.chunks.begin(key_padding)
 
-    def end_chunked_prefill(self) -> None:
-        """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction."""
-        self.chunks.end()
+    def end_chunked_prefill(self, *, check: bool = True) -> None:
+        """Leave chunked-prefill mode; later appends are decode steps with decode-time eviction.
+
+        Raises
+        ------
+        RuntimeError
+            With ``check`` (the default), when fewer tokens were fed than the prompt given to
+            :meth:`begin_chunked_prefill` (:meth:`slake.cache.chunked.ChunkedPrefill.end`); ``check=False`` leaves
+            the mode without it, after a chunk that failed."""
+        self.chunks.end(check=check)
         if self.max_cache_len is not None and all(s is not None for s in self.layers):
             self.prepare_static(self.max_cache_len - self.seen[0])
 

@@ -377,9 +377,16 @@ class SlakeCache(Cache):
         """
         self.compressor.begin_chunked_prefill(attention_mask == 0)
 
-    def end_chunked_prefill(self) -> None:
-        """Leave chunked-prefill mode (later tokens are decode steps)."""
-        self.compressor.end_chunked_prefill()
+    def end_chunked_prefill(self, *, check: bool = True) -> None:
+        """Leave chunked-prefill mode (later tokens are decode steps).
+
+        Raises
+        ------
+        RuntimeError
+            With ``check`` (the default), when the chunks fed stop short of the prompt given to
+            :meth:`begin_chunked_prefill` (its budget and compress decision are the whole prompt's); ``check=False``
+            leaves the mode without it, after a chunk that failed."""
+        self.compressor.end_chunked_prefill(check=check)
 
     @property
     def method(self) -> Method:

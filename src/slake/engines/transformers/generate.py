@@ -176,8 +176,10 @@ def prefill(
                         use_cache=True,
                         logits_to_keep=1,
                     )
-            finally:
-                cache.end_chunked_prefill()
+            except BaseException:
+                cache.end_chunked_prefill(check=False)  # the chunk's own error, not "ended early", reaches the caller
+                raise
+            cache.end_chunked_prefill()
     cache.check_routed()
     return _leave_for_generate(cache, out.logits[:, -1].float(), input_ids, attention_mask)
 
