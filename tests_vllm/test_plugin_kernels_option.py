@@ -202,7 +202,7 @@ def test_the_vllm_engine_passes_kernels_to_the_plugin(monkeypatch, tmp_path):
     from slake.engines.base import BenchPlan, BenchReport
     from slake.engines.vllm.engine import VllmEngine
 
-    engine = VllmEngine()
+    engine = VllmEngine(block_size=16)
     engine.check(kernels="torch")
     engine.check(kernels="triton")
     seen: dict = {}
@@ -224,4 +224,5 @@ def test_the_vllm_engine_passes_kernels_to_the_plugin(monkeypatch, tmp_path):
     engine._model_dir = str(tmp_path)  # no conversion of the default model
     plan = BenchPlan(methods=("snapkv",), budgets=(Budget(BUDGET),), lengths=(256,), out=tmp_path, kernels="triton")
     engine.bench(plan)
-    assert seen["bench"] == {"kernels": "triton"}
+    # the engine's block size reaches the offline benchmark as it does the serve one (it always ran at 32)
+    assert seen["bench"] == {"kernels": "triton", "block_size": 16}

@@ -12,7 +12,8 @@ end). Lengths whose prompt and generated tokens exceed the model's context are r
 (:func:`step_bench`): the prefill step, decode-only steps and mixed steps, with their ratios to plain vLLM's and the
 plugin's own time per compressed request and layer. Every engine's KV cache is sized for its own length: room for
 each request's full sequence, 1.5x (:func:`bench_kv_cache_bytes`, passed as vLLM's ``kv_cache_memory_bytes``), so
-that plain vLLM holds the whole batch at every length.
+that plain vLLM holds the whole batch at every length. Rows record the run's settings (``run_id``, ``dtype``,
+``block_size``, ``seed``, ``warmup``, ``decode_steps``): ``bench_vllm.jsonl`` is appended to, run after run.
 
 Each method runs as ``vllm serve`` users get it (``{"method", "budget"}``): the plugin applies the model's profile,
 and the rows' ``profile`` is the entry it reports it applied. ``--kernels`` other than ``auto`` goes into that
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 
 from slake.engines.base import BenchPlan, BenchReport, load_avg
 
@@ -112,7 +114,7 @@ def bench(
     decode-step implementation asked for: the row's ``kernels_asked``; ``kernels`` is which ran)."""
     import torch
 
-    from slake.engines.vllm.runner import model_context_limit, model_len, run_vllm
+    from slake.engines.vllm.runner import dtype_itemsize, model_context_limit, model_len, run_vllm
 
     g = torch.Generator().manual_seed(seed)
     hi = token_range(model_dir)
@@ -139,9 +141,7 @@ def bench(
         )
         timed = timed_decode_steps(log, warmup, decode_steps)
         info = run.model_info
-        block_bytes = (
-            block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * (4 if dtype == "float32" else 2)
-        )
+        block_bytes = block_size * info["layers"] * 2 * info["kv_heads"] * info["head_dim"] * dtype_itemsize(dtype)
         end = max(b for b in run.blocks_end if b is not None)
         generated = sum(len(t) for t in run.tokens)
         rows.append(
@@ -152,9 +152,14 @@ def bench(
                 "kernels_asked": kernels,
                 # which implementation ran the plugin's decode steps (PluginState.kernels_ran); None for plain vLLM
                 "kernels": run.plugin["kernels"] if run.plugin else None,
+                "dtype": dtype,
+                "block_size": block_size,
+                "seed": seed,
                 "requests": requests,
                 "prompt_len": prompt_len,
                 "new_tokens": new_tokens,
+                "warmup": warmup,
+                "decode_steps": decode_steps,
                 "wall_s": round(run.wall_s, 2),
                 "output_tok_s": round(generated / run.wall_s, 2),
                 "total_tok_s": round((generated + requests * prompt_len) / run.wall_s, 1),
@@ -169,17 +174,30 @@ def bench(
     return rows
 
 
+#: row fields the same for every row of a run: in ``bench_vllm.jsonl``, said once above the table
+RUN_FIELDS = ("engine", "model", "run_id", "dtype", "block_size", "seed", "warmup", "decode_steps")
+
+
+def new_run_id() -> str:
+    """An id for the rows of one run (its start time, UTC, and a random suffix), so that runs appended to one
+    JSONL file can be told apart, as the transformers engine's ``bench.jsonl`` rows are."""
+    return time.strftime("%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:8]
+
+
 def markdown(rows: list[dict]) -> str:
-    """The rows of :func:`bench` as a markdown table (the columns of the first row)."""
+    """The rows of :func:`bench` as a markdown table (the columns of the first row, less the run's own settings,
+    :data:`RUN_FIELDS`, and the load averages, profile and ``kernels_asked``)."""
     if not rows:
         return ""
-    cols = [c for c in rows[0] if c not in ("engine", "model", "load_avg_1m", "profile", "kernels_asked")]
+    cols = [c for c in rows[0] if c not in (*RUN_FIELDS, "load_avg_1m", "profile", "kernels_asked")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kernels: str = "auto") -> BenchReport:
+def run_bench(
+    plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kernels: str = "auto", block_size: int = 32
+) -> BenchReport:
     """:func:`bench` per length and budget (plain vLLM once per length) on the model in ``model_dir``; rows appended
     to ``OUT/bench_vllm.jsonl``, this run's table in ``OUT/bench_vllm.md``. Each request generates
     ``1 + warmup + decode_steps`` tokens, and the ``decode_steps`` after the warm-up are timed. Lengths beyond the
@@ -188,14 +206,19 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kern
     the prefill step, the decode-only step (median of ``decode_steps``), the mixed step (one prefill plus the batch's
     decode), each with its ratio to plain vLLM's (``*_vs_plain``), and the plugin's own time per compressed request
     and layer. ``kernels``: the plugin's decode-step implementation (``--kernels``; rows: ``kernels_asked``, and
-    ``kernels``, which ran)."""
-    from slake.engines.vllm.runner import model_context_limit
+    ``kernels``, which ran). ``block_size``: vLLM's KV block size. Every row records the run's settings (``run_id``,
+    ``dtype``, ``block_size``, ``seed``, ``warmup``, ``decode_steps``), so that runs appended to one JSONL file can be
+    told apart; ``bench_vllm.md`` says them once above the table. A dtype other than float32, float16 and bfloat16 is
+    refused before anything starts."""
+    from slake.engines.vllm.runner import dtype_itemsize, model_context_limit
 
+    dtype_itemsize(dtype)  # an unknown dtype: refused here, not after an engine has started
     check_lengths(plan, model_context_limit(model_dir))
     methods = [m for m in plan.methods if m != "full"]  # plain vLLM is always measured
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    run_id = new_run_id()
     with open(out / "bench_vllm.jsonl", "a", encoding="utf-8") as f:
         for n in plan.lengths:
             for i, b in enumerate(plan.budgets):
@@ -210,6 +233,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kern
                         mixed=MIXED_STEPS,
                         methods=methods,
                         budget=int(b.value),
+                        block_size=block_size,
                         dtype=dtype,
                         seed=plan.seed,
                         kernels=kernels,
@@ -223,6 +247,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kern
                     warmup=plan.warmup,
                     methods=methods,
                     budget=int(b.value),
+                    block_size=block_size,
                     dtype=dtype,
                     seed=plan.seed,
                     include_plain=i == 0,
@@ -234,6 +259,7 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kern
                         {
                             "engine": "vllm",
                             "model": model_name,
+                            "run_id": run_id,
                             "load_avg_1m": load_avg(),
                             "steps_load_avg_1m": st.get("load_avg_1m"),
                         }
@@ -242,7 +268,12 @@ def run_bench(plan: BenchPlan, model_dir: str, dtype: str, model_name: str, kern
                     f.write(json.dumps(row) + "\n")
                     f.flush()
     table = markdown(rows)
-    (out / "bench_vllm.md").write_text("# slake bench --engine vllm\n\n" + table + "\n", encoding="utf-8")
+    settings = (
+        f"Model {model_name} ({dtype}), block size {block_size}, batch {plan.batch}, {plan.decode_steps} timed decode "
+        f"steps after {plan.warmup} warm-up steps; prompts are random token ids of seed {plan.seed}; run {run_id} "
+        "(run_id in bench_vllm.jsonl).\n\n"
+    )
+    (out / "bench_vllm.md").write_text("# slake bench --engine vllm\n\n" + settings + table + "\n", encoding="utf-8")
     return BenchReport(rows=rows, table=table, files=[out / "bench_vllm.jsonl", out / "bench_vllm.md"])
 
 
@@ -262,14 +293,19 @@ def _timed_steps(llm, n: int) -> list[float]:
 
 
 def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    """KV bytes of one token, all layers (from the model's ``config.json``)."""
+    """KV bytes of one token, all layers (from the model's ``config.json``), at the model dtype ``dtype`` (a dtype
+    other than float32, float16 and bfloat16 is refused: :func:`slake.engines.vllm.runner.dtype_itemsize`)."""
     from transformers import AutoConfig
+
+    from slake.engines.vllm.runner import dtype_itemsize
+
+    itemsize = dtype_itemsize(dtype)
 
     c = AutoConfig.from_pretrained(model_dir)
     c = getattr(c, "text_config", None) or c
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kvh = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kvh * d * (4 if dtype == "float32" else 2)
+    return 2 * c.num_hidden_layers * kvh * d * itemsize
 
 
 def bench_kv_cache_bytes(model_dir: str, dtype: str, requests: int, tokens: int) -> int:

@@ -202,4 +202,6 @@ class VllmEngine(Engine):
             kv_dtype=None if set(plan.kv_dtypes) <= {None} else "8-bit",
             threads=plan.threads,
         )
-        return run_bench(plan, self.model_dir, self.dtype, self.model_name, kernels=plan.kernels)
+        return run_bench(
+            plan, self.model_dir, self.dtype, self.model_name, kernels=plan.kernels, block_size=self.block_size
+        )

@@ -230,9 +230,13 @@ def run_serve_bench(
     ``plugin_config(method, budget)`` gives the plugin's configuration of a pair as ``vllm serve`` users write it
     (the server's plugin applies the model's profile; each row's ``plugin_log`` holds what the plugin logged at
     start-up: the method it runs and the profile entry it applied)."""
+    from slake.engines.vllm.bench import new_run_id
+    from slake.engines.vllm.runner import dtype_itemsize
+
     sp = plan.serve
     if sp is None:
         raise ValueError("run_serve_bench needs a plan with serve settings (--serve)")
+    dtype_itemsize(dtype)  # a dtype vLLM's CPU backend does not run: refused before any server starts
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -242,6 +246,7 @@ def run_serve_bench(
         "dtype": dtype,
         "model_name": model_name,
         "skip_tokenizer_init": not has_tokenizer(model_dir),
+        "run_id": new_run_id(),  # the rows of this run, among those of earlier runs appended to the JSONL file
     }
     prompts = prompt_set(sp.requests, sp.prompt_lens, settings["vocab"], plan.seed)
     rows: list[dict] = []
@@ -251,7 +256,8 @@ def run_serve_bench(
         "# slake bench --engine vllm --serve\n\n"
         f"Model {model_name} ({dtype}), KV memory {sp.kv_memory_gib} GiB, block size {block_size}, prompts of "
         f"{lo}-{hi} random tokens, {sp.max_tokens} output tokens each (ignore_eos), {sp.requests} requests per "
-        f"concurrency level, max_num_seqs {settings['max_num_seqs']}.\n\n"
+        f"concurrency level, max_num_seqs {settings['max_num_seqs']}; run {settings['run_id']} (run_id in "
+        f"{report.JSONL}).\n\n"
     )
     levels = len(configs) * len(sp.concurrency)
 
@@ -330,6 +336,7 @@ def _run_configs(
                 "slake_config": slake_cfg,
                 "server_log": str(log),
                 "seed": plan.seed,
+                "run_id": settings["run_id"],
             }
             with VllmServer(cfg) as server:
                 fixed["plugin_log"] = server.plugin_lines()
