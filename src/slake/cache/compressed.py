@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +47,16 @@ logger = logging.getLogger("slake.kernels")
 _told_amd = False
 _told_old = False
 _told_missing = False
+
+
+def _importable_version(version: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+    """``version()`` (the installed Triton's release, which imports Triton), with a Triton that is installed but
+    fails to import (a broken installation, one built for another torch) refused as a ValueError that says so, as
+    :func:`slake.kernels.load`'s ImportError is: ``"auto"`` on an NVIDIA GPU reads the version before it loads."""
+    try:
+        return version()
+    except ImportError as exc:
+        raise ValueError(f"slake: Triton is installed but cannot be imported ({exc}); use kernels='torch'") from exc
 
 
 def resolve_kernels(kernels: str, device: torch.device | str | None = None) -> str:
@@ -110,7 +121,7 @@ def kernel_choice(kernels: str, device: torch.device | str | None = None) -> tup
                     "slake: Triton is not installed: decoding with the torch step on this GPU (pip install triton "
                     "brings the fused decode kernels)"
                 )
-        if kernels == "triton" and triton_version() < MIN_TRITON:
+        if kernels == "triton" and _importable_version(triton_version) < MIN_TRITON:
             why = f"Triton {'.'.join(map(str, triton_version()))} is older than {'.'.join(map(str, MIN_TRITON))}"
             if not _told_old:
                 _told_old = True

@@ -1,7 +1,8 @@
 """The decode step through the fused Triton kernels where they cover it, the torch step elsewhere.
 
 :func:`run_step` is what both engines call for a single-token step: with ``kernels="triton"`` it hands the step to
-:func:`slake.kernels.triton_decode.fused_step_op` (two or three launches) when the method's decode rule has a fused
+:func:`slake.kernels.triton_decode.fused_step_op` (two launches; one more for CriticalKV's value projection and
+one more for an eviction across a layer's KV heads, four for both) when the method's decode rule has a fused
 form (:meth:`slake.methods.base.Method.fused_rule`) and the storage is one the kernels address
 (:class:`KVMemory`); otherwise it runs :func:`slake.cache.decode_step.decode_step` and records why in a
 :class:`KernelReport` (logged once per reason and process), never silently.
