@@ -85,7 +85,7 @@ def test_dtype_is_read_in_any_case():
     from slake.engines.vllm.plugin.config import vllm_dtype
 
     assert parse_dtype("BF16", "cpu") is torch.bfloat16 and parse_dtype(" Float32 ", "cpu") is torch.float32
-    assert vllm_dtype("BF16") == "bfloat16" and vllm_dtype("HALF") == "half" and vllm_dtype(None) == "float32"
+    assert vllm_dtype("BF16") == "bfloat16" and vllm_dtype("HALF") == "float16" and vllm_dtype(None) == "float32"
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--dtype", "FP16"])
     validate_args(args)
     assert args.dtype == "fp16"
