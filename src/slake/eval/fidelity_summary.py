@@ -35,7 +35,7 @@ __all__ = ["FidelityLine", "FidelityTable", "fidelity_csv_rows", "fidelity_markd
 class FidelityLine:
     """One (method, budget): its mean KL with interval, and its paired difference to the closest method (None for
     the closest itself, for a pair sharing no sample with it, and at a budget where no pair was measured on every
-    task: only such a pair can be the closest)."""
+    sample of every task that some line of the table has: only such a pair can be the closest)."""
 
     method: str
     budget: Any
@@ -44,8 +44,8 @@ class FidelityLine:
     #: samples whose KL was not finite (written as ``kl: null`` with ``kl_tokens`` > 0: the compressed cache's
     #: logits overflowed or were NaN), left out of ``interval``; a line with any is never the closest
     nonfinite: int = 0
-    #: the line is the closest at its budget (the lowest mean KL among the lines measured on every task with no
-    #: non-finite sample)
+    #: the line is the closest at its budget (the lowest mean KL among the lines measured on every sample of every
+    #: task of the table, with no non-finite sample)
     is_closest: bool = False
 
 
@@ -100,12 +100,15 @@ def fidelity_tables(
     for key in sorted(order):
         table = groups[key]
         intervals = {p: _interval(table[p], resamples, confidence) for p in order[key]}
-        tasks = {s[0] for p in order[key] for s, v in table[p].items() if v}
+        wanted: dict[tuple, set[str]] = defaultdict(set)  # every sample some line has, per task
+        for p in order[key]:
+            for stratum, by_sample in table[p].items():
+                wanted[stratum] |= set(by_sample)
         closest: dict[Any, tuple] = {}
-        for p in order[key]:  # only a pair measured on every task can be the closest: a mean over fewer tasks is not
-            # comparable with the others; nor can a pair with a non-finite KL left out of its mean
+        for p in order[key]:  # only a pair measured on every sample of every task can be the closest: a mean over
+            # fewer tasks or samples is not comparable with the others; nor can a pair with a non-finite KL left out
             b = p[1]
-            if {s[0] for s, v in table[p].items() if v} != tasks or nonfinite[key][p]:
+            if nonfinite[key][p] or any(not v <= set(table[p].get(s, {})) for s, v in wanted.items()):
                 continue
             if b not in closest or intervals[p].mean < intervals[closest[b]].mean:
                 closest[b] = p

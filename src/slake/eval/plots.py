@@ -22,7 +22,7 @@ from typing import Any
 
 from slake.eval.results import FULL_METHOD, budget_label, read_results, summary_view
 from slake.eval.stats import score_table
-from slake.eval.summary import method_budget_order, table_strata, task_order
+from slake.eval.summary import complete_pairs, method_budget_order, task_order
 
 __all__ = ["write_plots", "needle_heatmaps", "score_vs_budget"]
 
@@ -106,13 +106,14 @@ def needle_heatmaps(
 def _macro_scores(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], float]:
     """(method, budget) -> the summary table's average (percent): the mean over tasks of each task's mean score, a
     sample counting once (a later duplicate row wins, as in the tables: :func:`slake.eval.stats.score_table`), for
-    the pairs scored at every (task, length) of ``rows`` (:func:`slake.eval.summary.table_strata`; a mean over fewer
-    tasks or lengths would not be comparable with the others, so such a pair has no point)."""
+    the pairs scored at every (task, length) of ``rows`` on every sample the compressed lines have there
+    (:func:`slake.eval.summary.complete_pairs`; a mean over fewer tasks, lengths or samples would not be comparable
+    with the others, so such a pair has no point)."""
     scores = score_table(rows)
-    strata = table_strata(scores)
+    complete = complete_pairs(scores)
     out: dict[tuple[str, Any], float] = {}
     for pair, by_stratum in scores.items():
-        if {s for s, v in by_stratum.items() if v} != strata:
+        if pair not in complete:
             continue
         per_task: dict[str, list[float]] = defaultdict(list)
         for (task, _), by_sample in by_stratum.items():
@@ -125,7 +126,7 @@ def score_vs_budget(
     rows: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str], model_suffix: str = ""
 ) -> list[Path]:
     """One score-vs-budget plot per suite: a line per method, the full cache as a dashed horizontal line; a method
-    and budget not scored on every task of the suite has no point (:func:`_macro_scores`)."""
+    and budget not scored on every task and sample of the suite has no point (:func:`_macro_scores`)."""
     by_suite: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_suite[str(r.get("suite", "results"))].append(r)

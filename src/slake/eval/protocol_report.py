@@ -7,9 +7,10 @@ with its metric: :func:`protocol_rows`):
 * ``protocol_kvpress.md`` and ``protocol_kvpress.csv``: per model, one line per method, one column per compression
   ratio (fraction removed, as kvpress states it): the mean over tasks of each task's mean score, in percent, with its
   bootstrap interval over samples (:mod:`slake.eval.stats`), as in ``summary.md``; as there, a line without samples
-  in every task of its table averages its own tasks, which the markdown table marks ``†``;
+  in every task of its table, or missing samples other methods have, averages its own tasks and samples, which the
+  markdown table marks ``†`` (:func:`slake.eval.summary.complete_pairs`);
 * ``score_vs_ratio_kvpress[_MODEL].png``: the same numbers as lines, our methods solid, kvpress's presses dashed, the
-  full cache as a horizontal line (a line over fewer tasks is marked ``†`` in the legend).
+  full cache as a horizontal line (a line over fewer tasks or samples is marked ``†`` in the legend).
 """
 
 from __future__ import annotations
@@ -105,14 +106,14 @@ def _methods(lines: list[SummaryLine]) -> list[str]:
     return sorted(names, key=rank)
 
 
-#: marks an average over fewer tasks than the table's (as ``summary.md`` marks it)
+#: marks an average over fewer tasks or samples than the table's (as ``summary.md`` marks it)
 FEWER_TASKS = " †"
 
 
 def _cell(line: SummaryLine | None) -> str:
     if line is None:
         return ""
-    mark = "" if line.complete else FEWER_TASKS  # the line's own tasks only: not comparable with the others
+    mark = "" if line.complete else FEWER_TASKS  # its own tasks or samples only: not comparable with the others
     if not line.interval.measured:  # one sample per task: no interval (slake.eval.stats)
         return f"{line.average:.1f}{mark}"
     return f"{line.average:.1f}{mark} [{line.interval.low:.1f}, {line.interval.high:.1f}]"
@@ -135,8 +136,8 @@ def _markdown(protocol: Protocol, sections: list[tuple[str, PerModel]]) -> str:
         f"scores it ({protocol.source}). Columns: kvpress's compression ratio (fraction of the context removed; our "
         "budget is the fraction kept, 1 - ratio). Cells: mean over tasks of each task's mean score in percent, "
         "with its 95% bootstrap interval over samples; an average marked † is over the line's own tasks, fewer than "
-        "the table's, and not comparable with the others. Methods named `kvpress:<press>` are kvpress's own presses "
-        "run by kvpress in its own environment on the same token ids.",
+        "the table's, or misses samples other methods have, and is not comparable with the others. Methods named "
+        "`kvpress:<press>` are kvpress's own presses run by kvpress in its own environment on the same token ids.",
         "",
     ]
     for heading, per_model in sections:
@@ -224,7 +225,7 @@ def _plot(path: Path, protocol: Protocol, model: str, tasks: list[str], lines: l
             marker="osD^v<>pPhX*"[i % 11],
             linestyle="--" if method in theirs else "-",
             color=colour,
-            label=method + (f"{FEWER_TASKS} (fewer tasks)" if fewer else ""),
+            label=method + (f"{FEWER_TASKS} (fewer tasks or samples)" if fewer else ""),
         )
     full = by_pair.get((FULL_METHOD, None))
     if full is not None:

@@ -138,8 +138,16 @@ def _row_problem(row: dict[str, Any]) -> str:
         return f"length is not an integer ({length!r})"
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         return f"score is not a number ({score!r})"
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-        return f"budget is not null or a positive number ({budget!r})"
+    if budget is not None and (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float))
+        or not math.isfinite(budget)
+        or budget <= 0
+        or (budget >= 1 and not float(budget).is_integer())
+    ):
+        # NaN passed here (NaN <= 0 is false): each such row became a line of its own (NaN != NaN) and was never
+        # resumed; 2.5 is neither a token count nor a ratio (slake.Budget refuses it)
+        return f"budget is not null, a whole number of tokens or a ratio in (0, 1) ({budget!r})"
     if any(not isinstance(row[k], str) for k in ("task", "method", "model")):
         # an integer task passed here, then broke the summaries, which name tasks by their string
         return "task, method and model must be strings"
@@ -150,7 +158,8 @@ def _row_problem(row: dict[str, Any]) -> str:
 
 def is_result_row(row: Any) -> bool:
     """Whether ``row`` is a result row that resuming and the summaries can use (the fields of :func:`row_key`,
-    an integer ``length``, a finite numeric ``score``, a null or positive ``budget``)."""
+    an integer ``length``, a finite numeric ``score``, a ``budget`` that is null, a whole number of tokens or a ratio
+    in (0, 1))."""
     return isinstance(row, dict) and not _row_problem(row)
 
 
@@ -342,6 +351,9 @@ class ResultsWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / RESULTS_FILE
         self._fh: TextIO | None = None
+        #: a write failed part-way (a full disk, an interrupt): the file may end in a partial line, cut before the
+        #: next row is appended
+        self._torn = False
         self._lock = _lock_directory(self.dir, self.path)
         try:
             if self.path.is_file():
@@ -357,25 +369,53 @@ class ResultsWriter:
         return key in self.done
 
     def write(self, row: dict[str, Any]) -> bool:
-        """Append ``row`` unless its key is already present; returns whether it was written."""
+        """Append ``row`` unless its key is already present; returns whether it was written.
+
+        Raises ``ValueError`` for a row that :func:`scan_results` would skip (:func:`is_result_row`: a NaN score, a
+        missing field ...): written, it would be recomputed by every resumed run and left out of every summary. A
+        write that fails part-way (``OSError``: a full disk; an interrupt) is raised after the file is closed; the
+        next row written first cuts the partial line it may have left, so that it does not swallow that row.
+        """
+        problem = _row_problem(row)
+        if problem:
+            raise ValueError(f"not a valid result row for {self.path}: {problem}")
         key = row_key(row)
         if key in self.done:
             return False
+        line = json.dumps(row, ensure_ascii=False) + "\n"
         if self._fh is None:
+            if self._torn:
+                _repair_tail(self.path)
+                self._torn = False
             self._fh = open(self.path, "a", encoding="utf-8")
-        self._fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(line)
+            self._fh.flush()
+        except BaseException:
+            self._torn = True
+            self._close_file(quiet=True)
+            raise
         self.done.add(key)
         return True
 
+    def _close_file(self, quiet: bool = False) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                if not quiet:
+                    raise
+
     def close(self) -> None:
-        """Close the file (rows are already flushed) and release the directory's lock."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        """Close the file (rows are already flushed) and release the directory's lock, also when closing the file
+        fails (a full disk): the lock must not outlive the writer's run in this process."""
+        try:
+            self._close_file()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __del__(self) -> None:  # a writer dropped without close() must not keep its directory locked
         if getattr(self, "_lock", None) is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "SummaryLine",
     "budget_sort_key",
     "table_strata",
+    "complete_pairs",
     "SummaryTable",
     "summary_rows",
     "summary_tables",
@@ -157,9 +158,9 @@ class SummaryLine:
     n: int
     interval: Interval
     task_intervals: dict[str, Interval] = field(default_factory=dict)
-    #: the line has samples in every task column of its table and, in the all-lengths table, at every length
-    #: (:func:`table_strata`); an incomplete line's average is over fewer tasks or lengths, not comparable with the
-    #: others', and it is never the best of its budget
+    #: the line has samples in every task column of its table and, in the all-lengths table, at every length, and
+    #: there every sample a compressed line has (:func:`complete_pairs`); an incomplete line's average is over fewer
+    #: tasks, lengths or samples, not comparable with the others', and it is never the best of its budget
     complete: bool = True
 
 
@@ -183,10 +184,46 @@ class SummaryTable:
 
 
 def table_strata(scores: dict[tuple[str, Any], dict[tuple[str, int], dict[str, float]]]) -> set[tuple[str, int]]:
-    """Every (task, length) that some line of a :func:`slake.eval.stats.score_table` has a sample in: a line is
-    complete when it has a sample in each (in a table over several lengths, a line run at fewer lengths averages
-    each task over fewer, and so easier or harder, prompts than the others and is not comparable with them)."""
+    """Every (task, length) that some line of a :func:`slake.eval.stats.score_table` has a sample in: a complete
+    line has a sample in each (in a table over several lengths, a line run at fewer lengths averages each task over
+    fewer, and so easier or harder, prompts than the others and is not comparable with them); see
+    :func:`complete_pairs`."""
     return {s for by_stratum in scores.values() for s, v in by_stratum.items() if v}
+
+
+def complete_pairs(scores: dict[tuple[str, Any], dict[tuple[str, int], dict[str, float]]]) -> set[tuple[str, Any]]:
+    """The lines of a :func:`slake.eval.stats.score_table` whose average is comparable with the others'.
+
+    A line is complete when it has a sample in every (task, length) of the table (:func:`table_strata`) and, in each,
+    every sample that a compressed line of the table has there (every sample some line has, in a table of the full
+    cache alone). A line missing samples (a run interrupted part-way through a sample's methods, a method added later
+    with a smaller ``--samples``) averages other, fewer prompts than the others: its average is not comparable with
+    theirs, so it is never the best and has no point in the score-vs-budget plot. The full cache's samples do not
+    enter the reference set, so a survey of the full cache on more samples than the methods leaves the methods
+    comparable with each other.
+
+    Parameters
+    ----------
+    scores : dict
+        ``{(method, budget): {(task, length): {sample_id: value}}}``.
+
+    Returns
+    -------
+    set of (str, object)
+        The complete (method, budget) pairs.
+    """
+    strata = table_strata(scores)
+    compressed = [p for p in scores if p[0] != FULL_METHOD] or list(scores)
+    wanted: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for p in compressed:
+        for s, by_sample in scores[p].items():
+            wanted[s] |= set(by_sample)
+    return {
+        p
+        for p, by_stratum in scores.items()
+        if {s for s, v in by_stratum.items() if v} == strata
+        and all(wanted[s] <= set(by_stratum.get(s, {})) for s in wanted)
+    }
 
 
 def _table(
@@ -195,7 +232,7 @@ def _table(
     tasks = task_order(rows)
     table = SummaryTable(model, suite, length, tasks)
     scores = score_table(rows)
-    everywhere = table_strata(scores)
+    complete = complete_pairs(scores)
     for method, budget in method_budget_order(rows):
         by_stratum = scores[(method, budget)]
         cells: dict[str, tuple[float, int]] = {}
@@ -216,7 +253,7 @@ def _table(
                 interval.n,
                 interval,
                 task_intervals,
-                {s for s, v in by_stratum.items() if v} == everywhere,
+                (method, budget) in complete,
             )
         )
     table.paired, table.against_best = _comparisons(table, scores, resamples, confidence)
@@ -227,9 +264,9 @@ def _comparisons(
     table: SummaryTable, scores: dict, resamples: int, confidence: float
 ) -> tuple[list[PairedDifference], list[PairedDifference]]:
     """Every pair of methods at one budget (``a - b`` in line order), and each method against the budget's best line
-    by average (``method - best``). Only a complete line (samples in every task and length of the table) can be the
-    best: an average over fewer tasks or lengths is not comparable; without a complete line at a budget, no method
-    is compared with a best."""
+    by average (``method - best``). Only a complete line (:func:`complete_pairs`: every task, length and sample of the
+    table) can be the best: an average over fewer tasks, lengths or samples is not comparable; without a complete
+    line at a budget, no method is compared with a best."""
     by_budget: dict[Any, list[SummaryLine]] = defaultdict(list)
     for line in table.lines:
         if line.method != FULL_METHOD:
@@ -311,8 +348,8 @@ def _markdown(tables: list[SummaryTable], confidence: float) -> str:
         "difference of averages); **bold** differences have an interval that excludes 0. Few samples per task "
         "make the intervals too narrow rather than too wide (see `slake.eval.stats`); with a single sample in each "
         "task and length there is no interval (`-`) and no difference is called significant. An average marked † is "
-        "over the line's own tasks (and, over all lengths, its own lengths), fewer than the table's: it is not "
-        "comparable with the others and never the best.",
+        "over the line's own tasks (and, over all lengths, its own lengths), fewer than the table's, or misses samples "
+        "that other methods' lines have (compare `n`): it is not comparable with the others and never the best.",
         "",
     ]
     for t in tables:
