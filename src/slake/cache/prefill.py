@@ -152,7 +152,7 @@ class PrefillCompressor:
             )
         check_prefill_inputs(queries, keys, values, key_padding)
         B, H, S, d = keys.shape
-        if chunked and S > chunk_padding.shape[-1]:
+        if chunk_padding is not None and S > chunk_padding.shape[-1]:
             raise RuntimeError(
                 f"a prefill chunk reaches position {S}, past the {chunk_padding.shape[-1]}-token prompt given to "
                 f"begin_chunked_prefill"
