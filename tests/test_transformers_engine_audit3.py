@@ -22,11 +22,8 @@ def _request(pairs: tuple, n: int = 48, key: int = 0) -> EvalRequest:
     return EvalRequest(key=key, prefill_ids=ids, question_ids=[], max_new_tokens=3, group="a", pairs=pairs)
 
 
-def test_a_chunked_evaluation_does_not_prefill_the_prompt_exactly_first(llama_gqa, monkeypatch, tmp_path):
-    """``slake eval --prefill-chunk`` prefilled every prompt exactly and recorded every layer's queries, keys and
-    values before its chunked prefill, even when no pair replayed that record: the memory the chunks bound was not
-    bounded (more than a plain prefill's), ``--prefill-cache`` stored captures nothing read, and the rows' ``prefill_s``
-    was the unused exact prefill's time."""
+def _count_exact_prefills(monkeypatch) -> list[int]:
+    """Patch the evaluation's exact prefill to record each prompt's length; returns the list it appends to."""
     calls: list[int] = []
     real = engine_eval.capture_prefill
 
@@ -35,6 +32,15 @@ def test_a_chunked_evaluation_does_not_prefill_the_prompt_exactly_first(llama_gq
         return real(model, ids, *args, **kwargs)
 
     monkeypatch.setattr(engine_eval, "capture_prefill", counting)
+    return calls
+
+
+def test_a_chunked_evaluation_does_not_prefill_the_prompt_exactly_first(llama_gqa, monkeypatch, tmp_path):
+    """``slake eval --prefill-chunk`` prefilled every prompt exactly and recorded every layer's queries, keys and
+    values before its chunked prefill, even when no pair replayed that record: the memory the chunks bound was not
+    bounded (more than a plain prefill's), ``--prefill-cache`` stored captures nothing read, and the rows' ``prefill_s``
+    was the unused exact prefill's time."""
+    calls = _count_exact_prefills(monkeypatch)
     options = EvalOptions(prefill_chunk=16, prefill_cache=str(tmp_path / "captures"))
     req = _request((("snapkv[window=4]", 20), ("h2o[window=4]", 20)))
     rows = list(engine_eval.evaluate(llama_gqa, [req], options, eos=[]))
@@ -48,14 +54,7 @@ def test_a_chunked_evaluation_does_not_prefill_the_prompt_exactly_first(llama_gq
 def test_a_chunked_evaluation_with_the_full_pair_still_replays_it(llama_gqa, monkeypatch):
     """The full cache's row is an exact prefill replayed from the capture, also in a chunked run: it is made once,
     and the chunked rows equal a run without the full pair."""
-    calls: list[int] = []
-    real = engine_eval.capture_prefill
-
-    def counting(model, ids, *args, **kwargs):
-        calls.append(int(ids.shape[1]))
-        return real(model, ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine_eval, "capture_prefill", counting)
+    calls = _count_exact_prefills(monkeypatch)
     options = EvalOptions(prefill_chunk=16)
     pairs = (("full", None), ("snapkv[window=4]", 20))
     both = list(engine_eval.evaluate(llama_gqa, [_request(pairs)], options, eos=[]))
