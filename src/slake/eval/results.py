@@ -139,14 +139,9 @@ def _row_problem(row: dict[str, Any]) -> str:
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
         return f"score is not a number ({score!r})"
     if budget is not None and (
-        isinstance(budget, bool)
-        or not isinstance(budget, (int, float))
-        or not math.isfinite(budget)
-        or budget <= 0
-        or (budget >= 1 and not float(budget).is_integer())
+        isinstance(budget, bool) or not isinstance(budget, (int, float)) or not _valid_budget(budget)
     ):
-        # NaN passed here (NaN <= 0 is false): each such row became a line of its own (NaN != NaN) and was never
-        # resumed; 2.5 is neither a token count nor a ratio (slake.Budget refuses it)
+        # NaN passed a plain ``> 0`` test: each such row became a line of its own (NaN != NaN) and was never resumed
         return f"budget is not null, a whole number of tokens or a ratio in (0, 1) ({budget!r})"
     if any(not isinstance(row[k], str) for k in ("task", "method", "model")):
         # an integer task passed here, then broke the summaries, which name tasks by their string
@@ -154,6 +149,18 @@ def _row_problem(row: dict[str, Any]) -> str:
     if not isinstance(row["sample_id"], (str, int)) or isinstance(row["sample_id"], bool):
         return f"sample_id is not a string or an integer ({row['sample_id']!r})"
     return ""
+
+
+def _valid_budget(budget: int | float) -> bool:
+    """Whether a row's numeric budget is one :class:`slake.budgets.budget.Budget` takes (the one definition of a
+    token count and a ratio)."""
+    from slake.budgets.budget import Budget
+
+    try:
+        Budget(budget)
+    except ValueError:
+        return False
+    return True
 
 
 def is_result_row(row: Any) -> bool:
