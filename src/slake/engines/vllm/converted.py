@@ -3,13 +3,16 @@
 :func:`local_model_dir` loads a GGUF model with :func:`slake.engines.transformers.models.load_model`, dequantised,
 and saves it with its tokenizer under :func:`cache_dir`, in ``vllm-models/<GGUF file stem>-<dtype>``; later calls
 reuse that folder. Each folder records the GGUF file it was made from (:data:`SOURCE_FILE`: a local file's absolute
-path, size and modification time; a hub repository's file by repository and name), so that
+path, size and modification time; a hub repository's file by repository and name) and the name the model's
+profile is looked up by (:func:`slake.engines.transformers.models.profile_name`, in the copy's ``config.json`` as
+``slake_model_name``), so that
 
 * a file replaced at the same path (a new download, a new fine-tune) is converted again, into the same folder;
 * another file with the same name elsewhere (``model.gguf`` of two fine-tunes, ``ggml-model-Q4_K_M.gguf`` of two
   repositories) gets a folder of its own, ``<stem>-<dtype>-<8 hex digits of its path>``, instead of the first one's
   conversion;
-* a folder without a record (made by a slake before records existed) is converted again once.
+* a folder without a record (made by a slake before records existed) is converted again once, as is one converted
+  under another name (the packaged model's file given by path, before such a path was named after its package).
 
 A conversion is written to a fresh temporary folder beside its target and renamed into place, so two processes
 converting at once never write into one folder, and a killed conversion leaves only a ``.part-*`` folder behind;
@@ -58,15 +61,15 @@ def local_model_dir(model: str | None, gguf_file: str | None = None, dtype: str 
     dtype : str
         Weights dtype of the converted copy.
     """
-    from slake.engines.transformers.models import resolve_model
+    from slake.engines.transformers.models import profile_name, resolve_model
 
     path, gguf = resolve_model(model, gguf_file)
     if gguf is None:
         return path
-    source = _source(path, gguf)
+    source = {**_source(path, gguf), "name": profile_name(model, path, gguf)}
     stem = Path(gguf).stem
     out = _folder_for(stem, dtype, source)
-    if _record(out) == source:
+    if _same_conversion(out, source):
         return str(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +117,26 @@ def _record(folder: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def _same_conversion(folder: Path, source: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds the conversion of ``source``: the same GGUF file, converted under the same profile
+    name (``source["name"]``, :func:`slake.engines.transformers.models.profile_name`, which its ``config.json``
+    carries as ``slake_model_name`` for the plugin's profile lookup). A record from before names were recorded
+    counts when its configuration carries the name; a conversion made under another name (the packaged model's
+    file given by path, before such a path was named after the package) is converted again."""
+    record = _record(folder)
+    if record is None:
+        return False
+    if "name" in record:
+        return record == source
+    if record != {k: v for k, v in source.items() if k != "name"}:
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("slake_model_name") == source.get("name")
+
+
 def _folder_for(stem: str, dtype: str, source: dict[str, Any]) -> Path:
     """The folder of ``source``'s conversion: ``<stem>-<dtype>``, unless a complete conversion of a file at another
     path holds that name; then ``<stem>-<dtype>-<8 hex digits of the path>``."""
@@ -137,7 +160,7 @@ def _put_in_place(tmp: Path, stem: str, dtype: str, source: dict[str, Any]) -> P
             return out
         except OSError:  # ``out`` exists
             held = _record(out)
-            if held == source:
+            if _same_conversion(out, source):
                 return out
             if held is not None and held.get("gguf") != source["gguf"]:
                 continue  # another file's conversion: _folder_for now names this file's own folder
