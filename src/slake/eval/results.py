@@ -33,6 +33,7 @@ __all__ = [
     "scan_results",
     "row_key",
     "budget_label",
+    "canonical_budget",
     "summary_view",
     "PER_MODEL_SETTINGS",
     "RUN_SETTINGS",
@@ -105,8 +106,23 @@ def summary_view(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def budget_label(budget: Any) -> str:
-    """``"full"`` for the reference row (None), else the budget as written (``"128"``, ``"0.25"``)."""
-    return "full" if budget is None else str(budget)
+    """``"full"`` for the reference row (None), else the budget as :class:`slake.Budget` reads it (``"128"``,
+    ``"0.25"``; a whole float of tokens in a hand-made row, ``128.0``, is ``"128"`` as the token count it is)."""
+    return "full" if budget is None else str(canonical_budget(budget))
+
+
+def canonical_budget(budget: Any) -> Any:
+    """A row's budget as :class:`slake.Budget` reads it: a whole float of tokens (``128.0``, written by hand or by
+    another tool) is the int ``128``, so that it sorts, labels and groups with the token budgets; None and anything
+    :class:`slake.Budget` refuses are returned as they are."""
+    if budget is None or isinstance(budget, bool) or not isinstance(budget, float):
+        return budget
+    from slake.budgets.budget import Budget
+
+    try:
+        return Budget(budget).value
+    except ValueError:
+        return budget
 
 
 def _parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slake.eval.fidelity_summary import fidelity_csv_rows, fidelity_markdown, fidelity_tables
-from slake.eval.results import FULL_METHOD, budget_label, read_results, summary_view
+from slake.eval.results import FULL_METHOD, budget_label, canonical_budget, read_results, summary_view
 from slake.eval.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_RESAMPLES,
@@ -49,9 +49,11 @@ ALL_LENGTHS = "all"
 
 
 def budget_sort_key(budget: Any) -> tuple[int, float]:
-    """A budget's place in the tables: the full cache (None) first, then token budgets, then ratios, ascending."""
+    """A budget's place in the tables: the full cache (None) first, then token budgets, then ratios, ascending (a
+    whole float of tokens, ``128.0``, is the token budget 128: :func:`slake.eval.results.canonical_budget`)."""
     if budget is None:
         return (0, 0.0)
+    budget = canonical_budget(budget)
     return (1, float(budget)) if isinstance(budget, int) else (2, float(budget))
 
 
