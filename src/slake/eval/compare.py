@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slake.eval.results import RESULTS_FILE, read_results, summary_view
+from slake.eval.results import RESULTS_FILE, budget_label, read_results, summary_view
 from slake.eval.stats import (
     DEFAULT_CONFIDENCE,
     DEFAULT_RESAMPLES,
@@ -319,14 +319,16 @@ def write_comparison(
             f" ({c.kl_nonfinite} non-finite left out)" if c.kl_nonfinite else ""
         )
         md.append(
-            f"| {c.second} - {c.first} | {c.length} | {c.budget} | {s} | {s_ci} | {k} | {k_ci} | {c.score.n} | {kl_n} |"
+            # the budget as every summary labels it: "full" (not "None"), 128 (not a hand-made row's 128.0)
+            f"| {c.second} - {c.first} | {c.length} | {budget_label(c.budget)} | {s} | {s_ci} | {k} | {k_ci} | "
+            f"{c.score.n} | {kl_n} |"
         )
         csv_rows.append(
             {
                 "first": c.first,
                 "second": c.second,
                 "length": c.length,
-                "budget": c.budget,
+                "budget": budget_label(c.budget),
                 "score_diff": round(c.score.diff, 4),
                 "score_low": round(c.score.low, 4),
                 "score_high": round(c.score.high, 4),

@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from slake.eval.results import FULL_METHOD, budget_label, read_results, summary_view
+from slake.eval.results import FULL_METHOD, budget_label, canonical_budget, read_results, summary_view
 from slake.eval.stats import score_table
-from slake.eval.summary import complete_pairs, method_budget_order, task_order
+from slake.eval.summary import budget_sort_key, complete_pairs, method_budget_order, task_order
 
 __all__ = ["write_plots", "needle_heatmaps", "score_vs_budget"]
 
@@ -134,7 +134,10 @@ def score_vs_budget(
     for suite, srows in by_suite.items():
         scores = _macro_scores(srows)
         pairs = method_budget_order(srows)
-        budgets = sorted({b for _, b in pairs if b is not None}, key=lambda b: (isinstance(b, float), b))
+        # as slake.Budget reads them: a whole float of tokens (128.0, a hand-made row) is the token budget 128, not a
+        # ratio (it was drawn among the ratios, on a categorical axis, its method's line broken before it); the
+        # scores' keys compare equal (128 == 128.0)
+        budgets = sorted({canonical_budget(b) for _, b in pairs if b is not None}, key=budget_sort_key)
         if not budgets and (FULL_METHOD, None) not in scores:
             continue
         plt = _pyplot()
