@@ -264,6 +264,23 @@ class LayerStore:
         single new token (a layer that evicts one token per step needs one extra slot, once; an append-only layer
         amortises reallocation with a larger step). Returns the ``(B, Hkv, n_new)`` slot indices written.
         """
+        # refused before anything is written: scatter_ only needs its source to be at least the index's size, so keys
+        # of another batch, KV-head count or head size (or token-major (B, n, Hkv, d) ones) were silently cut to the
+        # store's shape, and a batch of 2 continuing a batch-1 cache read the first row's cache for both
+        Bs, Hs, _, ds = self.keys.shape
+        dv = self.values.shape[-1]
+        if (
+            keys.dim() != 4
+            or values.dim() != 4
+            or (keys.shape[0], keys.shape[1], keys.shape[3]) != (Bs, Hs, ds)
+            or tuple(values.shape) != (Bs, Hs, keys.shape[2], dv)
+            or positions.numel() != keys.shape[2]
+        ):
+            raise ValueError(
+                f"new keys and values must be (B, Hkv, n, d) = ({Bs}, {Hs}, n, {ds}) and ({Bs}, {Hs}, n, {dv}) for "
+                f"this layer, with n positions; got keys {tuple(keys.shape)}, values {tuple(values.shape)} and "
+                f"{positions.numel()} positions"
+            )
         B, H, n_new, d = keys.shape
         if n_new == 1:
             full = self.valid.all(-1)
