@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slake.cache.compressed import CompressedKV
+from slake.cache.layer_store import LayerStore
 from slake.methods import make_method
 
 B, HQ, HKV, S, D, C = 1, 4, 2, 24, 8, 10
@@ -67,3 +68,23 @@ def test_a_block_of_the_layer_s_shape_is_still_taken(chunked):
     out = eng.decode_attention(0, torch.randn(B, HQ, 3, D, generator=g), D**-0.5)
     assert out.shape == (B, HQ, 3, D) and bool(torch.isfinite(out).all())
     assert eng.seen[0] == seen + 3
+
+
+def test_a_prefix_keep_cuts_per_head_visibility_on_its_slot_axis() -> None:
+    """``keep(order=None)`` (the CAKE cascade's later steps, slots already in preference order) slices the slots of
+    every per-slot tensor; per-query-head visibility ``(B, Hkv, G, n)`` has its slots last, and was cut on its group
+    axis instead (a store of 2 query heads per KV head kept all 6 visibility columns)."""
+    B, H, G, n, d = 1, 2, 2, 6, 4
+    visible = torch.rand(B, H, G, n, generator=torch.Generator().manual_seed(3)) > 0.3
+    store = LayerStore(
+        torch.randn(B, H, n, d),
+        torch.randn(B, H, n, d),
+        torch.arange(n).expand(B, H, n).clone(),
+        torch.ones(B, H, n, dtype=torch.bool),
+        torch.zeros(B, H, n),
+        head_visible=visible.clone(),
+    )
+    store.keep(None, torch.full((B, H), 4), positional=False)
+    assert store.head_visible is not None
+    assert store.head_visible.shape == (B, H, G, 4)
+    assert torch.equal(store.head_visible, visible[..., :4])

@@ -200,7 +200,8 @@ class LayerStore:
             self._fold_dropped(order, keep_counts, kmin, uniform)
         if sel is None:  # a prefix of every row: slice (copied, so that the dropped slots' memory is released)
             take = (lambda t: t[:, :, :kmax].clone()) if kmax < n else (lambda t: t)
-            take_last = take
+            # head_visible (B, Hkv, G, n) has its slot axis last, not at dim 2
+            take_last = (lambda t: t[..., :kmax].clone()) if kmax < n else (lambda t: t)
         else:
             take = lambda t: _rows(t, sel)  # noqa: E731
             take_last = lambda t: t.gather(-1, sel[:, :, None, :].expand(-1, -1, t.shape[2], -1))  # noqa: E731
