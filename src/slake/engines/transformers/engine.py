@@ -166,5 +166,23 @@ class TransformersEngine(Engine):
     def bench(self, plan: BenchPlan) -> BenchReport:
         from slake.engines.transformers.bench import run_bench
 
-        self.check(serve=plan.serve is not None)
+        # the plan's own options, as ``slake bench`` checks them before calling this: a Python caller's plan with
+        # transformers' own cache and 8-bit storage, chunks or compile was measured as the plain DynamicCache and
+        # its rows said kv_dtype, prefill_chunk or compile all the same
+        kv_dtypes = [k for k in plan.kv_dtypes if k not in (None, "auto")]
+        self.check(
+            serve=plan.serve is not None,
+            compile=plan.compile,
+            kv_dtype=",".join(map(str, kv_dtypes)) or None,
+            prefill_chunk=plan.prefill_chunk,
+            methods=plan.methods,
+        )
+        if plan.isolate and (self._name is not None or self._loader is not _load):
+            # each isolated configuration's process loads self.model_spec, which is not the model this engine holds
+            # (from_model, a loader): its rows measured the default model under this engine's name
+            raise ValueError(
+                "isolate runs each configuration in a fresh process that loads the engine's ModelSpec, and this "
+                "engine holds a model given in memory (from_model or a loader): build the engine from a ModelSpec "
+                "(make_engine('transformers', ModelSpec(...))), or benchmark without isolate"
+            )
         return run_bench(plan, self.model_spec, self.model_name, lambda: self.model)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from slake.cache.quant import parse_kv_dtype
 from slake.engines.base import EvalOptions, EvalOutput, EvalRequest
 from slake.engines.transformers.cache import SlakeCache
 from slake.engines.transformers.generate import prefill
@@ -268,7 +269,9 @@ def _run_batch(
         assert compressor.info is not None  # set by the replay's prefill
         compressed = compressor.info.compress.tolist()
         kv_bytes = [cache.byte_counts(i) for i in range(len(batch))]  # after compression, before decoding
-        if budget is None and ref is not None:  # the reference is the full cache's own greedy decode
+        # the reference is the full cache's own greedy decode, at the model's dtype: with 8-bit storage the full
+        # row decodes its own 8-bit cache (kv_dtype applies to every row; its kv_bytes are that cache's)
+        if budget is None and ref is not None and parse_kv_dtype(options.kv_dtype) is None:
             all_tokens, decode_s = ref.tokens, ref.decode_s
         else:
             start = time.perf_counter()
@@ -358,7 +361,9 @@ def _run_one(
         _sync(device)
         compress_s = time.perf_counter() - start
         stats = cache.statistics()
-        if budget is None and ref is not None:  # the reference is the full cache's own greedy decode
+        # the reference is the full cache's own greedy decode, at the model's dtype: with 8-bit storage the full
+        # row decodes its own 8-bit cache (kv_dtype applies to every row; its kv_bytes are that cache's)
+        if budget is None and ref is not None and parse_kv_dtype(options.kv_dtype) is None:
             tokens, decode_s = ref.tokens[0], ref.decode_s
         else:
             start = time.perf_counter()
