@@ -102,3 +102,14 @@ def test_the_full_row_of_an_8bit_evaluation_with_fidelity_decodes_its_own_8bit_c
     assert {r.method for r in rows} == {"full", "snapkv[window=4]"}
     assert ("full", None) in decoded  # the fidelity reference
     assert ("full", "int8") in decoded  # the full row's own answer
+
+
+def test_generating_text_with_a_random_model_shape_says_it_has_no_tokenizer() -> None:
+    """A random model shape (benchmarks) has no tokenizer: ``generate`` said ``'NoneType' object is not callable``
+    from inside the chat template, not what was missing."""
+    from slake.engines import make_engine
+    from slake.engines.base import ModelSpec
+
+    engine = make_engine("transformers", ModelSpec(random="tiny:num_hidden_layers=1", device="cpu", dtype="float32"))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.generate("hello", method="snapkv", budget=8, max_new_tokens=2)

@@ -124,6 +124,11 @@ class TransformersEngine(Engine):
         self, prompt: str, *, method: Any, budget: Any, max_new_tokens: int, chat_template: bool = True, **options: Any
     ) -> GenerationResult:
         model, tokenizer = self.load()
+        if tokenizer is None:  # a random model shape (benchmarks): there is no text to encode the prompt with
+            raise ValueError(
+                f"{self.model_name} has no tokenizer (a random model shape, for benchmarks): generate text with a "
+                "model that has one (random shapes are for slake bench and the pool benchmarks)"
+            )
         return generate(
             model,
             tokenizer,
