@@ -9,7 +9,8 @@ Our reading: ``docs/methods/lava.md#lava``. Per layer, from the last ``w`` promp
   of the layer (:meth:`LAVa.head_budgets`), so heads get different numbers of tokens (dense storage padded to the
   longest head, ``docs/conventions.md#memory-and-byte-accounting``; ``LayerStore.byte_counts`` reports the padding);
 * **layer budgets** (``docs/methods/lava.md#layer-budgets``): preference = normalised entropy
-  ``e_l = H(s_l / sum s_l) / log(Hkv*(N-w))`` in [0, 1]; layers are allocated with the compressor's CAKE cascade
+  ``e_l = H(s_l / sum s_l) / log(Hkv*(N-w))`` in [0, 1] over the candidates (with ``sinks`` set, the always-kept
+  sinks are not candidates and are left out, as the window is); layers are allocated with the compressor's CAKE cascade
   (progressive re-compression of layers ``0..l`` after layer ``l`` is prefilled), which equals the one-shot allocation.
 
 Choices and deviations (``docs/methods/lava.md#deviations-from-the-paper``):
@@ -158,9 +159,17 @@ class LAVa(Method):
     def prefill_scores(self, inputs: PrefillInputs) -> PrefillScores:
         """LAVa scores and the layer's normalised score entropy as its preference."""
         s = lava_scores(inputs, self.kernel, self.pooling, self.gqa, self.value_norm)
-        w = min(inputs.window, s.shape[-1])
+        S = s.shape[-1]
+        w = min(inputs.window, S)
         real = (~inputs.key_padding).sum(-1)
-        pref = lava_entropy(s, s.shape[1] * (real - w).clamp_min(0))
+        cand = s
+        if self.sinks:
+            # the sinks (each row's first real tokens) are always kept, as the window is, so they are not candidates:
+            # an attention sink's score, most of the layer's score mass, drove the entropy and the layer's budget
+            first = inputs.key_padding.sum(-1, keepdim=True)
+            pos = torch.arange(S, device=s.device).view(1, -1) - first
+            cand = s.masked_fill(((pos >= 0) & (pos < self.sinks))[:, None, :], 0.0)
+        pref = lava_entropy(cand, s.shape[1] * (real - w - self.sinks).clamp_min(0))
         return PrefillScores(scores=s, preference=pref)
 
     def head_budgets(
