@@ -82,6 +82,7 @@ def vabs_preference(
     gamma_v: float = 0.1,
     key_padding: torch.Tensor | None = None,
     split: str = "uniform",
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Value-aware budget score of one layer, per batch element (``docs/methods/slake.md#vabs``), ``(B,)`` float32.
 
@@ -108,6 +109,10 @@ def vabs_preference(
         ``"uniform"``, the non-window keys outside the top ``k0 = min(C', S_b - w)`` by indicator; ``"window"``, every
         non-window key (``k0 = 0``); ``"taylor"``, every visible key, window included (the full-Taylor map of paper
         section 3.2, Eq. 12).
+    sinks : int
+        The method's always-kept first tokens of each row (0: none). They are kept, as the window is, so the
+        ``"uniform"`` and ``"window"`` splits never linearise them, and the uniform split's ``k0`` counts the other
+        kept tokens, ``min(C' - sinks, S_b - w - sinks)``; the full-Taylor map linearises every key anyway.
 
     Returns ``1e-12`` for a sample with nothing provisionally evicted (``n0 == 0``; with ``"window"`` and
     ``"taylor"`` only when the prompt fits in the budget). Padded keys are neither in the provisional evicted set
@@ -123,8 +128,15 @@ def vabs_preference(
             f"{tuple(probs.shape)}, indicator {tuple(indicator.shape)} for window {window}"
         )
     pad = ~torch.isfinite(logits[:, 0, -1, :]) if key_padding is None else key_padding.bool()
-    real_sel = (~pad[:, :sel]).sum(-1)  # (B,) = S_b - w
-    k0 = torch.minimum(real_sel, torch.as_tensor(selectable, device=real_sel.device).clamp_min(0).to(real_sel))
+    kept = pad  # keys that are never in the provisional evicted set: padding, and the sinks when set
+    if sinks and split != "taylor":
+        # the first real tokens of each row (left padding): always kept, so linearising them described an eviction
+        # that never happens
+        pos = torch.arange(S, device=pad.device)[None, :] - pad.sum(-1, keepdim=True)
+        kept = pad | ((pos >= 0) & (pos < sinks))
+    real_sel = (~kept[:, :sel]).sum(-1)  # (B,) = S_b - w (- sinks)
+    budget_sel = torch.as_tensor(selectable, device=real_sel.device) - (sinks if split != "taylor" else 0)
+    k0 = torch.minimum(real_sel, budget_sel.clamp_min(0).to(real_sel))
     # ``n0 > 0`` iff the layer evicts anything at budget C; the readings differ only in which keys they linearise
     n0 = real_sel - k0
     eps = torch.full((B,), EPS, dtype=torch.float32, device=logits.device)
@@ -132,13 +144,13 @@ def vabs_preference(
         return eps
     # 1) provisional split (the full-Taylor map needs none: every visible key is linearised below)
     if split == "uniform":  # keep the top-k0 real non-window tokens by indicator, per (b, KV head)
-        ind = indicator.float().masked_fill(pad[:, None, :sel], float("-inf"))
+        ind = indicator.float().masked_fill(kept[:, None, :sel], float("-inf"))
         order = torch.sort(ind, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(sel, device=order.device).expand_as(order))
-        ev = (rank >= k0[:, None, None]) & ~pad[:, None, :sel]
-    elif split == "window":  # every real non-window token (provisional budget 0)
+        ev = (rank >= k0[:, None, None]) & ~kept[:, None, :sel]
+    elif split == "window":  # every real non-window token but the sinks (provisional budget 0)
         k0 = torch.zeros_like(k0)
-        ev = (~pad[:, None, :sel]).expand(B, Hkv, sel)
+        ev = (~kept[:, None, :sel]).expand(B, Hkv, sel)
     if split == "taylor":  # every visible key: the real keys at or before the row's query, counted per window row
         visible = (~pad).cumsum(-1)[:, S - w :].clamp_min(1).to(torch.float32)[:, None, None, :]  # (B, 1, 1, w)
         causal = torch.ones(w, w, dtype=torch.bool, device=logits.device).triu(1)  # the masked window keys per row
@@ -351,4 +363,5 @@ class Slake(Cake):
             self.gamma_v,
             inputs.key_padding,
             split=self.vabs_split,
+            sinks=self.sinks,
         )
