@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +257,10 @@ def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
     from slake.engines.base import ServePlan
 
     given = DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency
-    concurrency = tuple(int(x) for x in split_list(given, "--concurrency"))
+    try:
+        concurrency = tuple(int(x) for x in split_list(given, "--concurrency"))
+    except ValueError:  # int('x') named no option
+        raise ValueError(f"--concurrency: every level must be an integer >= 1, got {given!r}") from None
     requests = DEFAULT_REQUESTS if args.requests is None else args.requests
     max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     kv = DEFAULT_KV_GIB if args.kv_memory is None else args.kv_memory
@@ -264,8 +268,8 @@ def _serve_plan(args: argparse.Namespace, lengths: tuple[int, ...]) -> Any:
         raise ValueError(f"--concurrency: every level must be >= 1, got {args.concurrency!r}")
     if requests < 1 or max_tokens < 1:
         raise ValueError("--requests and --max-tokens must be >= 1")
-    if not kv > 0:
-        raise ValueError(f"--kv-memory must be > 0 GiB, got {kv}")
+    if not (math.isfinite(kv) and kv > 0):  # inf passed `kv > 0` and went to vLLM's server as its memory
+        raise ValueError(f"--kv-memory must be > 0 GiB and finite, got {kv}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError("--max-num-seqs must be >= 1")
     return ServePlan(

@@ -117,7 +117,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ValueError("need --length >= 256, --max-new-tokens >= 1 and --depth in [0, 100]")
     check_budget_at_length(args.method, budget, args.length)  # a ratio of the document, before the model loads
     engine = engine_from_args(args)
-    engine.check()
+    # the flag too, as generate and eval check it: vLLM refused it only in its generate, after the model was converted
+    # (to read its context) and the document built
+    engine.check(allow_long_context=args.allow_long_context)
     engine.check_pair(args.method, budget)
     check_lengths(engine.context_limit, [args.length], flag="--length", allow_long_context=args.allow_long_context)
     tokenizer = engine.tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "fidelity.json").write_text(json.dumps({"rows": rows, "output_rows": output_rows}, indent=1))
+        (out / "fidelity.json").write_text(json.dumps(_json_safe({"rows": rows, "output_rows": output_rows}), indent=1))
         (out / "fidelity.md").write_text(
             f"# Attention fidelity ({named}, {ids.shape[1]} prompt tokens, {args.steps} decode steps)\n\n"
             + fidelity.summary_table(rows)
@@ -157,12 +158,25 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
                     lambda: output_fidelity.plot_kl_vs_budget(output_rows, str(out / "output_kl_vs_budget.png")),
                 )
     if args.json:
-        print(json.dumps({"rows": rows, "output_rows": output_rows}))
+        print(json.dumps(_json_safe({"rows": rows, "output_rows": output_rows})))
     else:
         print(fidelity.summary_table(rows) + output_md)
         print()
         print(fidelity.per_layer_table(rows))
     return 0
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every float that is not a finite number (an overflowed fp16 cache's KL or error) as None:
+    ``json.dumps`` wrote ``NaN`` and ``Infinity``, which are not JSON, and strict parsers (``jq``) refused the whole
+    output. ``null``, as ``slake eval --fidelity`` rows and ``slake calibrate`` profiles write it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _progress_bar(args: argparse.Namespace, total: int) -> Any:
