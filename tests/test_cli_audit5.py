@@ -107,3 +107,26 @@ def test_fidelity_writes_a_distance_that_is_not_finite_as_null(
         assert [r["kl"] for r in doc["output_rows"]] == [None, None]
         assert all(isinstance(r["top1"], float) for r in doc["output_rows"])
         assert all(isinstance(r["rel_err"], float) for r in doc["rows"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["--method", "snapkv"], True),
+        (["--method", "slake", "--no-linear-cache"], True),
+        (["--method", "snapkv", "--linear-cache"], False),
+    ],
+)
+def test_generate_refuses_to_charge_a_linear_state_the_method_does_not_keep(
+    argv: list[str],
+    refused: bool,
+    capsys: pytest.CaptureFixture[str],
+    no_model_load: None,  # noqa: F811
+) -> None:
+    # --charge-linear-state with snapkv charged nothing: the run was plain snapkv's, its flag silently a no-op
+    args = ["generate", "--prompt", "hello", "--budget", "64", "--charge-linear-state", *argv]
+    if refused:
+        _refused(args, "keeps none", capsys)
+    else:  # the method keeps a linear state: the check passes and the command goes on to load the model
+        with pytest.raises(AssertionError, match="a model was loaded"):
+            main(args)

@@ -48,7 +48,7 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument(
         "--charge-linear-state",
         action="store_true",
-        help="count the linear state against the budget (equal-memory comparison)",
+        help="count the linear state against the budget (equal-memory comparison; refused for a method without one)",
     )
     p.add_argument(
         "--prefill-chunk",
@@ -113,7 +113,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kernels=None if args.kernels == "auto" else args.kernels,
         allow_long_context=args.allow_long_context,
     )
-    engine.check_pair(make_method(args.method, **hyper), budget)
+    method = make_method(args.method, **hyper)
+    if args.charge_linear_state and not method.linear_cache:
+        # charged nothing: the equal-memory comparison asked for would be the plain method's, labelled as charged
+        raise ValueError(
+            f"--charge-linear-state charges a linear state against the budget, and {args.method} keeps none "
+            "(add --linear-cache, or leave the flag out)"
+        )
+    engine.check_pair(method, budget)
     res = engine.generate(
         args.prompt,
         method=args.method,
