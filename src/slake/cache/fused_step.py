@@ -147,6 +147,10 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return "a linear state that is not float32"
     if rule.kind == "expected_attention" and method.evict_before_output:
         return "a rule on mapped queries that evicts before the output"
+    if method.evicts_across_heads and method.evict_before_output:
+        # the layer kernel evicts across the KV heads after the attention kernel has run: it would attend the victim
+        # the torch step leaves out (no shipped method combines the two)
+        return "an eviction across a layer's KV heads before the output"
     if rule.two_stage is not None:
         if slots.weights is None:
             return "a two-stage rule without the slots' weights"
