@@ -46,9 +46,10 @@ test: setup
 
 # The fused kernels compiled for GPUs on this machine, which has none (pytest marker `gpu_compile`): every kernel for
 # an H100 and other GPUs through Triton's compilers and ptxas (shared memory, spills, barriers), and the warm cache's
-# builds: about 9 minutes of CPU (5 on two cores), which a change that touches neither the kernels nor their
-# launches does not need. CI runs them after `make test`. In .venv only: the compilations load no transformers
-# (tests/test_kernels_compile.py checks its compiling process), so the oldest transformers would compile the same.
+# builds and the specializations its steps make against a model's decode: about 10 minutes of CPU (6 on two cores),
+# which a change that touches neither the kernels nor their launches does not need. CI runs them after `make test`.
+# In .venv only: the compilations load no transformers (tests/test_kernels_compile.py checks its compiling process),
+# so the oldest transformers would compile the same.
 test-kernels: setup
 	$(BIN)/python -m pytest -q $(PARALLEL) --durations=10 -m gpu_compile
 

@@ -218,6 +218,7 @@ def test_the_compile_log_keeps_slakes_kernels_once_each(tmp_path, monkeypatch):
     ]
 
 
+@pytest.mark.gpu_compile  # the warm cache's tooling, as its builds: 48 s of the unit tier on a two-core host
 def test_the_builds_steps_specialize_the_kernels_as_a_models_decode_does():
     """The build runs the engine's steps directly (``CompressedKV`` at Llama-3-8B's heads), not a model: every
     specialization of the fused kernels that a random model with those heads makes when it decodes through
