@@ -147,3 +147,24 @@ def test_a_score_vs_budget_plot_of_token_budgets_is_on_a_log_axis(figures, tmp_p
     styles = {(line.get_color(), line.get_marker()) for k, line in lines.items() if k != "full cache"}
     assert len(styles) == 2
     assert not any(math.isnan(y) for line in lines.values() for y in line.get_ydata())
+
+
+# a whole float budget in a result row (128.0, written by hand or by another tool) is the token budget 128: the plot
+# took it for a ratio, drawn on a categorical axis labelled "tokens per layer and head | ratio of the prompt", with a
+# dotted rule between 64 and 128 and the method's line broken there
+def test_a_whole_float_token_budget_is_plotted_as_tokens_not_as_a_ratio(figures, tmp_path):
+    rows = []
+    for i in range(3):
+        rows += [
+            _ruler("full", None, "t1", i, 1.0),
+            _ruler("snapkv", 64, "t1", i, 0.5),
+            _ruler("snapkv", 128.0, "t1", i, 0.75),
+        ]
+    write_plots(tmp_path, rows)
+    (ax,) = [ax for fig in figures for ax in fig.axes if ax.get_title().startswith("ruler: score vs budget")]
+    assert ax.get_xlabel() == "KV budget (tokens per layer and head)"  # before: "... | ratio of the prompt"
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "128"]
+    (line,) = [x for x in ax.get_lines() if x.get_label() == "snapkv"]
+    assert list(line.get_xdata()) == [64, 128] and list(line.get_ydata()) == [50.0, 75.0]  # one segment
+    assert not [x for x in ax.get_lines() if x.get_label() == "_nolegend_"]  # no second segment
