@@ -21,7 +21,8 @@ from slake.engines.base import ModelSpec
 from slake.engines.transformers import TransformersEngine
 from slake.engines.transformers.prefill_once import CaptureStore, capture_prefill, model_fingerprint, weights_digest
 from slake.eval import suites
-from slake.eval.results import ResultsWriter, check_run_settings, read_results
+from slake.eval.results import ResultsWriter, read_results
+from slake.eval.resume_checks import check_run_settings
 from slake.methods.profiles import model_identity, write_entry
 from test_eval_runner import ESSAYS, TinyTokenizer, _eval_args, _loader
 from tiny_models import tiny_model

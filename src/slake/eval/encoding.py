@@ -76,9 +76,9 @@ def ids_digest(prefill_ids: Sequence[int], question_ids: Sequence[int]) -> str:
 
     :func:`slake.eval.sample.sample_digest` names a sample's text; the same text gives other ids under another
     tokenizer (a transformers release that changed it, another tokenizer file under the same model name) or another
-    way of encoding it. Result rows record this digest (``ids_digest``), and a run refuses to add rows to a sample whose
-    earlier rows were made from other ids (:func:`slake.eval.results.check_ids_digests`): one sample's methods would
-    otherwise be compared on two different prompts.
+    way of encoding it. Result rows record this digest (``ids_digest``), and a run refuses to add rows to a sample
+    whose earlier rows were made from other ids (:func:`slake.eval.resume_checks.check_ids_digests`): one sample's
+    methods would otherwise be compared on two different prompts.
     """
     payload = ",".join(map(str, prefill_ids)) + "|" + ",".join(map(str, question_ids))
     return hashlib.sha256(payload.encode("ascii")).hexdigest()[:16]

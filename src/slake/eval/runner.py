@@ -27,15 +27,13 @@ from slake.eval.encoding import encode_sample, ids_digest
 from slake.eval.metrics import score_prediction
 from slake.eval.progress import TimeLeft
 from slake.eval.provenance import code_version, describe_other_code, rows_of_other_code
-from slake.eval.results import (
-    FULL_METHOD,
-    ResultsWriter,
+from slake.eval.results import FULL_METHOD, ResultsWriter, row_key
+from slake.eval.resume_checks import (
     check_ids_digests,
     check_metrics,
     check_profiles,
     check_run_settings,
     check_sample_digests,
-    row_key,
 )
 from slake.eval.sample import Sample, sample_digest
 from slake.methods.budget_check import check_budget_at_length, check_method_budget
@@ -166,8 +164,8 @@ def build_row(
     ids: str | None = None,
 ) -> dict[str, Any]:
     """The result row of one (sample, method, budget), whatever the engine: the fields of
-    :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.results.RUN_SETTINGS`: ``engine``,
-    ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``, ``gguf_file``,
+    :data:`slake.eval.results.ROW_FIELDS`, the run's settings (:data:`slake.eval.resume_checks.RUN_SETTINGS`:
+    ``engine``, ``query_aware``, ``kv_dtype``, ``chat_template``, ``new_tokens_cap``, ``model_dtype``, ``gguf_file``,
     ``weights``), the sample's digest (``sample_digest``: :func:`slake.eval.sample.sample_digest`), the code that
     made the row (``code_version``: :func:`slake.eval.provenance.code_version`), the digest of the prompt's token ids
     where given (``ids_digest``: ``ids``, :func:`slake.eval.encoding.ids_digest`), the output's accounting, and the
@@ -213,7 +211,7 @@ def run_settings(
     engine: Engine, options: EvalOptions, *, chat_template: bool, max_new_tokens: int | None
 ) -> dict[str, Any]:
     """The settings a run writes into its rows and a results directory must agree on
-    (:data:`slake.eval.results.RUN_SETTINGS`, :func:`slake.eval.results.check_run_settings`)."""
+    (:data:`slake.eval.resume_checks.RUN_SETTINGS`, :func:`slake.eval.resume_checks.check_run_settings`)."""
     return {
         "engine": engine.name,
         "query_aware": options.query_aware,
@@ -236,11 +234,11 @@ def check_results_directory(
     samples: Sequence[Sample],
 ) -> None:
     """Raise ``ValueError`` when the results directory ``store`` holds rows this run would take for its own but
-    that were made otherwise: with other :data:`slake.eval.results.RUN_SETTINGS` (weights and GGUF file compared
-    with the rows of model ``name``: :func:`slake.eval.results.check_run_settings`), other profile values for one of
-    ``pairs`` (:func:`slake.eval.results.check_profiles`, where the engine knows them before running:
-    :meth:`slake.engines.base.Engine.profile_for`), or another metric or another prompt for one of ``samples``
-    (:func:`slake.eval.results.check_metrics`, :func:`slake.eval.results.check_sample_digests`).
+    that were made otherwise: with other :data:`slake.eval.resume_checks.RUN_SETTINGS` (weights and GGUF file
+    compared with the rows of model ``name``: :func:`slake.eval.resume_checks.check_run_settings`), other profile
+    values for one of ``pairs`` (:func:`slake.eval.resume_checks.check_profiles`, where the engine knows them before
+    running: :meth:`slake.engines.base.Engine.profile_for`), or another metric or another prompt for one of ``samples``
+    (:func:`slake.eval.resume_checks.check_metrics`, :func:`slake.eval.resume_checks.check_sample_digests`).
     :func:`evaluate_suite` calls it before running, and ``slake eval --protocol`` before it writes the kvpress side's
     requests."""
     check_run_settings(store, settings, model=name)
@@ -415,7 +413,7 @@ def evaluate_suite(
         runs, :func:`check_requests_fit`); the engine refuses what it cannot honour
         (:meth:`slake.engines.base.Engine.check`). The resume key does not name the run's settings (engine,
         query-aware prompts, ``kv_dtype``, ``chat_template``, ``max_new_tokens``, the model's dtype): a directory
-        holding rows of other settings is refused (:func:`slake.eval.results.check_run_settings`). Rows resumed
+        holding rows of other settings is refused (:func:`slake.eval.resume_checks.check_run_settings`). Rows resumed
         from a run without ``fidelity`` have no distance fields. Resumed rows that another code version wrote
         (:func:`slake.eval.provenance.rows_of_other_code`) are kept, with a warning on the ``slake`` logger.
 

