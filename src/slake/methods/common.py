@@ -124,3 +124,10 @@ def positional_pool(
     s_sorted = (scores if zeroed else scores.masked_fill(empty, 0.0)).gather(-1, order)
     pooled_sorted = pool1d(s_sorted, kernel, kind)
     return torch.empty_like(pooled_sorted).scatter_(-1, order, pooled_sorted)
+
+
+def real_positions(key_padding: torch.Tensor) -> torch.Tensor:
+    """``(B, S)`` each key's position among its row's real tokens (left padding: negative on the padded keys), so
+    that ``0 <= pos < sinks`` marks a row's sinks, whatever its padding."""
+    S = key_padding.shape[-1]
+    return torch.arange(S, device=key_padding.device).view(1, -1) - key_padding.sum(-1, keepdim=True)

@@ -38,6 +38,7 @@ import torch
 
 from slake.methods.ada_snapkv import AdaKVHeads, adakv_head_budgets
 from slake.methods.base import DecodeInputs, LayerContext, Method, PrefillInputs, PrefillScores, register
+from slake.methods.common import real_positions
 from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.expected_attention import ExpectedAttention
 from slake.methods.snapkv import SnapKV
@@ -164,7 +165,7 @@ class CriticalKV(Method):
         pad = inputs.key_padding
         S = pad.shape[1]
         idx = torch.arange(S, device=pad.device).view(1, -1)
-        pos = idx - pad.sum(-1, keepdim=True)
+        pos = real_positions(pad)
         ok = ~pad & (pos >= self.sinks) & (idx < S - self.window)
         return ok[:, None, :].expand(-1, inputs.keys.shape[1], -1)
 

@@ -34,7 +34,7 @@ import torch
 
 from slake.methods.ada_snapkv import AdaKVHeads
 from slake.methods.base import DecodeInputs, LayerContext, Method, PrefillInputs, PrefillScores, register
-from slake.methods.common import group_mean
+from slake.methods.common import group_mean, real_positions
 from slake.methods.decode_rule import FusedDecodeRule
 from slake.methods.rotary import Rotary
 
@@ -143,8 +143,7 @@ class ExpectedAttention(Method):
         mu = torch.matmul(R, mu[..., None])[..., 0]
         if cov is not None:
             cov = R @ cov @ R.transpose(-1, -2)
-        S = inputs.keys.shape[2]
-        pos = torch.arange(S, device=pad.device).view(1, -1) - pad.sum(-1, keepdim=True)
+        pos = real_positions(pad)
         mask = (~pad & (pos >= self.sinks))[:, None, :]
         p = expected_attention(mu, cov, inputs.keys, mask, inputs.scaling)
         return PrefillScores(scores=self._weigh(p, inputs.values, inputs.keys.shape[1]))

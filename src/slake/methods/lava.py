@@ -47,7 +47,7 @@ import torch
 
 from slake.budgets.allocation import cross_head_counts
 from slake.methods.base import DecodeInputs, FusedDecodeRule, Method, PrefillInputs, PrefillScores, register
-from slake.methods.common import pool1d, pooled_outside_window, window_attention
+from slake.methods.common import pool1d, pooled_outside_window, real_positions, window_attention
 
 __all__ = ["LAVa", "lava_entropy", "lava_scores"]
 
@@ -166,8 +166,7 @@ class LAVa(Method):
         if self.sinks:
             # the sinks (each row's first real tokens) are always kept, as the window is, so they are not candidates:
             # an attention sink's score, most of the layer's score mass, drove the entropy and the layer's budget
-            first = inputs.key_padding.sum(-1, keepdim=True)
-            pos = torch.arange(S, device=s.device).view(1, -1) - first
+            pos = real_positions(inputs.key_padding)
             cand = s.masked_fill(((pos >= 0) & (pos < self.sinks))[:, None, :], 0.0)
         pref = lava_entropy(cand, s.shape[1] * (real - w - self.sinks).clamp_min(0))
         return PrefillScores(scores=s, preference=pref)

@@ -40,6 +40,7 @@ import torch
 
 from slake.methods.base import PrefillInputs, register
 from slake.methods.cake import EPS, LOG_EPS, Cake, match_family
+from slake.methods.common import real_positions
 
 __all__ = ["Slake", "VABS_SPLITS", "slake_alpha_beta", "vabs_preference"]
 
@@ -132,7 +133,7 @@ def vabs_preference(
     if sinks and split != "taylor":
         # the first real tokens of each row (left padding): always kept, so linearising them described an eviction
         # that never happens
-        pos = torch.arange(S, device=pad.device)[None, :] - pad.sum(-1, keepdim=True)
+        pos = real_positions(pad)
         kept = pad | ((pos >= 0) & (pos < sinks))
     real_sel = (~kept[:, :sel]).sum(-1)  # (B,) = S_b - w (- sinks)
     budget_sel = torch.as_tensor(selectable, device=real_sel.device) - (sinks if split != "taylor" else 0)
