@@ -108,8 +108,66 @@ def _bf16_casts_round_to_nearest_even() -> None:
     builder.cast_impl = cast_impl
 
 
+def _no_discarded_overflow_checks() -> None:
+    """Triton's interpreter (3.6.0) computes a check of every int32 add, subtract and multiply of a kernel for
+    overflow (the operation again in int64, compared with int32's bounds) and then, its ``debug`` option being off
+    as a GPU launch's is by default, drops the assertion unread: about a fifth of the interpreted kernels' time, the
+    largest share of the unit tier, for no check. Here the interpreter does not compute it (``sanitize_overflow``
+    off); ``debug`` stays off, so nothing the kernels are checked for changes. Applied only to the Triton version
+    whose interpreter this was read from, when the interpreter is on."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import dataclasses
+
+        import triton
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if triton.__version__ != "3.6.0" or getattr(options, "debug", True) or not hasattr(options, "sanitize_overflow"):
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def _numpy_types_looked_up_once() -> None:
+    """Triton's interpreter (3.6.0) finds the numpy type of a Triton type (``_get_np_dtype``) by building a table of
+    nineteen types at every call, hundreds of thousands of times in a fused kernel's test: a tenth of its time. Here
+    each type's answer is kept after its first lookup, keyed by the type's class and name (which spells a block's
+    shape and element type, a pointer's element type), which decide the answer; the lookup itself is the
+    interpreter's. Applied only to the Triton version whose
+    interpreter this was read from, when the interpreter is on."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    own = getattr(interpreter, "_get_np_dtype", None)
+    if triton.__version__ != "3.6.0" or own is None:
+        return
+    known: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        key = (type(tt_dtype), getattr(tt_dtype, "name", None))
+        if key[1] is None:
+            return own(tt_dtype)
+        try:
+            return known[key]
+        except KeyError:
+            known[key] = found = own(tt_dtype)
+            return found
+
+    get_np_dtype.own = own  # type: ignore[attr-defined]  # the interpreter's, for the test that compares the two
+    interpreter._get_np_dtype = get_np_dtype
+
+
 _helper_calls_keep_the_launch_patch()
 _bf16_casts_round_to_nearest_even()
+_numpy_types_looked_up_once()
+_no_discarded_overflow_checks()
 if os.environ.get("TRITON_INTERPRET") == "1":  # every kernel's loads and stores within its launch's tensors
     import kernel_bounds  # noqa: E402
 
