@@ -39,10 +39,12 @@ def decode(
     budget: int = BUDGET,
     mode: str | None = None,
     kernels: str = "auto",
+    mark_static: bool = False,
 ):
     """Greedy decode ``steps`` tokens after the prompt, on the model's device; ``backend`` or ``mode``: run each step
-    through ``torch.compile(fullgraph=True, dynamic=False, backend=..., mode=...)``. Returns (tokens, statistics,
-    cache)."""
+    through ``torch.compile(fullgraph=True, dynamic=False, backend=..., mode=...)``; ``mark_static``: the cache's
+    tensors marked as static inputs after the prefill, as ``prepare_static`` marks them on CUDA. Returns (tokens,
+    statistics, cache)."""
     ids, mask = prompt(batch, model.device)
     cache = SlakeCache(
         method,
@@ -56,6 +58,9 @@ def decode(
     second_pass_ready(model, cache)
     with torch.inference_mode():
         tok = prefill(model, cache, ids, mask).argmax(-1, keepdim=True)
+    if mark_static:
+        for t in cache.compressor.static_tensors():
+            torch._dynamo.mark_static_address(t)
     first_real = (mask == 0).sum(-1, keepdim=True)
 
     def step(tok, pos):
