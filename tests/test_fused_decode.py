@@ -721,10 +721,11 @@ def test_a_layer_that_does_not_evict_but_keeps_a_linear_state_or_hidden_slots_ru
     full cache's. They ran the torch step (31 operations per layer for SLAKE); the kernels now run them with a target
     of -1 and no rule (``KEEP_ALL``: nothing scored, no victim sought): the same outputs, linear state, slots and
     stored scores (the new slot's 0, as the torch step's), every row growing by a token per step. The rows grow 3
-    slots at a time here (256 in use), so that the held arguments are made again."""
-    from slake.cache import decoding
+    slots at a time here (256 by default), twice in four steps, so that the held arguments are made again (the test
+    patched the growth of multi-token appends instead, and its rows grew once, by 256: nine times the programs)."""
+    from slake.cache import state
 
-    monkeypatch.setattr(decoding, "_GROWTH", 3)
+    monkeypatch.setattr(state, "_GROWTH", 3)
     method = _method(name)
     ref, ref_out = _run(method, "torch", steps=4)
     fused, fused_out = _run(method, "triton", steps=4)
@@ -733,8 +734,9 @@ def test_a_layer_that_does_not_evict_but_keeps_a_linear_state_or_hidden_slots_ru
     kept = [s.valid.sum(-1) for s in fused.layers]
     _assert_same(ref, ref_out, fused, fused_out, 1e-5)
     shorter, _ = _run(method, "torch", steps=0)  # the prefill's kept counts: 4 steps add 4 slots to every row
-    for k, s in zip(kept, shorter.layers, strict=True):
+    for k, s, f in zip(kept, shorter.layers, fused.layers, strict=True):
         assert torch.equal(k, s.valid.sum(-1) + 4)
+        assert f.valid.shape[-1] == s.valid.shape[-1] + 2 * 3  # grown twice
 
 
 @pytest.fixture
