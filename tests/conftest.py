@@ -29,6 +29,19 @@ from tiny_models import tiny_model  # noqa: E402
 DEFAULT_THREADS = torch.get_num_threads()
 
 
+def _interpreter_to_patch():
+    """Triton's interpreter module (``triton.runtime.interpreter``) when the interpreter is on and is the version
+    the changes below were read from (3.6.0); else None, and they change nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        import triton
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    return interpreter if triton.__version__ == "3.6.0" else None
+
+
 def _helper_calls_keep_the_launch_patch() -> None:
     """Triton's interpreter (3.6.0) patches ``triton.language`` for an interpreted kernel once per launch, for the
     whole launch, and then again at every call of a ``@triton.jit`` helper from inside it (``inspect.getmembers``
@@ -39,18 +52,15 @@ def _helper_calls_keep_the_launch_patch() -> None:
     helper call inside it patches nothing more. A builtin left unpatched would raise ("Did you forget to add
     @triton.jit ?"), never compute something else. Applied only to the Triton version whose interpreter this was
     read from, when the interpreter is on."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    interpreter = _interpreter_to_patch()
+    if interpreter is None:
         return
-    try:
-        import triton
-        from triton.language import standard
-        from triton.runtime import interpreter
-    except ImportError:
-        return
+    from triton.language import standard
+
     patch = getattr(interpreter, "_patch_lang", None)
     call = interpreter.InterpretedFunction.__dict__.get("__call__")
     core_user = getattr(standard.max, "fn", None)  # a function whose module holds triton.language.core
-    if triton.__version__ != "3.6.0" or patch is None or call is None or core_user is None:
+    if patch is None or call is None or core_user is None:
         return
     if "_patch_lang" not in call.__code__.co_names:  # not the helper call this was written against
         return
@@ -84,18 +94,15 @@ def _bf16_casts_round_to_nearest_even() -> None:
     diverge from the torch step over ~150 decode steps on the CPU alone (the 2026-11-30 audit of long decoding). Here
     that one cast rounds as torch does; every other cast is the interpreter's. Applied only to the Triton version
     whose interpreter this was read from, when the interpreter is on."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    interpreter = _interpreter_to_patch()
+    if interpreter is None:
         return
-    try:
-        import numpy as np
-        import triton
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
+    import numpy as np
+    import triton.language as tl
+
     builder = getattr(interpreter, "InterpreterBuilder", None)
     cast = getattr(builder, "cast_impl", None)
-    if triton.__version__ != "3.6.0" or cast is None or not hasattr(interpreter, "TensorHandle"):
+    if cast is None or not hasattr(interpreter, "TensorHandle"):
         return
 
     def cast_impl(self, src, dst_type):
@@ -115,18 +122,14 @@ def _no_discarded_overflow_checks() -> None:
     largest share of the unit tier, for no check. Here the interpreter does not compute it (``sanitize_overflow``
     off); ``debug`` stays off, so nothing the kernels are checked for changes. Applied only to the Triton version
     whose interpreter this was read from, when the interpreter is on."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    interpreter = _interpreter_to_patch()
+    if interpreter is None:
         return
-    try:
-        import dataclasses
+    import dataclasses
 
-        import triton
-        from triton.runtime import interpreter
-    except ImportError:
-        return
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if triton.__version__ != "3.6.0" or getattr(options, "debug", True) or not hasattr(options, "sanitize_overflow"):
+    if getattr(options, "debug", True) or not hasattr(options, "sanitize_overflow"):
         return
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
@@ -136,17 +139,13 @@ def _numpy_types_looked_up_once() -> None:
     nineteen types at every call, hundreds of thousands of times in a fused kernel's test: a tenth of its time. Here
     each type's answer is kept after its first lookup, keyed by the type's class and name (which spells a block's
     shape and element type, a pointer's element type), which decide the answer; the lookup itself is the
-    interpreter's. Applied only to the Triton version whose
-    interpreter this was read from, when the interpreter is on."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        import triton
-        from triton.runtime import interpreter
-    except ImportError:
+    interpreter's. Applied only to the Triton version whose interpreter this was read from, when the interpreter is
+    on."""
+    interpreter = _interpreter_to_patch()
+    if interpreter is None:
         return
     own = getattr(interpreter, "_get_np_dtype", None)
-    if triton.__version__ != "3.6.0" or own is None:
+    if own is None:
         return
     known: dict = {}
 
