@@ -430,6 +430,24 @@ def recorded_logs() -> list[Path]:
     return sorted((ROOT / "docs" / "results").glob("**/triton_compiles.jsonl"))
 
 
+def local_extern_libs(specialization: str) -> str:
+    """``specialization`` (a compile log's serialized specialization) with each external library (libdevice) that is
+    not at its recorded path read from this Triton's own copy of the same name: a log records the device's path
+    (``/opt/torch/.venv/...``), which does not exist here. Triton keys a compilation by each library's contents, not
+    its path, and the two copies come with the same Triton, so the cache key is the device's."""
+    import triton
+
+    spec = json.loads(specialization)
+    options = spec.get("options") or {}
+    here = Path(triton.__file__).parent / "backends" / "nvidia" / "lib"
+    if options.get("extern_libs"):
+        options["extern_libs"] = [
+            [name, path if Path(path).exists() else str(here / Path(path).name)]
+            for name, path in options["extern_libs"]
+        ]
+    return json.dumps(spec)
+
+
 def _recorded(logs: list[Path]) -> None:
     """Compile each specialization the ``logs`` name, of the kernel as it is now (``JITFunction.preload``, Triton's
     own way to compile a serialized specialization): what a GPU session compiled, the next one finds. A kernel no
@@ -445,7 +463,7 @@ def _recorded(logs: list[Path]) -> None:
             try:
                 if fn is None:
                     raise LookupError(f"{entry['module']}.{entry['name']} is gone")
-                fn.preload(entry["specialization"])
+                fn.preload(local_extern_libs(entry["specialization"]))
                 done += 1
             except Exception as e:  # noqa: BLE001  (a kernel changed since the log: left out, and said)
                 skipped += 1

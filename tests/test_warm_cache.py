@@ -335,3 +335,22 @@ def test_an_archive_of_another_ptxas_is_refused_though_the_key_is_the_same(tmp_p
         tar.add(cache, arcname=cache.name)
     assert warm_cache.install(other, capability=(9, 0)) == 1
     assert warm_cache.install(archive, capability=(9, 0)) == 0
+
+
+def test_a_logged_library_path_of_the_device_reads_this_tritons_copy(tmp_path):
+    """A GPU session's compile log records libdevice at the device's path (``/opt/torch/.venv/...``); compiling the
+    logged specialization here failed on the missing file (all 130 of the fourth H200 session's entries were left
+    out). The path becomes this Triton's copy of the same file, which Triton keys by its contents; a path that
+    exists is kept, and a specialization without libraries is left as it is."""
+    device = "/opt/torch/.venv/lib/python3.12/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"
+    spec = {"name": "k", "options": {"extern_libs": [["libdevice", device]], "num_warps": 4}}
+    local = json.loads(warm_cache.local_extern_libs(json.dumps(spec)))
+    ((name, path),) = local["options"]["extern_libs"]
+    assert name == "libdevice" and path != device and Path(path).is_file() and Path(path).name == "libdevice.10.bc"
+    assert Path(path).is_relative_to(Path(triton.__file__).parent)
+    assert local["options"]["num_warps"] == 4
+    kept = tmp_path / "libdevice.10.bc"
+    kept.write_bytes(b"bc")
+    spec["options"]["extern_libs"] = [["libdevice", str(kept)]]
+    assert json.loads(warm_cache.local_extern_libs(json.dumps(spec))) == spec
+    assert json.loads(warm_cache.local_extern_libs(json.dumps({"name": "k"}))) == {"name": "k"}
