@@ -50,8 +50,7 @@ def _helper_calls_keep_the_launch_patch() -> None:
     fused kernels call such helpers many times in every program, and the re-patching was about a fifth of their
     tests' time, the largest share of the unit tier. Here a launch patches both modules for its whole run, and a
     helper call inside it patches nothing more. A builtin left unpatched would raise ("Did you forget to add
-    @triton.jit ?"), never compute something else. Applied only to the Triton version whose interpreter this was
-    read from, when the interpreter is on."""
+    @triton.jit ?"), never compute something else. Applied only where :func:`_interpreter_to_patch` says."""
     interpreter = _interpreter_to_patch()
     if interpreter is None:
         return
@@ -92,8 +91,8 @@ def _bf16_casts_round_to_nearest_even() -> None:
     no rounding mode), where a GPU's ``.to(tl.bfloat16)`` and torch round to nearest, ties to even: half of the
     values differed by one bf16 step, and CriticalKV's bf16 weights, stored through such a cast, made a fused step
     diverge from the torch step over ~150 decode steps on the CPU alone (the 2026-11-30 audit of long decoding). Here
-    that one cast rounds as torch does; every other cast is the interpreter's. Applied only to the Triton version
-    whose interpreter this was read from, when the interpreter is on."""
+    that one cast rounds as torch does; every other cast is the interpreter's.
+    Applied only where :func:`_interpreter_to_patch` says."""
     interpreter = _interpreter_to_patch()
     if interpreter is None:
         return
@@ -120,8 +119,8 @@ def _no_discarded_overflow_checks() -> None:
     overflow (the operation again in int64, compared with int32's bounds) and then, its ``debug`` option being off
     as a GPU launch's is by default, drops the assertion unread: about a fifth of the interpreted kernels' time, the
     largest share of the unit tier, for no check. Here the interpreter does not compute it (``sanitize_overflow``
-    off); ``debug`` stays off, so nothing the kernels are checked for changes. Applied only to the Triton version
-    whose interpreter this was read from, when the interpreter is on."""
+    off); ``debug`` stays off, so nothing the kernels are checked for changes.
+    Applied only where :func:`_interpreter_to_patch` says."""
     interpreter = _interpreter_to_patch()
     if interpreter is None:
         return
@@ -139,8 +138,7 @@ def _numpy_types_looked_up_once() -> None:
     nineteen types at every call, hundreds of thousands of times in a fused kernel's test: a tenth of its time. Here
     each type's answer is kept after its first lookup, keyed by the type's class and name (which spells a block's
     shape and element type, a pointer's element type), which decide the answer; the lookup itself is the
-    interpreter's. Applied only to the Triton version whose interpreter this was read from, when the interpreter is
-    on."""
+    interpreter's. Applied only where :func:`_interpreter_to_patch` says."""
     interpreter = _interpreter_to_patch()
     if interpreter is None:
         return

@@ -2,9 +2,10 @@
 decode step is one ``torch.compile(fullgraph=True)`` graph for every method, compiled once, and gives the eager
 tokens, bytes and kept counts.
 
-Most tests trace with dynamo and run the captured graph with a counting backend (``CompileCounter``), which checks
-exactly what compiled decoding needs (one graph, no break, no recompilation) at a fraction of inductor's compile time;
-one test runs inductor itself.
+Most tests trace with dynamo and run the captured graph as it is, through a counting backend (``CompileCounter``, or
+``_StepCapture``, which also reads AOT autograd's metadata of mutated and static inputs): they check exactly what
+compiled decoding needs (one graph, no break, no recompilation, static mutated inputs) at a fraction of inductor's
+compile time; two tests run inductor itself.
 """
 
 from __future__ import annotations
