@@ -17,7 +17,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from benchmarks import warm_cache  # noqa: E402
+from benchmarks import warm_cache, warm_key, warm_parts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_the_devices_key_is_this_machines_with_the_wheels_libtriton(tmp_path):
     from triton.runtime.cache import triton_key
 
     record = _installed_record()
-    key = warm_cache.device_triton_key(_wheel(tmp_path / "a.whl", record, b"another build"))
+    key = warm_key.device_triton_key(_wheel(tmp_path / "a.whl", record, b"another build"))
     local = hashlib.sha256((Path(triton.__file__).parent / "_C" / "libtriton.so").read_bytes()).hexdigest()
     assert key == triton_key().replace(local, hashlib.sha256(b"another build").hexdigest())
     assert key != triton_key()
@@ -49,9 +49,9 @@ def test_the_devices_key_is_this_machines_with_the_wheels_libtriton(tmp_path):
     line = next(x for x in record.splitlines() if x.startswith("triton/runtime/jit.py,"))
     changed = record.replace(line, "triton/runtime/jit.py,sha256=AAAA,1")
     with pytest.raises(ValueError, match="Python files differ"):
-        warm_cache.device_triton_key(_wheel(tmp_path / "b.whl", changed, b"x"))
+        warm_key.device_triton_key(_wheel(tmp_path / "b.whl", changed, b"x"))
     with pytest.raises(ValueError, match="not a wheel of triton"):
-        warm_cache.device_triton_key(_wheel(tmp_path / "c.whl", record, b"x", version="0.0.1"))
+        warm_key.device_triton_key(_wheel(tmp_path / "c.whl", record, b"x", version="0.0.1"))
 
 
 def _script_row(script: str, *args: str) -> dict:
@@ -102,8 +102,8 @@ def test_one_width_of_each_class_compiles_every_width_of_it():
     """The build compiles the transformers engine's step at one row width per class (:func:`width_classes`); any
     other width adds no compilation to theirs (Triton's JIT specializes it as its class's), so a layer of any width
     in the range finds its kernels in the cache."""
-    lo, hi = warm_cache.MIN_WIDTH, 1100
-    reps = warm_cache.width_classes(lo, hi)
+    lo, hi = warm_parts.MIN_WIDTH, 1100
+    reps = warm_parts.width_classes(lo, hi)
     assert reps[0] == lo and len(reps) < 20
     others = random.Random(0).sample([w for w in range(lo, hi + 1) if w not in reps], 6) + [1024, 1025, 1040]
     for case in ("slake@bfloat16", "cake@bfloat16"):
@@ -153,7 +153,7 @@ def test_the_smoke_tests_it_compiles_are_the_ones_the_session_runs():
     """The build's smoke part runs the tests of ``tests/test_fused_decode.py`` that ``gpu_session.sh``'s smoke step
     names, with its ``-k`` expression, read from the script: each named test exists, and the expression selects
     some of them."""
-    nodes, k = warm_cache.smoke_selection()
+    nodes, k = warm_parts.smoke_selection()
     assert len(nodes) >= 4 and all(n.startswith("tests/test_fused_decode.py::test_") for n in nodes)
     assert "slake" in k and "\\" not in k and "  " not in k
     source = (ROOT / "tests" / "test_fused_decode.py").read_text()
@@ -237,7 +237,7 @@ def test_the_tuning_part_compiles_the_variants_the_session_times():
     commands from the script with their own parser, and every variant they name is one it steps."""
     from slake.kernels import launch_config
 
-    runs = warm_cache.tuning_runs()
+    runs = warm_parts.tuning_runs()
     kinds = {kind for *_, kind, _ in runs}
     assert kinds == {"tuned", "leaving_out"}
     parts = {v[0] for *_, kind, v in runs if kind == "leaving_out"}
@@ -261,7 +261,7 @@ def test_a_build_keyed_with_the_devices_own_key_installs_there(tmp_path):
     assert run.stdout.strip() == triton_key()
     archive, cache = tmp_path / "k.tgz", tmp_path / "cache"
     _build(archive, cache, "--key-file", str(key_file), "--methods", "snapkv", "--widths", "129", "--parts", "eager")
-    assert json.loads((cache / warm_cache.MANIFEST).read_text())["triton_key_sha256"] == warm_cache.key_digest(
+    assert json.loads((cache / warm_cache.MANIFEST).read_text())["triton_key_sha256"] == warm_key.key_digest(
         triton_key()
     )
     assert warm_cache.install(archive, capability=(9, 0)) == 0
@@ -281,7 +281,7 @@ def test_a_build_for_another_libtriton_of_the_same_triton_is_rekeyed_on_install(
     another part, or a build of another ptxas, is refused."""
     from triton.runtime.cache import triton_key
 
-    lib = warm_cache._libtriton_hash()
+    lib = warm_key.libtriton_hash()
     assert lib in triton_key()
     small = ("--methods", "snapkv", "--widths", "129", "--parts", "eager")
     here_archive, here_cache = tmp_path / "here.tgz", tmp_path / "here"
@@ -311,12 +311,12 @@ def test_a_build_for_another_libtriton_of_the_same_triton_is_rekeyed_on_install(
 
     # refused: a key that differs in a Python file's hash too, or a build whose ptxas differs
     parts = triton_key().split("-")
-    assert warm_cache.rekey_refusal(other, "-".join(parts), lib, warm_cache.sm90_backend_hash()) is None
+    assert warm_key.rekey_refusal(other, "-".join(parts), lib, warm_key.sm90_backend_hash()) is None
     changed = "-".join([parts[0], "f" * 64, *parts[2:]])
-    assert "not only in libtriton" in warm_cache.rekey_refusal(other, changed, lib, warm_cache.sm90_backend_hash())
-    assert "CUDA backend" in warm_cache.rekey_refusal(other, triton_key(), lib, "12.0-90")
-    assert "no key suffixes" in warm_cache.rekey_refusal(
-        {k: v for k, v in other.items() if k != "suffixes"}, triton_key(), lib, warm_cache.sm90_backend_hash()
+    assert "not only in libtriton" in warm_key.rekey_refusal(other, changed, lib, warm_key.sm90_backend_hash())
+    assert "CUDA backend" in warm_key.rekey_refusal(other, triton_key(), lib, "12.0-90")
+    assert "no key suffixes" in warm_key.rekey_refusal(
+        {k: v for k, v in other.items() if k != "suffixes"}, triton_key(), lib, warm_key.sm90_backend_hash()
     )
 
 
@@ -327,7 +327,7 @@ def test_an_archive_of_another_ptxas_is_refused_though_the_key_is_the_same(tmp_p
     archive, cache = tmp_path / "a.tgz", tmp_path / "cache"
     _build(archive, cache, "--methods", "snapkv", "--widths", "129", "--parts", "eager")
     manifest = json.loads((cache / warm_cache.MANIFEST).read_text())
-    assert manifest["backend_hash"] == warm_cache.sm90_backend_hash()
+    assert manifest["backend_hash"] == warm_key.sm90_backend_hash()
     manifest["backend_hash"] = "12.0-90"
     (cache / warm_cache.MANIFEST).write_text(json.dumps(manifest))
     other = tmp_path / "other.tgz"
@@ -344,7 +344,7 @@ def test_a_logged_library_path_of_the_device_reads_this_tritons_copy(tmp_path):
     exists is kept, and a specialization without libraries is left as it is."""
     device = "/opt/torch/.venv/lib/python3.12/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"
     spec = {"name": "k", "options": {"extern_libs": [["libdevice", device]], "num_warps": 4}}
-    local = json.loads(warm_cache.local_extern_libs(json.dumps(spec)))
+    local = json.loads(warm_parts.local_extern_libs(json.dumps(spec)))
     ((name, path),) = local["options"]["extern_libs"]
     assert name == "libdevice" and path != device and Path(path).is_file() and Path(path).name == "libdevice.10.bc"
     assert Path(path).is_relative_to(Path(triton.__file__).parent)
@@ -352,5 +352,5 @@ def test_a_logged_library_path_of_the_device_reads_this_tritons_copy(tmp_path):
     kept = tmp_path / "libdevice.10.bc"
     kept.write_bytes(b"bc")
     spec["options"]["extern_libs"] = [["libdevice", str(kept)]]
-    assert json.loads(warm_cache.local_extern_libs(json.dumps(spec))) == spec
-    assert json.loads(warm_cache.local_extern_libs(json.dumps({"name": "k"}))) == {"name": "k"}
+    assert json.loads(warm_parts.local_extern_libs(json.dumps(spec))) == spec
+    assert json.loads(warm_parts.local_extern_libs(json.dumps({"name": "k"}))) == {"name": "k"}

@@ -6,7 +6,7 @@ compiled or run; each specialization the JIT would compile is recorded), it deco
 Llama-3-8B's heads (2 layers, small elsewhere) through ``SlakeCache`` as ``slake bench`` does, eager, in static
 mode, and compiled (``torch.compile``, inductor on the CPU: the fused step as the graph's custom operator), for each
 method of ``argv[1]``; then runs the build's own steps
-(``benchmarks.warm_cache._engine_steps``) at one width of each class the model's layers fell in. Prints one JSON
+(``benchmarks.warm_parts.engine_steps``) at one width of each class the model's layers fell in. Prints one JSON
 line: the model's specializations, and those of them the build's steps did not make.
 """
 
@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch  # noqa: E402
 
-from benchmarks import warm_cache  # noqa: E402
+from benchmarks import warm_cache, warm_parts  # noqa: E402
 
 
 def main(methods: list[str]) -> None:
@@ -50,10 +50,10 @@ def main(methods: list[str]) -> None:
             widths |= {int(s.capacity) for s in cache.compressor.state.layers}
     model_specs = set(seen)
     seen.clear()
-    reps = {warm_cache.width_class(r): r for r in warm_cache.width_classes(warm_cache.MIN_WIDTH, max(widths))}
-    reps = sorted({reps[warm_cache.width_class(w)] for w in widths})
+    reps = {warm_parts.width_class(r): r for r in warm_parts.width_classes(warm_parts.MIN_WIDTH, max(widths))}
+    reps = sorted({reps[warm_parts.width_class(w)] for w in widths})
     for static in (False, True):
-        warm_cache._engine_steps(methods, reps, static, torch.bfloat16)
+        warm_parts.engine_steps(methods, reps, static, torch.bfloat16)
     missed = sorted(name for name, s in model_specs - seen)
     print(json.dumps({"widths": sorted(widths), "model": len(model_specs), "missed": missed}), flush=True)
 
