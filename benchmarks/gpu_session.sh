@@ -36,8 +36,9 @@ transformers.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_av
         ;;
     tests)
         # compiled kernels against the torch step, under CUDA graphs, and the paged layouts on the device
-        "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decode.py tests/test_fused_decode_models.py \
-            tests/test_cuda.py tests/test_paged_layouts.py
+        "$py" -m pytest -q -p no:cacheprovider tests/test_fused_decode.py tests/test_fused_decode_wide_rows.py \
+            tests/test_fused_decode_launches.py tests/test_fused_decode_models.py tests/test_cuda.py \
+            tests/test_paged_layouts.py
         ;;
     profile)
         # where a step's time goes (docs/gpu.md): eager and compiled, per kernel, at 32K for the full cache, snapkv

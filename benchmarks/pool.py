@@ -365,7 +365,7 @@ TUNE_VARIANTS: list[dict[str, int]] = [
 def kernel_tune_cuda(method: str, variants: list[dict[str, int]] | None = None, **pool: object) -> list[dict]:
     """The fused step with other launch constants: :func:`pool_step_cuda` with the constants as they are, then with
     each of ``variants`` (default :data:`TUNE_VARIANTS`; :func:`slake.kernels.launch_config.tuned`). The constants
-    change how the work is cut, not what is computed (``tests/test_fused_decode.py`` holds the step with other
+    change how the work is cut, not what is computed (``tests/test_fused_decode_launches.py`` holds the step with other
     constants equal to the torch step); each row keeps its graph's check against its eager step
     (``graph_same_kept``). ``vs_as_is``: the variant's graphed step over the step as it is (below 1: faster).
     ``pool``: :func:`pool_step_cuda`'s keywords, ``kernels`` forced to ``"triton"``."""

@@ -45,10 +45,10 @@ if not torch.cuda.is_available():  # before Triton is imported: the kernels then
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import fused_cases as step_tests  # noqa: E402
 import kernel_bounds  # noqa: E402
 import scratch_poison  # noqa: E402
 import test_dense_attention as dense_tests  # noqa: E402
-import test_fused_decode as step_tests  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # every access of every kernel within its arguments (as in make test)
     kernel_bounds.install()
@@ -194,18 +194,11 @@ def run_pool(name: str, opts: dict) -> str:
     from slake.kernels import launch_config
 
     shape = {k: opts[k] for k in ("BS", "H", "G", "D", "BUDGET")}
-    saved = {k: getattr(step_tests, k) for k in shape}
-    for k, v in shape.items():  # _pool_run reads the module's shape constants
-        setattr(step_tests, k, v)
-    try:
-        layout = FlashAttnLayout() if opts["flash"] else CpuAttnLayout()
-        ref, ref_cache, ref_out = step_tests._pool_run(name, "torch", layout, opts["flash"])
-        wide = opts.get("wide")  # rows read in blocks of 16 (half of the cases)
-        with launch_config.tuned(WIDE_SLOTS=wide, WIDE_BLOCK=16) if wide else launch_config.tuned():
-            fused, cache, out = step_tests._pool_run(name, "triton", layout, opts["flash"])
-    finally:
-        for k, v in saved.items():
-            setattr(step_tests, k, v)
+    layout = FlashAttnLayout() if opts["flash"] else CpuAttnLayout()
+    ref, ref_cache, ref_out = step_tests._pool_run(name, "torch", layout, opts["flash"], **shape)
+    wide = opts.get("wide")  # rows read in blocks of 16 (half of the cases)
+    with launch_config.tuned(WIDE_SLOTS=wide, WIDE_BLOCK=16) if wide else launch_config.tuned():
+        fused, cache, out = step_tests._pool_run(name, "triton", layout, opts["flash"], **shape)
     assert fused.report.summary() == "triton", fused.report.summary()
     for a, b in zip(ref_out, out, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

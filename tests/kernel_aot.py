@@ -282,7 +282,7 @@ def main(argv: list[str]) -> None:
     # half-precision keys take the low-precision products, as on a GPU (the tensors here are on the CPU)
     fused_step.half_precision_dots = lambda device, dtype: half_dots and dtype in (torch.float16, torch.bfloat16)
     triton_dense.half_precision_dots = fused_step.half_precision_dots
-    import test_fused_decode as harness
+    import fused_cases as harness
 
     for case in argv[1:]:
         method, _, storage = case.partition("@")

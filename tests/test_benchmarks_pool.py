@@ -126,7 +126,7 @@ def test_the_gpu_pool_row_carries_its_roofline_when_given_a_bandwidth(monkeypatc
 def test_kernel_parts_times_the_step_without_each_part_of_the_second_kernel(monkeypatch):
     """``kernel-parts`` times the fused step as it is, then with each part left out (the switch on during that
     step only), and reports each part's cost as the difference per layer; the kernels' variants themselves run in
-    ``test_fused_decode.py`` (interpreter) and compile in ``test_kernels_compile.py``. Here the timed step is
+    ``test_fused_decode_launches.py`` (interpreter) and compile in ``test_kernels_compile.py``. Here the timed step is
     replaced by one that records the switch and returns 64 µs per layer as it is, 48 without any part."""
     import benchmarks.pool as bp
     from slake.kernels import launch_config
@@ -158,8 +158,8 @@ def test_kernel_parts_refuses_a_machine_without_cuda(monkeypatch):
 def test_kernel_tune_times_the_step_with_each_variant_of_the_launch_constants(monkeypatch):
     """``kernel-tune`` times the fused step as it is, then under each variant (the constants set during that step
     only), and reports each against the step as it is; the variants' arithmetic is held to the torch step in
-    ``test_fused_decode.py``. Here the timed step is replaced by one that records the constants in force and takes
-    40 µs per layer with COMBINE=8, 50 otherwise."""
+    ``test_fused_decode_launches.py``. Here the timed step is replaced by one that records the constants in force and
+    takes 40 µs per layer with COMBINE=8, 50 otherwise."""
     import benchmarks.pool as bp
     from benchmarks.__main__ import parse_variants
     from slake.kernels import launch_config

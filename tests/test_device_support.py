@@ -139,8 +139,8 @@ def test_every_launch_of_a_step_runs_under_its_device(monkeypatch):
     the step's query: every kernel launch happens inside it."""
     import contextlib
 
+    import fused_cases as harness
     import slake.kernels.triton_decode as decode
-    import test_fused_decode as harness
     from slake.kernels import launch_cache, triton_dense
 
     inside = []

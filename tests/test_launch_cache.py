@@ -40,7 +40,7 @@ def recorded_launches():
     across a layer's KV heads (its layer kernel too), bf16 keys,
     a padded batch, recorded by stand-ins in the kernels' place: ``[(kernel, args, kwargs)]``."""
     decode = load()
-    import test_fused_decode as harness
+    import fused_cases as harness
 
     seen: list = []
 

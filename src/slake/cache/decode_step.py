@@ -263,8 +263,8 @@ def decode_step(
         slots.put_rows(own)
         return out
     # On a CPU every torch operation here costs ~2-10 us whatever its size (the tensors are a few KB), so the step
-    # costs its operation count: each value below is computed once and shared (``tests/test_fused_decode.py`` counts
-    # them).
+    # costs its operation count: each value below is computed once and shared
+    # (``tests/test_fused_decode_launches.py`` counts them).
     R, Hq, d = query.shape
     valid, positions, scores = slots.valid, slots.positions, slots.scores
     H = valid.shape[1]
