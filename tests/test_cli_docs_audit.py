@@ -1,7 +1,8 @@
 """The documentation covers what a user can call: every option of every ``slake`` subcommand is documented under that
 command in ``docs/cli.md`` (its synopsis lines in the ``## Commands`` block, or its ``* **`command`**`` paragraph;
 the shared model options in the page's opening paragraph), and every name of ``slake.__all__`` is named in the README
-or ``docs/`` and, where it is a class or function, has a docstring.
+or ``docs/`` and, where it is a class or function, has a docstring, as has every class and function a module of slake
+exports and each public method of those classes (a docstring inherited from a base class counts).
 
 The other direction (every flag the docs name exists, every documented command parses) is
 ``tests/test_docs_commands.py``'s; nothing here loads a model."""
@@ -83,3 +84,35 @@ def test_public_name_is_documented(name: str):
     value = getattr(slake, name)
     if inspect.isclass(value) or inspect.isfunction(value):
         assert inspect.getdoc(value), f"slake.{name} has no docstring"
+
+
+def _exported():
+    """``{qualified name: value}`` of each class and function a module of slake exports (its ``__all__``), once; the
+    vLLM plugin's modules, which import vLLM, are left out (their methods are vLLM's interfaces)."""
+    import importlib
+    import pkgutil
+
+    seen = {}
+    for info in pkgutil.walk_packages(slake.__path__, "slake."):
+        if ".vllm.plugin" in info.name or info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name in getattr(module, "__all__", ()):
+            value = getattr(module, name)
+            if (inspect.isclass(value) or inspect.isfunction(value)) and value.__module__.startswith("slake."):
+                seen[f"{value.__module__}.{value.__qualname__}"] = value
+    return seen
+
+
+def test_every_exported_name_and_public_method_has_a_docstring():
+    # the transformers cache layers' overrides of CacheLayerMixin (whose own methods have none) had no docstring
+    exported = _exported()
+    missing = [where for where, value in exported.items() if not inspect.getdoc(value)]
+    missing += [
+        f"{where}.{attr}"
+        for where, cls in exported.items()
+        if inspect.isclass(cls)
+        for attr, value in vars(cls).items()
+        if not attr.startswith("_") and callable(value) and not inspect.getdoc(getattr(cls, attr))
+    ]
+    assert not missing, missing

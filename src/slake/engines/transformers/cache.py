@@ -67,6 +67,7 @@ class SlakeCacheLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Take the dtype and device of the layer's first keys (the store itself is made by its prefill)."""
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -108,6 +109,8 @@ class SlakeCacheLayer(CacheLayerMixin):
                 layer.keys, layer.values = store.keys, store.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask transformers builds for ``query_length`` new tokens: every token
+        seen so far, or the query alone in static mode."""
         if self.compressor.static:
             # the registered attention function does not read the mask at decode (padding and visibility live in
             # the store's masks), so a fixed size keeps transformers' mask, built every step, fixed-shape
@@ -122,9 +125,11 @@ class SlakeCacheLayer(CacheLayerMixin):
         return self.compressor.seen[self.slot]
 
     def get_max_length(self) -> int:
+        """-1: a compressed layer has no maximum length (it keeps its budget whatever the tokens seen)."""
         return -1
 
     def reset(self) -> None:
+        """Refused (RuntimeError): evicted tokens are gone, so a cache serves one generation."""
         raise RuntimeError("a SlakeCache serves one generation; create a new one instead of resetting it")
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -135,16 +140,19 @@ class SlakeCacheLayer(CacheLayerMixin):
     # the compressor maps every compressed layer's rows at once (when slot 0's layer is called); ``keys`` /
     # ``values`` then follow the new tensors, so that they show the cache's rows and no longer hold the old storage
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Take the batch rows ``beam_idx`` (beam search's reorder), every compressed layer at once."""
         if self.slot == 0:
             self.compressor.select_batch(beam_idx)
             self._refresh_siblings()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times (``num_return_sequences``), every compressed layer at once."""
         if self.slot == 0:
             self.compressor.repeat_batch(repeats)
             self._refresh_siblings()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (in that order), every compressed layer at once."""
         if self.slot == 0:
             self.compressor.select_batch(indices)
             self._refresh_siblings()

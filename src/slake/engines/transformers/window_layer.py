@@ -79,6 +79,7 @@ class WindowLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Make the ring of ``window`` slots per row and KV head, at the dtype and device of the first keys."""
         B, H, _, d = key_states.shape
         dev = key_states.device
         self.device = dev
@@ -180,6 +181,7 @@ class WindowLayer(CacheLayerMixin):
         return out.reshape(B, 1, Hq, d)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(query_length, 0)``: the mask transformers builds covers the new tokens only."""
         # the prompt's mask covers the prompt (the ring is empty before it); at decode the attention function does
         # not read the mask, so a fixed size keeps transformers' mask, built every step, fixed-shape
         return query_length, 0
@@ -203,10 +205,12 @@ class WindowLayer(CacheLayerMixin):
             self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row of the ring ``repeats`` times (``num_return_sequences``)."""
         if self.is_initialized:
             self._select(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the ring's batch rows ``indices`` (in that order)."""
         if self.is_initialized:
             self._select(lambda t: t[indices])
 
