@@ -115,18 +115,21 @@ test-oldest: setup-oldest
 
 # Triton's cache of the fused kernels for an H100/H200 (sm_90), built here without a GPU for the next GPU session, which
 # carries .warm-cache/triton-sm90.tgz and loads the kernels instead of compiling them (docs/gpu.md, "The prepared
-# commands"). The device runs Python 3.12: its Triton wheel (same version) gives the cache its key. About 18 minutes.
+# commands"). The device runs Python 3.12: its Triton wheel (same version) gives the cache its key. Triton compiles
+# one kernel at a time (about 8 s each), so the build runs WARM_JOBS processes side by side (default: the CPUs).
 # A GPU session writes its machine's own key (OUT/triton_key.txt): `make warm-cache WARM_KEY=that/file` keys the
 # cache with it, and needs no wheel.
 TRITON_WHEEL_DIR := build/triton-wheel
 WARM_KEY ?=
+WARM_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 warm-cache: setup
 ifeq ($(WARM_KEY),)
 	$(BIN)/pip download -q triton==3.6.0 --no-deps --python-version 3.12 --only-binary=:all: \
 	    --platform manylinux_2_27_x86_64 -d $(TRITON_WHEEL_DIR)
-	$(BIN)/python -m benchmarks.warm_cache build --wheel "$$(ls $(TRITON_WHEEL_DIR)/triton-3.6.0-cp312-*.whl)"
+	$(BIN)/python -m benchmarks.warm_cache build --jobs $(WARM_JOBS) \
+	    --wheel "$$(ls $(TRITON_WHEEL_DIR)/triton-3.6.0-cp312-*.whl)"
 else
-	$(BIN)/python -m benchmarks.warm_cache build --key-file $(WARM_KEY)
+	$(BIN)/python -m benchmarks.warm_cache build --jobs $(WARM_JOBS) --key-file $(WARM_KEY)
 endif
 
 # NVIDIA's compute-sanitizer, for the GPU session's `sanitize` part (benchmarks/gpu_session.sh): its wheel from PyPI

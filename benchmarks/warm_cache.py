@@ -218,45 +218,33 @@ def _recorded_suffixes(cache: Path) -> dict[str, str]:
     return out
 
 
-def build(
-    wheel: Path | str | None,
-    archive: Path,
-    methods: list[str],
-    cache_dir: str = CACHE_DIR,
-    widths: list[int] | None = None,
-    parts: tuple[str, ...] = PARTS,
-    recorded: list[Path] | None = None,
-) -> dict:
-    """Fill ``cache_dir`` with the kernels a GPU session compiles (module docstring), keyed for the Triton of
-    ``wheel`` (a path: the device's wheel; a string: the device's key itself, as ``key`` printed it there; None: the
-    Triton installed here), and pack it into ``archive``; the manifest. ``widths``: the row
-    widths of the transformers engine's steps (default :func:`width_classes`); ``parts``: which of :data:`PARTS`;
-    ``recorded``: the compile logs of the ``recorded`` part (default :func:`recorded_logs`). With
-    ``SLAKE_TRITON_COMPILE_LOG`` set, what the build compiles is logged there too (:mod:`slake.kernels.compile_log`).
-    Run in a process whose Triton was imported with ``TRITON_CACHE_DIR=cache_dir`` and without ``TRITON_INTERPRET``
-    (``main`` starts one)."""
-    if os.environ.get("TRITON_CACHE_DIR") != cache_dir or os.environ.get("TRITON_INTERPRET"):
-        raise RuntimeError(f"build needs TRITON_CACHE_DIR={cache_dir} and no TRITON_INTERPRET when Triton is imported")
-    import torch
-    import triton
-    import triton.runtime.cache as triton_cache
+#: the parts a parallel build runs after the others (:func:`fill_in_processes`): the static steps compile what the
+#: eager ones do (a second after them in one process), and what GPU sessions logged is mostly what the other parts
+#: compile; after them, they find it in the cache instead of compiling it a second time side by side
+LAST = ("static", "recorded")
+#: the parts in the order a parallel build starts them, the longest first; measured on two cores on 2026-12-03 in one
+#: process: tuning 536 s, eager 791 (split in pieces, :func:`parallel_tasks`), pool-1x1024 105, pool-8x128 27, smoke
+#: 16, dense 2, and after them static 2 and recorded 84
+LONGEST_FIRST = ("tuning", "eager", "pool-1x1024", "pool-8x128", "smoke", "dense", "static", "recorded")
 
-    if isinstance(wheel, str):  # the device's key itself (``key`` on the device, ``--key-file``)
-        key = wheel
-    else:
-        key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
+
+def fill(
+    key: str,
+    methods: list[str],
+    widths: list[int],
+    parts: tuple[str, ...],
+    recorded: list[Path] | None = None,
+) -> dict[str, float]:
+    """Compile the kernels of ``parts`` (of :data:`PARTS`) for sm_90 into Triton's cache in this process, keyed with
+    ``key``: the seconds each part took. The process must have imported Triton with ``TRITON_CACHE_DIR`` set and
+    without ``TRITON_INTERPRET``; ``methods``, ``widths`` and ``recorded`` as :func:`build` takes them."""
+    if not os.environ.get("TRITON_CACHE_DIR") or os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError("fill needs TRITON_CACHE_DIR and no TRITON_INTERPRET when Triton is imported")
+    import torch
+
+    cache_dir = os.environ["TRITON_CACHE_DIR"]
     compile_for_sm90(key, record_keys=True)
     dtype = torch.bfloat16
-    widths = width_classes() if widths is None else list(widths)
-    started = time.time()
-    took: dict[str, float] = {}
-
-    def timed(name: str, fn: Callable[[], None]) -> None:
-        t = time.time()
-        fn()
-        took[name] = round(time.time() - t, 1)
-        print(f"warm-cache: {name} done in {took[name]} s ({len(_entries(Path(cache_dir)))} entries)", flush=True)
-
     steps: dict[str, Callable[[], None]] = {
         "eager": lambda: engine_steps(methods, widths, False, dtype),
         "static": lambda: engine_steps([m for m in methods if m == "slake"], widths, True, dtype),
@@ -267,8 +255,115 @@ def build(
         "tuning": lambda: tuning_steps(dtype),
         "recorded": lambda: compile_recorded(recorded_logs() if recorded is None else recorded),
     }
+    took: dict[str, float] = {}
     for part in parts:
-        timed(part, steps[part])
+        t = time.time()
+        steps[part]()
+        took[part] = round(time.time() - t, 1)
+        print(f"warm-cache: {part} done in {took[part]} s ({len(_entries(Path(cache_dir)))} entries)", flush=True)
+    return took
+
+
+def parallel_tasks(parts: tuple[str, ...], widths: list[int], jobs: int) -> list[tuple[str, str, list[int]]]:
+    """What a build of ``parts`` runs in ``jobs`` processes: ``(label, part, widths)`` in the order they start, the
+    longest first (:data:`LONGEST_FIRST`), the parts of :data:`LAST` at the end. The ``eager`` part, the longest but
+    for ``tuning``, is split into ``2 * jobs`` pieces of every ``2 * jobs``-th width, so that the pieces fill the
+    processes around the tuning part: a width class compiles kernels of its own, mostly (the methods at one width
+    share theirs), so the pieces seldom compile the same kernel twice."""
+    tasks: list[tuple[str, str, list[int]]] = []
+    for part in sorted(parts, key=LONGEST_FIRST.index):
+        n = min(2 * jobs, len(widths))
+        if part == "eager" and jobs > 1 and n > 1:
+            tasks += [(f"eager {i + 1}/{n}", part, widths[i::n]) for i in range(n)]
+        else:
+            tasks.append((part, part, widths))
+    return tasks
+
+
+def fill_in_processes(
+    key: str,
+    methods: list[str],
+    widths: list[int],
+    parts: tuple[str, ...],
+    recorded: list[Path] | None,
+    cache_dir: str,
+    jobs: int,
+) -> dict[str, float]:
+    """:func:`fill` split into :func:`parallel_tasks`, each in its own process (``python -m benchmarks.warm_cache
+    fill``), at most ``jobs`` at a time, the parts of :data:`LAST` after all the others have finished: Triton
+    compiles one kernel at a time, about 8 s each on one core, so a build on two cores takes about half the time.
+    The processes share the cache directory (Triton writes each entry whole, under a temporary name) and the key
+    suffixes' file (one write per line). The seconds each task took, its process's start included; RuntimeError
+    naming the tasks that failed."""
+    import concurrent.futures
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=cache_dir, SLAKE_WARM_KEY=key)
+
+    def run(task: tuple[str, str, list[int]]) -> float:
+        label, part, ws = task
+        cmd = [sys.executable, "-m", "benchmarks.warm_cache", "fill", "--part", part, "--methods", ",".join(methods),
+               "--widths", ",".join(map(str, ws))]  # fmt: skip
+        if recorded is not None:
+            cmd += ["--recorded", ",".join(map(str, recorded))]
+        t = time.time()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+        if done.returncode:
+            raise RuntimeError(f"warm-cache: {label} failed (exit status {done.returncode})")
+        return round(time.time() - t, 1)
+
+    tasks = parallel_tasks(parts, widths, jobs)
+    took: dict[str, float] = {}
+    failed = []
+    for group in ([t for t in tasks if t[1] not in LAST], [t for t in tasks if t[1] in LAST]):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(run, task): task[0] for task in group}
+            for future in concurrent.futures.as_completed(futures):
+                try:
+                    took[futures[future]] = future.result()
+                except RuntimeError as e:
+                    failed.append(str(e))
+        if failed:
+            raise RuntimeError("; ".join(failed))
+    return took
+
+
+def build(
+    wheel: Path | str | None,
+    archive: Path,
+    methods: list[str],
+    cache_dir: str = CACHE_DIR,
+    widths: list[int] | None = None,
+    parts: tuple[str, ...] = PARTS,
+    recorded: list[Path] | None = None,
+    jobs: int = 1,
+) -> dict:
+    """Fill ``cache_dir`` with the kernels a GPU session compiles (module docstring), keyed for the Triton of
+    ``wheel`` (a path: the device's wheel; a string: the device's key itself, as ``key`` printed it there; None: the
+    Triton installed here), and pack it into ``archive``; the manifest. ``widths``: the row
+    widths of the transformers engine's steps (default :func:`width_classes`); ``parts``: which of :data:`PARTS`;
+    ``recorded``: the compile logs of the ``recorded`` part (default :func:`recorded_logs`); ``jobs``: processes
+    compiling side by side (1: this one, :func:`fill`; more: :func:`fill_in_processes`). With
+    ``SLAKE_TRITON_COMPILE_LOG`` set, what the build compiles is logged there too (:mod:`slake.kernels.compile_log`).
+    Run in a process whose Triton was imported with ``TRITON_CACHE_DIR=cache_dir`` and without ``TRITON_INTERPRET``
+    (``main`` starts one)."""
+    if os.environ.get("TRITON_CACHE_DIR") != cache_dir or os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError(f"build needs TRITON_CACHE_DIR={cache_dir} and no TRITON_INTERPRET when Triton is imported")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    import triton
+    import triton.runtime.cache as triton_cache
+
+    if isinstance(wheel, str):  # the device's key itself (``key`` on the device, ``--key-file``)
+        key = wheel
+    else:
+        key = device_triton_key(wheel) if wheel is not None else triton_cache.triton_key()
+    widths = width_classes() if widths is None else list(widths)
+    started = time.time()
+    if jobs == 1:
+        took = fill(key, methods, widths, parts, recorded)
+    else:
+        took = fill_in_processes(key, methods, widths, parts, recorded, cache_dir, jobs)
     cache = Path(cache_dir)
     entries = _slim(cache)
     suffixes = _recorded_suffixes(cache)
@@ -288,6 +383,7 @@ def build(
         "suffixes": {entry: suffixes[entry] for entry in _entries(cache) if entry in suffixes},
         "seconds": round(time.time() - started, 1),
         "parts": took,
+        "jobs": jobs,
     }
     (cache / MANIFEST).write_text(json.dumps(manifest, indent=1))
     archive.parent.mkdir(parents=True, exist_ok=True)
@@ -382,7 +478,8 @@ def report(cache: Path = Path(CACHE_DIR)) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line: ``build``, ``install``, ``report`` (module docstring)."""
+    """The command line: ``build``, ``install``, ``key``, ``report`` (module docstring), and ``fill``, what
+    ``build --jobs`` runs in each of its processes."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.warm_cache", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="fill and pack the cache (no GPU needed)")
@@ -401,6 +498,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")  # fmt: skip
     b.add_argument("--recorded", default=None,
                    help="comma-separated compile logs (default: docs/results/**/triton_compiles.jsonl)")  # fmt: skip
+    b.add_argument("--jobs", type=int, default=1,
+                   help="processes compiling side by side (default 1; `make warm-cache`: the CPUs)")  # fmt: skip
+    f = sub.add_parser("fill", help="one task of a build with --jobs, in its own process (the key in SLAKE_WARM_KEY)")
+    f.add_argument("--part", required=True, choices=PARTS)
+    f.add_argument("--methods", required=True)
+    f.add_argument("--widths", required=True)
+    f.add_argument("--recorded", default=None)
     i = sub.add_parser("install", help="on the GPU machine: extract the cache if it is for this Triton and GPU")
     i.add_argument("archive", type=Path, nargs="?", default=ARCHIVE)
     sub.add_parser("key", help="this machine's Triton key (on the GPU machine: for a later build's --key-file)")
@@ -431,7 +535,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.key_file is not None and a.wheel is not None:
             ap.error("give --wheel or --key-file, not both")
         keyed = a.key_file.read_text().strip() if a.key_file is not None else a.wheel
-        build(keyed, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts, logs)
+        if a.jobs < 1:
+            ap.error(f"--jobs must be at least 1, got {a.jobs}")
+        build(keyed, a.out, [m for m in a.methods.split(",") if m], a.cache_dir, widths, parts, logs, a.jobs)
+        return 0
+    if a.command == "fill":
+        key = os.environ.get("SLAKE_WARM_KEY")
+        if not key:
+            ap.error("fill is run by build --jobs, which sets SLAKE_WARM_KEY to the build's Triton key")
+        logs = None if a.recorded is None else [Path(p) for p in a.recorded.split(",") if p]
+        widths = [int(w) for w in a.widths.split(",") if w]
+        fill(key, [m for m in a.methods.split(",") if m], widths, (a.part,), logs)
         return 0
     if a.command == "install":
         return install(a.archive)

@@ -354,3 +354,35 @@ def test_a_logged_library_path_of_the_device_reads_this_tritons_copy(tmp_path):
     spec["options"]["extern_libs"] = [["libdevice", str(kept)]]
     assert json.loads(warm_parts.local_extern_libs(json.dumps(spec))) == spec
     assert json.loads(warm_parts.local_extern_libs(json.dumps({"name": "k"}))) == {"name": "k"}
+
+
+def test_a_parallel_build_splits_the_eager_widths_and_runs_the_logged_part_last():
+    widths = [129, 130, 144, 193, 208]
+    tasks = warm_cache.parallel_tasks(("recorded", "dense", "static", "eager", "tuning"), widths, 2)
+    assert tasks == [
+        ("tuning", "tuning", widths),
+        ("eager 1/4", "eager", [129, 208]),
+        ("eager 2/4", "eager", [130]),
+        ("eager 3/4", "eager", [144]),
+        ("eager 4/4", "eager", [193]),
+        ("dense", "dense", widths),
+        ("static", "static", widths),
+        ("recorded", "recorded", widths),
+    ]
+    assert set(warm_cache.LAST) == {"static", "recorded"}  # after the rest: they compile what the rest compiles
+    assert [t[0] for t in warm_cache.parallel_tasks(("eager",), [129, 130], 1)] == ["eager"]
+    assert [t[0] for t in warm_cache.parallel_tasks(("eager",), [129], 4)] == ["eager"]
+    assert set(warm_cache.LONGEST_FIRST) == set(warm_parts.PARTS)
+
+
+@pytest.mark.gpu_compile
+def test_a_build_in_two_processes_packs_what_one_process_packs(tmp_path):
+    """``--jobs 2`` compiles the same entries under the same names, each with its key suffix, as one process."""
+    small = ("--methods", "snapkv", "--widths", "129,144", "--parts", "eager")
+    manifests = {}
+    for jobs in ("1", "2"):
+        _build(tmp_path / f"{jobs}.tgz", tmp_path / f"cache{jobs}", *small, "--jobs", jobs)
+        manifests[jobs] = json.loads((tmp_path / f"cache{jobs}" / warm_cache.MANIFEST).read_text())
+    one, two = manifests["1"], manifests["2"]
+    assert len(one["entries"]) == 4 and two["entries"] == one["entries"] and two["suffixes"] == one["suffixes"]
+    assert set(two["parts"]) == {"eager 1/2", "eager 2/2"} and two["jobs"] == 2  # two widths: two pieces
