@@ -173,6 +173,9 @@ class SlakeCPUAttentionBackendImpl(CPUAttentionBackendImpl):
             check_layer_attention(self)  # a slake engine: what this layer's compressed steps would drop
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping_: torch.Tensor) -> None:
+        """Write the step's new keys and values into vLLM's paged cache, as the CPU backend does, except the
+        decode tokens of compressed rows, which :meth:`forward`'s pool places in the slots their eviction freed;
+        ValueError where vLLM built the layer with other KV heads than the model computes."""
         plan = _step_plan(layer.layer_name)
         if plan is not None and key.shape[0] != slot_mapping_.shape[0]:
             # vLLM's op writes key.shape[0] rows and reads that many slots, past the end of the mask's copy below
@@ -316,8 +319,10 @@ class SlakeCPUAttentionBackend(CPUAttentionBackend):
 
     @staticmethod
     def get_impl_cls() -> type[SlakeCPUAttentionBackendImpl]:
+        """The attention implementation vLLM builds per layer: :class:`SlakeCPUAttentionBackendImpl`."""
         return SlakeCPUAttentionBackendImpl
 
     @staticmethod
     def get_builder_cls() -> type[SlakeCPUAttentionMetadataBuilder]:
+        """The metadata builder vLLM runs per step: :class:`SlakeCPUAttentionMetadataBuilder`."""
         return SlakeCPUAttentionMetadataBuilder

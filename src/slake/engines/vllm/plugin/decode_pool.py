@@ -350,26 +350,32 @@ class PagedSlots:
         )
 
     def write_kv(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys``/``values`` ``(R, Hkv, 1, d)`` into each head's slot of ``slots`` in the paged blocks."""
         slot = slots[..., 0]  # (R, H): each head its own slot (the one it evicted at the previous step)
         self.pool.layout.write(
             self.kv_cache, self.blocks.gather(1, slot), self.offsets.take(slot), keys[:, :, 0], values[:, :, 0]
         )
 
     def read_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' blocks gathered: keys in the layout's form (:meth:`kv_logits` takes them) and values
+        ``(R, Hkv, W, d)``."""
         # whole blocks, W' >= W slots; the cache is allocated zeroed and holds only written keys/values, so the
         # invalid slots' values are finite (their probability is 0, and 0 * x must stay 0)
         keys, values = self.pool.layout.gather(self.kv_cache, self.table)
         return keys, values[:, :, : self.width]
 
     def kv_logits(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``queries`` ``(R, Hkv, g, d)`` times the gathered keys, over the row's ``W`` slots: ``(R, Hkv, g, W)``."""
         return self.pool.layout.logits(queries, keys)[..., : self.width]
 
     def slot_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The gathered keys as ``(R, Hkv, W, d)`` in slot order, for decode rules that read them."""
         return self.pool.layout.dense_keys(keys)[:, :, : self.width]
 
     def fold_kv(
         self, linear: LinearState, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor
     ) -> None:
+        """Fold the slots ``slots`` ``(R, Hkv, 1)`` where ``chosen`` into ``linear`` (:meth:`DecodePool.fold`)."""
         self.pool.fold(linear, keys, values, slots, chosen)
 
     def kernel_memory(self) -> KVMemory:
