@@ -18,7 +18,7 @@ import torch
 from slake.cache.decode_step import sdpa_step
 from slake.cache.fused_step import KernelReport, _placeholder
 from slake.cache.layer_store import LayerStore
-from slake.kernels import interpreted as kernels_interpreted
+from slake.kernels import host_layer
 
 __all__ = ["dense_kernel_reason", "masked_dense_attention"]
 
@@ -28,8 +28,8 @@ _DOTS = (torch.float32, torch.float16, torch.bfloat16)
 def dense_kernel_reason(store: LayerStore) -> str | None:
     """Why :func:`slake.kernels.triton_dense.dense_attention` cannot read ``store`` (None when it can): float32,
     float16 and bfloat16 rows, and 8-bit rows with their scales, it reads, on a GPU (or in Triton's interpreter)."""
-    if not store.keys.is_cuda and not kernels_interpreted():  # a CPU layer of a model whose first layer is on a GPU
-        return f"a layer on the {store.keys.device.type} (the kernels launch on GPUs)"
+    if (on_host := host_layer(store.keys)) is not None:
+        return on_host
     if store.kv_dtype is None and store.keys.dtype not in _DOTS:
         return f"{store.keys.dtype} keys in the dense attention"
     if store.kv_dtype is not None and (store.k_scale is None or store.v_scale is None):

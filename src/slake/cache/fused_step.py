@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from slake.cache.decode_step import KVMemory, SlotKV, StepSlots, decode_step
-from slake.kernels import interpreted as kernels_interpreted
-from slake.kernels import launch_config
+from slake.kernels import host_layer, launch_config
 from slake.kernels.device_support import half_precision_products, quant_code
 from slake.methods.base import Method
 from slake.methods.decode_rule import FusedDecodeRule
@@ -139,10 +138,8 @@ def _why_not(method: Method, rule: FusedDecodeRule | None, slots: StepSlots, mem
         return f"{method.name}'s decode rule has no fused form"
     if mem is None:
         return "a storage layout the kernels do not address"
-    if not mem.keys.is_cuda and not kernels_interpreted():
-        # "auto" was chosen from the generation's first layer: a model that keeps its first layers on a GPU and
-        # later ones on the CPU reaches here with host tensors, which only the interpreter runs
-        return f"a layer on the {mem.keys.device.type} (the kernels launch on GPUs)"
+    if (on_host := host_layer(mem.keys)) is not None:
+        return on_host
     if mem.width > launch_config.WIDE_SLOTS and slots.target is not None:  # read in blocks (triton_wide), but
         if rule.kind == "pooled_attention" and rule.kernel > 1 and slots.order is None:
             return f"rows wider than {launch_config.WIDE_SLOTS} slots without their order by position"

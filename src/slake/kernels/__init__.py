@@ -14,8 +14,12 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-__all__ = ["MIN_TRITON", "interpreted", "launch_mode", "load", "triton_available", "triton_version"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MIN_TRITON", "host_layer", "interpreted", "launch_mode", "load", "triton_available", "triton_version"]
 
 #: the oldest Triton the fused kernels run on: from 3.4 (torch 2.8's) to 3.9 they compile for sm_90 and 3.4 to 3.7
 #: run them in the interpreter (``docs/gpu.md``, "On other versions of Triton"); 3.3 (torch 2.7's) has neither the
@@ -41,6 +45,16 @@ def triton_version() -> tuple[int, ...]:
 def interpreted() -> bool:
     """True when Triton kernels run through its interpreter (``TRITON_INTERPRET=1``), i.e. on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def host_layer(tensor: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on ``tensor`` (None when they can): it is not on a CUDA device and Triton's
+    interpreter is off. ``kernels="auto"`` is decided by a generation's first layer, so a model that keeps its first
+    layers on a GPU and later ones on the CPU reaches a step with host tensors, which Triton refuses; such a layer
+    takes the torch step. On a GPU layer, one attribute read."""
+    if tensor.is_cuda:
+        return None
+    return None if interpreted() else f"a layer on the {tensor.device.type} (the kernels launch on GPUs)"
 
 
 def launch_mode() -> str:
