@@ -16,7 +16,7 @@ targets on a machine without a GPU (``tests/kernel_aot.py``, ``tests/test_kernel
   operators set the device from their inputs): a layer that a model split over GPUs keeps on its second one
   (``device_map="auto"``) would be launched on the first with the second's memory. Each step's launches run under
   :func:`launch_device`.
-* **A layer on the CPU.** Triton's kernels take CUDA tensors only (but in its interpreter): a step on host tensors
+* **A layer on the CPU.** Triton's kernels take CUDA tensors only (except in its interpreter): a step on host tensors
   takes the torch step instead (:func:`slake.kernels.host_layer`).
 * **Shared memory.** A kernel's pipelined loop stages its tiles in shared memory, and the most one program may use
   differs: 227 KB on Hopper and Blackwell's ``sm_100``, 163 KB on an A100, 99 KB on Ada and consumer Blackwell, 64
