@@ -58,3 +58,30 @@ def test_a_full_cache_layer_on_the_cpu_beside_gpu_layers_takes_sdpa(monkeypatch)
     assert dense_kernel_reason(store) is None
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert dense_kernel_reason(store) == "a layer on the cpu (the kernels launch on GPUs)"
+
+
+def test_auto_chooses_again_at_the_first_gpu_layer_after_cpu_layers(monkeypatch):
+    # "auto" was chosen at a generation's first layer only: a model whose first layers keep their cache on the CPU
+    # and later ones on a GPU ran the torch step on every layer; the first layer on a GPU now chooses again
+    import slake.cache.compressed as compressed
+
+    chosen = []
+
+    def recording_choice(kernels, device=None):
+        if device is not None:  # None: the constructor checking the name
+            chosen.append(torch.device(device).type)
+        return "torch", None
+
+    monkeypatch.setattr(compressed, "kernel_choice", recording_choice)
+    cache = compressed.CompressedKV("streamingllm", 4, num_layers=2, kernels="auto")
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    assert not cache.kernel_choice_due(torch.device("cuda"))  # nothing chosen yet: the first layer chooses
+    cache.prefill_layer(0, q, k, v, None, 0.5)
+    assert chosen == ["cpu"]
+    assert cache.kernel_choice_due(torch.device("cuda"))  # a GPU layer after a CPU one chooses again
+    assert not cache.kernel_choice_due(torch.device("cpu"))
+    cache.prefill_layer(1, q, k, v, None, 0.5)  # a second CPU layer does not
+    assert chosen == ["cpu"]
+    explicit = compressed.CompressedKV("streamingllm", 4, num_layers=2, kernels="torch")
+    explicit.prefill_layer(0, q, k, v, None, 0.5)
+    assert not explicit.kernel_choice_due(torch.device("cuda"))  # an explicit choice holds for every layer

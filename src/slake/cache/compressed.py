@@ -189,7 +189,8 @@ class CompressedKV:
     kernels : str
         The single-token decode step's implementation (:data:`KERNELS`): ``"torch"``, ``"triton"`` (fused kernels;
         on the CPU through Triton's interpreter, for tests) or ``"auto"`` (default: Triton on NVIDIA GPUs, torch
-        elsewhere, decided at the first prefilled layer).
+        elsewhere, decided at the first prefilled layer, and again at the first layer on a GPU after layers elsewhere:
+        :meth:`kernel_choice_due`).
     """
 
     def __init__(
@@ -209,6 +210,8 @@ class CompressedKV:
         self.decoder = Decoder(self.state)
         self.chunks = ChunkedPrefill(self.state, self.prefill, self.decoder)
         self.kernels = kernels
+        #: the device type the decode step's implementation was last chosen on (None: not yet)
+        self._chosen_on: str | None = None
         #: enter static mode right after the prefill, with room for ``max_cache_len`` positions in append-only layers
         self.max_cache_len: int | None = None
         #: a continuation grew this cache past its budget while it compresses nothing, and the user was told
@@ -325,8 +328,9 @@ class CompressedKV:
         """Store layer ``layer_idx``'s prompt keys/values and compress them (called after its exact attention)."""
         if self.decoder.static:
             raise RuntimeError("this cache is in static decode mode; prefill a new cache")
-        if self.state.info is None:  # the first layer of this generation: its device decides "auto"
+        if self.state.info is None or self.kernel_choice_due(keys.device):
             self.decoder.kernels, self.decoder.report.auto = kernel_choice(self.kernels, keys.device)
+            self._chosen_on = keys.device.type
         self.prefill.prefill_layer(layer_idx, queries, keys, values, key_padding, scaling, self.chunks.padding)
         self.decoder.reset_layer(layer_idx)
         if layer_idx == self.num_layers - 1:
@@ -335,6 +339,14 @@ class CompressedKV:
             self.state.pass_scores = None
             if not self.chunks.active and self.max_cache_len is not None:
                 self.prepare_static(self.max_cache_len - keys.shape[2])
+
+    def kernel_choice_due(self, device: torch.device) -> bool:
+        """Whether a prefilled layer on ``device`` chooses the decode step's implementation again: ``"auto"`` is
+        chosen at a generation's first layer, and again at the first layer on a CUDA device after layers elsewhere,
+        so that a model whose first layers keep their cache on the CPU and later ones on a GPU runs the fused kernels
+        on its GPU layers (its CPU layers then take the torch step, :func:`slake.kernels.host_layer`) rather than the
+        torch step everywhere."""
+        return self.kernels == "auto" and self._chosen_on not in (None, "cuda") and device.type == "cuda"
 
     def expect_trailing_prompt_tokens(self, count: int) -> None:
         """Count ``count`` prompt tokens that will follow the next prefill as decode steps in its budget and compress

@@ -49,9 +49,10 @@ def interpreted() -> bool:
 
 def host_layer(tensor: torch.Tensor) -> str | None:
     """Why the kernels cannot run on ``tensor`` (None when they can): it is not on a CUDA device and Triton's
-    interpreter is off. ``kernels="auto"`` is decided by a generation's first layer, so a model that keeps its first
-    layers on a GPU and later ones on the CPU reaches a step with host tensors, which Triton refuses; such a layer
-    takes the torch step. On a GPU layer, one attribute read."""
+    interpreter is off. ``kernels="auto"`` chooses the fused kernels at a generation's first layer on a GPU
+    (:meth:`slake.cache.compressed.CompressedKV.kernel_choice_due`), so a model that keeps some layers' caches on the
+    CPU and others on a GPU reaches a step with host tensors, which Triton refuses; such a layer takes the torch step.
+    On a GPU layer, one attribute read."""
     if tensor.is_cuda:
         return None
     return None if interpreted() else f"a layer on the {tensor.device.type} (the kernels launch on GPUs)"
