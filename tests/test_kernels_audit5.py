@@ -85,3 +85,19 @@ def test_auto_chooses_again_at_the_first_gpu_layer_after_cpu_layers(monkeypatch)
     explicit = compressed.CompressedKV("streamingllm", 4, num_layers=2, kernels="torch")
     explicit.prefill_layer(0, q, k, v, None, 0.5)
     assert not explicit.kernel_choice_due(torch.device("cuda"))  # an explicit choice holds for every layer
+
+
+def test_a_model_over_two_devices_keeps_one_copy_of_the_prefill_facts_per_device():
+    # the per-sequence facts the decode step reads were kept on one device: a model split over two devices copied
+    # them again at every change of device, twice per step, and the fused steps' arguments, keyed by the copies,
+    # were made again at every step for every layer
+    from slake.cache.state import PrefillInfo
+
+    lengths = torch.tensor([5, 7])
+    info = PrefillInfo(prompt_len=7, real_len=lengths, first_real=lengths, budget=lengths, compress=lengths > 0)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    first = info.device_copy("real_len", cpu)
+    other = info.device_copy("real_len", meta)
+    assert other.device == meta and first.device == cpu
+    assert info.device_copy("real_len", cpu) is first
+    assert info.device_copy("real_len", meta) is other

@@ -371,15 +371,16 @@ class Decoder:
         again at every launch (``launch_config``)."""
         state = self.state
         info = state.info
+        dev = store.valid.device
         copies = info.on_device if info is not None else {}
         linear = store.linear
         layer = state.layer_context[layer_idx]
         sources = (
             store, store.keys, store.values, store.k_scale, store.v_scale, store._row_table, store.positions,
             store.valid, store.scores, store.head_visible, linear, None if linear is None else linear.aug,
-            store.weights, store._order, state.targets[layer_idx], counter, info, copies.get("real_len"),
-            copies.get("budget"), copies.get("first_real"), layer, None if layer is None else layer.out_proj,
-            state.method,
+            store.weights, store._order, state.targets[layer_idx], counter, info, copies.get(("real_len", dev)),
+            copies.get(("budget", dev)), copies.get(("first_real", dev)), layer,
+            None if layer is None else layer.out_proj, state.method,
         )  # fmt: skip
         return tuple(map(id, sources)), sources
 
@@ -533,7 +534,8 @@ class Decoder:
             state.method.decode_query_map(state.layer_context[i], store.values.shape[-1], store.values.device)
         info = state.prefill_info()
         for name in ("real_len", "first_real", "budget"):
-            info.device_copy(name, state.store(0).keys.device)
+            for dev in {state.store(i).keys.device for i in range(state.num_layers)}:
+                info.device_copy(name, dev)
         if not torch.compiler.is_compiling():
             # a compiled step records nothing (a side effect per step would break the graph): what each layer's
             # static steps run, and why not the fused kernels where they were asked for, is worked out now from the

@@ -35,15 +35,18 @@ class PrefillInfo:
     #: host copies of ``compress.any()`` / ``compress.all()``, read at every decode step without a device read-back
     compress_any: bool = False
     compress_all: bool = False
-    #: device copies of ``real_len``, ``first_real`` and ``budget``, made once (the decode step reads them)
-    on_device: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: device copies of ``real_len``, ``first_real`` and ``budget`` by (name, device), made once per device (the
+    #: decode step reads them; a model split over devices reads one copy per device)
+    on_device: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def device_copy(self, name: str, device: torch.device) -> torch.Tensor:
-        """``getattr(self, name)`` on ``device``, copied once and reused (no host-to-device copy per step)."""
-        t = self.on_device.get(name)
-        if t is None or t.device != device:
-            t = getattr(self, name).to(device)
-            self.on_device[name] = t
+        """``getattr(self, name)`` on ``device``, copied once per device and reused: no copy per step, also for a
+        model whose layers are on several devices (one copy per device, rather than one copied again at every
+        change of device, which made the fused steps' arguments again at every step)."""
+        key = (name, device)
+        t = self.on_device.get(key)
+        if t is None:
+            t = self.on_device[key] = getattr(self, name).to(device)
         return t
 
     def map_batch(self, fn) -> None:
