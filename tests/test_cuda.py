@@ -337,3 +337,47 @@ def test_a_model_on_the_second_gpu_decodes_with_the_kernels(method):
     fused, stats = _decode(model, method, 16, None, kernels="triton", static=False, kv_dtype="int8")
     assert stats["kernels"] == "triton"
     assert torch.equal(fused, ref)
+
+
+def _split_decode(method: str, kernels: str, devices: list[str], steps: int = 6):
+    """Prefill and decode a :class:`~slake.cache.compressed.CompressedKV` whose layer ``i`` is on ``devices[i]`` (a
+    model split over devices), on random tensors; returns (the outputs on the CPU, the kernel report's summary,
+    the kept tokens per layer)."""
+    from slake.cache.compressed import CompressedKV
+
+    B, Hq, H, S, d = 2, 4, 2, 80, 16
+    g = torch.Generator().manual_seed(0)
+    cache = CompressedKV(method, 48, num_layers=len(devices), kernels=kernels)
+    for layer, dev in enumerate(devices):
+        q, k, v = (torch.randn(B, n, S, d, generator=g).to(dev) for n in (Hq, H, H))
+        cache.prefill_layer(layer, q, k, v, None, d**-0.5)
+    outs = []
+    for _ in range(steps):
+        for layer, dev in enumerate(devices):
+            q, k, v = (torch.randn(B, n, 1, d, generator=g).to(dev) for n in (Hq, H, H))
+            cache.append(layer, k, v)
+            outs.append(cache.decode_attention(layer, q, d**-0.5).float().cpu())
+    return torch.stack(outs), cache.decoder.report.summary(), cache.kept_tokens_per_layer()
+
+
+@pytest.mark.parametrize("method", ["snapkv", "slake"])
+def test_auto_runs_the_kernels_on_the_gpu_layers_of_a_model_whose_first_layer_is_on_the_cpu(method):
+    """``kernels="auto"`` chooses again at the first layer on a GPU (``CompressedKV.kernel_choice_due``): with the
+    first layer's cache on the CPU and the second's on the GPU, the GPU layer runs the fused kernels and the CPU one
+    the torch step, which says why; the outputs and kept counts of the torch step everywhere."""
+    ref, ref_summary, ref_kept = _split_decode(method, "torch", ["cpu", "cuda"])
+    out, summary, kept = _split_decode(method, "auto", ["cpu", "cuda"])
+    assert ref_summary == "torch"
+    assert summary == "torch+triton (fallback: a layer on the cpu (the kernels launch on GPUs))"
+    assert kept == ref_kept
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_model_split_over_two_gpus_decodes_with_the_kernels():
+    """Layers on ``cuda:0`` and ``cuda:1``: each reads its own copy of the prefill facts, and the fused steps give
+    the torch step's outputs."""
+    ref, _, ref_kept = _split_decode("slake", "torch", ["cuda:0", "cuda:1"])
+    out, summary, kept = _split_decode("slake", "triton", ["cuda:0", "cuda:1"])
+    assert summary == "triton" and kept == ref_kept
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
