@@ -59,3 +59,24 @@ def test_a_failing_chunk_raises_its_own_error() -> None:
     finally:
         handle.remove()
     assert not cache.compressor.chunked_prefill
+
+
+@pytest.mark.parametrize(("method", "first", "told"), [("slake", 48, True), ("slake", 100, False), ("cake", 16, True),
+                                                      ("cake", 48, False)])  # fmt: skip
+def test_a_first_chunk_that_shows_no_layer_preference_is_told(method, first, told, caplog, monkeypatch) -> None:
+    # a layer-preference method's budgets are split by the first chunk alone: a chunk within SLAKE's budget (or
+    # CAKE's window) shows no preference in any layer, and the whole generation ran with a uniform split, silently
+    import slake.cache.chunked as chunked
+
+    monkeypatch.setattr(chunked, "_told_uniform", set())
+    layers = 3
+    q, k, v = _qkv(160)
+    eng = CompressedKV(method, 64, layers, kernels="torch")
+    eng.begin_chunked_prefill(torch.zeros(B, 160, dtype=torch.bool))
+    with caplog.at_level("WARNING", logger="slake"):
+        for layer in range(layers):
+            scale = layer + 1  # layers that differ, so that a chunk past the budget splits it unevenly
+            eng.prefill_layer(layer, q[:, :, :first], scale * k[:, :, :first], scale * v[:, :, :first], None, 0.35)
+    uniform = bool((eng.info.layer_budgets == eng.info.layer_budgets[:, :1]).all())
+    assert uniform == told
+    assert ("every layer gets the same budget" in caplog.text) == told

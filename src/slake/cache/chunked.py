@@ -12,6 +12,7 @@ prompt before it selects (a second pass, KVzip; a one-shot selection, SAGE-KV) i
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ from slake.methods.base import DecodeInputs, Method
 __all__ = ["ChunkedPrefill", "check_chunkable"]
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
+
+#: the methods whose uniform split of a chunked prefill's layer budgets was told (once each per process)
+_told_uniform: set[str] = set()
 
 
 class ChunkedPrefill:
@@ -86,6 +90,32 @@ class ChunkedPrefill:
                 "(the budget and the compress decision are the whole prompt's): feed every chunk before "
                 "end_chunked_prefill"
             )
+
+    def tell_uniform_split(self) -> None:
+        """Warn (once per method and process) when the first chunk's prefill split a layer-preference method's budget
+        uniformly: the layers' budgets are set by the first chunk's preferences alone, and a chunk within the budget
+        (SLAKE, LAVa) or the window (CAKE) shows none, so every layer gets the same budget and the method's layer
+        allocation is lost for the whole generation, not just for its first chunk. Called after the first chunk's
+        last layer; reads the preferences back from the device once."""
+        state = self.state
+        method, info = state.method, state.prefill_info()
+        if method.layer_budgets != "preference" or method.name in _told_uniform or state.num_layers < 2:
+            return
+        prefs = info.preferences
+        if len(prefs) < 2 or any(p is None for p in prefs):
+            return
+        stacked = torch.stack([p.to(prefs[0].device, torch.float64) for p in prefs])  # (L, B)
+        if not bool((stacked == stacked[:1]).all()):
+            return
+        _told_uniform.add(method.name)
+        logging.getLogger("slake").warning(
+            "slake: %s splits its budget across layers by the first prefill chunk's layer preferences, and this "
+            "first chunk (%d tokens) shows none (it fits within the budget, or the method's window): every layer "
+            "gets the same budget for the whole generation; a prefill chunk longer than the budget lets the method "
+            "split it (docs/conventions.md#chunked-prefill)",
+            method.name,
+            state.seen[0],
+        )
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write a later chunk's keys/values into the layer (growing it by what is missing).

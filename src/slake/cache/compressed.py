@@ -337,7 +337,9 @@ class CompressedKV:
             # a second pass's (L, B, Hkv, S) scores are read by the prefill only: 4 bytes per prompt token, layer and
             # KV head that the cache would otherwise hold, uncounted, for the whole generation
             self.state.pass_scores = None
-            if not self.chunks.active and self.max_cache_len is not None:
+            if self.chunks.active:
+                self.chunks.tell_uniform_split()
+            elif self.max_cache_len is not None:
                 self.prepare_static(self.max_cache_len - keys.shape[2])
 
     def kernel_choice_due(self, device: torch.device) -> bool:
