@@ -80,3 +80,17 @@ def test_a_first_chunk_that_shows_no_layer_preference_is_told(method, first, tol
     uniform = bool((eng.info.layer_budgets == eng.info.layer_budgets[:, :1]).all())
     assert uniform == told
     assert ("every layer gets the same budget" in caplog.text) == told
+
+
+def test_a_prompt_within_the_budget_is_not_told_of_the_split(caplog, monkeypatch) -> None:
+    # nothing of such a prompt is evicted, whatever the split (no preference is computed): no warning about it
+    import slake.cache.chunked as chunked
+
+    monkeypatch.setattr(chunked, "_told_uniform", set())
+    q, k, v = _qkv(60)
+    eng = CompressedKV("slake", 64, 2, kernels="torch")
+    eng.begin_chunked_prefill(torch.zeros(B, 60, dtype=torch.bool))
+    with caplog.at_level("WARNING", logger="slake"):
+        for layer in range(2):
+            eng.prefill_layer(layer, q[:, :, :40], k[:, :, :40], v[:, :, :40], None, 0.35)
+    assert "every layer gets the same budget" not in caplog.text
