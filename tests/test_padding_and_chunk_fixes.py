@@ -37,11 +37,13 @@ def _held_padding(cache: SlakeCache, first_real: torch.Tensor) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- chunked padding
-@pytest.mark.parametrize("method", ["full", "snapkv", "slake"])
-def test_a_chunked_prefill_never_holds_a_rows_padding(llama_gqa, method):
+@pytest.mark.parametrize(("method", "padding"), [("full", PADDED), ("snapkv", PADDED), ("slake", 48)])
+def test_a_chunked_prefill_never_holds_a_rows_padding(llama_gqa, method, padding):
     """Chunks after the first wrote a row's padding as valid keys: attended by the row's real tokens, kept by
-    eviction, folded into SLAKE's linear state (12 padding slots kept by snapkv in layer 0 at budget 20)."""
-    ids, mask = _padded_batch()
+    eviction, folded into SLAKE's linear state (12 padding slots kept by snapkv in layer 0 at budget 20). SLAKE's
+    first chunk reaches its compressed rows' budget plus a chunk (``first_chunk_end``): row 0's 20 + 16 positions;
+    row 1, 16 real tokens within the budget, has its padding's end in the next chunk."""
+    ids, mask = _padded_batch(padding=padding)
     first_real = (mask == 0).sum(-1)
     hyper = {} if method == "full" else {"window": 8}
     cache = SlakeCache(method, 20, config=llama_gqa.config, **hyper)

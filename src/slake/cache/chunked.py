@@ -19,6 +19,7 @@ import torch
 
 from slake.attention.ptaa import attend
 from slake.attention.softmax import safe_softmax
+from slake.budgets import Budget
 from slake.cache.block_logits import grouped_queries, layer_logits
 from slake.cache.decode_step import decode_extras
 from slake.cache.decoding import Decoder
@@ -27,7 +28,7 @@ from slake.cache.prefill import PrefillCompressor, check_left_padding, check_rea
 from slake.cache.state import CacheState
 from slake.methods.base import DecodeInputs, Method
 
-__all__ = ["ChunkedPrefill", "check_chunkable"]
+__all__ = ["ChunkedPrefill", "check_chunkable", "first_chunk_end"]
 
 _CHUNK_QUERY_BLOCK = 128  # chunk queries attended at once during a chunked prefill (bounds the logits' memory)
 
@@ -95,8 +96,9 @@ class ChunkedPrefill:
         """Warn (once per method and process) when the first chunk's prefill split a layer-preference method's budget
         uniformly: the layers' budgets are set by the first chunk's preferences alone, and a chunk within the budget
         (SLAKE, LAVa) or the window (CAKE) shows none, so every layer gets the same budget and the method's layer
-        allocation is lost for the whole generation, not just for its first chunk. Called after the first chunk's
-        last layer; reads the preferences back from the device once."""
+        allocation is lost for the whole generation, not just for its first chunk. ``slake.generate`` and
+        ``prefill`` make such a first chunk longer (:func:`first_chunk_end`); a chunked prefill driven by hand can
+        still have one. Called after the first chunk's last layer; reads the preferences back from the device once."""
         state = self.state
         method, info = state.method, state.prefill_info()
         if method.layer_budgets != "preference" or method.name in _told_uniform or state.num_layers < 2:
@@ -289,6 +291,52 @@ def check_chunkable(method: Method) -> None:
         raise ValueError(
             f"{m.name} cannot prefill in chunks: {reason}; prefill it exactly (prefill_chunk=None, no --prefill-chunk)"
         )
+
+
+def first_chunk_end(
+    method: Method, budget: Budget, key_padding: torch.Tensor, chunk: int, trailing_tokens: int = 0
+) -> int:
+    """Where the first chunk of a chunked prefill of ``chunk``-token chunks ends (its length, positions from 0).
+
+    A layer-preference method (CAKE, SLAKE, LAVa: ``layer_budgets == "preference"``) splits its budget across
+    layers once, by the first chunk's preferences (:meth:`ChunkedPrefill.tell_uniform_split`). SLAKE's measures what a
+    layer loses at its budget, which a first chunk within the budget does not show: every layer would get the same
+    budget for the whole generation. For such a method, when some row that is compressed would see no more than its
+    budget in the first chunk, the first chunk takes every such row to its budget plus one chunk of real tokens, so
+    that the split is made from evictions of a chunk's size, as every later chunk makes. The cache then holds at most
+    its budget plus one chunk per layer, as it does after every later chunk; the first forward runs over that many
+    positions. Any other method, or a chunk that already takes every compressed row past its budget: ``chunk``.
+
+    Parameters
+    ----------
+    method : Method
+        The cache's method.
+    budget : Budget
+        The cache's budget (its tokens for each row's whole prompt, :meth:`Budget.tokens`).
+    key_padding : torch.Tensor
+        ``(B, S)`` bool left padding of the whole prompt (True = padding).
+    chunk : int
+        The chunk size, ``>= 1``.
+    trailing_tokens : int
+        Prompt tokens fed after the prefill, counted in the whole prompt (as :meth:`PrefillCompressor._start` does).
+
+    Returns
+    -------
+    int
+        The first chunk's end, in ``[min(chunk, S), S]``.
+    """
+    S = key_padding.shape[-1]
+    if method.layer_budgets != "preference" or method.keeps_everything or chunk >= S:
+        return min(chunk, S)
+    real = (~key_padding.bool()).sum(-1).tolist()
+    reach = 0  # the position where the last compressed row's real tokens reach its budget
+    for n in real:
+        tokens = budget.tokens(n + trailing_tokens)
+        if n + trailing_tokens > tokens:
+            reach = max(reach, S - n + tokens)
+    if reach < chunk:  # every compressed row is past its budget within the first chunk already
+        return chunk
+    return min(S, reach + chunk)
 
 
 def _empty_padding(store: LayerStore, slots: torch.Tensor, padded: torch.Tensor) -> None:

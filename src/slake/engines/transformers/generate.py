@@ -10,7 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from slake.budgets.budget import Budget
-from slake.cache.chunked import check_chunkable
+from slake.cache.chunked import check_chunkable, first_chunk_end
 from slake.engines.context import check_context, context_limit
 from slake.engines.result import GenerationResult
 from slake.engines.transformers.attention import prepare_model
@@ -99,7 +99,9 @@ def prefill(
         ``(B, S)`` left-padded prompt (mask 1 = real token; all ones when None).
     prefill_chunk : int | None
         Chunk size; defaults to ``cache.prefill_chunk``. None, or a chunk of at least ``S`` tokens, is the exact
-        prefill. Otherwise the first chunk is prefilled exactly and compressed, and every later chunk attends over
+        prefill. Otherwise the first chunk is prefilled exactly and compressed (for a layer-preference method, whose
+        layer split it sets, it reaches past the budget by a chunk: :func:`slake.cache.chunked.first_chunk_end`),
+        and every later chunk attends over
         the compressed past (plus the linear term) and itself, after which each layer is evicted back to its budget
         with the method's scores from the chunk's last ``window`` queries
         (:meth:`slake.cache.compressed.CompressedKV.begin_chunked_prefill`). A method with a second pass over the
@@ -165,9 +167,9 @@ def prefill(
                 cache.exact_prefill = False
         else:
             cache.begin_chunked_prefill(attention_mask)
+            first = first_chunk_end(cache.method, cache.compressor.budget, attention_mask == 0, chunk, trailing_tokens)
             try:
-                for start in range(0, S, chunk):
-                    end = min(start + chunk, S)
+                for start, end in [(0, first)] + [(a, min(a + chunk, S)) for a in range(first, S, chunk)]:
                     out = model(
                         input_ids=input_ids[:, start:end],
                         attention_mask=attention_mask[:, :end],
