@@ -103,8 +103,8 @@ class ChunkedPrefill:
         method, info = state.method, state.prefill_info()
         if method.layer_budgets != "preference" or method.name in _told_uniform or state.num_layers < 2:
             return
-        prefs = info.preferences
-        if len(prefs) < 2 or any(p is None for p in prefs):
+        prefs = [p for p in info.preferences if p is not None]
+        if len(prefs) < 2 or len(prefs) != len(info.preferences):
             return
         stacked = torch.stack([p.to(prefs[0].device, torch.float64) for p in prefs])  # (L, B)
         if not bool((stacked == stacked[:1]).all()):

@@ -186,7 +186,8 @@ class SlakeCache(Cache):
         Prefill the prompt in chunks of this many tokens, compressing after each chunk, so that prefill memory is
         bounded independently of the prompt length (an explicit trade of exactness,
         ``docs/conventions.md#chunked-prefill``). A layer-preference method's (CAKE, SLAKE, LAVa) first chunk reaches
-        past the budget by a chunk, so that its layer split sees evictions (:func:`slake.cache.chunked.first_chunk_end`).
+        past the budget by a chunk, so that its layer split sees evictions
+        (:func:`slake.cache.chunked.first_chunk_end`).
         Used by :func:`slake.engines.transformers.generate.prefill` / :func:`slake.generate`; a longer first prompt
         handed whole to the model (``model.generate``) is refused. None (default) = exact prefill.
     max_cache_len : int | None
