@@ -116,6 +116,7 @@ def test_bench_chunked_prefill_and_batch(tmp_path, capsys):
     assert rc == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["batch"] == 2 and row["prefill_chunk"] == 32 and row["compressed"]
+    assert row["prefill_first_chunk"] == 40 + 32  # CAKE's first chunk reaches its budget plus a chunk
     assert not (tmp_path / "decode_latency.png").exists()
 
 

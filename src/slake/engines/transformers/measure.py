@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from slake.cache.chunked import first_chunk_end
 from slake.engines.transformers.baselines import TRANSFORMERS
 from slake.engines.transformers.bounded_layers import held_bytes
 from slake.engines.transformers.cache import SlakeCache
@@ -313,6 +314,10 @@ def measure(model, cfg: BenchConfig) -> dict:
     # which implementation ran the decode steps, as the cache's report says it (a compiled cache's plan, worked out
     # for each layer before the steps were captured; "sdpa" for the uncompressed eager step; "none": no step ran)
     ran = stats["kernels"]
+    # where a chunked prefill's first chunk ended (a layer-preference method's reaches past the budget)
+    first_chunk = None
+    if cfg.prefill_chunk is not None and cfg.prefill_chunk < ids.shape[1]:
+        first_chunk = first_chunk_end(cache.method, cache.compressor.budget, mask == 0, cfg.prefill_chunk)
     del cache, logits
     return {
         "method": cfg.method,
@@ -330,6 +335,7 @@ def measure(model, cfg: BenchConfig) -> dict:
         "triton_launch": _launch_mode() if "triton" in str(ran).split(" (")[0].split("+") else None,
         "compile_s": compile_s,
         "prefill_chunk": cfg.prefill_chunk,
+        "prefill_first_chunk": first_chunk,
         "prefill_s": t1 - t0,
         "second_pass_s": second_pass_s,  # KVzip's reconstruction pass (inside prefill_s); None for others
         "ttft_s": t2 - t0,
