@@ -306,6 +306,8 @@ def first_chunk_end(
     that the split is made from evictions of a chunk's size, as every later chunk makes. The cache then holds at most
     its budget plus one chunk per layer, as it does after every later chunk; the first forward runs over that many
     positions. Any other method, or a chunk that already takes every compressed row past its budget: ``chunk``.
+    The budget is the one given, before ``charge_linear_state`` takes the linear state's slots from it (their size
+    is known at the first layer only): a row compressed only because of that charge is not counted.
 
     Parameters
     ----------
