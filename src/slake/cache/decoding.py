@@ -532,10 +532,8 @@ class Decoder:
                     store.kernel_order()
             # a decode rule's per-layer map (Expected Attention's rotation), made now rather than in a compiled step
             state.method.decode_query_map(state.layer_context[i], store.values.shape[-1], store.values.device)
-        info = state.prefill_info()
-        for name in ("real_len", "first_real", "budget"):
-            for dev in {state.store(i).keys.device for i in range(state.num_layers)}:
-                info.device_copy(name, dev)
+            for name in ("real_len", "first_real", "budget"):  # the per-sequence facts on each layer's device
+                state.prefill_info().device_copy(name, store.keys.device)
         if not torch.compiler.is_compiling():
             # a compiled step records nothing (a side effect per step would break the graph): what each layer's
             # static steps run, and why not the fused kernels where they were asked for, is worked out now from the
